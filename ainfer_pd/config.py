@@ -1,0 +1,342 @@
+"""Frozen configuration dataclasses, one per component; YAML in, validated once.
+
+``WorkerConfig.from_yaml(path)`` is the only entry point most users need. Unknown
+keys, wrong types and inconsistent values raise :class:`~ainfer_pd.errors.ConfigError`
+naming the offending key. No flag silently changes another; derived values are
+properties.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import ConfigError, TopologyError
+
+POLICIES = ("normal", "global-complete", "global-enqueue", "fine-grained", "mixed-chunked")
+ORDERINGS = ("none", "global-implicit", "selective")
+EXPERT_BACKENDS = ("local", "torch", "deepep")
+SPANS = ("1", "2", "3", "4", "auto")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    vocab_size: int = 512
+    """Vocabulary size; token ids must lie in ``[0, vocab_size)``."""
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    """Query heads (GQA: a multiple of ``num_kv_heads``)."""
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    num_experts: int = 8
+    """Routed experts per MoE layer."""
+    top_k: int = 2
+    expert_intermediate: int = 128
+    """SwiGLU intermediate width of one routed expert."""
+    shared_expert_intermediate: int = 0
+    """Intermediate width of the optional shared expert (0 = none)."""
+    max_context_len: int = 4096
+    """Context limit: prompt (cached + new) plus generated tokens."""
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    dtype: str = "float32"
+    seed: int = 0
+    """Seed of the deterministic random initialisation."""
+    weights_path: str | None = None
+    """Optional safetensors file loaded over the random init (never pickle)."""
+    eos_token_id: int = 1
+
+    def validate(self) -> None:
+        _positive(self, "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                  "head_dim", "num_experts", "top_k", "expert_intermediate", "max_context_len")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"model.num_heads={self.num_heads} is not a multiple of "
+                              f"model.num_kv_heads={self.num_kv_heads}")
+        if self.top_k > self.num_experts:
+            raise ConfigError(f"model.top_k={self.top_k} exceeds model.num_experts={self.num_experts}")
+        if self.head_dim % 2:
+            raise ConfigError("model.head_dim must be even (RoPE)")
+        if self.shared_expert_intermediate < 0:
+            raise ConfigError("model.shared_expert_intermediate must be >= 0")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"model.dtype={self.dtype!r} not one of {DTYPES}")
+        if not 0 <= self.eos_token_id < self.vocab_size:
+            raise ConfigError("model.eos_token_id outside the vocabulary")
+
+    @property
+    def torch_dtype(self):
+        import torch
+        return getattr(torch, self.dtype)
+
+    @property
+    def num_params(self) -> int:
+        h, L = self.hidden_size, self.num_layers
+        attn = h * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim + self.num_heads * self.head_dim * h
+        moe = h * self.num_experts + self.num_experts * 3 * h * self.expert_intermediate
+        shared = 3 * h * self.shared_expert_intermediate
+        return L * (attn + moe + shared + 2 * h) + 2 * self.vocab_size * h + h
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_blocks: int = 2048
+    """KV blocks per rank (0 = size from ``gpu_memory_fraction`` on CUDA)."""
+    gpu_memory_fraction: float = 0.85
+    """Fraction of free GPU memory the KV cache may take when ``num_blocks`` is 0."""
+
+    def validate(self) -> None:
+        _positive(self, "block_size")
+        if self.num_blocks < 0:
+            raise ConfigError("cache.num_blocks must be >= 0")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ConfigError("cache.gpu_memory_fraction must be in (0, 1]")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SchedulerConfig:
+    policy: str = "normal"
+    """One of normal | global-complete | global-enqueue | fine-grained | mixed-chunked."""
+    max_prefill_tokens: int = 2048
+    """Token budget of one P epoch (new tokens over all admitted requests)."""
+    max_decode_batch: int = 64
+    """Decode rows per D iteration."""
+    mixed_chunk_tokens: int = 512
+    """mixed-chunked: tokens per step (decode rows + a prefill chunk)."""
+
+    def validate(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"scheduler.policy={self.policy!r}: unknown policy, expected one of {POLICIES}")
+        _positive(self, "max_prefill_tokens", "max_decode_batch", "mixed_chunk_tokens")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MuxConfig:
+    span: str = "auto"
+    """Turnstile span K: "1".."4" or "auto" (load-selected among validated spans)."""
+    auto_spans: tuple[int, ...] = (1, 2, 3, 4)
+    """Spans the ``auto`` policy may choose among."""
+    activation_threshold: int = 1
+    """Multiplexing switches on when at least this many P requests wait while D runs."""
+    activation_cooldown_s: float = 0.05
+    """Multiplexing stays on this long after concurrent P disappears."""
+
+    def validate(self) -> None:
+        if str(self.span) not in SPANS:
+            raise ConfigError(f"mux.span={self.span!r}: expected one of {SPANS}")
+        if not self.auto_spans or any(not 1 <= k <= 4 for k in self.auto_spans):
+            raise ConfigError("mux.auto_spans must be a non-empty list of spans in 1..4")
+        if self.activation_threshold < 1:
+            raise ConfigError("mux.activation_threshold must be >= 1")
+        if self.activation_cooldown_s < 0:
+            raise ConfigError("mux.activation_cooldown_s must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelConfig:
+    world_size: int = 1
+    """g: ranks (one process each)."""
+    attn_dp: int = 1
+    """d: attention data-parallel replicas; ATP = g / d."""
+    expert_parallel: int = 1
+    """e: expert-parallel width; ETP = g / e."""
+    ordering: str = "selective"
+    """none (communicator isolation only) | global-implicit | selective (SPEC 3.3)."""
+    expert_backend: str = "local"
+    """local (no EP) | torch (torch.distributed all-to-all) | deepep."""
+    rendezvous_timeout_s: float = 30.0
+    """Deadline of every distributed wait."""
+    fast_rendezvous: bool = True
+    """Use the same-host shared-memory rendezvous when every rank is on one host."""
+
+    def validate(self) -> None:
+        _positive(self, "world_size", "attn_dp", "expert_parallel")
+        g, d, e = self.world_size, self.attn_dp, self.expert_parallel
+        if g % d:
+            raise TopologyError(f"world_size={g} is not divisible by attn_dp={d}")
+        if g % e:
+            raise TopologyError(f"world_size={g} is not divisible by expert_parallel={e}")
+        if self.ordering not in ORDERINGS:
+            raise ConfigError(f"parallel.ordering={self.ordering!r}: expected one of {ORDERINGS}")
+        if self.expert_backend not in EXPERT_BACKENDS:
+            raise ConfigError(f"parallel.expert_backend={self.expert_backend!r}: expected one of {EXPERT_BACKENDS}")
+        if self.rendezvous_timeout_s <= 0:
+            raise ConfigError("parallel.rendezvous_timeout_s must be > 0")
+
+    @property
+    def atp(self) -> int:
+        return self.world_size // self.attn_dp
+
+    @property
+    def etp(self) -> int:
+        return self.world_size // self.expert_parallel
+
+    @property
+    def crossed(self) -> bool:
+        """ATP and ADP groups intersect (both > 1): the SPEC section 2 hazard exists."""
+        return self.atp > 1 and self.attn_dp > 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceConfig:
+    device: str = "auto"
+    """cpu | cuda | auto (cuda when available)."""
+    cpu_threads_per_stream: int = 1
+    """CPU stand-in: torch intra-op threads used by each stream's executor."""
+    residency_slots: int = 2
+    """CPU stand-in: work items (kernels) a device runs at once across its streams."""
+    cuda_graphs: bool = True
+    """CUDA: decode by graph replay of batch-size buckets."""
+    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    graph_max_context: int = 8192
+    """CUDA: context length the captured decode graphs cover (longer rows run eager)."""
+
+    def validate(self) -> None:
+        if self.device not in ("cpu", "cuda", "auto"):
+            raise ConfigError(f"device.device={self.device!r}: expected cpu | cuda | auto")
+        _positive(self, "cpu_threads_per_stream", "residency_slots", "graph_max_context")
+        if not self.graph_batch_sizes or sorted(self.graph_batch_sizes) != list(self.graph_batch_sizes):
+            raise ConfigError("device.graph_batch_sizes must be a non-empty ascending list")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    mux: MuxConfig = field(default_factory=MuxConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    trace_dir: str | None = None
+    """Directory for the per-rank JSONL control trace (None = no file)."""
+    faults: dict = field(default_factory=dict)
+    """Fault injection for tests (see ainfer_pd.faults); empty in production."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for sub in (self.model, self.cache, self.scheduler, self.mux, self.parallel, self.device):
+            sub.validate()
+        if self.parallel.expert_parallel > 1 and self.model.num_experts % self.parallel.expert_parallel:
+            raise TopologyError(f"model.num_experts={self.model.num_experts} is not divisible by "
+                                f"expert_parallel={self.parallel.expert_parallel}")
+        if self.parallel.atp > 1 and self.model.num_kv_heads % self.parallel.atp:
+            raise TopologyError(f"model.num_kv_heads={self.model.num_kv_heads} is not divisible by ATP={self.parallel.atp}")
+        if self.parallel.expert_backend == "local" and self.parallel.expert_parallel > 1:
+            raise ConfigError("parallel.expert_backend=local cannot run expert_parallel > 1; use torch or deepep")
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "WorkerConfig":
+        return _build(cls, data, "")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "WorkerConfig":
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path.name}: {exc.strerror}") from None
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"malformed YAML in {path.name}: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path.name}: top level must be a mapping")
+        data.pop("name", None)
+        data.pop("description", None)
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **dotted: Any) -> "WorkerConfig":
+        """A copy with dotted keys replaced, e.g. ``cfg.replace(**{"scheduler.policy": "normal"})``."""
+        data = self.to_dict()
+        for key, value in dotted.items():
+            node = data
+            parts = key.split(".")
+            for p in parts[:-1]:
+                if p not in node or not isinstance(node[p], dict):
+                    raise ConfigError(f"unknown config key {key!r}")
+                node = node[p]
+            if parts[-1] not in node:
+                raise ConfigError(f"unknown config key {key!r}")
+            node[parts[-1]] = value
+        return WorkerConfig.from_dict(data)
+
+
+def _positive(obj: Any, *names: str) -> None:
+    section = type(obj).__name__.removesuffix("Config").lower()
+    for n in names:
+        v = getattr(obj, n)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ConfigError(f"{section}.{n} must be a positive integer, got {v!r}")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {', '.join(prefix + k for k in unknown)}")
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(hints[name], value, prefix + name)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except TypeError as exc:
+        raise ConfigError(f"{prefix or 'config'}: {exc}") from None
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key + ".")
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, key)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        return tuple(_coerce(args[0], v, key) for v in value)
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return value
+    return value

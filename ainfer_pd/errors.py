@@ -1,0 +1,108 @@
+"""Every error the library raises on purpose.
+
+All of them subclass :class:`AInferPDError`, so a trainer can catch the library's
+failures without catching its own bugs.
+"""
+from __future__ import annotations
+
+
+class AInferPDError(Exception):
+    """Base class of every error ainfer-pd raises on purpose."""
+
+
+class ConfigError(AInferPDError, ValueError):
+    """A configuration (YAML, dataclass field, topology) is invalid."""
+
+
+class TopologyError(ConfigError):
+    """World size, attention-DP and expert-parallel widths do not fit together."""
+
+
+class InvalidRequestError(AInferPDError, ValueError):
+    """A request is malformed: empty prompt, token out of vocabulary, bad sampling values."""
+
+
+class ContextLengthError(InvalidRequestError):
+    """Prompt plus ``max_new_tokens`` exceeds the model's context limit."""
+
+
+class UnknownTrajectoryError(AInferPDError, KeyError):
+    """The trajectory id is unknown or was released."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else ""
+
+
+class TrajectoryBusyError(AInferPDError):
+    """A trajectory already has a turn in flight (two concurrent ``continue_`` calls)."""
+
+
+class RequestAborted(AInferPDError):
+    """The request was aborted (``abort``/``sleep``/shutdown) before it finished."""
+
+
+class CapacityError(AInferPDError):
+    """The KV cache cannot hold a request even after evicting every idle trajectory."""
+
+
+class WeightUpdateError(AInferPDError, ValueError):
+    """``update_weights`` got an unknown name, or a tensor of the wrong shape or dtype."""
+
+
+class WorkerClosedError(AInferPDError):
+    """The worker is not running (not entered, shut down, or failed)."""
+
+
+class LifetimeError(AInferPDError):
+    """A result tried to write into a KV reservation of another lifetime."""
+
+
+class TurnstileError(AInferPDError):
+    """The turnstile controller rejected a transition (see subclasses)."""
+
+
+class StaleEpochError(TurnstileError):
+    """An epoch id is older than, or equal to, one already begun (stale or duplicate)."""
+
+
+class MissingProducerError(TurnstileError):
+    """A permit or boundary was asked for with no P epoch (producer) active."""
+
+
+class NonMonotonicBoundaryError(TurnstileError):
+    """A boundary was published out of order."""
+
+
+class PermitExceededError(TurnstileError):
+    """P tried to reach an endpoint beyond the current permit."""
+
+
+class DistributedError(AInferPDError):
+    """A distributed wait failed."""
+
+
+class RendezvousTimeout(DistributedError, TimeoutError):
+    """A rendezvous did not complete in time; the message names the missing ranks."""
+
+    def __init__(self, message: str, *, missing_ranks: tuple[int, ...] = (),
+                 epoch: int | None = None, boundary: int | None = None) -> None:
+        super().__init__(message)
+        self.missing_ranks = missing_ranks
+        self.epoch = epoch
+        self.boundary = boundary
+
+
+class RendezvousMismatch(DistributedError):
+    """Ranks disagreed on (epoch, boundary, permit) at a rendezvous."""
+
+
+class StallError(DistributedError):
+    """The watchdog saw no progress: a device-progress cycle (or a dead peer)."""
+
+
+class BackendUnavailableError(AInferPDError, ImportError):
+    """An optional backend (DeepEP, CUDA, verl) is not installed on this host."""
+
+
+class OwnershipAuditError(AInferPDError):
+    """Phase-owned communication state is shared between phases."""
