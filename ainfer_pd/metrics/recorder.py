@@ -1,0 +1,111 @@
+"""Run recorder: work intervals per stream, control events, samples and counters.
+
+The engine calls it from the event loop and from stream threads (thread-safe).
+Control events go to an optional per-rank JSONL trace (the ordering-contract
+regression baseline); intervals feed the timeline plot and the busy /
+concurrent-work fractions.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+
+class Recorder:
+    def __init__(self, *, rank: int = 0, trace_path: str | Path | None = None,
+                 keep_intervals: bool = True) -> None:
+        self.rank = rank
+        self.t0 = time.perf_counter()
+        self._lock = threading.Lock()
+        self.samples: dict[str, list[float]] = defaultdict(list)
+        self.counters: dict[str, float] = defaultdict(float)
+        self.intervals: list[tuple[str, str, float, float, dict]] = []
+        self.keep_intervals = keep_intervals
+        self._seq = 0
+        self._trace = None
+        if trace_path is not None:
+            path = Path(trace_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._trace = path.open("w", buffering=1)
+
+    def now(self) -> float:
+        """Seconds since the recorder started (monotonic)."""
+        return time.perf_counter() - self.t0
+
+    def sample(self, name: str, value: float) -> None:
+        with self._lock:
+            self.samples[name].append(float(value))
+
+    def count(self, name: str, value: float = 1.0) -> None:
+        with self._lock:
+            self.counters[name] += value
+
+    def interval(self, name: str, stream: str, start: float, end: float, **attrs: Any) -> None:
+        """A piece of work ran on ``stream`` from ``start`` to ``end`` (recorder seconds)."""
+        if not self.keep_intervals:
+            return
+        with self._lock:
+            self.intervals.append((name, stream, start, end, attrs))
+
+    def event(self, name: str, **attrs: Any) -> None:
+        """A control event for the cross-rank trace (epoch / boundary / permit / rendezvous / launch)."""
+        if self._trace is None:
+            return
+        with self._lock:
+            self._seq += 1
+            rec = {"seq": self._seq, "t": round(self.now(), 7), "rank": self.rank, "ev": name, **attrs}
+            self._trace.write(json.dumps(rec, default=str) + "\n")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._trace is not None:
+                self._trace.close()
+                self._trace = None
+
+    # ---------------------------------------------------------------- summaries
+    def busy_fractions(self, streams: tuple[str, str] = ("P", "D"), window: tuple[float, float] | None = None) -> dict[str, float]:
+        """Fraction of the window in which any stream / both streams were busy."""
+        with self._lock:
+            ivs = [(s, a, b) for (_, s, a, b, _) in self.intervals if s in streams]
+        if not ivs:
+            return {"busy_fraction": 0.0, "concurrent_fraction": 0.0}
+        lo = window[0] if window else min(a for _, a, _ in ivs)
+        hi = window[1] if window else max(b for _, _, b in ivs)
+        if hi <= lo:
+            return {"busy_fraction": 0.0, "concurrent_fraction": 0.0}
+        edges = []
+        for s, a, b in ivs:
+            a, b = max(a, lo), min(b, hi)
+            if b > a:
+                edges.append((a, 1, s))
+                edges.append((b, -1, s))
+        edges.sort(key=lambda e: (e[0], e[1]))
+        active = {s: 0 for s in streams}
+        busy = both = 0.0
+        prev = lo
+        for t, d, s in edges:
+            n_busy = sum(1 for v in active.values() if v > 0)
+            if n_busy >= 1:
+                busy += t - prev
+            if n_busy >= 2:
+                both += t - prev
+            active[s] += d
+            prev = t
+        span = hi - lo
+        return {"busy_fraction": busy / span, "concurrent_fraction": both / span}
+
+    def summary(self) -> dict[str, Any]:
+        with self._lock:
+            samples = {k: list(v) for k, v in self.samples.items()}
+            counters = dict(self.counters)
+        out: dict[str, Any] = dict(counters)
+        for k, v in samples.items():
+            out[f"{k}_count"] = len(v)
+            out[f"{k}_sum"] = float(sum(v))
+            out[f"{k}_mean"] = float(sum(v) / len(v)) if v else 0.0
+        out.update(self.busy_fractions())
+        return out
