@@ -106,3 +106,19 @@ class BackendUnavailableError(AInferPDError, ImportError):
 
 class OwnershipAuditError(AInferPDError):
     """Phase-owned communication state is shared between phases."""
+
+
+class RankFailedError(DistributedError):
+    """A spawned rank raised, died, or did not finish in time (``ainfer_pd.launch.spawn``).
+
+    ``failures`` maps rank -> a one-line reason (remote traceback in the message);
+    ``unfinished`` lists the ranks killed on timeout; ``results`` holds each rank's return
+    value or exception (``None`` where none came back).
+    """
+
+    def __init__(self, message: str, *, failures: dict | None = None,
+                 unfinished: tuple[int, ...] = (), results: list | None = None) -> None:
+        super().__init__(message)
+        self.failures = dict(failures or {})
+        self.unfinished = tuple(unfinished)
+        self.results = list(results or [])
