@@ -122,3 +122,24 @@ class RankFailedError(DistributedError):
         self.failures = dict(failures or {})
         self.unfinished = tuple(unfinished)
         self.results = list(results or [])
+
+
+class EpochActiveError(TurnstileError):
+    """A P epoch was begun while another one is still active on this rank."""
+
+
+class EndpointNotReachedError(TurnstileError):
+    """A permit was granted before P reached the current permit endpoint (D must wait first)."""
+
+
+class InvalidSpanError(TurnstileError, ValueError):
+    """A turnstile span outside the validated range 1..4."""
+
+
+class TurnstileTimeout(TurnstileError, TimeoutError):
+    """A turnstile wait (permit or boundary) did not finish in time; names epoch and boundary."""
+
+    def __init__(self, message: str, *, epoch: int | None = None, boundary: int | float | None = None) -> None:
+        super().__init__(message)
+        self.epoch = epoch
+        self.boundary = boundary
