@@ -143,3 +143,19 @@ class TurnstileTimeout(TurnstileError, TimeoutError):
         super().__init__(message)
         self.epoch = epoch
         self.boundary = boundary
+
+
+class DispatchStateError(AInferPDError):
+    """An expert dispatch was used outside its lifecycle order (see subclasses)."""
+
+
+class DispatchPendingError(DispatchStateError):
+    """The dispatcher buffer already holds a pending dispatch (at most one per buffer)."""
+
+
+class BufferRetiredError(DispatchStateError):
+    """A cancelled dispatch retired the buffer; it is reusable only after ``quiesce()``."""
+
+
+class DispatchCancelledError(DispatchStateError):
+    """The dispatch was cancelled; its data must never be used or written anywhere."""
