@@ -1,0 +1,94 @@
+"""Paged attention over the KV cache, for prefill sequences and decode rows.
+
+Shape legend: T = new tokens in the batch, H = query heads, Hk = KV heads,
+hd = head dim, B = decode rows, L = padded key length, S = cache slots.
+
+The KV cache of one layer is ``[2, S, Hk, hd]`` with S = num_blocks * block_size;
+a token's KV lives in slot ``block * block_size + offset``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(slots=True)
+class PrefillSeq:
+    """One sequence's new tokens inside a flat batch."""
+
+    q_start: int          # first row of this sequence in the flat batch
+    q_len: int            # new tokens
+    ctx_len: int          # keys after this step (cached + new)
+    key_slots: Tensor     # [ctx_len] cache slot of every key, in position order
+
+
+@dataclass(slots=True)
+class DecodeMeta:
+    """Decode rows (one new token each) at the end of the flat batch."""
+
+    key_slots: Tensor     # [B, L] cache slot of every key (padded)
+    ctx_lens: Tensor      # [B] keys per row (including the new token)
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """A flat batch: prefill sequences first, then decode rows."""
+
+    input_ids: Tensor                 # [T]
+    positions: Tensor                 # [T]
+    write_slots: Tensor               # [T] where each new token's KV is written
+    prefill: list[PrefillSeq] = field(default_factory=list)
+    decode: DecodeMeta | None = None
+    logits_rows: Tensor | None = None  # [R] rows whose logits are needed
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.q_len for s in self.prefill)
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    ang = positions.to(torch.float32).unsqueeze(-1) * inv          # [T, hd/2]
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [T, h, hd] rotated by the (half-split) rotary embedding."""
+    x1, x2 = x.chunk(2, dim=-1)
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)                      # [T, 1, hd/2]
+    return torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+
+
+def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, fb: ForwardBatch) -> Tensor:
+    """Write the new K/V into the cache, then attend.
+
+    q [T, H, hd], k/v [T, Hk, hd], kv [2, S, Hk, hd] -> [T, H, hd]
+    """
+    kc, vc = kv[0], kv[1]
+    kc.index_copy_(0, fb.write_slots, k)
+    vc.index_copy_(0, fb.write_slots, v)
+    out = torch.empty_like(q)
+    for s in fb.prefill:
+        qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)       # [H, q, hd]
+        ks = kc.index_select(0, s.key_slots).transpose(0, 1)        # [Hk, ctx, hd]
+        vs = vc.index_select(0, s.key_slots).transpose(0, 1)
+        p0 = s.ctx_len - s.q_len
+        qpos = torch.arange(s.q_len, device=q.device) + p0
+        mask = torch.arange(s.ctx_len, device=q.device).unsqueeze(0) <= qpos.unsqueeze(1)   # [q, ctx]
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)    # [H, q, hd]
+        out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
+    if fb.decode is not None:
+        n_p = fb.num_prefill_tokens
+        d = fb.decode
+        B, L = d.key_slots.shape
+        qd = q[n_p:].unsqueeze(2)                                    # [B, H, 1, hd]
+        flat = d.key_slots.reshape(-1)
+        kd = kc.index_select(0, flat).view(B, L, *kc.shape[1:]).transpose(1, 2)   # [B, Hk, L, hd]
+        vd = vc.index_select(0, flat).view(B, L, *vc.shape[1:]).transpose(1, 2)
+        mask = (torch.arange(L, device=q.device).unsqueeze(0) < d.ctx_lens.unsqueeze(1))  # [B, L]
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask[:, None, None, :], enable_gqa=True)
+        out[n_p:] = o.squeeze(2)
+    return out

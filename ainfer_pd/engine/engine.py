@@ -1,0 +1,467 @@
+"""The engine of one rank: queues, the background P task and the foreground D loop.
+
+Policies (SPEC section 4), all in this one engine:
+
+* ``normal``          D is not enqueued while any admissible P is pending (strict P priority).
+* ``global-complete`` turnstile with one boundary per P epoch, published after the epoch *completed*.
+* ``global-enqueue``  turnstile with one boundary per P epoch, published once it is fully *enqueued*.
+* ``fine-grained``    turnstile at every safe boundary (layer ends and expert notification points).
+* ``mixed-chunked``   one loop; every step is one batch of decode rows plus a prefill chunk.
+
+All state is touched only from the event loop thread; streams only compute.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from typing import Any, Callable
+
+import torch
+
+from ..config import WorkerConfig
+from ..errors import AInferPDError, RequestAborted
+from ..metrics.recorder import Recorder
+from ..phase import Phase, PhaseContext
+from ..request import TurnOutput
+from ..sched.planner import PendingPrefill, plan_decode, plan_prefill, plan_step
+from ..sched.span import Activation, SpanInputs, make_span_policy
+from ..turnstile.rendezvous import LocalRendezvous
+from ..turnstile.turnstile import Turnstile
+from .device import Device, make_device
+from .kv_cache import KVCacheManager
+from .runner import BatchPlan, ModelRunner
+from .sampler import SampleRow, sample
+from .state import Trajectory, Turn, TurnState
+
+log = logging.getLogger("ainfer_pd.engine")
+
+TURNSTILE_POLICIES = ("global-complete", "global-enqueue", "fine-grained")
+
+
+class _Box:
+    """Carries segment state between items of one FIFO stream."""
+
+    __slots__ = ("st",)
+
+    def __init__(self) -> None:
+        self.st: Any = None
+
+
+class Engine:
+    def __init__(self, cfg: WorkerConfig, recorder: Recorder, *, rendezvous=None, rank: int = 0) -> None:
+        self.cfg = cfg
+        self.rec = recorder
+        self.policy = cfg.scheduler.policy
+        dc = cfg.device
+        self.device: Device = make_device(dc.device, recorder, residency_slots=dc.residency_slots,
+                                          threads_per_stream=dc.cpu_threads_per_stream)
+        if self.device.kind == "cpu":
+            torch.set_num_threads(dc.cpu_threads_per_stream)
+        num_blocks = cfg.cache.num_blocks or self._blocks_from_memory()
+        self.kv = KVCacheManager(num_blocks, cfg.cache.block_size)
+        self.runner = ModelRunner(cfg, self.device.torch_device, self.kv)
+        self.prefill_ctx = PhaseContext(Phase.PREFILL, self.device.stream("P"))
+        self.decode_ctx = PhaseContext(Phase.DECODE, self.device.stream("D"))
+        span_policy = make_span_policy(cfg.mux) if self.policy == "fine-grained" else (lambda _inp: 1)
+        self.turnstile = Turnstile(rendezvous=rendezvous or LocalRendezvous(), span=span_policy,
+                                   recorder=recorder, rank=rank,
+                                   timeout_s=cfg.parallel.rendezvous_timeout_s)
+        self.activation = Activation(threshold=cfg.mux.activation_threshold,
+                                     cooldown_s=cfg.mux.activation_cooldown_s)
+        self.waiting: deque[Turn] = deque()
+        self.decoding: list[Turn] = []
+        self._changed = asyncio.Condition()
+        self._epoch = 0
+        self._p_running = False          # a P epoch is being run
+        self._p_exclusive = False        # D must not enter (normal policy / activation off)
+        self._d_in_flight = False
+        self._pending_cleanup: list[Turn] = []
+        self.num_dropped_results = 0
+        self.num_finished = 0
+        self.num_aborted = 0
+        self.num_failed = 0
+
+    def _blocks_from_memory(self) -> int:  # pragma: no cover - CUDA only
+        mc = self.cfg.model
+        free, _ = torch.cuda.mem_get_info()
+        per_block = mc.num_layers * 2 * self.cfg.cache.block_size * mc.num_kv_heads * mc.head_dim * torch.finfo(mc.torch_dtype).bits // 8
+        weights = mc.num_params * torch.finfo(mc.torch_dtype).bits // 8
+        return max(16, int((free - weights) * self.cfg.cache.gpu_memory_fraction) // per_block)
+
+    # ================================================================== submission
+    def submit(self, turn: Turn) -> None:
+        self.waiting.append(turn)
+        kv = self.kv.trajectories.get(turn.tid)
+        if kv is not None:
+            kv.pinned = True                      # keep its prefix until admission
+        self._notify()
+
+    def abort(self, turn: Turn, reason: str = "abort") -> None:
+        """Abort a turn: its caller gets finish_reason "abort" now; its KV is cleaned up
+        once no submitted device work touches it (a cancel waits for P work to drain)."""
+        if turn.state in (TurnState.DONE, TurnState.ABORTED) or turn.abort_requested:
+            return
+        turn.abort_requested = True
+        self._resolve(turn, "abort")
+        if turn.in_flight == 0:
+            self._cleanup_aborted(turn)
+        else:
+            self._pending_cleanup.append(turn)
+        self._notify()
+
+    def _cleanup_aborted(self, turn: Turn) -> None:
+        if turn in self.waiting:
+            self.waiting.remove(turn)
+        if turn in self.decoding:
+            self.decoding.remove(turn)
+        turn.state = TurnState.ABORTED
+        if turn.lifetime:
+            self.kv.abort_turn(turn.tid, turn.lifetime, turn.num_cached, self.rec.now())
+        else:
+            kv = self.kv.trajectories.get(turn.tid)
+            if kv is not None:
+                kv.pinned = False
+        turn.traj.tokens = turn.prev_tokens
+        if turn.traj.turn is turn:
+            turn.traj.turn = None
+        self.num_aborted += 1
+
+    def _drain_cleanups(self) -> None:
+        still = []
+        for t in self._pending_cleanup:
+            if t.in_flight == 0:
+                self._cleanup_aborted(t)
+            else:
+                still.append(t)
+        self._pending_cleanup = still
+
+    def _notify(self) -> None:
+        async def _n() -> None:
+            async with self._changed:
+                self._changed.notify_all()
+        try:
+            asyncio.get_running_loop().create_task(_n())   # NOTE: fire-and-forget only for a notify; never raises
+        except RuntimeError:
+            pass
+
+    async def _wait_for(self, pred: Callable[[], bool]) -> None:
+        async with self._changed:
+            await self._changed.wait_for(pred)
+
+    # ================================================================== loops
+    async def run(self) -> None:
+        """Owns the loops for the worker's TaskGroup."""
+        async with asyncio.TaskGroup() as tg:
+            if self.policy == "mixed-chunked":
+                tg.create_task(self._mixed_loop(), name="mixed")
+            else:
+                tg.create_task(self._prefill_loop(), name="prefill")
+                tg.create_task(self._decode_loop(), name="decode")
+
+    # ------------------------------------------------------------------ P
+    def _pending_view(self) -> list[PendingPrefill]:
+        out = []
+        for t in self.waiting:
+            if t.abort_requested:
+                continue
+            need = 0 if t.lifetime else self.kv.blocks_needed(t.tid, len(t.context) + t.params.max_new_tokens, t.num_cached)
+            out.append(PendingPrefill(t.request_id, t.remaining_prompt, bool(t.lifetime), need))
+        return out
+
+    def _available_blocks(self) -> int:
+        return self.kv.num_free_blocks + self.kv.evictable_blocks()
+
+    def _admit(self, chunks, admitted) -> list[tuple[Turn, int, int]]:
+        by_id = {t.request_id: t for t in self.waiting}
+        now = self.rec.now()
+        for rid in admitted:
+            t = by_id[rid]
+            t.lifetime = self.kv.reserve(t.tid, len(t.context) + t.params.max_new_tokens, t.num_cached, now)
+        return [(by_id[c.request_id], by_id[c.request_id].prefilled, c.num_tokens) for c in chunks]
+
+    def _p_admissible(self) -> bool:
+        pend = self._pending_view()
+        if not pend:
+            return False
+        chunks, _ = plan_prefill(pend, self.cfg.scheduler.max_prefill_tokens, self._available_blocks())
+        return bool(chunks)
+
+    async def _prefill_loop(self) -> None:
+        """Background P task. Consumes waiting turns in P epochs (token budget, D-first KV).
+        Waits for: admissible work; per MoE layer the receive counts (P's own device
+        progress) and then the turnstile permit. Unblocked by: submissions, KV freed by
+        finished/aborted turns, D rounds granting permits."""
+        while True:
+            await self._wait_for(self._p_admissible)
+            chunks, admitted = plan_prefill(self._pending_view(), self.cfg.scheduler.max_prefill_tokens,
+                                            self._available_blocks())
+            work = self._admit(chunks, admitted)
+            self._epoch += 1
+            try:
+                await self._run_epoch(self._epoch, work)
+            except AInferPDError as exc:
+                self._fail_turns([t for t, _, _ in work], exc)
+                raise
+
+    def _mux_active(self, work) -> bool:
+        tokens = sum(n for _, _, n in work) + sum(t.remaining_prompt for t in self.waiting)
+        return self.activation.update(self.rec.now(), tokens, len(self.decoding))
+
+    async def _run_epoch(self, epoch: int, work: list[tuple[Turn, int, int]]) -> None:
+        plan = self.runner.build(work, [])
+        for t, _, _ in work:
+            t.in_flight += 1
+        stream = self.prefill_ctx.stream
+        runner, L = self.runner, self.runner.num_layers
+        box = _Box()
+        has_d = bool(self.decoding)
+        mux = self.policy in TURNSTILE_POLICIES and has_d and self._mux_active(work)
+        fine = mux and self.policy == "fine-grained"
+        # NOTE: without the turnstile and with decode rows present, D waits for this epoch (strict P priority).
+        self._p_exclusive = has_d and not mux or self.policy == "normal"
+        self._p_running = True
+        self.rec.event("p_epoch", epoch=epoch, tokens=plan.num_tokens, gated=mux, policy=self.policy)
+        t_start = self.rec.now()
+        waited = 0.0
+        try:
+            async with self.turnstile.epoch(epoch, gated=mux, d_enqueued=self._d_in_flight) as ep:
+                async def permit(b: int) -> None:
+                    nonlocal waited
+                    t0 = self.rec.now()
+                    await ep.permit(b)
+                    waited += self.rec.now() - t0
+
+                if mux:
+                    ep.publish(0)
+                    await permit(0)
+                stream.submit(lambda: setattr(box, "st", runner.embed(plan)), label="P.embed")
+                for layer in range(L):
+                    w = stream.submit(lambda l=layer: setattr(box, "st", runner.attn_route(l, box.st, plan)),
+                                      label=f"P.attn{layer}")
+                    b = 2 * layer + 1                  # expert notification point
+                    if fine:
+                        ep.publish(b)
+                    t0 = self.rec.now()
+                    await w.done()                     # receive counts: P's device progress paces its host
+                    self.rec.sample("p_counts_wait_s", self.rec.now() - t0)
+                    waited += self.rec.now() - t0
+                    if fine:
+                        await permit(b)
+                    stream.submit(lambda l=layer: setattr(box, "st", runner.experts(l, box.st)),
+                                  label=f"P.experts{layer}")
+                    if fine and b + 1 < 2 * L:
+                        ep.publish(b + 1)              # layer end
+                        await permit(b + 1)
+                logits_w = stream.submit(lambda: runner.head(box.st, plan), label="P.head")
+                self.rec.sample("p_enqueue_s", self.rec.now() - t_start - waited)
+                if mux and self.policy == "global-enqueue":
+                    ep.publish(1)
+                if self.policy == "global-complete" or not mux:
+                    logits = await logits_w.done()
+                    if mux:
+                        ep.publish(1)
+            if mux and self.policy != "global-complete":
+                logits = await logits_w.done()
+        finally:
+            for t, _, _ in work:
+                t.in_flight -= 1
+            self._p_running = False
+            self._p_exclusive = False
+            self._drain_cleanups()
+            self._notify()
+        self.rec.event("p_epoch_done", epoch=epoch)
+        self._finish_prefill(plan, logits)
+
+    def _finish_prefill(self, plan: BatchPlan, logits: torch.Tensor) -> None:
+        """Promote completed prompts to D (lifetime-checked); advance partial chunks."""
+        now = self.rec.now()
+        for t, start, n in plan.prefill:
+            if t.abort_requested or t.state is not TurnState.WAITING:
+                continue
+            if not self.kv.is_current(t.tid, t.lifetime):
+                self.num_dropped_results += 1
+                continue
+            t.prefilled = start + n
+            self.kv.mark_written(t.tid, t.lifetime, t.prefilled)
+        keep = [i for i, t in enumerate(plan.logit_turns) if not t.abort_requested and t.state is TurnState.WAITING
+                and self.kv.is_current(t.tid, t.lifetime)]
+        if keep:
+            turns = [plan.logit_turns[i] for i in keep]
+            toks, lps = sample(logits[keep], [self._sample_row(t) for t in turns])
+            for t, tok, lp in zip(turns, toks, lps):
+                self.waiting.remove(t)
+                t.t_first = now
+                self.rec.sample("ttft_s", now - t.t_submit)
+                t.state = TurnState.DECODING
+                self._append_token(t, tok, lp)
+        self._notify()
+
+    # ------------------------------------------------------------------ D
+    def _d_may_run(self) -> bool:
+        if not any(not t.abort_requested for t in self.decoding):
+            return False
+        if self.policy == "normal":
+            return not (self._p_running or self._p_admissible())
+        return not self._p_exclusive
+
+    async def _decode_loop(self) -> None:
+        """Foreground D loop. Consumes decoding turns, one iteration at a time.
+        Waits for: decode rows; under ``normal`` no pending P; under the turnstile
+        policies P's next boundary (rendezvous 1) and the enqueue ACK (rendezvous 2).
+        Unblocked by: promotions, P epochs ending, boundaries published."""
+        while True:
+            await self._wait_for(lambda: any(not t.abort_requested for t in self.decoding))
+            t_ready = self.rec.now()
+            await self._wait_for(self._d_may_run)
+            rnd = await self.turnstile.before_decode()
+            rows = [t for t in plan_decode(self.decoding, self.cfg.scheduler.max_decode_batch) if not t.abort_requested]
+            if not rows:
+                if rnd is not None:
+                    await self.turnstile.after_decode(rnd)
+                continue
+            plan = self.runner.build([], rows)
+            for t in rows:
+                t.in_flight += 1
+            w = self.decode_ctx.stream.submit(self.runner.forward, plan, label="D.iter")
+            self._d_in_flight = True
+            self.rec.sample("d_wait_s", self.rec.now() - t_ready)
+            self.rec.event("d_launch", rows=len(rows), round=rnd is not None)
+            try:
+                if rnd is not None:
+                    await self.turnstile.after_decode(rnd)
+                logits = await w.done()
+            finally:
+                self._d_in_flight = False
+                for t in rows:
+                    t.in_flight -= 1
+            self._finish_decode(plan, logits)
+            self._drain_cleanups()
+            if not any(not t.abort_requested for t in self.decoding):
+                self.turnstile.open_gate()
+            self._notify()
+
+    def _finish_decode(self, plan: BatchPlan, logits: torch.Tensor) -> None:
+        live = [i for i, t in enumerate(plan.logit_turns) if not t.abort_requested and t.state is TurnState.DECODING]
+        if not live:
+            return
+        turns = [plan.logit_turns[i] for i in live]
+        for t in turns:
+            self.kv.mark_written(t.tid, t.lifetime, t.seq_len)
+        toks, lps = sample(logits[live], [self._sample_row(t) for t in turns])
+        for t, tok, lp in zip(turns, toks, lps):
+            self._append_token(t, tok, lp)
+
+    # ------------------------------------------------------------------ mixed-chunked
+    async def _mixed_loop(self) -> None:
+        """Outside reference (vLLM/SGLang-style): each step is one batch of every
+        decode row plus a prefill chunk under a shared token budget."""
+        while True:
+            await self._wait_for(lambda: bool(self.decoding) or self._p_admissible())
+            running = [t for t in self.decoding if not t.abort_requested]
+            sp = plan_step([t.request_id for t in running], self._pending_view(),
+                           max_decode_rows=self.cfg.scheduler.max_decode_batch,
+                           prefill_budget=self.cfg.scheduler.mixed_chunk_tokens,
+                           available_blocks=self._available_blocks(), mixed=True)
+            work = self._admit(sp.prefill, sp.admitted)
+            rows = running[:len(sp.decode)]
+            plan = self.runner.build(work, rows)
+            touched = [t for t, _, _ in work] + rows
+            for t in touched:
+                t.in_flight += 1
+            t0 = self.rec.now()
+            w = self.decode_ctx.stream.submit(self.runner.forward, plan, label="M.step")
+            try:
+                logits = await w.done()
+            finally:
+                for t in touched:
+                    t.in_flight -= 1
+            if rows:
+                self.rec.sample("d_wait_s", 0.0)
+            self.rec.sample("m_step_s", self.rec.now() - t0)
+            n_p = len([1 for t in plan.logit_turns if t.state is TurnState.WAITING])
+            p_plan = BatchPlan(plan.fb, plan.prefill, [], plan.logit_turns[:n_p])
+            d_plan = BatchPlan(plan.fb, [], plan.decode, plan.logit_turns[n_p:])
+            self._finish_decode(d_plan, logits[n_p:])
+            self._finish_prefill(p_plan, logits[:n_p])
+            self._drain_cleanups()
+            self._notify()
+
+    # ================================================================== tokens and finishing
+    def _sample_row(self, t: Turn) -> SampleRow:
+        hist = (t.context + t.out_tokens) if t.params.repetition_penalty != 1.0 else None
+        return SampleRow(t.params, t.generator, hist)
+
+    def _append_token(self, t: Turn, tok: int, lp: float) -> None:
+        t.out_tokens.append(tok)
+        t.out_logprobs.append(lp)
+        p = t.params
+        reason = None
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok == self.cfg.model.eos_token_id):
+            reason = "stop"
+        elif len(t.out_tokens) >= p.max_new_tokens or t.seq_len >= self.cfg.model.max_context_len:
+            reason = "length"
+        if reason is None:
+            if t.state is TurnState.DECODING and t not in self.decoding:
+                self.decoding.append(t)
+            return
+        if t in self.decoding:
+            self.decoding.remove(t)
+        t.state = TurnState.DONE
+        t.traj.tokens = t.context + t.out_tokens
+        self.kv.finish_turn(t.tid, t.lifetime, t.seq_len - 1, self.rec.now())
+        if t.traj.turn is t:
+            t.traj.turn = None
+        self.num_finished += 1
+        self.rec.sample("request_latency_s", self.rec.now() - t.t_submit)
+        self._resolve(t, reason)
+
+    def _resolve(self, t: Turn, reason: str) -> None:
+        if t.future.done():
+            return
+        now = self.rec.now()
+        ttft = (t.t_first - t.t_submit) if t.t_first is not None else now - t.t_submit
+        out = TurnOutput(trajectory_id=t.tid, token_ids=list(t.out_tokens) if reason != "abort" else [],
+                         logprobs=list(t.out_logprobs) if reason != "abort" else [],
+                         finish_reason=reason, num_prompt_tokens=len(t.context),
+                         num_cached_tokens=t.num_cached, ttft_s=ttft, latency_s=now - t.t_submit,
+                         request_id=t.request_id, turn_index=t.traj.num_turns - 1)
+        t.future.set_result(out)
+
+    def _fail_turns(self, turns: list[Turn], exc: BaseException) -> None:
+        for t in turns:
+            if not t.future.done():
+                t.future.set_exception(exc)
+                self.num_failed += 1
+
+    def fail_all(self, exc: BaseException) -> None:
+        """The engine stopped: every turn in flight ends with ``exc`` (typed)."""
+        for t in list(self.waiting) + list(self.decoding):
+            if not t.future.done():
+                t.future.set_exception(exc)
+                self.num_failed += 1
+            t.in_flight = 0
+            self._cleanup_aborted(t) if t.state not in (TurnState.DONE, TurnState.ABORTED) else None
+        self.num_aborted -= 0
+
+    # ================================================================== introspection
+    def metrics(self) -> dict[str, Any]:
+        m = self.rec.summary()
+        p_work = sum(b - a for (_, s, a, b, _) in self.rec.intervals if s == "P")
+        d_work = sum(b - a for (_, s, a, b, _) in self.rec.intervals if s == "D")
+        m.update({
+            "policy": self.policy,
+            "p_work_s_sum": p_work, "d_work_s_sum": d_work,
+            "num_epochs": self._epoch,
+            "finished": self.num_finished, "aborted": self.num_aborted, "failures": self.num_failed,
+            "dropped_results": self.num_dropped_results,
+            "kv_free_blocks": self.kv.num_free_blocks, "kv_total_blocks": self.kv.alloc.num_blocks,
+            "kv_evictions": self.kv.num_evictions,
+            "activation_switches": getattr(self.activation, "num_switches", 0),
+            "d_wait_s_samples": list(self.rec.samples.get("d_wait_s", [])),
+            "ttft_s_samples": list(self.rec.samples.get("ttft_s", [])),
+        })
+        return m
+
+    def shutdown(self) -> None:
+        self.device.shutdown()

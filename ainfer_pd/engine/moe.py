@@ -1,0 +1,93 @@
+"""MoE FFN pieces: softmax top-k router, local grouped expert compute, SwiGLU.
+
+Shape legend: T = tokens, D = hidden, E = routed experts, k = top-k,
+I = expert intermediate, N = T * k routed rows.
+
+Everything here avoids host synchronisation (no ``bincount``, no tensor-valued
+``repeat_interleave``) so the decode path can be captured in a CUDA graph:
+counts come from ``scatter_add_`` into a fixed-size tensor and offsets from
+``cumsum`` (SPEC section 8).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(slots=True)
+class Routing:
+    """Top-k routing of T tokens, and the expert-sorted layout of the N = T*k rows."""
+
+    topk_idx: Tensor        # [T, k] int64
+    topk_weights: Tensor    # [T, k] float
+    order: Tensor           # [N] row ids sorted by expert (row = token * k + slot)
+    counts: Tensor          # [E] int64 rows per expert (device tensor: the "receive counts")
+    offsets: Tensor         # [E] int32 cumulative counts (grouped GEMM ends)
+
+
+def route(x: Tensor, router_w: Tensor, top_k: int) -> Routing:
+    """Softmax router, top-k, renormalised weights; expert-sorted layout."""
+    scores = F.linear(x.float(), router_w.float())              # [T, E]
+    probs = torch.softmax(scores, dim=-1)
+    topk_w, topk_idx = torch.topk(probs, top_k, dim=-1)         # [T, k]
+    topk_w = topk_w / topk_w.sum(dim=-1, keepdim=True)
+    flat = topk_idx.reshape(-1)                                  # [N]
+    order = torch.sort(flat, stable=True).indices                # [N]
+    num_experts = router_w.shape[0]
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    return Routing(topk_idx, topk_w.to(x.dtype), order, counts, offsets)
+
+
+def swiglu_grouped(xs: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor) -> Tensor:
+    """Grouped SwiGLU over expert-sorted rows.
+
+    xs [N, D] sorted by expert, w13 [E, D, 2I], w2 [E, I, D], offsets [E] int32 -> [N, D]
+    """
+    if xs.shape[0] == 0:
+        return xs
+    if xs.is_cuda or xs.dtype == torch.float32 or xs.dtype == torch.bfloat16:
+        h = torch._grouped_mm(xs, w13, offs=offsets)             # [N, 2I]
+    else:  # pragma: no cover - float64 CPU path
+        h = _loop_mm(xs, w13, offsets)
+    g, u = h.chunk(2, dim=-1)
+    y = F.silu(g) * u                                            # [N, I]
+    if xs.is_cuda or y.dtype == torch.float32 or y.dtype == torch.bfloat16:
+        return torch._grouped_mm(y, w2, offs=offsets)            # [N, D]
+    return _loop_mm(y, w2, offsets)  # pragma: no cover
+
+
+def _loop_mm(xs: Tensor, w: Tensor, offsets: Tensor) -> Tensor:  # pragma: no cover
+    out = xs.new_empty(xs.shape[0], w.shape[-1])
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            out[start:end] = xs[start:end] @ w[e]
+        start = end
+    return out
+
+
+def experts_local(x: Tensor, r: Routing, w13: Tensor, w2: Tensor) -> Tensor:
+    """Routed experts on this rank (no expert parallelism): permute, grouped GEMM, combine.
+
+    x [T, D] -> [T, D]
+    """
+    T, D = x.shape
+    k = r.topk_idx.shape[1]
+    tok = torch.div(r.order, k, rounding_mode="floor")          # [N] source token of each sorted row
+    xs = x.index_select(0, tok)                                 # [N, D]
+    ys = swiglu_grouped(xs, w13, w2, r.offsets)                 # [N, D]
+    w = r.topk_weights.reshape(-1).index_select(0, r.order)     # [N]
+    out = torch.zeros_like(x)
+    out.index_add_(0, tok, ys * w.unsqueeze(-1))
+    return out
+
+
+def swiglu_dense(x: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """Shared expert: x [T, D], w13 [D, 2I], w2 [I, D] -> [T, D]."""
+    g, u = (x @ w13).chunk(2, dim=-1)
+    return (F.silu(g) * u) @ w2

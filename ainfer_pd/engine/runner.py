@@ -1,0 +1,112 @@
+"""Model runner: builds flat batches and executes model segments on a device.
+
+The runner never awaits: it offers synchronous functions that a stream executes
+(``embed``, ``attn_route``, ``experts``, ``head``, ``decode``). The engine's P task
+and D loop decide when each is enqueued.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..config import WorkerConfig
+from .attention import DecodeMeta, ForwardBatch, PrefillSeq
+from .kv_cache import KVCacheManager
+from .model import MoETransformer, SegmentState, build_model
+from .state import Turn
+
+
+@dataclass(slots=True)
+class BatchPlan:
+    """A built batch and the turns its logits rows belong to."""
+
+    fb: ForwardBatch
+    prefill: list[tuple[Turn, int, int]]      # (turn, start position, tokens)
+    decode: list[Turn]
+    logit_turns: list[Turn]                   # owner of each logits row
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.fb.input_ids.shape[0])
+
+
+class ModelRunner:
+    def __init__(self, cfg: WorkerConfig, device: torch.device, kv: KVCacheManager) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.kv = kv
+        mc = cfg.model
+        self.model: MoETransformer = build_model(mc, device)
+        slots = cfg.cache.num_blocks * cfg.cache.block_size
+        # [layers, 2, S, Hk, hd]
+        self.kv_cache = torch.zeros(mc.num_layers, 2, slots, mc.num_kv_heads, mc.head_dim,
+                                    dtype=mc.torch_dtype, device=device)
+        self.expert_fn = None          # set by an expert-parallel backend
+        self.attn_reduce = None        # set by the attention-TP collectives
+
+    # ------------------------------------------------------------------ batches
+    def build(self, prefill: list[tuple[Turn, int, int]], decode: list[Turn]) -> BatchPlan:
+        """Host-side metadata for a flat batch: prefill chunks first, then decode rows."""
+        ids: list[int] = []
+        pos: list[int] = []
+        write: list[Tensor] = []
+        seqs: list[PrefillSeq] = []
+        rows: list[int] = []
+        logit_turns: list[Turn] = []
+        for turn, start, n in prefill:
+            q0 = len(ids)
+            ids.extend(turn.context[start:start + n])
+            pos.extend(range(start, start + n))
+            write.append(self.kv.slots(turn.tid, start, start + n))
+            seqs.append(PrefillSeq(q0, n, start + n, self.kv.slots(turn.tid, 0, start + n).to(self.device)))
+            if start + n == len(turn.context):       # prompt complete: its last row gives the first token
+                rows.append(q0 + n - 1)
+                logit_turns.append(turn)
+        decode_meta = None
+        if decode:
+            B = len(decode)
+            lens = [t.seq_len for t in decode]
+            L = max(lens)
+            key_slots = torch.zeros(B, L, dtype=torch.int64)
+            for b, t in enumerate(decode):
+                p = t.seq_len - 1                      # position of the token being fed
+                ids.append(t.out_tokens[-1])
+                pos.append(p)
+                write.append(self.kv.slots(t.tid, p, p + 1))
+                key_slots[b, :lens[b]] = self.kv.slots(t.tid, 0, lens[b])
+                rows.append(len(ids) - 1)
+                logit_turns.append(t)
+            decode_meta = DecodeMeta(key_slots.to(self.device),
+                                     torch.tensor(lens, dtype=torch.int64, device=self.device))
+        d = self.device
+        fb = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=d),
+            positions=torch.tensor(pos, dtype=torch.int64, device=d),
+            write_slots=torch.cat(write).to(d) if write else torch.zeros(0, dtype=torch.int64, device=d),
+            prefill=seqs, decode=decode_meta,
+            logits_rows=torch.tensor(rows, dtype=torch.int64, device=d),
+        )
+        return BatchPlan(fb, prefill, decode, logit_turns)
+
+    # ------------------------------------------------------------------ segments (run on a stream)
+    def embed(self, plan: BatchPlan) -> SegmentState:
+        return self.model.embed_tokens(plan.fb)
+
+    def attn_route(self, layer: int, st: SegmentState, plan: BatchPlan) -> SegmentState:
+        return self.model.attn_route(layer, st, plan.fb, self.kv_cache[layer], self.attn_reduce)
+
+    def experts(self, layer: int, st: SegmentState) -> SegmentState:
+        return self.model.experts(layer, st, self.expert_fn)
+
+    def head(self, st: SegmentState, plan: BatchPlan) -> Tensor:
+        return self.model.head(st, plan.fb.logits_rows)
+
+    def forward(self, plan: BatchPlan) -> Tensor:
+        """Every segment back to back (decode iterations and mixed batches)."""
+        return self.model.forward_batch(plan.fb, self.kv_cache, self.expert_fn, self.attn_reduce)
+
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.model.num_layers

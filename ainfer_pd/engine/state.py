@@ -1,0 +1,59 @@
+"""Per-trajectory and per-turn state owned by the engine (one rank)."""
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from ..request import SamplingParams
+
+
+class TurnState(enum.Enum):
+    WAITING = "waiting"        # queued for prefill (maybe partly prefilled)
+    DECODING = "decoding"
+    DONE = "done"
+    ABORTED = "aborted"
+
+
+@dataclass(slots=True)
+class Trajectory:
+    tid: str
+    tokens: list[int] = field(default_factory=list)   # committed context (prompts + generations)
+    turn: "Turn | None" = None                         # the turn in flight
+    num_turns: int = 0
+
+
+@dataclass(eq=False, slots=True)
+class Turn:
+    request_id: str
+    traj: Trajectory
+    params: SamplingParams
+    context: list[int]                  # the whole prompt of this turn
+    prev_tokens: list[int]              # trajectory tokens before this turn (restored on abort)
+    num_cached: int                     # prompt tokens served from retained KV
+    future: asyncio.Future
+    t_submit: float
+    generator: torch.Generator | None = None
+    state: TurnState = TurnState.WAITING
+    lifetime: int = 0                   # KV reservation lifetime (0 = not admitted)
+    prefilled: int = 0                  # prompt tokens whose KV is computed
+    out_tokens: list[int] = field(default_factory=list)
+    out_logprobs: list[float] = field(default_factory=list)
+    t_first: float | None = None
+    in_flight: int = 0                  # submitted device work touching this turn's KV
+    abort_requested: bool = False
+
+    @property
+    def tid(self) -> str:
+        return self.traj.tid
+
+    @property
+    def remaining_prompt(self) -> int:
+        return len(self.context) - self.prefilled
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens whose position is taken (prompt + generated)."""
+        return len(self.context) + len(self.out_tokens)

@@ -1,0 +1,73 @@
+"""The rank-shared planner: pure functions over plain data (SPEC 3.1).
+
+Every engine iteration first commits the ready decode rows (D-first), then admits
+prefill with the remaining token budget and KV capacity.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class PendingPrefill:
+    request_id: str
+    remaining_tokens: int      # prompt tokens still to prefill
+    admitted: bool             # KV already reserved (a later chunk of a long prompt)
+    blocks_needed: int         # blocks to reserve if not admitted yet
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    request_id: str
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    decode: tuple[str, ...]
+    prefill: tuple[PrefillChunk, ...]
+    admitted: tuple[str, ...]    # requests whose KV must be reserved now
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.prefill)
+
+
+def plan_decode(running: list[str], max_rows: int) -> tuple[str, ...]:
+    """D-first: every ready decode row, oldest first, up to the batch limit."""
+    return tuple(running[:max_rows])
+
+
+def plan_prefill(pending: list[PendingPrefill], budget_tokens: int, available_blocks: int) -> tuple[tuple[PrefillChunk, ...], tuple[str, ...]]:
+    """FIFO admission under a token budget and free KV (free + evictable blocks).
+
+    A request is admitted only when its whole turn fits in KV (no decode-time
+    preemption). Admission is head-of-line: a request that does not fit blocks the
+    ones behind it, so a long prompt cannot be starved by short ones.
+    """
+    chunks: list[PrefillChunk] = []
+    admitted: list[str] = []
+    budget = budget_tokens
+    blocks = available_blocks
+    for p in pending:
+        if budget <= 0:
+            break
+        if not p.admitted:
+            if p.blocks_needed > blocks:
+                break
+            blocks -= p.blocks_needed
+            admitted.append(p.request_id)
+        n = min(p.remaining_tokens, budget)
+        chunks.append(PrefillChunk(p.request_id, n))
+        budget -= n
+    return tuple(chunks), tuple(admitted)
+
+
+def plan_step(running: list[str], pending: list[PendingPrefill], *, max_decode_rows: int,
+              prefill_budget: int, available_blocks: int, mixed: bool = False) -> StepPlan:
+    """One step: decode rows first; prefill gets what is left (mixed batches subtract
+    the decode rows from the shared token budget)."""
+    decode = plan_decode(running, max_decode_rows)
+    budget = prefill_budget - len(decode) if mixed else prefill_budget
+    chunks, admitted = plan_prefill(pending, budget, available_blocks)
+    return StepPlan(decode, chunks, admitted)
