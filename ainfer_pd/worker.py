@@ -169,6 +169,12 @@ class RolloutWorker:
                                 f"the cache has {kvm.alloc.num_blocks}")
         if new:
             self.trajectories[traj.tid] = traj
+        if traj.draining is not None:          # an aborted turn's device work must drain before its KV is reused
+            traj.turn = traj.draining
+            try:
+                await traj.draining.drained.wait()
+            finally:
+                traj.turn = None
         kv = kvm.trajectories.get(traj.tid)
         valid = kv.num_tokens if kv is not None else 0
         m = _common_prefix(traj.tokens[:valid], context)
@@ -217,8 +223,10 @@ class RolloutWorker:
         turn = traj.turn
         if turn is not None:
             self.engine.abort(turn)
-            while turn.in_flight or traj.turn is turn:
-                await asyncio.sleep(0.001)
+        if traj.draining is not None:
+            await traj.draining.drained.wait()
+        if traj.turn is not None:
+            raise TrajectoryBusyError(f"trajectory {trajectory_id!r} got a new turn while being released")
         del self.trajectories[trajectory_id]
         self.engine.kv.release(trajectory_id)
 
@@ -254,8 +262,8 @@ class RolloutWorker:
         await self.abort_all()
         for tid in list(self.trajectories):
             traj = self.trajectories[tid]
-            while traj.turn is not None:
-                await asyncio.sleep(0.001)
+            if traj.draining is not None:
+                await traj.draining.drained.wait()
             self.engine.kv.release(tid)
             self.engine.kv.trajectories.pop(tid, None)
         self._sleeping = True

@@ -104,6 +104,10 @@ class Engine:
             return
         turn.abort_requested = True
         self._resolve(turn, "abort")
+        if turn.traj.turn is turn:             # the trajectory is free for its next turn at once
+            turn.traj.turn = None
+            turn.traj.tokens = turn.prev_tokens
+            turn.traj.draining = turn
         if turn.in_flight == 0:
             self._cleanup_aborted(turn)
         else:
@@ -122,9 +126,12 @@ class Engine:
             kv = self.kv.trajectories.get(turn.tid)
             if kv is not None:
                 kv.pinned = False
-        turn.traj.tokens = turn.prev_tokens
         if turn.traj.turn is turn:
             turn.traj.turn = None
+            turn.traj.tokens = turn.prev_tokens
+        if turn.traj.draining is turn:
+            turn.traj.draining = None
+        turn.drained.set()
         self.num_aborted += 1
 
     def _drain_cleanups(self) -> None:

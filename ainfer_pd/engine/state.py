@@ -22,6 +22,7 @@ class Trajectory:
     tid: str
     tokens: list[int] = field(default_factory=list)   # committed context (prompts + generations)
     turn: "Turn | None" = None                         # the turn in flight
+    draining: "Turn | None" = None                     # an aborted turn whose device work has not drained
     num_turns: int = 0
 
 
@@ -44,6 +45,7 @@ class Turn:
     t_first: float | None = None
     in_flight: int = 0                  # submitted device work touching this turn's KV
     abort_requested: bool = False
+    drained: asyncio.Event = field(default_factory=asyncio.Event)   # set once no device work touches it
 
     @property
     def tid(self) -> str:
