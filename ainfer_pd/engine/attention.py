@@ -76,9 +76,12 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, fb: ForwardBatc
         ks = kc.index_select(0, s.key_slots).transpose(0, 1)        # [Hk, ctx, hd]
         vs = vc.index_select(0, s.key_slots).transpose(0, 1)
         p0 = s.ctx_len - s.q_len
-        qpos = torch.arange(s.q_len, device=q.device) + p0
-        mask = torch.arange(s.ctx_len, device=q.device).unsqueeze(0) <= qpos.unsqueeze(1)   # [q, ctx]
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)    # [H, q, hd]
+        if p0 == 0:        # no cached prefix: plain causal attention (flash kernels on CUDA)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        else:
+            qpos = torch.arange(s.q_len, device=q.device) + p0
+            mask = torch.arange(s.ctx_len, device=q.device).unsqueeze(0) <= qpos.unsqueeze(1)   # [q, ctx]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)  # [H, q, hd]
         out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
     if fb.decode is not None:
         n_p = fb.num_prefill_tokens

@@ -69,6 +69,9 @@ class Engine:
                                    timeout_s=cfg.parallel.rendezvous_timeout_s)
         self.activation = Activation(threshold=cfg.mux.activation_threshold,
                                      cooldown_s=cfg.mux.activation_cooldown_s)
+        if self.device.kind == "cuda" and dc.cuda_graphs:
+            # captured on the D stream's own thread so the graphs bind D-owned state
+            self.decode_ctx.stream.submit(self.runner.capture_decode_graphs, label="D.capture").enqueued().result()
         self.waiting: deque[Turn] = deque()
         self.decoding: list[Turn] = []
         self._changed = asyncio.Condition()
@@ -330,7 +333,7 @@ class Engine:
             plan = self.runner.build([], rows)
             for t in rows:
                 t.in_flight += 1
-            w = self.decode_ctx.stream.submit(self.runner.forward, plan, label="D.iter")
+            w = self.decode_ctx.stream.submit(self.runner.decode, plan, label="D.iter")
             self._d_in_flight = True
             self.rec.sample("d_wait_s", self.rec.now() - t_ready)
             self.rec.event("d_launch", rows=len(rows), round=rnd is not None)

@@ -69,9 +69,10 @@ class MoETransformer(nn.Module):
     # ------------------------------------------------------------------ init
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Deterministic random init (same seed -> same weights on every host)."""
-        g = torch.Generator(device="cpu").manual_seed(seed)
-        for name, p in self.named_parameters():
+        """Deterministic random init: same seed and device type -> same weights
+        (one generator per parameter, on the parameter's device)."""
+        for idx, (name, p) in enumerate(self.named_parameters()):
+            g = torch.Generator(device=p.device).manual_seed(seed * 100003 + idx)
             if name.endswith("norm"):
                 p.fill_(1.0)
                 continue
@@ -81,8 +82,9 @@ class MoETransformer(nn.Module):
             std = fan_in ** -0.5
             if name == "embed":
                 std = 1.0
-            t = torch.randn(p.shape, generator=g, dtype=torch.float32) * std
-            p.copy_(t.to(p.dtype))
+            t = torch.randn(p.shape, generator=g, dtype=torch.float32, device=p.device)
+            p.copy_(t.mul_(std))
+            del t
 
     # ------------------------------------------------------------------ segments
     def embed_tokens(self, fb: ForwardBatch) -> SegmentState:
@@ -147,10 +149,15 @@ class MoETransformer(nn.Module):
 
 
 def build_model(c: ModelConfig, device: torch.device | str = "cpu") -> MoETransformer:
-    model = MoETransformer(c)
-    model.init_weights(c.seed)
-    model = model.to(device=device, dtype=c.torch_dtype)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(c.torch_dtype)          # parameters are created in their final dtype
+    try:
+        with torch.device(device):
+            model = MoETransformer(c)
+    finally:
+        torch.set_default_dtype(prev)
     model.requires_grad_(False)
+    model.init_weights(c.seed)
     if c.weights_path:
         from .weights import load_safetensors
         load_safetensors(model, c.weights_path)

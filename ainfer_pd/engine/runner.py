@@ -39,10 +39,12 @@ class ModelRunner:
         self.kv = kv
         mc = cfg.model
         self.model: MoETransformer = build_model(mc, device)
-        slots = cfg.cache.num_blocks * cfg.cache.block_size
-        # [layers, 2, S, Hk, hd]
-        self.kv_cache = torch.zeros(mc.num_layers, 2, slots, mc.num_kv_heads, mc.head_dim,
+        slots = kv.alloc.num_blocks * kv.block_size
+        # [layers, 2, S + 1, Hk, hd]; the last slot is scratch for padded graph rows
+        self.scratch_slot = slots
+        self.kv_cache = torch.zeros(mc.num_layers, 2, slots + 1, mc.num_kv_heads, mc.head_dim,
                                     dtype=mc.torch_dtype, device=device)
+        self.graphs = None
         self.expert_fn = None          # set by an expert-parallel backend
         self.attn_reduce = None        # set by the attention-TP collectives
 
@@ -104,9 +106,29 @@ class ModelRunner:
         return self.model.head(st, plan.fb.logits_rows)
 
     def forward(self, plan: BatchPlan) -> Tensor:
-        """Every segment back to back (decode iterations and mixed batches)."""
-        return self.model.forward_batch(plan.fb, self.kv_cache, self.expert_fn, self.attn_reduce)
+        """Every segment back to back (mixed batches; decode when no graph fits)."""
+        return self.forward_fb(plan.fb)
 
+    def forward_fb(self, fb: ForwardBatch) -> Tensor:
+        return self.model.forward_batch(fb, self.kv_cache, self.expert_fn, self.attn_reduce)
+
+    def decode(self, plan: BatchPlan) -> Tensor:
+        """One D iteration: CUDA-graph replay when a bucket fits, else eager."""
+        if self.graphs is not None:
+            out = self.graphs.try_run(plan.fb)
+            if out is not None:
+                return out
+        return self.forward_fb(plan.fb)
+
+    def capture_decode_graphs(self) -> int:
+        """CUDA only: capture decode graphs for the configured buckets."""
+        from .cuda_graphs import DecodeGraphs
+        dc = self.cfg.device
+        ctx = tuple(c for c in (512, 1024, 2048, 4096, 8192, 16384) if c <= dc.graph_max_context) or (dc.graph_max_context,)
+        sizes = tuple(b for b in dc.graph_batch_sizes if b <= self.cfg.scheduler.max_decode_batch) or (1,)
+        self.graphs = DecodeGraphs(self, sizes, ctx, self.scratch_slot)
+        self.graphs.capture_all()
+        return len(self.graphs.graphs)
     @property
     def num_layers(self) -> int:
         return self.cfg.model.num_layers

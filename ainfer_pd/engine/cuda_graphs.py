@@ -1,0 +1,97 @@
+"""Decode by CUDA-graph replay over (batch, context) buckets.
+
+Each graph binds static, phase-owned inputs (token ids, positions, KV write slots, key
+slots, context lengths) and writes static logits; the engine copies a decode batch into
+the smallest bucket that fits, pads the rest with rows that write into a scratch KV
+slot, and replays. The same graph replays whether P is active or not: P never touches
+these buffers (SPEC 3.5).
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+from torch import Tensor
+
+from .attention import DecodeMeta, ForwardBatch
+
+log = logging.getLogger("ainfer_pd.cuda_graphs")
+
+
+class DecodeGraphs:
+    def __init__(self, runner, batch_sizes: tuple[int, ...], ctx_buckets: tuple[int, ...], scratch_slot: int) -> None:
+        self.runner = runner
+        self.batch_sizes = tuple(sorted(batch_sizes))
+        self.ctx_buckets = tuple(sorted(ctx_buckets))
+        self.scratch = scratch_slot
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, Tensor], Tensor]] = {}
+        self.pool = None
+        self.num_replays = 0
+
+    def capture_all(self) -> None:
+        """Capture largest first so smaller graphs reuse the memory pool."""
+        dev = self.runner.device
+        for B in reversed(self.batch_sizes):
+            for L in reversed(self.ctx_buckets):
+                self._capture(B, L, dev)
+        log.info("captured %d decode graphs", len(self.graphs))
+
+    def _static(self, B: int, L: int, dev) -> dict[str, Tensor]:
+        return {
+            "ids": torch.zeros(B, dtype=torch.int64, device=dev),
+            "pos": torch.zeros(B, dtype=torch.int64, device=dev),
+            "write": torch.full((B,), self.scratch, dtype=torch.int64, device=dev),
+            "keys": torch.full((B, L), self.scratch, dtype=torch.int64, device=dev),
+            "lens": torch.ones(B, dtype=torch.int64, device=dev),
+            "rows": torch.arange(B, dtype=torch.int64, device=dev),
+        }
+
+    def _fb(self, s: dict[str, Tensor]) -> ForwardBatch:
+        return ForwardBatch(s["ids"], s["pos"], s["write"], [], DecodeMeta(s["keys"], s["lens"]), s["rows"])
+
+    def _capture(self, B: int, L: int, dev) -> None:
+        s = self._static(B, L, dev)
+        fb = self._fb(s)
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side), torch.inference_mode():
+            for _ in range(2):                       # warm up outside the graph
+                self.runner.forward_fb(fb)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(g, pool=self.pool):
+            out = self.runner.forward_fb(fb)
+        if self.pool is None:
+            self.pool = g.pool()
+        self.graphs[(B, L)] = (g, s, out)
+
+    def bucket(self, B: int, L: int) -> tuple[int, int] | None:
+        i = bisect.bisect_left(self.batch_sizes, B)
+        j = bisect.bisect_left(self.ctx_buckets, L)
+        if i == len(self.batch_sizes) or j == len(self.ctx_buckets):
+            return None
+        return self.batch_sizes[i], self.ctx_buckets[j]
+
+    def try_run(self, fb: ForwardBatch) -> Tensor | None:
+        """Replay the bucket that fits ``fb`` (decode rows only); None if none fits."""
+        d = fb.decode
+        if d is None or fb.prefill:
+            return None
+        B, L = d.key_slots.shape
+        key = self.bucket(B, L)
+        if key is None or key not in self.graphs:
+            return None
+        g, s, out = self.graphs[key]
+        s["ids"][:B].copy_(fb.input_ids)
+        s["pos"][:B].copy_(fb.positions)
+        s["write"][:B].copy_(fb.write_slots)
+        s["write"][B:].fill_(self.scratch)
+        s["keys"][:B, :L].copy_(d.key_slots)
+        s["keys"][:B, L:].fill_(self.scratch)
+        s["keys"][B:].fill_(self.scratch)
+        s["lens"][:B].copy_(d.ctx_lens)
+        s["lens"][B:].fill_(1)
+        g.replay()
+        self.num_replays += 1
+        return out[:B].clone()
