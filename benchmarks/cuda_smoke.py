@@ -9,7 +9,7 @@ from ainfer_pd import RolloutWorker, SamplingParams, WorkerConfig
 
 async def run(policy: str, graphs: bool):
     cfg = WorkerConfig.from_yaml("configs/tiny-cpu.yaml").replace(**{
-        "device.device": "cuda", "device.cuda_graphs": graphs, "scheduler.policy": policy,
+        "device.device": "cuda", "device.cuda_graphs": graphs, "model.dtype": "bfloat16", "scheduler.policy": policy,
         "device.graph_max_context": 2048, "scheduler.max_decode_batch": 32})
     outs = {}
     async with RolloutWorker(cfg) as w:
@@ -42,6 +42,7 @@ async def main():
         diff = sum(out[k] != ref[k] for k in ref)
         bad += diff
         print(f"  differs from eager normal in {diff} of {len(ref)} turns", flush=True)
-    sys.exit(1 if bad else 0)
+    # bf16: padded graph buckets change GEMM shapes, so rare greedy flips are possible; many are a bug
+    sys.exit(1 if bad > 0.05 * 4 * len(ref) else 0)
 
 asyncio.run(main())

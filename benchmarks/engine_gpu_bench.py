@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--prefill", default="2048,4096,8192")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of prefill and decode")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     batches = [int(b) for b in args.batches.split(",")]
@@ -142,6 +143,12 @@ def main() -> None:
         row = {"tokens": T, "ms": t * 1e3, "tokens_per_s": T / t, "TFLOPs": flops / t / 1e12,
                "fraction_of_peak": flops / t / peak}
         res["prefill"].append(row)
+        if args.profile and T == 4096:
+            from torch.profiler import ProfilerActivity, profile
+            with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+                runner.forward_fb(fb)
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
         print(f"prefill T={T}: {t*1e3:.1f} ms  {T/t:,.0f} tok/s  {flops/t/1e12:.0f} TFLOP/s  "
               f"({flops/t/peak*100:.0f}% of measured matmul peak)", flush=True)
     if args.out:

@@ -62,6 +62,11 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
 
 
+def _expand_kv(t: Tensor, groups: int) -> Tensor:
+    """[.., Hk, L, hd] -> [.., H, L, hd] (explicit GQA expansion keeps SDPA on its fused kernels)."""
+    return t if groups == 1 else t.repeat_interleave(groups, dim=-3)
+
+
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, fb: ForwardBatch) -> Tensor:
     """Write the new K/V into the cache, then attend.
 
@@ -71,17 +76,18 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, fb: ForwardBatc
     kc.index_copy_(0, fb.write_slots, k)
     vc.index_copy_(0, fb.write_slots, v)
     out = torch.empty_like(q)
+    groups = q.shape[1] // k.shape[1]
     for s in fb.prefill:
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)       # [H, q, hd]
-        ks = kc.index_select(0, s.key_slots).transpose(0, 1)        # [Hk, ctx, hd]
-        vs = vc.index_select(0, s.key_slots).transpose(0, 1)
+        ks = _expand_kv(kc.index_select(0, s.key_slots).transpose(0, 1), groups)   # [H, ctx, hd]
+        vs = _expand_kv(vc.index_select(0, s.key_slots).transpose(0, 1), groups)
         p0 = s.ctx_len - s.q_len
         if p0 == 0:        # no cached prefix: plain causal attention (flash kernels on CUDA)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
         else:
             qpos = torch.arange(s.q_len, device=q.device) + p0
             mask = torch.arange(s.ctx_len, device=q.device).unsqueeze(0) <= qpos.unsqueeze(1)   # [q, ctx]
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)  # [H, q, hd]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)  # [H, q, hd]
         out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
     if fb.decode is not None:
         n_p = fb.num_prefill_tokens
@@ -89,9 +95,9 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, fb: ForwardBatc
         B, L = d.key_slots.shape
         qd = q[n_p:].unsqueeze(2)                                    # [B, H, 1, hd]
         flat = d.key_slots.reshape(-1)
-        kd = kc.index_select(0, flat).view(B, L, *kc.shape[1:]).transpose(1, 2)   # [B, Hk, L, hd]
-        vd = vc.index_select(0, flat).view(B, L, *vc.shape[1:]).transpose(1, 2)
+        kd = _expand_kv(kc.index_select(0, flat).view(B, L, *kc.shape[1:]).transpose(1, 2), groups)  # [B, H, L, hd]
+        vd = _expand_kv(vc.index_select(0, flat).view(B, L, *vc.shape[1:]).transpose(1, 2), groups)
         mask = (torch.arange(L, device=q.device).unsqueeze(0) < d.ctx_lens.unsqueeze(1))  # [B, L]
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask[:, None, None, :], enable_gqa=True)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask[:, None, None, :])
         out[n_p:] = o.squeeze(2)
     return out

@@ -50,18 +50,23 @@ def swiglu_grouped(xs: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor) -> Tens
     """
     if xs.shape[0] == 0:
         return xs
-    if xs.is_cuda or xs.dtype == torch.float32 or xs.dtype == torch.bfloat16:
+    if _grouped_ok(xs):
         h = torch._grouped_mm(xs, w13, offs=offsets)             # [N, 2I]
-    else:  # pragma: no cover - float64 CPU path
+    else:  # host-synchronising fallback (float64, or float32 on CUDA): not graph-capturable
         h = _loop_mm(xs, w13, offsets)
     g, u = h.chunk(2, dim=-1)
     y = F.silu(g) * u                                            # [N, I]
-    if xs.is_cuda or y.dtype == torch.float32 or y.dtype == torch.bfloat16:
+    if _grouped_ok(y):
         return torch._grouped_mm(y, w2, offs=offsets)            # [N, D]
-    return _loop_mm(y, w2, offsets)  # pragma: no cover
+    return _loop_mm(y, w2, offsets)
 
 
-def _loop_mm(xs: Tensor, w: Tensor, offsets: Tensor) -> Tensor:  # pragma: no cover
+def _grouped_ok(t: Tensor) -> bool:
+    """``torch._grouped_mm`` runs natively for bf16 on CUDA and for fp32/bf16 on CPU."""
+    return t.dtype == torch.bfloat16 if t.is_cuda else t.dtype in (torch.float32, torch.bfloat16)
+
+
+def _loop_mm(xs: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     out = xs.new_empty(xs.shape[0], w.shape[-1])
     start = 0
     for e, end in enumerate(offsets.tolist()):
@@ -74,17 +79,18 @@ def _loop_mm(xs: Tensor, w: Tensor, offsets: Tensor) -> Tensor:  # pragma: no co
 def experts_local(x: Tensor, r: Routing, w13: Tensor, w2: Tensor) -> Tensor:
     """Routed experts on this rank (no expert parallelism): permute, grouped GEMM, combine.
 
-    x [T, D] -> [T, D]
+    x [T, D] -> [T, D]. The combine un-permutes with a plain scatter (unique indices, no
+    atomics) and sums the k slots of each token in a fixed order, so a token's output does
+    not depend on which other tokens share its batch.
     """
     T, D = x.shape
     k = r.topk_idx.shape[1]
     tok = torch.div(r.order, k, rounding_mode="floor")          # [N] source token of each sorted row
     xs = x.index_select(0, tok)                                 # [N, D]
     ys = swiglu_grouped(xs, w13, w2, r.offsets)                 # [N, D]
-    w = r.topk_weights.reshape(-1).index_select(0, r.order)     # [N]
-    out = torch.zeros_like(x)
-    out.index_add_(0, tok, ys * w.unsqueeze(-1))
-    return out
+    rows = torch.empty_like(ys)
+    rows[r.order] = ys                                          # [N, D] back in (token, slot) order
+    return (rows.view(T, k, D) * r.topk_weights.unsqueeze(-1)).sum(dim=1)
 
 
 def swiglu_dense(x: Tensor, w13: Tensor, w2: Tensor) -> Tensor:

@@ -6,6 +6,7 @@ and D loop decide when each is enqueued.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,8 @@ from .attention import DecodeMeta, ForwardBatch, PrefillSeq
 from .kv_cache import KVCacheManager
 from .model import MoETransformer, SegmentState, build_model
 from .state import Turn
+
+log = logging.getLogger("ainfer_pd.runner")
 
 
 @dataclass(slots=True)
@@ -124,6 +127,9 @@ class ModelRunner:
         """CUDA only: capture decode graphs for the configured buckets."""
         from .cuda_graphs import DecodeGraphs
         dc = self.cfg.device
+        if self.cfg.model.dtype != "bfloat16":
+            log.warning("CUDA graphs need bf16 experts (grouped GEMM); %s decodes eagerly", self.cfg.model.dtype)
+            return 0
         ctx = tuple(c for c in (512, 1024, 2048, 4096, 8192, 16384) if c <= dc.graph_max_context) or (dc.graph_max_context,)
         sizes = tuple(b for b in dc.graph_batch_sizes if b <= self.cfg.scheduler.max_decode_batch) or (1,)
         self.graphs = DecodeGraphs(self, sizes, ctx, self.scratch_slot)
