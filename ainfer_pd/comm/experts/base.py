@@ -1,0 +1,440 @@
+"""Expert dispatcher interface, phase-owned state stand-ins and the dispatch lifecycle.
+
+Shape legend: T = tokens on this rank, k = top-k, D = hidden, E = routed experts,
+L = local experts (E / ep_size), N = rows handed to the local experts.
+
+One dispatcher instance per phase per rank. The phase is fixed at construction and
+selected by the explicit :class:`~ainfer_pd.phase.PhaseContext` (``PhaseDispatchers``),
+never by thread or stream. A dispatch runs in three steps so the background P task can
+stop at the safe boundary after the notification (SPEC §3.2, §3.4)::
+
+    notified = disp.notify(topk_idx, tokens=...)   # counts exchange starts (peers learn the shape)
+    counts   = await notified.wait()               # receive counts (P progress)
+    await permit                                   # turnstile permit
+    d        = disp.dispatch(notified, x, topk_idx, topk_weights)   # routed data movement
+    y        = disp.combine(d, expert_fn(d.x, d.counts))
+
+Lifecycle of the buffer (at most one pending dispatch)::
+
+    IDLE --notify--> NOTIFIED --dispatch--> DISPATCHED --combine--> IDLE
+    NOTIFIED | DISPATCHED --cancel--> RETIRED --quiesce--> IDLE
+
+A cancelled dispatch retires the buffer: after the notification, peers may still write
+into it (device-initiated communication is irrevocable), so it is reused only after a
+quiescent cleanup point (``quiesce``: every outstanding collective of the phase drained).
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, NamedTuple, Protocol, Sequence, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from ...errors import (BufferRetiredError, ConfigError, DispatchCancelledError,
+                       DispatchPendingError, DispatchStateError)
+from ...phase import Phase, PhaseContext
+from .ownership import OwnedObject, OwnershipRegistry
+
+LifetimeToken = tuple[Hashable, int]
+"""``(request_id, lifetime)`` of one request a dispatch serves."""
+
+ExpertFn = Callable[[Tensor, Tensor], Tensor]
+"""``expert_fn(grouped_x [N, D], counts [L] int64) -> [N, D]``: rows sorted by local
+expert, ``counts[l]`` rows for local expert ``l``; rows past ``counts.sum()`` are padding
+(present only on the graph-capturable local path)."""
+
+
+class BufferState(enum.Enum):
+    IDLE = "idle"
+    NOTIFIED = "notified"
+    DISPATCHED = "dispatched"
+    RETIRED = "retired"
+
+
+@dataclass(frozen=True, slots=True)
+class RecvCounts:
+    """Receive counts on the host: what this rank's experts get, known before data moves."""
+
+    per_expert: tuple[int, ...]
+    """Rows per local expert (L entries)."""
+    per_source: tuple[int, ...]
+    """Rows from each source rank (ep_size entries)."""
+    exact: bool = True
+    """False when only an upper bound is known (DeepEP low-latency: counts travel with data)."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_expert)
+
+
+# ---- phase-owned stream / event stand-ins ------------------------------------------------
+class HostStream:
+    """CPU stand-in for a phase's CUDA stream (a named object: it owns an identity only)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"HostStream({self.name!r})"
+
+
+class HostEvent:
+    """CPU stand-in for a CUDA event: ``record()`` marks completion, ``synchronize()`` waits."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._ev = threading.Event()
+
+    def reset(self) -> None:
+        self._ev.clear()
+
+    def record(self) -> None:
+        self._ev.set()
+
+    def query(self) -> bool:
+        return self._ev.is_set()
+
+    def synchronize(self, timeout: float | None = None) -> bool:
+        return self._ev.wait(timeout)
+
+    def __repr__(self) -> str:
+        return f"HostEvent({self.name!r})"
+
+
+class DoubleBufferIndex:
+    """D's double-buffer selector (which of two buffer sets the next call uses)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def flip(self) -> int:
+        cur = self.value
+        self.value ^= 1
+        return cur
+
+
+def make_stream(device: torch.device, name: str) -> Any:
+    if device.type == "cuda":  # pragma: no cover - GPU host only
+        return torch.cuda.Stream(device=device)
+    return HostStream(name)
+
+
+def make_event(device: torch.device, name: str) -> Any:
+    if device.type == "cuda":  # pragma: no cover - GPU host only
+        return torch.cuda.Event()
+    return HostEvent(name)
+
+
+# ---- pending-dispatch handles ------------------------------------------------------------
+class Notified:
+    """A dispatch after its notification: the counts exchange is in flight or done."""
+
+    def __init__(self, owner: "BaseDispatcher", seq: int, tokens: tuple[LifetimeToken, ...],
+                 num_tokens: int, *, ready: Callable[[], bool],
+                 wait: Callable[[], RecvCounts]) -> None:
+        self.owner = owner
+        self.phase = owner.phase
+        self.seq = seq
+        self.tokens = tokens
+        self.num_tokens = num_tokens
+        self.cancelled = False
+        self.done = False
+        self.impl: dict[str, Any] = {}
+        """Backend state of this dispatch (layout, splits, handles)."""
+        self._ready = ready
+        self._wait = wait
+        self._counts: RecvCounts | None = None
+        self._lock = threading.Lock()
+
+    def counts_ready(self) -> bool:
+        """Non-blocking: are the receive counts here?"""
+        return self._counts is not None or self._ready()
+
+    def wait_sync(self) -> RecvCounts:
+        """Block until the receive counts are here (call off the event loop)."""
+        if self.cancelled:
+            raise DispatchCancelledError(f"{self.phase.value} dispatch #{self.seq} was cancelled")
+        with self._lock:
+            if self._counts is None:
+                self._counts = self._wait()
+                self.owner._trace("expert.counts", seq=self.seq, total=self._counts.total)
+        return self._counts
+
+    async def wait(self, timeout: float | None = None) -> RecvCounts:
+        """Await the receive counts without blocking the loop; TimeoutError after ``timeout``."""
+        if self._counts is not None:
+            return self.wait_sync()
+        async with asyncio.timeout(timeout):
+            # NOTE: the counts wait blocks on a collective (or a host-mapped counter),
+            # so it runs in a worker thread; the event loop keeps serving D.
+            return await asyncio.to_thread(self.wait_sync)
+
+    @property
+    def counts(self) -> RecvCounts | None:
+        return self._counts
+
+    def __repr__(self) -> str:
+        return f"Notified(phase={self.phase.value}, seq={self.seq}, ready={self.counts_ready()})"
+
+
+@dataclass(slots=True)
+class Dispatched:
+    """Routed rows on this rank, grouped by local expert."""
+
+    notified: Notified
+    x: Tensor
+    """[N, D] rows sorted by local expert (a view of phase-owned buffers where possible:
+    valid until the next dispatch on the same buffer set)."""
+    counts: Tensor
+    """[L] int64 rows per local expert (device tensor; no host sync needed)."""
+    layout: str = "grouped"
+    """grouped (contiguous per expert) | masked (DeepEP low-latency: [L, capacity, D])."""
+    impl: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> tuple[LifetimeToken, ...]:
+        return self.notified.tokens
+
+
+class CombineResult(NamedTuple):
+    """A combined output tagged with the ``(request_id, lifetime)`` tokens it serves."""
+
+    out: Tensor
+    tokens: tuple[LifetimeToken, ...]
+
+    def stale(self, current_lifetime: Callable[[Hashable], int | None]) -> list[LifetimeToken]:
+        """Tokens whose request no longer has that lifetime (drop their rows; never promote)."""
+        return [(rid, lt) for rid, lt in self.tokens if current_lifetime(rid) != lt]
+
+
+@runtime_checkable
+class ExpertDispatcher(Protocol):
+    phase: Phase
+
+    def notify(self, topk_idx: Tensor, *, tokens: Sequence[LifetimeToken] = ()) -> Notified: ...
+    def dispatch(self, notified: Notified, x: Tensor, topk_idx: Tensor,
+                 topk_weights: Tensor) -> Dispatched: ...
+    def combine(self, dispatched: Dispatched, expert_out: Tensor) -> Tensor: ...
+    def owned_objects(self) -> list[OwnedObject]: ...
+
+
+# ---- lifecycle -----------------------------------------------------------------------------
+class BaseDispatcher:
+    """Lifecycle, tracing and ownership bookkeeping shared by every backend.
+
+    Backends implement ``_notify_impl``, ``_dispatch_impl``, ``_combine_impl``,
+    ``_drain_impl`` and fill ``self._owned`` (one :class:`OwnershipRegistry`).
+    """
+
+    backend = "base"
+
+    def __init__(self, phase: Phase, *, num_experts: int, ep_rank: int, ep_size: int,
+                 recorder: Any = None) -> None:
+        if not isinstance(phase, Phase):
+            raise ConfigError(f"phase must be a Phase, got {phase!r}")
+        if ep_size < 1 or not 0 <= ep_rank < ep_size:
+            raise ConfigError(f"ep_rank={ep_rank} outside [0, ep_size={ep_size})")
+        if num_experts < 1 or num_experts % ep_size:
+            raise ConfigError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
+        self.phase = phase
+        self.num_experts = num_experts
+        self.ep_rank = ep_rank
+        self.ep_size = ep_size
+        self.num_local_experts = num_experts // ep_size
+        self.recorder = recorder
+        self._state = BufferState.IDLE
+        self._pending: Notified | None = None
+        self._seq = 0
+        self.stats = {"notify": 0, "dispatch": 0, "combine": 0, "cancel": 0, "quiesce": 0}
+        self._owned = OwnershipRegistry()
+
+    # ---- state ----
+    @property
+    def state(self) -> BufferState:
+        return self._state
+
+    @property
+    def pending(self) -> Notified | None:
+        return self._pending
+
+    @property
+    def local_expert_range(self) -> tuple[int, int]:
+        """Global ids ``[ep_rank * L, (ep_rank + 1) * L)`` of this rank's expert shard."""
+        return (self.ep_rank * self.num_local_experts, (self.ep_rank + 1) * self.num_local_experts)
+
+    def _trace(self, ev: str, **attrs: Any) -> None:
+        if self.recorder is not None:
+            self.recorder.event(ev, phase=self.phase.value, backend=self.backend, **attrs)
+
+    # ---- the three steps ----
+    def notify(self, topk_idx: Tensor, *, tokens: Sequence[LifetimeToken] = ()) -> Notified:
+        """Start the counts exchange for ``topk_idx [T, k]`` (collective on the phase group)."""
+        if self._state is BufferState.RETIRED:
+            raise BufferRetiredError(
+                f"{self.phase.value} {self.backend} buffer is retired by a cancelled dispatch; "
+                "call quiesce() at a quiescent cleanup point first")
+        if self._state is not BufferState.IDLE:
+            raise DispatchPendingError(
+                f"{self.phase.value} {self.backend} buffer already holds pending dispatch "
+                f"#{self._pending.seq if self._pending else '?'} (at most one per buffer)")
+        if topk_idx.dim() != 2:
+            raise ConfigError(f"topk_idx must be [T, k], got shape {tuple(topk_idx.shape)}")
+        self._seq += 1
+        notified = self._notify_impl(topk_idx, self._seq, tuple(tokens))
+        self._pending = notified
+        self._state = BufferState.NOTIFIED
+        self.stats["notify"] += 1
+        self._trace("expert.notify", seq=notified.seq, num_tokens=notified.num_tokens)
+        return notified
+
+    def dispatch(self, notified: Notified, x: Tensor, topk_idx: Tensor,
+                 topk_weights: Tensor) -> Dispatched:
+        """Move the routed rows (needs the counts: blocks on them if not awaited yet)."""
+        self._check_current(notified, BufferState.NOTIFIED, "dispatch")
+        if x.shape[0] != topk_idx.shape[0] or topk_weights.shape != topk_idx.shape:
+            raise ConfigError(f"x {tuple(x.shape)}, topk_idx {tuple(topk_idx.shape)} and "
+                              f"topk_weights {tuple(topk_weights.shape)} disagree")
+        notified.wait_sync()
+        self._trace("expert.dispatch", seq=notified.seq)
+        d = self._dispatch_impl(notified, x, topk_idx, topk_weights)
+        self._state = BufferState.DISPATCHED
+        self.stats["dispatch"] += 1
+        return d
+
+    def combine(self, dispatched: Dispatched, expert_out: Tensor) -> Tensor:
+        """Return rows to token order; weighted sum over top-k. [N, D] -> [T, D]"""
+        notified = dispatched.notified
+        self._check_current(notified, BufferState.DISPATCHED, "combine")
+        out = self._combine_impl(dispatched, expert_out)
+        notified.done = True
+        self._pending = None
+        self._state = BufferState.IDLE
+        self.stats["combine"] += 1
+        self._trace("expert.combine", seq=notified.seq)
+        return out
+
+    def combine_tagged(self, dispatched: Dispatched, expert_out: Tensor) -> CombineResult:
+        """``combine`` with the result tagged by the ``(request_id, lifetime)`` tokens."""
+        tokens = dispatched.tokens
+        return CombineResult(self.combine(dispatched, expert_out), tokens)
+
+    def run_moe(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, expert_fn: ExpertFn,
+                *, tokens: Sequence[LifetimeToken] = ()) -> Tensor:
+        """Synchronous notify -> dispatch -> experts -> combine (D path, tests)."""
+        notified = self.notify(topk_idx, tokens=tokens)
+        try:
+            d = self.dispatch(notified, x, topk_idx, topk_weights)
+            y = expert_fn(d.x, d.counts)
+            return self.combine(d, y)
+        except BaseException:
+            if self._pending is notified and not notified.done:
+                self.cancel(notified)
+            raise
+
+    # ---- cancellation ----
+    def cancel(self, pending: Notified | Dispatched) -> bool:
+        """Cancel a pending dispatch: its buffer retires until ``quiesce()``.
+
+        Returns False when ``pending`` already finished (nothing to retire).
+        NOTE: the cancel is a rank-aligned decision: every rank of the phase group cancels
+        the same dispatch (an epoch abort), so no rank waits for a data collective.
+        """
+        notified = pending.notified if isinstance(pending, Dispatched) else pending
+        if notified.owner is not self:
+            raise DispatchStateError("cancel() got a dispatch of another dispatcher")
+        if notified.done or notified.cancelled or self._pending is not notified:
+            return False
+        notified.cancelled = True
+        self._state = BufferState.RETIRED
+        self.stats["cancel"] += 1
+        self._trace("expert.cancel", seq=notified.seq, state="retired")
+        return True
+
+    def quiesce(self) -> None:
+        """Quiescent cleanup point: drain every outstanding collective, then reuse the buffer."""
+        self._drain_impl()
+        if self._state is BufferState.RETIRED:
+            self._pending = None
+            self._state = BufferState.IDLE
+            self.stats["quiesce"] += 1
+            self._trace("expert.quiesce")
+
+    def _check_current(self, notified: Notified, want: BufferState, what: str) -> None:
+        if notified.owner is not self:
+            raise DispatchStateError(f"{what}: the dispatch belongs to another dispatcher "
+                                     f"({notified.phase.value})")
+        if notified.cancelled:
+            raise DispatchCancelledError(
+                f"{what}: {self.phase.value} dispatch #{notified.seq} was cancelled; "
+                "its data must not be used")
+        if self._pending is not notified or self._state is not want:
+            raise DispatchStateError(f"{what}: dispatch #{notified.seq} is not the pending one "
+                                     f"in state {want.value} (buffer is {self._state.value})")
+
+    # ---- ownership ----
+    def owned_objects(self) -> list[OwnedObject]:
+        return list(self._owned.objects)
+
+    # ---- backend hooks ----
+    def _notify_impl(self, topk_idx: Tensor, seq: int,
+                     tokens: tuple[LifetimeToken, ...]) -> Notified:  # pragma: no cover
+        raise NotImplementedError
+
+    def _dispatch_impl(self, notified: Notified, x: Tensor, topk_idx: Tensor,
+                       topk_weights: Tensor) -> Dispatched:  # pragma: no cover
+        raise NotImplementedError
+
+    def _combine_impl(self, dispatched: Dispatched, expert_out: Tensor) -> Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    def _drain_impl(self) -> None:
+        pass
+
+
+class PhaseDispatchers:
+    """The P and D dispatcher of one rank, chosen by the explicit phase identity."""
+
+    def __init__(self, prefill: ExpertDispatcher, decode: ExpertDispatcher) -> None:
+        if prefill.phase is not Phase.PREFILL or decode.phase is not Phase.DECODE:
+            raise ConfigError("PhaseDispatchers(prefill=P dispatcher, decode=D dispatcher)")
+        if prefill is decode:
+            raise ConfigError("P and D need separate dispatchers (phase-owned state)")
+        self._by_phase = {Phase.PREFILL: prefill, Phase.DECODE: decode}
+
+    def get(self, ctx: PhaseContext | Phase) -> ExpertDispatcher:
+        phase = ctx.phase if isinstance(ctx, PhaseContext) else ctx
+        if not isinstance(phase, Phase):
+            raise ConfigError(f"expected a PhaseContext or Phase, got {ctx!r}")
+        return self._by_phase[phase]
+
+    @property
+    def prefill(self) -> ExpertDispatcher:
+        return self._by_phase[Phase.PREFILL]
+
+    @property
+    def decode(self) -> ExpertDispatcher:
+        return self._by_phase[Phase.DECODE]
+
+    def registry(self, shared: Sequence[OwnedObject] = ()) -> OwnershipRegistry:
+        """A registry with both phases' objects (and the caller's shared ones)."""
+        reg = OwnershipRegistry()
+        reg.add_dispatcher(self.prefill)
+        reg.add_dispatcher(self.decode)
+        reg.add(shared)
+        return reg
+
+
+# ---- routing helpers (no host sync) ----------------------------------------------------------
+def expert_keys(topk_idx: Tensor, num_experts: int) -> Tensor:
+    """[T, k] -> [T*k] sort keys: the expert id, ``num_experts`` for a ``-1`` (no selection)."""
+    flat = topk_idx.reshape(-1)
+    return torch.where(flat < 0, torch.full_like(flat, num_experts), flat)
+
+
+def qp_slice(phase: Phase, s: int) -> tuple[int, int]:
+    """QP index range of a phase: D ``[0, s)``, P ``[s, 2s)`` (SPEC §3.4)."""
+    return (0, s) if phase is Phase.DECODE else (s, 2 * s)
