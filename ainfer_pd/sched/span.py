@@ -1,0 +1,195 @@
+"""Span policy and activation of the multiplexed path (SPEC 3.6), pure functions over plain data.
+
+A span policy maps the current load (:class:`SpanInputs`) to the turnstile span ``K``
+(how many safe boundaries P may cross per D round). Smaller ``K`` gives D more entry
+points but costs more rendezvous and P enqueue overhead; larger ``K`` makes D wait
+longer. The paper's selector chose ``K = 2`` in all runs, so ``auto`` defaults to it.
+
+Policy never changes a correctness contract: it only chooses among validated spans.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from ..errors import ConfigError
+
+MIN_SPAN = 1
+MAX_SPAN = 4
+DEFAULT_SPAN = 2
+
+
+@dataclass(frozen=True)
+class SpanInputs:
+    num_d_rows: int = 0
+    """Decode rows in the current D batch."""
+    max_d_rows: int = 0
+    """D batch capacity (0 = unknown)."""
+    num_p_waiting_tokens: int = 0
+    """New tokens of every P request waiting or running."""
+    p_budget_tokens: int = 0
+    """Token budget of one P epoch (0 = unknown)."""
+    num_boundaries_left: int = 0
+    """Safe boundaries the active P epoch has still to cross (informational)."""
+
+    @property
+    def d_occupancy(self) -> float:
+        """Fraction of the D batch in use (0 when the capacity is unknown)."""
+        return self.num_d_rows / self.max_d_rows if self.max_d_rows > 0 else 0.0
+
+    @property
+    def p_pressure(self) -> float:
+        """Waiting P tokens in units of one epoch budget (0 when the budget is unknown)."""
+        return self.num_p_waiting_tokens / self.p_budget_tokens if self.p_budget_tokens > 0 else 0.0
+
+
+SpanPolicy = Callable[[SpanInputs], int]
+"""A callable ``(SpanInputs) -> K`` with ``K`` a validated span (1..4)."""
+
+
+def _validate_span(k: object, what: str) -> int:
+    if isinstance(k, bool) or not isinstance(k, int) or not MIN_SPAN <= k <= MAX_SPAN:
+        raise ConfigError(f"{what}={k!r}: a span must be an integer in {MIN_SPAN}..{MAX_SPAN}")
+    return k
+
+
+@dataclass(frozen=True)
+class FixedSpan:
+    k: int
+    name: str = "fixed"
+
+    def __call__(self, inputs: SpanInputs) -> int:
+        return self.k
+
+
+@dataclass(frozen=True)
+class AutoSpan:
+    """Load-selected span among validated spans; deterministic.
+
+    Rules, first match wins (``occ`` = D occupancy, ``pres`` = P pressure):
+
+    1. load unknown (``max_d_rows`` or ``p_budget_tokens`` is 0) -> the default span;
+    2. ``occ >= high_occupancy`` and ``pres < low_pressure`` -> the smallest span
+       (a full D batch with little P behind it: give D the most entry points);
+    3. ``pres >= high_pressure`` and ``occ <= low_occupancy`` -> the largest span
+       (a P backlog with few D rows: fewer rendezvous, less P enqueue overhead);
+    4. otherwise the default span: the allowed span closest to 2 (ties -> the smaller).
+    """
+    spans: tuple[int, ...] = (1, 2, 3, 4)
+    high_occupancy: float = 0.75
+    low_pressure: float = 0.5
+    high_pressure: float = 1.0
+    low_occupancy: float = 0.25
+    name: str = "auto"
+
+    @property
+    def default(self) -> int:
+        return min(self.spans, key=lambda k: (abs(k - DEFAULT_SPAN), k))
+
+    def __call__(self, inputs: SpanInputs) -> int:
+        if inputs.max_d_rows <= 0 or inputs.p_budget_tokens <= 0:
+            return self.default
+        occ, pres = inputs.d_occupancy, inputs.p_pressure
+        if occ >= self.high_occupancy and pres < self.low_pressure:
+            return min(self.spans)
+        if pres >= self.high_pressure and occ <= self.low_occupancy:
+            return max(self.spans)
+        return self.default
+
+
+def fixed_span(k: int) -> FixedSpan:
+    """The span policy that always answers ``k`` (validated: 1..4)."""
+    return FixedSpan(_validate_span(k, "span"))
+
+
+def auto_span(spans: tuple[int, ...] = (1, 2, 3, 4)) -> AutoSpan:
+    """The load-selected span policy choosing among ``spans`` (each validated: 1..4)."""
+    spans = tuple(spans)
+    if not spans:
+        raise ConfigError("auto_spans must name at least one span")
+    for k in spans:
+        _validate_span(k, "auto_spans")
+    return AutoSpan(tuple(sorted(set(spans))))
+
+
+def make_span_policy(mux_cfg) -> FixedSpan | AutoSpan:
+    """The span policy of a :class:`~ainfer_pd.config.MuxConfig` (``span``: "1".."4" or "auto")."""
+    span = str(mux_cfg.span)
+    if span == "auto":
+        return auto_span(tuple(mux_cfg.auto_spans))
+    try:
+        k = int(span)
+    except ValueError:
+        raise ConfigError(f"mux.span={mux_cfg.span!r}: expected 1..4 or auto") from None
+    return fixed_span(k)
+
+
+@dataclass(frozen=True)
+class SpanSwitch:
+    """One change of the span, logged with the load that caused it."""
+    epoch: int | None
+    previous: int
+    chosen: int
+    permit: int | float
+    num_p_waiting_tokens: int
+    num_d_rows: int
+    max_d_rows: int
+
+    def as_event(self) -> dict:
+        """Fields for ``recorder.event("span_switch", ...)`` (an open gate's permit as None)."""
+        return {"epoch": self.epoch, "previous": self.previous, "chosen": self.chosen,
+                "permit": None if math.isinf(self.permit) else self.permit,
+                "p_queue_tokens": self.num_p_waiting_tokens, "d_rows": self.num_d_rows,
+                "d_capacity": self.max_d_rows}
+
+
+def span_switch(previous: int, chosen: int, inputs: SpanInputs, *, epoch: int | None,
+                permit: int | float) -> SpanSwitch | None:
+    """The :class:`SpanSwitch` record when ``chosen`` differs from ``previous``, else None."""
+    if chosen == previous:
+        return None
+    return SpanSwitch(epoch=epoch, previous=previous, chosen=chosen, permit=permit,
+                      num_p_waiting_tokens=inputs.num_p_waiting_tokens,
+                      num_d_rows=inputs.num_d_rows, max_d_rows=inputs.max_d_rows)
+
+
+class Activation:
+    """Switches the multiplexed P/D path on only while concurrent P exists.
+
+    On when ``num_p_waiting >= threshold`` and ``num_d_rows > 0``; once on, it stays on
+    until the condition has been false for ``cooldown_s``. ``switches`` counts every
+    on/off transition. ``now`` is any monotonic clock in seconds.
+    """
+
+    def __init__(self, threshold: int = 1, cooldown_s: float = 0.05) -> None:
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
+            raise ConfigError(f"activation threshold must be an integer >= 1, got {threshold!r}")
+        if not cooldown_s >= 0:
+            raise ConfigError(f"activation cooldown must be >= 0 s, got {cooldown_s!r}")
+        self.threshold = threshold
+        self.cooldown_s = float(cooldown_s)
+        self.on = False
+        self.switches = 0
+        self._last_true: float | None = None
+
+    def update(self, now: float, num_p_waiting: int, num_d_rows: int) -> bool:
+        """Feed the current load; returns whether the multiplexed path is on."""
+        cond = num_p_waiting >= self.threshold and num_d_rows > 0
+        if cond:
+            self._last_true = now
+            new = True
+        elif self.on:
+            # NOTE: stays on while now - last_true < cooldown_s (a cooldown of 0 turns off at once).
+            new = self._last_true is not None and now - self._last_true < self.cooldown_s
+        else:
+            new = False
+        if new != self.on:
+            self.switches += 1
+            self.on = new
+        return self.on
+
+
+def make_activation(mux_cfg) -> Activation:
+    """The :class:`Activation` of a :class:`~ainfer_pd.config.MuxConfig`."""
+    return Activation(mux_cfg.activation_threshold, mux_cfg.activation_cooldown_s)
