@@ -1,0 +1,137 @@
+"""verl ``sampling_params`` dict -> :class:`ainfer_pd.SamplingParams` (pure, no verl import).
+
+verl's agent loops build ``sampling_params`` as a plain dict (``AgentLoopWorker``:
+``temperature, top_p, top_k, repetition_penalty, logprobs``; tool loops add
+``stop_token_ids``; clients may add ``max_tokens`` or sglang-style ``max_new_tokens``).
+The mapping mirrors verl's vLLM server (``vLLMHttpServer.generate``):
+
+==========================  ===========================================================
+verl key                    ainfer-pd
+==========================  ===========================================================
+``temperature``             ``temperature`` (0 = greedy)
+``top_p``                   ``top_p``
+``top_k``                   ``top_k`` (``-1``/``0``/``None`` = off)
+``repetition_penalty``      ``repetition_penalty`` (default: ``rollout.repetition_penalty``)
+``logprobs``                ``logprobs`` (truthy -> return the sampled tokens' logprobs,
+                            as verl's vLLM server; top-k alternatives are not returned)
+``max_tokens``              ``max_new_tokens`` (wins over ``max_new_tokens``)
+``max_new_tokens``          ``max_new_tokens``
+(neither)                   ``min(response_length, prompt_length + response_length -
+                            len(prompt))`` like verl's vLLM server
+``stop_token_ids``          ``stop_token_ids``
+``ignore_eos``              ``ignore_eos`` (default: ``rollout.ignore_eos``)
+``seed``                    ``seed`` (per-request seed)
+==========================  ===========================================================
+
+Then ``max_new_tokens`` is clamped to ``[1, max_context_len - len(prompt)]``.
+
+Known keys that are accepted and **ignored** (listed in :data:`IGNORED_KEYS`, reported
+back by :func:`to_sampling_params`): ``n`` (verl samples ``n`` by repeating the prompt),
+``do_sample`` (verl already folds it into temperature/top_p/top_k), ``min_p``,
+``min_tokens``, ``presence_penalty``, ``frequency_penalty``, ``stop`` (strings: this
+backend is token-in/token-out, stop on ``stop_token_ids``), ``skip_special_tokens``,
+``spaces_between_special_tokens``, ``include_stop_str_in_output``, ``detokenize``,
+``prompt_logprobs``, ``logprobs_mode``, ``extra_args``, ``priority``. Any other key is
+ignored too and reported as unknown (the server logs it once per key).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ...errors import ContextLengthError, InvalidRequestError
+from ...request import SamplingParams
+
+__all__ = ["IGNORED_KEYS", "MAPPED_KEYS", "MappedSampling", "to_sampling_params"]
+
+MAPPED_KEYS = frozenset({
+    "temperature", "top_p", "top_k", "repetition_penalty", "logprobs", "max_tokens",
+    "max_new_tokens", "stop_token_ids", "ignore_eos", "seed",
+})
+IGNORED_KEYS = frozenset({
+    "n", "do_sample", "min_p", "min_tokens", "presence_penalty", "frequency_penalty", "stop",
+    "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+    "detokenize", "prompt_logprobs", "logprobs_mode", "extra_args", "priority",
+})
+
+
+@dataclass(frozen=True, slots=True)
+class MappedSampling:
+    params: SamplingParams
+    ignored: tuple[str, ...]
+    """Known verl keys this backend ignores (see module docstring)."""
+    unknown: tuple[str, ...]
+    """Keys neither mapped nor known: ignored as well."""
+
+
+def _num(d: Mapping[str, Any], key: str, default: Any) -> Any:
+    v = d.get(key, default)
+    return default if v is None else v
+
+
+def to_sampling_params(
+    sampling_params: Mapping[str, Any] | None,
+    *,
+    prompt_len: int,
+    max_context_len: int,
+    response_length: int | None = None,
+    prompt_length: int | None = None,
+    default_repetition_penalty: float = 1.0,
+    default_ignore_eos: bool = False,
+) -> MappedSampling:
+    """Map a verl ``sampling_params`` dict; never mutates the caller's dict.
+
+    ``prompt_len`` is the length of the whole context the model sees this turn
+    (retained prefix + new tokens). Raises :class:`InvalidRequestError` for bad values
+    and :class:`ContextLengthError` when no token fits in the context.
+    """
+    sp = dict(sampling_params or {})
+    room = max_context_len - prompt_len
+    if room < 1:
+        raise ContextLengthError(
+            f"prompt of {prompt_len} tokens leaves no room to generate within max_context_len={max_context_len}")
+    if sp.get("max_tokens") is not None:
+        max_new = sp["max_tokens"]
+    elif sp.get("max_new_tokens") is not None:
+        max_new = sp["max_new_tokens"]
+    elif response_length is not None:
+        max_new = response_length
+        if prompt_length is not None:
+            max_new = min(response_length, prompt_length + response_length - prompt_len)
+    else:
+        max_new = room
+    if isinstance(max_new, bool) or not isinstance(max_new, int):
+        try:
+            if float(max_new) != int(max_new):
+                raise ValueError
+            max_new = int(max_new)
+        except (TypeError, ValueError):
+            raise InvalidRequestError(f"sampling_params max_tokens must be an integer, got {max_new!r}") from None
+    max_new = max(1, min(max_new, room))
+
+    top_k = _num(sp, "top_k", -1)
+    if isinstance(top_k, float) and top_k.is_integer():
+        top_k = int(top_k)
+    if top_k == 0:
+        top_k = -1
+    logprobs = bool(sp.get("logprobs", False))  # as verl's vLLM server: truthy = on
+    stop = sp.get("stop_token_ids") or ()
+    try:
+        stop = tuple(int(t) for t in stop)
+    except (TypeError, ValueError):
+        raise InvalidRequestError(f"sampling_params stop_token_ids must be integers, got {stop!r}") from None
+    seed = sp.get("seed")
+    params = SamplingParams(
+        max_new_tokens=max_new,
+        temperature=float(_num(sp, "temperature", 1.0)),
+        top_p=float(_num(sp, "top_p", 1.0)),
+        top_k=top_k,
+        repetition_penalty=float(_num(sp, "repetition_penalty", default_repetition_penalty)),
+        seed=None if seed is None else int(seed),
+        stop_token_ids=stop,
+        ignore_eos=bool(_num(sp, "ignore_eos", default_ignore_eos)),
+        logprobs=logprobs,
+    )
+    ignored = tuple(sorted(k for k in sp if k in IGNORED_KEYS))
+    unknown = tuple(sorted(k for k in sp if k not in IGNORED_KEYS and k not in MAPPED_KEYS))
+    return MappedSampling(params=params, ignored=ignored, unknown=unknown)

@@ -1,0 +1,536 @@
+"""The ainfer-pd rollout server: one Ray actor per replica, hosting a :class:`RolloutWorker`.
+
+verl's ``LLMServerClient`` calls :meth:`AInferPDServer.generate` through Ray (token in,
+token out); ``RolloutReplica`` fans the control methods out to it (``wake_up``,
+``sleep``, ``abort_all_requests``, ``resume_generation``, ``clear_kv_cache``,
+``release_kv_cache``, ``resume_kv_cache``, ``set_global_steps``, ...); the
+``BaseRollout`` adapter (:mod:`.rollout`) streams weights into it.
+
+KV reuse across turns. The worker keeps the KV cache of every *retained trajectory*.
+A request reuses one in three ways, best first:
+
+1. ``ainfer_pd_continue=True, ainfer_pd_trajectory_id=tid``: ``prompt_ids`` holds only the
+   new observation tokens -> ``worker.continue_(tid, obs)`` (the ``ainfer_pd_tool_agent``
+   loop sends this).
+2. ``session_id=...`` (explicit session hint): the trajectory last used by that session
+   is reused when the request's prompt extends its context.
+3. prefix match: verl's own ``ToolAgentLoop`` re-sends the whole context under a fresh
+   request id every turn; a retained, idle trajectory whose *whole* context is a prefix
+   of the prompt is reused (``worker.find_prefix_trajectory`` when the worker has it,
+   else this server's own index). Partial matches are not taken, so GRPO siblings that
+   share a prompt never steal each other's trajectory.
+
+Retained trajectories are bounded (``max_retained_trajectories``, LRU over idle ones)
+and all released by :meth:`clear_kv_cache` (called by verl after every weight update:
+KV computed under old weights is never reused under new ones).
+
+No socket is opened unless ``http: true`` in the engine kwargs; then a small
+token-in/token-out HTTP endpoint binds to ``127.0.0.1`` (``host`` overrides it).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import importlib
+import logging
+import os
+import time
+from typing import Any, Iterable, Optional
+
+from ...errors import (AInferPDError, BackendUnavailableError, InvalidRequestError, TrajectoryBusyError,
+                       UnknownTrajectoryError, WeightUpdateError)
+from .sampling import to_sampling_params
+
+logger = logging.getLogger(__name__)
+
+#: Keys of ``rollout.engine_kwargs.ainfer_pd`` (everything else is rejected).
+ENGINE_KWARGS = {
+    "config": "path of an ainfer-pd WorkerConfig YAML (default: the packaged configs/tiny-cpu.yaml)",
+    "overrides": "dotted WorkerConfig overrides, e.g. {'scheduler.policy': 'fine-grained'}",
+    "worker_cls": "import path of the worker class (default ainfer_pd.RolloutWorker)",
+    "max_retained_trajectories": "idle trajectories kept for KV reuse (LRU), default 4096",
+    "cast_weight_dtype": "cast incoming floating weights to the model's dtype (default true)",
+    "http": "also serve a token-in/token-out HTTP endpoint (default false)",
+    "host": "HTTP bind address (default 127.0.0.1)",
+}
+
+
+def _to_plain(obj: Any) -> Any:
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+        if isinstance(obj, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(obj, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(obj, dict):
+        return {k: _to_plain(v) for k, v in obj.items()}
+    return obj
+
+
+def engine_kwargs_of(rollout_config: Any) -> dict:
+    """``rollout.engine_kwargs.ainfer_pd`` as a plain dict, unknown keys rejected."""
+    ek = getattr(rollout_config, "engine_kwargs", None) if not isinstance(rollout_config, dict) \
+        else rollout_config.get("engine_kwargs")
+    ek = _to_plain(ek) or {}
+    mine = dict(ek.get("ainfer_pd") or {})
+    unknown = sorted(set(mine) - set(ENGINE_KWARGS))
+    if unknown:
+        from ...errors import ConfigError
+        raise ConfigError(f"unknown rollout.engine_kwargs.ainfer_pd key(s) {unknown}; known: {sorted(ENGINE_KWARGS)}")
+    return mine
+
+
+def default_config_path() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    return os.path.normpath(os.path.join(here, "..", "..", "..", "configs", "tiny-cpu.yaml"))
+
+
+def build_worker_config(engine_kwargs: dict):
+    from ...config import WorkerConfig
+    cfg = WorkerConfig.from_yaml(engine_kwargs.get("config") or default_config_path())
+    overrides = engine_kwargs.get("overrides") or {}
+    return cfg.replace(**overrides) if overrides else cfg
+
+
+def _import(path: str):
+    mod, _, name = path.replace(":", ".").rpartition(".")
+    try:
+        return getattr(importlib.import_module(mod), name)
+    except (ImportError, AttributeError) as exc:
+        raise BackendUnavailableError(f"cannot import worker class {path!r}: {exc}") from None
+
+
+class AInferPDServer:
+    """Plain class; the replica wraps it with ``ray.remote``. One asyncio loop (Ray's)."""
+
+    def __init__(self, config: Any, replica_rank: int = 0, node_rank: int = 0,
+                 rollout_mode: str = "standalone", cuda_visible_devices: Optional[str] = None) -> None:
+        self.replica_rank = replica_rank
+        self.node_rank = node_rank
+        self.rollout_mode = str(getattr(rollout_mode, "value", rollout_mode))
+        self.config = config
+        self.engine_kwargs = engine_kwargs_of(config)
+        self.worker_config = build_worker_config(self.engine_kwargs)
+        self._get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) \
+            else (lambda k, d=None: getattr(config, k, d))
+        self.free_cache_engine = bool(self._get("free_cache_engine", True))
+        self.max_retained = int(self.engine_kwargs.get("max_retained_trajectories", 4096))
+        self.cast_weight_dtype = bool(self.engine_kwargs.get("cast_weight_dtype", True))
+        self.worker = None
+        self.global_steps: Optional[int] = None
+        # KV-reuse bookkeeping (token contexts are cheap host lists)
+        self._contexts: "collections.OrderedDict[str, list[int]]" = collections.OrderedDict()
+        self._sessions: dict[str, str] = {}
+        self._busy: set[str] = set()
+        self._inflight: dict[str, str] = {}          # verl request_id -> trajectory id (or "")
+        self._inflight_tasks: dict[str, asyncio.Task] = {}
+        # admission gate (abort_all_requests / resume_generation)
+        self._paused = False
+        self._rejecting = False
+        self._resume = asyncio.Event()
+        self._resume.set()
+        self._staged: Optional[list] = None
+        self._warned_keys: set[str] = set()
+        self._http = None
+        self._host = str(self.engine_kwargs.get("host", "127.0.0.1"))
+        self._port = 0
+        self.stats = collections.Counter()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def launch_server(self, *args, **kwargs) -> None:
+        if self.worker is not None:
+            return
+        cls = _import(self.engine_kwargs.get("worker_cls") or "ainfer_pd.RolloutWorker")
+        worker = cls(self.worker_config)
+        await worker.__aenter__()
+        self.worker = worker
+        if self.engine_kwargs.get("http", False):
+            await self._start_http()
+
+    async def shutdown(self) -> None:
+        if self._http is not None:
+            self._http.should_exit = True
+        if self.worker is not None:
+            w, self.worker = self.worker, None
+            await w.__aexit__(None, None, None)
+
+    def get_server_address(self) -> tuple[str, int]:
+        return self._host, self._port
+
+    def get_worker_config(self) -> dict:
+        return self.worker_config.to_dict()
+
+    # ------------------------------------------------------------------ generate
+    def _ctx_len(self) -> int:
+        return int(self.worker_config.model.max_context_len)
+
+    def _map(self, sampling_params: dict, prompt_len: int):
+        mapped = to_sampling_params(
+            sampling_params, prompt_len=prompt_len, max_context_len=self._ctx_len(),
+            response_length=self._get("response_length", None), prompt_length=self._get("prompt_length", None),
+            default_repetition_penalty=float(self._get("repetition_penalty", 1.0) or 1.0),
+            default_ignore_eos=bool(self._get("ignore_eos", False)))
+        for k in mapped.ignored + mapped.unknown:
+            if k not in self._warned_keys:
+                self._warned_keys.add(k)
+                logger.info("ainfer_pd: sampling_params key %r is ignored by this backend", k)
+        return mapped.params
+
+    def _find_reuse(self, prompt_ids: list[int], session_id: Optional[str]) -> Optional[str]:
+        """An idle retained trajectory whose whole context is a prefix of ``prompt_ids``."""
+        def extends(tid: Optional[str]) -> bool:
+            ctx = self._contexts.get(tid) if tid else None
+            return (ctx is not None and tid not in self._busy and len(ctx) <= len(prompt_ids)
+                    and prompt_ids[:len(ctx)] == ctx)
+
+        if session_id is not None and extends(self._sessions.get(session_id)):
+            self.stats["reuse_session"] += 1
+            return self._sessions[session_id]
+        finder = getattr(self.worker, "find_prefix_trajectory", None)
+        if finder is not None:
+            hit = finder(prompt_ids)
+            if hit is not None:
+                tid, n = hit
+                if extends(tid) and n >= len(self._contexts[tid]):
+                    self.stats["reuse_prefix_worker"] += 1
+                    return tid
+        # Fallback (worker without find_prefix_trajectory): this server's own index.
+        best, best_len = None, 0
+        for tid, ctx in self._contexts.items():
+            if len(ctx) > best_len and extends(tid):
+                best, best_len = tid, len(ctx)
+        if best is not None:
+            self.stats["reuse_prefix_server"] += 1
+        return best
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        request_id: str,
+        image_data: Optional[list[Any]] = None,
+        video_data: Optional[list[Any]] = None,
+        audio_data: Optional[list[Any]] = None,
+        mm_processor_kwargs: Optional[dict[str, Any]] = None,
+        priority: int = 0,
+        session_id: Optional[str] = None,
+        ainfer_pd_trajectory_id: Optional[str] = None,
+        ainfer_pd_continue: bool = False,
+        **kwargs: Any,
+    ):
+        """verl's server ``generate``: token ids in, :class:`TokenOutput` out."""
+        from verl.workers.rollout.replica import TokenOutput
+
+        if image_data or video_data or audio_data:
+            raise InvalidRequestError("ainfer-pd serves text-only MoE models: image/video/audio data is not supported")
+        if self.worker is None:
+            await self.launch_server()
+        prompt_ids = [int(t) for t in (prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else prompt_ids)]
+        extra: dict[str, Any] = {"global_steps": self.global_steps}
+
+        def aborted(**more) -> "TokenOutput":
+            return TokenOutput(token_ids=[], log_probs=None, stop_reason="aborted",
+                               extra_fields={**extra, "num_cached_tokens": 0, **more})
+
+        while self._paused:
+            if self._rejecting:
+                return aborted()
+            await self._resume.wait()
+
+        # ---- choose the KV-reuse path
+        tid: Optional[str] = None
+        obs: Optional[list[int]] = None
+        if ainfer_pd_continue:
+            if ainfer_pd_trajectory_id not in self._contexts:
+                # Context unknown here (released, cleared, other replica): the client re-sends it all.
+                return aborted(ainfer_pd_resend_full=True)
+            if ainfer_pd_trajectory_id in self._busy:
+                raise TrajectoryBusyError(f"trajectory {ainfer_pd_trajectory_id} already has a turn in flight")
+            tid, obs = ainfer_pd_trajectory_id, prompt_ids
+            full = self._contexts[tid] + obs
+        else:
+            full = prompt_ids
+            tid = self._find_reuse(full, session_id)
+        sp = self._map(sampling_params, len(full))
+
+        if tid is not None:
+            self._busy.add(tid)
+        self._inflight[request_id] = tid or ""
+        prior_ctx = self._contexts.get(tid) if tid else None
+        try:
+            task = asyncio.ensure_future(self._run_turn(tid, obs, full, sp, request_id))
+            self._inflight_tasks[request_id] = task
+            out = await task
+        except asyncio.CancelledError:
+            return aborted()
+        finally:
+            self._inflight.pop(request_id, None)
+            self._inflight_tasks.pop(request_id, None)
+            if tid is not None:
+                self._busy.discard(tid)
+
+        new_tid = out.trajectory_id
+        if out.finish_reason == "abort":
+            # The turn was aborted: forget its KV, keep the prior context so a retry can
+            # re-prefill it (verl re-sends the prompt after an abort).
+            self.stats["aborted"] += 1
+            await self._release_quietly(new_tid, keep_context=prior_ctx)
+            return aborted(ainfer_pd_trajectory_id=new_tid if prior_ctx is not None else None)
+        self._contexts[new_tid] = full + list(out.token_ids)
+        self._contexts.move_to_end(new_tid)
+        if session_id is not None:
+            self._sessions[session_id] = new_tid
+        await self._evict()
+        self.stats["turns"] += 1
+        self.stats["cached_tokens"] += out.num_cached_tokens
+        extra.update(num_cached_tokens=int(out.num_cached_tokens), num_prompt_tokens=int(out.num_prompt_tokens),
+                     ainfer_pd_trajectory_id=new_tid, ttft_s=float(out.ttft_s), latency_s=float(out.latency_s))
+        return TokenOutput(
+            token_ids=list(out.token_ids),
+            log_probs=list(out.logprobs) if sp.logprobs and out.logprobs is not None else None,
+            stop_reason="completed",
+            num_preempted=0,
+            extra_fields=extra,
+        )
+
+    async def _run_turn(self, tid, obs, full, sp, request_id):
+        if obs is not None:
+            try:
+                return await self.worker.continue_(tid, obs, sp)
+            except UnknownTrajectoryError:
+                # The worker evicted/released it: prefill the known context from scratch.
+                self.stats["reuse_lost"] += 1
+                self._contexts.pop(tid, None)
+                return await self.worker.generate(full, sp, trajectory_id=None)
+        if tid is not None:
+            try:
+                return await self.worker.generate(full, sp, trajectory_id=tid)
+            except UnknownTrajectoryError:
+                self.stats["reuse_lost"] += 1
+                self._contexts.pop(tid, None)
+        return await self.worker.generate(full, sp, trajectory_id=None)
+
+    async def _release_quietly(self, tid: Optional[str], keep_context: Optional[list[int]] = None) -> None:
+        if not tid:
+            return
+        try:
+            await self.worker.release(tid)
+        except (UnknownTrajectoryError, TrajectoryBusyError):
+            pass
+        if keep_context is not None:
+            self._contexts[tid] = keep_context
+        else:
+            self._contexts.pop(tid, None)
+            for s in [s for s, t in self._sessions.items() if t == tid]:
+                del self._sessions[s]
+
+    async def _evict(self) -> None:
+        while len(self._contexts) > self.max_retained:
+            victim = next((t for t in self._contexts if t not in self._busy), None)
+            if victim is None:
+                return
+            await self._release_quietly(victim)
+            self.stats["evicted"] += 1
+
+    async def release_trajectory(self, trajectory_id: str) -> bool:
+        """End of an episode: free its KV now instead of waiting for LRU eviction."""
+        known = trajectory_id in self._contexts
+        if trajectory_id not in self._busy:
+            await self._release_quietly(trajectory_id)
+        return known
+
+    async def abort_request(self, request_id: str, reset_prefix_cache: bool = False) -> dict[str, Any]:
+        if request_id not in self._inflight:
+            return {"aborted": False, "request_id": request_id, "error": "request not found"}
+        tid = self._inflight[request_id]
+        if tid and hasattr(self.worker, "abort"):
+            await self.worker.abort(tid)
+        else:
+            task = self._inflight_tasks.get(request_id)
+            if task is not None:
+                task.cancel()
+        return {"aborted": True, "request_id": request_id}
+
+    # ------------------------------------------------------------------ control plane
+    async def abort_all_requests(self, reset_prefix_cache: bool = False, reject_request: bool = False) -> dict[str, Any]:
+        """Close admission and abort every in-flight turn (``stop_reason="aborted"``).
+
+        Unlike vLLM, idle retained trajectories are kept unless ``reset_prefix_cache``:
+        verl calls :meth:`clear_kv_cache` after any weight update anyway.
+        """
+        self._paused = True
+        self._rejecting = reject_request
+        self._resume.clear()
+        request_ids = list(self._inflight)
+        abort_all = getattr(self.worker, "abort_all", None)
+        if abort_all is not None:
+            await abort_all()
+        else:
+            # Fallback until the worker has abort_all(): abort each in-flight trajectory.
+            for rid in request_ids:
+                await self.abort_request(rid)
+        await self.wait_for_requests_to_drain()
+        if reset_prefix_cache:
+            await self.clear_kv_cache()
+        return {"aborted_count": len(request_ids), "request_ids": request_ids}
+
+    async def resume_generation(self) -> None:
+        self._paused = False
+        self._rejecting = False
+        self._resume.set()
+
+    async def wait_for_requests_to_drain(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self._inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+
+    async def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        if self.node_rank != 0 or self.rollout_mode == "standalone":
+            return
+        fn = getattr(self.worker, "wake_up", None)
+        if fn is None:
+            logger.warning("ainfer_pd: worker has no wake_up(); nothing was offloaded, nothing to restore")
+            return
+        await (fn(tags=tags) if tags is not None and _accepts(fn, "tags") else fn())
+
+    async def sleep(self) -> None:
+        if self.node_rank != 0 or not self.free_cache_engine or self.rollout_mode == "standalone":
+            return
+        await self.wait_for_requests_to_drain()
+        fn = getattr(self.worker, "sleep", None)
+        if fn is None:
+            logger.warning("ainfer_pd: worker has no sleep(); GPU memory stays allocated while training")
+            return
+        await fn()
+
+    async def release_kv_cache(self) -> None:
+        fn = getattr(self.worker, "release_kv_cache", None)
+        if fn is not None:
+            await fn()
+
+    async def resume_kv_cache(self) -> None:
+        fn = getattr(self.worker, "resume_kv_cache", None)
+        if fn is not None:
+            await fn()
+
+    async def clear_kv_cache(self) -> None:
+        """Release every idle retained trajectory (after a weight update)."""
+        for tid in [t for t in self._contexts if t not in self._busy]:
+            await self._release_quietly(tid)
+        self._sessions.clear()
+
+    async def set_global_steps(self, global_steps: int) -> None:
+        self.global_steps = global_steps
+
+    async def start_profile(self, **kwargs) -> None:
+        return None
+
+    async def stop_profile(self) -> None:
+        return None
+
+    def metrics(self) -> dict:
+        m = dict(self.worker.metrics()) if self.worker is not None else {}
+        m["server"] = dict(self.stats, retained=len(self._contexts), inflight=len(self._inflight))
+        return m
+
+    # ------------------------------------------------------------------ weights
+    def _param_specs(self) -> Optional[dict]:
+        model = getattr(self.worker, "model", None)
+        if model is None:
+            return None
+        return {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
+
+    def _prepare(self, named: Iterable[tuple[str, Any]]) -> list:
+        """Validate names/shapes (and cast dtypes) against the model before anything is copied."""
+        import torch
+        specs = self._param_specs()
+        out = []
+        for name, t in named:
+            if not isinstance(t, torch.Tensor):
+                raise WeightUpdateError(f"weight {name!r}: expected a torch.Tensor, got {type(t).__name__}")
+            if specs is not None:
+                if name not in specs:
+                    close = [n for n in specs if n.split(".")[-1] == name.split(".")[-1]][:3]
+                    raise WeightUpdateError(f"unknown weight name {name!r} (model has {len(specs)} parameters"
+                                            + (f"; similar: {close}" if close else "") + ")")
+                shape, dtype = specs[name]
+                if tuple(t.shape) != shape:
+                    raise WeightUpdateError(f"weight {name!r}: shape {tuple(t.shape)} != model shape {shape}")
+                if t.dtype != dtype:
+                    if self.cast_weight_dtype and t.is_floating_point() and dtype.is_floating_point:
+                        t = t.to(dtype)
+                    else:
+                        raise WeightUpdateError(f"weight {name!r}: dtype {t.dtype} != model dtype {dtype}")
+            out.append((name, t))
+        return out
+
+    def begin_weight_update(self) -> None:
+        self._staged = []
+
+    def stage_weights(self, named_tensors: list) -> int:
+        """Validate and stage one bucket; nothing is applied before :meth:`commit_weight_update`."""
+        if self._staged is None:
+            self._staged = []
+        self._staged.extend(self._prepare(named_tensors))
+        return len(self._staged)
+
+    async def commit_weight_update(self, global_steps: Optional[int] = None) -> int:
+        staged, self._staged = self._staged or [], None
+        if not staged:
+            return 0
+        await self.wait_for_requests_to_drain()
+        self.worker.update_weights(staged)
+        await self.clear_kv_cache()
+        if global_steps is not None:
+            self.global_steps = global_steps
+        return len(staged)
+
+    def abort_weight_update(self) -> None:
+        self._staged = None
+
+    async def update_weights(self, named_tensors: list, global_steps: Optional[int] = None) -> int:
+        """One-shot update (all-or-nothing): ``[(name, tensor), ...]``."""
+        self.begin_weight_update()
+        try:
+            self.stage_weights(named_tensors)
+        except AInferPDError:
+            self.abort_weight_update()
+            raise
+        return await self.commit_weight_update(global_steps)
+
+    # ------------------------------------------------------------------ optional HTTP
+    async def _start_http(self) -> None:
+        import socket
+
+        import uvicorn
+        from fastapi import FastAPI
+
+        app = FastAPI()
+        server = self
+
+        @app.get("/health")
+        async def health() -> dict:
+            return {"ok": server.worker is not None}
+
+        @app.post("/generate")
+        async def http_generate(body: dict) -> dict:
+            out = await server.generate(body["prompt_ids"], body.get("sampling_params", {}),
+                                        body.get("request_id", f"http-{time.monotonic_ns()}"),
+                                        session_id=body.get("session_id"))
+            return out.model_dump()
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self._host, 0))
+        self._port = sock.getsockname()[1]
+        cfg = uvicorn.Config(app, log_level="warning")
+        self._http = uvicorn.Server(cfg)
+        asyncio.ensure_future(self._http.serve(sockets=[sock]))
+
+
+def _accepts(fn, name: str) -> bool:
+    import inspect
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
