@@ -260,17 +260,20 @@ class Engine:
                         await permit(b)
                     stream.submit(lambda l=layer: setattr(box, "st", runner.experts(l, box.st)),
                                   label=f"P.experts{layer}")
-                    if fine and b + 1 < 2 * L:
-                        ep.publish(b + 1)              # layer end
-                        await permit(b + 1)
+                    if fine:
+                        if b + 1 < 2 * L:
+                            ep.publish(b + 1)          # layer end
+                            await permit(b + 1)
+                        else:
+                            ep.publish(b + 1, final=True)
                 logits_w = stream.submit(lambda: runner.head(box.st, plan), label="P.head")
                 self.rec.sample("p_enqueue_s", self.rec.now() - t_start - waited)
                 if mux and self.policy == "global-enqueue":
-                    ep.publish(1)
+                    ep.publish(1, final=True)
                 if self.policy == "global-complete" or not mux:
                     logits = await logits_w.done()
                     if mux:
-                        ep.publish(1)
+                        ep.publish(1, final=True)
             if mux and self.policy != "global-complete":
                 logits = await logits_w.done()
         finally:
@@ -467,7 +470,7 @@ class Engine:
             "dropped_results": self.num_dropped_results,
             "kv_free_blocks": self.kv.num_free_blocks, "kv_total_blocks": self.kv.alloc.num_blocks,
             "kv_evictions": self.kv.num_evictions,
-            "activation_switches": getattr(self.activation, "num_switches", 0),
+            "activation_switches": self.activation.switches,
             "d_wait_s_samples": list(self.rec.samples.get("d_wait_s", [])),
             "ttft_s_samples": list(self.rec.samples.get("ttft_s", [])),
         })
