@@ -1,0 +1,66 @@
+"""Every named config in configs/ loads, and the paper topologies have SPEC section 2's numbers."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ainfer_pd.config import WorkerConfig
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+# name: (GPUs, EP, ADP, ATP, ETP, crossed)  -- SPEC section 2 table
+PAPER = {
+    "h1": (4, 1, 2, 2, 4, True),
+    "h2": (4, 1, 2, 2, 4, True),
+    "h3": (8, 8, 8, 1, 1, False),
+    "h4": (8, 8, 8, 1, 1, False),
+    "crossed": (8, 8, 2, 4, 1, True),
+    "two-node": (16, 16, 8, 2, 1, True),
+}
+
+
+def all_configs():
+    return sorted(p.stem for p in CONFIGS.glob("*.yaml"))
+
+
+def test_expected_configs_exist():
+    assert set(PAPER) | {"tiny-cpu", "one-h200"} <= set(all_configs())
+
+
+@pytest.mark.parametrize("name", all_configs())
+def test_config_loads_with_name_and_description(name):
+    raw = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
+    assert raw.get("name") and raw.get("description"), f"{name}.yaml needs name: and description:"
+    cfg = WorkerConfig.from_yaml(CONFIGS / f"{name}.yaml")
+    assert WorkerConfig.from_dict(cfg.to_dict()) == cfg          # round-trips, every key known
+
+
+@pytest.mark.parametrize("name", sorted(PAPER))
+def test_paper_topology_numbers(name):
+    g, ep, adp, atp, etp, crossed = PAPER[name]
+    cfg = WorkerConfig.from_yaml(CONFIGS / f"{name}.yaml")
+    p, m = cfg.parallel, cfg.model
+    assert (p.world_size, p.expert_parallel, p.attn_dp, p.atp, p.etp, p.crossed) == (g, ep, adp, atp, etp, crossed)
+    # paper model (SPEC 2): 42 layers, hidden 2560, 512 routed experts, top-8, BF16
+    assert (m.num_layers, m.hidden_size, m.num_experts, m.top_k, m.dtype) == (42, 2560, 512, 8, "bfloat16")
+    assert cfg.device.device == "cuda"
+    if ep > 1:
+        assert p.expert_backend == "deepep"
+    if name == "two-node":
+        assert cfg.scheduler.max_prefill_tokens == 32 * 1024
+    mtp_on = name in ("h2", "h4")
+    desc = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())["description"]
+    assert ("MTP ON" in desc) == mtp_on
+
+
+def test_one_h200_is_paper_shaped_and_fits():
+    cfg = WorkerConfig.from_yaml(CONFIGS / "one-h200.yaml")
+    m = cfg.model
+    assert (m.hidden_size, m.num_experts, m.top_k, m.num_heads, m.num_kv_heads, m.head_dim, m.expert_intermediate) \
+        == (2560, 512, 8, 20, 4, 128, 512)
+    assert 8 <= m.num_layers <= 12 and m.dtype == "bfloat16" and cfg.device.device == "cuda"
+    assert cfg.parallel.world_size == 1 and not cfg.parallel.crossed
+    weight_bytes = m.num_params * 2
+    assert weight_bytes < 0.5 * 141e9, "weights must leave the H200 room for KV and activations"
