@@ -87,7 +87,12 @@ def default_config_path() -> str:
 
 def build_worker_config(engine_kwargs: dict):
     from ...config import WorkerConfig
-    cfg = WorkerConfig.from_yaml(engine_kwargs.get("config") or default_config_path())
+    path = engine_kwargs.get("config") or default_config_path()
+    if not os.path.isabs(path) and not os.path.exists(path):
+        # Ray actors may not share the driver's cwd: also try the ainfer-pd checkout root.
+        alt = os.path.join(os.path.dirname(os.path.dirname(default_config_path())), path)
+        path = alt if os.path.exists(alt) else path
+    cfg = WorkerConfig.from_yaml(path)
     overrides = engine_kwargs.get("overrides") or {}
     return cfg.replace(**overrides) if overrides else cfg
 
