@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import multiprocessing as mp
-import os
 import queue
 import socket
 import sys
@@ -21,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ainfer_pd.comm.experts.base import BufferState, PhaseDispatchers, RecvCounts
+from ainfer_pd.comm.experts.base import BufferState, PhaseDispatchers
 from ainfer_pd.comm.experts.local import LocalDispatcher
 from ainfer_pd.errors import (BackendUnavailableError, BufferRetiredError, ConfigError,
                               DispatchCancelledError, DispatchPendingError, DispatchStateError)
@@ -338,6 +337,16 @@ def test_local_counts_come_from_a_fixed_size_tensor_and_wait_reports_them():
     assert d.counts.shape == (NUM_EXPERTS,) and d.counts.data_ptr() == d._counts.data_ptr()
     disp = d.dispatch(n, x, idx, w)
     assert disp.x.shape == (idx.numel(), HIDDEN)        # padded rows (masked slots) at the end
+    d.combine(disp, disp.x)
+
+
+def test_local_dispatch_never_pulls_counts_to_the_host_so_the_d_graph_can_capture_it():
+    layer = make_layer()
+    x, idx, w = make_batch(layer, 4, 9)
+    d = LocalDispatcher(Phase.DECODE, NUM_EXPERTS, hidden=HIDDEN, top_k=TOP_K, max_tokens=16)
+    n = d.notify(idx)
+    disp = d.dispatch(n, x, idx, w)
+    assert n.counts is None                             # no .tolist() on the D path
     d.combine(disp, disp.x)
 
 

@@ -231,6 +231,9 @@ class BaseDispatcher:
     """
 
     backend = "base"
+    needs_host_counts = True
+    """dispatch() needs the receive counts on the host (split sizes). False for the local
+    and low-latency paths: they must not sync the host (CUDA-graph capture)."""
 
     def __init__(self, phase: Phase, *, num_experts: int, ep_rank: int, ep_size: int,
                  recorder: Any = None) -> None:
@@ -293,12 +296,14 @@ class BaseDispatcher:
 
     def dispatch(self, notified: Notified, x: Tensor, topk_idx: Tensor,
                  topk_weights: Tensor) -> Dispatched:
-        """Move the routed rows (needs the counts: blocks on them if not awaited yet)."""
+        """Move the routed rows (blocks on the receive counts if the backend needs them on
+        the host and they were not awaited yet)."""
         self._check_current(notified, BufferState.NOTIFIED, "dispatch")
         if x.shape[0] != topk_idx.shape[0] or topk_weights.shape != topk_idx.shape:
             raise ConfigError(f"x {tuple(x.shape)}, topk_idx {tuple(topk_idx.shape)} and "
                               f"topk_weights {tuple(topk_weights.shape)} disagree")
-        notified.wait_sync()
+        if self.needs_host_counts:
+            notified.wait_sync()
         self._trace("expert.dispatch", seq=notified.seq)
         d = self._dispatch_impl(notified, x, topk_idx, topk_weights)
         self._state = BufferState.DISPATCHED

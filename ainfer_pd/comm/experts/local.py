@@ -22,6 +22,7 @@ from .base import (BaseDispatcher, Dispatched, DoubleBufferIndex, LifetimeToken,
 
 class LocalDispatcher(BaseDispatcher):
     backend = "local"
+    needs_host_counts = False
 
     def __init__(self, phase: Phase, num_experts: int, *, hidden: int, top_k: int,
                  max_tokens: int, dtype: torch.dtype = torch.float32,
