@@ -22,6 +22,7 @@ from ainfer_pd.engine.attention import DecodeMeta, ForwardBatch, PrefillSeq
 from ainfer_pd.engine.cuda_graphs import DecodeGraphs
 from ainfer_pd.engine.kv_cache import KVCacheManager
 from ainfer_pd.engine.runner import ModelRunner
+from ainfer_pd.phase import Phase, PhaseContext
 
 
 def timed(fn, iters: int, warmup: int = 3) -> float:
@@ -94,6 +95,8 @@ def main() -> None:
     expert_bytes = bpe * 3 * D * I
     kv_token_bytes = L * 2 * mc.num_kv_heads * mc.head_dim * bpe
     dev = torch.device("cuda")
+    dctx = PhaseContext(Phase.DECODE, None)
+    pctx = PhaseContext(Phase.PREFILL, None)
 
     # ------------------------------------------------------------ decode
     res["decode"] = []
@@ -103,7 +106,7 @@ def main() -> None:
                           slots[:, -1].contiguous(), [], DecodeMeta(slots, torch.full((B,), C, device=dev)),
                           torch.arange(B, device=dev))
         with torch.inference_mode():
-            eager = timed(lambda: runner.forward_fb(fb), 10)
+            eager = timed(lambda: runner.forward_fb(fb, dctx), 10)
             # experts actually touched by this batch's routing, every layer
             st = runner.model.embed_tokens(fb)
             touched = 0
@@ -111,7 +114,7 @@ def main() -> None:
                 st = runner.model.attn_route(i, st, fb, runner.kv_cache[i])
                 touched += int((st.routing.counts > 0).sum())
                 st = runner.model.experts(i, st)
-            graphs = DecodeGraphs(runner, (B,), (C,), runner.scratch_slot)
+            graphs = DecodeGraphs(runner, (B,), (C,), runner.scratch_slot, dctx)
             graphs.capture_all()
             g, s, out = graphs.graphs[(B, C)]
             s["ids"].copy_(fb.input_ids); s["pos"].copy_(fb.positions); s["write"].copy_(fb.write_slots)
@@ -138,7 +141,7 @@ def main() -> None:
         fb = ForwardBatch(torch.randint(2, mc.vocab_size, (T,), device=dev), torch.arange(T, device=dev), slots,
                           [PrefillSeq(0, T, T, slots)], None, torch.tensor([T - 1], device=dev))
         with torch.inference_mode():
-            t = timed(lambda: runner.forward_fb(fb), 5, warmup=2)
+            t = timed(lambda: runner.forward_fb(fb, pctx), 5, warmup=2)
         flops = 2 * T * active + L * 4 * mc.num_heads * mc.head_dim * T * T / 2
         row = {"tokens": T, "ms": t * 1e3, "tokens_per_s": T / t, "TFLOPs": flops / t / 1e12,
                "fraction_of_peak": flops / t / peak}
@@ -146,7 +149,7 @@ def main() -> None:
         if args.profile and T == 4096:
             from torch.profiler import ProfilerActivity, profile
             with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
-                runner.forward_fb(fb)
+                runner.forward_fb(fb, pctx)
                 torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
         print(f"prefill T={T}: {t*1e3:.1f} ms  {T/t:,.0f} tok/s  {flops/t/1e12:.0f} TFLOP/s  "

@@ -20,8 +20,10 @@ log = logging.getLogger("ainfer_pd.cuda_graphs")
 
 
 class DecodeGraphs:
-    def __init__(self, runner, batch_sizes: tuple[int, ...], ctx_buckets: tuple[int, ...], scratch_slot: int) -> None:
+    def __init__(self, runner, batch_sizes: tuple[int, ...], ctx_buckets: tuple[int, ...], scratch_slot: int,
+                 ctx) -> None:
         self.runner = runner
+        self.ctx = ctx                 # the D PhaseContext the graphs belong to
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.ctx_buckets = tuple(sorted(ctx_buckets))
         self.scratch = scratch_slot
@@ -57,11 +59,11 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side), torch.inference_mode():
             for _ in range(2):                       # warm up outside the graph
-                self.runner.forward_fb(fb)
+                self.runner.forward_fb(fb, self.ctx)
         torch.cuda.current_stream(dev).wait_stream(side)
         g = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(g, pool=self.pool):
-            out = self.runner.forward_fb(fb)
+            out = self.runner.forward_fb(fb, self.ctx)
         if self.pool is None:
             self.pool = g.pool()
         self.graphs[(B, L)] = (g, s, out)

@@ -42,10 +42,11 @@ TURNSTILE_POLICIES = ("global-complete", "global-enqueue", "fine-grained")
 class _Box:
     """Carries segment state between items of one FIFO stream."""
 
-    __slots__ = ("st",)
+    __slots__ = ("st", "notified")
 
     def __init__(self) -> None:
         self.st: Any = None
+        self.notified: Any = None
 
 
 class Engine:
@@ -71,7 +72,7 @@ class Engine:
                                      cooldown_s=cfg.mux.activation_cooldown_s)
         if self.device.kind == "cuda" and dc.cuda_graphs:
             # captured on the D stream's own thread so the graphs bind D-owned state
-            self.decode_ctx.stream.submit(self.runner.capture_decode_graphs, label="D.capture").enqueued().result()
+            self.decode_ctx.stream.submit(self.runner.capture_decode_graphs, self.decode_ctx, label="D.capture").enqueued().result()
         self.waiting: deque[Turn] = deque()
         self.decoding: list[Turn] = []
         self._changed = asyncio.Condition()
@@ -222,7 +223,8 @@ class Engine:
         plan = self.runner.build(work, [])
         for t, _, _ in work:
             t.in_flight += 1
-        stream = self.prefill_ctx.stream
+        ctx = self.prefill_ctx
+        stream = ctx.stream
         runner, L = self.runner, self.runner.num_layers
         box = _Box()
         has_d = bool(self.decoding)
@@ -247,18 +249,23 @@ class Engine:
                     await permit(0)
                 stream.submit(lambda: setattr(box, "st", runner.embed(plan)), label="P.embed")
                 for layer in range(L):
-                    w = stream.submit(lambda l=layer: setattr(box, "st", runner.attn_route(l, box.st, plan)),
-                                      label=f"P.attn{layer}")
+                    def attn(l=layer) -> None:
+                        box.st = runner.attn_route(l, box.st, plan)
+                        box.notified = runner.notify(ctx, box.st)     # the expert notification
+                    w = stream.submit(attn, label=f"P.attn{layer}")
                     b = 2 * layer + 1                  # expert notification point
                     if fine:
                         ep.publish(b)
                     t0 = self.rec.now()
                     await w.done()                     # receive counts: P's device progress paces its host
+                    if box.notified is not None:
+                        await box.notified.wait(timeout=self.cfg.parallel.rendezvous_timeout_s)
+                    self.rec.event("p_counts", epoch=epoch, boundary=b)
                     self.rec.sample("p_counts_wait_s", self.rec.now() - t0)
                     waited += self.rec.now() - t0
                     if fine:
                         await permit(b)
-                    stream.submit(lambda l=layer: setattr(box, "st", runner.experts(l, box.st)),
+                    stream.submit(lambda l=layer: setattr(box, "st", runner.experts(l, box.st, ctx, box.notified)),
                                   label=f"P.experts{layer}")
                     if fine:
                         if b + 1 < 2 * L:
@@ -336,7 +343,7 @@ class Engine:
             plan = self.runner.build([], rows)
             for t in rows:
                 t.in_flight += 1
-            w = self.decode_ctx.stream.submit(self.runner.decode, plan, label="D.iter")
+            w = self.decode_ctx.stream.submit(self.runner.decode, plan, self.decode_ctx, label="D.iter")
             self._d_in_flight = True
             self.rec.sample("d_wait_s", self.rec.now() - t_ready)
             self.rec.event("d_launch", rows=len(rows), round=rnd is not None)
@@ -383,7 +390,7 @@ class Engine:
             for t in touched:
                 t.in_flight += 1
             t0 = self.rec.now()
-            w = self.decode_ctx.stream.submit(self.runner.forward, plan, label="M.step")
+            w = self.decode_ctx.stream.submit(self.runner.forward, plan, self.decode_ctx, label="M.step")
             try:
                 logits = await w.done()
             finally:

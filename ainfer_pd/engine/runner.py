@@ -16,6 +16,7 @@ from ..config import WorkerConfig
 from .attention import DecodeMeta, ForwardBatch, PrefillSeq
 from .kv_cache import KVCacheManager
 from .model import MoETransformer, SegmentState, build_model
+from ..phase import PhaseContext
 from .state import Turn
 
 log = logging.getLogger("ainfer_pd.runner")
@@ -48,7 +49,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(mc.num_layers, 2, slots + 1, mc.num_kv_heads, mc.head_dim,
                                     dtype=mc.torch_dtype, device=device)
         self.graphs = None
-        self.expert_fn = None          # set by an expert-parallel backend
+        self.ep = None                 # ExpertParallel when experts are spread over ranks
         self.attn_reduce = None        # set by the attention-TP collectives
 
     # ------------------------------------------------------------------ batches
@@ -102,37 +103,54 @@ class ModelRunner:
     def attn_route(self, layer: int, st: SegmentState, plan: BatchPlan) -> SegmentState:
         return self.model.attn_route(layer, st, plan.fb, self.kv_cache[layer], self.attn_reduce)
 
-    def experts(self, layer: int, st: SegmentState) -> SegmentState:
-        return self.model.experts(layer, st, self.expert_fn)
+    def notify(self, ctx: PhaseContext, st: SegmentState):
+        """Start the expert exchange of this layer (peers learn the shape); None without EP."""
+        return None if self.ep is None else self.ep.notify(ctx, st.routing)
+
+    def experts(self, layer: int, st: SegmentState, ctx: PhaseContext, notified=None) -> SegmentState:
+        """Routed + shared experts; with EP the data moves now (after counts and permit)."""
+        fn = None
+        if self.ep is not None:
+            ep = self.ep
+            fn = ((lambda x, r, i: ep.finish(ctx, notified, x, r, i)) if notified is not None
+                  else (lambda x, r, i: ep.run(ctx, x, r, i)))
+        return self.model.experts(layer, st, fn)
 
     def head(self, st: SegmentState, plan: BatchPlan) -> Tensor:
         return self.model.head(st, plan.fb.logits_rows)
 
-    def forward(self, plan: BatchPlan) -> Tensor:
+    def forward(self, plan: BatchPlan, ctx: PhaseContext) -> Tensor:
         """Every segment back to back (mixed batches; decode when no graph fits)."""
-        return self.forward_fb(plan.fb)
+        return self.forward_fb(plan.fb, ctx)
 
-    def forward_fb(self, fb: ForwardBatch) -> Tensor:
-        return self.model.forward_batch(fb, self.kv_cache, self.expert_fn, self.attn_reduce)
+    def forward_fb(self, fb: ForwardBatch, ctx: PhaseContext) -> Tensor:
+        fn = None
+        if self.ep is not None:
+            ep = self.ep
+            fn = lambda x, r, i: ep.run(ctx, x, r, i)
+        return self.model.forward_batch(fb, self.kv_cache, fn, self.attn_reduce)
 
-    def decode(self, plan: BatchPlan) -> Tensor:
+    def decode(self, plan: BatchPlan, ctx: PhaseContext) -> Tensor:
         """One D iteration: CUDA-graph replay when a bucket fits, else eager."""
         if self.graphs is not None:
             out = self.graphs.try_run(plan.fb)
             if out is not None:
                 return out
-        return self.forward_fb(plan.fb)
+        return self.forward_fb(plan.fb, ctx)
 
-    def capture_decode_graphs(self) -> int:
+    def capture_decode_graphs(self, ctx: PhaseContext) -> int:
         """CUDA only: capture decode graphs for the configured buckets."""
         from .cuda_graphs import DecodeGraphs
         dc = self.cfg.device
+        if self.ep is not None:
+            log.warning("expert-parallel decode with host split sizes is not graph-capturable; decoding eagerly")
+            return 0
         if self.cfg.model.dtype != "bfloat16":
             log.warning("CUDA graphs need bf16 experts (grouped GEMM); %s decodes eagerly", self.cfg.model.dtype)
             return 0
-        ctx = tuple(c for c in (512, 1024, 2048, 4096, 8192, 16384) if c <= dc.graph_max_context) or (dc.graph_max_context,)
+        ctxs = tuple(c for c in (512, 1024, 2048, 4096, 8192, 16384) if c <= dc.graph_max_context) or (dc.graph_max_context,)
         sizes = tuple(b for b in dc.graph_batch_sizes if b <= self.cfg.scheduler.max_decode_batch) or (1,)
-        self.graphs = DecodeGraphs(self, sizes, ctx, self.scratch_slot)
+        self.graphs = DecodeGraphs(self, sizes, ctxs, self.scratch_slot, ctx)
         self.graphs.capture_all()
         return len(self.graphs.graphs)
     @property
