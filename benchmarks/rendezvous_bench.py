@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", default="2,4,8", help="comma-separated world sizes")
     ap.add_argument("--rounds", type=int, default=2000)
-    ap.add_argument("--max-seconds", type=float, default=6.0,
+    ap.add_argument("--max-seconds", type=float, default=5.0,
                     help="stop a method early after this long (keeps oversubscribed runs bounded)")
     ap.add_argument("--methods", default=",".join(METHODS))
     args = ap.parse_args(argv)

@@ -249,6 +249,25 @@ def test_silent_or_killed_rank_fails_others_within_timeout():
                 assert res[rank][(phase, name, "after")] == "DistributedError"   # broken afterwards
 
 
+def _launcher_rank(rank: int, world_size: int):
+    if rank == 0:
+        raise RendezvousTimeout("boom", missing_ranks=(3,), epoch=1, boundary=2)
+    time.sleep(120)                                   # a straggler: must be killed, not waited for
+
+
+def test_spawn_reports_typed_errors_and_kills_stragglers():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError) as ei:
+        run_ranks(_launcher_rank, 2, timeout_s=30, init=False, return_exceptions=True, fail_grace_s=1.0)
+    err = ei.value
+    assert time.monotonic() - t0 < 20
+    assert err.unfinished == (1,) and "rank 1" in str(err) and "killed" in str(err)
+    exc0 = err.results[0]
+    assert isinstance(exc0, RendezvousTimeout)                  # re-created with its attributes
+    assert (str(exc0), exc0.missing_ranks, exc0.epoch, exc0.boundary) == ("boom", (3,), 1, 2)
+    assert "_launcher_rank" in exc0.remote_traceback
+
+
 # ====================================================================== in process (fast)
 def _shm_pair(world_size: int = 2, timeout_s: float = 5.0, **kw):
     name = uuid.uuid4().hex[:12]

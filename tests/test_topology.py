@@ -137,9 +137,16 @@ def test_build_process_groups_requires_init():
 
 # ---------------------------------------------------------------- real processes
 def _groups_rank(rank: int, world_size: int):
+    import os
+
     import torch
     import torch.distributed as dist
 
+    from ainfer_pd.launch import init_distributed
+    # the torchrun path: everything from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
+    assert not dist.is_initialized() and os.environ["RANK"] == str(rank)
+    ctx = init_distributed()
+    assert (ctx.rank, ctx.world_size, ctx.local_rank, ctx.master_addr) == (rank, world_size, rank, "127.0.0.1")
     t = Topology(world_size=world_size, attn_dp=2, expert_parallel=2, rank=rank)
     groups = build_process_groups(t, "gloo", control_timeout_s=20)
     out = {"names": sorted(groups)}
@@ -152,7 +159,7 @@ def _groups_rank(rank: int, world_size: int):
 
 
 def test_build_process_groups_real_gloo_g4_d2_e2():
-    res = run_ranks(_groups_rank, 4, timeout_s=60)
+    res = run_ranks(_groups_rank, 4, timeout_s=60, init=False)
     mask = lambda ranks: sum(1 << r for r in ranks)  # noqa: E731
     t = Topology(world_size=4, attn_dp=2, expert_parallel=2, rank=0)
     for r, out in enumerate(res):

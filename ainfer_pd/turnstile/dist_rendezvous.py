@@ -131,6 +131,7 @@ class _Base:
         self._seq = 0
         self._broken: str | None = None
         self._closed = False
+        self._inflight = False
         self.rounds = 0
         self.total_wait_s = 0.0
 
@@ -145,6 +146,9 @@ class _Base:
             raise DistributedError(f"{self.kind} rendezvous is closed")
         if self._broken is not None:
             raise DistributedError(f"{self.kind} rendezvous is unusable after an earlier failure: {self._broken}")
+        if self._inflight:
+            raise DistributedError(f"{self.kind} rendezvous: arrive() called while another arrive() of this "
+                                   f"rank is in flight (one rendezvous at a time per object)")
 
     def _encode(self, seq: int, tag: str, payload: tuple[int, ...], epoch: int | None,
                 boundary: int | None) -> list[int]:
@@ -345,11 +349,22 @@ class GlooRendezvous(_Base):
         self._seq = seq
         t0 = time.perf_counter()
         deadline = t0 + self.timeout_s
+        self._inflight = True
+        try:
+            rows = await self._exchange(row, deadline, seq, tag, epoch, boundary, t0)
+        finally:
+            self._inflight = False
+        out = self._decode(rows, seq, tag, epoch, boundary)
+        self.rounds += 1
+        self.total_wait_s += time.perf_counter() - t0
+        return out
+
+    async def _exchange(self, row: list[int], deadline: float, seq: int, tag: str, epoch: int | None,
+                        boundary: int | None, t0: float) -> list[list[int]]:
         try:
             if self.mode == "thread":
-                rows = await self._arrive_thread(row, deadline)
-            else:
-                rows = await self._arrive_poll(row, deadline)
+                return await self._arrive_thread(row, deadline)
+            return await self._arrive_poll(row, deadline)
         except asyncio.TimeoutError:
             missing, extra = await self._diagnose(seq, 2.0)
             raise self._timeout(tag, seq, missing, epoch, boundary, time.perf_counter() - t0, extra) from None
@@ -366,10 +381,6 @@ class GlooRendezvous(_Base):
             err = self._timeout(tag, seq, missing, epoch, boundary, time.perf_counter() - t0,
                                 cause + (f"; {extra}" if extra else ""), failed=True)
             raise err from exc
-        out = self._decode(rows, seq, tag, epoch, boundary)
-        self.rounds += 1
-        self.total_wait_s += time.perf_counter() - t0
-        return out
 
     async def _arrive_thread(self, row: list[int], deadline: float) -> list[list[int]]:
         assert self._jobs is not None
@@ -380,8 +391,9 @@ class GlooRendezvous(_Base):
 
     async def _arrive_poll(self, row: list[int], deadline: float) -> list[list[int]]:
         torch = self._torch
-        self._send.copy_(torch.tensor(row, dtype=torch.int64))
-        work = self._dist.all_gather(self._recv, self._send, group=self._group, async_op=True)
+        send = torch.tensor(row, dtype=torch.int64)           # fresh buffers: a cancelled arrive's
+        recv = [torch.empty_like(send) for _ in range(self.world_size)]   # work may still run
+        work = self._dist.all_gather(recv, send, group=self._group, async_op=True)
         self._side.add(f"arrived/{self.rank}", 1)
         spins = 0
         while not work.is_completed():
@@ -390,7 +402,7 @@ class GlooRendezvous(_Base):
             spins += 1
             await asyncio.sleep(0 if spins < 2000 else 0.0005)
         work.wait()
-        return torch.stack(self._recv).tolist()
+        return torch.stack(recv).tolist()
 
     async def close(self) -> None:
         if self._closed:
@@ -606,7 +618,11 @@ class ShmRendezvous(_Base):
                 if self._ready(seq):
                     break
             else:
-                await self._wait(seq, t0, tag, epoch, boundary)
+                self._inflight = True
+                try:
+                    await self._wait(seq, t0, tag, epoch, boundary)
+                finally:
+                    self._inflight = False
         out = self._decode(self._read(seq), seq, tag, epoch, boundary)
         self.rounds += 1
         self.total_wait_s += time.perf_counter() - t0
