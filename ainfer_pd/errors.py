@@ -159,3 +159,12 @@ class BufferRetiredError(DispatchStateError):
 
 class DispatchCancelledError(DispatchStateError):
     """The dispatch was cancelled; its data must never be used or written anywhere."""
+
+
+class PeerLostError(DistributedError):
+    """A peer rank died or stopped responding (its heartbeat stopped) while this rank waited
+    on it; ``ranks`` names the lost ranks."""
+
+    def __init__(self, message: str, *, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
