@@ -17,7 +17,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from .config import WorkerConfig
-from .engine.engine import Engine
+from .engine.multirank import make_engine
 from .engine.sampler import make_generator
 from .engine.state import Trajectory, Turn
 from .engine.weights import apply_named_tensors
@@ -39,7 +39,8 @@ class RolloutWorker:
         if cfg.trace_dir:
             trace = f"{cfg.trace_dir}/rank{rank}.jsonl"
         self.recorder = Recorder(rank=rank, trace_path=trace)
-        self.engine = Engine(cfg, self.recorder, rendezvous=rendezvous, rank=rank)
+        self.engine = make_engine(cfg, self.recorder, rank=rank, rendezvous=rendezvous)
+        self.rank = getattr(self.engine, "rank", rank)
         self.trajectories: dict[str, Trajectory] = {}
         self._tg: asyncio.TaskGroup | None = None
         self._engine_task: asyncio.Task | None = None
@@ -74,6 +75,15 @@ class RolloutWorker:
         for traj in self.trajectories.values():
             if traj.turn is not None:
                 self.engine.abort(traj.turn)
+        if (self._engine_task is not None and not self._engine_task.done() and et is None
+                and hasattr(self.engine, "closing")):
+            # lockstep ranks leave together: keep stepping until every rank is closing and idle
+            self.engine.closing = True
+            try:
+                async with asyncio.timeout(self.cfg.parallel.rendezvous_timeout_s * 2):
+                    await asyncio.shield(self._engine_task)
+            except (TimeoutError, Exception):
+                pass
         if self._engine_task is not None and not self._engine_task.done():
             self._engine_task.cancel()
         try:

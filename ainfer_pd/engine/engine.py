@@ -53,6 +53,7 @@ class Engine:
     def __init__(self, cfg: WorkerConfig, recorder: Recorder, *, rendezvous=None, rank: int = 0) -> None:
         self.cfg = cfg
         self.rec = recorder
+        self.rank = rank
         self.policy = cfg.scheduler.policy
         dc = cfg.device
         self.device: Device = make_device(dc.device, recorder, residency_slots=dc.residency_slots,
@@ -209,8 +210,12 @@ class Engine:
                                             self._available_blocks())
             work = self._admit(chunks, admitted)
             self._epoch += 1
+            has_d = bool(self.decoding)
+            mux = self.policy in TURNSTILE_POLICIES and has_d and self._mux_active(work)
+            # NOTE: without the turnstile and with decode rows present, D waits for this epoch (strict P priority).
+            exclusive = (has_d and not mux) or self.policy == "normal"
             try:
-                await self._run_epoch(self._epoch, work)
+                await self._run_epoch(self._epoch, work, mux=mux, exclusive=exclusive, d_enqueued=self._d_in_flight)
             except AInferPDError as exc:
                 self._fail_turns([t for t, _, _ in work], exc)
                 raise
@@ -219,7 +224,10 @@ class Engine:
         tokens = sum(n for _, _, n in work) + sum(t.remaining_prompt for t in self.waiting)
         return self.activation.update(self.rec.now(), tokens, len(self.decoding))
 
-    async def _run_epoch(self, epoch: int, work: list[tuple[Turn, int, int]]) -> None:
+    async def _run_epoch(self, epoch: int, work: list[tuple[Turn, int, int]], *, mux: bool, exclusive: bool,
+                         d_enqueued: bool, entered: asyncio.Event | None = None) -> None:
+        """One P epoch: segments on the P stream, stopping at safe boundaries for the turnstile
+        (``mux``). ``entered`` is set once the epoch is registered with the turnstile."""
         plan = self.runner.build(work, [])
         for t, _, _ in work:
             t.in_flight += 1
@@ -227,17 +235,16 @@ class Engine:
         stream = ctx.stream
         runner, L = self.runner, self.runner.num_layers
         box = _Box()
-        has_d = bool(self.decoding)
-        mux = self.policy in TURNSTILE_POLICIES and has_d and self._mux_active(work)
         fine = mux and self.policy == "fine-grained"
-        # NOTE: without the turnstile and with decode rows present, D waits for this epoch (strict P priority).
-        self._p_exclusive = has_d and not mux or self.policy == "normal"
+        self._p_exclusive = exclusive
         self._p_running = True
         self.rec.event("p_epoch", epoch=epoch, tokens=plan.num_tokens, gated=mux, policy=self.policy)
         t_start = self.rec.now()
         waited = 0.0
         try:
-            async with self.turnstile.epoch(epoch, gated=mux, d_enqueued=self._d_in_flight) as ep:
+            async with self.turnstile.epoch(epoch, gated=mux, d_enqueued=d_enqueued) as ep:
+                if entered is not None:
+                    entered.set()
                 async def permit(b: int) -> None:
                     nonlocal waited
                     t0 = self.rec.now()

@@ -1,0 +1,206 @@
+"""The lockstep engine of one rank in a multi-rank worker.
+
+Every rank is one attention-DP replica (ATP = 1) and the MoE experts are spread over
+the expert-parallel ranks, so every expert exchange (P's and D's, on their own
+communicators) needs every rank, in the same order. The rank-shared planner makes that
+hold: each *step* the ranks exchange a few counters over the control rendezvous and take
+the same decisions from the same numbers:
+
+* a P epoch starts on every rank at the same step (a rank with nothing to prefill runs
+  it with an empty batch: it still joins every expert exchange);
+* a D iteration runs on every rank when any rank has decode rows (empty rows elsewhere);
+* the turnstile's gating and span come from the same agreed inputs (rank 0's activation).
+
+World size 1 uses :class:`~ainfer_pd.engine.engine.Engine` directly.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from ..config import WorkerConfig
+from ..errors import ConfigError
+from ..metrics.recorder import Recorder
+from ..sched.planner import plan_decode, plan_prefill
+from .engine import TURNSTILE_POLICIES, Engine
+from .state import TurnState
+
+log = logging.getLogger("ainfer_pd.multirank")
+
+IDLE_BACKOFF_S = 0.002
+
+
+class LockstepEngine(Engine):
+    def __init__(self, cfg: WorkerConfig, recorder: Recorder, *, rendezvous, rank: int, world_size: int,
+                 dispatchers=None) -> None:
+        if cfg.scheduler.policy == "mixed-chunked":
+            raise ConfigError("mixed-chunked is a single-rank reference; use world_size 1")
+        if cfg.parallel.attn_dp != world_size:
+            raise ConfigError("the multi-rank engine runs one attention-DP replica per rank (attn_dp = world_size); "
+                              "ATP > 1 runs through ainfer_pd.multirank")
+        super().__init__(cfg, recorder, rendezvous=rendezvous, rank=rank)
+        self.rdv = rendezvous
+        self.world_size = world_size
+        if dispatchers is not None:
+            from .expert_parallel import ExpertParallel
+            self.runner.ep = ExpertParallel(self.runner.model, dispatchers)
+        self.dispatchers = dispatchers
+        self._go: asyncio.Queue = asyncio.Queue()
+        self.num_steps = 0
+        self.closing = False          # this rank's client is done; stop once every rank is
+        self._prev_totals = (0, 0)
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            prefill = tg.create_task(self._prefill_worker(), name="prefill")
+            await self._step_loop()
+            prefill.cancel()
+
+    # ------------------------------------------------------------------ local state
+    def _local_p_tokens(self) -> int:
+        if self._p_running:
+            return 0
+        chunks, _ = plan_prefill(self._pending_view(), self.cfg.scheduler.max_prefill_tokens, self._available_blocks())
+        return sum(c.num_tokens for c in chunks)
+
+    def _live_rows(self) -> list:
+        return [t for t in self.decoding if not t.abort_requested]
+
+    # ------------------------------------------------------------------ the step loop
+    async def _step_loop(self) -> None:
+        """Control + D loop. Each step: exchange (D rows, admissible P tokens, P running,
+        rank 0's activation) with every rank; start a P epoch everywhere when any rank has
+        P and none is still running one; run one D iteration everywhere when any rank has
+        decode rows (through the turnstile rounds while a gated epoch is active).
+        Waits for: the step rendezvous, the P worker entering the epoch, the turnstile.
+        Unblocked by: every rank arriving."""
+        while True:
+            self.num_steps += 1
+            rows = self._live_rows()
+            act = self.activation.update(self.rec.now(), self._prev_totals[1], self._prev_totals[0]) if self.rank == 0 else False
+            payload = (len(rows), self._local_p_tokens(), int(self._p_running), int(act), int(self.closing))
+            states = await self.rdv.arrive("step", payload, epoch=self._epoch)
+            total_d = sum(s[0] for s in states)
+            total_p = sum(s[1] for s in states)
+            any_running = any(s[2] for s in states)
+            mux_on = bool(states[0][3])
+            self._prev_totals = (total_d, total_p)
+            if not any_running:
+                self._exclusive_epoch = False         # agreed: every rank finished the last epoch
+            if all(s[4] for s in states) and not (total_d or total_p or any_running):
+                log.info("rank %d: every rank is closing and idle after %d steps", self.rank, self.num_steps)
+                return                                  # the same step on every rank
+            if total_p and not any_running:
+                await self._start_epoch(total_d > 0, mux_on)
+                any_running = True
+            if total_d == 0:
+                if self.turnstile.gated_epoch_active:
+                    self.turnstile.open_gate()          # same step on every rank: D is empty everywhere
+                if not any_running:
+                    await asyncio.sleep(IDLE_BACKOFF_S)
+                else:
+                    await asyncio.sleep(0)
+                continue
+            if any_running and self._exclusive_epoch:
+                await asyncio.sleep(0)               # strict P priority: D waits for the epoch (everywhere)
+                continue
+            await self._decode_iteration()
+
+    async def _start_epoch(self, has_d: bool, mux_on: bool) -> None:
+        self._epoch += 1
+        mux = self.policy in TURNSTILE_POLICIES and has_d and (mux_on or self.cfg.mux.activation_threshold <= 1)
+        exclusive = self.policy == "normal" or (has_d and not mux)
+        self._exclusive_epoch = exclusive
+        entered = asyncio.Event()
+        self._p_running = True
+        await self._go.put((self._epoch, mux, exclusive, entered))
+        await entered.wait()
+
+    async def _prefill_worker(self) -> None:
+        """Background P task. Consumes epochs started by the step loop; plans its local
+        chunks (maybe none) and runs the epoch's segments, waiting for receive counts and
+        then permits. Unblocked by: the step loop."""
+        while True:
+            epoch, mux, exclusive, entered = await self._go.get()
+            chunks, admitted = plan_prefill(self._pending_view(), self.cfg.scheduler.max_prefill_tokens,
+                                            self._available_blocks())
+            work = self._admit(chunks, admitted)
+            try:
+                await self._run_epoch(epoch, work, mux=mux, exclusive=exclusive, d_enqueued=False, entered=entered)
+            finally:
+                entered.set()
+
+    async def _decode_iteration(self) -> None:
+        t_ready = self.rec.now()
+        rnd = await self.turnstile.before_decode()
+        rows = [t for t in plan_decode(self._live_rows(), self.cfg.scheduler.max_decode_batch)]
+        plan = self.runner.build([], rows)
+        for t in rows:
+            t.in_flight += 1
+        w = self.decode_ctx.stream.submit(self.runner.decode, plan, self.decode_ctx, label="D.iter")
+        self._d_in_flight = True
+        if rows:
+            self.rec.sample("d_wait_s", self.rec.now() - t_ready)
+        self.rec.event("d_launch", rows=len(rows), round=rnd is not None, epoch=self._epoch)
+        try:
+            if rnd is not None:
+                await self.turnstile.after_decode(rnd)
+            logits = await w.done()
+        finally:
+            self._d_in_flight = False
+            for t in rows:
+                t.in_flight -= 1
+        self._finish_decode(plan, logits)
+        self._drain_cleanups()
+        self._notify()
+
+    _exclusive_epoch = False
+
+
+def make_engine(cfg: WorkerConfig, recorder: Recorder, *, rank: int = 0, rendezvous=None) -> Engine:
+    """The engine for this rank: :class:`Engine` at world size 1, else the lockstep engine
+    with its process groups, rendezvous and phase-owned expert dispatchers."""
+    g = cfg.parallel.world_size
+    if g == 1:
+        return Engine(cfg, recorder, rendezvous=rendezvous, rank=rank)
+    import torch
+    import torch.distributed as dist
+
+    from ..comm.experts.base import PhaseDispatchers
+    from ..comm.topology import EP_D, EP_P, Topology, build_process_groups
+    from ..launch import get_store
+    from ..phase import Phase
+    from ..turnstile.dist_rendezvous import detect_same_host, make_rendezvous
+
+    if not dist.is_initialized():
+        raise ConfigError("parallel.world_size > 1 needs torch.distributed initialised "
+                          "(torchrun, or ainfer_pd.launch.init_distributed)")
+    if dist.get_world_size() != g:
+        raise ConfigError(f"parallel.world_size={g} but torch.distributed has {dist.get_world_size()} ranks")
+    rank = dist.get_rank()
+    pc = cfg.parallel
+    if pc.expert_parallel not in (1, g):
+        raise ConfigError("the lockstep engine needs expert_parallel 1 or world_size (ETP = 1 or g)")
+    topo = Topology.from_config(pc, rank)
+    cuda = cfg.device.device == "cuda" or (cfg.device.device == "auto" and torch.cuda.is_available())
+    groups = build_process_groups(topo, "nccl" if cuda else "gloo", control_timeout_s=pc.rendezvous_timeout_s,
+                                  data_timeout_s=pc.rendezvous_timeout_s)
+    store = get_store()
+    same = detect_same_host(store, rank, g, timeout_s=pc.rendezvous_timeout_s)
+    rdv = rendezvous or make_rendezvous(pc, topo, same_host=same, group=groups["control"], store=store)
+    dispatchers = None
+    if pc.expert_parallel > 1:
+        mc, sc = cfg.model, cfg.scheduler
+        dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        if pc.expert_backend == "deepep":
+            from ..comm.experts.deepep import make_deepep_dispatchers
+            raise ConfigError("expert_backend=deepep runs through ainfer_pd.comm.experts.deepep on GPU hosts; "
+                              "the lockstep engine uses expert_backend=torch") from None
+        from ..comm.experts.torch_a2a import TorchAllToAllDispatcher
+        common = dict(hidden=mc.hidden_size, top_k=mc.top_k, dtype=mc.torch_dtype, device=dev, recorder=recorder)
+        dispatchers = PhaseDispatchers(
+            TorchAllToAllDispatcher(Phase.PREFILL, groups[EP_P], topo.ep_rank, pc.expert_parallel, mc.num_experts,
+                                    max_tokens=sc.max_prefill_tokens, **common),
+            TorchAllToAllDispatcher(Phase.DECODE, groups[EP_D], topo.ep_rank, pc.expert_parallel, mc.num_experts,
+                                    max_tokens=sc.max_decode_batch, **common))
+    return LockstepEngine(cfg, recorder, rendezvous=rdv, rank=rank, world_size=g, dispatchers=dispatchers)
