@@ -1,0 +1,214 @@
+"""Fixed-workload benchmark orchestration: every policy on the same trace, fresh worker per run.
+
+``run_bench`` is what ``ainfer-pd bench`` and ``ainfer-pd replay`` call. For each cell and
+repeat it runs every variant (a policy, optionally with a fixed span) on the *same* trace
+with the *same* seed, each in a fresh :class:`~ainfer_pd.worker.RolloutWorker`, then
+summarises, aggregates (median / IQR), compares greedy outputs against the baseline,
+prints a table per cell and optionally writes ``results.json``, ``runs.jsonl`` and plots.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Sequence
+
+from .config import POLICIES, SPANS, WorkerConfig
+from .errors import ConfigError
+from .metrics import report
+from .workload.replay import ReplayResult, replay
+from .workload.trace import CELLS, Trace
+
+DEFAULT_POLICIES = ("normal", "global-complete", "global-enqueue", "fine-grained", "mixed-chunked")
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One column of the comparison: a policy, optionally with a fixed turnstile span."""
+    policy: str
+    span: str | None = None
+    label: str = ""
+
+    @property
+    def name(self) -> str:
+        if self.label:
+            return self.label
+        return self.policy if self.span is None else f"{self.policy}/K={self.span}"
+
+    def config(self, base: WorkerConfig) -> WorkerConfig:
+        kw: dict[str, Any] = {"scheduler.policy": self.policy}
+        if self.span is not None:
+            kw["mux.span"] = str(self.span)
+        return base.replace(**kw)
+
+
+def make_variants(policies: Sequence[str], *, span: str | None = None,
+                  spans: Sequence[str] | None = None) -> list[Variant]:
+    """Variants for ``policies`` (all with ``span`` when given) plus a fine-grained span sweep."""
+    out: list[Variant] = []
+    for p in policies:
+        if p not in POLICIES:
+            raise ConfigError(f"unknown policy {p!r}: expected one of {', '.join(POLICIES)}")
+        out.append(Variant(p, span if (span is not None and p == "fine-grained") else None))
+    for k in spans or ():
+        if str(k) not in SPANS:
+            raise ConfigError(f"unknown span {k!r}: expected one of {', '.join(SPANS)}")
+        v = Variant("fine-grained", str(k))
+        if v.name not in {x.name for x in out}:
+            out.append(v)
+    names = [v.name for v in out]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"duplicate variants: {names}")
+    if not out:
+        raise ConfigError("no policy to run")
+    return out
+
+
+def default_worker_factory(cfg: WorkerConfig) -> Any:
+    try:
+        from . import RolloutWorker  # type: ignore[attr-defined]
+    except ImportError:
+        from .worker import RolloutWorker  # type: ignore[no-redef]
+    return RolloutWorker(cfg)
+
+
+@dataclass(slots=True)
+class BenchResult:
+    variants: list[str]
+    cells: list[str]
+    baseline: str
+    summaries: dict[str, dict[str, list[dict[str, float]]]] = field(default_factory=dict)
+    """cell -> variant -> one summary per repeat."""
+    aggregates: dict[str, dict[str, dict[str, dict[str, float]]]] = field(default_factory=dict)
+    """cell -> variant -> metric -> {median, q1, q3, iqr, ...}."""
+    output_mismatches: dict[str, dict[str, int]] = field(default_factory=dict)
+    """cell -> variant -> number of (conversation, turn) outputs differing from the baseline's."""
+    results: dict[str, dict[str, list[ReplayResult]]] = field(default_factory=dict)
+    """cell -> variant -> replay results (timelines kept for the first repeat only)."""
+    trace_summary: dict[str, Any] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+    def tables(self) -> dict[str, str]:
+        return {cell: report.format_table(self.aggregates[cell], baseline=self.baseline,
+                                          title=f"== cell {cell} ==")
+                for cell in self.cells if cell in self.aggregates}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "variants": self.variants, "cells": self.cells, "baseline": self.baseline,
+            "wall_s": self.wall_s, "trace": self.trace_summary,
+            "aggregates": self.aggregates, "summaries": self.summaries,
+            "ratios": {cell: report.ratios(agg, self.baseline) for cell, agg in self.aggregates.items()},
+            "output_mismatches": self.output_mismatches,
+        }
+
+
+async def run_one(cfg: WorkerConfig, trace: Trace, *, cell: str, seed: int = 0, time_scale: float = 1.0,
+                  label: str = "", progress: bool = False,
+                  worker_factory: Callable[[WorkerConfig], Any] | None = None,
+                  raise_errors: bool = False) -> ReplayResult:
+    """One replay in a fresh worker."""
+    factory = worker_factory or default_worker_factory
+    async with factory(cfg) as worker:
+        return await replay(worker, trace, cell=cell, seed=seed, progress=progress,
+                            vocab_size=cfg.model.vocab_size, time_scale=time_scale, label=label,
+                            raise_errors=raise_errors)
+
+
+async def run_bench(cfg: WorkerConfig, trace: Trace, *, variants: Sequence[Variant],
+                    cells: Sequence[str] = ("P1",), repeats: int = 1, seed: int = 0,
+                    time_scale: float = 1.0, progress: bool = False, out_dir: str | Path | None = None,
+                    worker_factory: Callable[[WorkerConfig], Any] | None = None,
+                    baseline: str | None = None, plots: bool = True,
+                    log: Callable[[str], None] | None = None) -> BenchResult:
+    """Run every variant x cell x repeat on ``trace``; see the module docstring."""
+    for c in cells:
+        if c not in CELLS:
+            raise ConfigError(f"unknown cell {c!r}: expected one of {', '.join(CELLS)}")
+    if repeats < 1:
+        raise ConfigError("repeats must be >= 1")
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    names = [v.name for v in variants]
+    base = baseline or ("normal" if "normal" in names else names[0])
+    cfgs = {v.name: v.config(cfg) for v in variants}          # validate every config up front
+    res = BenchResult(variants=names, cells=list(cells), baseline=base, trace_summary=trace.summary())
+    out = Path(out_dir) if out_dir else None
+    runs_file = None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        runs_file = (out / "runs.jsonl").open("w")
+    t_start = time.perf_counter()
+    total = len(cells) * repeats * len(variants)
+    done = 0
+    try:
+        for cell in cells:
+            res.summaries[cell] = {n: [] for n in names}
+            res.results[cell] = {n: [] for n in names}
+            for r in range(repeats):
+                for v in variants:
+                    done += 1
+                    label = f"{cell} {v.name} #{r + 1}"
+                    rr = await run_one(cfgs[v.name], trace, cell=cell, seed=seed, time_scale=time_scale,
+                                       label=label, progress=progress, worker_factory=worker_factory)
+                    s = report.summarize(rr)
+                    if r > 0:
+                        rr.timeline = None                    # keep memory bounded
+                    res.summaries[cell][v.name].append(s)
+                    res.results[cell][v.name].append(rr)
+                    log(f"[{done}/{total}] {label}: makespan {s['makespan_s']:.3f} s, "
+                        f"{s['requests_per_s']:.2f} req/s, p99 TTFT {_f(s['ttft_p99_s'])} s, "
+                        f"D wait {_f(s['d_wait_mean_s'] * 1e3)} ms, failures {int(s['failures'])}")
+                    if runs_file is not None:
+                        runs_file.write(json.dumps({"cell": cell, "variant": v.name, "repeat": r,
+                                                    "summary": s, **rr.to_dict()}, default=str) + "\n")
+                        runs_file.flush()
+            res.aggregates[cell] = {n: report.aggregate(res.summaries[cell][n]) for n in names}
+            base_out = res.results[cell][base][0].outputs
+            res.output_mismatches[cell] = {
+                n: len(report.compare_outputs(base_out, res.results[cell][n][0].outputs)) for n in names}
+    finally:
+        if runs_file is not None:
+            runs_file.close()
+    res.wall_s = time.perf_counter() - t_start
+    if out is not None:
+        (out / "results.json").write_text(json.dumps(_finite(res.to_dict()), indent=1, default=str))
+        if plots:
+            from .metrics import plots as _plots
+            for cell in res.cells:
+                _plots.plot_all(out, res.aggregates[cell], res.results[cell], prefix=cell,
+                                title=f"cell {cell}")
+    return res
+
+
+def _f(x: float) -> str:
+    return f"{x:.3f}" if isinstance(x, float) and math.isfinite(x) else "-"
+
+
+def _finite(x: Any) -> Any:
+    """JSON without NaN/inf (written as null)."""
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def run_async(coro: Awaitable[Any], *, use_uvloop: bool = True) -> Any:
+    """``asyncio.run`` on uvloop when it is installed (and wanted)."""
+    if use_uvloop:
+        try:
+            import uvloop
+        except ImportError:
+            uvloop = None  # type: ignore[assignment]
+        if uvloop is not None:
+            if hasattr(asyncio, "Runner"):                      # Python >= 3.11
+                with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                    return runner.run(coro)  # type: ignore[arg-type]
+            return uvloop.run(coro)  # type: ignore[arg-type]
+    return asyncio.run(coro)  # type: ignore[arg-type]

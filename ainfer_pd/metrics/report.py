@@ -1,0 +1,225 @@
+"""Run summaries (SPEC section 5 metrics), median / IQR aggregation and comparison tables.
+
+Pure functions over plain data: :func:`summarize` takes a
+:class:`~ainfer_pd.workload.replay.ReplayResult` (or anything with the same fields),
+:func:`aggregate` a list of summaries, :func:`format_table` a mapping
+``label -> aggregate`` (or ``label -> summary``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+NAN = float("nan")
+
+#: Summary keys, in report order, with a short column title and a display unit scale.
+COLUMNS: dict[str, tuple[str, float, str]] = {
+    "makespan_s": ("makespan s", 1.0, "{:.2f}"),
+    "requests_per_s": ("req/s", 1.0, "{:.2f}"),
+    "ttft_p50_s": ("p50 TTFT s", 1.0, "{:.3f}"),
+    "ttft_p99_s": ("p99 TTFT s", 1.0, "{:.3f}"),
+    "request_completion_p99_s": ("p99 req s", 1.0, "{:.3f}"),
+    "trajectory_completion_p99_s": ("p99 traj s", 1.0, "{:.2f}"),
+    "d_wait_mean_s": ("D wait ms", 1e3, "{:.2f}"),
+    "p_wait_permit_s": ("P permit-wait s", 1.0, "{:.3f}"),
+    "d_boundary_wait_s": ("D boundary-wait s", 1.0, "{:.3f}"),
+    "p_enqueue_s": ("P enqueue s", 1.0, "{:.3f}"),
+    "rendezvous": ("rdv", 1.0, "{:.0f}"),
+    "rendezvous_cost_mean_s": ("rdv ms", 1e3, "{:.3f}"),
+    "busy_fraction": ("busy", 1.0, "{:.2f}"),
+    "concurrent_fraction": ("concurrent", 1.0, "{:.2f}"),
+    "bound_ratio": ("/bound", 1.0, "{:.2f}"),
+    "failures": ("fail", 1.0, "{:.0f}"),
+}
+
+#: Columns of the default comparison table.
+TABLE_METRICS = ("makespan_s", "requests_per_s", "ttft_p99_s", "request_completion_p99_s",
+                 "trajectory_completion_p99_s", "d_wait_mean_s", "rendezvous", "concurrent_fraction",
+                 "failures")
+
+#: Metrics whose ratio against the baseline is printed next to the value.
+RATIO_METRICS = ("makespan_s", "requests_per_s", "ttft_p99_s", "request_completion_p99_s",
+                 "trajectory_completion_p99_s", "d_wait_mean_s")
+
+
+def percentile(values: Iterable[float], q: float) -> float:
+    """``q``-th percentile (0..100, linear interpolation) of the finite values; NaN when none."""
+    a = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=float)
+    return float(np.percentile(a, q)) if a.size else NAN
+
+
+def _mean(values: Iterable[float]) -> float:
+    a = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=float)
+    return float(a.mean()) if a.size else NAN
+
+
+def _num(m: Mapping[str, Any], *keys: str, default: float = NAN) -> float:
+    for k in keys:
+        v = m.get(k)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    return default
+
+
+def optimistic_bound(*, p_work_s: float | None, d_work_s: float | None, chain_s: float | None) -> float:
+    """max(sum of P work alone, sum of D work alone, longest chain incl. tool waits); absent terms skipped."""
+    terms = [t for t in (p_work_s, d_work_s, chain_s) if t is not None and math.isfinite(t) and t > 0]
+    return max(terms) if terms else NAN
+
+
+def chain_lower_bound(result: Any, metrics: Mapping[str, Any] | None = None) -> float:
+    """Longest single-trajectory chain: its tool waits plus, when the worker reports a
+    decode iteration time alone (``d_iter_alone_s``), one such iteration per generated token.
+    Without that key the chain is the tool waits alone (a looser lower bound)."""
+    metrics = metrics if metrics is not None else (getattr(result, "metrics", None) or {})
+    d_alone = _num(metrics, "d_iter_alone_s", default=0.0)
+    gen: dict[int, int] = {}
+    for r in getattr(result, "records", []):
+        gen[r.conversation] = gen.get(r.conversation, 0) + int(r.gen_tokens)
+    best = 0.0
+    for t in getattr(result, "trajectories", []):
+        best = max(best, float(t.total_wait_s) + d_alone * gen.get(t.conversation, 0))
+    return best
+
+
+def summarize(result: Any, *, chain_s: float | None = None) -> dict[str, float]:
+    """The SPEC section 5 metrics of one replay (flat dict of floats; NaN where unknown)."""
+    m: Mapping[str, Any] = getattr(result, "metrics", None) or {}
+    recs = list(getattr(result, "records", []))
+    ok = [r for r in recs if r.ok]
+    trajs = list(getattr(result, "trajectories", []))
+    done_trajs = [t for t in trajs if not t.failed and t.turns_done == t.turns_total and t.turns_total > 0]
+    makespan = float(result.makespan_s)
+    failures = float(getattr(result, "failures", sum(1 for r in recs if not r.ok)))
+    s: dict[str, float] = {
+        "makespan_s": makespan,
+        "requests": float(getattr(result, "planned_requests", 0) or len(recs)),
+        "completed_requests": float(len(ok)),
+        "requests_per_s": len(ok) / makespan if makespan > 0 else NAN,
+        "ttft_p50_s": percentile((r.ttft_s for r in ok), 50),
+        "ttft_p99_s": percentile((r.ttft_s for r in ok), 99),
+        "ttft_mean_s": _mean(r.ttft_s for r in ok),
+        "request_completion_p50_s": percentile((r.latency_s for r in ok), 50),
+        "request_completion_p99_s": percentile((r.latency_s for r in ok), 99),
+        "trajectory_completion_p50_s": percentile((t.end_s for t in done_trajs), 50),
+        "trajectory_completion_p99_s": percentile((t.end_s for t in done_trajs), 99),
+        "trajectory_duration_p99_s": percentile((t.duration_s for t in done_trajs), 99),
+        "input_tokens": float(sum(r.num_prompt_tokens for r in ok)),
+        "output_tokens": float(sum(r.num_output_tokens for r in ok)),
+        "cached_tokens": float(sum(r.num_cached_tokens for r in ok)),
+        "failures": failures,
+        "worker_failures": _num(m, "failures", default=0.0),
+        "d_wait_mean_s": _num(m, "d_wait_s_mean"),
+        "d_wait_count": _num(m, "d_wait_s_count"),
+        "p_wait_permit_s": _num(m, "p_wait_permit_s_sum"),
+        "d_boundary_wait_s": _num(m, "d_boundary_wait_s_sum"),
+        "p_enqueue_s": _num(m, "p_enqueue_s_sum"),
+        "rendezvous": _num(m, "rendezvous", "rendezvous_s_count", default=0.0),
+        "rendezvous_cost_mean_s": _num(m, "rendezvous_s_mean"),
+        "busy_fraction": _num(m, "busy_fraction"),
+        "concurrent_fraction": _num(m, "concurrent_fraction"),
+        "d_iter_mean_s": _num(m, "d_iter_s_mean"),
+    }
+    s["cached_fraction"] = s["cached_tokens"] / s["input_tokens"] if s["input_tokens"] > 0 else NAN
+    p_work = _num(m, "p_work_s_sum")
+    d_work = _num(m, "d_work_s_sum")
+    chain = chain_lower_bound(result, m) if chain_s is None else float(chain_s)
+    bound = optimistic_bound(p_work_s=p_work, d_work_s=d_work, chain_s=chain)
+    s["p_work_s"] = p_work
+    s["d_work_s"] = d_work
+    s["chain_s"] = chain
+    s["bound_s"] = bound
+    s["bound_ratio"] = makespan / bound if bound > 0 else NAN
+    return s
+
+
+def aggregate(summaries: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
+    """Median, quartiles and IQR (q3 - q1, linear interpolation) of every numeric metric."""
+    keys: list[str] = []
+    for s in summaries:
+        for k, v in s.items():
+            if k not in keys and isinstance(v, (int, float)) and not isinstance(v, bool):
+                keys.append(k)
+    out: dict[str, dict[str, float]] = {}
+    for k in keys:
+        vals = np.asarray([float(s[k]) for s in summaries
+                           if isinstance(s.get(k), (int, float)) and math.isfinite(float(s[k]))], dtype=float)
+        if vals.size == 0:
+            out[k] = {"median": NAN, "q1": NAN, "q3": NAN, "iqr": NAN, "min": NAN, "max": NAN, "n": 0}
+            continue
+        q1, med, q3 = np.percentile(vals, [25, 50, 75])
+        out[k] = {"median": float(med), "q1": float(q1), "q3": float(q3), "iqr": float(q3 - q1),
+                  "min": float(vals.min()), "max": float(vals.max()), "n": int(vals.size)}
+    return out
+
+
+def _median_of(entry: Any, key: str) -> tuple[float, float]:
+    """(value, iqr) of ``key`` in an aggregate or a plain summary."""
+    v = entry.get(key) if isinstance(entry, Mapping) else None
+    if isinstance(v, Mapping):
+        return float(v.get("median", NAN)), float(v.get("iqr", NAN))
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v), NAN
+    return NAN, NAN
+
+
+def ratios(results: Mapping[str, Any], baseline: str = "normal",
+           metrics: Sequence[str] = RATIO_METRICS) -> dict[str, dict[str, float]]:
+    """``label -> metric -> median(label) / median(baseline)`` (NaN when the baseline is missing or 0)."""
+    base = results.get(baseline)
+    out: dict[str, dict[str, float]] = {}
+    for label, entry in results.items():
+        row = {}
+        for k in metrics:
+            v, _ = _median_of(entry, k)
+            b, _ = _median_of(base, k) if base is not None else (NAN, NAN)
+            row[k] = v / b if math.isfinite(v) and math.isfinite(b) and b != 0 else NAN
+        out[label] = row
+    return out
+
+
+def _fmt(value: float, fmt: str, scale: float) -> str:
+    return "-" if not math.isfinite(value) else fmt.format(value * scale)
+
+
+def format_table(results: Mapping[str, Any], *, baseline: str = "normal",
+                 metrics: Sequence[str] = TABLE_METRICS, ratio_metrics: Sequence[str] = RATIO_METRICS,
+                 title: str | None = None) -> str:
+    """A fixed-width table, one row per label: ``median ±IQR`` and ``(ratio vs baseline)``."""
+    rat = ratios(results, baseline, [m for m in metrics if m in ratio_metrics])
+    have_base = baseline in results
+    headers = ["policy"] + [COLUMNS.get(m, (m, 1.0, "{:.3g}"))[0] for m in metrics]
+    rows = []
+    for label, entry in results.items():
+        row = [label]
+        for m in metrics:
+            _, scale, fmt = COLUMNS.get(m, (m, 1.0, "{:.3g}"))
+            v, iqr = _median_of(entry, m)
+            cell = _fmt(v, fmt, scale)
+            if math.isfinite(iqr) and iqr > 0:
+                cell += " ±" + _fmt(iqr, fmt, scale)
+            if have_base and label != baseline and m in rat.get(label, {}):
+                r = rat[label][m]
+                if math.isfinite(r):
+                    cell += f" ({r:.3f}x)"
+            row.append(cell)
+        rows.append(row)
+    widths = [max(len(str(r[i])) for r in [headers] + rows) for i in range(len(headers))]
+    lines = []
+    if title:
+        lines.append(title)
+    lines.append("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
+    lines.append("  ".join("-" * w for w in widths))
+    for r in rows:
+        lines.append("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    if have_base and len(results) > 1:
+        lines.append(f"(ratios in parentheses: median / median of {baseline!r}; ± is the IQR)")
+    return "\n".join(lines)
+
+
+def compare_outputs(a: Mapping[Any, Sequence[int]], b: Mapping[Any, Sequence[int]]) -> list[Any]:
+    """Keys whose greedy outputs differ (or exist on one side only)."""
+    return sorted((k for k in set(a) | set(b) if list(a.get(k, [])) != list(b.get(k, []))
+                   or (k in a) != (k in b)), key=str)

@@ -1,0 +1,292 @@
+"""Closed-loop agentic replay client.
+
+Every conversation of a :class:`~ainfer_pd.workload.trace.Trace` is one task:
+``generate(prompt)`` for turn 0, then for each later turn ``sleep(tool wait)`` and
+``continue_(trajectory, observation)``, finally ``release``. All conversations start at
+once (a fixed workload: the trainer waits for the whole set), so the makespan is the
+time until the last trajectory finishes.
+
+Prompt and observation ids are random (seeded per conversation, ids in ``[2, vocab)``)
+and sampling is greedy with ``ignore_eos``, so each turn generates exactly the trace's
+token count and the outputs can be compared across policies.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import AInferPDError, InvalidRequestError
+from ..request import SamplingParams
+from .trace import Trace, cell_wait_factor
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    conversation: int
+    turn: int
+    submit_s: float
+    """Submit time, seconds since the replay started."""
+    done_s: float = float("nan")
+    """Completion time, seconds since the replay started (NaN when it failed)."""
+    ttft_s: float = float("nan")
+    latency_s: float = float("nan")
+    """Completion latency measured by the client (submit -> result)."""
+    wait_s: float = 0.0
+    """Tool wait the client slept before submitting this turn."""
+    new_tokens: int = 0
+    gen_tokens: int = 0
+    """Tokens asked for (``max_new_tokens``)."""
+    num_output_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: str = ""
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
+@dataclass(slots=True)
+class TrajectoryRecord:
+    conversation: int
+    trajectory_id: str = ""
+    start_s: float = 0.0
+    end_s: float = float("nan")
+    """Completion time of its last turn, seconds since the replay started."""
+    turns_done: int = 0
+    turns_total: int = 0
+    total_wait_s: float = 0.0
+    failed: bool = False
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    records: list[RequestRecord]
+    trajectories: list[TrajectoryRecord]
+    outputs: dict[tuple[int, int], list[int]]
+    """Greedy token ids per (conversation, turn)."""
+    metrics: dict[str, Any]
+    """``worker.metrics()`` at the end of the replay."""
+    makespan_s: float
+    cell: str = "P1"
+    seed: int = 0
+    time_scale: float = 1.0
+    label: str = ""
+    failures: int = 0
+    """Failed requests (typed library errors caught by the client)."""
+    planned_requests: int = 0
+    """Requests in the trace (failed conversations skip their remaining turns)."""
+    timeline: list | None = None
+    """``worker.timeline()`` when the worker offers it."""
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.records)
+
+    @property
+    def completed(self) -> int:
+        return sum(1 for r in self.records if r.ok)
+
+    def to_dict(self, *, with_outputs: bool = False, with_timeline: bool = False) -> dict[str, Any]:
+        d = {
+            "label": self.label, "cell": self.cell, "seed": self.seed, "time_scale": self.time_scale,
+            "makespan_s": self.makespan_s, "failures": self.failures,
+            "planned_requests": self.planned_requests, "errors": self.errors[:20],
+            "records": [asdict(r) for r in self.records],
+            "trajectories": [asdict(t) for t in self.trajectories],
+            "metrics": _jsonable(self.metrics),
+        }
+        if with_outputs:
+            d["outputs"] = {f"{c}/{t}": v for (c, t), v in self.outputs.items()}
+        if with_timeline and self.timeline is not None:
+            d["timeline"] = _jsonable(self.timeline)
+        return d
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    return str(x)
+
+
+def conversation_token_ids(trace: Trace, conv_index: int, *, seed: int, vocab_size: int) -> list[list[int]]:
+    """The seeded token ids appended before each turn of one conversation (ids in ``[2, vocab)``)."""
+    if vocab_size < 3:
+        raise InvalidRequestError("vocab_size must be >= 3")
+    conv = trace.conversations[conv_index]
+    rng = np.random.default_rng([seed, conv_index])
+    return [rng.integers(2, vocab_size, size=t.new_tokens).tolist() for t in conv.turns]
+
+
+def _vocab_of(worker: Any) -> int | None:
+    cfg = getattr(worker, "cfg", None) or getattr(worker, "config", None)
+    model = getattr(cfg, "model", None)
+    v = getattr(model, "vocab_size", None)
+    return int(v) if isinstance(v, int) else None
+
+
+async def replay(worker: Any, trace: Trace, *, cell: str = "P1", seed: int = 0, progress: bool = False,
+                 vocab_size: int | None = None, time_scale: float = 1.0, raise_errors: bool = False,
+                 label: str = "", max_concurrency: int | None = None,
+                 on_request: Callable[[RequestRecord], None] | None = None) -> ReplayResult:
+    """Replay ``trace`` closed-loop against ``worker`` and collect per-request records.
+
+    ``cell`` picks the wait multiplier (P1-P4, trace) and ``time_scale`` multiplies every
+    wait on top (short CPU runs). Typed library failures (:class:`AInferPDError`) end that
+    conversation and are counted, unless ``raise_errors`` (then the first one propagates
+    and the other conversations are cancelled). Cancelling the replay cancels every
+    in-flight request; the worker aborts them.
+    """
+    factor = cell_wait_factor(cell) * float(time_scale)
+    if time_scale < 0:
+        raise InvalidRequestError("time_scale must be >= 0")
+    if vocab_size is None:
+        vocab_size = _vocab_of(worker) or 512
+    n_req = trace.num_requests
+    records: list[RequestRecord] = []
+    trajs: list[TrajectoryRecord] = [
+        TrajectoryRecord(conversation=c.conv_id, turns_total=c.num_turns) for c in trace.conversations]
+    outputs: dict[tuple[int, int], list[int]] = {}
+    errors: list[str] = []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=n_req, desc=label or "replay", unit="req", leave=False, dynamic_ncols=True)
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    t0 = time.perf_counter()
+
+    def now() -> float:
+        return time.perf_counter() - t0
+
+    async def run_conversation(ci: int) -> None:
+        conv = trace.conversations[ci]
+        tr = trajs[ci]
+        ids = conversation_token_ids(trace, ci, seed=seed, vocab_size=vocab_size)
+        tid: str | None = None
+        acquired = False
+        try:
+            if sem is not None:
+                await sem.acquire()
+                acquired = True
+            tr.start_s = now()
+            for ti, turn in enumerate(conv.turns):
+                wait = 0.0 if ti == 0 else turn.tool_wait_s * factor
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                    tr.total_wait_s += wait
+                params = SamplingParams(max_new_tokens=turn.gen_tokens, temperature=0.0, ignore_eos=True)
+                rec = RequestRecord(conversation=conv.conv_id, turn=ti, submit_s=now(), wait_s=wait,
+                                    new_tokens=turn.new_tokens, gen_tokens=turn.gen_tokens)
+                records.append(rec)
+                try:
+                    if ti == 0:
+                        out = await worker.generate(ids[0], params)
+                        tid = out.trajectory_id
+                        tr.trajectory_id = tid
+                    else:
+                        out = await worker.continue_(tid, ids[ti], params)
+                except AInferPDError as exc:
+                    rec.error = f"{type(exc).__name__}: {exc}"
+                    errors.append(f"conv {conv.conv_id} turn {ti}: {rec.error}")
+                    tr.failed = True
+                    if bar is not None:
+                        bar.update(conv.num_turns - ti)
+                    if raise_errors:
+                        raise
+                    return
+                rec.done_s = now()
+                rec.latency_s = rec.done_s - rec.submit_s
+                rec.ttft_s = float(getattr(out, "ttft_s", float("nan")))
+                rec.num_output_tokens = len(out.token_ids)
+                rec.num_prompt_tokens = int(getattr(out, "num_prompt_tokens", 0))
+                rec.num_cached_tokens = int(getattr(out, "num_cached_tokens", 0))
+                rec.finish_reason = str(getattr(out, "finish_reason", ""))
+                outputs[(conv.conv_id, ti)] = list(out.token_ids)
+                tr.turns_done = ti + 1
+                tr.end_s = rec.done_s
+                if on_request is not None:
+                    on_request(rec)
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            if acquired:
+                sem.release()
+            if tid is not None:
+                try:
+                    await worker.release(tid)
+                except AInferPDError:
+                    pass
+
+    try:
+        await _run_all([run_conversation(i) for i in range(len(trace.conversations))])
+    finally:
+        if bar is not None:
+            bar.close()
+    makespan = now()
+    records.sort(key=lambda r: (r.conversation, r.turn))
+    metrics = _safe_metrics(worker)
+    timeline = None
+    tl = getattr(worker, "timeline", None)
+    if callable(tl):
+        try:
+            timeline = list(tl())
+        except Exception:  # noqa: BLE001 - a timeline is optional diagnostics
+            timeline = None
+    return ReplayResult(records=records, trajectories=trajs, outputs=outputs, metrics=metrics,
+                        makespan_s=makespan, cell=cell, seed=seed, time_scale=time_scale, label=label,
+                        failures=sum(1 for r in records if not r.ok), planned_requests=n_req, timeline=timeline, errors=errors)
+
+
+def _safe_metrics(worker: Any) -> dict[str, Any]:
+    m = getattr(worker, "metrics", None)
+    if not callable(m):
+        return {}
+    try:
+        return dict(m() or {})
+    except AInferPDError:
+        return {}
+
+
+async def _run_all(coros: list) -> None:
+    """Run every coroutine as a task; the first error cancels the rest and propagates (unwrapped)."""
+    if hasattr(asyncio, "TaskGroup"):
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for c in coros:
+                    tg.create_task(c)
+        except BaseExceptionGroup as eg:  # noqa: F821 - Python >= 3.11 here
+            first = _first_exception(eg)
+            raise first from None
+        return
+    tasks = [asyncio.ensure_future(c) for c in coros]  # Python 3.10
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            if not t.cancelled() and t.exception() is not None:
+                raise t.exception()
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _first_exception(eg: BaseException) -> BaseException:
+    while isinstance(eg, BaseExceptionGroup) and eg.exceptions:  # noqa: F821
+        eg = eg.exceptions[0]
+    return eg
