@@ -141,18 +141,7 @@ def _check_world_size(args: argparse.Namespace) -> int | None:
     if args.world_size < 1:
         print("ainfer-pd: --world-size must be >= 1", file=sys.stderr)
         return 2
-    try:
-        launch = importlib.import_module("ainfer_pd.launch")
-    except ImportError as exc:
-        if getattr(exc, "name", None) not in ("ainfer_pd.launch", None):
-            raise
-        print(f"ainfer-pd: --world-size {args.world_size} needs the multi-rank launcher "
-              "(ainfer_pd.launch), which is not available in this build", file=sys.stderr)
-        return 2
-    run_cli = getattr(launch, "run_cli", None)
-    if run_cli is None:
-        print("ainfer-pd: ainfer_pd.launch has no run_cli(args)", file=sys.stderr)
-        return 2
+    from .multirank_replay import run_cli
     return int(run_cli(args) or 0)
 
 

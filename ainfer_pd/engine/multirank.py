@@ -79,7 +79,9 @@ class LockstepEngine(Engine):
             rows = self._live_rows()
             act = self.activation.update(self.rec.now(), self._prev_totals[1], self._prev_totals[0]) if self.rank == 0 else False
             payload = (len(rows), self._local_p_tokens(), int(self._p_running), int(act), int(self.closing))
+            t0 = self.rec.now()
             states = await self.rdv.arrive("step", payload, epoch=self._epoch)
+            self.rec.sample("step_sync_s", self.rec.now() - t0)
             total_d = sum(s[0] for s in states)
             total_p = sum(s[1] for s in states)
             any_running = any(s[2] for s in states)

@@ -1,0 +1,111 @@
+"""``ainfer-pd replay --world-size N``: the replay over N local rank processes.
+
+Every rank is one process running a :class:`~ainfer_pd.RolloutWorker` of the lockstep
+multi-rank engine (one attention-DP replica per rank, experts spread over the ranks with
+``expert_backend=torch`` unless the config says otherwise). Conversation ``i`` is served
+by rank ``i % N``. The ranks start their replay after a barrier; the parent merges the
+per-rank records into one result (makespan = the last completion on any rank).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import sys
+from typing import Any
+
+from .config import WorkerConfig
+from .workload.replay import ReplayResult
+from .workload.trace import Trace
+
+
+def multirank_config(cfg: WorkerConfig, world_size: int) -> WorkerConfig:
+    pc = cfg.parallel
+    if pc.world_size == world_size:
+        return cfg
+    return cfg.replace(**{"parallel.world_size": world_size, "parallel.attn_dp": world_size,
+                          "parallel.expert_parallel": world_size, "parallel.expert_backend": "torch"})
+
+
+async def _rank_replay(rank: int, world_size: int, cfg_dict: dict, trace: Trace, cell: str, seed: int,
+                       time_scale: float) -> ReplayResult:
+    import torch.distributed as dist
+
+    from . import RolloutWorker
+    from .workload.replay import replay
+    cfg = WorkerConfig.from_dict(cfg_dict)
+    mine = Trace(conversations=[c for i, c in enumerate(trace.conversations) if i % world_size == rank],
+                 meta=dict(trace.meta))
+    async with RolloutWorker(cfg) as worker:
+        await asyncio.to_thread(dist.barrier)          # every rank starts its clock together
+        res = await replay(worker, mine, cell=cell, seed=seed, time_scale=time_scale,
+                           label=f"rank{rank}")
+    res.timeline = None
+    return res
+
+
+def merge(results: list[ReplayResult]) -> ReplayResult:
+    """One result of the whole world: records of every rank; per-rank metrics averaged
+    (counts summed)."""
+    first = results[0]
+    metrics: dict[str, Any] = {}
+    keys = set().union(*(r.metrics.keys() for r in results))
+    for k in keys:
+        vals = [r.metrics.get(k) for r in results]
+        nums = [v for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if len(nums) == len(vals):
+            metrics[k] = sum(nums) if (k.endswith(("_count", "_sum")) or k in ("rendezvous", "finished", "failures")) \
+                else sum(nums) / len(nums)
+        elif all(isinstance(v, list) for v in vals):
+            metrics[k] = [x for v in vals for x in v]
+    metrics["world_size"] = len(results)
+    outputs: dict = {}
+    for r in results:
+        outputs.update(r.outputs)
+    return ReplayResult(records=[x for r in results for x in r.records],
+                        trajectories=sorted((t for r in results for t in r.trajectories), key=lambda t: t.conversation),
+                        outputs=outputs, metrics=metrics, makespan_s=max(r.makespan_s for r in results),
+                        cell=first.cell, seed=first.seed, time_scale=first.time_scale, label=first.label,
+                        failures=sum(r.failures for r in results),
+                        planned_requests=sum(r.planned_requests for r in results),
+                        errors=[e for r in results for e in r.errors])
+
+
+def run_world(cfg: WorkerConfig, trace: Trace, world_size: int, *, cell: str, seed: int, time_scale: float,
+              timeout_s: float = 1800.0) -> ReplayResult:
+    from .launch import spawn
+    cfg = multirank_config(cfg, world_size)
+    results = spawn(_rank_replay, world_size, (cfg.to_dict(), trace, cell, seed, time_scale), timeout_s)
+    return merge(results)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """The ``--world-size N`` path of ``ainfer-pd replay`` / ``bench``."""
+    from .cli import build_trace, load_config, _opt
+    from .metrics.report import aggregate, format_table, summarize
+    cfg = load_config(args.config)
+    trace = build_trace(args, cfg)
+    policies = [args.policy] if getattr(args, "policy", None) else [p for p in args.policies.split(",") if p]
+    cells = [args.cell or _opt(args, "cell")] if hasattr(args, "cell") else [c for c in args.cells.split(",") if c]
+    repeats = int(getattr(args, "repeats", 1) or 1)
+    time_scale = _opt(args, "time_scale")
+    ws = int(args.world_size)
+    print(f"multi-rank replay: world size {ws} (one attention-DP replica per rank, EP={ws}), "
+          f"{trace.num_requests} requests, policies {policies}, cells {cells}", file=sys.stderr, flush=True)
+    failures = 0
+    for cell in cells:
+        aggs = {}
+        for pol in policies:
+            c = cfg.replace(**{"scheduler.policy": pol})
+            if args.span:
+                c = c.replace(**{"mux.span": args.span})
+            runs = []
+            for rep in range(repeats):
+                res = run_world(c, trace, ws, cell=cell, seed=args.seed, time_scale=time_scale)
+                failures += res.failures
+                runs.append(summarize(res))
+                print(f"  {pol} cell {cell} run {rep + 1}: makespan {res.makespan_s:.2f} s, "
+                      f"{res.completed}/{res.planned_requests} requests", file=sys.stderr, flush=True)
+            aggs[pol] = aggregate(runs)
+        print(format_table(aggs, baseline=policies[0], title=f"cell {cell}, world size {ws}"))
+    return 1 if failures else 0
