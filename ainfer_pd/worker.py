@@ -34,13 +34,16 @@ class RolloutWorker:
         if not isinstance(cfg, WorkerConfig):
             raise InvalidRequestError("RolloutWorker needs a WorkerConfig")
         self.cfg = cfg
+        if cfg.parallel.world_size > 1:
+            import torch.distributed as dist
+            if dist.is_initialized():
+                rank = dist.get_rank()
         self.rank = rank
         trace = None
         if cfg.trace_dir:
             trace = f"{cfg.trace_dir}/rank{rank}.jsonl"
         self.recorder = Recorder(rank=rank, trace_path=trace)
         self.engine = make_engine(cfg, self.recorder, rank=rank, rendezvous=rendezvous)
-        self.rank = getattr(self.engine, "rank", rank)
         self.trajectories: dict[str, Trajectory] = {}
         self._tg: asyncio.TaskGroup | None = None
         self._engine_task: asyncio.Task | None = None
@@ -285,6 +288,14 @@ class RolloutWorker:
         m = self.engine.metrics()
         m["trajectories"] = len(self.trajectories)
         return m
+
+    def audit(self, *, strict: bool = False):
+        """The phase-ownership audit of this rank (multi-rank engines with expert parallelism)."""
+        fn = getattr(self.engine, "audit", None)
+        if fn is None:
+            from .errors import OwnershipAuditError
+            raise OwnershipAuditError("this engine has no phase-owned communication state (world size 1)")
+        return fn(strict=strict)
 
     def timeline(self) -> list[tuple]:
         return list(self.recorder.intervals)

@@ -250,6 +250,7 @@ class Engine:
                     t0 = self.rec.now()
                     await ep.permit(b)
                     waited += self.rec.now() - t0
+                    self.rec.event("p_permit", epoch=epoch, boundary=b)
 
                 if mux:
                     ep.publish(0)

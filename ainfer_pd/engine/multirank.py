@@ -158,6 +158,29 @@ class LockstepEngine(Engine):
 
     _exclusive_epoch = False
 
+    # ------------------------------------------------------------------ ownership audit
+    def ownership_registry(self):
+        """Every mutable object of this rank, registered to P, D or the shared set (SPEC 3.4)."""
+        from ..comm.experts.ownership import SHARED, OwnershipRegistry
+        from ..phase import Phase
+        if self.dispatchers is not None:
+            reg = self.dispatchers.registry()
+        else:
+            reg = OwnershipRegistry()
+        for ctx in (self.prefill_ctx, self.decode_ctx):
+            reg.register("engine_stream", f"{ctx.phase.value}.engine_stream", ctx.phase, ctx.stream)
+        reg.register("kv_storage", "kv_cache", SHARED, self.runner.kv_cache)
+        for name, p in self.runner.model.named_parameters():
+            reg.register("weights", name, SHARED, p)
+        reg.register("runtime", "control_rendezvous", SHARED, self.rdv)
+        return reg
+
+    def audit(self, *, strict: bool = False):
+        report = self.ownership_registry().audit(strict=strict)
+        self.rec.event("ownership_audit", ok=report.ok, violations=[str(v) for v in report.violations],
+                       phase_memory_bytes=report.phase_memory_bytes)
+        return report
+
 
 def make_engine(cfg: WorkerConfig, recorder: Recorder, *, rank: int = 0, rendezvous=None) -> Engine:
     """The engine for this rank: :class:`Engine` at world size 1, else the lockstep engine

@@ -9,7 +9,8 @@ arrive at the same sequence of tags; a different tag at the same round raises
 timeout or transport failure the object is broken (further ``arrive`` raises
 :class:`DistributedError`).
 
-* :class:`GlooRendezvous`: ``all_gather`` of a fixed-size int64 row over a dedicated gloo group.
+* :class:`GlooRendezvous`: every rank's fixed-size int64 row exchanged over a dedicated gloo group
+  (a plain ``all_gather``, or optionally a SUM all-reduce of a zeroed (world, row) board).
   The blocking collective runs on a dedicated daemon thread (``mode="thread"``, default) or is
   issued with ``async_op=True`` and polled from the loop (``mode="poll"``). Each rank bumps its
   arrival counter in the ``torch.distributed`` store before entering the collective, so a
@@ -265,7 +266,8 @@ class GlooRendezvous(_Base):
     kind = "gloo"
 
     def __init__(self, group: Any = None, timeout_s: float = 30.0, *, store: Any = None,
-                 name: str | None = None, max_payload: int = MAX_PAYLOAD, mode: str = "thread") -> None:
+                 name: str | None = None, max_payload: int = MAX_PAYLOAD, mode: str = "thread",
+                 collective: str = "all_gather") -> None:
         import torch
         import torch.distributed as dist
 
@@ -286,8 +288,12 @@ class GlooRendezvous(_Base):
             store = get_store()
         self.name = name or f"gloo{next(_instance_counter)}"
         self._side = dist.PrefixStore(f"ainfer_pd/rdzv/{self.name}", store)
+        if collective not in ("all_reduce", "all_gather"):
+            raise DistributedError(f"GlooRendezvous collective must be all_reduce or all_gather, got {collective!r}")
+        self.collective = collective
         self._send = torch.zeros(self._row, dtype=torch.int64)
         self._recv = [torch.zeros(self._row, dtype=torch.int64) for _ in range(ws)]
+        self._board = torch.zeros(ws, self._row, dtype=torch.int64)
         self._jobs: queue.SimpleQueue | None = None
         self._thread: threading.Thread | None = None
         if mode == "thread":
@@ -298,13 +304,29 @@ class GlooRendezvous(_Base):
 
     # ------------------------------------------------------------- blocking part
     def _collective(self, row: list[int]) -> list[list[int]]:
-        self._send.copy_(self._torch.tensor(row, dtype=self._torch.int64))
-        work = self._dist.all_gather(self._recv, self._send, group=self._group, async_op=True)
+        work, result = self._issue(row, self._send, self._recv, self._board)
         # side channel (my arrival count = seq), written while the collective is in flight:
         # it is only read on a timeout, seconds later
         self._side.add(f"arrived/{self.rank}", 1)
         work.wait()
-        return self._torch.stack(self._recv).tolist()
+        return result()
+
+    def _issue(self, row: list[int], send, recv, board):
+        """Start the exchange (async work) and return (work, reader of the gathered rows).
+
+        ``all_gather`` (default): the plain gather of the rows. ``all_reduce``: every rank writes
+        its row into a zeroed (world, row) board and the board is SUM-reduced (an all-gather in
+        effect; kept as an option because gloo's tiny all-reduce can beat its all-gather -- the
+        benchmark compares both)."""
+        torch, dist = self._torch, self._dist
+        if self.collective == "all_reduce":
+            board.zero_()
+            board[self.rank] = torch.tensor(row, dtype=torch.int64)
+            work = dist.all_reduce(board, group=self._group, async_op=True)
+            return work, board.tolist
+        send.copy_(torch.tensor(row, dtype=torch.int64))
+        work = dist.all_gather(recv, send, group=self._group, async_op=True)
+        return work, lambda: torch.stack(recv).tolist()
 
     def _worker(self) -> None:
         assert self._jobs is not None
@@ -391,9 +413,9 @@ class GlooRendezvous(_Base):
 
     async def _arrive_poll(self, row: list[int], deadline: float) -> list[list[int]]:
         torch = self._torch
-        send = torch.tensor(row, dtype=torch.int64)           # fresh buffers: a cancelled arrive's
+        send = torch.empty(self._row, dtype=torch.int64)      # fresh buffers: a cancelled arrive's
         recv = [torch.empty_like(send) for _ in range(self.world_size)]   # work may still run
-        work = self._dist.all_gather(recv, send, group=self._group, async_op=True)
+        work, result = self._issue(row, send, recv, torch.empty(self.world_size, self._row, dtype=torch.int64))
         self._side.add(f"arrived/{self.rank}", 1)
         spins = 0
         while not work.is_completed():
@@ -402,7 +424,7 @@ class GlooRendezvous(_Base):
             spins += 1
             await asyncio.sleep(0 if spins < 2000 else 0.0005)
         work.wait()
-        return torch.stack(recv).tolist()
+        return result()
 
     async def close(self) -> None:
         if self._closed:

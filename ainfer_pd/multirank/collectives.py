@@ -1,0 +1,287 @@
+"""Phase-identified attention collectives (SPEC 2, 3.1) and the TP-sharded attention reduce.
+
+* P (eager) uses the full attention-TP **all-reduce** over its own ATP group (``attn_tp.P``).
+* D (graph replay on CUDA) uses the DP-attention **all-gather / reduce-scatter** over its own
+  DP-attention group (``attn_dp.D``).
+
+Each phase has its own communicator (``build_process_groups``); the phase is an explicit
+argument, never guessed. :meth:`PhaseCollectives.launch` puts a collective on a device
+stream: on the CPU stand-in it runs on that stream's thread and, while the blocking gloo call
+waits for its peers, it HOLDS one residency slot of the device (as spinning NCCL / DeepEP
+kernels hold SMs). Launch and completion go into the rank's control trace
+(``coll_enqueue`` / ``coll_launch`` / ``coll_done``) and an in-flight table the watchdog reads.
+
+:class:`DepCpuDevice` adds stream-waits-event semantics to the CPU stand-in: an item with
+dependencies waits for them on its stream thread **before** taking a residency slot (like
+``cudaStreamWaitEvent``: a waiting stream occupies no SMs).
+
+:func:`shard_attention` / :func:`tp_attn_reduce`: attention tensor parallelism for the real
+model without touching ``engine/model.py``: each TP rank keeps its contiguous shard of query
+and KV heads (rows of ``wqkv``) and the matching columns of ``wo``, and the partial attention
+outputs are all-reduced through the model's ``attn_reduce`` hook.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from ..comm.topology import ATTN_DP_D, ATTN_TP_P, Topology
+from ..engine.device import CpuDevice, Device, Stream, Work
+from ..errors import DistributedError, TopologyError
+from ..phase import Phase
+from .ordering import (D_ADP_ALL_GATHER, D_ADP_REDUCE_SCATTER, P_ATP_ALL_REDUCE, CollectiveKind,
+                       ConflictRegistry)
+
+__all__ = ["PhaseCollectives", "DepCpuDevice", "with_deps", "shard_attention", "tp_attn_reduce"]
+
+_OPS = {("P", "all_reduce"): P_ATP_ALL_REDUCE,
+        ("D", "all_gather"): D_ADP_ALL_GATHER,
+        ("D", "reduce_scatter"): D_ADP_REDUCE_SCATTER}
+
+
+class _WithDeps:
+    """A stream item that waits for other stream items before it takes a residency slot."""
+
+    def __init__(self, fn: Callable, deps: Sequence[Work]) -> None:
+        self.fn = fn
+        self.deps = tuple(d for d in deps if d is not None)
+        self.__name__ = getattr(fn, "__name__", "work")
+
+    def wait_deps(self) -> None:
+        for d in self.deps:
+            d.enqueued().result()          # re-raises a failed dependency
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
+def with_deps(fn: Callable, deps: Iterable[Work | None] = ()) -> Callable:
+    """Wrap ``fn`` so that (on :class:`DepCpuDevice`) it starts only after ``deps`` completed."""
+    return _WithDeps(fn, list(deps))
+
+
+class DepCpuDevice(CpuDevice):
+    """CPU stand-in with cross-stream dependencies that wait outside the residency slots."""
+
+    def _execute(self, stream: Stream, work: Work, fn: Callable, args: tuple) -> Any:
+        if isinstance(fn, _WithDeps) and fn.deps:
+            fn.wait_deps()
+        return super()._execute(stream, work, fn, args)
+
+
+class PhaseCollectives:
+    """Attention collectives of one rank with explicit phase identity.
+
+    ``groups``: ``build_process_groups(topology)`` (needs ``attn_tp.P`` and ``attn_dp.D``).
+    ``device`` / ``recorder``: where :meth:`launch` enqueues and records (optional for the
+    direct blocking calls). ``registry``: conflicting pairs (default: from the topology).
+    """
+
+    def __init__(self, topology: Topology, groups: dict[str, Any], *, device: Device | None = None,
+                 recorder: Any = None, registry: ConflictRegistry | None = None,
+                 delay_s: dict[Phase, float] | None = None) -> None:
+        missing = [n for n in (ATTN_TP_P, ATTN_DP_D) if n not in groups]
+        if missing:
+            raise TopologyError(f"PhaseCollectives: process groups {missing} missing (build_process_groups)")
+        self.topology = topology
+        self.groups = groups
+        self.device = device
+        self.recorder = recorder if recorder is not None else (device.recorder if device is not None else None)
+        self.registry = registry if registry is not None else ConflictRegistry.for_topology(topology)
+        self.delay_s = dict(delay_s or {})
+        """Fault knob: extra seconds a collective of that phase keeps running (and its slot)."""
+        self._members = {ATTN_TP_P: topology.tp_group, ATTN_DP_D: topology.dp_group}
+        self._lock = threading.Lock()
+        self._seq: dict[str, int] = {ATTN_TP_P: 0, ATTN_DP_D: 0}        # enqueued per communicator
+        self.joined: dict[str, int] = {ATTN_TP_P: 0, ATTN_DP_D: 0}      # launched (entered) per communicator
+        self.completed: dict[str, int] = {ATTN_TP_P: 0, ATTN_DP_D: 0}
+        self.inflight: dict[tuple[str, int], dict] = {}
+        self.last_progress = time.monotonic()
+        self._ids = itertools.count(1)
+        self.on_complete: list[Callable[[dict], None]] = []
+
+    # ------------------------------------------------------------------ identity
+    def kind(self, phase: Phase, op: str) -> CollectiveKind:
+        k = _OPS.get((phase.value, op))
+        if k is None:
+            allowed = "all_reduce" if phase is Phase.PREFILL else "all_gather / reduce_scatter"
+            raise ValueError(f"phase {phase.name} has no attention {op!r} (it uses {allowed})")
+        return k
+
+    def group_of(self, phase: Phase) -> tuple[str, tuple[int, ...], Any]:
+        comm = ATTN_TP_P if phase is Phase.PREFILL else ATTN_DP_D
+        return comm, self._members[comm], self.groups[comm]
+
+    # ------------------------------------------------------------------ blocking calls
+    def all_reduce(self, phase: Phase, t: torch.Tensor) -> torch.Tensor:
+        """P: sum over this rank's attention-TP group (in place; returns ``t``)."""
+        import torch.distributed as dist
+        self.kind(phase, "all_reduce")
+        comm, members, pg = self.group_of(phase)
+        if len(members) > 1:
+            dist.all_reduce(t, group=pg)
+        return t
+
+    def all_gather(self, phase: Phase, t: torch.Tensor) -> torch.Tensor:
+        """D: concatenate (dim 0) the rows of every rank of this rank's DP-attention group."""
+        import torch.distributed as dist
+        self.kind(phase, "all_gather")
+        comm, members, pg = self.group_of(phase)
+        if len(members) == 1:
+            return t.clone()
+        out = [torch.empty_like(t) for _ in members]
+        dist.all_gather(out, t.contiguous(), group=pg)
+        return torch.cat(out, 0)
+
+    def reduce_scatter(self, phase: Phase, t: torch.Tensor) -> torch.Tensor:
+        """D: sum over the DP-attention group, then this rank's chunk of dim 0 (gloo has no
+        native reduce-scatter: all-reduce + chunk, same result)."""
+        import torch.distributed as dist
+        self.kind(phase, "reduce_scatter")
+        comm, members, pg = self.group_of(phase)
+        n = len(members)
+        if t.shape[0] % n:
+            raise ValueError(f"reduce_scatter: dim 0 ({t.shape[0]}) not divisible by the group size {n}")
+        if n > 1:
+            t = t.clone()
+            dist.all_reduce(t, group=pg)
+        return t.chunk(n, 0)[members.index(self.topology.rank)].clone()
+
+    # ------------------------------------------------------------------ launched on a stream
+    def launch(self, phase: Phase, op: str, tensor: torch.Tensor, *, stream: str, epoch: int | None = None,
+               boundary: int | None = None, deps: Iterable[Work | None] = (), extra: dict | None = None) -> Work:
+        """Enqueue the collective on ``stream`` of the device; returns the stream item.
+
+        Trace: ``coll_enqueue`` now (host order), ``coll_launch`` when it starts on the device
+        (holding a residency slot until every peer joined), ``coll_done`` at completion.
+        """
+        if self.device is None:
+            raise DistributedError("PhaseCollectives.launch needs a device")
+        kind = self.kind(phase, op)
+        comm, members, _ = self.group_of(phase)
+        registered = self.registry.is_registered(kind)
+        with self._lock:
+            self._seq[comm] += 1
+            seq = self._seq[comm]
+        info = {"name": kind.name, "phase": phase.value, "op": op, "comm": comm, "group": list(members),
+                "seq": seq, "stream": stream, "epoch": epoch, "boundary": boundary,
+                "registered": registered, "state": "queued", **(extra or {})}
+        rec = self.recorder
+        fn_map = {"all_reduce": self.all_reduce, "all_gather": self.all_gather,
+                  "reduce_scatter": self.reduce_scatter}
+        delay = self.delay_s.get(phase, 0.0)
+
+        def run() -> torch.Tensor:
+            with self._lock:
+                self.joined[comm] += 1
+                info["state"] = "running"
+            t0 = rec.now() if rec is not None else 0.0
+            info["t_launch"] = t0
+            if rec is not None:
+                rec.event("coll_launch", **_ev(info))
+            try:
+                out = fn_map[op](phase, tensor)
+            except Exception as exc:  # transport failure: name the collective and the group
+                info["state"] = "failed"
+                raise DistributedError(
+                    f"rank {self.topology.rank}: {kind.name} #{seq} over group {tuple(members)} failed "
+                    f"(epoch {epoch}, boundary {boundary}): {exc}") from exc
+            if delay > 0:
+                time.sleep(delay)           # delayed completion (fault knob): keeps the slot
+            t1 = rec.now() if rec is not None else 0.0
+            with self._lock:
+                self.completed[comm] += 1
+                self.inflight.pop((comm, seq), None)
+                info["state"] = "done"
+                self.last_progress = time.monotonic()
+            if rec is not None:
+                rec.event("coll_done", **_ev(info))
+                rec.event("work", what=kind.name, phase=phase.value, kind="coll", stream=stream,
+                          registered=registered, epoch=epoch, boundary=boundary, t0=t0, t1=t1)
+            for cb in self.on_complete:
+                cb(info)
+            return out
+
+        with self._lock:
+            self.inflight[(comm, seq)] = info
+        if rec is not None:
+            rec.event("coll_enqueue", **_ev(info))
+        return self.device.stream(stream).submit(with_deps(run, deps), label=f"{kind.name}#{seq}")
+
+    def frontier(self) -> dict:
+        """What this rank has in flight (for the watchdog)."""
+        with self._lock:
+            return {"joined": dict(self.joined), "completed": dict(self.completed),
+                    "enqueued": dict(self._seq),
+                    "inflight": [{k: v for k, v in i.items()} for i in self.inflight.values()]}
+
+
+def _ev(info: dict) -> dict:
+    out = {k: info[k] for k in ("phase", "op", "comm", "group", "stream", "epoch", "boundary",
+                                "registered", "iter") if k in info}
+    out["coll"] = info["name"]
+    out["cseq"] = info["seq"]          # per-communicator sequence ("seq" is the trace's own counter)
+    return out
+
+
+# ====================================================================== TP-sharded attention
+def shard_attention(model: Any, tp_rank: int, atp: int) -> Any:
+    """A copy of ``model`` whose attention keeps only TP shard ``tp_rank`` of ``atp``.
+
+    Query heads and KV heads are split into ``atp`` contiguous blocks (GQA groups stay
+    together: local query head h uses local KV head h // (H / Hk), as globally); ``wqkv``
+    keeps the matching rows and ``wo`` the matching columns. Everything else (norms, router,
+    experts, embeddings, head) is replicated. The shard's KV cache has ``Hk / atp`` heads.
+    Summing the shards' attention outputs (``attn_reduce``) gives the full output.
+    """
+    from ..engine.model import MoETransformer
+
+    c = model.cfg
+    H, Hk, hd = c.num_heads, c.num_kv_heads, c.head_dim
+    if atp < 1 or Hk % atp or H % atp:
+        raise TopologyError(f"attention TP {atp} must divide num_heads={H} and num_kv_heads={Hk}")
+    if not 0 <= tp_rank < atp:
+        raise TopologyError(f"tp_rank {tp_rank} outside [0, {atp})")
+    if atp == 1:
+        return model
+    hq, hk = H // atp, Hk // atp
+    cs = dataclasses.replace(c, num_heads=hq, num_kv_heads=hk)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(c.torch_dtype)
+    try:
+        with torch.device(model.embed.device):
+            shard = MoETransformer(cs)
+    finally:
+        torch.set_default_dtype(prev)
+    shard.requires_grad_(False)
+    q_rows = torch.arange(tp_rank * hq * hd, (tp_rank + 1) * hq * hd)
+    k_rows = H * hd + torch.arange(tp_rank * hk * hd, (tp_rank + 1) * hk * hd)
+    v_rows = (H + Hk) * hd + torch.arange(tp_rank * hk * hd, (tp_rank + 1) * hk * hd)
+    rows = torch.cat([q_rows, k_rows, v_rows])
+    src = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, p in shard.named_parameters():
+            s = src[name]
+            if name.endswith(".wqkv"):
+                p.copy_(s.index_select(0, rows))
+            elif name.endswith(".wo"):
+                p.copy_(s[:, tp_rank * hq * hd:(tp_rank + 1) * hq * hd])
+            else:
+                p.copy_(s)
+    return shard
+
+
+def tp_attn_reduce(colls: PhaseCollectives, phase: Phase = Phase.PREFILL) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The ``attn_reduce`` hook of a TP-sharded forward: all-reduce of the partial attention
+    output over this rank's attention-TP group (P: the full-TP all-reduce)."""
+
+    def reduce(o: torch.Tensor) -> torch.Tensor:
+        o = o.contiguous()
+        return colls.all_reduce(phase, o)
+
+    return reduce

@@ -1,0 +1,539 @@
+"""Multi-rank ordering harness: real processes, real gloo collectives, the real turnstile.
+
+One process per rank (spawned by :func:`ainfer_pd.launch.spawn`) runs an asyncio loop with
+a CPU stand-in device (:class:`DepCpuDevice`: P stream, D stream, a collective stream for
+``global-implicit``, ``residency_slots`` shared by all streams), the phase-identified
+attention collectives over separate gloo communicators per phase, the real
+:class:`~ainfer_pd.turnstile.Turnstile` over the real distributed rendezvous, and a
+per-replica schedule:
+
+* D iterations: compute (a torch matmul) + the D DP-attention all-gather;
+* P epochs of S segments: compute (a torch matmul, depending on the previous segment's
+  all-reduce) + the registered P attention-TP all-reduce.
+
+Attention-DP replicas schedule independently: replica 0 starts D first and P
+``phase_offset_ms`` later, replica 1 the other way round; every launch may be preceded by
+launch jitter and an injected rank skew (fixed or random). Ordering modes:
+
+* ``none``: no turnstile; every collective on its phase's stream (communicator isolation
+  only). With crossed groups and one residency slot the device-progress cycle of SPEC 2
+  forms and the watchdog raises :class:`StallError` with the frontier.
+* ``selective``: turnstile rounds (two rendezvous per D round); the registered P collective
+  goes on the D stream after the round's D launch (``R- < G < R+``); P compute stays on the
+  P stream and overlaps D.
+* ``global-implicit``: turnstile rounds; every collective of both phases on one collective
+  stream ("C"), in turnstile order.
+
+Fault knobs: ``skew_ms`` / ``skew_mode`` (rank skew before launches), ``p_delay_ms`` (each P
+compute item completes that much later: counts "delayed-ACK" rounds, where rendezvous 2
+completed while P work was still running), ``kill_rank`` / ``kill_after_d`` (SIGKILL one
+rank after that many D iterations).
+
+Every rank writes ``rank{r}.jsonl`` (control trace) into ``run_dir``; rank 0 writes
+``meta.json``. ``ainfer-pd trace-check RUN_DIR`` verifies the ordering contract.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import (AInferPDError, DistributedError, PeerLostError, RankFailedError, RendezvousTimeout,
+                      StallError)
+from ..phase import Phase
+from .ordering import (C_STREAM, D_ADP_ALL_GATHER, D_STREAM, P_ATP_ALL_REDUCE, P_STREAM, check_ordering,
+                       collective_stream)
+
+__all__ = ["HarnessSpec", "HarnessOutcome", "harness_rank", "run_harness", "expected_rounds"]
+
+
+@dataclass(frozen=True)
+class HarnessSpec:
+    """One harness run (picklable; identical on every rank)."""
+
+    world_size: int = 4
+    attn_dp: int = 2
+    ordering: str = "selective"
+    residency_slots: int = 1
+    epochs: int = 2
+    segments: int = 3
+    d_iters: int = 10
+    """D iterations at least (the D loop also runs until every P epoch is served)."""
+    span: int = 1
+    matmul: int = 48
+    """Compute = ``reps`` matmuls of [m, m] x [m, m] (float32)."""
+    p_reps: int = 3
+    d_reps: int = 1
+    rows: int = 8
+    """Rows of the collective tensors (x ``matmul`` columns)."""
+    seed: int = 0
+    skew_ms: float = 0.0
+    skew_mode: str = "random"
+    """random: uniform(0, skew_ms) before every launch; fixed: odd ranks sleep skew_ms."""
+    jitter_ms: float = 1.0
+    """Natural launch jitter: uniform(0, jitter_ms) before every launch."""
+    phase_offset_ms: float = 3.0
+    """Replicas out of phase: even replicas start P this late, odd replicas start D this late."""
+    epoch_gap_ms: float = 2.0
+    """``none``: host pause between P epochs."""
+    p_delay_ms: float = 0.0
+    kill_rank: int | None = None
+    kill_after_d: int = 4
+    stall_s: float = 2.0
+    rendezvous_timeout_s: float = 5.0
+    coll_timeout_s: float = 30.0
+    fast_rendezvous: bool = True
+    run_dir: str | None = None
+    tag: str = "run"
+
+    def validate(self) -> None:
+        check_ordering(self.ordering)
+        if self.skew_mode not in ("random", "fixed"):
+            raise ValueError(f"skew_mode must be random|fixed, got {self.skew_mode!r}")
+        if self.residency_slots < 1 or self.segments < 1 or self.epochs < 0:
+            raise ValueError("residency_slots and segments must be >= 1, epochs >= 0")
+
+
+def expected_rounds(spec: HarnessSpec) -> int | None:
+    """Turnstile rounds of a completed run: every epoch of S segments with span K passes
+    boundaries 0, K, 2K, .. and its final boundary S (one D round each)."""
+    if spec.ordering == "none":
+        return 0
+    k, s = spec.span, spec.segments
+    per_epoch = len(range(0, s, k)) + 1
+    return spec.epochs * per_epoch
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, reps: int, delay_s: float) -> torch.Tensor:
+    c = a
+    for _ in range(reps):
+        c = torch.mm(c, b)
+        c = c / (c.norm() + 1.0)
+    if delay_s > 0:
+        time.sleep(delay_s)
+    return c
+
+
+# ====================================================================== one rank
+class _Run:
+    def __init__(self, rank: int, topo: Any, groups: dict, spec: HarnessSpec, store: Any) -> None:
+        from ..config import ParallelConfig
+        from ..metrics.recorder import Recorder
+        from ..sched.span import fixed_span
+        from ..turnstile.dist_rendezvous import make_rendezvous
+        from ..turnstile.turnstile import Turnstile
+        from .collectives import DepCpuDevice, PhaseCollectives
+        from .watchdog import Watchdog
+
+        self.rank, self.topo, self.spec, self.store = rank, topo, spec, store
+        self.run_dir = Path(spec.run_dir) if spec.run_dir else None
+        trace = self.run_dir / f"rank{rank}.jsonl" if self.run_dir else None
+        self.rec = Recorder(rank=rank, trace_path=trace)
+        self.dev = DepCpuDevice(self.rec, residency_slots=spec.residency_slots)
+        self.colls = PhaseCollectives(topo, groups, device=self.dev, recorder=self.rec)
+        self.registry = self.colls.registry
+        self.turnstile = None
+        self.rdv = None
+        if spec.ordering != "none":
+            pcfg = ParallelConfig(world_size=topo.world_size, attn_dp=topo.attn_dp, ordering=spec.ordering,
+                                  rendezvous_timeout_s=spec.rendezvous_timeout_s,
+                                  fast_rendezvous=spec.fast_rendezvous)
+            self.rdv = make_rendezvous(pcfg, topo, same_host=True, group=groups.get("control"), store=store,
+                                       name=f"mr-{spec.tag}")
+            self.turnstile = Turnstile(rendezvous=self.rdv, span=fixed_span(spec.span), recorder=self.rec,
+                                       rank=rank, timeout_s=spec.rendezvous_timeout_s)
+        self.d_done = 0
+        self.p_done = 0
+        self.ack_rounds = 0
+        self.delayed_ack_rounds = 0
+        self.p_outstanding: list = []
+        self.intervals: list[tuple[str, str, bool, float, float]] = []   # (kind, phase, registered, t0, t1)
+        self.colls.on_complete.append(self._coll_done)
+        rep = topo.dp_rank
+        self.replica = rep
+        off = spec.phase_offset_ms / 1e3
+        self.p_offset, self.d_offset = (off, 0.0) if rep % 2 == 0 else (0.0, off)
+        self._rng = {s: random.Random(f"{spec.seed}/{rank}/{s}") for s in ("P", "D")}
+        g = torch.Generator().manual_seed(spec.seed * 1000 + rank)
+        m = spec.matmul
+        self.a = torch.randn(m, m, generator=g)
+        self.b = torch.randn(m, m, generator=g) / m ** 0.5
+        self.x = torch.randn(spec.rows, m, generator=g)
+        prefix = f"ainfer_pd/mr/{spec.tag}"
+        self.wd = Watchdog(rank=rank, world_size=topo.world_size, stall_s=spec.stall_s, progress=self._progress,
+                           probe=self._probe, store=store, prefix=prefix)
+        self.tasks: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _coll_done(self, info: dict) -> None:
+        if info["phase"] == "P":
+            self.p_done += 1
+        self.intervals.append(("coll", info["phase"], bool(info["registered"]), info["t_launch"], self.rec.now()))
+
+    def _progress(self) -> tuple:
+        c = self.colls.completed
+        return (self.d_done, self.p_done, tuple(sorted(c.items())))
+
+    def _probe(self) -> dict:
+        return {"d_done": self.d_done, "p_done": self.p_done, "colls": self.colls.frontier(),
+                "turnstile": self.turnstile.snapshot() if self.turnstile else None,
+                "ordering": self.spec.ordering}
+
+    async def _skew(self, stream: str) -> None:
+        s, rng = self.spec, self._rng[stream]
+        d = rng.uniform(0.0, s.jitter_ms) / 1e3 if s.jitter_ms > 0 else 0.0
+        if s.skew_ms > 0:
+            if s.skew_mode == "random":
+                d += rng.uniform(0.0, s.skew_ms) / 1e3
+            elif self.rank % 2 == 1:
+                d += s.skew_ms / 1e3
+        if d > 0:
+            await asyncio.sleep(d)
+
+    def _compute(self, phase: str, label: str, deps: list, reps: int, delay_s: float):
+        from .collectives import with_deps
+        rec, ivs = self.rec, self.intervals
+        a, b = self.a, self.b
+
+        def compute() -> torch.Tensor:
+            t0 = rec.now()
+            out = _mm(a, b, reps, delay_s)
+            t1 = rec.now()
+            ivs.append(("compute", phase, False, t0, t1))
+            rec.event("work", what=label, phase=phase, kind="compute", stream=phase, registered=False, t0=t0, t1=t1)
+            return out
+
+        return self.dev.stream(phase).submit(with_deps(compute, deps), label=label)
+
+    async def _p_segment(self, e: int, j: int, prev: Any, ep: Any = None) -> Any:
+        """One P segment: compute (P stream, after the previous all-reduce), wait for it on the
+        host (P's host is paced by P progress, like receive counts), then - with the turnstile -
+        the permit for boundary ``j``, then the registered all-reduce; then publish ``j + 1``."""
+        s = self.spec
+        await self._skew("P")
+        comp = self._compute("P", f"Pcomp e{e} s{j}", [prev], s.p_reps, s.p_delay_ms / 1e3)
+        self.p_outstanding.append(comp)
+        await comp.done()
+        if ep is not None:
+            await ep.permit(j)
+            await self._skew("P")
+        stream = collective_stream(s.ordering, P_ATP_ALL_REDUCE, self.registry)
+        ar = self.colls.launch(Phase.PREFILL, "all_reduce", self.x.clone(), stream=stream, epoch=e, boundary=j,
+                               deps=[comp])
+        self.p_outstanding.append(ar)
+        if ep is not None:
+            ep.publish(j + 1, final=(j + 1 == s.segments))
+        return ar
+
+    def _d_launch(self, i: int, rnd: Any) -> Any:
+        dcomp = self._compute("D", f"Dcomp i{i}", [], self.spec.d_reps, 0.0)
+        stream = collective_stream(self.spec.ordering, D_ADP_ALL_GATHER, self.registry)
+        epoch = rnd.epoch if rnd is not None else None
+        boundary = rnd.boundary if rnd is not None else None
+        dag = self.colls.launch(Phase.DECODE, "all_gather", self.x.clone(), stream=stream, epoch=epoch,
+                                boundary=boundary, deps=[dcomp], extra={"iter": i})
+        self.rec.event("d_launch", iter=i, epoch=epoch, boundary=boundary, stream=stream)
+        return dag
+
+    def _maybe_kill(self) -> None:
+        s = self.spec
+        if s.kill_rank == self.rank and self.d_done >= s.kill_after_d:
+            self.rec.event("killed", d_done=self.d_done)
+            self.rec.close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    # ------------------------------------------------------------------ mode none
+    async def _none_p(self) -> None:
+        await asyncio.sleep(self.p_offset)
+        prev = None
+        for e in range(self.spec.epochs):
+            for j in range(self.spec.segments):
+                prev = await self._p_segment(e, j, prev)
+            await prev.done()
+            await asyncio.sleep(self.spec.epoch_gap_ms / 1e3)
+
+    async def _none_d(self) -> None:
+        await asyncio.sleep(self.d_offset)
+        for i in range(self.spec.d_iters):
+            await self._skew("D")
+            dag = self._d_launch(i, None)
+            await dag.done()
+            self.d_done += 1
+            self._maybe_kill()
+
+    # ------------------------------------------------------------------ turnstile modes
+    async def _p_epoch(self, e: int, entered: asyncio.Event) -> None:
+        ts = self.turnstile
+        prev = None
+        async with ts.epoch(e, gated=True, d_enqueued=False) as ep:
+            entered.set()
+            if e == 0 and self.p_offset:
+                await asyncio.sleep(self.p_offset)
+            for j in range(self.spec.segments):
+                prev = await self._p_segment(e, j, prev, ep)
+        if prev is not None:
+            await prev.done()
+
+    async def _turnstile_d(self) -> None:
+        ts, s = self.turnstile, self.spec
+        sched = random.Random(f"schedule/{s.seed}")          # rank-agreed epoch starts
+        next_start = sched.randint(0, 2)
+        e, i = 0, 0
+        p_task: asyncio.Task | None = None
+        if self.d_offset:
+            await asyncio.sleep(self.d_offset)
+        while True:
+            if e < s.epochs and i >= next_start and not ts.gated_epoch_active:
+                if p_task is not None:
+                    await p_task
+                entered = asyncio.Event()
+                p_task = asyncio.create_task(self._p_epoch(e, entered), name=f"P epoch {e}")
+                self.tasks.add(p_task)
+                ent = asyncio.create_task(entered.wait())
+                await asyncio.wait({ent, p_task}, return_when=asyncio.FIRST_COMPLETED)
+                ent.cancel()
+                if not entered.is_set():
+                    await p_task                      # raises why the epoch did not begin
+                e += 1
+                next_start = i + sched.randint(1, 3)
+            if i >= s.d_iters and e >= s.epochs and not ts.gated_epoch_active:
+                break
+            rnd = await ts.before_decode() if ts.gated_epoch_active else None
+            await self._skew("D")
+            dag = self._d_launch(i, rnd)
+            if rnd is not None:
+                await ts.after_decode(rnd)
+                self.ack_rounds += 1
+                running = [w.label for w in self.p_outstanding if not w.is_done()]
+                self.p_outstanding = [w for w in self.p_outstanding if not w.is_done()]
+                if running:
+                    self.delayed_ack_rounds += 1
+                self.rec.event("ack", epoch=rnd.epoch, boundary=rnd.boundary, p_running=len(running),
+                               running=running[:4])
+            await dag.done()
+            self.d_done += 1
+            i += 1
+            self._maybe_kill()
+        if p_task is not None:
+            await p_task
+
+    # ------------------------------------------------------------------ driver
+    async def body(self) -> None:
+        if self.spec.ordering == "none":
+            tp = asyncio.create_task(self._none_p(), name="P")
+            td = asyncio.create_task(self._none_d(), name="D")
+            self.tasks |= {tp, td}
+            await asyncio.gather(tp, td)
+        else:
+            await self._turnstile_d()
+
+    async def run(self) -> dict:
+        s = self.spec
+        t0 = time.perf_counter()
+        self.rec.event("run_begin", tag=s.tag, t0_mono=self.rec.t0, ordering=s.ordering, topology=self.topo.describe(),
+                       residency=s.residency_slots, registered=self.registry.describe())
+        self.wd.start()
+        main = asyncio.create_task(self.body(), name="harness body")
+        wdt = asyncio.create_task(self.wd.watch(), name="watchdog")
+        try:
+            await asyncio.wait({main, wdt}, return_when=asyncio.FIRST_COMPLETED)
+            if main.done() and not main.cancelled() and main.exception() is None:
+                wdt.cancel()
+                return await self._finish(time.perf_counter() - t0)
+            if wdt.done():
+                exc = wdt.exception()
+                self._cancel_all(main)
+                self._dump_frontier(self.wd.report)
+                raise exc
+            if self.wd.stalling:
+                # the watchdog is already reporting a stall: its report is the answer
+                try:
+                    await asyncio.wait_for(asyncio.shield(wdt), self.wd.peer_wait_s + 2.0)
+                except BaseException:
+                    pass
+                if wdt.done() and not wdt.cancelled() and wdt.exception() is not None:
+                    self._dump_frontier(self.wd.report)
+                    raise wdt.exception()
+            wdt.cancel()
+            raise await self._explain(main.exception())
+        finally:
+            self.wd.stop()
+            self._cancel_all(main)
+            self.rec.event("run_end", d_done=self.d_done, p_done=self.p_done)
+            self.rec.close()
+
+    def _cancel_all(self, main: asyncio.Task) -> None:
+        for t in (main, *self.tasks):
+            if not t.done():
+                t.cancel()
+
+    def _dump_frontier(self, report: dict | None) -> None:
+        if self.run_dir is not None and report is not None:
+            (self.run_dir / f"frontier{self.rank}.json").write_text(json.dumps(report, indent=1, default=str))
+
+    async def _explain(self, exc: BaseException) -> BaseException:
+        """A failure of this rank's loops: name the lost peers (heartbeats) or a peer's stall."""
+        if not isinstance(exc, Exception):
+            return exc
+        await asyncio.sleep(1.2)                      # let a dead peer's heartbeat go stale
+        lost = self.wd.unresponsive(stale_s=1.0)
+        stall_by = self.wd.peer_declared_stall()
+        where = (f"completed D iterations {self.d_done}, P segments {self.p_done}; in flight: "
+                 + "; ".join(f"{c['phase']} {c['op']} {c['comm']}#{c['seq']} group {tuple(c['group'])} "
+                             f"({c['state']})" for c in self.colls.frontier()["inflight"]))
+        if stall_by is not None:
+            err = StallError(f"rank {self.rank}: failed after rank {stall_by} declared a device-progress stall "
+                             f"(peers that exited since: {lost}; {type(exc).__name__}: {exc}); {where}")
+            err.__cause__ = exc
+            return err
+        if not lost:
+            return exc
+        names = ", ".join(f"rank {r}" for r in lost)
+        msg = (f"rank {self.rank}: peer {names} died or stopped responding (no heartbeat for > 1 s); "
+               f"this rank failed with {type(exc).__name__}: {exc}; {where}")
+        if isinstance(exc, RendezvousTimeout):
+            err: Exception = RendezvousTimeout(msg, missing_ranks=tuple(exc.missing_ranks) or tuple(lost),
+                                               epoch=exc.epoch, boundary=exc.boundary)
+        else:
+            err = PeerLostError(msg, ranks=tuple(lost))
+        err.__cause__ = exc
+        return err
+
+    async def _finish(self, wall: float) -> dict:
+        s = self.spec
+        rdv = self.rec.samples.get("rendezvous_s", [])
+        out = {"rank": self.rank, "tag": s.tag, "ordering": s.ordering, "completed": True, "wall_s": wall,
+               "d_done": self.d_done, "p_done": self.p_done,
+               "rounds": self.turnstile.rounds if self.turnstile else 0,
+               "expected_rounds": expected_rounds(s), "rendezvous": len(rdv),
+               "rendezvous_mean_ms": 1e3 * sum(rdv) / len(rdv) if rdv else 0.0,
+               "rendezvous_kind": getattr(self.rdv, "kind", None),
+               "ack_rounds": self.ack_rounds, "delayed_ack_rounds": self.delayed_ack_rounds,
+               "overlap": overlap_stats(self.intervals)}
+        if self.rdv is not None:
+            try:
+                await asyncio.wait_for(self.rdv.close(), 5.0)
+            except Exception:
+                pass
+        self.dev.shutdown()
+        return out
+
+
+def overlap_stats(intervals: list[tuple[str, str, bool, float, float]]) -> dict:
+    """Overlap time (s) of registered P collectives with D registered collectives (must be 0
+    under selective ordering), and of other P work (P compute) with any D work."""
+    def total(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+        tot = 0.0
+        for x0, x1 in a:
+            for y0, y1 in b:
+                tot += max(0.0, min(x1, y1) - max(x0, y0))
+        return tot
+
+    p_reg = [(a, b) for k, ph, reg, a, b in intervals if ph == "P" and k == "coll" and reg]
+    d_reg = [(a, b) for k, ph, reg, a, b in intervals if ph == "D" and k == "coll" and reg]
+    p_other = [(a, b) for k, ph, reg, a, b in intervals if ph == "P" and not (k == "coll" and reg)]
+    d_all = [(a, b) for k, ph, reg, a, b in intervals if ph == "D"]
+    return {"registered_pair_overlap_s": total(p_reg, d_reg), "registered_p_vs_any_d_s": total(p_reg, d_all),
+            "other_p_vs_d_overlap_s": total(p_other, d_all),
+            "p_busy_s": sum(b - a for k, ph, _, a, b in intervals if ph == "P"),
+            "d_busy_s": sum(b - a for k, ph, _, a, b in intervals if ph == "D")}
+
+
+async def _rank_main(rank: int, world_size: int, specs: list[HarnessSpec]) -> list[dict]:
+    from ..comm.topology import Topology, build_process_groups
+    from ..launch import get_store
+
+    if not specs:
+        return []
+    s0 = specs[0]
+    for s in specs:
+        s.validate()
+        if (s.world_size, s.attn_dp) != (s0.world_size, s0.attn_dp):
+            raise ValueError("all specs of one harness launch must share the topology")
+    if world_size != s0.world_size:
+        raise ValueError(f"spawned {world_size} ranks for a world size {s0.world_size} spec")
+    topo = Topology(world_size=world_size, attn_dp=s0.attn_dp, expert_parallel=1, rank=rank)
+    groups = build_process_groups(topo, "gloo", control_timeout_s=max(s.rendezvous_timeout_s for s in specs),
+                                  data_timeout_s=max(s.coll_timeout_s for s in specs))
+    store = get_store()
+    results = []
+    for s in specs:
+        if s.run_dir:
+            Path(s.run_dir).mkdir(parents=True, exist_ok=True)
+            if rank == 0:
+                meta = {"spec": dataclasses.asdict(s), "world_size": world_size, "topology": topo.describe(),
+                        "crossed": topo.crossed, "registered_pairs": _registry_for(topo).describe()}
+                (Path(s.run_dir) / "meta.json").write_text(json.dumps(meta, indent=1))
+        run = _Run(rank, topo, groups, s, store)
+        results.append(await run.run())
+    return results
+
+
+def _registry_for(topo: Any):
+    from .ordering import ConflictRegistry
+    return ConflictRegistry.for_topology(topo)
+
+
+def harness_rank(rank: int, world_size: int, specs: list[HarnessSpec]) -> list[dict]:
+    """Entry point of one rank (spawned): runs ``specs`` in order over one set of groups."""
+    return asyncio.run(_rank_main(rank, world_size, list(specs)))
+
+
+# ====================================================================== parent side
+@dataclass
+class HarnessOutcome:
+    """Per-rank outcome of one launch: ``results[r]`` is a list of per-run dicts or an exception."""
+
+    results: list[Any]
+    wall_s: float
+    specs: list[HarnessSpec] = field(default_factory=list)
+
+    @property
+    def errors(self) -> dict[int, BaseException]:
+        return {r: v for r, v in enumerate(self.results) if isinstance(v, BaseException)}
+
+    @property
+    def completed(self) -> bool:
+        return not self.errors
+
+    def runs(self, i: int = 0) -> list[dict]:
+        """The i-th run's result dict of every rank (only when every rank completed)."""
+        return [v[i] for v in self.results]
+
+    def stalled(self) -> bool:
+        return bool(self.errors) and any(isinstance(e, StallError) for e in self.errors.values())
+
+
+def run_harness(specs: HarnessSpec | list[HarnessSpec], *, timeout_s: float = 120.0,
+                fail_grace_s: float | None = None) -> HarnessOutcome:
+    """Spawn ``world_size`` ranks running ``specs`` (one launch); never hangs (stragglers are
+    killed at ``timeout_s``)."""
+    from ..launch import spawn
+
+    specs = [specs] if isinstance(specs, HarnessSpec) else list(specs)
+    s0 = specs[0]
+    grace = fail_grace_s if fail_grace_s is not None else max(s.rendezvous_timeout_s for s in specs) + 8.0
+    t0 = time.perf_counter()
+    try:
+        results = spawn(harness_rank, s0.world_size, (specs,), timeout_s, return_exceptions=True,
+                        fail_grace_s=grace)
+    except RankFailedError as exc:
+        results = exc.results or [exc] * s0.world_size
+    return HarnessOutcome(results=list(results), wall_s=time.perf_counter() - t0, specs=specs)
+
+
+def summarize_error(exc: BaseException) -> str:
+    first = str(exc).split("\n", 1)[0]
+    return f"{type(exc).__name__}: {first[:300]}"
+
+
+__all__ += ["overlap_stats", "summarize_error"]

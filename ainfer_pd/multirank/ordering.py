@@ -1,0 +1,100 @@
+"""Registry of conflicting collective pairs and the stream each collective goes to (SPEC 3.3).
+
+A *conflicting pair* is a P collective and a D collective on different communicators that
+share ranks while neither group contains the other (the crossed topology of SPEC 2): if two
+ranks launch them in opposite device order, a device-progress cycle can close. Only such
+registered pairs are serialised by the device-order edge; every other P work item keeps its
+own stream and overlaps D.
+
+Ordering modes (``ParallelConfig.ordering``):
+
+* ``none``: communicator isolation only; every collective on its phase's stream.
+* ``selective``: a registered P collective is enqueued on the **D stream** (after the D
+  launch of the turnstile round that granted its permit): ``R- < G < R+`` by stream FIFO.
+* ``global-implicit``: one total order of all collectives: every collective of both phases
+  on one dedicated collective stream, in turnstile order (like NCCL_LAUNCH_ORDER_IMPLICIT).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..comm.topology import ATTN_DP_D, ATTN_TP_P, Topology, groups_cross
+from ..errors import ConfigError
+from ..phase import Phase
+
+__all__ = ["CollectiveKind", "P_ATP_ALL_REDUCE", "D_ADP_ALL_GATHER", "D_ADP_REDUCE_SCATTER",
+           "ConflictRegistry", "ORDERINGS", "P_STREAM", "D_STREAM", "C_STREAM", "collective_stream",
+           "check_ordering"]
+
+ORDERINGS = ("none", "global-implicit", "selective")
+P_STREAM, D_STREAM, C_STREAM = "P", "D", "C"
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveKind:
+    """A collective identified by phase, operation and communicator family."""
+
+    phase: Phase
+    op: str                 # all_reduce | all_gather | reduce_scatter
+    comm: str               # communicator family name (topology constant)
+
+    @property
+    def name(self) -> str:
+        return f"{self.phase.value}:{self.op}@{self.comm}"
+
+
+P_ATP_ALL_REDUCE = CollectiveKind(Phase.PREFILL, "all_reduce", ATTN_TP_P)
+D_ADP_ALL_GATHER = CollectiveKind(Phase.DECODE, "all_gather", ATTN_DP_D)
+D_ADP_REDUCE_SCATTER = CollectiveKind(Phase.DECODE, "reduce_scatter", ATTN_DP_D)
+
+
+@dataclass
+class ConflictRegistry:
+    """Set of registered conflicting (P collective, D collective) pairs."""
+
+    pairs: set[tuple[CollectiveKind, CollectiveKind]] = field(default_factory=set)
+
+    def register(self, p: CollectiveKind, d: CollectiveKind) -> None:
+        if p.phase is not Phase.PREFILL or d.phase is not Phase.DECODE:
+            raise ConfigError(f"a conflicting pair is (P collective, D collective), got ({p.name}, {d.name})")
+        self.pairs.add((p, d))
+
+    def is_registered(self, kind: CollectiveKind) -> bool:
+        """``kind`` is a member of some registered pair."""
+        return any(kind == p or kind == d for p, d in self.pairs)
+
+    def partners(self, kind: CollectiveKind) -> list[CollectiveKind]:
+        return [d if kind == p else p for p, d in self.pairs if kind in (p, d)]
+
+    def describe(self) -> list[str]:
+        return sorted(f"{p.name} x {d.name}" for p, d in self.pairs)
+
+    def __bool__(self) -> bool:
+        return bool(self.pairs)
+
+    @classmethod
+    def for_topology(cls, topology: Topology) -> "ConflictRegistry":
+        """(P ATP all-reduce x D DP-attention all-gather / reduce-scatter), registered only
+        when the attention-TP and DP-attention groups cross (ATP > 1 and ADP > 1)."""
+        reg = cls()
+        if topology.crossed and groups_cross(topology.all_tp_groups(), topology.all_dp_groups()):
+            reg.register(P_ATP_ALL_REDUCE, D_ADP_ALL_GATHER)
+            reg.register(P_ATP_ALL_REDUCE, D_ADP_REDUCE_SCATTER)
+        return reg
+
+
+def check_ordering(ordering: str) -> str:
+    if ordering not in ORDERINGS:
+        raise ConfigError(f"ordering={ordering!r}: expected one of {ORDERINGS}")
+    return ordering
+
+
+def collective_stream(ordering: str, kind: CollectiveKind, registry: ConflictRegistry) -> str:
+    """Name of the stream a collective of ``kind`` is enqueued on under ``ordering``."""
+    check_ordering(ordering)
+    own = P_STREAM if kind.phase is Phase.PREFILL else D_STREAM
+    if ordering == "global-implicit":
+        return C_STREAM
+    if ordering == "selective" and kind.phase is Phase.PREFILL and registry.is_registered(kind):
+        return D_STREAM
+    return own
