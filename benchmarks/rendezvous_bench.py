@@ -7,8 +7,10 @@ back, ``rounds`` rounds of:
 
 * ``gloo all_reduce``   plain blocking ``dist.all_reduce`` of 4 int64 (reference)
 * ``gloo all_gather``   plain blocking ``dist.all_gather`` of one rendezvous row (reference)
-* ``GlooRendezvous``    ``await arrive(...)``, collective on a worker thread (mode=thread)
-* ``GlooRendezvous/poll`` same, ``async_op=True`` polled from the loop (mode=poll)
+* ``GlooRendezvous``    ``await arrive(...)``: all_gather of the row on a worker thread
+                        (the defaults: mode=thread, collective=all_gather)
+* ``GlooRendezvous/all_reduce`` same with a SUM all-reduce of a zeroed (world, row) board
+* ``GlooRendezvous/poll`` all_gather issued with ``async_op=True`` and polled from the loop
 * ``ShmRendezvous``     same-host shared-memory board
 
 Per-round latency is measured on every rank; the table shows rank 0's mean / p50 / p99 in ms
@@ -27,7 +29,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-METHODS = ("gloo all_reduce", "gloo all_gather", "GlooRendezvous", "GlooRendezvous/poll", "ShmRendezvous")
+METHODS = ("gloo all_reduce", "gloo all_gather", "GlooRendezvous", "GlooRendezvous/all_reduce",
+           "GlooRendezvous/poll", "ShmRendezvous")
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -49,6 +52,8 @@ async def _rank_main(rank: int, world_size: int, rounds: int, max_seconds: float
         rdv = None
         if method == "GlooRendezvous":
             rdv = GlooRendezvous(ctrl, 60.0, mode="thread")
+        elif method == "GlooRendezvous/all_reduce":
+            rdv = GlooRendezvous(ctrl, 60.0, mode="thread", collective="all_reduce")
         elif method == "GlooRendezvous/poll":
             rdv = GlooRendezvous(ctrl, 60.0, mode="poll")
         elif method == "ShmRendezvous":
@@ -96,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", default="2,4,8", help="comma-separated world sizes")
     ap.add_argument("--rounds", type=int, default=2000)
-    ap.add_argument("--max-seconds", type=float, default=5.0,
+    ap.add_argument("--max-seconds", type=float, default=4.0,
                     help="stop a method early after this long (keeps oversubscribed runs bounded)")
     ap.add_argument("--methods", default=",".join(METHODS))
     args = ap.parse_args(argv)

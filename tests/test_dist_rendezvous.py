@@ -88,7 +88,8 @@ def _make(kind: str, rank: int, world_size: int, timeout_s: float, group=None):
     if kind == "shm":
         return ShmRendezvous(rank, world_size, timeout_s, store=get_store())
     mode = "poll" if kind == "gloo-poll" else "thread"
-    return GlooRendezvous(group, timeout_s, mode=mode)
+    collective = "all_reduce" if kind == "gloo-allreduce" else "all_gather"
+    return GlooRendezvous(group, timeout_s, mode=mode, collective=collective)
 
 
 async def _healthy_rank(rank: int, world_size: int, kinds: tuple[str, ...], rounds: int, slow_delay: float):
@@ -142,7 +143,7 @@ def _check_healthy(results, world_size, kinds, slow_delay):
 
 # ====================================================================== real processes
 def test_two_ranks_gloo_thread_poll_and_shm():
-    kinds = ("gloo", "gloo-poll", "shm")
+    kinds = ("gloo", "gloo-poll", "gloo-allreduce", "shm")
     before = shm_entries("ainfer_pd_rdzv")
     res = run_ranks(_healthy_rank, 2, kinds, ROUNDS, 0.4, timeout_s=90)
     _check_healthy(res, 2, kinds, 0.4)
