@@ -159,9 +159,10 @@ def _four_rank_main(rank: int, world_size: int, rounds: int):
         topo = Topology.from_config(cfg, rank)
         groups = {CONTROL: dist.new_group(backend="gloo")}
         picked = []
-        for same_host, fast in ((True, True), (False, True), (True, False)):
+        # the same name re-used (as a harness does per run): keys are scoped per instance
+        for same_host, fast in ((True, True), (False, True), (True, False), (True, True)):
             c = ParallelConfig(world_size=4, attn_dp=2, rendezvous_timeout_s=20.0, fast_rendezvous=fast)
-            rdv = make_rendezvous(c, topo, same_host=same_host, group=groups[CONTROL])
+            rdv = make_rendezvous(c, topo, same_host=same_host, group=groups[CONTROL], name="factory")
             picked.append(rdv.kind)
             res = await rdv.arrive("factory", (topo.dp_rank, topo.tp_rank), epoch=0, boundary=0)
             assert res == [(r // 2, r % 2) for r in range(4)]
@@ -175,7 +176,7 @@ def test_four_ranks_gloo_and_shm_and_factory():
     res = run_ranks(_four_rank_main, 4, ROUNDS, timeout_s=90)
     _check_healthy(res, 4, ("gloo", "shm"), 0.0)
     for out in res:
-        assert out["picked"] == ["shm", "gloo", "gloo"]
+        assert out["picked"] == ["shm", "gloo", "gloo", "shm"]
 
 
 async def _store_barrier(key: str, world_size: int, timeout_s: float = 30.0) -> None:

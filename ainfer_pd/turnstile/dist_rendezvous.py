@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as _dt
-import itertools
 import mmap
 import os
 import queue
@@ -54,7 +53,16 @@ MAX_PAYLOAD = 8
 _NONE = -(2 ** 63)                   # encodes epoch/boundary None
 _I64_MIN, _I64_MAX = -(2 ** 63) + 1, 2 ** 63 - 1
 _HDR = 5                             # row: seq, tag crc, epoch, boundary, n, payload...
-_instance_counter = itertools.count()
+_name_uses: dict[str, int] = {}
+
+
+def _scoped(base: str) -> str:
+    """``base#n``: the n-th rendezvous of this process under ``base``. Store keys are scoped by
+    it, so re-using a name (or the default per-kind name) never reads an earlier instance's
+    keys. Ranks must create their rendezvous objects of one name in the same order."""
+    n = _name_uses.get(base, 0)
+    _name_uses[base] = n + 1
+    return f"{base}#{n}"
 
 
 @runtime_checkable
@@ -259,7 +267,7 @@ class GlooRendezvous(_Base):
     ``None`` creates a new gloo group over the whole world (a collective call). ``store``: the
     side channel (default: the store of :func:`ainfer_pd.launch.init_distributed`). All ranks
     must create their rendezvous objects in the same order (the store keys are derived from a
-    per-process instance counter unless ``name`` is given). Give the group a gloo timeout close
+    per-kind counter, or from ``name`` plus a per-name counter). Give the group a gloo timeout close
     to ``timeout_s`` so a collective stuck on a dead peer also unblocks its thread.
     """
 
@@ -286,7 +294,7 @@ class GlooRendezvous(_Base):
         if store is None:
             from ..launch import get_store
             store = get_store()
-        self.name = name or f"gloo{next(_instance_counter)}"
+        self.name = _scoped(name or "gloo")
         self._side = dist.PrefixStore(f"ainfer_pd/rdzv/{self.name}", store)
         if collective not in ("all_reduce", "all_gather"):
             raise DistributedError(f"GlooRendezvous collective must be all_reduce or all_gather, got {collective!r}")
@@ -478,7 +486,6 @@ class ShmRendezvous(_Base):
         self.inline_spin_s = inline_spin_s
         self.loop_spin_s = loop_spin_s
         self.thread_spin_s = thread_spin_s
-        inst = next(_instance_counter)
         self._stride = -(-(2 + 2 * self._row) // 8) * 8      # block words, cache-line multiple
         nwords = _HDR_WORDS + world_size * self._stride
         nbytes = nwords * 8
@@ -486,10 +493,13 @@ class ShmRendezvous(_Base):
         side = None
         if store is not None:
             import torch.distributed as dist
-            side = dist.PrefixStore(f"ainfer_pd/rdzv/shm{inst}" if name is None else f"ainfer_pd/rdzv/{name}", store)
+            self.name = _scoped(name or "shm")
+            side = dist.PrefixStore(f"ainfer_pd/rdzv/{self.name}", store)
         elif name is None:
             raise DistributedError("ShmRendezvous needs a store or an explicit board name shared by all ranks")
-        fname = "ainfer_pd_rdzv_" + (name if name is not None and side is None else uuid.uuid4().hex[:16])
+        if side is None:
+            self.name = str(name)
+        fname = "ainfer_pd_rdzv_" + (self.name if side is None else uuid.uuid4().hex[:16])
         self.path = ""
         fd = -1
         try:
