@@ -143,17 +143,32 @@ def main() -> None:
         with torch.inference_mode():
             t = timed(lambda: runner.forward_fb(fb, pctx), 5, warmup=2)
         flops = 2 * T * active + L * 4 * mc.num_heads * mc.head_dim * T * T / 2
+        # every routed expert a chunk of T tokens touches is read once: the weight-bytes floor
+        n_exp = E * (1 - (1 - mc.top_k / E) ** T)
+        wbytes = attn_bytes + L * n_exp * expert_bytes
+        roof = max(flops / peak, wbytes / bw)
         row = {"tokens": T, "ms": t * 1e3, "tokens_per_s": T / t, "TFLOPs": flops / t / 1e12,
-               "fraction_of_peak": flops / t / peak}
+               "fraction_of_peak": flops / t / peak, "roofline_ms": roof * 1e3, "fraction_of_roofline": roof / t}
         res["prefill"].append(row)
         if args.profile and T == 4096:
+            dB = 64
+            dsl = torch.arange(dB * C, device=dev).view(dB, C)
+            dfb = ForwardBatch(torch.randint(2, mc.vocab_size, (dB,), device=dev), torch.full((dB,), C - 1, device=dev),
+                               dsl[:, -1].contiguous(), [], DecodeMeta(dsl, torch.full((dB,), C, device=dev)),
+                               torch.arange(dB, device=dev))
+            from torch.profiler import ProfilerActivity, profile
+            with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+                runner.forward_fb(dfb, dctx)
+                torch.cuda.synchronize()
+            print("eager decode B=64 kernels:\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=10), flush=True)
             from torch.profiler import ProfilerActivity, profile
             with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
                 runner.forward_fb(fb, pctx)
                 torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
         print(f"prefill T={T}: {t*1e3:.1f} ms  {T/t:,.0f} tok/s  {flops/t/1e12:.0f} TFLOP/s  "
-              f"({flops/t/peak*100:.0f}% of measured matmul peak)", flush=True)
+              f"({flops/t/peak*100:.0f}% of measured matmul peak; roofline {roof*1e3:.1f} ms = "
+              f"max(flops/peak, weight bytes/bw): {roof/t*100:.0f}% of it)", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -43,6 +43,7 @@ class ForwardBatch:
     prefill: list[PrefillSeq] = field(default_factory=list)
     decode: DecodeMeta | None = None
     logits_rows: Tensor | None = None  # [R] rows whose logits are needed
+    rope: tuple[Tensor, Tensor] | None = None   # cos/sin of ``positions`` (computed once per pass)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -78,26 +79,26 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, fb: ForwardBatc
     out = torch.empty_like(q)
     groups = q.shape[1] // k.shape[1]
     for s in fb.prefill:
-        qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)       # [H, q, hd]
-        ks = _expand_kv(kc.index_select(0, s.key_slots).transpose(0, 1), groups)   # [H, ctx, hd]
-        vs = _expand_kv(vc.index_select(0, s.key_slots).transpose(0, 1), groups)
+        qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1).unsqueeze(0)        # [1, H, q, hd]
+        ks = _expand_kv(kc.index_select(0, s.key_slots).transpose(0, 1), groups).unsqueeze(0)  # [1, H, ctx, hd]
+        vs = _expand_kv(vc.index_select(0, s.key_slots).transpose(0, 1), groups).unsqueeze(0)
         p0 = s.ctx_len - s.q_len
         if p0 == 0:        # no cached prefix: plain causal attention (flash kernels on CUDA)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
         else:
             qpos = torch.arange(s.q_len, device=q.device) + p0
             mask = torch.arange(s.ctx_len, device=q.device).unsqueeze(0) <= qpos.unsqueeze(1)   # [q, ctx]
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)  # [H, q, hd]
-        out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)  # [1, H, q, hd]
+        out[s.q_start:s.q_start + s.q_len] = o[0].transpose(0, 1)
     if fb.decode is not None:
         n_p = fb.num_prefill_tokens
         d = fb.decode
         B, L = d.key_slots.shape
         qd = q[n_p:].unsqueeze(2)                                    # [B, H, 1, hd]
         flat = d.key_slots.reshape(-1)
-        kd = _expand_kv(kc.index_select(0, flat).view(B, L, *kc.shape[1:]).transpose(1, 2), groups)  # [B, H, L, hd]
-        vd = _expand_kv(vc.index_select(0, flat).view(B, L, *vc.shape[1:]).transpose(1, 2), groups)
+        kd = kc.index_select(0, flat).view(B, L, *kc.shape[1:]).transpose(1, 2)   # [B, Hk, L, hd]
+        vd = vc.index_select(0, flat).view(B, L, *vc.shape[1:]).transpose(1, 2)
         mask = (torch.arange(L, device=q.device).unsqueeze(0) < d.ctx_lens.unsqueeze(1))  # [B, L]
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask[:, None, None, :])
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask[:, None, None, :], enable_gqa=True)
         out[n_p:] = o.squeeze(2)
     return out

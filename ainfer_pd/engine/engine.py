@@ -398,7 +398,9 @@ class Engine:
             for t in touched:
                 t.in_flight += 1
             t0 = self.rec.now()
-            w = self.decode_ctx.stream.submit(self.runner.forward, plan, self.decode_ctx, label="M.step")
+            # a step without a prefill chunk is a plain decode iteration (graph replay when captured)
+            step = self.runner.decode if not work else self.runner.forward
+            w = self.decode_ctx.stream.submit(step, plan, self.decode_ctx, label="M.step")
             try:
                 logits = await w.done()
             finally:

@@ -104,7 +104,9 @@ class MoETransformer(nn.Module):
         H, Hk, hd = c.num_heads, c.num_kv_heads, c.head_dim
         q, k, v = qkv.split([H * hd, Hk * hd, Hk * hd], dim=-1)
         q, k, v = q.view(T, H, hd), k.view(T, Hk, hd), v.view(T, Hk, hd)
-        cos, sin = rope_cos_sin(fb.positions, hd, c.rope_theta, q.dtype)
+        if fb.rope is None:
+            fb.rope = rope_cos_sin(fb.positions, hd, c.rope_theta, q.dtype)
+        cos, sin = fb.rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = paged_attention(q, k, v, kv, fb)                               # [T, H, hd]
         o = F.linear(o.reshape(T, H * hd), lyr.wo)                         # [T, D]

@@ -30,8 +30,8 @@ class Routing:
 
 def route(x: Tensor, router_w: Tensor, top_k: int) -> Routing:
     """Softmax router, top-k, renormalised weights; expert-sorted layout."""
-    scores = F.linear(x.float(), router_w.float())              # [T, E]
-    probs = torch.softmax(scores, dim=-1)
+    scores = F.linear(x, router_w)                              # [T, E] in the model dtype
+    probs = torch.softmax(scores.float(), dim=-1)
     topk_w, topk_idx = torch.topk(probs, top_k, dim=-1)         # [T, k]
     topk_w = topk_w / topk_w.sum(dim=-1, keepdim=True)
     flat = topk_idx.reshape(-1)                                  # [N]
