@@ -237,7 +237,6 @@ def format_report(rep: dict) -> str:
 def setup_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="directory with rank{r}.jsonl control traces")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("-h", "--help", action="help", help="show this help message and exit")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -251,6 +250,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    p = argparse.ArgumentParser(prog="ainfer-pd trace-check", add_help=False)
+    p = argparse.ArgumentParser(prog="ainfer-pd trace-check")
     setup_parser(p)
     sys.exit(run(p.parse_args()))
