@@ -88,6 +88,9 @@ class MoETransformer(nn.Module):
 
     # ------------------------------------------------------------------ segments
     def embed_tokens(self, fb: ForwardBatch) -> SegmentState:
+        c = self.cfg
+        # NOTE: recomputed every pass (inside a captured graph too): static graph inputs change per replay
+        fb.rope = rope_cos_sin(fb.positions, c.head_dim, c.rope_theta, self.embed.dtype)
         return SegmentState(h=F.embedding(fb.input_ids, self.embed))
 
     def attn_route(self, i: int, st: SegmentState, fb: ForwardBatch, kv: Tensor,
@@ -106,7 +109,7 @@ class MoETransformer(nn.Module):
         q, k, v = q.view(T, H, hd), k.view(T, Hk, hd), v.view(T, Hk, hd)
         if fb.rope is None:
             fb.rope = rope_cos_sin(fb.positions, hd, c.rope_theta, q.dtype)
-        cos, sin = fb.rope
+        cos, sin = fb.rope                                                 # set by embed_tokens
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = paged_attention(q, k, v, kv, fb)                               # [T, H, hd]
         o = F.linear(o.reshape(T, H * hd), lyr.wo)                         # [T, D]
