@@ -494,4 +494,14 @@ class Engine:
         return m
 
     def shutdown(self) -> None:
+        """Join the stream threads; on CUDA give the device memory back (a closed worker
+        keeps no weights, KV cache or graphs alive, so the next one fits)."""
         self.device.shutdown()
+        if self.device.kind == "cuda":
+            r = self.runner
+            r.graphs = None
+            r.kv_cache = None
+            for p in r.model.parameters():
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
