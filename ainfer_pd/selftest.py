@@ -19,7 +19,6 @@ every row passed, 1 otherwise. Runtime about 1-2 minutes on 2 cores.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import tempfile
@@ -58,7 +57,7 @@ def stall_spec(**kw: Any) -> HarnessSpec:
 def selective_specs(out: Path | None, *, seeds: int = 5, skew_ms: float = 20.0, **kw: Any) -> list[HarnessSpec]:
     """``seeds`` selective runs under random rank skew (one slot), one delayed-P run with two
     slots (overlap + delayed ACK), one global-implicit run; same topology (g=4 ATP2/ADP2)."""
-    base = dict(world_size=4, attn_dp=2, residency_slots=1, epochs=3, segments=4, d_iters=12,
+    base = dict(world_size=4, attn_dp=2, residency_slots=1, epochs=4, segments=6, d_iters=12,
                 stall_s=8.0, rendezvous_timeout_s=10.0)
     base.update(kw)
 
@@ -121,7 +120,7 @@ def _complete_row(name: str, spec: HarnessSpec, timeout_s: float) -> Row:
     return _row(name, "completes", f"FAILED: {errs}", False, runs=1, stalls=1)
 
 
-def run_selftest(out: str | Path, *, stall_runs: int = 1, seeds: int = 5, skew_ms: float = 20.0,
+def run_selftest(out: str | Path, *, stall_runs: int = 3, seeds: int = 5, skew_ms: float = 20.0,
                  timeout_s: float = 150.0, args: argparse.Namespace | None = None,
                  progress: Callable[[str], None] | None = None) -> dict:
     """Run the acceptance list; returns ``{"rows": [...], "ok": bool, "wall_s": ...}`` and writes
@@ -237,7 +236,7 @@ def format_table(rows: list[Row], *, markdown: bool = False) -> str:
 def setup_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="directory for traces and the summary table "
                                                     "(default: a fresh temporary directory)")
-    parser.add_argument("--stall-runs", type=int, default=1, help="launches of the crossed stall scenario")
+    parser.add_argument("--stall-runs", type=int, default=3, help="launches of the crossed stall scenario")
     parser.add_argument("--seeds", type=int, default=5, help="seeds of the selective skew scenario")
     parser.add_argument("--skew-ms", type=float, default=20.0, help="random rank skew before launches")
     parser.add_argument("--timeout-s", type=float, default=150.0, help="hard deadline of each launch")

@@ -79,7 +79,7 @@ def test_selective_under_skew_delayed_ack_and_trace_check(tmp_path):
         assert rep["pairs_checked"] == 4 * s.epochs * s.segments
         assert rep["rounds_per_rank"] == expected_rounds(s)
         assert rep["registered_pair_overlap_ms"] == 0.0
-    assert total == 5 * 15
+    assert total == sum(expected_rounds(s) for s in specs[:seeds]) >= 5 * 20
     # delayed P completion, two residency slots: P compute overlaps D, registered pairs never do,
     # and some rounds were acknowledged while P work was still running
     d = specs[seeds]
@@ -105,7 +105,7 @@ def test_selective_under_skew_delayed_ack_and_trace_check(tmp_path):
 def test_killing_a_rank_fails_every_other_rank_clearly_and_quickly(tmp_path):
     timeout = 4.0
     spec = HarnessSpec(ordering="selective", epochs=30, segments=4, d_iters=200, kill_rank=3, kill_after_d=6,
-                       rendezvous_timeout_s=timeout, stall_s=3.0, run_dir=str(tmp_path / "kill"), tag="kill")
+                       rendezvous_timeout_s=timeout, stall_s=2.5, run_dir=str(tmp_path / "kill"), tag="kill")
     t0 = time.monotonic()
     o = run_harness(spec, timeout_s=120, fail_grace_s=timeout + 10)
     assert time.monotonic() - t0 < 90
@@ -116,7 +116,7 @@ def test_killing_a_rank_fails_every_other_rank_clearly_and_quickly(tmp_path):
         assert isinstance(e, (RendezvousTimeout, StallError, PeerLostError)), (r, repr(e))
         assert isinstance(e, DistributedError)
         assert "rank 3" in str(e) or 3 in getattr(e, "missing_ranks", ()) or 3 in getattr(e, "ranks", ()), (r, str(e))
-    # bounded: every survivor gave up within the rendezvous timeout (+ the 1.2 s heartbeat check)
+    # bounded: every survivor gave up within the rendezvous timeout
     run_dir = tmp_path / "kill"
     def abs_time(rank: int, ev: str) -> float:
         evs = [json.loads(x) for x in (run_dir / f"rank{rank}.jsonl").read_text().splitlines()]
@@ -125,4 +125,4 @@ def test_killing_a_rank_fails_every_other_rank_clearly_and_quickly(tmp_path):
     killed = abs_time(3, "killed")
     for r in (0, 1, 2):
         lat = abs_time(r, "run_end") - killed
-        assert 0 <= lat <= timeout + 2.0, (r, lat)
+        assert 0 <= lat <= timeout, (r, lat)

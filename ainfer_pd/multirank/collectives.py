@@ -23,7 +23,6 @@ outputs are all-reduced through the model's ``attn_reduce`` hook.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import threading
 import time
 from typing import Any, Callable, Iterable, Sequence
@@ -102,7 +101,6 @@ class PhaseCollectives:
         self.completed: dict[str, int] = {ATTN_TP_P: 0, ATTN_DP_D: 0}
         self.inflight: dict[tuple[str, int], dict] = {}
         self.last_progress = time.monotonic()
-        self._ids = itertools.count(1)
         self.on_complete: list[Callable[[dict], None]] = []
 
     # ------------------------------------------------------------------ identity

@@ -47,11 +47,9 @@ from typing import Any
 
 import torch
 
-from ..errors import (AInferPDError, DistributedError, PeerLostError, RankFailedError, RendezvousTimeout,
-                      StallError)
+from ..errors import PeerLostError, RankFailedError, RendezvousTimeout, StallError
 from ..phase import Phase
-from .ordering import (C_STREAM, D_ADP_ALL_GATHER, D_STREAM, P_ATP_ALL_REDUCE, P_STREAM, check_ordering,
-                       collective_stream)
+from .ordering import D_ADP_ALL_GATHER, P_ATP_ALL_REDUCE, check_ordering, collective_stream
 
 __all__ = ["HarnessSpec", "HarnessOutcome", "harness_rank", "run_harness", "expected_rounds"]
 
@@ -125,7 +123,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor, reps: int, delay_s: float) -> torch.Te
 
 # ====================================================================== one rank
 class _Run:
-    def __init__(self, rank: int, topo: Any, groups: dict, spec: HarnessSpec, store: Any) -> None:
+    def __init__(self, rank: int, topo: Any, groups: dict, spec: HarnessSpec, store: Any, index: int = 0) -> None:
         from ..config import ParallelConfig
         from ..metrics.recorder import Recorder
         from ..sched.span import fixed_span
@@ -148,7 +146,7 @@ class _Run:
                                   rendezvous_timeout_s=spec.rendezvous_timeout_s,
                                   fast_rendezvous=spec.fast_rendezvous)
             self.rdv = make_rendezvous(pcfg, topo, same_host=True, group=groups.get("control"), store=store,
-                                       name=f"mr-{spec.tag}")
+                                       name=f"mr-{spec.tag}-{index}")
             self.turnstile = Turnstile(rendezvous=self.rdv, span=fixed_span(spec.span), recorder=self.rec,
                                        rank=rank, timeout_s=spec.rendezvous_timeout_s)
         self.d_done = 0
@@ -168,7 +166,7 @@ class _Run:
         self.a = torch.randn(m, m, generator=g)
         self.b = torch.randn(m, m, generator=g) / m ** 0.5
         self.x = torch.randn(spec.rows, m, generator=g)
-        prefix = f"ainfer_pd/mr/{spec.tag}"
+        prefix = f"ainfer_pd/mr/{spec.tag}-{index}"
         self.wd = Watchdog(rank=rank, world_size=topo.world_size, stall_s=spec.stall_s, progress=self._progress,
                            probe=self._probe, store=store, prefix=prefix)
         self.tasks: set[asyncio.Task] = set()
@@ -466,14 +464,14 @@ async def _rank_main(rank: int, world_size: int, specs: list[HarnessSpec]) -> li
                                   data_timeout_s=max(s.coll_timeout_s for s in specs))
     store = get_store()
     results = []
-    for s in specs:
+    for index, s in enumerate(specs):
         if s.run_dir:
             Path(s.run_dir).mkdir(parents=True, exist_ok=True)
             if rank == 0:
                 meta = {"spec": dataclasses.asdict(s), "world_size": world_size, "topology": topo.describe(),
                         "crossed": topo.crossed, "registered_pairs": _registry_for(topo).describe()}
                 (Path(s.run_dir) / "meta.json").write_text(json.dumps(meta, indent=1))
-        run = _Run(rank, topo, groups, s, store)
+        run = _Run(rank, topo, groups, s, store, index)
         results.append(await run.run())
     return results
 

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from ..errors import StallError
+from ..errors import PeerLostError, StallError
 
 __all__ = ["Watchdog", "describe_frontier", "find_wait_cycle"]
 
@@ -98,7 +98,8 @@ class Watchdog:
 
     # ------------------------------------------------------------------ stall
     async def watch(self) -> None:
-        """Return never; raise :class:`StallError` once progress stops for ``stall_s``."""
+        """Return never; raise :class:`StallError` (or :class:`PeerLostError` when a peer's
+        heartbeat stopped) once progress stops for ``stall_s``."""
         last_key = self._progress()
         last_t = time.monotonic()
         while True:
@@ -111,30 +112,42 @@ class Watchdog:
             if now - last_t >= self.stall_s:
                 raise await self.stall_error(now - last_t)
 
-    async def stall_error(self, idle_s: float) -> StallError:
+    async def stall_error(self, idle_s: float) -> StallError | PeerLostError:
+        """The report of a stall: :class:`PeerLostError` when some peer's heartbeat stopped
+        (a dead or wedged process, named), else :class:`StallError` (a device-progress stall)."""
         self.stalling = True
         local = self._probe()
         local["rank"] = self.rank
+        lost = self.unresponsive(stale_s=max(1.0, 4 * self.heartbeat_s))
+        local["lost_peers"] = lost
         self._set(f"frontier/{self.rank}", json.dumps(local, default=str))
         if self._get("stall") is None:
             self._set("stall", str(self.rank))
         frontiers: dict[int, dict] = {self.rank: local}
+        waiting_for = [r for r in range(self.world_size) if r not in lost]
         end = time.monotonic() + self.peer_wait_s
         while True:
-            for r in range(self.world_size):
+            for r in waiting_for:
                 if r not in frontiers:
                     v = self._get(f"frontier/{r}")
                     if v is not None:
                         frontiers[r] = json.loads(v)
-            if len(frontiers) == self.world_size or time.monotonic() >= end:
+            if all(r in frontiers for r in waiting_for) or time.monotonic() >= end:
                 break
             await asyncio.sleep(0.05)
         text, cycle = describe_frontier(frontiers, self.world_size)
-        self.report = {"idle_s": idle_s, "frontiers": frontiers, "cycle": cycle}
-        exc = StallError(f"rank {self.rank}: no progress for {idle_s:.1f} s (watchdog {self.stall_s:g} s): "
-                         f"device-progress stall.\n{text}")
+        self.report = {"idle_s": idle_s, "frontiers": frontiers, "cycle": cycle, "lost_peers": lost}
+        head = f"rank {self.rank}: no progress for {idle_s:.1f} s (watchdog {self.stall_s:g} s)"
+        exc: StallError | PeerLostError
+        if lost:
+            names = ", ".join(f"rank {r}" for r in lost)
+            exc = PeerLostError(f"{head}: peer {names} stopped responding (no heartbeat: dead or wedged).\n{text}",
+                                ranks=tuple(lost))
+        else:
+            exc = StallError(f"{head}: device-progress stall.\n{text}")
         exc.frontier = {str(r): f for r, f in frontiers.items()}  # type: ignore[attr-defined]
         exc.cycle = cycle  # type: ignore[attr-defined]
+        exc.lost_peers = lost  # type: ignore[attr-defined]
         exc.rank = self.rank  # type: ignore[attr-defined]
         return exc
 
