@@ -68,7 +68,9 @@ class Engine:
         span_policy = make_span_policy(cfg.mux) if self.policy == "fine-grained" else (lambda _inp: 1)
         self.turnstile = Turnstile(rendezvous=rendezvous or LocalRendezvous(), span=span_policy,
                                    recorder=recorder, rank=rank,
-                                   timeout_s=cfg.parallel.rendezvous_timeout_s)
+                                   timeout_s=cfg.parallel.rendezvous_timeout_s, load=self._span_inputs)
+        self._d_iter_ema = 0.0          # seconds, launch -> completion
+        self._p_boundary_ema = 0.0      # seconds of P per safe boundary
         self.activation = Activation(threshold=cfg.mux.activation_threshold,
                                      cooldown_s=cfg.mux.activation_cooldown_s)
         if self.device.kind == "cuda" and dc.cuda_graphs:
@@ -220,6 +222,17 @@ class Engine:
                 self._fail_turns([t for t, _, _ in work], exc)
                 raise
 
+    def _span_inputs(self) -> SpanInputs:
+        """What the span policy sees (rank 0's answer is used on every rank)."""
+        return SpanInputs(num_d_rows=len(self.decoding), max_d_rows=self.cfg.scheduler.max_decode_batch,
+                          num_p_waiting_tokens=sum(t.remaining_prompt for t in self.waiting),
+                          p_budget_tokens=self.cfg.scheduler.max_prefill_tokens,
+                          d_iter_s=self._d_iter_ema, p_boundary_s=self._p_boundary_ema)
+
+    @staticmethod
+    def _ema(old: float, new: float, a: float = 0.3) -> float:
+        return new if old == 0.0 else (1 - a) * old + a * new
+
     def _mux_active(self, work) -> bool:
         tokens = sum(n for _, _, n in work) + sum(t.remaining_prompt for t in self.waiting)
         return self.activation.update(self.rec.now(), tokens, len(self.decoding))
@@ -241,6 +254,7 @@ class Engine:
         self.rec.event("p_epoch", epoch=epoch, tokens=plan.num_tokens, gated=mux, policy=self.policy)
         t_start = self.rec.now()
         waited = 0.0
+        counts_waited = 0.0
         try:
             async with self.turnstile.epoch(epoch, gated=mux, d_enqueued=d_enqueued) as ep:
                 if entered is not None:
@@ -271,6 +285,7 @@ class Engine:
                     self.rec.event("p_counts", epoch=epoch, boundary=b)
                     self.rec.sample("p_counts_wait_s", self.rec.now() - t0)
                     waited += self.rec.now() - t0
+                    counts_waited += self.rec.now() - t0
                     if fine:
                         await permit(b)
                     stream.submit(lambda l=layer: setattr(box, "st", runner.experts(l, box.st, ctx, box.notified)),
@@ -283,6 +298,9 @@ class Engine:
                             ep.publish(b + 1, final=True)
                 logits_w = stream.submit(lambda: runner.head(box.st, plan), label="P.head")
                 self.rec.sample("p_enqueue_s", self.rec.now() - t_start - waited)
+                if plan.num_tokens:
+                    p_time = self.rec.now() - t_start - (waited - counts_waited)
+                    self._p_boundary_ema = self._ema(self._p_boundary_ema, p_time / (2 * L))
                 if mux and self.policy == "global-enqueue":
                     ep.publish(1, final=True)
                 if self.policy == "global-complete" or not mux:
@@ -355,6 +373,7 @@ class Engine:
             self._d_in_flight = True
             self.rec.sample("d_wait_s", self.rec.now() - t_ready)
             self.rec.event("d_launch", rows=len(rows), round=rnd is not None)
+            t_launch = self.rec.now()
             try:
                 if rnd is not None:
                     await self.turnstile.after_decode(rnd)
@@ -363,6 +382,7 @@ class Engine:
                 self._d_in_flight = False
                 for t in rows:
                     t.in_flight -= 1
+            self._d_iter_ema = self._ema(self._d_iter_ema, self.rec.now() - t_launch)
             self._finish_decode(plan, logits)
             self._drain_cleanups()
             if not any(not t.abort_requested for t in self.decoding):

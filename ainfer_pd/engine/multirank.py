@@ -144,6 +144,7 @@ class LockstepEngine(Engine):
         if rows:
             self.rec.sample("d_wait_s", self.rec.now() - t_ready)
         self.rec.event("d_launch", rows=len(rows), round=rnd is not None, epoch=self._epoch)
+        t_launch = self.rec.now()
         try:
             if rnd is not None:
                 await self.turnstile.after_decode(rnd)
@@ -152,6 +153,7 @@ class LockstepEngine(Engine):
             self._d_in_flight = False
             for t in rows:
                 t.in_flight -= 1
+        self._d_iter_ema = self._ema(self._d_iter_ema, self.rec.now() - t_launch)
         self._finish_decode(plan, logits)
         self._drain_cleanups()
         self._notify()
