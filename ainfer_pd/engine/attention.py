@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from torch import Tensor
 
 
@@ -85,10 +86,8 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, fb: ForwardBatc
         p0 = s.ctx_len - s.q_len
         if p0 == 0:        # no cached prefix: plain causal attention (flash kernels on CUDA)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
-        else:
-            qpos = torch.arange(s.q_len, device=q.device) + p0
-            mask = torch.arange(s.ctx_len, device=q.device).unsqueeze(0) <= qpos.unsqueeze(1)   # [q, ctx]
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)  # [1, H, q, hd]
+        else:              # continuation: causal aligned to the end of the keys (fused kernels on CUDA)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=causal_lower_right(s.q_len, s.ctx_len))
         out[s.q_start:s.q_start + s.q_len] = o[0].transpose(0, 1)
     if fb.decode is not None:
         n_p = fb.num_prefill_tokens
