@@ -125,8 +125,9 @@ class MuxConfig:
     """Turnstile span K: "1".."4" or "auto" (load-selected among validated spans)."""
     auto_spans: tuple[int, ...] = (1, 2, 3, 4)
     """Spans the ``auto`` policy may choose among."""
-    activation_threshold: int = 1
-    """Multiplexing switches on when at least this many P requests wait while D runs."""
+    activation_threshold: int = 64
+    """Multiplexing switches on when at least this many prefill tokens wait while D runs
+    (below it a P epoch runs as under ``normal``: no rendezvous, no segmenting)."""
     activation_cooldown_s: float = 0.05
     """Multiplexing stays on this long after concurrent P disappears."""
 

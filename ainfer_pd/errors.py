@@ -168,3 +168,7 @@ class PeerLostError(DistributedError):
     def __init__(self, message: str, *, ranks: tuple[int, ...] = ()) -> None:
         super().__init__(message)
         self.ranks = tuple(ranks)
+
+
+class EpochFailedError(AInferPDError):
+    """A P epoch failed on this rank; the turns it carried end with this error."""

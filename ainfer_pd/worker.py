@@ -78,6 +78,7 @@ class RolloutWorker:
         for traj in self.trajectories.values():
             if traj.turn is not None:
                 self.engine.abort(traj.turn)
+        close_error: BaseException | None = None
         if (self._engine_task is not None and not self._engine_task.done() and et is None
                 and hasattr(self.engine, "closing")):
             # lockstep ranks leave together: keep stepping until every rank is closing and idle
@@ -85,19 +86,24 @@ class RolloutWorker:
             try:
                 async with asyncio.timeout(self.cfg.parallel.rendezvous_timeout_s * 2):
                     await asyncio.shield(self._engine_task)
-            except (TimeoutError, Exception):
-                pass
+            except TimeoutError:
+                close_error = WorkerClosedError("peers did not close within 2x the rendezvous timeout")
+            except BaseException as e:                    # a peer failed while we were closing
+                close_error = _first_typed(e) or e
         if self._engine_task is not None and not self._engine_task.done():
             self._engine_task.cancel()
         try:
             assert self._tg is not None
-            return await self._tg.__aexit__(et, exc, tb)
-        except BaseExceptionGroup as eg:
-            # surface the engine's own typed error rather than a group
-            typed = [e for e in eg.exceptions if isinstance(e, AInferPDError)]
-            if typed and et is None:
-                raise typed[0] from eg
-            raise
+            try:
+                suppressed = await self._tg.__aexit__(et, exc, tb)
+            except BaseExceptionGroup as eg:
+                typed = _first_typed(eg)           # surface the engine's own typed error, not a group
+                if typed is not None and et is None:
+                    raise typed from eg
+                raise
+            if close_error is not None and et is None:
+                raise close_error
+            return suppressed
         finally:
             await asyncio.to_thread(self.engine.shutdown)     # joins stream threads off the loop
             self.recorder.close()
@@ -311,3 +317,14 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def _first_typed(exc: BaseException) -> AInferPDError | None:
+    if isinstance(exc, AInferPDError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for e in exc.exceptions:
+            t = _first_typed(e)
+            if t is not None:
+                return t
+    return None

@@ -222,10 +222,11 @@ def test_cli_misc(capsys, tmp_path, monkeypatch):
     from ainfer_pd import cli
     assert cli.main(["trace", "--conversations", "8", "--max-turns", "3", "--out", str(tmp_path / "t.jsonl")]) == 0
     assert (tmp_path / "t.jsonl").exists() and "new_tokens" in capsys.readouterr().out
-    monkeypatch.setitem(sys.modules, "ainfer_pd.launch", None)          # launcher absent
-    assert cli.main(["replay", "--world-size", "2", "--conversations", "1"]) == 2
-    assert "ainfer_pd.launch" in capsys.readouterr().err
-    monkeypatch.delitem(sys.modules, "ainfer_pd.launch")
+    # the multi-rank replay: two real rank processes (lockstep engine, EP=2) serve the conversations
+    assert cli.main(["replay", "--world-size", "2", "--conversations", "2", "--max-turns", "2",
+                     "--policies", "fine-grained", "--no-progress"]) == 0
+    out = capsys.readouterr()
+    assert "world size 2" in out.out and "fine-grained" in out.out
     monkeypatch.setitem(sys.modules, "ainfer_pd.selftest", None)
     assert cli.main(["selftest", "--help"]) == 2
     assert "not available" in capsys.readouterr().err

@@ -20,7 +20,8 @@ from typing import Any, Callable
 import torch
 
 from ..config import WorkerConfig
-from ..errors import AInferPDError, RequestAborted
+from ..errors import AInferPDError, EpochFailedError, RequestAborted
+from ..faults import Faults, FaultyRendezvous, InjectedFault
 from ..metrics.recorder import Recorder
 from ..phase import Phase, PhaseContext
 from ..request import TurnOutput
@@ -54,6 +55,10 @@ class Engine:
         self.cfg = cfg
         self.rec = recorder
         self.rank = rank
+        self.faults = Faults.load(cfg.faults)
+        if self.faults.active and rendezvous is not None:
+            rendezvous = FaultyRendezvous(rendezvous, self.faults)
+        self.rendezvous = rendezvous
         self.policy = cfg.scheduler.policy
         dc = cfg.device
         self.device: Device = make_device(dc.device, recorder, residency_slots=dc.residency_slots,
@@ -218,9 +223,14 @@ class Engine:
             exclusive = (has_d and not mux) or self.policy == "normal"
             try:
                 await self._run_epoch(self._epoch, work, mux=mux, exclusive=exclusive, d_enqueued=self._d_in_flight)
-            except AInferPDError as exc:
-                self._fail_turns([t for t, _, _ in work], exc)
-                raise
+            except Exception as exc:
+                # NOTE: one rank, so no peer waits on this epoch: fail its turns (typed), free their
+                # KV once the P stream drained, keep serving everyone else.
+                err = exc if isinstance(exc, AInferPDError) else EpochFailedError(
+                    f"P epoch {self._epoch} failed: {exc!r}")
+                await self._drain_stream(self.prefill_ctx.stream)
+                self._fail_epoch([t for t, _, _ in work], err)
+                log.warning("P epoch %d failed, %d turns failed: %s", self._epoch, len(work), err)
 
     def _span_inputs(self) -> SpanInputs:
         """What the span policy sees (rank 0's answer is used on every rank)."""
@@ -248,6 +258,7 @@ class Engine:
         stream = ctx.stream
         runner, L = self.runner, self.runner.num_layers
         box = _Box()
+        faults_on = self.faults.active
         fine = mux and self.policy == "fine-grained"
         self._p_exclusive = exclusive
         self._p_running = True
@@ -272,6 +283,8 @@ class Engine:
                 stream.submit(lambda: setattr(box, "st", runner.embed(plan)), label="P.embed")
                 for layer in range(L):
                     def attn(l=layer) -> None:
+                        if faults_on:
+                            self.faults.on_p_segment(epoch, l)
                         box.st = runner.attn_route(l, box.st, plan)
                         box.notified = runner.notify(ctx, box.st)     # the expert notification
                     w = stream.submit(attn, label=f"P.attn{layer}")
@@ -282,6 +295,8 @@ class Engine:
                     await w.done()                     # receive counts: P's device progress paces its host
                     if box.notified is not None:
                         await box.notified.wait(timeout=self.cfg.parallel.rendezvous_timeout_s)
+                    if self.faults.slow_counts_ms:
+                        await asyncio.sleep(self.faults.slow_counts_ms / 1e3)
                     self.rec.event("p_counts", epoch=epoch, boundary=b)
                     self.rec.sample("p_counts_wait_s", self.rec.now() - t0)
                     waited += self.rec.now() - t0
@@ -367,6 +382,10 @@ class Engine:
                     await self.turnstile.after_decode(rnd)
                 continue
             plan = self.runner.build([], rows)
+            if self.faults.active:
+                skew = self.faults.d_skew_s()
+                if skew:
+                    await asyncio.sleep(skew)
             for t in rows:
                 t.in_flight += 1
             w = self.decode_ctx.stream.submit(self.runner.decode, plan, self.decode_ctx, label="D.iter")
@@ -377,6 +396,9 @@ class Engine:
             try:
                 if rnd is not None:
                     await self.turnstile.after_decode(rnd)
+                    if self.prefill_ctx.stream.num_pending:
+                        # the enqueue ACK came while P work was still running: not a completion fence
+                        self.rec.count("delayed_ack_rounds")
                 logits = await w.done()
             finally:
                 self._d_in_flight = False
@@ -483,6 +505,23 @@ class Engine:
             if not t.future.done():
                 t.future.set_exception(exc)
                 self.num_failed += 1
+
+    async def _drain_stream(self, stream) -> None:
+        """Wait until every item submitted to ``stream`` so far has run (FIFO barrier)."""
+        await asyncio.wrap_future(stream.submit(lambda: None, label="barrier").enqueued())
+
+    def _fail_epoch(self, turns: list[Turn], err: BaseException) -> None:
+        for t in turns:
+            if t.state in (TurnState.DONE, TurnState.ABORTED):
+                continue
+            if not t.future.done():
+                t.future.set_exception(err)
+            self.num_failed += 1
+            t.abort_requested = True
+            t.in_flight = 0
+            self._cleanup_aborted(t)
+            self.num_aborted -= 1            # counted as failed, not aborted
+        self._notify()
 
     def fail_all(self, exc: BaseException) -> None:
         """The engine stopped: every turn in flight ends with ``exc`` (typed)."""

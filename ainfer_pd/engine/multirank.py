@@ -39,7 +39,7 @@ class LockstepEngine(Engine):
             raise ConfigError("the multi-rank engine runs one attention-DP replica per rank (attn_dp = world_size); "
                               "ATP > 1 runs through ainfer_pd.multirank")
         super().__init__(cfg, recorder, rendezvous=rendezvous, rank=rank)
-        self.rdv = rendezvous
+        self.rdv = self.rendezvous          # (wrapped by fault injection when configured)
         self.world_size = world_size
         if dispatchers is not None:
             from .expert_parallel import ExpertParallel
@@ -48,7 +48,6 @@ class LockstepEngine(Engine):
         self._go: asyncio.Queue = asyncio.Queue()
         self.num_steps = 0
         self.closing = False          # this rank's client is done; stop once every rank is
-        self._prev_totals = (0, 0)
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -77,16 +76,16 @@ class LockstepEngine(Engine):
         while True:
             self.num_steps += 1
             rows = self._live_rows()
-            act = self.activation.update(self.rec.now(), self._prev_totals[1], self._prev_totals[0]) if self.rank == 0 else False
-            payload = (len(rows), self._local_p_tokens(), int(self._p_running), int(act), int(self.closing))
+            clock_ms = int(self.rec.now() * 1000)
+            payload = (len(rows), self._local_p_tokens(), int(self._p_running), clock_ms, int(self.closing))
             t0 = self.rec.now()
             states = await self.rdv.arrive("step", payload, epoch=self._epoch)
             self.rec.sample("step_sync_s", self.rec.now() - t0)
             total_d = sum(s[0] for s in states)
             total_p = sum(s[1] for s in states)
             any_running = any(s[2] for s in states)
-            mux_on = bool(states[0][3])
-            self._prev_totals = (total_d, total_p)
+            # NOTE: activation from agreed inputs only (totals, rank 0's clock): identical on every rank
+            mux_on = self.activation.update(states[0][3] / 1000.0, total_p, total_d)
             if not any_running:
                 self._exclusive_epoch = False         # agreed: every rank finished the last epoch
             if all(s[4] for s in states) and not (total_d or total_p or any_running):
@@ -110,7 +109,7 @@ class LockstepEngine(Engine):
 
     async def _start_epoch(self, has_d: bool, mux_on: bool) -> None:
         self._epoch += 1
-        mux = self.policy in TURNSTILE_POLICIES and has_d and (mux_on or self.cfg.mux.activation_threshold <= 1)
+        mux = self.policy in TURNSTILE_POLICIES and has_d and mux_on
         exclusive = self.policy == "normal" or (has_d and not mux)
         self._exclusive_epoch = exclusive
         entered = asyncio.Event()
@@ -137,6 +136,10 @@ class LockstepEngine(Engine):
         rnd = await self.turnstile.before_decode()
         rows = [t for t in plan_decode(self._live_rows(), self.cfg.scheduler.max_decode_batch)]
         plan = self.runner.build([], rows)
+        if self.faults.active:
+            skew = self.faults.d_skew_s()
+            if skew:
+                await asyncio.sleep(skew)
         for t in rows:
             t.in_flight += 1
         w = self.decode_ctx.stream.submit(self.runner.decode, plan, self.decode_ctx, label="D.iter")
@@ -148,6 +151,8 @@ class LockstepEngine(Engine):
         try:
             if rnd is not None:
                 await self.turnstile.after_decode(rnd)
+                if self.prefill_ctx.stream.num_pending:
+                    self.rec.count("delayed_ack_rounds")
             logits = await w.done()
         finally:
             self._d_in_flight = False
