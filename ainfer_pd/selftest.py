@@ -257,3 +257,11 @@ if __name__ == "__main__":  # pragma: no cover
     p = argparse.ArgumentParser(prog="ainfer-pd selftest")
     setup_parser(p)
     sys.exit(run(p.parse_args()))
+
+
+def _ownership_audit(args: argparse.Namespace) -> Row:
+    from .audit_check import ownership_audit_row
+    return ownership_audit_row(args)
+
+
+register_check(_ownership_audit)

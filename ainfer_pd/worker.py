@@ -287,8 +287,25 @@ class RolloutWorker:
             self.engine.kv.trajectories.pop(tid, None)
         self._sleeping = True
 
-    async def wake_up(self) -> None:
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Back from ``sleep``: weights and the KV pool were never freed on this engine, so
+        nothing is reloaded (``tags`` as verl passes them: "weights", "kv_cache")."""
         self._sleeping = False
+
+    async def release_kv_cache(self) -> int:
+        """Drop the retained KV of every idle trajectory (they keep their tokens and recompute
+        on their next turn: correct either way). Returns the number of blocks freed."""
+        kvm = self.engine.kv
+        freed = 0
+        for tid, traj in self.trajectories.items():
+            kv = kvm.trajectories.get(tid)
+            if traj.turn is None and traj.draining is None and kv is not None and not kv.pinned:
+                freed += len(kv.blocks)
+                kvm.release(tid)
+        return freed
+
+    async def resume_kv_cache(self) -> None:
+        """The KV pool stays allocated: the next turns simply fill it again."""
 
     def metrics(self) -> dict[str, Any]:
         m = self.engine.metrics()
@@ -302,6 +319,11 @@ class RolloutWorker:
             from .errors import OwnershipAuditError
             raise OwnershipAuditError("this engine has no phase-owned communication state (world size 1)")
         return fn(strict=strict)
+
+    def metrics_text(self) -> str:
+        """``metrics()`` in the Prometheus text exposition format."""
+        from .metrics.export import prometheus_text
+        return prometheus_text(self.metrics(), rank=self.rank)
 
     def timeline(self) -> list[tuple]:
         return list(self.recorder.intervals)

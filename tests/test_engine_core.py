@@ -196,3 +196,17 @@ async def test_stop_tokens_end_the_turn(worker):
     b = await worker.generate(p, SamplingParams(max_new_tokens=10, temperature=0.0, stop_token_ids=(stop,)))
     assert b.finish_reason == "stop"
     assert b.token_ids == a.token_ids[:a.token_ids.index(stop) + 1]
+
+
+async def test_release_kv_cache_frees_idle_kv_and_the_next_turn_recomputes(worker):
+    rng = random.Random(9)
+    a = await worker.generate(rand_ids(rng, 60), SamplingParams(max_new_tokens=4, **GREEDY))
+    freed = await worker.release_kv_cache()
+    assert freed > 0 and worker.engine.kv.num_free_blocks == worker.engine.kv.alloc.num_blocks
+    await worker.resume_kv_cache()
+    obs = rand_ids(rng, 5)
+    b = await worker.continue_(a.trajectory_id, obs, SamplingParams(max_new_tokens=4, **GREEDY))
+    assert b.num_cached_tokens == 0
+    ref = await worker.generate(worker.trajectories[a.trajectory_id].tokens[:b.num_prompt_tokens],
+                                SamplingParams(max_new_tokens=4, **GREEDY))
+    assert b.token_ids == ref.token_ids

@@ -9,6 +9,7 @@ import pytest
 from ainfer_pd import AInferPDError, RolloutWorker, SamplingParams
 from ainfer_pd.errors import ConfigError, DistributedError, WorkerClosedError
 from ainfer_pd.faults import Faults, InjectedFault
+from ainfer_pd.worker import _first_typed
 from tests._dist_util import run_ranks
 from tests.conftest import rand_ids, tiny_cfg
 
@@ -105,18 +106,6 @@ async def _rank_with_fault(rank, world_size, faults_by_rank, kill_rank):
         e = _first_typed(exc)
         outcome = ("error", f"{type(e).__name__}: {e}") if e is not None else ("untyped", repr(exc))
     return (outcome[0], loop.time() - t0, outcome[1])
-
-
-def _first_typed(exc: BaseException):
-    if isinstance(exc, AInferPDError):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for e in exc.exceptions:
-            t = _first_typed(e)
-            if t is not None:
-                return t
-    cause = exc.__cause__ or exc.__context__
-    return _first_typed(cause) if cause is not None and cause is not exc else None
 
 
 @pytest.mark.parametrize("scenario", ["killed", "dropped"])

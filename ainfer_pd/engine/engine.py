@@ -22,6 +22,7 @@ import torch
 from ..config import WorkerConfig
 from ..errors import AInferPDError, EpochFailedError, RequestAborted
 from ..faults import Faults, FaultyRendezvous, InjectedFault
+from ..metrics.export import set_log_context
 from ..metrics.recorder import Recorder
 from ..phase import Phase, PhaseContext
 from ..request import TurnOutput
@@ -276,6 +277,7 @@ class Engine:
                     await ep.permit(b)
                     waited += self.rec.now() - t0
                     self.rec.event("p_permit", epoch=epoch, boundary=b)
+                    set_log_context(epoch=epoch, boundary=b)
 
                 if mux:
                     ep.publish(0)
@@ -381,35 +383,41 @@ class Engine:
                 if rnd is not None:
                     await self.turnstile.after_decode(rnd)
                 continue
-            plan = self.runner.build([], rows)
-            if self.faults.active:
-                skew = self.faults.d_skew_s()
-                if skew:
-                    await asyncio.sleep(skew)
-            for t in rows:
-                t.in_flight += 1
-            w = self.decode_ctx.stream.submit(self.runner.decode, plan, self.decode_ctx, label="D.iter")
-            self._d_in_flight = True
-            self.rec.sample("d_wait_s", self.rec.now() - t_ready)
-            self.rec.event("d_launch", rows=len(rows), round=rnd is not None)
-            t_launch = self.rec.now()
-            try:
-                if rnd is not None:
-                    await self.turnstile.after_decode(rnd)
-                    if self.prefill_ctx.stream.num_pending:
-                        # the enqueue ACK came while P work was still running: not a completion fence
-                        self.rec.count("delayed_ack_rounds")
-                logits = await w.done()
-            finally:
-                self._d_in_flight = False
-                for t in rows:
-                    t.in_flight -= 1
-            self._d_iter_ema = self._ema(self._d_iter_ema, self.rec.now() - t_launch)
-            self._finish_decode(plan, logits)
-            self._drain_cleanups()
+            await self._decode_once(rows, rnd, t_ready)
             if not any(not t.abort_requested for t in self.decoding):
                 self.turnstile.open_gate()
             self._notify()
+
+    async def _decode_once(self, rows: list[Turn], rnd, t_ready: float) -> None:
+        """Enqueue one D iteration of ``rows`` (empty on a lockstep rank without rows), inside
+        the turnstile round ``rnd`` when one is open; await completion; emit the tokens."""
+        plan = self.runner.build([], rows)
+        if self.faults.active:
+            skew = self.faults.d_skew_s()
+            if skew:
+                await asyncio.sleep(skew)
+        for t in rows:
+            t.in_flight += 1
+        w = self.decode_ctx.stream.submit(self.runner.decode, plan, self.decode_ctx, label="D.iter")
+        self._d_in_flight = True
+        if rows:
+            self.rec.sample("d_wait_s", self.rec.now() - t_ready)
+        self.rec.event("d_launch", rows=len(rows), round=rnd is not None, epoch=self._epoch)
+        t_launch = self.rec.now()
+        try:
+            if rnd is not None:
+                await self.turnstile.after_decode(rnd)
+                if self.prefill_ctx.stream.num_pending:
+                    # the enqueue ACK came while P work was still running: not a completion fence
+                    self.rec.count("delayed_ack_rounds")
+            logits = await w.done()
+        finally:
+            self._d_in_flight = False
+            for t in rows:
+                t.in_flight -= 1
+        self._d_iter_ema = self._ema(self._d_iter_ema, self.rec.now() - t_launch)
+        self._finish_decode(plan, logits)
+        self._drain_cleanups()
 
     def _finish_decode(self, plan: BatchPlan, logits: torch.Tensor) -> None:
         live = [i for i, t in enumerate(plan.logit_turns) if not t.abort_requested and t.state is TurnState.DECODING]

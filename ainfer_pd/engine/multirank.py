@@ -134,33 +134,8 @@ class LockstepEngine(Engine):
     async def _decode_iteration(self) -> None:
         t_ready = self.rec.now()
         rnd = await self.turnstile.before_decode()
-        rows = [t for t in plan_decode(self._live_rows(), self.cfg.scheduler.max_decode_batch)]
-        plan = self.runner.build([], rows)
-        if self.faults.active:
-            skew = self.faults.d_skew_s()
-            if skew:
-                await asyncio.sleep(skew)
-        for t in rows:
-            t.in_flight += 1
-        w = self.decode_ctx.stream.submit(self.runner.decode, plan, self.decode_ctx, label="D.iter")
-        self._d_in_flight = True
-        if rows:
-            self.rec.sample("d_wait_s", self.rec.now() - t_ready)
-        self.rec.event("d_launch", rows=len(rows), round=rnd is not None, epoch=self._epoch)
-        t_launch = self.rec.now()
-        try:
-            if rnd is not None:
-                await self.turnstile.after_decode(rnd)
-                if self.prefill_ctx.stream.num_pending:
-                    self.rec.count("delayed_ack_rounds")
-            logits = await w.done()
-        finally:
-            self._d_in_flight = False
-            for t in rows:
-                t.in_flight -= 1
-        self._d_iter_ema = self._ema(self._d_iter_ema, self.rec.now() - t_launch)
-        self._finish_decode(plan, logits)
-        self._drain_cleanups()
+        rows = list(plan_decode(self._live_rows(), self.cfg.scheduler.max_decode_batch))
+        await self._decode_once(rows, rnd, t_ready)
         self._notify()
 
     _exclusive_epoch = False

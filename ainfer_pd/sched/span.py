@@ -73,10 +73,10 @@ class AutoSpan:
 
     Rules, first match wins (``occ`` = D occupancy, ``pres`` = P pressure):
 
-    0. timings known (``d_iter_s``, ``p_boundary_s``) -> the smallest allowed span whose
-       P time (K boundaries) covers one D iteration (the largest if none does): a D round
-       comes once per D iteration, so a shorter span would idle P between rounds and a
-       longer one would delay D's entry;
+    (``d_iter_s`` / ``p_boundary_s`` are logged with every switch but do not decide: a rule
+    that matched K P-boundaries to one D iteration measured 9% worse than span 2 on the CPU
+    sweep, see docs/BENCHMARKS.md.)
+
     1. load unknown (``max_d_rows`` or ``p_budget_tokens`` is 0) -> the default span;
     2. ``occ >= high_occupancy`` and ``pres < low_pressure`` -> the smallest span
        (a full D batch with little P behind it: give D the most entry points);
@@ -96,9 +96,6 @@ class AutoSpan:
         return min(self.spans, key=lambda k: (abs(k - DEFAULT_SPAN), k))
 
     def __call__(self, inputs: SpanInputs) -> int:
-        if inputs.d_iter_s > 0 and inputs.p_boundary_s > 0:
-            need = inputs.d_iter_s / inputs.p_boundary_s
-            return next((k for k in self.spans if k >= need), max(self.spans))
         if inputs.max_d_rows <= 0 or inputs.p_budget_tokens <= 0:
             return self.default
         occ, pres = inputs.d_occupancy, inputs.p_pressure

@@ -1,0 +1,35 @@
+"""Operators: Prometheus text metrics, structured logs, no paths in logs, loopback binding."""
+import json
+import logging
+
+from ainfer_pd import SamplingParams
+from ainfer_pd.metrics.export import JsonFormatter, configure_logging, prometheus_text, set_log_context
+
+
+async def test_metrics_export_in_prometheus_text_format(worker):
+    out = await worker.generate([5, 6, 7, 8], SamplingParams(max_new_tokens=3, temperature=0.0))
+    text = worker.metrics_text()
+    assert '# TYPE ainfer_pd_finished counter' in text
+    assert 'ainfer_pd_finished{rank="0"} 1.0' in text
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            float(value)
+            assert name.startswith("ainfer_pd_") and name.endswith('{rank="0"}')
+    await worker.release(out.trajectory_id)
+
+
+def test_prometheus_text_skips_lists_and_non_finite_values():
+    text = prometheus_text({"a": 1, "b": float("nan"), "c": [1, 2], "d_s_sum": 2.5}, rank=3)
+    assert 'ainfer_pd_a{rank="3"} 1.0' in text and "ainfer_pd_b" not in text and "ainfer_pd_c" not in text
+    assert "# TYPE ainfer_pd_d_s_sum counter" in text
+
+
+def test_structured_log_records_carry_rank_epoch_and_boundary():
+    set_log_context(epoch=7, boundary=3)
+    rec = logging.LogRecord("ainfer_pd.engine", logging.WARNING, __file__, 1, "P epoch %d failed", (7,), None)
+    data = json.loads(JsonFormatter(rank=2).format(rec))
+    assert data == {**data, "rank": 2, "epoch": 7, "boundary": 3, "msg": "P epoch 7 failed", "level": "WARNING"}
+    h = configure_logging(rank=1)
+    assert isinstance(h.formatter, JsonFormatter)
+    logging.getLogger("ainfer_pd").removeHandler(h)
