@@ -104,10 +104,9 @@ class Engine:
 
     # ================================================================== submission
     def submit(self, turn: Turn) -> None:
+        # NOTE: a waiting turn does not pin its trajectory's KV: an idle prefix stays evictable
+        # (or waiting turns could hold the whole cache and none be admitted); admission re-reads it.
         self.waiting.append(turn)
-        kv = self.kv.trajectories.get(turn.tid)
-        if kv is not None:
-            kv.pinned = True                      # keep its prefix until admission
         self._notify()
 
     def abort(self, turn: Turn, reason: str = "abort") -> None:
@@ -185,20 +184,36 @@ class Engine:
         for t in self.waiting:
             if t.abort_requested:
                 continue
-            need = 0 if t.lifetime else self.kv.blocks_needed(t.tid, len(t.context) + t.params.max_new_tokens, t.num_cached)
+            need = 0 if t.lifetime else self.kv.blocks_needed(t.tid, len(t.context) + t.params.max_new_tokens,
+                                                               self._valid_prefix(t))
             out.append(PendingPrefill(t.request_id, t.remaining_prompt, bool(t.lifetime), need))
         return out
 
     def _available_blocks(self) -> int:
         return self.kv.num_free_blocks + self.kv.evictable_blocks()
 
+    def _valid_prefix(self, t: Turn) -> int:
+        """Prompt tokens of ``t`` whose KV is still retained (an idle prefix may have been evicted)."""
+        kv = self.kv.trajectories.get(t.tid)
+        return min(t.num_cached, kv.num_tokens if kv is not None else 0)
+
     def _admit(self, chunks, admitted) -> list[tuple[Turn, int, int]]:
+        """Reserve KV for newly admitted turns (FIFO); a turn that no longer fits (an earlier
+        admission evicted the prefix it counted on) stops admission. Returns the runnable chunks."""
         by_id = {t.request_id: t for t in self.waiting}
         now = self.rec.now()
+        blocked = False
         for rid in admitted:
             t = by_id[rid]
-            t.lifetime = self.kv.reserve(t.tid, len(t.context) + t.params.max_new_tokens, t.num_cached, now)
-        return [(by_id[c.request_id], by_id[c.request_id].prefilled, c.num_tokens) for c in chunks]
+            keep = self._valid_prefix(t)
+            total = len(t.context) + t.params.max_new_tokens
+            if blocked or not self.kv.can_reserve(t.tid, total, keep):
+                blocked = True
+                continue
+            t.num_cached = t.prefilled = keep
+            t.lifetime = self.kv.reserve(t.tid, total, keep, now)
+        return [(by_id[c.request_id], by_id[c.request_id].prefilled, c.num_tokens)
+                for c in chunks if by_id[c.request_id].lifetime]
 
     def _p_admissible(self) -> bool:
         pend = self._pending_view()
@@ -217,6 +232,9 @@ class Engine:
             chunks, admitted = plan_prefill(self._pending_view(), self.cfg.scheduler.max_prefill_tokens,
                                             self._available_blocks())
             work = self._admit(chunks, admitted)
+            if not work:
+                await asyncio.sleep(0.002)       # KV is short until a running turn ends
+                continue
             self._epoch += 1
             has_d = bool(self.decoding)
             mux = self.policy in TURNSTILE_POLICIES and has_d and self._mux_active(work)
