@@ -210,3 +210,21 @@ async def test_release_kv_cache_frees_idle_kv_and_the_next_turn_recomputes(worke
     ref = await worker.generate(worker.trajectories[a.trajectory_id].tokens[:b.num_prompt_tokens],
                                 SamplingParams(max_new_tokens=4, **GREEDY))
     assert b.token_ids == ref.token_ids
+
+
+async def test_waiting_turns_never_hold_the_cache_hostage():
+    # 8 retained trajectories fill the cache exactly; then all 8 continue at once, each needing more
+    # blocks than are free. Idle prefixes of waiting turns must stay evictable, or nothing is admitted.
+    cfg = tiny_cfg(**{"cache.num_blocks": 40})
+    rng = random.Random(11)
+    async with RolloutWorker(cfg) as w:
+        firsts = [await w.generate(rand_ids(rng, 70), SamplingParams(max_new_tokens=4, **GREEDY)) for _ in range(8)]
+        assert w.engine.kv.num_free_blocks == 0
+        conts = await asyncio.wait_for(asyncio.gather(*[
+            w.continue_(o.trajectory_id, rand_ids(rng, 20), SamplingParams(max_new_tokens=4, **GREEDY)) for o in firsts]),
+            timeout=60)
+        assert all(len(c.token_ids) == 4 for c in conts)
+        assert any(c.num_cached_tokens == 0 for c in conts)       # some prefixes were evicted and recomputed
+        for tid in list(w.trajectories):
+            await w.release(tid)
+        assert w.kv_leak_free() and w.engine.kv.num_free_blocks == 40
