@@ -30,6 +30,7 @@ SUBCOMMANDS: dict[str, tuple[str, SetupFn, RunFn]] = {}
 LAZY_SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "trace-check": ("ainfer_pd.metrics.tracecheck", "check a run's cross-rank control trace (ordering contract)"),
     "selftest": ("ainfer_pd.selftest", "run the SPEC section 7 ordering-contract self-test"),
+    "timeline": ("ainfer_pd.metrics.timeline_cli", "draw the P / D / rendezvous timeline of a run (failed runs too)"),
 }
 
 DEFAULT_CONFIG = "configs/tiny-cpu.yaml"

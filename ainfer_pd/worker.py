@@ -106,7 +106,19 @@ class RolloutWorker:
             return suppressed
         finally:
             await asyncio.to_thread(self.engine.shutdown)     # joins stream threads off the loop
+            if self.cfg.trace_dir:
+                self._dump_timeline(failed=et is not None or close_error is not None or self._failure is not None)
             self.recorder.close()
+
+    def _dump_timeline(self, *, failed: bool) -> None:
+        """Work intervals of this rank next to its control trace (``ainfer-pd timeline RUN_DIR``
+        draws them; for a failed run the plot shows where each stream stopped)."""
+        import json
+        from pathlib import Path
+        path = Path(self.cfg.trace_dir) / f"timeline_rank{self.rank}.json"
+        data = {"rank": self.rank, "failed": failed, "failure": repr(self._failure) if self._failure else None,
+                "intervals": [[n, s, a, b] for (n, s, a, b, _) in self.recorder.intervals]}
+        path.write_text(json.dumps(data))
 
     def _check_open(self) -> None:
         if self._tg is None or self._closed:

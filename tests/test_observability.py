@@ -33,3 +33,18 @@ def test_structured_log_records_carry_rank_epoch_and_boundary():
     h = configure_logging(rank=1)
     assert isinstance(h.formatter, JsonFormatter)
     logging.getLogger("ainfer_pd").removeHandler(h)
+
+
+async def test_a_failed_run_leaves_a_timeline_that_shows_where_it_stopped(tmp_path):
+    import asyncio
+    from ainfer_pd import RolloutWorker
+    from ainfer_pd.cli import main
+    from tests.conftest import tiny_cfg
+    cfg = tiny_cfg(**{"trace_dir": str(tmp_path), "faults": {"p_error_epoch": 1}})
+    async with RolloutWorker(cfg) as w:
+        res = await asyncio.gather(w.generate([5] * 40, SamplingParams(max_new_tokens=3)), return_exceptions=True)
+        assert isinstance(res[0], BaseException)
+    data = json.loads((tmp_path / "timeline_rank0.json").read_text())
+    assert data["intervals"]
+    assert main(["timeline", str(tmp_path)]) == 0
+    assert (tmp_path / "timeline_rank0.png").exists()

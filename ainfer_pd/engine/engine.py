@@ -84,7 +84,7 @@ class Engine:
             self.decode_ctx.stream.submit(self.runner.capture_decode_graphs, self.decode_ctx, label="D.capture").enqueued().result()
         self.waiting: deque[Turn] = deque()
         self.decoding: list[Turn] = []
-        self._changed = asyncio.Condition()
+        self._changed = asyncio.Event()    # replaced on every notify: waiters re-check their predicate
         self._epoch = 0
         self._p_running = False          # a P epoch is being run
         self._p_exclusive = False        # D must not enter (normal policy / activation off)
@@ -156,17 +156,13 @@ class Engine:
         self._pending_cleanup = still
 
     def _notify(self) -> None:
-        async def _n() -> None:
-            async with self._changed:
-                self._changed.notify_all()
-        try:
-            asyncio.get_running_loop().create_task(_n())   # NOTE: fire-and-forget only for a notify; never raises
-        except RuntimeError:
-            pass
+        """Something the loops wait on changed: wake every waiter (no task is created)."""
+        ev, self._changed = self._changed, asyncio.Event()
+        ev.set()
 
     async def _wait_for(self, pred: Callable[[], bool]) -> None:
-        async with self._changed:
-            await self._changed.wait_for(pred)
+        while not pred():
+            await self._changed.wait()
 
     # ================================================================== loops
     async def run(self) -> None:

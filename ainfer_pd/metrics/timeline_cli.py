@@ -1,0 +1,44 @@
+"""``ainfer-pd timeline RUN_DIR``: draw every rank's P / D / rendezvous timeline.
+
+Reads ``timeline_rank*.json`` (written by each worker with ``trace_dir`` set, also when the run
+failed) and writes one PNG per rank; the last interval of each stream marks where it stopped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .plots import plot_timeline
+
+
+def setup_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="the run's trace_dir")
+    p.add_argument("--out", help="output folder for the PNGs (default: the run dir)")
+    p.add_argument("--last-s", type=float, default=None, help="only the last N seconds of each rank")
+
+
+def run(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    files = sorted(run_dir.glob("timeline_rank*.json"))
+    if not files:
+        print(f"ainfer-pd timeline: no timeline_rank*.json in {run_dir}")
+        return 2
+    out = Path(args.out) if args.out else run_dir
+    out.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        data = json.loads(f.read_text())
+        ivs = data["intervals"]
+        window = None
+        if ivs and args.last_s:
+            end = max(b for _, _, _, b in ivs)
+            window = (end - args.last_s, end)
+        stops = {}
+        for name, stream, a, b in ivs:
+            if b >= stops.get(stream, (None, -1.0))[1]:
+                stops[stream] = (name, b)
+        state = "FAILED" if data.get("failed") else "ok"
+        title = f"rank {data['rank']} ({state}); last: " + ", ".join(f"{s}={n}@{t:.3f}s" for s, (n, t) in sorted(stops.items()))
+        path = plot_timeline(ivs, out / f"timeline_rank{data['rank']}.png", title=title, window=window)
+        print(f"rank {data['rank']}: {state}, {len(ivs)} intervals -> {path}; {title}")
+    return 0
