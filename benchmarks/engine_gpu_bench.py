@@ -16,6 +16,7 @@ import math
 import time
 
 import torch
+from _cuda_timing import cuda_time_s  # benchmarks/ is on sys.path when run as a script
 
 from ainfer_pd.config import WorkerConfig
 from ainfer_pd.engine.attention import DecodeMeta, ForwardBatch, PrefillSeq
@@ -25,17 +26,7 @@ from ainfer_pd.engine.runner import ModelRunner
 from ainfer_pd.phase import Phase, PhaseContext
 
 
-def timed(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / 1e3 / iters
+timed = cuda_time_s
 
 
 def hbm_bandwidth() -> float:

@@ -145,16 +145,8 @@ def run_cpu(args) -> dict:
 
 # ---- GPU: world size 1 ------------------------------------------------------------------------
 def _cuda_time(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters   # ms
+    from _cuda_timing import cuda_time_s   # benchmarks/ is on sys.path when run as a script
+    return cuda_time_s(fn, iters) * 1e3    # ms
 
 
 def run_cuda(args) -> dict:  # pragma: no cover - GPU host only

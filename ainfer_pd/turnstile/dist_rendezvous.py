@@ -159,6 +159,15 @@ class _Base:
             raise DistributedError(f"{self.kind} rendezvous: arrive() called while another arrive() of this "
                                    f"rank is in flight (one rendezvous at a time per object)")
 
+    def _next_round(self, tag: str, payload: tuple[int, ...], epoch: int | None,
+                    boundary: int | None) -> tuple[int, list[int], float]:
+        """Start one round: check the object is usable, number the round, encode this rank's row."""
+        self._check_usable()
+        seq = self._seq + 1
+        row = self._encode(seq, tag, payload, epoch, boundary)
+        self._seq = seq
+        return seq, row, time.perf_counter()
+
     def _encode(self, seq: int, tag: str, payload: tuple[int, ...], epoch: int | None,
                 boundary: int | None) -> list[int]:
         p = tuple(payload)
@@ -373,11 +382,7 @@ class GlooRendezvous(_Base):
     # ------------------------------------------------------------- protocol
     async def arrive(self, tag: str, payload: tuple[int, ...], *, epoch: int | None = None,
                      boundary: int | None = None) -> list[tuple[int, ...]]:
-        self._check_usable()
-        seq = self._seq + 1
-        row = self._encode(seq, tag, payload, epoch, boundary)
-        self._seq = seq
-        t0 = time.perf_counter()
+        seq, row, t0 = self._next_round(tag, payload, epoch, boundary)
         deadline = t0 + self.timeout_s
         self._inflight = True
         try:
@@ -634,11 +639,7 @@ class ShmRendezvous(_Base):
     # ------------------------------------------------------------- protocol
     async def arrive(self, tag: str, payload: tuple[int, ...], *, epoch: int | None = None,
                      boundary: int | None = None) -> list[tuple[int, ...]]:
-        self._check_usable()
-        seq = self._seq + 1
-        row = self._encode(seq, tag, payload, epoch, boundary)
-        self._seq = seq
-        t0 = time.perf_counter()
+        seq, row, t0 = self._next_round(tag, payload, epoch, boundary)
         off = 2 + (seq & 1) * self._row
         me = self._me
         me[off + 1:off + self._row] = row[1:]
