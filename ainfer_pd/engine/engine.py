@@ -244,7 +244,7 @@ class Engine:
                 err = exc if isinstance(exc, AInferPDError) else EpochFailedError(
                     f"P epoch {self._epoch} failed: {exc!r}")
                 await self._drain_stream(self.prefill_ctx.stream)
-                self._fail_epoch([t for t, _, _ in work], err)
+                self._fail_turns([t for t, _, _ in work], err)
                 log.warning("P epoch %d failed, %d turns failed: %s", self._epoch, len(work), err)
 
     def _span_inputs(self) -> SpanInputs:
@@ -522,17 +522,12 @@ class Engine:
                          request_id=t.request_id, turn_index=t.traj.num_turns - 1)
         t.future.set_result(out)
 
-    def _fail_turns(self, turns: list[Turn], exc: BaseException) -> None:
-        for t in turns:
-            if not t.future.done():
-                t.future.set_exception(exc)
-                self.num_failed += 1
-
     async def _drain_stream(self, stream) -> None:
         """Wait until every item submitted to ``stream`` so far has run (FIFO barrier)."""
         await asyncio.wrap_future(stream.submit(lambda: None, label="barrier").enqueued())
 
-    def _fail_epoch(self, turns: list[Turn], err: BaseException) -> None:
+    def _fail_turns(self, turns: list[Turn], err: BaseException) -> None:
+        """End ``turns`` with ``err`` (typed) and free their KV (their device work has drained)."""
         for t in turns:
             if t.state in (TurnState.DONE, TurnState.ABORTED):
                 continue
@@ -547,13 +542,7 @@ class Engine:
 
     def fail_all(self, exc: BaseException) -> None:
         """The engine stopped: every turn in flight ends with ``exc`` (typed)."""
-        for t in list(self.waiting) + list(self.decoding):
-            if not t.future.done():
-                t.future.set_exception(exc)
-                self.num_failed += 1
-            t.in_flight = 0
-            self._cleanup_aborted(t) if t.state not in (TurnState.DONE, TurnState.ABORTED) else None
-        self.num_aborted -= 0
+        self._fail_turns(list(self.waiting) + list(self.decoding), exc)
 
     # ================================================================== introspection
     def metrics(self) -> dict[str, Any]:
