@@ -46,6 +46,9 @@ async def test_an_exception_inside_a_p_segment_fails_only_that_epochs_turns():
         m = w.metrics()
         assert m["failures"] == len(failed)
     assert _threads() <= before          # stream threads joined
+    await asyncio.sleep(0)
+    leftover = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    assert leftover == []                # every task the worker started has ended
 
 
 async def test_delayed_p_completion_shows_enqueue_acks_that_are_not_completion_fences():
