@@ -6,7 +6,8 @@ Policies (SPEC section 4), all in this one engine:
 * ``global-complete`` turnstile with one boundary per P epoch, published after the epoch *completed*.
 * ``global-enqueue``  turnstile with one boundary per P epoch, published once it is fully *enqueued*.
 * ``fine-grained``    turnstile at every safe boundary (layer ends and expert notification points).
-* ``mixed-chunked``   one loop; every step is one batch of decode rows plus a prefill chunk.
+* ``mixed-chunked``   one loop; every step is one batch of decode rows plus a prefill chunk
+                      (:class:`~ainfer_pd.engine.mixed.MixedChunkedEngine`).
 
 All state is touched only from the event loop thread; streams only compute.
 """
@@ -26,7 +27,7 @@ from ..metrics.export import set_log_context
 from ..metrics.recorder import Recorder
 from ..phase import Phase, PhaseContext
 from ..request import TurnOutput
-from ..sched.planner import PendingPrefill, plan_decode, plan_prefill, plan_step
+from ..sched.planner import PendingPrefill, plan_decode, plan_prefill
 from ..sched.span import Activation, SpanInputs, make_span_policy
 from ..turnstile.rendezvous import LocalRendezvous
 from ..turnstile.turnstile import Turnstile
@@ -168,11 +169,8 @@ class Engine:
     async def run(self) -> None:
         """Owns the loops for the worker's TaskGroup."""
         async with asyncio.TaskGroup() as tg:
-            if self.policy == "mixed-chunked":
-                tg.create_task(self._mixed_loop(), name="mixed")
-            else:
-                tg.create_task(self._prefill_loop(), name="prefill")
-                tg.create_task(self._decode_loop(), name="decode")
+            tg.create_task(self._prefill_loop(), name="prefill")
+            tg.create_task(self._decode_loop(), name="decode")
 
     # ------------------------------------------------------------------ P
     def _pending_view(self) -> list[PendingPrefill]:
@@ -443,43 +441,6 @@ class Engine:
         toks, lps = sample(logits[live], [self._sample_row(t) for t in turns])
         for t, tok, lp in zip(turns, toks, lps):
             self._append_token(t, tok, lp)
-
-    # ------------------------------------------------------------------ mixed-chunked
-    async def _mixed_loop(self) -> None:
-        """Outside reference (vLLM/SGLang-style): each step is one batch of every
-        decode row plus a prefill chunk under a shared token budget."""
-        while True:
-            await self._wait_for(lambda: bool(self.decoding) or self._p_admissible())
-            running = [t for t in self.decoding if not t.abort_requested]
-            sp = plan_step([t.request_id for t in running], self._pending_view(),
-                           max_decode_rows=self.cfg.scheduler.max_decode_batch,
-                           prefill_budget=self.cfg.scheduler.mixed_chunk_tokens,
-                           available_blocks=self._available_blocks(), mixed=True)
-            work = self._admit(sp.prefill, sp.admitted)
-            rows = running[:len(sp.decode)]
-            plan = self.runner.build(work, rows)
-            touched = [t for t, _, _ in work] + rows
-            for t in touched:
-                t.in_flight += 1
-            t0 = self.rec.now()
-            # a step without a prefill chunk is a plain decode iteration (graph replay when captured)
-            step = self.runner.decode if not work else self.runner.forward
-            w = self.decode_ctx.stream.submit(step, plan, self.decode_ctx, label="M.step")
-            try:
-                logits = await w.done()
-            finally:
-                for t in touched:
-                    t.in_flight -= 1
-            if rows:
-                self.rec.sample("d_wait_s", 0.0)
-            self.rec.sample("m_step_s", self.rec.now() - t0)
-            n_p = len([1 for t in plan.logit_turns if t.state is TurnState.WAITING])
-            p_plan = BatchPlan(plan.fb, plan.prefill, [], plan.logit_turns[:n_p])
-            d_plan = BatchPlan(plan.fb, [], plan.decode, plan.logit_turns[n_p:])
-            self._finish_decode(d_plan, logits[n_p:])
-            self._finish_prefill(p_plan, logits[:n_p])
-            self._drain_cleanups()
-            self._notify()
 
     # ================================================================== tokens and finishing
     def _sample_row(self, t: Turn) -> SampleRow:

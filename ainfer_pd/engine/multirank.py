@@ -169,6 +169,9 @@ def make_engine(cfg: WorkerConfig, recorder: Recorder, *, rank: int = 0, rendezv
     with its process groups, rendezvous and phase-owned expert dispatchers."""
     g = cfg.parallel.world_size
     if g == 1:
+        if cfg.scheduler.policy == "mixed-chunked":
+            from .mixed import MixedChunkedEngine
+            return MixedChunkedEngine(cfg, recorder, rendezvous=rendezvous, rank=rank)
         return Engine(cfg, recorder, rendezvous=rendezvous, rank=rank)
     import torch
     import torch.distributed as dist
