@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import sys
 from typing import Any
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 import uuid
 from typing import Any, Iterable, Sequence
 

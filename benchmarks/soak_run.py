@@ -1,4 +1,4 @@
-import asyncio, time, json, sys
+import asyncio, time, json
 from ainfer_pd import RolloutWorker, WorkerConfig
 from ainfer_pd.workload.soak import soak, verify_against_fresh
 async def main():

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from ainfer_pd import AInferPDError, RolloutWorker, SamplingParams
-from ainfer_pd.errors import ConfigError, DistributedError, WorkerClosedError
+from ainfer_pd import RolloutWorker, SamplingParams
+from ainfer_pd.errors import ConfigError
 from ainfer_pd.faults import Faults, InjectedFault
 from ainfer_pd.worker import _first_typed
 from tests._dist_util import run_ranks
@@ -56,7 +56,7 @@ async def test_delayed_p_completion_shows_enqueue_acks_that_are_not_completion_f
                       "mux.activation_threshold": 1, "mux.span": "1"})
     async with RolloutWorker(cfg) as w:
         rng = random.Random(1)
-        first = await w.generate(rand_ids(rng, 30), SamplingParams(max_new_tokens=200, **GREEDY))
+        await w.generate(rand_ids(rng, 30), SamplingParams(max_new_tokens=200, **GREEDY))
         # decode rows exist while new prompts arrive: gated epochs, D rounds during P
         bg = asyncio.ensure_future(w.generate(rand_ids(rng, 30), SamplingParams(max_new_tokens=200, **GREEDY)))
         await asyncio.sleep(0.05)

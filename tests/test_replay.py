@@ -10,7 +10,7 @@ from ainfer_pd.config import WorkerConfig
 from ainfer_pd.errors import InvalidRequestError, UnknownTrajectoryError
 from ainfer_pd.request import SamplingParams, TurnOutput
 from ainfer_pd.workload.replay import conversation_token_ids, replay
-from ainfer_pd.workload.trace import Conversation, Trace, Turn, make_trace, p_heavy_trace
+from ainfer_pd.workload.trace import Conversation, Trace, Turn, make_trace
 
 
 class FakeWorker:

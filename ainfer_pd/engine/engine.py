@@ -21,8 +21,8 @@ from typing import Any, Callable
 import torch
 
 from ..config import WorkerConfig
-from ..errors import AInferPDError, EpochFailedError, RequestAborted
-from ..faults import Faults, FaultyRendezvous, InjectedFault
+from ..errors import AInferPDError, EpochFailedError
+from ..faults import Faults, FaultyRendezvous
 from ..metrics.export import set_log_context
 from ..metrics.recorder import Recorder
 from ..phase import Phase, PhaseContext
@@ -35,7 +35,7 @@ from .device import Device, make_device
 from .kv_cache import KVCacheManager
 from .runner import BatchPlan, ModelRunner
 from .sampler import SampleRow, sample
-from .state import Trajectory, Turn, TurnState
+from .state import Turn, TurnState
 
 log = logging.getLogger("ainfer_pd.engine")
 

@@ -23,7 +23,6 @@ from ..errors import ConfigError
 from ..metrics.recorder import Recorder
 from ..sched.planner import plan_decode, plan_prefill
 from .engine import TURNSTILE_POLICIES, Engine
-from .state import TurnState
 
 log = logging.getLogger("ainfer_pd.multirank")
 
@@ -144,7 +143,6 @@ class LockstepEngine(Engine):
     def ownership_registry(self):
         """Every mutable object of this rank, registered to P, D or the shared set (SPEC 3.4)."""
         from ..comm.experts.ownership import SHARED, OwnershipRegistry
-        from ..phase import Phase
         if self.dispatchers is not None:
             reg = self.dispatchers.registry()
         else:
@@ -203,7 +201,6 @@ def make_engine(cfg: WorkerConfig, recorder: Recorder, *, rank: int = 0, rendezv
         mc, sc = cfg.model, cfg.scheduler
         dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         if pc.expert_backend == "deepep":
-            from ..comm.experts.deepep import make_deepep_dispatchers
             raise ConfigError("expert_backend=deepep runs through ainfer_pd.comm.experts.deepep on GPU hosts; "
                               "the lockstep engine uses expert_backend=torch") from None
         from ..comm.experts.torch_a2a import TorchAllToAllDispatcher
