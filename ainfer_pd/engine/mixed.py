@@ -3,7 +3,8 @@
 One loop, one stream: each step is one batch of every decode row plus a prefill chunk under
 a shared token budget (``scheduler.mixed_chunk_tokens``). A step without a prefill chunk is a
 plain decode iteration (graph replay when captured). There is no separate P task and no
-turnstile: P and D never overlap, D rows simply wait inside the longer mixed step.
+turnstile: P and D never overlap, D rows simply wait inside the longer mixed step (so no
+"D wait" is recorded: the cost shows as a longer step, ``m_step_s``).
 """
 from __future__ import annotations
 
@@ -45,8 +46,6 @@ class MixedChunkedEngine(Engine):
             finally:
                 for t in touched:
                     t.in_flight -= 1
-            if rows:
-                self.rec.sample("d_wait_s", 0.0)
             self.rec.sample("m_step_s", self.rec.now() - t0)
             n_p = len([1 for t in plan.logit_turns if t.state is TurnState.WAITING])
             p_plan = BatchPlan(plan.fb, plan.prefill, [], plan.logit_turns[:n_p])
