@@ -23,7 +23,7 @@ import torch
 from ..metrics.recorder import Recorder
 
 
-@dataclass(slots=True)
+@dataclass(eq=False, slots=True)
 class Work:
     """One enqueued item of a stream."""
 
@@ -44,7 +44,7 @@ class Work:
         if self._event is not None:
             while not self._event.query():
                 await asyncio.sleep(0.0002)
-            self.stream.device._note_cuda_interval(self)
+            self.stream.device._note_completed(self)
         return result
 
     def is_done(self) -> bool:
@@ -105,7 +105,7 @@ class Device:
     def _execute(self, stream: Stream, work: Work, fn: Callable, args: tuple) -> Any:
         raise NotImplementedError
 
-    def _note_cuda_interval(self, work: Work) -> None:  # pragma: no cover - CUDA only
+    def _note_completed(self, work: Work) -> None:  # pragma: no cover - CUDA only
         pass
 
     @property
@@ -155,6 +155,8 @@ class CudaDevice(Device):
         self.index = index
         torch.cuda.set_device(index)
         self._cuda_streams: dict[str, torch.cuda.Stream] = {}
+        self._unnoted: dict[str, list[Work]] = {}      # launched items whose interval is not recorded yet
+        self._lock = threading.Lock()
         self._ref_event = torch.cuda.Event(enable_timing=True)
         self._ref_event.record()
         torch.cuda.synchronize()
@@ -179,15 +181,23 @@ class CudaDevice(Device):
             end = torch.cuda.Event(enable_timing=True)
             end.record(cs)
         work._start_event, work._event = start, end
+        with self._lock:
+            self._unnoted.setdefault(stream.name, []).append(work)
         return result
 
-    def _note_cuda_interval(self, work: Work) -> None:
-        if work._start_event is None:
-            return
-        a = self._ref_host + self._ref_event.elapsed_time(work._start_event) / 1e3
-        b = self._ref_host + self._ref_event.elapsed_time(work._event) / 1e3
-        self.recorder.interval(work.label, work.stream.name, a, b)
-        work._start_event = None
+    def _note_completed(self, work: Work) -> None:
+        """``work`` completed, so did every earlier item of its stream (FIFO): record the
+        CUDA-event intervals of all of them, awaited or not (timeline, busy fractions)."""
+        with self._lock:
+            pending = self._unnoted.get(work.stream.name, [])
+            if work not in pending:
+                return
+            i = pending.index(work)
+            done, self._unnoted[work.stream.name] = pending[:i + 1], pending[i + 1:]
+        for w in done:
+            a = self._ref_host + self._ref_event.elapsed_time(w._start_event) / 1e3
+            b = self._ref_host + self._ref_event.elapsed_time(w._event) / 1e3
+            self.recorder.interval(w.label, w.stream.name, a, b)
 
 
 def make_device(kind: str, recorder: Recorder, *, residency_slots: int = 2, threads_per_stream: int = 1,
