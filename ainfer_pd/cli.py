@@ -137,6 +137,10 @@ def build_trace(args: argparse.Namespace, cfg: Any):
 
 def _check_world_size(args: argparse.Namespace) -> int | None:
     """None to go on in this process; an exit code when the launcher took over or is missing."""
+    from .launch import is_torchrun
+    if is_torchrun():
+        from .multirank_replay import run_torchrun_cli
+        return int(run_torchrun_cli(args) or 0)
     if args.world_size is None or args.world_size == 1:
         return None
     if args.world_size < 1:

@@ -108,3 +108,38 @@ def run_cli(args: argparse.Namespace) -> int:
             aggs[pol] = aggregate(runs)
         print(format_table(aggs, baseline=policies[0], title=f"cell {cell}, world size {ws}"))
     return 1 if failures else 0
+
+
+def run_torchrun_cli(args: argparse.Namespace) -> int:
+    """``torchrun --nproc-per-node N -m ainfer_pd.cli replay ...``: this process is one rank.
+
+    Every rank builds the same trace (same flags, same seed), serves its share of the
+    conversations, and rank 0 gathers the records and prints the table."""
+    import torch.distributed as dist
+
+    from .cli import _opt, build_trace, load_config
+    from .launch import destroy_distributed, init_distributed
+    from .metrics.report import aggregate, format_table, summarize
+    ctx = init_distributed()
+    ws, rank = ctx.world_size, ctx.rank
+    cfg = multirank_config(load_config(args.config), ws)
+    trace = build_trace(args, cfg)
+    policies = [args.policy] if getattr(args, "policy", None) else [p for p in args.policies.split(",") if p]
+    cell = (args.cell or _opt(args, "cell")) if hasattr(args, "cell") else args.cells.split(",")[0]
+    time_scale = _opt(args, "time_scale")
+    failures = 0
+    aggs = {}
+    try:
+        for pol in policies:
+            c = cfg.replace(**{"scheduler.policy": pol})
+            res = asyncio.run(_rank_replay(rank, ws, c.to_dict(), trace, cell, args.seed, time_scale))
+            gathered: list = [None] * ws
+            dist.all_gather_object(gathered, res)
+            merged = merge(gathered)
+            failures += merged.failures
+            aggs[pol] = aggregate([summarize(merged)])
+        if rank == 0:
+            print(format_table(aggs, baseline=policies[0], title=f"cell {cell}, world size {ws} (torchrun)"))
+    finally:
+        destroy_distributed()
+    return 1 if failures else 0
