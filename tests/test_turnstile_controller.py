@@ -120,6 +120,15 @@ class ControllerMachine(RuleBasedStateMachine):
             return data.draw(EPOCHS)
         return base + {"base": 0, "next": 1, "prev": -1}[pick]
 
+    def _model_begin(self, epoch: int, gated: bool, d_enqueued: bool) -> None:
+        """The reference model's side of a valid begin_epoch (start rule of SPEC 3.2)."""
+        m = self.model
+        m.epoch = m.last_epoch = epoch
+        m.reached, m.final, m.gated, m.state = -1, None, gated, "running"
+        m.permit = math.inf if not gated else (m.span if d_enqueued else 0)
+        self.begun.append(epoch)
+        self.permits = [m.permit]
+
     def _attempt(self, op, error, apply):
         before = self.ctl.snapshot()
         if error is not None:
@@ -139,13 +148,8 @@ class ControllerMachine(RuleBasedStateMachine):
         epoch = self._epoch_arg(data, m.last_epoch + 1)
         error = StaleEpochError if epoch <= m.last_epoch else EpochActiveError if m.epoch is not None else None
 
-        def apply():
-            m.epoch = m.last_epoch = epoch
-            m.reached, m.final, m.gated, m.state = -1, None, gated, "running"
-            m.permit = math.inf if not gated else (m.span if d_enqueued else 0)
-            self.begun.append(epoch)
-            self.permits = [m.permit]
-        self._attempt(lambda: self.ctl.begin_epoch(epoch, d_enqueued=d_enqueued, gated=gated), error, apply)
+        self._attempt(lambda: self.ctl.begin_epoch(epoch, d_enqueued=d_enqueued, gated=gated), error,
+                      lambda: self._model_begin(epoch, gated, d_enqueued))
 
     @rule(data=st.data(), final=st.booleans())
     def publish(self, data, final):
@@ -217,13 +221,8 @@ class ControllerMachine(RuleBasedStateMachine):
         m = self.model
         epoch = m.last_epoch + step
 
-        def apply():
-            m.epoch = m.last_epoch = epoch
-            m.reached, m.final, m.gated, m.state = -1, None, gated, "running"
-            m.permit = math.inf if not gated else (m.span if d_enqueued else 0)
-            self.begun.append(epoch)
-            self.permits = [m.permit]
-        self._attempt(lambda: self.ctl.begin_epoch(epoch, d_enqueued=d_enqueued, gated=gated), None, apply)
+        self._attempt(lambda: self.ctl.begin_epoch(epoch, d_enqueued=d_enqueued, gated=gated), None,
+                      lambda: self._model_begin(epoch, gated, d_enqueued))
 
     @precondition(lambda self: self.model.epoch is not None and self.model.final is None
                   and self.model.reached < self.model.permit)

@@ -61,7 +61,8 @@ def load_traces(run_dir: str | Path) -> dict[int, list[dict]]:
     return out
 
 
-def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total time the intervals of ``a`` overlap those of ``b`` (pairwise sum)."""
     tot = 0.0
     for x0, x1 in a:
         for y0, y1 in b:
@@ -143,7 +144,7 @@ def check_traces(traces: dict[int, list[dict]], meta: dict | None = None) -> dic
         p_other = [(w["t0"], w["t1"]) for w in works if w.get("phase") == "P"
                    and not (w.get("kind") == "coll" and w.get("registered"))]
         d_all = [(w["t0"], w["t1"]) for w in works if w.get("phase") == "D"]
-        ro, oo = _overlap(p_reg_iv, d_reg_iv), _overlap(p_other, d_all)
+        ro, oo = overlap_seconds(p_reg_iv, d_reg_iv), overlap_seconds(p_other, d_all)
         reg_overlap += ro
         other_overlap += oo
         per_rank[rank] = {"events": len(evs), "registered_p": len(p_reg), "rounds": len(seq) // 2,

@@ -429,12 +429,7 @@ class _Run:
 def overlap_stats(intervals: list[tuple[str, str, bool, float, float]]) -> dict:
     """Overlap time (s) of registered P collectives with D registered collectives (must be 0
     under selective ordering), and of other P work (P compute) with any D work."""
-    def total(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-        tot = 0.0
-        for x0, x1 in a:
-            for y0, y1 in b:
-                tot += max(0.0, min(x1, y1) - max(x0, y0))
-        return tot
+    from ..metrics.tracecheck import overlap_seconds as total
 
     p_reg = [(a, b) for k, ph, reg, a, b in intervals if ph == "P" and k == "coll" and reg]
     d_reg = [(a, b) for k, ph, reg, a, b in intervals if ph == "D" and k == "coll" and reg]
