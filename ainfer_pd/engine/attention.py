@@ -28,10 +28,26 @@ class PrefillSeq:
 
 @dataclass(slots=True)
 class DecodeMeta:
-    """Decode rows (one new token each) at the end of the flat batch."""
+    """Decode rows (one new token each) at the end of the flat batch.
 
-    key_slots: Tensor     # [B, L] cache slot of every key (padded)
-    ctx_lens: Tensor      # [B] keys per row (including the new token)
+    Either ``key_slots`` is given, or ``block_table`` (``[B, NB]`` block ids, padded with any
+    valid block) from which :meth:`resolve` derives ``key_slots`` on the device, inside a
+    captured graph too: the host then ships NB ids per row instead of L slots.
+    """
+
+    key_slots: Tensor | None  # [B, L] cache slot of every key (padded)
+    ctx_lens: Tensor          # [B] keys per row (including the new token)
+    block_table: Tensor | None = None   # [B, NB] int64
+    block_size: int = 0
+
+    def resolve(self) -> None:
+        """key_slots[b, j] = block_table[b, j // bs] * bs + j % bs (L = NB * bs); no host sync."""
+        if self.block_table is None:
+            return
+        bs = self.block_size
+        offs = torch.arange(bs, dtype=self.block_table.dtype, device=self.block_table.device)
+        B, nb = self.block_table.shape
+        self.key_slots = (self.block_table.unsqueeze(-1) * bs + offs).reshape(B, nb * bs)
 
 
 @dataclass(slots=True)

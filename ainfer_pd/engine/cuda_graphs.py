@@ -1,7 +1,7 @@
 """Decode by CUDA-graph replay over (batch, context) buckets.
 
-Each graph binds static, phase-owned inputs (token ids, positions, KV write slots, key
-slots, context lengths) and writes static logits; the engine copies a decode batch into
+Each graph binds static, phase-owned inputs (token ids, positions, KV write slots, block
+tables, context lengths) and writes static logits; the engine copies a decode batch into
 the smallest bucket that fits, pads the rest with rows that write into a scratch KV
 slot, and replays. The same graph replays whether P is active or not: P never touches
 these buffers (SPEC 3.5).
@@ -27,6 +27,7 @@ class DecodeGraphs:
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.ctx_buckets = tuple(sorted(ctx_buckets))
         self.scratch = scratch_slot
+        self.block_size = runner.kv.block_size
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, Tensor], Tensor]] = {}
         self.pool = None
         self.num_replays = 0
@@ -44,13 +45,14 @@ class DecodeGraphs:
             "ids": torch.zeros(B, dtype=torch.int64, device=dev),
             "pos": torch.zeros(B, dtype=torch.int64, device=dev),
             "write": torch.full((B,), self.scratch, dtype=torch.int64, device=dev),
-            "keys": torch.full((B, L), self.scratch, dtype=torch.int64, device=dev),
+            "table": torch.zeros(B, -(-L // self.block_size), dtype=torch.int64, device=dev),
             "lens": torch.ones(B, dtype=torch.int64, device=dev),
             "rows": torch.arange(B, dtype=torch.int64, device=dev),
         }
 
     def _fb(self, s: dict[str, Tensor]) -> ForwardBatch:
-        return ForwardBatch(s["ids"], s["pos"], s["write"], [], DecodeMeta(s["keys"], s["lens"]), s["rows"])
+        meta = DecodeMeta(None, s["lens"], block_table=s["table"], block_size=self.block_size)
+        return ForwardBatch(s["ids"], s["pos"], s["write"], [], meta, s["rows"])
 
     def _capture(self, B: int, L: int, dev) -> None:
         s = self._static(B, L, dev)
@@ -80,8 +82,10 @@ class DecodeGraphs:
         d = fb.decode
         if d is None or fb.prefill:
             return None
-        B, L = d.key_slots.shape
-        key = self.bucket(B, L)
+        if d.block_table is None:
+            return None
+        B, nb = d.block_table.shape
+        key = self.bucket(B, nb * self.block_size)
         if key is None or key not in self.graphs:
             return None
         g, s, out = self.graphs[key]
@@ -89,9 +93,9 @@ class DecodeGraphs:
         s["pos"][:B].copy_(fb.positions)
         s["write"][:B].copy_(fb.write_slots)
         s["write"][B:].fill_(self.scratch)
-        s["keys"][:B, :L].copy_(d.key_slots)
-        s["keys"][:B, L:].fill_(self.scratch)
-        s["keys"][B:].fill_(self.scratch)
+        s["table"][:B, :nb].copy_(d.block_table)
+        s["table"][:B, nb:].zero_()
+        s["table"][B:].zero_()                # padded rows: block 0, masked beyond their 1 key
         s["lens"][:B].copy_(d.ctx_lens)
         s["lens"][B:].fill_(1)
         g.replay()

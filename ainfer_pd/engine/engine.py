@@ -346,6 +346,8 @@ class Engine:
             self._drain_cleanups()
             self._notify()
         self.rec.event("p_epoch_done", epoch=epoch)
+        self.rec.sample("p_epoch_s", self.rec.now() - t_start)
+        self.rec.sample("p_epoch_tokens", plan.num_tokens)
         self._finish_prefill(plan, logits)
 
     def _finish_prefill(self, plan: BatchPlan, logits: torch.Tensor) -> None:
@@ -403,7 +405,9 @@ class Engine:
     async def _decode_once(self, rows: list[Turn], rnd, t_ready: float) -> None:
         """Enqueue one D iteration of ``rows`` (empty on a lockstep rank without rows), inside
         the turnstile round ``rnd`` when one is open; await completion; emit the tokens."""
+        t_build = self.rec.now()
         plan = self.runner.build([], rows)
+        self.rec.sample("d_build_s", self.rec.now() - t_build)
         if self.faults.active:
             skew = self.faults.d_skew_s()
             if skew:
@@ -427,9 +431,12 @@ class Engine:
             self._d_in_flight = False
             for t in rows:
                 t.in_flight -= 1
-        self._d_iter_ema = self._ema(self._d_iter_ema, self.rec.now() - t_launch)
+        t_done = self.rec.now()
+        self._d_iter_ema = self._ema(self._d_iter_ema, t_done - t_launch)
+        self.rec.sample("d_iter_s", t_done - t_launch)
         self._finish_decode(plan, logits)
         self._drain_cleanups()
+        self.rec.sample("d_post_s", self.rec.now() - t_done)
 
     def _finish_decode(self, plan: BatchPlan, logits: torch.Tensor) -> None:
         live = [i for i, t in enumerate(plan.logit_turns) if not t.abort_requested and t.state is TurnState.DECODING]

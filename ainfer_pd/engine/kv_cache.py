@@ -157,6 +157,19 @@ class KVCacheManager:
         if kv is not None and kv.blocks:
             self.alloc.free(kv.blocks)
 
+    def slot_of(self, tid: str, pos: int) -> int:
+        """Cache slot of position ``pos`` of ``tid`` (host int, no tensor)."""
+        bs = self.block_size
+        return self.trajectories[tid].blocks[pos // bs] * bs + pos % bs
+
+    def block_table(self, tids: list[str], num_blocks: int) -> torch.Tensor:
+        """[len(tids), num_blocks] int64: each row's first blocks, padded with block 0 (masked keys)."""
+        rows = []
+        for tid in tids:
+            blocks = self.trajectories[tid].blocks[:num_blocks]
+            rows.append(blocks + [0] * (num_blocks - len(blocks)))
+        return torch.tensor(rows, dtype=torch.int64).reshape(len(tids), num_blocks)
+
     def slots(self, tid: str, start: int, end: int) -> torch.Tensor:
         """Cache slots of positions [start, end) of ``tid``: [end - start] int64."""
         blocks = torch.tensor(self.trajectories[tid].blocks, dtype=torch.int64)

@@ -91,6 +91,8 @@ class MoETransformer(nn.Module):
         c = self.cfg
         # NOTE: recomputed every pass (inside a captured graph too): static graph inputs change per replay
         fb.rope = rope_cos_sin(fb.positions, c.head_dim, c.rope_theta, self.embed.dtype)
+        if fb.decode is not None:
+            fb.decode.resolve()
         return SegmentState(h=F.embedding(fb.input_ids, self.embed))
 
     def attn_route(self, i: int, st: SegmentState, fb: ForwardBatch, kv: Tensor,

@@ -71,21 +71,23 @@ class ModelRunner:
                 rows.append(q0 + n - 1)
                 logit_turns.append(turn)
         decode_meta = None
+        host_write = []
         if decode:
-            B = len(decode)
             lens = [t.seq_len for t in decode]
-            L = max(lens)
-            key_slots = torch.zeros(B, L, dtype=torch.int64)
-            for b, t in enumerate(decode):
+            bs = self.kv.block_size
+            nb = -(-max(lens) // bs)
+            for t in decode:
                 p = t.seq_len - 1                      # position of the token being fed
                 ids.append(t.out_tokens[-1])
                 pos.append(p)
-                write.append(self.kv.slots(t.tid, p, p + 1))
-                key_slots[b, :lens[b]] = self.kv.slots(t.tid, 0, lens[b])
+                host_write.append(self.kv.slot_of(t.tid, p))
                 rows.append(len(ids) - 1)
                 logit_turns.append(t)
-            decode_meta = DecodeMeta(key_slots.to(self.device),
-                                     torch.tensor(lens, dtype=torch.int64, device=self.device))
+            table = self.kv.block_table([t.tid for t in decode], nb)
+            decode_meta = DecodeMeta(None, torch.tensor(lens, dtype=torch.int64).to(self.device),
+                                     block_table=table.to(self.device), block_size=bs)
+        if host_write:
+            write.append(torch.tensor(host_write, dtype=torch.int64))
         d = self.device
         fb = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=d),
