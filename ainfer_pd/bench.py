@@ -162,6 +162,7 @@ async def run_bench(cfg: WorkerConfig, trace: Trace, *, variants: Sequence[Varia
                     log(f"[{done}/{total}] {label}: makespan {s['makespan_s']:.3f} s, "
                         f"{s['requests_per_s']:.2f} req/s, p99 TTFT {_f(s['ttft_p99_s'])} s, "
                         f"D wait {_f(s['d_wait_mean_s'] * 1e3)} ms, failures {int(s['failures'])}")
+                    log("    " + report.breakdown(rr.metrics))
                     if runs_file is not None:
                         runs_file.write(json.dumps({"cell": cell, "variant": v.name, "repeat": r,
                                                     "summary": s, **rr.to_dict()}, default=str) + "\n")
