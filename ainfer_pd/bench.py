@@ -163,6 +163,8 @@ async def run_bench(cfg: WorkerConfig, trace: Trace, *, variants: Sequence[Varia
                         f"{s['requests_per_s']:.2f} req/s, p99 TTFT {_f(s['ttft_p99_s'])} s, "
                         f"D wait {_f(s['d_wait_mean_s'] * 1e3)} ms, failures {int(s['failures'])}")
                     log("    " + report.breakdown(rr.metrics))
+                    if rr.timeline:
+                        log("    " + report.interval_stats(rr.timeline))
                     if runs_file is not None:
                         runs_file.write(json.dumps({"cell": cell, "variant": v.name, "repeat": r,
                                                     "summary": s, **rr.to_dict()}, default=str) + "\n")

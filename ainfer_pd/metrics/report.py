@@ -235,3 +235,15 @@ def breakdown(m: dict[str, Any]) -> str:
             f"P epochs {int(m.get('p_epoch_s_count', 0))}: {ms('p_epoch_s')} ms mean, "
             f"{m.get('p_epoch_tokens_mean', 0.0):.0f} tokens mean, sum {m.get('p_epoch_s_sum', 0.0):.2f} s | "
             f"busy {m.get('busy_fraction', 0.0):.2f}, concurrent {m.get('concurrent_fraction', 0.0):.2f}")
+
+
+def interval_stats(intervals: Iterable[Sequence[Any]] | None, top: int = 6) -> str:
+    """The stream items that took the most device time, grouped by label without the layer
+    number (``P.attn``, ``P.experts``, ``D.iter``): count, mean, max and total ms."""
+    groups: dict[str, list[float]] = {}
+    for iv in intervals or ():
+        name, dur = str(iv[0]).rstrip("0123456789"), float(iv[3]) - float(iv[2])
+        groups.setdefault(name, []).append(dur)
+    rows = sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return "; ".join(f"{k} n={len(v)} mean {1e3 * sum(v) / len(v):.2f} max {1e3 * max(v):.1f} "
+                     f"sum {sum(v):.2f} s" for k, v in rows)
