@@ -200,6 +200,10 @@ class DeviceConfig:
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     graph_max_context: int = 8192
     """CUDA: context length the captured decode graphs cover (longer rows run eager)."""
+    warmup_prefill: bool = True
+    """CUDA: at start, run P passes of 16 .. max_prefill_tokens tokens (first turn and
+    continuation) on the P stream, so first-use kernel loading and GEMM selection do not land
+    inside a measured P epoch."""
 
     def validate(self) -> None:
         if self.device not in ("cpu", "cuda", "auto"):

@@ -83,6 +83,10 @@ class Engine:
         if self.device.kind == "cuda" and dc.cuda_graphs:
             # captured on the D stream's own thread so the graphs bind D-owned state
             self.decode_ctx.stream.submit(self.runner.capture_decode_graphs, self.decode_ctx, label="D.capture").enqueued().result()
+        if self.device.kind == "cuda" and dc.warmup_prefill:
+            self.prefill_ctx.stream.submit(self.runner.warmup_prefill, self.prefill_ctx,
+                                           cfg.scheduler.max_prefill_tokens, label="P.warmup").enqueued().result()
+            torch.cuda.synchronize()
         self.waiting: deque[Turn] = deque()
         self.decoding: list[Turn] = []
         self._changed = asyncio.Event()    # replaced on every notify: waiters re-check their predicate

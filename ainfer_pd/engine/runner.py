@@ -140,6 +140,26 @@ class ModelRunner:
                 return out
         return self.forward_fb(plan.fb, ctx)
 
+    def warmup_prefill(self, ctx: PhaseContext, max_tokens: int, cached: int = 512) -> list[int]:
+        """Run P passes of 16, 24, 32, 48 .. ``max_tokens`` tokens, as first turns and as
+        continuations on ``cached`` keys, writing only the scratch slot. Returns the sizes."""
+        dev, scratch = self.device, self.scratch_slot
+        sizes, n = [], 16
+        while n < max_tokens:
+            sizes += [n, n * 3 // 2]
+            n *= 2
+        sizes = sorted({min(s, max_tokens) for s in sizes} | {max_tokens})
+        for n in sizes:
+            for p0 in (0, cached):
+                fb = ForwardBatch(
+                    input_ids=torch.zeros(n, dtype=torch.int64, device=dev),
+                    positions=torch.arange(p0, p0 + n, dtype=torch.int64, device=dev),
+                    write_slots=torch.full((n,), scratch, dtype=torch.int64, device=dev),
+                    prefill=[PrefillSeq(0, n, p0 + n, torch.full((p0 + n,), scratch, dtype=torch.int64, device=dev))],
+                    logits_rows=torch.tensor([n - 1], dtype=torch.int64, device=dev))
+                self.forward_fb(fb, ctx)
+        return sizes
+
     def capture_decode_graphs(self, ctx: PhaseContext) -> int:
         """CUDA only: capture decode graphs for the configured buckets."""
         from .cuda_graphs import DecodeGraphs

@@ -245,5 +245,8 @@ def interval_stats(intervals: Iterable[Sequence[Any]] | None, top: int = 6) -> s
         name, dur = str(iv[0]).rstrip("0123456789"), float(iv[3]) - float(iv[2])
         groups.setdefault(name, []).append(dur)
     rows = sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:top]
-    return "; ".join(f"{k} n={len(v)} mean {1e3 * sum(v) / len(v):.2f} max {1e3 * max(v):.1f} "
-                     f"sum {sum(v):.2f} s" for k, v in rows)
+    slow = sorted(((float(iv[3]) - float(iv[2]), str(iv[0]), float(iv[2])) for iv in intervals or ()
+                   if not str(iv[0]).endswith((".capture", ".warmup"))), reverse=True)[:3]
+    return ("; ".join(f"{k} n={len(v)} mean {1e3 * sum(v) / len(v):.2f} max {1e3 * max(v):.1f} "
+                      f"sum {sum(v):.2f} s" for k, v in rows)
+            + " | slowest: " + ", ".join(f"{n} at {a:.2f} s {1e3 * d:.1f} ms" for d, n, a in slow))
