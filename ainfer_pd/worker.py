@@ -278,13 +278,20 @@ class RolloutWorker:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """In-place copy of (name, tensor) pairs; all-or-nothing (names, shapes, dtypes and
-        finiteness are checked before anything is written). Waits for device work in flight."""
+        finiteness are checked before anything is written). Any floating dtype and any device
+        is accepted and converted to the parameter's (e.g. a trainer's float32 master weights
+        into a bf16 worker). The parameters keep their storage, so captured CUDA graphs replay
+        with the new values. Waits for device work in flight before writing."""
         dev = self.engine.device
         for s in dev.streams.values():            # drain submitted work: FIFO barrier per stream
             s.submit(lambda: None, label="barrier").enqueued().result()
+        if dev.kind == "cuda":
+            # launched kernels (graph replays, unawaited P segments) may still read the weights
+            # on the P/D streams, which do not order with the stream the copies run on
+            torch.cuda.synchronize(dev.torch_device)
         n = apply_named_tensors(self.model, named_tensors)
         if dev.kind == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(dev.torch_device)
         return n
 
     async def sleep(self) -> None:

@@ -1,8 +1,8 @@
 """Weights in and out: safetensors only (never pickle), checked in-place updates."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 from torch import Tensor, nn
@@ -41,13 +41,19 @@ def check_named_tensors(model: nn.Module, named: Iterable[tuple[str, Tensor]]) -
             raise WeightUpdateError(f"weight {name!r} has dtype {t.dtype}, expected {p.dtype}")
         if not torch.isfinite(t).all():
             raise WeightUpdateError(f"weight {name!r} has non-finite values")
+        if t.is_floating_point() and p.is_floating_point() and torch.finfo(p.dtype).max < torch.finfo(t.dtype).max:
+            big = float(t.detach().abs().max()) if t.numel() else 0.0
+            if big > torch.finfo(p.dtype).max:     # would become inf in the parameter's dtype
+                raise WeightUpdateError(f"weight {name!r} has a value of magnitude {big:.3g}, beyond {p.dtype}")
         plan.append((p, t))
     return plan
 
 
 @torch.no_grad()
 def apply_named_tensors(model: nn.Module, named: Iterable[tuple[str, Tensor]], *, strict: bool = False) -> int:
-    """All-or-nothing in-place copy; returns the number of tensors copied."""
+    """All-or-nothing in-place copy (converted to each parameter's dtype and device; the
+    parameter's storage is never rebound, so CUDA graphs that captured it stay valid);
+    returns the number of tensors copied."""
     named = list(named)
     plan = check_named_tensors(model, named)
     if strict:
@@ -55,5 +61,5 @@ def apply_named_tensors(model: nn.Module, named: Iterable[tuple[str, Tensor]], *
         if missing:
             raise WeightUpdateError(f"missing weights: {sorted(missing)[:5]}")
     for p, t in plan:
-        p.copy_(t.to(device=p.device, dtype=p.dtype))
+        p.copy_(t)                                 # copy_ converts dtype and device
     return len(plan)
