@@ -44,16 +44,20 @@ def pack(episodes: list[Episode]) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 def grpo_update(model, opt: torch.optim.Optimizer, episodes: list[Episode], group_size: int,
-                cfg: GRPOConfig) -> dict:
+                cfg: GRPOConfig, compute_dtype: torch.dtype | None = None) -> dict:
+    """``updates_per_step`` full-batch steps on the model's device (forward in ``compute_dtype``)."""
+    dev = next(model.parameters()).device
     adv_list = group_advantages([e.reward for e in episodes], group_size, cfg.adv_eps)
-    tok, mask, old = pack(episodes)
-    adv = torch.tensor(adv_list, dtype=torch.float32).unsqueeze(1).expand_as(old)
+    tok, mask, old = (t.to(dev) for t in pack(episodes))
+    adv = torch.tensor(adv_list, dtype=torch.float32, device=dev).unsqueeze(1).expand_as(old)
     n_tok = mask.sum().clamp_min(1)
     stats: dict = {"losses": [], "clip_frac": [], "grad_norm": []}
     for u in range(cfg.updates_per_step):
-        lp = token_logprobs(model, tok)
+        lp = token_logprobs(model, tok, compute_dtype)
         if u == 0:   # the trainer's weights are the worker's: rollout logprobs must match
-            stats["logprob_mismatch_max"] = float((lp.detach() - old).abs()[mask].max()) if mask.any() else 0.0
+            d = (lp.detach() - old).abs()[mask]
+            stats["logprob_mismatch_max"] = float(d.max()) if d.numel() else 0.0
+            stats["logprob_mismatch_mean"] = float(d.mean()) if d.numel() else 0.0
         ratio = torch.exp(lp - old)
         clipped = torch.clamp(ratio, 1 - cfg.clip_eps, 1 + cfg.clip_eps)
         obj = torch.minimum(ratio * adv, clipped * adv)
@@ -69,3 +73,9 @@ def grpo_update(model, opt: torch.optim.Optimizer, episodes: list[Episode], grou
     stats["num_action_tokens"] = int(n_tok)
     stats["adv_abs_mean"] = float(adv[:, 0].abs().mean())
     return stats
+
+
+def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """Adam over the float32 master weights (the fused kernel on CUDA)."""
+    on_cuda = next(model.parameters()).is_cuda
+    return torch.optim.Adam(model.parameters(), lr=lr, fused=True if on_cuda else None)

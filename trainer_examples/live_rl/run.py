@@ -1,12 +1,18 @@
-"""Live RL on CPU: GRPO on the tiny MoE against one running RolloutWorker.
+"""Live RL: GRPO on the ainfer-pd MoE against one running RolloutWorker, on CPU or one CUDA GPU.
 
     python -m trainer_examples.live_rl.run --steps 32 --policy both --out runs/live_rl
+    python -m trainer_examples.live_rl.run --config configs/live-rl-h200.yaml --steps 32 --policy both \
+        --prompts 8 --group 8 --out runs/live_rl_h200
 
 Every step: B prompts x G episodes run concurrently (asyncio.TaskGroup) against the worker
 (generate -> simulated tool wait -> continue_ with only the observation tokens -> ...), then a
-GRPO update of a trainable copy of the policy, then ``worker.update_weights`` with its
-parameters. With ``--policy both`` the same seeds run once under ``normal`` and once under
-``fine-grained``; the cumulative rollout times, their ratio, a JSON and a PNG are written.
+GRPO update of a trainable copy of the policy (float32 master weights on the worker's device,
+forward in the worker's dtype by default), then ``worker.update_weights`` with its parameters in
+the worker's dtype (copied in place: captured CUDA graphs keep reading the same storage). The
+update and the weight conversion run in a thread, off the event loop; on CUDA every timed
+interval ends with a device synchronize. With ``--policy both`` the same seeds run once under
+``normal`` and once under ``fine-grained``; the cumulative rollout times, their ratio, a JSON
+and a PNG are written.
 """
 from __future__ import annotations
 
@@ -22,13 +28,26 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Self
 
 import torch
 
-from ainfer_pd import RolloutWorker, SamplingParams, WorkerConfig
+from ainfer_pd import RolloutWorker, SamplingParams
 
 from .env import EnvConfig, Episode, ToolEnv, run_episode
-from .grpo import GRPOConfig, grpo_update
+from .grpo import GRPOConfig, grpo_update, make_optimizer
+from .placement import (
+    DEVICES,
+    MASTER_DTYPE,
+    TRAIN_COMPUTE,
+    compute_dtype,
+    describe,
+    parse_overrides,
+    synchronize,
+    worker_config,
+    worker_weights,
+)
+from .report import plot, print_step, print_summary, summarize
 from .train_forward import make_trainable
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,22 +61,33 @@ def _seed(*parts: int) -> int:
 
 
 class PolicyRun:
-    """One policy's live-RL loop: its own RolloutWorker, trainable copy and optimizer."""
+    """One policy's live-RL loop: its own RolloutWorker, trainable copy and optimizer, on one device."""
 
     def __init__(self, policy: str, args: argparse.Namespace) -> None:
         self.policy, self.args = policy, args
-        self.cfg = WorkerConfig.from_yaml(args.config).replace(**{"scheduler.policy": policy})
+        self.cfg = worker_config(args.config, policy, args.device, parse_overrides(args.set))
         self.env = ToolEnv(EnvConfig(vocab_size=self.cfg.model.vocab_size, tool_latency_ms=tuple(args.tool_latency_ms),
                                      min_turns=args.min_turns, max_turns=args.max_turns,
                                      prompt_filler=tuple(args.prompt_filler), obs_filler=tuple(args.obs_filler)))
         self.gcfg = GRPOConfig(lr=args.lr, clip_eps=args.clip, updates_per_step=args.updates_per_step)
         self.steps: list[dict] = []
 
-    async def __aenter__(self) -> "PolicyRun":
+    async def __aenter__(self) -> Self:
+        t0 = time.perf_counter()
         self.worker = RolloutWorker(self.cfg)
         await self.worker.__aenter__()
-        self.trainable = make_trainable(self.worker.model)
-        self.opt = torch.optim.Adam(self.trainable.parameters(), lr=self.gcfg.lr)
+        try:
+            self.device = self.worker.model.embed.device
+            self.worker_dtype = self.worker.model.embed.dtype
+            self.compute_dtype = compute_dtype(self.args.train_compute, self.worker_dtype)
+            self.trainable = make_trainable(self.worker.model, device=self.device, dtype=MASTER_DTYPE)
+            self.opt = make_optimizer(self.trainable, self.gcfg.lr)
+            for i in range(self.args.warmup_rollouts):     # untimed: lazy inits, first kernels
+                await self.rollout(-1 - i)
+        except BaseException as exc:
+            await self.worker.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        self.startup_s = time.perf_counter() - t0
         return self
 
     async def __aexit__(self, et, exc, tb):
@@ -68,28 +98,43 @@ class PolicyRun:
         return lambda turn: SamplingParams(max_new_tokens=a.action_tokens, temperature=1.0,
                                            seed=_seed(a.seed, step, b, g, turn))
 
+    async def _synchronize(self) -> None:
+        """All device work done (CUDA: every stream), waited for off the event loop."""
+        if self.device.type == "cuda":
+            await asyncio.to_thread(synchronize, self.device)
+
     async def rollout(self, step: int) -> tuple[list[Episode], float]:
-        """B prompts x G episodes, all concurrent against the running worker."""
+        """B prompts x G episodes, all concurrent against the running worker; the time runs from
+        an idle device to the last episode's end with the device idle again."""
         a, env = self.args, self.env
         rng = random.Random(_seed(a.seed, step))
         tasks = [env.sample_task(rng, b) for b in range(a.prompts)]
+        await self._synchronize()
         t0 = time.perf_counter()
         async with asyncio.TaskGroup() as tg:
             jobs = [tg.create_task(run_episode(self.worker, env, task, self._params(step, b, g),
                                                random.Random(_seed(a.seed, step, b, g, 99))))
                     for b, task in enumerate(tasks) for g in range(a.group)]
+        await self._synchronize()
         return [j.result() for j in jobs], time.perf_counter() - t0
+
+    def _train(self, eps: list[Episode]) -> dict:
+        st = grpo_update(self.trainable, self.opt, eps, self.args.group, self.gcfg, self.compute_dtype)
+        synchronize(self.device)
+        return st
 
     async def step(self, step: int) -> dict:
         eps, rollout_s = await self.rollout(step)
         t1 = time.perf_counter()
-        st = grpo_update(self.trainable, self.opt, eps, self.args.group, self.gcfg)
+        st = await asyncio.to_thread(self._train, eps)                   # off the event loop
         t2 = time.perf_counter()
-        self.worker.update_weights(self.trainable.named_parameters())     # weight sync, every step
+        named = await asyncio.to_thread(worker_weights, self.trainable, self.worker_dtype, self.device)
+        self.worker.update_weights(named)        # weight sync, every step: in place, waits for the device
         t3 = time.perf_counter()
         ttfts = [x for e in eps for x in e.ttft_s]
         rec = {
             "step": step, "rollout_s": rollout_s, "train_s": t2 - t1, "sync_s": t3 - t2,
+            "cum_rollout_s": sum(s["rollout_s"] for s in self.steps) + rollout_s,
             "reward_mean": statistics.fmean(e.reward for e in eps),
             "format_mean": statistics.fmean(e.format_score for e in eps),
             "hit_mean": statistics.fmean(e.hit_score for e in eps),
@@ -101,84 +146,25 @@ class PolicyRun:
             "ttft_mean_s": statistics.fmean(ttfts), "ttft_max_s": max(ttfts),
             "loss": st["loss"], "losses": st["losses"], "clip_frac": st["clip_frac"],
             "grad_norm": st["grad_norm"], "logprob_mismatch_max": st["logprob_mismatch_max"],
+            "logprob_mismatch_mean": st["logprob_mismatch_mean"],
         }
         self.steps.append(rec)
         return rec
 
     def result(self) -> dict:
         m = self.worker.metrics()
+        graphs = getattr(self.worker.engine.runner, "graphs", None)      # CUDA decode graphs, if captured
         return {
             "policy": self.policy, "steps": self.steps,
             "cum_rollout_s": sum(s["rollout_s"] for s in self.steps),
+            "startup_s": self.startup_s, "device": str(self.device), "worker_dtype": str(self.worker_dtype),
+            "master_dtype": str(MASTER_DTYPE), "train_compute_dtype": str(self.compute_dtype),
+            "env": asdict(self.env.cfg),
             "worker": {k: m.get(k) for k in ("finished", "aborted", "failures", "num_epochs", "p_work_s_sum",
-                                              "d_work_s_sum", "kv_evictions")},
+                                              "d_work_s_sum", "kv_evictions", "activation_switches")},
+            "decode_graphs": None if graphs is None else {"captured": len(graphs.graphs), "replays": graphs.num_replays},
             "kv_leak_free": self.worker.kv_leak_free(),
         }
-
-
-def _print_step(policy: str, r: dict) -> None:
-    print(f"[{policy:>12}] step {r['step']:3d}  rollout {r['rollout_s']:6.2f}s  train {r['train_s']:5.2f}s  "
-          f"reward {r['reward_mean']:.3f} (fmt {r['format_mean']:.3f} hit {r['hit_mean']:.3f})  "
-          f"tokens {r['tokens_generated']:5d}  loss {r['loss']:+.4f}  |dlogp| {r['logprob_mismatch_max']:.1e}",
-          flush=True)
-
-
-def summarize(results: dict[str, dict], window: int) -> dict:
-    out: dict = {}
-    for pol, res in results.items():
-        st = res["steps"]
-        w = max(1, min(window, len(st) // 2 or 1))
-        out[pol] = {
-            "cum_rollout_s": res["cum_rollout_s"],
-            "reward_first": statistics.fmean(s["reward_mean"] for s in st[:w]),
-            "reward_last": statistics.fmean(s["reward_mean"] for s in st[-w:]),
-            "format_first": statistics.fmean(s["format_mean"] for s in st[:w]),
-            "format_last": statistics.fmean(s["format_mean"] for s in st[-w:]),
-            "hit_first": statistics.fmean(s["hit_mean"] for s in st[:w]),
-            "hit_last": statistics.fmean(s["hit_mean"] for s in st[-w:]),
-            "window": w,
-            "tokens_generated": sum(s["tokens_generated"] for s in st),
-            "logprob_mismatch_max": max(s["logprob_mismatch_max"] for s in st),
-        }
-    if "normal" in results and "fine-grained" in results:
-        n, f = results["normal"]["cum_rollout_s"], results["fine-grained"]["cum_rollout_s"]
-        out["fine_over_normal"] = f / n
-        out["rollout_change_pct"] = 100.0 * (f - n) / n
-        rn = [s["reward_mean"] for s in results["normal"]["steps"]]
-        rf = [s["reward_mean"] for s in results["fine-grained"]["steps"]]
-        out["same_rewards_both_policies"] = rn == rf
-        out["first_divergent_step"] = next((i for i, (a, b) in enumerate(zip(rn, rf)) if a != b), None)
-        pn = [s["rollout_s"] for s in results["normal"]["steps"]]
-        pf = [s["rollout_s"] for s in results["fine-grained"]["steps"]]
-        out["per_step_ratio_median"] = statistics.median(b / a for a, b in zip(pn, pf))
-        out["per_step_rollout_median_s"] = {"normal": statistics.median(pn), "fine-grained": statistics.median(pf)}
-    return out
-
-
-def plot(results: dict[str, dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
-    for pol, res in results.items():
-        st = res["steps"]
-        x = [s["step"] for s in st]
-        ax[0].plot(x, [s["reward_mean"] for s in st], marker=".", label=pol)
-        ax[1].plot(x, [s["rollout_s"] for s in st], marker=".", label=pol)
-        cum, acc = [], 0.0
-        for s in st:
-            acc += s["rollout_s"]
-            cum.append(acc)
-        ax[2].plot(x, cum, label=f"{pol} ({acc:.1f} s)")
-    ax[0].set(title="reward mean per step", xlabel="step", ylabel="reward")
-    ax[1].set(title="rollout time per step", xlabel="step", ylabel="s")
-    ax[2].set(title="cumulative rollout time", xlabel="step", ylabel="s")
-    for a in ax:
-        a.grid(alpha=0.3)
-        a.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 _G = GRPOConfig()
@@ -190,6 +176,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--policy", choices=("normal", "fine-grained", "both"), default="both")
     p.add_argument("--out", type=Path, default=Path("runs/live_rl"))
     p.add_argument("--config", type=Path, default=ROOT / "configs" / "tiny-cpu.yaml")
+    p.add_argument("--device", choices=DEVICES, default=None,
+                   help="worker and trainer device (default: the config's device.device; auto = cuda if available)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="worker config override, repeatable, e.g. --set model.dtype=bfloat16 --set cache.num_blocks=4096")
+    p.add_argument("--train-compute", choices=TRAIN_COMPUTE, default="worker",
+                   help="dtype of the trainer's forward/backward over its float32 master weights: the worker's "
+                        "dtype (bf16 on the GPU config; matches the rollout logprobs) or float32")
+    p.add_argument("--warmup-rollouts", type=int, default=1,
+                   help="untimed rollouts per worker before step 0 (no update; CUDA lazy init, first kernels)")
     p.add_argument("--prompts", type=int, default=4, help="B prompts per step")
     p.add_argument("--group", type=int, default=8, help="G episodes per prompt (GRPO group)")
     p.add_argument("--action-tokens", type=int, default=6, help="max_new_tokens of an action")
@@ -215,7 +210,7 @@ async def amain(args: argparse.Namespace) -> dict:
     for ``both``): both runs live side by side and alternate step by step (the order flips every
     step), so a drift in machine load hits both policies alike; each rollout still runs alone."""
     policies = ("normal", "fine-grained") if args.policy == "both" else (args.policy,)
-    show = None if args.quiet else _print_step
+    show = None if args.quiet else print_step
     results: dict[str, dict] = {}
     if args.schedule == "sequential" or len(policies) == 1:
         for pol in policies:
@@ -242,32 +237,28 @@ def main(argv=None) -> int:
     results = asyncio.run(amain(args))
     summ = summarize(results, args.window)
     args.out.mkdir(parents=True, exist_ok=True)
+    first = next(iter(results.values()))
     doc = {
         "command": "python -m trainer_examples.live_rl.run " + " ".join(sys.argv[1:] if argv is None else argv),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "env": asdict(EnvConfig()),
+        "env": first["env"],
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                     "torch_threads": torch.get_num_threads(), "loadavg_at_start": load0,
-                    "loadavg_at_end": os.getloadavg()},
+                    "loadavg_at_end": os.getloadavg(), "device": describe(torch.device(first["device"]))},
         "wall_s": time.perf_counter() - t0,
         "summary": summ, "results": results,
     }
     (args.out / "live_rl.json").write_text(json.dumps(doc, indent=1))
-    if not args.no_plot:
-        plot(results, args.out / "live_rl.png")
-    for pol in results:
-        s = summ[pol]
-        print(f"{pol:>12}: cumulative rollout {s['cum_rollout_s']:.2f} s over {len(results[pol]['steps'])} steps; "
-              f"reward {s['reward_first']:.3f} -> {s['reward_last']:.3f} (first/last {s['window']} steps; "
-              f"format {s['format_first']:.3f} -> {s['format_last']:.3f}, hit {s['hit_first']:.3f} -> {s['hit_last']:.3f})")
-    if "fine_over_normal" in summ:
-        print(f"fine-grained / normal cumulative rollout time: {summ['fine_over_normal']:.3f} "
-              f"({summ['rollout_change_pct']:+.1f}%); identical rewards under both policies: "
-              f"{summ['same_rewards_both_policies']} (first divergent step: {summ['first_divergent_step']}); "
-              f"median per-step ratio {summ['per_step_ratio_median']:.3f}")
-    print(f"wrote {args.out / 'live_rl.json'}" + ("" if args.no_plot else f" and {args.out / 'live_rl.png'}"))
+    png = None if args.no_plot else args.out / "live_rl.png"
+    if png is not None:
+        try:
+            plot(results, png)
+        except ImportError as exc:             # the JSON is written; a host without matplotlib loses the PNG only
+            print(f"no plot: {exc}")
+            png = None
+    print_summary(results, summ)
+    print(f"wall {doc['wall_s']:.1f} s; wrote {args.out / 'live_rl.json'}" + ("" if png is None else f" and {png}"))
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())
