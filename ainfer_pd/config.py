@@ -200,10 +200,6 @@ class DeviceConfig:
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     graph_max_context: int = 8192
     """CUDA: context length the captured decode graphs cover (longer rows run eager)."""
-    cudnn_sdpa: bool = False
-    """CUDA: allow the cuDNN backend of scaled_dot_product_attention. Off by default: it builds
-    an execution plan per new (query, key) length, hundreds of ms inside a P epoch, and prefill
-    lengths change every epoch. Process-wide (torch.backends.cuda.enable_cudnn_sdp)."""
     warmup_prefill: bool = True
     """CUDA: at start, run P passes of 16 .. max_prefill_tokens tokens (first turn and
     continuation) on the P stream, so first-use kernel loading and GEMM selection do not land

@@ -85,6 +85,27 @@ def _expand_kv(t: Tensor, groups: int) -> Tensor:
     return t if groups == 1 else t.repeat_interleave(groups, dim=-3)
 
 
+def _flash_ok(q: Tensor) -> bool:
+    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0
+
+
+def _causal_prefill(q: Tensor, k: Tensor, v: Tensor, cached: int) -> Tensor:
+    """[1, H, q, hd] queries at positions cached..cached+q over [1, H, cached+q, hd] keys,
+    causal aligned to the end of the keys (lower right).
+
+    On CUDA (bf16/fp16) this calls the flash kernel directly: the SDPA dispatcher may pick the
+    cuDNN backend, which builds an execution plan for every new (q, k) length (0.5-1 s stalls
+    inside P epochs, measured on the H200), and prefill lengths change every epoch. Flash's
+    ``is_causal`` is lower-right aligned. Decode keeps the dispatcher: its graph shapes are fixed.
+    """
+    if _flash_ok(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal=True,
+                                                                  return_debug_mask=False)[0]
+    if cached == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[-2], k.shape[-2]))
+
+
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, fb: ForwardBatch) -> Tensor:
     """Write the new K/V into the cache, then attend.
 
@@ -99,12 +120,7 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, fb: ForwardBatc
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1).unsqueeze(0)        # [1, H, q, hd]
         ks = _expand_kv(kc.index_select(0, s.key_slots).transpose(0, 1), groups).unsqueeze(0)  # [1, H, ctx, hd]
         vs = _expand_kv(vc.index_select(0, s.key_slots).transpose(0, 1), groups).unsqueeze(0)
-        p0 = s.ctx_len - s.q_len
-        if p0 == 0:        # no cached prefix: plain causal attention (flash kernels on CUDA)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
-        else:              # continuation: causal aligned to the end of the keys (fused kernels on CUDA)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=causal_lower_right(s.q_len, s.ctx_len))
-        out[s.q_start:s.q_start + s.q_len] = o[0].transpose(0, 1)
+        out[s.q_start:s.q_start + s.q_len] = _causal_prefill(qs, ks, vs, s.ctx_len - s.q_len)[0].transpose(0, 1)
     if fb.decode is not None:
         n_p = fb.num_prefill_tokens
         d = fb.decode

@@ -67,8 +67,6 @@ class Engine:
                                           threads_per_stream=dc.cpu_threads_per_stream)
         if self.device.kind == "cpu":
             torch.set_num_threads(dc.cpu_threads_per_stream)
-        elif not dc.cudnn_sdpa:
-            torch.backends.cuda.enable_cudnn_sdp(False)   # flash / mem-efficient kernels need no per-shape plan
         num_blocks = cfg.cache.num_blocks or self._blocks_from_memory()
         self.kv = KVCacheManager(num_blocks, cfg.cache.block_size)
         self.runner = ModelRunner(cfg, self.device.torch_device, self.kv)
