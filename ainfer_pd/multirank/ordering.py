@@ -73,11 +73,12 @@ class ConflictRegistry:
         return bool(self.pairs)
 
     @classmethod
-    def for_topology(cls, topology: Topology) -> "ConflictRegistry":
+    def for_topology(cls, topology: Topology, *, force: bool = False) -> ConflictRegistry:
         """(P ATP all-reduce x D DP-attention all-gather / reduce-scatter), registered only
-        when the attention-TP and DP-attention groups cross (ATP > 1 and ADP > 1)."""
+        when the attention-TP and DP-attention groups cross (ATP > 1 and ADP > 1), or always
+        with ``force`` (exercises the selective route where nothing crosses, e.g. one rank)."""
         reg = cls()
-        if topology.crossed and groups_cross(topology.all_tp_groups(), topology.all_dp_groups()):
+        if force or (topology.crossed and groups_cross(topology.all_tp_groups(), topology.all_dp_groups())):
             reg.register(P_ATP_ALL_REDUCE, D_ADP_ALL_GATHER)
             reg.register(P_ATP_ALL_REDUCE, D_ADP_REDUCE_SCATTER)
         return reg
