@@ -8,8 +8,11 @@ Each phase has its own communicator (``build_process_groups``); the phase is an 
 argument, never guessed. :meth:`PhaseCollectives.launch` puts a collective on a device
 stream: on the CPU stand-in it runs on that stream's thread and, while the blocking gloo call
 waits for its peers, it HOLDS one residency slot of the device (as spinning NCCL / DeepEP
-kernels hold SMs). Launch and completion go into the rank's control trace
-(``coll_enqueue`` / ``coll_launch`` / ``coll_done``) and an in-flight table the watchdog reads.
+kernels hold SMs). On CUDA (:mod:`.cuda_device`) the NCCL kernel is enqueued on that CUDA
+stream and its completion comes from CUDA events. Launch and completion go into the rank's
+control trace (``coll_enqueue`` / ``coll_launch`` / ``coll_done``) and an in-flight table the
+watchdog reads. With NCCL groups the collectives are always NCCL calls (also for a group of
+one rank) and use the native ``all_gather_into_tensor`` / ``reduce_scatter_tensor``.
 
 :class:`DepCpuDevice` adds stream-waits-event semantics to the CPU stand-in: an item with
 dependencies waits for them on its stream thread **before** taking a residency slot (like
@@ -25,7 +28,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -33,10 +37,16 @@ from ..comm.topology import ATTN_DP_D, ATTN_TP_P, Topology
 from ..engine.device import CpuDevice, Device, Stream, Work
 from ..errors import DistributedError, TopologyError
 from ..phase import Phase
-from .ordering import (D_ADP_ALL_GATHER, D_ADP_REDUCE_SCATTER, P_ATP_ALL_REDUCE, CollectiveKind,
-                       ConflictRegistry)
+from .backend import group_backend
+from .ordering import (
+    D_ADP_ALL_GATHER,
+    D_ADP_REDUCE_SCATTER,
+    P_ATP_ALL_REDUCE,
+    CollectiveKind,
+    ConflictRegistry,
+)
 
-__all__ = ["PhaseCollectives", "DepCpuDevice", "with_deps", "shard_attention", "tp_attn_reduce"]
+__all__ = ["DepCpuDevice", "PhaseCollectives", "shard_attention", "tp_attn_reduce", "with_deps"]
 
 _OPS = {("P", "all_reduce"): P_ATP_ALL_REDUCE,
         ("D", "all_gather"): D_ADP_ALL_GATHER,
@@ -72,6 +82,15 @@ class DepCpuDevice(CpuDevice):
             fn.wait_deps()
         return super()._execute(stream, work, fn, args)
 
+    def on_done(self, work: Work, cb: Callable[[float, float], None]) -> None:
+        """(CUDA only; the CPU items time themselves.)"""
+
+    def quiesce(self, timeout_s: float = 5.0) -> bool:
+        return True
+
+    def close(self) -> None:
+        """Nothing to release: a blocking gloo call cannot be interrupted (the process exits)."""
+
 
 class PhaseCollectives:
     """Attention collectives of one rank with explicit phase identity.
@@ -89,6 +108,15 @@ class PhaseCollectives:
             raise TopologyError(f"PhaseCollectives: process groups {missing} missing (build_process_groups)")
         self.topology = topology
         self.groups = groups
+        self.backend = group_backend(groups[ATTN_TP_P])
+        if group_backend(groups[ATTN_DP_D]) != self.backend:
+            raise TopologyError(f"PhaseCollectives: {ATTN_TP_P} is {self.backend} but {ATTN_DP_D} is "
+                                f"{group_backend(groups[ATTN_DP_D])} (one data backend per rank)")
+        self.native = self.backend == "nccl"
+        """NCCL: always call the collective (also in a group of one) with the tensor-native ops."""
+        if device is not None and (device.kind == "cuda") != self.native:
+            raise TopologyError(f"PhaseCollectives: {self.backend} groups on a {device.kind} device "
+                                f"(nccl needs the CUDA device, gloo the CPU stand-in)")
         self.device = device
         self.recorder = recorder if recorder is not None else (device.recorder if device is not None else None)
         self.registry = registry if registry is not None else ConflictRegistry.for_topology(topology)
@@ -120,8 +148,8 @@ class PhaseCollectives:
         """P: sum over this rank's attention-TP group (in place; returns ``t``)."""
         import torch.distributed as dist
         self.kind(phase, "all_reduce")
-        comm, members, pg = self.group_of(phase)
-        if len(members) > 1:
+        _, members, pg = self.group_of(phase)
+        if len(members) > 1 or self.native:
             dist.all_reduce(t, group=pg)
         return t
 
@@ -129,7 +157,11 @@ class PhaseCollectives:
         """D: concatenate (dim 0) the rows of every rank of this rank's DP-attention group."""
         import torch.distributed as dist
         self.kind(phase, "all_gather")
-        comm, members, pg = self.group_of(phase)
+        _, members, pg = self.group_of(phase)
+        if self.native:
+            out = t.new_empty((len(members) * t.shape[0], *t.shape[1:]))
+            _native_op(dist, "all_gather_single", "all_gather_into_tensor")(out, t.contiguous(), group=pg)
+            return out
         if len(members) == 1:
             return t.clone()
         out = [torch.empty_like(t) for _ in members]
@@ -141,22 +173,29 @@ class PhaseCollectives:
         native reduce-scatter: all-reduce + chunk, same result)."""
         import torch.distributed as dist
         self.kind(phase, "reduce_scatter")
-        comm, members, pg = self.group_of(phase)
+        _, members, pg = self.group_of(phase)
         n = len(members)
         if t.shape[0] % n:
             raise ValueError(f"reduce_scatter: dim 0 ({t.shape[0]}) not divisible by the group size {n}")
+        if self.native:
+            out = t.new_empty((t.shape[0] // n, *t.shape[1:]))
+            _native_op(dist, "reduce_scatter_single", "reduce_scatter_tensor")(out, t.contiguous(), group=pg)
+            return out
         if n > 1:
             t = t.clone()
             dist.all_reduce(t, group=pg)
         return t.chunk(n, 0)[members.index(self.topology.rank)].clone()
 
     # ------------------------------------------------------------------ launched on a stream
-    def launch(self, phase: Phase, op: str, tensor: torch.Tensor, *, stream: str, epoch: int | None = None,
-               boundary: int | None = None, deps: Iterable[Work | None] = (), extra: dict | None = None) -> Work:
+    def launch(self, phase: Phase, op: str, tensor: torch.Tensor | Callable[[], torch.Tensor], *, stream: str,
+               epoch: int | None = None, boundary: int | None = None, deps: Iterable[Work | None] = (),
+               extra: dict | None = None) -> Work:
         """Enqueue the collective on ``stream`` of the device; returns the stream item.
 
-        Trace: ``coll_enqueue`` now (host order), ``coll_launch`` when it starts on the device
-        (holding a residency slot until every peer joined), ``coll_done`` at completion.
+        ``tensor`` may be a zero-argument callable: it is then called on the stream (on CUDA the
+        input is produced on the collective's own stream). Trace: ``coll_enqueue`` now (host
+        order), ``coll_launch`` when it starts on the device (holding a residency slot until
+        every peer joined), ``coll_done`` at completion (CUDA: when its end event fired).
         """
         if self.device is None:
             raise DistributedError("PhaseCollectives.launch needs a device")
@@ -169,47 +208,70 @@ class PhaseCollectives:
         info = {"name": kind.name, "phase": phase.value, "op": op, "comm": comm, "group": list(members),
                 "seq": seq, "stream": stream, "epoch": epoch, "boundary": boundary,
                 "registered": registered, "state": "queued", **(extra or {})}
-        rec = self.recorder
-        fn_map = {"all_reduce": self.all_reduce, "all_gather": self.all_gather,
-                  "reduce_scatter": self.reduce_scatter}
+        fn = {"all_reduce": self.all_reduce, "all_gather": self.all_gather,
+              "reduce_scatter": self.reduce_scatter}[op]
+        make = tensor if callable(tensor) else (lambda: tensor)
         delay = self.delay_s.get(phase, 0.0)
-
-        def run() -> torch.Tensor:
-            with self._lock:
-                self.joined[comm] += 1
-                info["state"] = "running"
-            t0 = rec.now() if rec is not None else 0.0
-            info["t_launch"] = t0
-            if rec is not None:
-                rec.event("coll_launch", **_ev(info))
-            try:
-                out = fn_map[op](phase, tensor)
-            except Exception as exc:  # transport failure: name the collective and the group
-                info["state"] = "failed"
-                raise DistributedError(
-                    f"rank {self.topology.rank}: {kind.name} #{seq} over group {tuple(members)} failed "
-                    f"(epoch {epoch}, boundary {boundary}): {exc}") from exc
-            if delay > 0:
-                time.sleep(delay)           # delayed completion (fault knob): keeps the slot
-            t1 = rec.now() if rec is not None else 0.0
-            with self._lock:
-                self.completed[comm] += 1
-                self.inflight.pop((comm, seq), None)
-                info["state"] = "done"
-                self.last_progress = time.monotonic()
-            if rec is not None:
-                rec.event("coll_done", **_ev(info))
-                rec.event("work", what=kind.name, phase=phase.value, kind="coll", stream=stream,
-                          registered=registered, epoch=epoch, boundary=boundary, t0=t0, t1=t1)
-            for cb in self.on_complete:
-                cb(info)
-            return out
-
+        if self.device.kind == "cuda":
+            from .cuda_device import cuda_collective_item
+            item = cuda_collective_item(self, info, phase, fn, make, delay)
+        else:
+            item = self._cpu_item(info, phase, fn, make, delay)
         with self._lock:
             self.inflight[(comm, seq)] = info
+        if self.recorder is not None:
+            self.recorder.event("coll_enqueue", **_ev(info))
+        return self.device.stream(stream).submit(with_deps(item, deps), label=f"{kind.name}#{seq}")
+
+    def _cpu_item(self, info: dict, phase: Phase, fn: Callable, make: Callable, delay: float) -> Callable:
+        def run() -> torch.Tensor:
+            t0 = self._started(info)
+            try:
+                out = fn(phase, make())
+            except Exception as exc:  # transport failure: name the collective and the group
+                raise self._failure(info, exc) from exc
+            if delay > 0:
+                time.sleep(delay)           # delayed completion (fault knob): keeps the slot
+            self._completed(info, t0, self._now())
+            return out
+        return run
+
+    # ------------------------------------------------------------------ bookkeeping (any device)
+    def _now(self) -> float:
+        return self.recorder.now() if self.recorder is not None else 0.0
+
+    def _started(self, info: dict) -> float:
+        """The collective now occupies the device (it joined its communicator's current call)."""
+        with self._lock:
+            self.joined[info["comm"]] += 1
+            info["state"] = "running"
+        t0 = self._now()
+        info["t_launch"] = t0
+        if self.recorder is not None:
+            self.recorder.event("coll_launch", **_ev(info))
+        return t0
+
+    def _completed(self, info: dict, t0: float, t1: float) -> None:
+        """The collective completed; ``t0`` / ``t1`` its device interval (recorder seconds)."""
+        info["t0"], info["t1"] = t0, t1
+        with self._lock:
+            self.completed[info["comm"]] += 1
+            self.inflight.pop((info["comm"], info["seq"]), None)
+            info["state"] = "done"
+            self.last_progress = time.monotonic()
+        rec = self.recorder
         if rec is not None:
-            rec.event("coll_enqueue", **_ev(info))
-        return self.device.stream(stream).submit(with_deps(run, deps), label=f"{kind.name}#{seq}")
+            rec.event("coll_done", **_ev(info))
+            rec.event("work", what=info["name"], phase=info["phase"], kind="coll", stream=info["stream"],
+                      registered=info["registered"], epoch=info["epoch"], boundary=info["boundary"], t0=t0, t1=t1)
+        for cb in self.on_complete:
+            cb(info)
+
+    def _failure(self, info: dict, exc: BaseException) -> DistributedError:
+        info["state"] = "failed"
+        return DistributedError(
+            f"rank {self.topology.rank}: {info['name']} #{info['seq']} over group {tuple(info['group'])} failed "
+            f"(epoch {info['epoch']}, boundary {info['boundary']}): {exc}")
 
     def frontier(self) -> dict:
         """What this rank has in flight (for the watchdog)."""
@@ -217,6 +279,11 @@ class PhaseCollectives:
             return {"joined": dict(self.joined), "completed": dict(self.completed),
                     "enqueued": dict(self._seq),
                     "inflight": [{k: v for k, v in i.items()} for i in self.inflight.values()]}
+
+
+def _native_op(dist: Any, name: str, older: str) -> Callable:
+    """The tensor-native collective under its current name (torch >= 2.13) or its older one."""
+    return getattr(dist, name, None) or getattr(dist, older)
 
 
 def _ev(info: dict) -> dict:

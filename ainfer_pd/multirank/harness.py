@@ -1,11 +1,18 @@
-"""Multi-rank ordering harness: real processes, real gloo collectives, the real turnstile.
+"""Multi-rank ordering harness: real processes, real collectives, the real turnstile.
 
-One process per rank (spawned by :func:`ainfer_pd.launch.spawn`) runs an asyncio loop with
-a CPU stand-in device (:class:`DepCpuDevice`: P stream, D stream, a collective stream for
-``global-implicit``, ``residency_slots`` shared by all streams), the phase-identified
-attention collectives over separate gloo communicators per phase, the real
-:class:`~ainfer_pd.turnstile.Turnstile` over the real distributed rendezvous, and a
-per-replica schedule:
+One process per rank (spawned by :func:`ainfer_pd.launch.spawn`, or started by ``torchrun``:
+``python -m ainfer_pd.multirank.harness``, see :mod:`.launcher`) runs an asyncio loop with a
+device, the phase-identified attention collectives over separate communicators per phase
+(``backend``: gloo or NCCL), the real :class:`~ainfer_pd.turnstile.Turnstile` over the real
+distributed rendezvous (gloo / shared memory), and a per-replica schedule. Devices:
+
+* ``backend="gloo"``: the CPU stand-in (:class:`DepCpuDevice`: P stream, D stream, a collective
+  stream for ``global-implicit``, ``residency_slots`` shared by all streams);
+* ``backend="nccl"``: ``cuda:LOCAL_RANK`` with real CUDA streams and NCCL communicators
+  (:class:`~.cuda_device.DepCudaDevice`; ``residency_slots`` is the residency gate of the
+  collectives, 0 = none).
+
+Schedule:
 
 * D iterations: compute (a torch matmul) + the D DP-attention all-gather;
 * P epochs of S segments: compute (a torch matmul, depending on the previous segment's
@@ -47,11 +54,25 @@ from typing import Any
 
 import torch
 
-from ..errors import PeerLostError, RankFailedError, RendezvousTimeout, StallError
+from ..errors import (
+    ConfigError,
+    PeerLostError,
+    RankFailedError,
+    RendezvousTimeout,
+    StallError,
+    TopologyError,
+)
 from ..phase import Phase
-from .ordering import D_ADP_ALL_GATHER, P_ATP_ALL_REDUCE, check_ordering, collective_stream
+from .backend import check_backend
+from .ordering import (
+    D_ADP_ALL_GATHER,
+    P_ATP_ALL_REDUCE,
+    ConflictRegistry,
+    check_ordering,
+    collective_stream,
+)
 
-__all__ = ["HarnessSpec", "HarnessOutcome", "harness_rank", "run_harness", "expected_rounds"]
+__all__ = ["HarnessOutcome", "HarnessSpec", "expected_rounds", "harness_rank", "run_harness"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +95,14 @@ class HarnessSpec:
     rows: int = 8
     """Rows of the collective tensors (x ``matmul`` columns)."""
     seed: int = 0
+    backend: str = "gloo"
+    """Data backend of the attention collectives: gloo (CPU stand-in) | nccl (cuda:LOCAL_RANK)."""
+    register_pairs: bool = False
+    """Register the conflicting pairs even where the groups do not cross (one rank, ATP1, ADP1):
+    exercises the selective route and the trace-check of the D -> P order."""
+    rendezvous: str = "auto"
+    """auto (make_rendezvous: shm on one host, single-rank at world size 1) | gloo (GlooRendezvous
+    over the gloo control group, also at world size 1)."""
     skew_ms: float = 0.0
     skew_mode: str = "random"
     """random: uniform(0, skew_ms) before every launch; fixed: odd ranks sleep skew_ms."""
@@ -93,12 +122,25 @@ class HarnessSpec:
     run_dir: str | None = None
     tag: str = "run"
 
-    def validate(self) -> None:
+    def validate(self, *, need_runtime: bool = True) -> None:
+        """:class:`ConfigError` for bad values; with ``need_runtime`` also
+        :class:`BackendUnavailableError` when this host cannot run ``backend``."""
         check_ordering(self.ordering)
+        check_backend(self.backend, need_runtime=need_runtime)
         if self.skew_mode not in ("random", "fixed"):
-            raise ValueError(f"skew_mode must be random|fixed, got {self.skew_mode!r}")
-        if self.residency_slots < 1 or self.segments < 1 or self.epochs < 0:
-            raise ValueError("residency_slots and segments must be >= 1, epochs >= 0")
+            raise ConfigError(f"skew_mode must be random|fixed, got {self.skew_mode!r}")
+        if self.rendezvous not in ("auto", "gloo"):
+            raise ConfigError(f"rendezvous must be auto|gloo, got {self.rendezvous!r}")
+        min_slots = 0 if self.backend == "nccl" else 1
+        if self.residency_slots < min_slots:
+            raise ConfigError(f"residency_slots must be >= {min_slots} with backend {self.backend} "
+                              f"(0 = no residency gate, CUDA only), got {self.residency_slots}")
+        if self.segments < 1 or self.epochs < 0 or self.d_iters < 0 or self.span < 1:
+            raise ConfigError("segments and span must be >= 1, epochs and d_iters >= 0")
+        if self.stall_s <= 0 or self.rendezvous_timeout_s <= 0 or self.coll_timeout_s <= 0:
+            raise ConfigError("stall_s, rendezvous_timeout_s and coll_timeout_s must be > 0")
+        if self.world_size < 1 or self.attn_dp < 1 or self.world_size % self.attn_dp:
+            raise TopologyError(f"world_size={self.world_size} must be a positive multiple of attn_dp={self.attn_dp}")
 
 
 def expected_rounds(spec: HarnessSpec) -> int | None:
@@ -117,8 +159,26 @@ def _mm(a: torch.Tensor, b: torch.Tensor, reps: int, delay_s: float) -> torch.Te
         c = torch.mm(c, b)
         c = c / (c.norm() + 1.0)
     if delay_s > 0:
-        time.sleep(delay_s)
+        if c.is_cuda:
+            from .cuda_device import device_sleep
+            device_sleep(delay_s, c.device.index)       # the stream stays busy (no host sleep)
+        else:
+            time.sleep(delay_s)
     return c
+
+
+def make_device(spec: HarnessSpec, recorder: Any) -> Any:
+    """The harness device of this rank: the CPU stand-in (gloo) or ``cuda:LOCAL_RANK`` (nccl)."""
+    if spec.backend == "nccl":
+        from .backend import local_cuda_index
+        from .cuda_device import DepCudaDevice
+        return DepCudaDevice(recorder, local_cuda_index(), residency_slots=spec.residency_slots)
+    from .collectives import DepCpuDevice
+    return DepCpuDevice(recorder, residency_slots=spec.residency_slots)
+
+
+def registry_for(topo: Any, spec: HarnessSpec) -> ConflictRegistry:
+    return ConflictRegistry.for_topology(topo, force=spec.register_pairs)
 
 
 # ====================================================================== one rank
@@ -127,17 +187,19 @@ class _Run:
         from ..config import ParallelConfig
         from ..metrics.recorder import Recorder
         from ..sched.span import fixed_span
-        from ..turnstile.dist_rendezvous import make_rendezvous
+        from ..turnstile.dist_rendezvous import GlooRendezvous, make_rendezvous
         from ..turnstile.turnstile import Turnstile
-        from .collectives import DepCpuDevice, PhaseCollectives
+        from .collectives import PhaseCollectives
         from .watchdog import Watchdog
 
         self.rank, self.topo, self.spec, self.store = rank, topo, spec, store
         self.run_dir = Path(spec.run_dir) if spec.run_dir else None
         trace = self.run_dir / f"rank{rank}.jsonl" if self.run_dir else None
         self.rec = Recorder(rank=rank, trace_path=trace)
-        self.dev = DepCpuDevice(self.rec, residency_slots=spec.residency_slots)
-        self.colls = PhaseCollectives(topo, groups, device=self.dev, recorder=self.rec)
+        self.dev = make_device(spec, self.rec)
+        self.cuda = self.dev.kind == "cuda"
+        self.colls = PhaseCollectives(topo, groups, device=self.dev, recorder=self.rec,
+                                      registry=registry_for(topo, spec))
         self.registry = self.colls.registry
         self.turnstile = None
         self.rdv = None
@@ -145,8 +207,12 @@ class _Run:
             pcfg = ParallelConfig(world_size=topo.world_size, attn_dp=topo.attn_dp, ordering=spec.ordering,
                                   rendezvous_timeout_s=spec.rendezvous_timeout_s,
                                   fast_rendezvous=spec.fast_rendezvous)
-            self.rdv = make_rendezvous(pcfg, topo, same_host=True, group=groups.get("control"), store=store,
-                                       name=f"mr-{spec.tag}-{index}")
+            name = f"mr-{spec.tag}-{index}"
+            if spec.rendezvous == "gloo":
+                self.rdv = GlooRendezvous(groups["control"], spec.rendezvous_timeout_s, store=store, name=name)
+            else:
+                self.rdv = make_rendezvous(pcfg, topo, same_host=True, group=groups.get("control"), store=store,
+                                           name=name)
             self.turnstile = Turnstile(rendezvous=self.rdv, span=fixed_span(spec.span), recorder=self.rec,
                                        rank=rank, timeout_s=spec.rendezvous_timeout_s)
         self.d_done = 0
@@ -163,9 +229,12 @@ class _Run:
         self._rng = {s: random.Random(f"{spec.seed}/{rank}/{s}") for s in ("P", "D")}
         g = torch.Generator().manual_seed(spec.seed * 1000 + rank)
         m = spec.matmul
-        self.a = torch.randn(m, m, generator=g)
-        self.b = torch.randn(m, m, generator=g) / m ** 0.5
-        self.x = torch.randn(spec.rows, m, generator=g)
+        tdev = self.dev.torch_device
+        self.a = torch.randn(m, m, generator=g).to(tdev)
+        self.b = (torch.randn(m, m, generator=g) / m ** 0.5).to(tdev)
+        self.x = torch.randn(spec.rows, m, generator=g).to(tdev)
+        if self.cuda:
+            torch.cuda.synchronize(tdev)          # inputs ready before any stream reads them
         prefix = f"ainfer_pd/mr/{spec.tag}-{index}"
         self.wd = Watchdog(rank=rank, world_size=topo.world_size, stall_s=spec.stall_s, progress=self._progress,
                            probe=self._probe, store=store, prefix=prefix)
@@ -175,7 +244,7 @@ class _Run:
     def _coll_done(self, info: dict) -> None:
         if info["phase"] == "P":
             self.p_done += 1
-        self.intervals.append(("coll", info["phase"], bool(info["registered"]), info["t_launch"], self.rec.now()))
+        self.intervals.append(("coll", info["phase"], bool(info["registered"]), info["t0"], info["t1"]))
 
     def _progress(self) -> tuple:
         c = self.colls.completed
@@ -198,19 +267,27 @@ class _Run:
             await asyncio.sleep(d)
 
     def _compute(self, phase: str, label: str, deps: list, reps: int, delay_s: float):
+        """Compute on the phase's stream; its interval goes to the trace (CPU: timed by the
+        item itself; CUDA: from its CUDA events, once it completed)."""
         from .collectives import with_deps
-        rec, ivs = self.rec, self.intervals
+        rec, ivs, cuda = self.rec, self.intervals, self.cuda
         a, b = self.a, self.b
+
+        def interval(t0: float, t1: float) -> None:
+            ivs.append(("compute", phase, False, t0, t1))
+            rec.event("work", what=label, phase=phase, kind="compute", stream=phase, registered=False, t0=t0, t1=t1)
 
         def compute() -> torch.Tensor:
             t0 = rec.now()
             out = _mm(a, b, reps, delay_s)
-            t1 = rec.now()
-            ivs.append(("compute", phase, False, t0, t1))
-            rec.event("work", what=label, phase=phase, kind="compute", stream=phase, registered=False, t0=t0, t1=t1)
+            if not cuda:
+                interval(t0, rec.now())
             return out
 
-        return self.dev.stream(phase).submit(with_deps(compute, deps), label=label)
+        work = self.dev.stream(phase).submit(with_deps(compute, deps), label=label)
+        if cuda:
+            self.dev.on_done(work, interval)
+        return work
 
     async def _p_segment(self, e: int, j: int, prev: Any, ep: Any = None) -> Any:
         """One P segment: compute (P stream, after the previous all-reduce), wait for it on the
@@ -225,7 +302,7 @@ class _Run:
             await ep.permit(j)
             await self._skew("P")
         stream = collective_stream(s.ordering, P_ATP_ALL_REDUCE, self.registry)
-        ar = self.colls.launch(Phase.PREFILL, "all_reduce", self.x.clone(), stream=stream, epoch=e, boundary=j,
+        ar = self.colls.launch(Phase.PREFILL, "all_reduce", self.x.clone, stream=stream, epoch=e, boundary=j,
                                deps=[comp])
         self.p_outstanding.append(ar)
         if ep is not None:
@@ -237,7 +314,7 @@ class _Run:
         stream = collective_stream(self.spec.ordering, D_ADP_ALL_GATHER, self.registry)
         epoch = rnd.epoch if rnd is not None else None
         boundary = rnd.boundary if rnd is not None else None
-        dag = self.colls.launch(Phase.DECODE, "all_gather", self.x.clone(), stream=stream, epoch=epoch,
+        dag = self.colls.launch(Phase.DECODE, "all_gather", self.x.clone, stream=stream, epoch=epoch,
                                 boundary=boundary, deps=[dcomp], extra={"iter": i})
         self.rec.event("d_launch", iter=i, epoch=epoch, boundary=boundary, stream=stream)
         return dag
@@ -342,11 +419,14 @@ class _Run:
         self.wd.start()
         main = asyncio.create_task(self.body(), name="harness body")
         wdt = asyncio.create_task(self.wd.watch(), name="watchdog")
+        finished = False
         try:
             await asyncio.wait({main, wdt}, return_when=asyncio.FIRST_COMPLETED)
             if main.done() and not main.cancelled() and main.exception() is None:
                 wdt.cancel()
-                return await self._finish(time.perf_counter() - t0)
+                out = await self._finish(time.perf_counter() - t0)
+                finished = True
+                return out
             if wdt.done():
                 exc = wdt.exception()
                 self._cancel_all(main)
@@ -366,6 +446,8 @@ class _Run:
         finally:
             self.wd.stop()
             self._cancel_all(main)
+            if not finished:
+                self.dev.close()          # CUDA: stream threads blocked in the gate give up
             self.rec.event("run_end", d_done=self.d_done, p_done=self.p_done)
             self.rec.close()
 
@@ -416,7 +498,12 @@ class _Run:
                "rendezvous_mean_ms": 1e3 * sum(rdv) / len(rdv) if rdv else 0.0,
                "rendezvous_kind": getattr(self.rdv, "kind", None),
                "ack_rounds": self.ack_rounds, "delayed_ack_rounds": self.delayed_ack_rounds,
-               "overlap": overlap_stats(self.intervals)}
+               "backend": s.backend, "device": str(self.dev.torch_device), "device_kind": self.dev.kind,
+               "overlap": None}
+        # every completion callback (CUDA: poller thread) has run before the overlap is computed
+        if not await asyncio.to_thread(self.dev.quiesce, 10.0):
+            out["quiesce_timeout"] = True
+        out["overlap"] = overlap_stats(self.intervals)
         if self.rdv is not None:
             try:
                 await asyncio.wait_for(self.rdv.close(), 5.0)
@@ -441,8 +528,16 @@ def overlap_stats(intervals: list[tuple[str, str, bool, float, float]]) -> dict:
             "d_busy_s": sum(b - a for k, ph, _, a, b in intervals if ph == "D")}
 
 
-async def _rank_main(rank: int, world_size: int, specs: list[HarnessSpec]) -> list[dict]:
-    from ..comm.topology import Topology, build_process_groups
+async def _rank_main(rank: int, world_size: int, specs: list[HarnessSpec], *, results: list | None = None,
+                     session: dict | None = None) -> list[dict]:
+    """Run ``specs`` in order on this rank over one set of process groups.
+
+    ``results`` (optional) receives each run's result as soon as it completed (what ran before a
+    failure survives it); ``session`` receives ``topo`` and ``groups``. With NCCL the rank uses
+    ``cuda:LOCAL_RANK``, creates its communicators in one global order before any run, and
+    aborts them (bounded) when a run fails, so a stalled kernel cannot keep the process alive.
+    """
+    from ..comm.topology import ATTN_DP_D, ATTN_TP_P, Topology, build_process_groups
     from ..launch import get_store
 
     if not specs:
@@ -450,34 +545,47 @@ async def _rank_main(rank: int, world_size: int, specs: list[HarnessSpec]) -> li
     s0 = specs[0]
     for s in specs:
         s.validate()
-        if (s.world_size, s.attn_dp) != (s0.world_size, s0.attn_dp):
-            raise ValueError("all specs of one harness launch must share the topology")
+        if (s.world_size, s.attn_dp, s.backend) != (s0.world_size, s0.attn_dp, s0.backend):
+            raise ConfigError("all specs of one harness launch must share the topology and the backend")
     if world_size != s0.world_size:
-        raise ValueError(f"spawned {world_size} ranks for a world size {s0.world_size} spec")
+        raise ConfigError(f"{world_size} ranks were started for a world size {s0.world_size} spec")
     topo = Topology(world_size=world_size, attn_dp=s0.attn_dp, expert_parallel=1, rank=rank)
-    groups = build_process_groups(topo, "gloo", control_timeout_s=max(s.rendezvous_timeout_s for s in specs),
+    cuda_index = None
+    if s0.backend == "nccl":
+        from .backend import local_cuda_index
+        cuda_index = local_cuda_index()
+        torch.cuda.set_device(cuda_index)
+    groups = build_process_groups(topo, s0.backend, control_timeout_s=max(s.rendezvous_timeout_s for s in specs),
                                   data_timeout_s=max(s.coll_timeout_s for s in specs))
+    if session is not None:
+        session.update(topo=topo, groups=groups, cuda_index=cuda_index)
     store = get_store()
-    results = []
-    for index, s in enumerate(specs):
-        if s.run_dir:
-            Path(s.run_dir).mkdir(parents=True, exist_ok=True)
-            if rank == 0:
-                meta = {"spec": dataclasses.asdict(s), "world_size": world_size, "topology": topo.describe(),
-                        "crossed": topo.crossed, "registered_pairs": _registry_for(topo).describe()}
-                (Path(s.run_dir) / "meta.json").write_text(json.dumps(meta, indent=1))
-        run = _Run(rank, topo, groups, s, store, index)
-        results.append(await run.run())
-    return results
-
-
-def _registry_for(topo: Any):
-    from .ordering import ConflictRegistry
-    return ConflictRegistry.for_topology(topo)
+    out = results if results is not None else []
+    try:
+        if cuda_index is not None:
+            from .cuda_device import warm_up_nccl
+            await asyncio.to_thread(warm_up_nccl, groups, (ATTN_TP_P, ATTN_DP_D), cuda_index)
+        for index, s in enumerate(specs):
+            if s.run_dir:
+                Path(s.run_dir).mkdir(parents=True, exist_ok=True)
+                if rank == 0:
+                    meta = {"spec": dataclasses.asdict(s), "world_size": world_size, "topology": topo.describe(),
+                            "crossed": topo.crossed, "backend": s.backend,
+                            "registered_pairs": registry_for(topo, s).describe()}
+                    (Path(s.run_dir) / "meta.json").write_text(json.dumps(meta, indent=1))
+            run = _Run(rank, topo, groups, s, store, index)
+            out.append(await run.run())
+    except BaseException:
+        if cuda_index is not None:
+            from .cuda_device import abort_nccl
+            await asyncio.to_thread(abort_nccl, groups, 5.0)
+        raise
+    return out
 
 
 def harness_rank(rank: int, world_size: int, specs: list[HarnessSpec]) -> list[dict]:
-    """Entry point of one rank (spawned): runs ``specs`` in order over one set of groups."""
+    """Entry point of one rank (spawned): runs ``specs`` in order over one set of groups (the
+    data backend of ``specs``; the default group the spawner created is gloo)."""
     return asyncio.run(_rank_main(rank, world_size, list(specs)))
 
 
@@ -530,3 +638,10 @@ def summarize_error(exc: BaseException) -> str:
 
 
 __all__ += ["overlap_stats", "summarize_error"]
+
+
+if __name__ == "__main__":  # pragma: no cover - command line (python -m / torchrun -m)
+    import sys
+
+    from ainfer_pd.multirank.launcher import main
+    sys.exit(main())

@@ -20,7 +20,8 @@ import asyncio
 import json
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..errors import PeerLostError, StallError
 
@@ -119,6 +120,9 @@ class Watchdog:
         local = self._probe()
         local["rank"] = self.rank
         lost = self.unresponsive(stale_s=max(1.0, 4 * self.heartbeat_s))
+        # a peer that published its own stall frontier and then exited (torchrun: each rank
+        # leaves on its own) is part of this stall, not a lost peer
+        lost = [r for r in lost if self._get(f"frontier/{r}") is None]
         local["lost_peers"] = lost
         self._set(f"frontier/{self.rank}", json.dumps(local, default=str))
         if self._get("stall") is None:
