@@ -5,6 +5,11 @@ multi-rank engine (one attention-DP replica per rank, experts spread over the ra
 ``expert_backend=torch`` unless the config says otherwise). Conversation ``i`` is served
 by rank ``i % N``. The ranks start their replay after a barrier; the parent merges the
 per-rank records into one result (makespan = the last completion on any rank).
+
+Under torchrun the same holds for ``--nproc-per-node 1``: one lockstep rank with its process
+groups (data groups NCCL on CUDA, gloo on CPU; control group gloo) and the torch expert
+dispatch, so the N-rank code path can be exercised on one GPU. Rank 0 prints its process
+groups' backends.
 """
 from __future__ import annotations
 
@@ -19,11 +24,27 @@ from .workload.trace import Trace
 
 
 def multirank_config(cfg: WorkerConfig, world_size: int) -> WorkerConfig:
+    """The config of one lockstep rank among ``world_size`` (one attention-DP replica per rank,
+    experts over every rank with the torch all-to-all). A config already written for this world
+    size is kept, except that one rank gets ``expert_backend: torch`` (the lockstep engine)."""
     pc = cfg.parallel
-    if pc.world_size == world_size:
+    if pc.world_size == world_size and world_size > 1:
         return cfg
     return cfg.replace(**{"parallel.world_size": world_size, "parallel.attn_dp": world_size,
                           "parallel.expert_parallel": world_size, "parallel.expert_backend": "torch"})
+
+
+def describe_groups(worker: Any) -> str:
+    """One line: this rank's process groups and their backends, the rendezvous, the expert path."""
+    eng = worker.engine
+    backends = getattr(eng, "group_backends", None)
+    if not backends:
+        return f"rank {worker.rank}: single-rank Engine (no process groups)"
+    groups = " ".join(f"{k}={v}" for k, v in backends.items())
+    rdv = getattr(getattr(eng, "rdv", None), "kind", "?")
+    ep = "torch all-to-all" if getattr(eng, "dispatchers", None) is not None else "local"
+    return (f"rank {worker.rank} process groups: {groups}; rendezvous {rdv}; expert dispatch {ep}; "
+            f"device {eng.device.torch_device}")
 
 
 async def _rank_replay(rank: int, world_size: int, cfg_dict: dict, trace: Trace, cell: str, seed: int,
@@ -36,6 +57,8 @@ async def _rank_replay(rank: int, world_size: int, cfg_dict: dict, trace: Trace,
     mine = Trace(conversations=[c for i, c in enumerate(trace.conversations) if i % world_size == rank],
                  meta=dict(trace.meta))
     async with RolloutWorker(cfg) as worker:
+        if rank == 0:
+            print(describe_groups(worker), file=sys.stderr, flush=True)
         await asyncio.to_thread(dist.barrier)          # every rank starts its clock together
         res = await replay(worker, mine, cell=cell, seed=seed, time_scale=time_scale,
                            label=f"rank{rank}")
@@ -80,7 +103,7 @@ def run_world(cfg: WorkerConfig, trace: Trace, world_size: int, *, cell: str, se
 
 def run_cli(args: argparse.Namespace) -> int:
     """The ``--world-size N`` path of ``ainfer-pd replay`` / ``bench``."""
-    from .cli import build_trace, load_config, _opt
+    from .cli import _opt, build_trace, load_config
     from .metrics.report import aggregate, format_table, summarize
     cfg = load_config(args.config)
     trace = build_trace(args, cfg)

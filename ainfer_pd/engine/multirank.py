@@ -11,7 +11,11 @@ the same decisions from the same numbers:
 * a D iteration runs on every rank when any rank has decode rows (empty rows elsewhere);
 * the turnstile's gating and span come from the same agreed inputs (rank 0's activation).
 
-World size 1 uses :class:`~ainfer_pd.engine.engine.Engine` directly.
+World size 1 uses :class:`~ainfer_pd.engine.engine.Engine` directly, except under
+``torch.distributed`` with ``expert_backend: torch`` (``torchrun --nproc-per-node 1 -m
+ainfer_pd.cli replay``): then one lockstep rank with its process groups (the same code path as N
+ranks). Data groups (expert all-to-all, attention collectives) use NCCL on CUDA and gloo on CPU
+(:func:`ainfer_pd.multirank.backend.data_backend_for`); the control group is always gloo.
 """
 from __future__ import annotations
 
@@ -37,8 +41,16 @@ class LockstepEngine(Engine):
         if cfg.parallel.attn_dp != world_size:
             raise ConfigError("the multi-rank engine runs one attention-DP replica per rank (attn_dp = world_size); "
                               "ATP > 1 runs through ainfer_pd.multirank")
+        if dispatchers is not None and cfg.device.cuda_graphs and cfg.device.device != "cpu":
+            # Engine captures the decode graphs before runner.ep exists: they would compute every
+            # expert locally and skip D's own all-to-all (expert dispatch with host split sizes is
+            # not graph-capturable); decode eagerly through the D dispatcher instead.
+            log.info("expert-parallel lockstep engine: CUDA-graph decode off (D uses its own all-to-all)")
+            cfg = cfg.replace(**{"device.cuda_graphs": False})
         super().__init__(cfg, recorder, rendezvous=rendezvous, rank=rank)
         self.rdv = self.rendezvous          # (wrapped by fault injection when configured)
+        self.group_backends: dict[str, str] = {}
+        """Process group name -> backend (set by :func:`make_engine`)."""
         self.world_size = world_size
         if dispatchers is not None:
             from .expert_parallel import ExpertParallel
@@ -162,11 +174,19 @@ class LockstepEngine(Engine):
         return report
 
 
+def lockstep_at_world_size_one(cfg: WorkerConfig) -> bool:
+    """One rank runs the lockstep engine (process groups, torch expert dispatch) when
+    ``torch.distributed`` is initialised and the config asks for ``expert_backend: torch``."""
+    import torch.distributed as dist
+    return cfg.parallel.world_size == 1 and cfg.parallel.expert_backend == "torch" and dist.is_initialized()
+
+
 def make_engine(cfg: WorkerConfig, recorder: Recorder, *, rank: int = 0, rendezvous=None) -> Engine:
-    """The engine for this rank: :class:`Engine` at world size 1, else the lockstep engine
-    with its process groups, rendezvous and phase-owned expert dispatchers."""
+    """The engine for this rank: :class:`Engine` at world size 1 (unless
+    :func:`lockstep_at_world_size_one`), else the lockstep engine with its process groups,
+    rendezvous and phase-owned expert dispatchers."""
     g = cfg.parallel.world_size
-    if g == 1:
+    if g == 1 and not lockstep_at_world_size_one(cfg):
         if cfg.scheduler.policy == "mixed-chunked":
             from .mixed import MixedChunkedEngine
             return MixedChunkedEngine(cfg, recorder, rendezvous=rendezvous, rank=rank)
@@ -177,6 +197,7 @@ def make_engine(cfg: WorkerConfig, recorder: Recorder, *, rank: int = 0, rendezv
     from ..comm.experts.base import PhaseDispatchers
     from ..comm.topology import EP_D, EP_P, Topology, build_process_groups
     from ..launch import get_store
+    from ..multirank.backend import check_backend, data_backend_for, group_backend
     from ..phase import Phase
     from ..turnstile.dist_rendezvous import detect_same_host, make_rendezvous
 
@@ -190,14 +211,22 @@ def make_engine(cfg: WorkerConfig, recorder: Recorder, *, rank: int = 0, rendezv
     if pc.expert_parallel not in (1, g):
         raise ConfigError("the lockstep engine needs expert_parallel 1 or world_size (ETP = 1 or g)")
     topo = Topology.from_config(pc, rank)
-    cuda = cfg.device.device == "cuda" or (cfg.device.device == "auto" and torch.cuda.is_available())
-    groups = build_process_groups(topo, "nccl" if cuda else "gloo", control_timeout_s=pc.rendezvous_timeout_s,
+    backend = check_backend(data_backend_for(cfg.device.device))    # cuda -> nccl, cpu -> gloo
+    cuda = backend == "nccl"
+    if cuda:
+        if g > 1 and torch.cuda.device_count() > 1:
+            raise ConfigError(
+                f"rank {rank}: the lockstep engine's CUDA device is always cuda:0 (Engine builds its device "
+                f"without an index), so {g} ranks on a host with {torch.cuda.device_count()} visible GPUs would "
+                f"share one GPU; start each rank with CUDA_VISIBLE_DEVICES set to its own GPU")
+        torch.cuda.set_device(0)                    # the engine's device: NCCL communicators bind to it
+    groups = build_process_groups(topo, backend, control_timeout_s=pc.rendezvous_timeout_s,
                                   data_timeout_s=pc.rendezvous_timeout_s)
     store = get_store()
     same = detect_same_host(store, rank, g, timeout_s=pc.rendezvous_timeout_s)
     rdv = rendezvous or make_rendezvous(pc, topo, same_host=same, group=groups["control"], store=store)
     dispatchers = None
-    if pc.expert_parallel > 1:
+    if pc.expert_parallel > 1 or pc.expert_backend == "torch":
         mc, sc = cfg.model, cfg.scheduler
         dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         if pc.expert_backend == "deepep":
@@ -210,4 +239,8 @@ def make_engine(cfg: WorkerConfig, recorder: Recorder, *, rank: int = 0, rendezv
                                     max_tokens=sc.max_prefill_tokens, **common),
             TorchAllToAllDispatcher(Phase.DECODE, groups[EP_D], topo.ep_rank, pc.expert_parallel, mc.num_experts,
                                     max_tokens=sc.max_decode_batch, **common))
-    return LockstepEngine(cfg, recorder, rendezvous=rdv, rank=rank, world_size=g, dispatchers=dispatchers)
+    eng = LockstepEngine(cfg, recorder, rendezvous=rdv, rank=rank, world_size=g, dispatchers=dispatchers)
+    eng.group_backends = {name: group_backend(pg) for name, pg in groups.items() if name != "world"}
+    recorder.event("process_groups", backends=eng.group_backends, rendezvous=getattr(rdv, "kind", type(rdv).__name__),
+                   expert_dispatch="torch all-to-all" if dispatchers is not None else "local")
+    return eng
