@@ -63,8 +63,10 @@ class Engine:
         self.rendezvous = rendezvous
         self.policy = cfg.scheduler.policy
         dc = cfg.device
+        # NOTE: on CUDA the engine takes the current device (a lockstep rank set it to its local GPU)
+        cuda_index = torch.cuda.current_device() if dc.device != "cpu" and torch.cuda.is_available() else 0
         self.device: Device = make_device(dc.device, recorder, residency_slots=dc.residency_slots,
-                                          threads_per_stream=dc.cpu_threads_per_stream)
+                                          threads_per_stream=dc.cpu_threads_per_stream, index=cuda_index)
         if self.device.kind == "cpu":
             torch.set_num_threads(dc.cpu_threads_per_stream)
         num_blocks = cfg.cache.num_blocks or self._blocks_from_memory()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 from ..config import WorkerConfig
 from ..errors import ConfigError
@@ -214,12 +215,8 @@ def make_engine(cfg: WorkerConfig, recorder: Recorder, *, rank: int = 0, rendezv
     backend = check_backend(data_backend_for(cfg.device.device))    # cuda -> nccl, cpu -> gloo
     cuda = backend == "nccl"
     if cuda:
-        if g > 1 and torch.cuda.device_count() > 1:
-            raise ConfigError(
-                f"rank {rank}: the lockstep engine's CUDA device is always cuda:0 (Engine builds its device "
-                f"without an index), so {g} ranks on a host with {torch.cuda.device_count()} visible GPUs would "
-                f"share one GPU; start each rank with CUDA_VISIBLE_DEVICES set to its own GPU")
-        torch.cuda.set_device(0)                    # the engine's device: NCCL communicators bind to it
+        local = int(os.environ.get("LOCAL_RANK", rank)) % max(1, torch.cuda.device_count())
+        torch.cuda.set_device(local)                # the engine's device: NCCL communicators bind to it
     groups = build_process_groups(topo, backend, control_timeout_s=pc.rendezvous_timeout_s,
                                   data_timeout_s=pc.rendezvous_timeout_s)
     store = get_store()
