@@ -167,6 +167,15 @@ class Engine:
         ev, self._changed = self._changed, asyncio.Event()
         ev.set()
 
+    async def _changed_or(self, timeout_s: float) -> None:
+        """Wait until something is notified or ``timeout_s`` passes (a bounded, non-spinning poll)."""
+        ev = self._changed
+        try:
+            async with asyncio.timeout(timeout_s):
+                await ev.wait()
+        except TimeoutError:
+            pass
+
     async def _wait_for(self, pred: Callable[[], bool]) -> None:
         while not pred():
             await self._changed.wait()

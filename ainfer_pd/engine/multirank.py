@@ -32,6 +32,8 @@ from .engine import TURNSTILE_POLICIES, Engine
 log = logging.getLogger("ainfer_pd.multirank")
 
 IDLE_BACKOFF_S = 0.002
+STEP_POLL_S = 0.0005
+"""Longest a step waits for a local change while a P epoch runs elsewhere or exclusively."""
 
 
 class LockstepEngine(Engine):
@@ -112,10 +114,13 @@ class LockstepEngine(Engine):
                 if not any_running:
                     await asyncio.sleep(IDLE_BACKOFF_S)
                 else:
-                    await asyncio.sleep(0)
+                    await self._changed_or(STEP_POLL_S)
                 continue
             if any_running and self._exclusive_epoch:
-                await asyncio.sleep(0)               # strict P priority: D waits for the epoch (everywhere)
+                # strict P priority: D waits for the epoch (everywhere). NOTE: never a bare sleep(0)
+                # here: at world size 1 the step rendezvous is immediate, and a spinning loop holds
+                # the GIL against the stream threads that launch the epoch's kernels.
+                await self._changed_or(STEP_POLL_S)
                 continue
             await self._decode_iteration()
 
