@@ -8,6 +8,7 @@ a token's KV lives in slot ``block * block_size + offset``.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -106,6 +107,31 @@ def _causal_prefill(q: Tensor, k: Tensor, v: Tensor, cached: int) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[-2], k.shape[-2]))
 
 
+_EAGER_DECODE_KERNEL = {"efficient": True}
+
+
+def _decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, groups: int) -> Tensor:
+    """q [B, H, 1, hd] over k/v [B, Hk, L, hd] with keys ``mask`` [B, L] -> [B, H, 1, hd].
+
+    Inside a CUDA-graph capture the SDPA dispatcher chooses (the graph fixes the shapes, so a
+    cuDNN plan is built once, at capture). Eager decode on CUDA (mixed batches, rows longer
+    than the graphs) has a new (B, L) almost every step: it calls the memory-efficient kernel
+    directly with an additive bias, so no per-shape cuDNN plan is built inside the step. If
+    that kernel refuses the inputs, the dispatcher is used from then on (logged once).
+    """
+    if (_flash_ok(q) and _EAGER_DECODE_KERNEL["efficient"] and not torch.cuda.is_current_stream_capturing()):
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        bias = bias[:, None, None, :].expand(-1, q.shape[1], 1, -1).contiguous()     # [B, H, 1, L]
+        try:
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                q, _expand_kv(k, groups), _expand_kv(v, groups), bias, False)[0]
+        except RuntimeError as exc:  # pragma: no cover - GPU host only
+            _EAGER_DECODE_KERNEL["efficient"] = False
+            logging.getLogger("ainfer_pd.attention").warning(
+                "memory-efficient decode kernel refused (%s); eager decode uses the SDPA dispatcher", exc)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], enable_gqa=True)
+
+
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, fb: ForwardBatch) -> Tensor:
     """Write the new K/V into the cache, then attend.
 
@@ -130,6 +156,5 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, fb: ForwardBatc
         kd = kc.index_select(0, flat).view(B, L, *kc.shape[1:]).transpose(1, 2)   # [B, Hk, L, hd]
         vd = vc.index_select(0, flat).view(B, L, *vc.shape[1:]).transpose(1, 2)
         mask = (torch.arange(L, device=q.device).unsqueeze(0) < d.ctx_lens.unsqueeze(1))  # [B, L]
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask[:, None, None, :], enable_gqa=True)
-        out[n_p:] = o.squeeze(2)
+        out[n_p:] = _decode_attention(qd, kd, vd, mask, groups).squeeze(2)
     return out
