@@ -69,3 +69,34 @@ def test_expert_parallel_greedy_outputs_equal_the_single_rank_run(world_size, po
             got[r + j * world_size] = o
     assert [[t for t, _ in traj] for traj in got] == [[t for t, _ in traj] for traj in ref]
     assert [[c for _, c in traj] for traj in got] == [[c for _, c in traj] for traj in ref]
+
+
+# ---------------------------------------------------------------- the step loop does not spin
+async def _steps_during_exclusive_epochs(rank: int, world_size: int):
+    import time
+
+    from ainfer_pd.multirank_replay import multirank_config
+    # normal policy: D waits for every epoch; P made slow (20 ms per layer's counts)
+    cfg = multirank_config(tiny_cfg(**{"scheduler.policy": "normal", "faults": {"slow_counts_ms": 20.0}}), 1)
+    rng = random.Random(5)
+    async with RolloutWorker(cfg) as w:
+        eng = w.engine
+        long = asyncio.create_task(w.generate(rand_ids(rng, 16), SamplingParams(max_new_tokens=40, temperature=0.0,
+                                                                               ignore_eos=True)))
+        await asyncio.sleep(0.05)
+        s0, t0 = eng.num_steps, time.perf_counter()
+        for _ in range(3):          # epochs while a decode row exists: the step loop waits them out
+            await w.generate(rand_ids(rng, 24), SamplingParams(max_new_tokens=1, temperature=0.0))
+        steps, dt = eng.num_steps - s0, time.perf_counter() - t0
+        await long
+    return steps, dt
+
+
+@pytest.mark.timeout(180)
+def test_lockstep_step_loop_waits_instead_of_spinning_during_an_exclusive_epoch():
+    """At world size 1 the step rendezvous is immediate; a sleep(0) loop ran tens of thousands of
+    steps per second there (holding the GIL against the stream threads). The bounded wait keeps
+    it near one step per 0.5 ms at most."""
+    steps, dt = run_ranks(_steps_during_exclusive_epochs, 1, timeout_s=150)[0]
+    assert dt > 0.2                               # three epochs of 4 layers x 20 ms each, at least
+    assert steps / dt < 3000, f"{steps} steps in {dt:.2f} s: the step loop spins"
