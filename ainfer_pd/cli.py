@@ -76,6 +76,8 @@ def _add_workload_args(p: argparse.ArgumentParser, *, preset: str) -> None:
     g.add_argument("--max-context", type=int, help="truncate conversations to this context (default: the model's)")
     g.add_argument("--time-scale", type=float, help="multiply every tool wait (on top of the cell factor)")
     g.add_argument("--seed", type=int, default=0, help="trace and prompt seed (same for every policy)")
+    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value (YAML value), e.g. --set device.high_priority_stream=P; repeatable")
     g.add_argument("--span", choices=("1", "2", "3", "4", "auto"), help="turnstile span of fine-grained runs")
     g.add_argument("--out", metavar="DIR", help="write results.json, runs.jsonl and plots here")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -96,9 +98,20 @@ def resolve_config_path(path: str) -> Path:
     raise ConfigError(f"config file not found: {path}")
 
 
-def load_config(path: str):
+def load_config(path: str, overrides: list[str] | None = None):
+    """The YAML config at ``path`` with ``KEY=VALUE`` overrides (values parsed as YAML)."""
+    import yaml
+
     from .config import WorkerConfig
-    return WorkerConfig.from_yaml(resolve_config_path(path))
+    from .errors import ConfigError
+    cfg = WorkerConfig.from_yaml(resolve_config_path(path))
+    kv = {}
+    for item in overrides or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. device.high_priority_stream=P")
+        kv[key.strip()] = yaml.safe_load(value)
+    return cfg.replace(**kv) if kv else cfg
 
 
 def _opt(args: argparse.Namespace, name: str) -> Any:
@@ -156,7 +169,7 @@ def _run_comparison(args: argparse.Namespace, *, policies: list[str], cells: lis
     ws = _check_world_size(args)
     if ws is not None:
         return ws
-    cfg = load_config(args.config)
+    cfg = load_config(args.config, getattr(args, "set", None))
     trace = build_trace(args, cfg)
     variants = bench.make_variants(policies, span=args.span, spans=spans)
     time_scale = _opt(args, "time_scale")

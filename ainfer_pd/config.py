@@ -200,6 +200,10 @@ class DeviceConfig:
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     graph_max_context: int = 8192
     """CUDA: context length the captured decode graphs cover (longer rows run eager)."""
+    high_priority_stream: str = "none"
+    """CUDA: none | P | D. The named phase's stream gets the device's highest stream priority,
+    so its kernels are scheduled first when both phases have work queued (P: first-token
+    latency; D: decode iteration time). Equal priority by default."""
     warmup_prefill: bool = True
     """CUDA: at start, run P passes of 16 .. max_prefill_tokens tokens (first turn and
     continuation) on the P stream, so first-use kernel loading and GEMM selection do not land
@@ -208,6 +212,8 @@ class DeviceConfig:
     def validate(self) -> None:
         if self.device not in ("cpu", "cuda", "auto"):
             raise ConfigError(f"device.device={self.device!r}: expected cpu | cuda | auto")
+        if self.high_priority_stream not in ("none", "P", "D"):
+            raise ConfigError(f"device.high_priority_stream={self.high_priority_stream!r}: expected none | P | D")
         _positive(self, "cpu_threads_per_stream", "residency_slots", "graph_max_context")
         if not self.graph_batch_sizes or sorted(self.graph_batch_sizes) != list(self.graph_batch_sizes):
             raise ConfigError("device.graph_batch_sizes must be a non-empty ascending list")

@@ -64,3 +64,16 @@ def test_one_h200_is_paper_shaped_and_fits():
     assert cfg.parallel.world_size == 1 and not cfg.parallel.crossed
     weight_bytes = m.num_params * 2
     assert weight_bytes < 0.5 * 141e9, "weights must leave the H200 room for KV and activations"
+
+
+def test_cli_set_overrides_and_stream_priority_validation():
+    from ainfer_pd.cli import load_config
+    from ainfer_pd.errors import ConfigError
+    cfg = load_config("configs/h200-bench.yaml", ["device.high_priority_stream=P", "scheduler.max_decode_batch=64"])
+    assert cfg.device.high_priority_stream == "P" and cfg.scheduler.max_decode_batch == 64
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        load_config("configs/h200-bench.yaml", ["device.high_priority_stream"])
+    with pytest.raises(ConfigError, match="unknown config key"):
+        load_config("configs/h200-bench.yaml", ["device.no_such_key=1"])
+    with pytest.raises(ConfigError, match="high_priority_stream"):
+        load_config("configs/h200-bench.yaml", ["device.high_priority_stream=X"])

@@ -150,9 +150,10 @@ class CudaDevice(Device):
 
     kind = "cuda"
 
-    def __init__(self, recorder: Recorder, index: int = 0) -> None:
+    def __init__(self, recorder: Recorder, index: int = 0, high_priority_stream: str = "none") -> None:
         super().__init__(recorder)
         self.index = index
+        self.high_priority_stream = high_priority_stream
         torch.cuda.set_device(index)
         self._cuda_streams: dict[str, torch.cuda.Stream] = {}
         self._unnoted: dict[str, list[Work]] = {}      # launched items whose interval is not recorded yet
@@ -168,7 +169,9 @@ class CudaDevice(Device):
 
     def cuda_stream(self, name: str) -> torch.cuda.Stream:
         if name not in self._cuda_streams:
-            self._cuda_streams[name] = torch.cuda.Stream(device=self.index)
+            # lower number = higher priority; priority_range() is (lowest, highest)
+            prio = torch.cuda.Stream.priority_range()[1] if name == self.high_priority_stream else 0
+            self._cuda_streams[name] = torch.cuda.Stream(device=self.index, priority=prio)
         return self._cuda_streams[name]
 
     def _execute(self, stream: Stream, work: Work, fn: Callable, args: tuple) -> Any:
@@ -201,12 +204,12 @@ class CudaDevice(Device):
 
 
 def make_device(kind: str, recorder: Recorder, *, residency_slots: int = 2, threads_per_stream: int = 1,
-                index: int = 0) -> Device:
+                index: int = 0, high_priority_stream: str = "none") -> Device:
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda":
         if not torch.cuda.is_available():
             from ..errors import BackendUnavailableError
             raise BackendUnavailableError("device.device=cuda but CUDA is not available on this host")
-        return CudaDevice(recorder, index)
+        return CudaDevice(recorder, index, high_priority_stream)
     return CpuDevice(recorder, residency_slots=residency_slots, threads_per_stream=threads_per_stream)
