@@ -204,12 +204,13 @@ class CudaDevice(Device):
 
 
 def make_device(kind: str, recorder: Recorder, *, residency_slots: int = 2, threads_per_stream: int = 1,
-                index: int = 0, high_priority_stream: str = "none") -> Device:
+                index: int | None = None, high_priority_stream: str = "none") -> Device:
+    """``index`` None: the current CUDA device (a lockstep rank has set it to its local GPU)."""
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda":
         if not torch.cuda.is_available():
             from ..errors import BackendUnavailableError
             raise BackendUnavailableError("device.device=cuda but CUDA is not available on this host")
-        return CudaDevice(recorder, index, high_priority_stream)
+        return CudaDevice(recorder, torch.cuda.current_device() if index is None else index, high_priority_stream)
     return CpuDevice(recorder, residency_slots=residency_slots, threads_per_stream=threads_per_stream)

@@ -63,10 +63,8 @@ class Engine:
         self.rendezvous = rendezvous
         self.policy = cfg.scheduler.policy
         dc = cfg.device
-        # NOTE: on CUDA the engine takes the current device (a lockstep rank set it to its local GPU)
-        cuda_index = torch.cuda.current_device() if dc.device != "cpu" and torch.cuda.is_available() else 0
         self.device: Device = make_device(dc.device, recorder, residency_slots=dc.residency_slots,
-                                          threads_per_stream=dc.cpu_threads_per_stream, index=cuda_index,
+                                          threads_per_stream=dc.cpu_threads_per_stream,
                                           high_priority_stream=dc.high_priority_stream)
         if self.device.kind == "cpu":
             torch.set_num_threads(dc.cpu_threads_per_stream)

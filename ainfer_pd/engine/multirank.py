@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 
 from ..config import WorkerConfig
 from ..errors import ConfigError
@@ -203,7 +202,7 @@ def make_engine(cfg: WorkerConfig, recorder: Recorder, *, rank: int = 0, rendezv
     from ..comm.experts.base import PhaseDispatchers
     from ..comm.topology import EP_D, EP_P, Topology, build_process_groups
     from ..launch import get_store
-    from ..multirank.backend import check_backend, data_backend_for, group_backend
+    from ..multirank.backend import check_backend, data_backend_for, group_backend, local_cuda_index
     from ..phase import Phase
     from ..turnstile.dist_rendezvous import detect_same_host, make_rendezvous
 
@@ -220,8 +219,7 @@ def make_engine(cfg: WorkerConfig, recorder: Recorder, *, rank: int = 0, rendezv
     backend = check_backend(data_backend_for(cfg.device.device))    # cuda -> nccl, cpu -> gloo
     cuda = backend == "nccl"
     if cuda:
-        local = int(os.environ.get("LOCAL_RANK", rank)) % max(1, torch.cuda.device_count())
-        torch.cuda.set_device(local)                # the engine's device: NCCL communicators bind to it
+        torch.cuda.set_device(local_cuda_index())   # the engine's device: NCCL communicators bind to it
     groups = build_process_groups(topo, backend, control_timeout_s=pc.rendezvous_timeout_s,
                                   data_timeout_s=pc.rendezvous_timeout_s)
     store = get_store()

@@ -65,8 +65,9 @@ class ModelRunner:
             q0 = len(ids)
             ids.extend(turn.context[start:start + n])
             pos.extend(range(start, start + n))
-            write.append(self.kv.slots(turn.tid, start, start + n))
-            seqs.append(PrefillSeq(q0, n, start + n, self.kv.slots(turn.tid, 0, start + n).to(self.device)))
+            keys = self.kv.slots(turn.tid, 0, start + n)          # every key; the new ones are written
+            write.append(keys[start:])
+            seqs.append(PrefillSeq(q0, n, start + n, keys.to(self.device)))
             if start + n == len(turn.context):       # prompt complete: its last row gives the first token
                 rows.append(q0 + n - 1)
                 logit_turns.append(turn)
@@ -84,7 +85,7 @@ class ModelRunner:
                 rows.append(len(ids) - 1)
                 logit_turns.append(t)
             table = self.kv.block_table([t.tid for t in decode], nb)
-            decode_meta = DecodeMeta(None, torch.tensor(lens, dtype=torch.int64).to(self.device),
+            decode_meta = DecodeMeta(None, torch.tensor(lens, dtype=torch.int64, device=self.device),
                                      block_table=table.to(self.device), block_size=bs)
         if host_write:
             write.append(torch.tensor(host_write, dtype=torch.int64))
