@@ -75,6 +75,9 @@ from .ordering import (
 __all__ = ["HarnessOutcome", "HarnessSpec", "expected_rounds", "harness_rank", "run_harness"]
 
 
+SKEW_MODES = ("random", "fixed", "crossed")
+
+
 @dataclass(frozen=True)
 class HarnessSpec:
     """One harness run (picklable; identical on every rank)."""
@@ -105,7 +108,11 @@ class HarnessSpec:
     over the gloo control group, also at world size 1)."""
     skew_ms: float = 0.0
     skew_mode: str = "random"
-    """random: uniform(0, skew_ms) before every launch; fixed: odd ranks sleep skew_ms."""
+    """random: uniform(0, skew_ms) before every launch; fixed: odd ranks sleep skew_ms;
+    crossed: the adversarial start - ranks with even ``dp_rank + tp_rank`` delay their first D
+    launch by skew_ms, the others their first P launch, so neighbours in every group reach
+    their first collectives in opposite phase orders (with ``none`` and one residency slot the
+    SPEC 2 cycle forms deterministically, whatever the host's timing)."""
     jitter_ms: float = 1.0
     """Natural launch jitter: uniform(0, jitter_ms) before every launch."""
     phase_offset_ms: float = 3.0
@@ -127,8 +134,8 @@ class HarnessSpec:
         :class:`BackendUnavailableError` when this host cannot run ``backend``."""
         check_ordering(self.ordering)
         check_backend(self.backend, need_runtime=need_runtime)
-        if self.skew_mode not in ("random", "fixed"):
-            raise ConfigError(f"skew_mode must be random|fixed, got {self.skew_mode!r}")
+        if self.skew_mode not in SKEW_MODES:
+            raise ConfigError(f"skew_mode must be {'|'.join(SKEW_MODES)}, got {self.skew_mode!r}")
         if self.rendezvous not in ("auto", "gloo"):
             raise ConfigError(f"rendezvous must be auto|gloo, got {self.rendezvous!r}")
         min_slots = 0 if self.backend == "nccl" else 1
@@ -227,6 +234,9 @@ class _Run:
         off = spec.phase_offset_ms / 1e3
         self.p_offset, self.d_offset = (off, 0.0) if rep % 2 == 0 else (0.0, off)
         self._rng = {s: random.Random(f"{spec.seed}/{rank}/{s}") for s in ("P", "D")}
+        # skew_mode "crossed": the phase this rank launches second (once)
+        self._second_phase = "D" if (topo.dp_rank + topo.tp_rank) % 2 == 0 else "P"
+        self._skewed: set[str] = set()
         g = torch.Generator().manual_seed(spec.seed * 1000 + rank)
         m = spec.matmul
         tdev = self.dev.torch_device
@@ -261,6 +271,10 @@ class _Run:
         if s.skew_ms > 0:
             if s.skew_mode == "random":
                 d += rng.uniform(0.0, s.skew_ms) / 1e3
+            elif s.skew_mode == "crossed":
+                if stream == self._second_phase and stream not in self._skewed:
+                    self._skewed.add(stream)
+                    d += s.skew_ms / 1e3
             elif self.rank % 2 == 1:
                 d += s.skew_ms / 1e3
         if d > 0:
