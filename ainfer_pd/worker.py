@@ -49,6 +49,7 @@ class RolloutWorker:
         self._closed = False
         self._failure: BaseException | None = None
         self._sleeping = False
+        self._weights_lock = asyncio.Lock()
 
     @property
     def model(self) -> torch.nn.Module:
@@ -276,15 +277,43 @@ class RolloutWorker:
                 best = (tid, m)
         return best
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """In-place copy of (name, tensor) pairs; all-or-nothing (names, shapes, dtypes and
         finiteness are checked before anything is written). Any floating dtype and any device
         is accepted and converted to the parameter's (e.g. a trainer's float32 master weights
         into a bf16 worker). The parameters keep their storage, so captured CUDA graphs replay
-        with the new values. Waits for device work in flight before writing."""
+        with the new values. Returns the number of tensors written.
+
+        Never blocks the event loop: every stream of the device is parked at a FIFO point
+        (:meth:`Stream.hold`: work submitted later waits there), work launched before it is
+        awaited (CUDA: a device synchronize, in the copy thread), then the checks and copies
+        run in a thread. Trajectories in flight keep their place and read the new weights from
+        their next stream item on (the verl server drains requests first for a clean cut). One
+        update at a time. Cancelled, it lets a copy already started finish (or reject) before
+        the streams move again - never half-written weights - and re-raises."""
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        async with self._weights_lock:
+            holds = [s.hold("weights") for s in list(self.engine.device.streams.values())]
+            copy: asyncio.Future | None = None
+            try:
+                await asyncio.gather(*(asyncio.wrap_future(h.reached) for h in holds))
+                copy = loop.run_in_executor(None, self._apply_weights, named_tensors)
+                return await asyncio.shield(copy)
+            except asyncio.CancelledError:
+                while copy is not None and not copy.done():
+                    try:
+                        await asyncio.wait([copy])
+                    except asyncio.CancelledError:   # cancelled again: the copy still must end first
+                        continue
+                raise
+            finally:
+                for h in holds:
+                    h.release()
+
+    def _apply_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """The copy thread of :meth:`update_weights` (every stream is parked)."""
         dev = self.engine.device
-        for s in dev.streams.values():            # drain submitted work: FIFO barrier per stream
-            s.submit(lambda: None, label="barrier").enqueued().result()
         if dev.kind == "cuda":
             # launched kernels (graph replays, unawaited P segments) may still read the weights
             # on the P/D streams, which do not order with the stream the copies run on

@@ -164,12 +164,12 @@ async def test_update_weights_changes_outputs_and_rejects_bad_tensors(worker, cf
     before = await worker.generate(p, SamplingParams(max_new_tokens=8, **GREEDY))
     new = build_model(dataclasses.replace(cfg.model, seed=123))
     with pytest.raises(WeightUpdateError):
-        worker.update_weights([("layers.0.wo", torch.zeros(3, 3))])
+        await worker.update_weights([("layers.0.wo", torch.zeros(3, 3))])
     with pytest.raises(WeightUpdateError):
-        worker.update_weights([("nope", torch.zeros(3))])
+        await worker.update_weights([("nope", torch.zeros(3))])
     same = await worker.generate(p, SamplingParams(max_new_tokens=8, **GREEDY))
     assert same.token_ids == before.token_ids          # a rejected update leaves weights intact
-    worker.update_weights(new.named_parameters())
+    await worker.update_weights(new.named_parameters())
     after = await worker.generate(p, SamplingParams(max_new_tokens=8, **GREEDY))
     ref = recompute_greedy(new, cfg, p, 8)[0]
     assert after.token_ids == ref != before.token_ids

@@ -141,16 +141,16 @@ async def test_update_weights_converts_fp32_into_a_bf16_worker_in_place():
         ptrs = {n: p.data_ptr() for n, p in params.items()}
         g = torch.Generator().manual_seed(0)
         new = {n: p.float() + 1e-3 * torch.randn(p.shape, generator=g) for n, p in params.items()}
-        assert w.update_weights(new.items()) == len(params)
+        assert await w.update_weights(new.items()) == len(params)
         for n, p in w.model.named_parameters():                   # rounded to bf16, same storage
             assert p.dtype == BF16 and p.data_ptr() == ptrs[n] and torch.equal(p, new[n].to(BF16)), n
         before = {n: p.clone() for n, p in params.items()}
         with pytest.raises(WeightUpdateError, match="shape"):
-            w.update_weights([("embed", new["embed"] + 1), ("lm_head", new["lm_head"][:, :-1])])
+            await w.update_weights([("embed", new["embed"] + 1), ("lm_head", new["lm_head"][:, :-1])])
         with pytest.raises(WeightUpdateError, match="unknown"):
-            w.update_weights([("embed", new["embed"] + 1), ("no.such.weight", new["embed"])])
+            await w.update_weights([("embed", new["embed"] + 1), ("no.such.weight", new["embed"])])
         with pytest.raises(WeightUpdateError, match="dtype"):
-            w.update_weights([("embed", new["embed"].long())])
+            await w.update_weights([("embed", new["embed"].long())])
         assert all(torch.equal(p, before[n]) for n, p in w.model.named_parameters())   # all-or-nothing
         out = await w.generate([2, 3, 70, 100, 200], SamplingParams(max_new_tokens=4, temperature=0.0))
         assert len(out.token_ids) == 4

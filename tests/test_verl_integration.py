@@ -264,7 +264,7 @@ async def test_update_weights_verl_generator_format(ray_cluster):
             async with RolloutWorker(WorkerConfig.from_yaml(TINY)) as w:
                 names = {n: p.detach().clone() for n, p in w.model.named_parameters()}
                 if new_weights is not None:
-                    w.update_weights(new_weights.items())
+                    await w.update_weights(new_weights.items())
                 out = await w.generate(prompt, SamplingParams(max_new_tokens=8, temperature=0.0, logprobs=True))
                 return names, out.token_ids
         return asyncio.run(run())

@@ -53,6 +53,28 @@ class Work:
         return self._event is None or self._event.query()
 
 
+class StreamHold:
+    """A stream parked at a FIFO point: ``reached`` resolves once every item submitted before
+    the hold has run (CPU) or been launched (CUDA); items submitted after it wait until
+    :meth:`release`. The parked launcher holds no residency slot (it bypasses ``_execute``),
+    so holding every stream of a device at once cannot deadlock it."""
+
+    __slots__ = ("stream", "label", "reached", "_release")
+
+    def __init__(self, stream: str, label: str) -> None:
+        self.stream = stream
+        self.label = label
+        self.reached: cf.Future = cf.Future()
+        self._release = threading.Event()
+
+    def release(self) -> None:
+        self._release.set()
+
+    @property
+    def released(self) -> bool:
+        return self._release.is_set()
+
+
 class Stream:
     def __init__(self, device: "Device", name: str) -> None:
         self.device = device
@@ -80,6 +102,23 @@ class Stream:
 
         self._pool.submit(run)
         return work
+
+    def hold(self, label: str = "hold") -> "StreamHold":
+        """Park this stream's launcher at a FIFO point (see :class:`StreamHold`); returns at once."""
+        h = StreamHold(self.name, label)
+        with self._lock:
+            self._pending += 1
+
+        def park() -> None:
+            try:
+                h.reached.set_result(None)
+                h._release.wait()
+            finally:
+                with self._lock:
+                    self._pending -= 1
+
+        self._pool.submit(park)
+        return h
 
     @property
     def num_pending(self) -> int:

@@ -129,7 +129,7 @@ class PolicyRun:
         st = await asyncio.to_thread(self._train, eps)                   # off the event loop
         t2 = time.perf_counter()
         named = await asyncio.to_thread(worker_weights, self.trainable, self.worker_dtype, self.device)
-        self.worker.update_weights(named)        # weight sync, every step: in place, waits for the device
+        await self.worker.update_weights(named)  # weight sync, every step: in place, off the loop, waits for the device
         t3 = time.perf_counter()
         ttfts = [x for e in eps for x in e.ttft_s]
         rec = {

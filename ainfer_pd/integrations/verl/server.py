@@ -484,7 +484,7 @@ class AInferPDServer:
         if not staged:
             return 0
         await self.wait_for_requests_to_drain()
-        self.worker.update_weights(staged)
+        await self.worker.update_weights(staged)
         await self.clear_kv_cache()
         if global_steps is not None:
             self.global_steps = global_steps
