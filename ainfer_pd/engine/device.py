@@ -70,10 +70,6 @@ class StreamHold:
     def release(self) -> None:
         self._release.set()
 
-    @property
-    def released(self) -> bool:
-        return self._release.is_set()
-
 
 class Stream:
     def __init__(self, device: "Device", name: str) -> None:
@@ -83,11 +79,23 @@ class Stream:
         self._pending = 0
         self._lock = threading.Lock()
 
+    def _post(self, item: Callable[[], None]) -> None:
+        """Queue ``item`` on the launcher thread (FIFO), counted in :attr:`num_pending` until it returns."""
+        with self._lock:
+            self._pending += 1
+
+        def run() -> None:
+            try:
+                item()
+            finally:
+                with self._lock:
+                    self._pending -= 1
+
+        self._pool.submit(run)
+
     def submit(self, fn: Callable[..., Any], *args: Any, label: str = "") -> Work:
         """Enqueue ``fn(*args)`` on this stream (FIFO); returns at once."""
         work = Work(self, label or getattr(fn, "__name__", "work"), self.device.recorder.now())
-        with self._lock:
-            self._pending += 1
 
         def run() -> None:
             try:
@@ -96,28 +104,19 @@ class Stream:
                 work._future.set_exception(exc)
             else:
                 work._future.set_result(result)
-            finally:
-                with self._lock:
-                    self._pending -= 1
 
-        self._pool.submit(run)
+        self._post(run)
         return work
 
     def hold(self, label: str = "hold") -> "StreamHold":
         """Park this stream's launcher at a FIFO point (see :class:`StreamHold`); returns at once."""
         h = StreamHold(self.name, label)
-        with self._lock:
-            self._pending += 1
 
         def park() -> None:
-            try:
-                h.reached.set_result(None)
-                h._release.wait()
-            finally:
-                with self._lock:
-                    self._pending -= 1
+            h.reached.set_result(None)
+            h._release.wait()
 
-        self._pool.submit(park)
+        self._post(park)
         return h
 
     @property
