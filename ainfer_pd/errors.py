@@ -81,6 +81,16 @@ class DistributedError(AInferPDError):
     """A distributed wait failed."""
 
 
+class CollectiveFailedError(DistributedError):
+    """A data collective failed in the transport (a peer of its group died, closed its
+    connection or failed); ``group_ranks`` lists the global ranks of that group (the transport
+    does not say which one is gone)."""
+
+    def __init__(self, message: str, *, group_ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.group_ranks = tuple(group_ranks)
+
+
 class RendezvousTimeout(DistributedError, TimeoutError):
     """A rendezvous did not complete in time; the message names the missing ranks."""
 

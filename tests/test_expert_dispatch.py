@@ -844,3 +844,35 @@ def test_deepep_rejects_fp32_activations_and_wrong_group_size(fake_deep_ep):
     n = disp.notify(idx)
     with pytest.raises(ConfigError):
         disp.dispatch(n, torch.zeros(2, 2048), idx, torch.ones(2, 2))
+
+
+def _rank_peer_dies(rank, world):
+    """One clean EP=2 round, then rank 1 exits; rank 0's next P dispatch meets the dead peer."""
+    import os
+
+    from ainfer_pd.errors import CollectiveFailedError
+    layer = make_layer()
+    pd = _make_torch_dispatchers(rank, world)
+    x, idx, w = make_batch(layer, 7 + rank, 12)
+    _max_err(pd.get(Phase.PREFILL), layer, x, idx, w)
+    torch.distributed.barrier()
+    if rank == 1:
+        os._exit(0)                                    # dies without closing anything
+    try:
+        _max_err(pd.get(Phase.PREFILL), layer, x, idx, w)
+    except CollectiveFailedError as exc:
+        return {"typed": True, "ranks": exc.group_ranks, "msg": str(exc), "cause": type(exc.__cause__).__name__}
+    except BaseException as exc:                       # noqa: BLE001 - the test reports what came
+        return {"typed": False, "msg": repr(exc)}
+    return {"typed": False, "msg": "no error"}
+
+
+def test_a_dead_peer_fails_the_expert_exchange_with_a_typed_error_naming_the_group():
+    """gloo raises a bare RuntimeError when a peer closed its connection; the dispatcher turns
+    it into CollectiveFailedError naming the phase, the exchange and the group's ranks."""
+    from tests._dist_util import run_ranks
+    res = run_ranks(_rank_peer_dies, 2, timeout_s=90, return_exceptions=True)
+    r0 = res[0]
+    assert r0["typed"], r0
+    assert r0["ranks"] == (0, 1) and "rank 0: P expert" in r0["msg"] and "[0, 1]" in r0["msg"], r0
+    assert r0["cause"].endswith("Error"), r0

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ...errors import ConfigError
+from ...errors import CollectiveFailedError, ConfigError
 from ...phase import Phase
 from .base import (BaseDispatcher, Dispatched, DoubleBufferIndex, LifetimeToken, Notified,
                    RecvCounts, expert_keys, make_event, make_stream, qp_slice)
@@ -122,6 +122,19 @@ class TorchAllToAllDispatcher(BaseDispatcher):
             yield
         cur.wait_stream(self.stream)
 
+    @contextlib.contextmanager
+    def _transport(self, what: str) -> Iterator[None]:
+        """Around the ``torch.distributed`` calls only: a transport failure (gloo / NCCL raise
+        RuntimeError subclasses when a peer dies or closes its connection) becomes a typed
+        :class:`CollectiveFailedError` naming this phase's group."""
+        try:
+            yield
+        except RuntimeError as exc:
+            ranks = tuple(dist.get_process_group_ranks(self.group))
+            raise CollectiveFailedError(
+                f"rank {dist.get_rank()}: {self.phase.value} expert {what} over ranks {list(ranks)} failed "
+                f"(a peer of the group died or failed): {exc}", group_ranks=ranks) from exc
+
     # ---- notify: counts exchange ----
     def _notify_impl(self, topk_idx: Tensor, seq: int,
                      tokens: tuple[LifetimeToken, ...]) -> Notified:
@@ -137,13 +150,15 @@ class TorchAllToAllDispatcher(BaseDispatcher):
             torch.sort(keys, stable=True, out=(self._sorted[:n], self._order[:n]))
             torch.div(self._order[:n], k, rounding_mode="floor", out=self._tok[:n])
             send_mat = self._send_counts[:E].view(ep, L)                        # [ep (dest), L]
-            work = dist.all_to_all_single(self._recv_counts, send_mat, group=self.group,
-                                          async_op=True)
+            with self._transport("counts all-to-all"):
+                work = dist.all_to_all_single(self._recv_counts, send_mat, group=self.group,
+                                              async_op=True)
         self._outstanding.append(work)
         _record(self.events["notify_done"])
 
         def wait() -> RecvCounts:
-            work.wait()
+            with self._transport("counts all-to-all"):
+                work.wait()
             with contextlib.suppress(ValueError):
                 self._outstanding.remove(work)
             recv = self._recv_counts.tolist()                                   # [ep][L] host
@@ -168,8 +183,9 @@ class TorchAllToAllDispatcher(BaseDispatcher):
             send_x = self._send_x[:S]
             torch.index_select(x, 0, self._tok[:S], out=send_x)                 # [S, D] by dest
             recv_x = self._recv_x[buf][:R]
-            dist.all_to_all_single(recv_x, send_x, output_split_sizes=list(counts.per_source),
-                                   input_split_sizes=send_splits, group=self.group)
+            with self._transport("dispatch all-to-all"):
+                dist.all_to_all_single(recv_x, send_x, output_split_sizes=list(counts.per_source),
+                                       input_split_sizes=send_splits, group=self.group)
             # (source, expert) blocks -> (expert, source) blocks
             flat = self._recv_counts.reshape(-1)                                # [ep * L]
             starts = torch.cumsum(flat, 0) - flat                               # recv-order starts
@@ -197,8 +213,9 @@ class TorchAllToAllDispatcher(BaseDispatcher):
             back = self._back[:R]
             back.index_copy_(0, self._gather[:R], expert_out)                   # recv order
             ret = self._ret[:S]
-            dist.all_to_all_single(ret, back, output_split_sizes=nt.impl["send_splits"],
-                                   input_split_sizes=list(nt.counts.per_source), group=self.group)
+            with self._transport("combine all-to-all"):
+                dist.all_to_all_single(ret, back, output_split_sizes=nt.impl["send_splits"],
+                                       input_split_sizes=list(nt.counts.per_source), group=self.group)
             pairs = self._pairs[: nt.impl["n"]]
             pairs.index_copy_(0, self._order[:S], ret)                          # (token, slot) order
             y = pairs.view(T, self.top_k, self.hidden)                          # [T, k, D]
@@ -210,7 +227,8 @@ class TorchAllToAllDispatcher(BaseDispatcher):
     def _drain_impl(self) -> None:
         """Wait for every outstanding collective of this phase's group (quiescent point)."""
         while self._outstanding:
-            self._outstanding.pop().wait()
+            with self._transport("counts all-to-all"):
+                self._outstanding.pop().wait()
         if self.device.type == "cuda":  # pragma: no cover - GPU host only
             self.stream.synchronize()
 
