@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelConfig
-from .attention import ForwardBatch, apply_rope, paged_attention, rope_cos_sin
+from .attention import AttentionBackend, ForwardBatch, paged_attention
+from .rope import apply_rope, rope_cos_sin
 from .moe import Routing, experts_local, route, swiglu_dense
 
 # An expert backend maps (x [T, D], routing, layer index) -> routed expert output [T, D].
@@ -65,6 +66,7 @@ class MoETransformer(nn.Module):
         self.layers = nn.ModuleList(MoELayer(c) for _ in range(c.num_layers))
         self.final_norm = nn.Parameter(torch.ones(c.hidden_size))
         self.lm_head = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size))
+        self.attn_backend: AttentionBackend | None = None   # None: the torch reference path
 
     # ------------------------------------------------------------------ init
     @torch.no_grad()
@@ -113,7 +115,7 @@ class MoETransformer(nn.Module):
             fb.rope = rope_cos_sin(fb.positions, hd, c.rope_theta, q.dtype)
         cos, sin = fb.rope                                                 # set by embed_tokens
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = paged_attention(q, k, v, kv, fb)                               # [T, H, hd]
+        o = paged_attention(q, k, v, kv, fb, self.attn_backend)                             # [T, H, hd]
         o = F.linear(o.reshape(T, H * hd), lyr.wo)                         # [T, D]
         if attn_reduce is not None:
             o = attn_reduce(o)

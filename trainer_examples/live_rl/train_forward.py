@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ainfer_pd.engine.attention import apply_rope, rope_cos_sin
+from ainfer_pd.engine.rope import apply_rope, rope_cos_sin
 from ainfer_pd.engine.model import MoETransformer, rms_norm
 from ainfer_pd.engine.moe import route, swiglu_dense
 

@@ -1,0 +1,149 @@
+"""What one forward pass carries: the flat batch and its attention metadata.
+
+Shape legend: T = new tokens in the batch, B = decode rows, L = padded key length,
+NB = blocks per row, S = prefill sequences, NT = prefill query tiles.
+
+A token's KV lives in cache slot ``block * block_size + offset``. Prefill sequences come
+first in the flat batch, decode rows (one new token each) after them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass(slots=True)
+class PrefillSeq:
+    """One sequence's new tokens inside a flat batch.
+
+    ``key_slots`` lists the cache slot of every key (the reference path gathers them);
+    ``block_ids`` lists the sequence's KV blocks in position order (the paged kernels read
+    the cache through them). Either may be derived from the other (see :func:`slots_of_blocks`).
+    """
+
+    q_start: int          # first row of this sequence in the flat batch
+    q_len: int            # new tokens
+    ctx_len: int          # keys after this step (cached + new)
+    key_slots: Tensor | None = None    # [ctx_len] cache slot of every key, in position order
+    block_ids: Tensor | None = None    # [>= ceil(ctx_len / block_size)] int64 block ids
+
+
+@dataclass(slots=True)
+class DecodeMeta:
+    """Decode rows (one new token each) at the end of the flat batch.
+
+    Either ``key_slots`` is given, or ``block_table`` (``[B, NB]`` block ids, padded with any
+    valid block) from which :meth:`resolve` derives ``key_slots`` on the device, inside a
+    captured graph too. The paged kernels read the block table directly and never resolve.
+    """
+
+    key_slots: Tensor | None  # [B, L] cache slot of every key (padded)
+    ctx_lens: Tensor          # [B] keys per row (including the new token)
+    block_table: Tensor | None = None   # [B, NB] int64
+    block_size: int = 0
+
+    def resolve(self) -> None:
+        """key_slots[b, j] = block_table[b, j // bs] * bs + j % bs (L = NB * bs); no host sync."""
+        if self.block_table is None or self.key_slots is not None:
+            return
+        bs = self.block_size
+        offs = torch.arange(bs, dtype=self.block_table.dtype, device=self.block_table.device)
+        B, nb = self.block_table.shape
+        self.key_slots = (self.block_table.unsqueeze(-1) * bs + offs).reshape(B, nb * bs)
+
+    @property
+    def max_keys(self) -> int:
+        """Padded key length L known on the host (no device sync)."""
+        if self.block_table is not None:
+            return int(self.block_table.shape[1]) * self.block_size
+        assert self.key_slots is not None
+        return int(self.key_slots.shape[1])
+
+
+@dataclass(slots=True)
+class PrefillMeta:
+    """Device-side varlen metadata of all prefill sequences of a pass (built once per pass).
+
+    Query tiles of ``tile_m`` rows: tile t covers rows ``tile_m[t] .. + BLOCK_M`` of sequence
+    ``tile_seq[t]``, so one kernel launch covers every sequence without a host loop.
+    """
+
+    q_start: Tensor       # [S] int32 first flat row
+    q_len: Tensor         # [S] int32
+    ctx_len: Tensor       # [S] int32 keys after this step
+    block_table: Tensor   # [S, NB] int32
+    tile_seq: Tensor      # [NT] int32
+    tile_m: Tensor        # [NT] int32 first query row of the tile, within its sequence
+    block_m: int
+    max_ctx: int
+
+
+def slots_of_blocks(block_ids: Tensor, block_size: int, n: int) -> Tensor:
+    """Cache slots of the first ``n`` positions of a sequence stored in ``block_ids``."""
+    offs = torch.arange(block_size, dtype=block_ids.dtype, device=block_ids.device)
+    return (block_ids.unsqueeze(-1) * block_size + offs).reshape(-1)[:n]
+
+
+def blocks_of_slots(key_slots: Tensor, block_size: int) -> Tensor:
+    """Block ids of a position-ordered, block-structured slot list (every ``block_size``-th slot)."""
+    return torch.div(key_slots[::block_size], block_size, rounding_mode="floor")
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """A flat batch: prefill sequences first, then decode rows."""
+
+    input_ids: Tensor                 # [T]
+    positions: Tensor                 # [T]
+    write_slots: Tensor               # [T] where each new token's KV is written
+    prefill: list[PrefillSeq] = field(default_factory=list)
+    decode: DecodeMeta | None = None
+    logits_rows: Tensor | None = None  # [R] rows whose logits are needed
+    rope: tuple[Tensor, Tensor] | None = None   # cos/sin of ``positions`` (computed once per pass)
+    block_size: int = 0               # KV block size (0: unknown, the paged kernels then refuse)
+    prefill_meta: PrefillMeta | None = None     # built by the paged backend on first use
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.q_len for s in self.prefill)
+
+    def build_prefill_meta(self, block_m: int) -> PrefillMeta:
+        """Host-built varlen metadata (one host-to-device copy per pass), cached on the batch."""
+        pm = self.prefill_meta
+        if pm is not None and pm.block_m == block_m:
+            return pm
+        bs = self.block_size
+        dev = self.input_ids.device
+        if bs <= 0:
+            raise ValueError("ForwardBatch.block_size is needed by the paged prefill kernel")
+        tables, starts, qlens, ctxs, tseq, tm = [], [], [], [], [], []
+        nb = max(-(-s.ctx_len // bs) for s in self.prefill)
+        for i, s in enumerate(self.prefill):
+            ids = s.block_ids
+            if ids is None:
+                assert s.key_slots is not None
+                ids = blocks_of_slots(s.key_slots, bs)
+            ids = ids.to("cpu", torch.int32)[:nb]
+            tables.append(torch.nn.functional.pad(ids, (0, nb - ids.numel())))
+            starts.append(s.q_start)
+            qlens.append(s.q_len)
+            ctxs.append(s.ctx_len)
+            for m in range(0, s.q_len, block_m):
+                tseq.append(i)
+                tm.append(m)
+        i32 = dict(dtype=torch.int32)
+        host = torch.cat([torch.tensor(starts, **i32), torch.tensor(qlens, **i32), torch.tensor(ctxs, **i32),
+                          torch.tensor(tseq, **i32), torch.tensor(tm, **i32), torch.stack(tables).reshape(-1)])
+        dv = host.to(dev, non_blocking=False)
+        S, NT = len(starts), len(tseq)
+        o = 0
+        parts = []
+        for n in (S, S, S, NT, NT):
+            parts.append(dv[o:o + n])
+            o += n
+        pm = PrefillMeta(parts[0], parts[1], parts[2], dv[o:].view(S, nb), parts[3], parts[4], block_m,
+                         max(ctxs))
+        self.prefill_meta = pm
+        return pm

@@ -1,0 +1,84 @@
+"""The torch reference attention backend: gathers the paged KV into dense copies and calls SDPA.
+
+It runs everywhere (the CPU path of CI) and is the oracle the paged kernels are checked
+against. Shape legend: T = new tokens, H = query heads, Hk = KV heads, hd = head dim,
+B = decode rows, L = padded key length, S = cache slots.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
+
+from .batch import ForwardBatch, slots_of_blocks
+
+
+def _expand_kv(t: Tensor, groups: int) -> Tensor:
+    """[.., Hk, L, hd] -> [.., H, L, hd] (explicit GQA expansion keeps SDPA on its fused kernels)."""
+    return t if groups == 1 else t.repeat_interleave(groups, dim=-3)
+
+
+def _flash_ok(q: Tensor) -> bool:
+    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0
+
+
+def _causal_prefill(q: Tensor, k: Tensor, v: Tensor, cached: int) -> Tensor:
+    """[1, H, q, hd] queries at positions cached..cached+q over [1, H, cached+q, hd] keys,
+    causal aligned to the end of the keys (lower right).
+
+    On CUDA (bf16/fp16) this calls the flash kernel directly: the SDPA dispatcher may pick the
+    cuDNN backend, which builds an execution plan for every new (q, k) length (0.5-1 s stalls
+    inside P epochs, measured on the H200), and prefill lengths change every epoch. Flash's
+    ``is_causal`` is lower-right aligned. Decode keeps the dispatcher: its graph shapes are fixed.
+    """
+    if _flash_ok(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal=True,
+                                                                  return_debug_mask=False)[0]
+    if cached == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[-2], k.shape[-2]))
+
+
+def _decode_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, groups: int) -> Tensor:
+    """q [B, H, 1, hd] over k/v [B, Hk, L, hd] with keys ``mask`` [B, L] -> [B, H, 1, hd].
+
+    On CUDA (bf16/fp16) this always calls the memory-efficient kernel with an additive bias,
+    eagerly and inside graph capture alike: the SDPA dispatcher would pick cuDNN, whose
+    per-shape plans stall eager steps and whose first use inside a capture invalidates it
+    (CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED, SPEC section 9).
+    """
+    if _flash_ok(q):
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        bias = bias[:, None, None, :].expand(-1, q.shape[1], 1, -1).contiguous()     # [B, H, 1, L]
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, _expand_kv(k, groups), _expand_kv(v, groups), bias, False)[0]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], enable_gqa=True)
+
+
+class TorchAttention:
+    """Reference backend: per-sequence gather + SDPA for prefill, gather + masked SDPA for decode."""
+
+    name = "torch"
+
+    def prefill(self, q: Tensor, kc: Tensor, vc: Tensor, fb: ForwardBatch, out: Tensor) -> None:
+        """Rows of every prefill sequence of ``fb``: q [T, H, hd] -> out [T, H, hd] (in place)."""
+        groups = q.shape[1] // kc.shape[1]
+        for s in fb.prefill:
+            slots = s.key_slots if s.key_slots is not None else slots_of_blocks(s.block_ids, fb.block_size, s.ctx_len)
+            qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1).unsqueeze(0)        # [1, H, q, hd]
+            ks = _expand_kv(kc.index_select(0, slots).transpose(0, 1), groups).unsqueeze(0)  # [1, H, ctx, hd]
+            vs = _expand_kv(vc.index_select(0, slots).transpose(0, 1), groups).unsqueeze(0)
+            out[s.q_start:s.q_start + s.q_len] = _causal_prefill(qs, ks, vs, s.ctx_len - s.q_len)[0].transpose(0, 1)
+
+    def decode(self, q: Tensor, kc: Tensor, vc: Tensor, fb: ForwardBatch) -> Tensor:
+        """Decode rows: q [B, H, hd] -> [B, H, hd]."""
+        d = fb.decode
+        d.resolve()
+        groups = q.shape[1] // kc.shape[1]
+        B, L = d.key_slots.shape
+        flat = d.key_slots.reshape(-1)
+        kd = kc.index_select(0, flat).view(B, L, *kc.shape[1:]).transpose(1, 2)   # [B, Hk, L, hd]
+        vd = vc.index_select(0, flat).view(B, L, *vc.shape[1:]).transpose(1, 2)
+        mask = (torch.arange(L, device=q.device).unsqueeze(0) < d.ctx_lens.unsqueeze(1))  # [B, L]
+        return _decode_sdpa(q.unsqueeze(2), kd, vd, mask, groups).squeeze(2)
