@@ -42,7 +42,8 @@ class ModelRunner:
         self.device = device
         self.kv = kv
         mc = cfg.model
-        self.model: MoETransformer = build_model(mc, device)
+        from .expert_parallel import expert_shard
+        self.model: MoETransformer = build_model(mc, device, experts=expert_shard(cfg))   # EP: this rank's experts
         slots = kv.alloc.num_blocks * kv.block_size
         # [layers, 2, S + 1, Hk, hd]; the last slot is scratch for padded graph rows
         self.scratch_slot = slots
@@ -107,8 +108,9 @@ class ModelRunner:
         return self.model.attn_route(layer, st, plan.fb, self.kv_cache[layer], self.attn_reduce)
 
     def notify(self, ctx: PhaseContext, st: SegmentState):
-        """Start the expert exchange of this layer (peers learn the shape); None without EP."""
-        return None if self.ep is None else self.ep.notify(ctx, st.routing)
+        """Start the expert exchange of this layer (peers learn the shape); None without EP
+        and for a dense layer (no routing: nothing is exchanged, on every rank alike)."""
+        return None if self.ep is None or st.routing is None else self.ep.notify(ctx, st.routing)
 
     def experts(self, layer: int, st: SegmentState, ctx: PhaseContext, notified=None) -> SegmentState:
         """Routed + shared experts; with EP the data moves now (after counts and permit)."""
