@@ -82,6 +82,23 @@ def randomize(model: torch.nn.Module, seed: int, scale: float = 1.0) -> None:
             p.copy_(r * (scale * 1.5 / fan_in ** 0.5))
 
 
+def per_expert(named):
+    """transformers 5's packed expert tensors (``mlp.experts.gate_up_proj`` [E, 2I, D],
+    ``mlp.experts.down_proj`` [E, D, I]) as the checkpoint's per-expert names; others unchanged."""
+    for n, t in named:
+        if n.endswith("mlp.experts.gate_up_proj"):
+            pre, I = n.removesuffix("gate_up_proj"), t.shape[1] // 2
+            for e in range(t.shape[0]):
+                yield f"{pre}{e}.gate_proj.weight", t[e, :I]
+                yield f"{pre}{e}.up_proj.weight", t[e, I:]
+        elif n.endswith("mlp.experts.down_proj"):
+            pre = n.removesuffix("down_proj")
+            for e in range(t.shape[0]):
+                yield f"{pre}{e}.down_proj.weight", t[e]
+        else:
+            yield n, t
+
+
 def save(model, path: Path) -> Path:
     model.save_pretrained(path, max_shard_size=SHARD)
     return path

@@ -150,7 +150,7 @@ class WeightStage:
         self.report.applied.append(name)
 
     def missing(self) -> set:
-        return self.table.required - self._covered.keys()
+        return self.table.sync_required - self._covered.keys()
 
     @torch.no_grad()
     def apply(self) -> int:
@@ -165,7 +165,7 @@ class WeightStage:
                 else:
                     what = ", ".join(sorted({u[0] for u in missing})[:5])
                 raise WeightUpdateError(f"incomplete weight sync: missing {what} ({len(missing)} of "
-                                        f"{len(self.table.required)} parts not given; nothing was written; "
+                                        f"{len(self.table.sync_required)} parts not given; nothing was written; "
                                         "pass partial=True to update a subset)")
         for region, src in self._plan:
             region.copy_(src)

@@ -63,6 +63,11 @@ class NameTable:
         self.own = {n: Target(n, (), tuple(p.shape), units=tuple(_units_of(model, n, p)))
                     for n, p in self.params.items()}
         self.required: set[Unit] = {u for t in self.own.values() for u in t.units}
+        """Units a checkpoint must fill."""
+        self.sync_required: set[Unit] = {u for u in self.required if not u[0].endswith(".router_bias")}
+        """Units a complete weight sync must fill: all but glm4_moe's ``e_score_correction_bias``,
+        a buffer that ``named_parameters()`` does not list (sent, e.g. in a ``state_dict()``, it is
+        applied; not sent, it keeps its value)."""
 
     def lookup(self, name: str) -> Target | None:
         t = self.hf.get(name)
