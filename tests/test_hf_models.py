@@ -110,3 +110,16 @@ def test_yaml_model_path_takes_config_json_and_its_overrides(hf_model_dir, tmp_p
     cfg = WorkerConfig.from_yaml(y)
     assert cfg.model.architecture == "qwen3_moe" and cfg.model.dtype == "bfloat16" and cfg.model.hidden_size == 64
     assert WorkerConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_cli_replay_and_bench_run_a_hugging_face_directory(hf_model_dir, capsys):
+    from ainfer_pd import cli
+    d = str(hf_model_dir("qwen2_moe"))
+    small = ["--conversations", "2", "--max-turns", "2", "--token-scale", "0.02", "--time-scale", "0.001",
+             "--no-progress", "--model", d]
+    assert cli.main(["replay", *small]) == 0
+    out = capsys.readouterr()
+    assert "normal" in out.out and "fine-grained" in out.out and "qwen2_moe" in out.err
+    assert cli.main(["bench", "--policies", "normal,global-enqueue", "--cells", "P1", "--repeats", "1", *small]) == 0
+    assert "global-enqueue" in capsys.readouterr().out
+    assert cli.main(["replay", "--model", str(hf_model_dir("qwen3_moe")) + "-nope", "--no-progress"]) == 2
