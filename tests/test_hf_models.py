@@ -123,3 +123,25 @@ def test_cli_replay_and_bench_run_a_hugging_face_directory(hf_model_dir, capsys)
     assert cli.main(["bench", "--policies", "normal,global-enqueue", "--cells", "P1", "--repeats", "1", *small]) == 0
     assert "global-enqueue" in capsys.readouterr().out
     assert cli.main(["replay", "--model", str(hf_model_dir("qwen3_moe")) + "-nope", "--no-progress"]) == 2
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_export_round_trips_config_and_weights_through_transformers(name, hf_model_dir, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ainfer_pd.engine.model import build_model
+    from ainfer_pd.hf.config import fields_from_hf
+    from ainfer_pd.hf.export import config_json, save_pretrained, state_dict, transformers_config
+    c = WorkerConfig.from_pretrained(hf_model_dir(name)).model
+    assert {k: v for k, v in fields_from_hf(config_json(c)).items() if getattr(c, k) != v} == {}
+    model = build_model(c)
+    hf = AutoModelForCausalLM.from_config(transformers_config(c))
+    hf.load_state_dict(state_dict(model, "transformers"), strict=not c.tie_word_embeddings)  # every name, every shape
+    out = save_pretrained(model, tmp_path / "export", max_shard_bytes=50_000)
+    assert len(list(out.glob("*.safetensors"))) > 1
+    x = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(hf_model_dir(name)).eval()(x).logits
+        assert torch.allclose(AutoModelForCausalLM.from_pretrained(out).eval()(x).logits, want, atol=1e-5, rtol=1e-5)
+        assert torch.allclose(hf.eval()(x).logits, want, atol=1e-5, rtol=1e-5)

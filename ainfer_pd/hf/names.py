@@ -189,22 +189,3 @@ def _mlp(prefix: str, w13: str, w2: str, D: int, I: int) -> Iterator[tuple[str, 
     yield prefix + "up_proj.weight", Target(w13, (slice(None), slice(I, 2 * I)), (I, D), transpose=True,
                                             units=((w13, "up"),))
     yield prefix + "down_proj.weight", Target(w2, (), (D, I), transpose=True, units=((w2,),))
-
-
-# ---------------------------------------------------------------------------- export
-def hf_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """The model's weights under the checkpoint's own names and layouts (per-expert tensors),
-    as contiguous copies: what ``save_pretrained`` of the matching transformers model writes.
-    Needs every expert (no expert-parallel shard)."""
-    if model.expert_range != (0, model.cfg.num_experts):
-        raise ValueError("hf_state_dict needs the whole model (this one holds an expert-parallel shard)")
-    table = name_table(model)
-    out: dict[str, Tensor] = {}
-    seen: set[Unit] = set()
-    for name, t in table.hf.items():
-        if t.param is None or t.expert_axis or not t.units or any(u in seen for u in t.units):
-            continue                              # (the first spelling of a unit is the checkpoint's)
-        region = table.params[t.param][t.index] if t.index else table.params[t.param]
-        out[name] = (region.transpose(-1, -2) if t.transpose else region).detach().contiguous().clone()
-        seen.update(t.units)
-    return out
