@@ -104,8 +104,8 @@ def load_pretrained(model: nn.Module, model_dir: str | Path) -> "LoadReport":
     table = name_table(model)
     lo, hi = model.expert_range
     extra_from = model.cfg.num_layers if num_extra_layers(hf) else None
-    with ExitStack() as stack:
-        from safetensors import safe_open
+    from safetensors import safe_open
+    with ExitStack() as stack:                     # pass 1: every file's header, nothing read
         handles = {}
         for f in files:
             try:
@@ -115,15 +115,19 @@ def load_pretrained(model: nn.Module, model_dir: str | Path) -> "LoadReport":
             report.files.append(f.name)
         where = _locate(handles, index, d.name)
         plan = _check(where, handles, table, extra_from, d.name, report)
-        for name, fname, target in plan:           # pass 2: read and copy (this rank's tensors only)
-            h = handles[fname]
-            t = h.get_slice(name)[lo:hi] if target.expert_axis else h.get_tensor(name)
-            src = t.transpose(-1, -2) if target.transpose else t
-            p = table.params[target.param]
-            (p[target.index] if target.index else p).copy_(src)
-            report.tensors_read.append(name)
-            report.bytes_read += t.numel() * t.element_size()
-            del t, src
+    by_file: dict[str, list] = {}
+    for name, fname, target in plan:
+        by_file.setdefault(fname, []).append((name, target))
+    for fname, items in by_file.items():           # pass 2: one file mapped at a time, this rank's tensors only
+        with safe_open(str(d / fname), framework="pt", device="cpu") as h:
+            for name, target in items:
+                t = h.get_slice(name)[lo:hi] if target.expert_axis else h.get_tensor(name)
+                src = t.transpose(-1, -2) if target.transpose else t
+                p = table.params[target.param]
+                (p[target.index] if target.index else p).copy_(src)
+                report.tensors_read.append(name)
+                report.bytes_read += t.numel() * t.element_size()
+                del t, src
     report.seconds = time.perf_counter() - t0
     model.load_report = report
     log.info("loaded %s: %d tensors, %.2f GB in %.2f s (%.2f GB/s)%s", d.name, len(report.tensors_read),
