@@ -17,7 +17,8 @@ from ..errors import ConfigError, WeightUpdateError
 
 def save_safetensors(model: nn.Module, path: str | Path) -> None:
     from safetensors.torch import save_file
-    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(path))
+    # named_parameters, not state_dict: a tied head is the embedding (one tensor, listed once)
+    save_file({k: v.detach().contiguous().cpu() for k, v in model.named_parameters()}, str(path))
 
 
 def load_safetensors(model: nn.Module, path: str | Path) -> None:
