@@ -52,6 +52,13 @@ def _config_dir(root: Path, **changes) -> Path:
 
 
 def _peak_rss_gb() -> float:
+    """Peak resident set of this process (VmHWM: anonymous memory plus mapped file pages)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
