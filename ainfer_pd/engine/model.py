@@ -67,6 +67,7 @@ class MoETransformer(nn.Module):
         self.final_norm = nn.Parameter(torch.ones(c.hidden_size))
         self.lm_head = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size))
         self.attn_backend: AttentionBackend | None = None   # None: the torch reference path
+        self.expert_kernel: Callable[[Tensor, Routing, Tensor, Tensor], Tensor] = experts_local
 
     # ------------------------------------------------------------------ init
     @torch.no_grad()
@@ -93,8 +94,6 @@ class MoETransformer(nn.Module):
         c = self.cfg
         # NOTE: recomputed every pass (inside a captured graph too): static graph inputs change per replay
         fb.rope = rope_cos_sin(fb.positions, c.head_dim, c.rope_theta, self.embed.dtype)
-        if fb.decode is not None:
-            fb.decode.resolve()
         return SegmentState(h=F.embedding(fb.input_ids, self.embed))
 
     def attn_route(self, i: int, st: SegmentState, fb: ForwardBatch, kv: Tensor,
@@ -128,7 +127,7 @@ class MoETransformer(nn.Module):
         lyr = self.layers[i]
         assert st.xn is not None and st.routing is not None
         if expert_fn is None:
-            y = experts_local(st.xn, st.routing, lyr.w13, lyr.w2)
+            y = self.expert_kernel(st.xn, st.routing, lyr.w13, lyr.w2)
         else:
             y = expert_fn(st.xn, st.routing, i)
         if lyr.shared_w13 is not None:

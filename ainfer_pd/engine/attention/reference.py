@@ -65,7 +65,9 @@ class TorchAttention:
         """Rows of every prefill sequence of ``fb``: q [T, H, hd] -> out [T, H, hd] (in place)."""
         groups = q.shape[1] // kc.shape[1]
         for s in fb.prefill:
-            slots = s.key_slots if s.key_slots is not None else slots_of_blocks(s.block_ids, fb.block_size, s.ctx_len)
+            slots = s.key_slots
+            if slots is None:
+                slots = slots_of_blocks(s.block_ids, fb.block_size, s.ctx_len).to(q.device)
             qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1).unsqueeze(0)        # [1, H, q, hd]
             ks = _expand_kv(kc.index_select(0, slots).transpose(0, 1), groups).unsqueeze(0)  # [1, H, ctx, hd]
             vs = _expand_kv(vc.index_select(0, slots).transpose(0, 1), groups).unsqueeze(0)
