@@ -29,10 +29,6 @@ class TritonAttention:
     def __init__(self, device: torch.device, *, decode_overrides: dict | None = None,
                  prefill_override: PrefillPlan | None = None) -> None:
         self.device = device
-        if device.type == "cuda":
-            self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        else:                       # the interpreter (CPU): any positive count gives valid plans
-            self.num_sms = 4
         self.decode_overrides = dict(decode_overrides or {})
         self.prefill_override = prefill_override
 
@@ -42,8 +38,8 @@ class TritonAttention:
             raise ConfigError(f"the triton attention backend needs a power-of-two head_dim >= 16 (got {head_dim})")
 
     # ------------------------------------------------------------------ decode
-    def decode_plan(self, rows: int, kv_heads: int, max_keys: int) -> DecodePlan:
-        return decode_plan(rows, kv_heads, max_keys, self.num_sms, **self.decode_overrides)
+    def decode_plan(self, max_keys: int) -> DecodePlan:
+        return decode_plan(max_keys, **self.decode_overrides)
 
     def decode(self, q: Tensor, kc: Tensor, vc: Tensor, fb: ForwardBatch) -> Tensor:
         d = fb.decode
@@ -52,7 +48,7 @@ class TritonAttention:
         Hk = kc.shape[1]
         G = H // Hk
         self.check_head_dim(hd)
-        plan = self.decode_plan(B, Hk, d.max_keys)
+        plan = self.decode_plan(d.max_keys)
         out = torch.empty_like(q)
         if B == 0:
             return out

@@ -47,38 +47,50 @@ def align_blocks(r: Routing, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
     return sorted_ids, block_expert, pad_end[-1:]
 
 
+def launch_gate_up(x: Tensor, w13: Tensor, act: Tensor, layout: tuple[Tensor, Tensor, Tensor], top_k: int,
+                   g: GemmPlan) -> None:
+    """act [N, I] = silu(x[tok] @ W13[e, :, :I]) * (x[tok] @ W13[e, :, I:]) for every pair."""
+    from .kernels import moe_gate_up_kernel
+    sorted_ids, block_expert, num_post = layout
+    P, D, I = sorted_ids.numel(), x.shape[1], act.shape[1]
+    grid = (triton_cdiv(P, g.block_m) * triton_cdiv(I, g.block_n),)
+    moe_gate_up_kernel[grid](
+        x, w13, act, sorted_ids, block_expert, num_post, act.shape[0], P, D, I,
+        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
+        TOPK=top_k, BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
+        IEEE=x.dtype == torch.float32, num_warps=g.num_warps, num_stages=g.num_stages)
+
+
+def launch_down(act: Tensor, w2: Tensor, rows: Tensor, layout: tuple[Tensor, Tensor, Tensor], topw: Tensor,
+                g: GemmPlan) -> None:
+    """rows [N, D] = topw[pair] * act[pair] @ W2[e] for every pair."""
+    from .kernels import moe_down_kernel
+    sorted_ids, block_expert, num_post = layout
+    P, I, D = sorted_ids.numel(), act.shape[1], rows.shape[1]
+    grid = (triton_cdiv(P, g.block_m) * triton_cdiv(D, g.block_n),)
+    moe_down_kernel[grid](
+        act, w2, rows, sorted_ids, block_expert, num_post, topw, act.shape[0], P, I, D,
+        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), rows.stride(0),
+        BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
+        IEEE=act.dtype == torch.float32, num_warps=g.num_warps, num_stages=g.num_stages)
+
+
 def fused_experts(x: Tensor, r: Routing, w13: Tensor, w2: Tensor, plan: MoEPlan | None = None) -> Tensor:
     """Routed experts: x [T, D], w13 [E, D, 2I], w2 [E, I, D] -> [T, D]."""
-    from .kernels import moe_down_kernel, moe_gate_up_kernel
     T, D = x.shape
     k = r.topk_idx.shape[1]
     E, _, I2 = w13.shape
-    I = I2 // 2
     N = T * k
     if N == 0:
         return torch.zeros_like(x)
-    fp32 = x.dtype == torch.float32
-    plan = plan or moe_plan(N, E, fp32)
-    g1, g2 = plan.gate_up, plan.down
-    assert g1.block_m == g2.block_m, "both GEMMs walk the same aligned blocks"
-    sorted_ids, block_expert, num_post = align_blocks(r, g1.block_m)
-    P = sorted_ids.numel()
+    plan = plan or moe_plan(N, E, x.dtype == torch.float32)
+    assert plan.gate_up.block_m == plan.down.block_m, "both GEMMs walk the same aligned blocks"
+    layout = align_blocks(r, plan.block_m)
     x = x.contiguous()
-    act = torch.empty(N, I, dtype=x.dtype, device=x.device)
-    grid1 = (triton_cdiv(P, g1.block_m) * triton_cdiv(I, g1.block_n),)
-    moe_gate_up_kernel[grid1](
-        x, w13, act, sorted_ids, block_expert, num_post, N, P, D, I,
-        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
-        TOPK=k, BLOCK_M=g1.block_m, BLOCK_N=g1.block_n, BLOCK_K=g1.block_k, GROUP_M=g1.group_m, IEEE=fp32,
-        num_warps=g1.num_warps, num_stages=g1.num_stages)
+    act = torch.empty(N, I2 // 2, dtype=x.dtype, device=x.device)
+    launch_gate_up(x, w13, act, layout, k, plan.gate_up)
     rows = torch.empty(N, D, dtype=x.dtype, device=x.device)
-    topw = r.topk_weights.reshape(-1).contiguous()
-    grid2 = (triton_cdiv(P, g2.block_m) * triton_cdiv(D, g2.block_n),)
-    moe_down_kernel[grid2](
-        act, w2, rows, sorted_ids, block_expert, num_post, topw, N, P, I, D,
-        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), rows.stride(0),
-        BLOCK_M=g2.block_m, BLOCK_N=g2.block_n, BLOCK_K=g2.block_k, GROUP_M=g2.group_m, IEEE=fp32,
-        num_warps=g2.num_warps, num_stages=g2.num_stages)
+    launch_down(act, w2, rows, layout, r.topk_weights.reshape(-1).contiguous(), plan.down)
     return rows.view(T, k, D).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
 
