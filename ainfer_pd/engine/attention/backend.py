@@ -24,6 +24,17 @@ class AttentionBackend(Protocol):
 
     name: str
 
+    def rms_norm(self, x: Tensor, w: Tensor, eps: float) -> Tensor:
+        """x [T, D] -> rms_norm(x) * w."""
+
+    def add_rms_norm(self, x: Tensor, residual: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        """``h = residual + x`` and ``rms_norm(h) * w`` (the residual add fused into the norm)."""
+
+    def prologue(self, q: Tensor, k: Tensor, v: Tensor, q_w: Tensor | None, k_w: Tensor | None, eps: float,
+                 rope: tuple[Tensor, Tensor], kv: Tensor, slots: Tensor) -> Tensor:
+        """Optional QK-norm (weights ``q_w`` / ``k_w`` [hd]), RoPE of q and k (half-split over the
+        first ``2 * cos.shape[-1]`` dims), K/V written into ``kv`` [2, S, Hk, hd] at ``slots``; returns q."""
+
     def prefill(self, q: Tensor, kc: Tensor, vc: Tensor, fb: ForwardBatch, out: Tensor) -> None:
         """Every prefill sequence of ``fb`` (causal, lower-right aligned): rows into ``out``."""
 

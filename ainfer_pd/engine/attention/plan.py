@@ -25,14 +25,15 @@ class PrefillPlan:
     num_stages: int
 
 
-def decode_plan(max_keys: int, *, block_n: int = 64, split_keys: int = 512, num_warps: int = 4,
+def decode_plan(max_keys: int, *, block_n: int = 64, split_keys: int = 1024, num_warps: int = 2,
                 num_stages: int = 2) -> DecodePlan:
     """Split every row's keys at fixed positions (multiples of ``split_keys``).
 
     The split boundaries never depend on the batch (rows, the longest row, the graph bucket),
     so a row's result is bitwise the same in any batch, eager or replayed: splits beyond a
     row's length are empty and merge with weight exactly 0. The partial outputs cost
-    ``16 / split_keys`` of the KV bytes (3% at 512 keys a split).
+    ``16 / split_keys`` of the KV bytes (1.6% at 1024 keys a split). Defaults from the H200
+    sweep (docs/BENCHMARKS.md).
     """
     split_keys = -(-split_keys // block_n) * block_n
     return DecodePlan(max(1, -(-max_keys // split_keys)), split_keys, block_n, num_warps, num_stages)
@@ -42,6 +43,4 @@ def prefill_plan(head_dim: int, fp32: bool) -> PrefillPlan:
     """Tile shape of the varlen prefill kernel (shared memory bounds the fp32 tiles)."""
     if fp32:
         return PrefillPlan(32, 32, 4, 1)
-    if head_dim <= 64:
-        return PrefillPlan(128, 64, 4, 2)
-    return PrefillPlan(128, 64, 8, 2)
+    return PrefillPlan(64, 64, 4, 2)        # best or within 1% of it on the H200 sweep (4K and 575 + 1500)

@@ -14,7 +14,8 @@ from torch import Tensor
 from ...errors import ConfigError
 from .batch import ForwardBatch
 from .plan import DecodePlan, PrefillPlan, decode_plan, prefill_plan
-from .triton_kernels import decode_merge_kernel, paged_decode_kernel, paged_prefill_kernel
+from .triton_kernels import (decode_merge_kernel, paged_decode_kernel, paged_prefill_kernel, qkv_prologue_kernel,
+                             rms_norm_kernel)
 
 _LOG2E = 1.4426950408889634
 
@@ -36,6 +37,45 @@ class TritonAttention:
     def check_head_dim(head_dim: int) -> None:
         if head_dim < 16 or head_dim & (head_dim - 1):
             raise ConfigError(f"the triton attention backend needs a power-of-two head_dim >= 16 (got {head_dim})")
+
+    # ------------------------------------------------------------------ layer prologue / norms
+    def rms_norm(self, x: Tensor, w: Tensor, eps: float) -> Tensor:
+        out = torch.empty_like(x)
+        self._norm(x, None, w, eps, out, out)
+        return out
+
+    def add_rms_norm(self, x: Tensor, residual: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        h = torch.empty_like(x)
+        xn = torch.empty_like(x)
+        self._norm(x, residual, w, eps, h, xn)
+        return h, xn
+
+    @staticmethod
+    def _norm(x: Tensor, res: Tensor | None, w: Tensor, eps: float, h: Tensor, xn: Tensor) -> None:
+        D = x.shape[-1]
+        rows = x.numel() // D if D else 0
+        if rows == 0:
+            return
+        assert x.stride(-1) == 1 and x.dim() == 2, "rows of [T, D] with unit stride"
+        r = res if res is not None else x
+        rms_norm_kernel[(rows,)](x, r, w, h, xn, x.stride(0), r.stride(0), h.stride(0), xn.stride(0), D, eps,
+                                 HAS_RES=res is not None, BLOCK_D=_pow2(D), num_warps=4 if D <= 4096 else 8)
+
+    def prologue(self, q: Tensor, k: Tensor, v: Tensor, q_w: Tensor | None, k_w: Tensor | None, eps: float,
+                 rope: tuple[Tensor, Tensor], kv: Tensor, slots: Tensor) -> Tensor:
+        T, H, hd = q.shape
+        if T == 0:
+            return q
+        self.check_head_dim(hd)
+        cos, sin = rope
+        kc, vc = kv[0], kv[1]
+        has_norm = q_w is not None
+        qkv_prologue_kernel[(T, H + k.shape[1])](
+            q, k, v, q_w if has_norm else q, k_w if has_norm else k, cos, sin, slots, kc, vc,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+            kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), H, eps,
+            HEAD_DIM=hd, HALF=cos.shape[-1], HAS_NORM=has_norm, num_warps=1)
+        return q
 
     # ------------------------------------------------------------------ decode
     def decode_plan(self, max_keys: int) -> DecodePlan:

@@ -183,3 +183,73 @@ def paged_prefill_kernel(
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(O + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=mmask[:, None])
+
+
+@triton.jit
+def rms_norm_kernel(
+    X, RES, W, H_OUT, N_OUT,
+    stride_x, stride_r, stride_h, stride_n,
+    D, eps,
+    HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One row: ``h = x (+ res)`` rounded to the model dtype (stored when HAS_RES), then
+    ``rms_norm(h) = (h * rsqrt(mean(h^2) + eps))`` rounded, times the weight."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    m = offs < D
+    x = tl.load(X + row * stride_x + offs, mask=m, other=0.0)
+    if HAS_RES:
+        r = tl.load(RES + row * stride_r + offs, mask=m, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(H_OUT.dtype.element_ty)
+        tl.store(H_OUT + row * stride_h + offs, x, mask=m)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
+    y = (xf * rstd).to(N_OUT.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(N_OUT + row * stride_n + offs, (y * w).to(N_OUT.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _norm_rope(ptr, w_ptr, cs_t, SIN_OFF, offs, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+               HAS_NORM: tl.constexpr, COS, SIN):
+    """One head vector: optional RMS norm with weight, then half-split RoPE over 2 * HALF dims."""
+    rot = offs < 2 * HALF
+    partner = tl.where(offs < HALF, offs + HALF, offs - HALF)
+    x = tl.load(ptr + offs).to(tl.float32)
+    p = tl.load(ptr + partner, mask=rot, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, 0) / HEAD_DIM + eps)
+        x = x * rstd * tl.load(w_ptr + offs).to(tl.float32)
+        p = p * rstd * tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)
+    j = offs % HALF
+    c = tl.load(COS + cs_t + j, mask=rot, other=1.0).to(tl.float32)
+    s = tl.load(SIN + cs_t + j, mask=rot, other=0.0).to(tl.float32)
+    return tl.where(offs < HALF, x * c - p * s, tl.where(rot, x * c + p * s, x))
+
+
+@triton.jit
+def qkv_prologue_kernel(
+    Q, K, V, QW, KW, COS, SIN, SLOTS, KC, VC,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
+    stride_kcn, stride_kch, stride_vcn, stride_vch,
+    H, eps,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+):
+    """Program (token t, head h): h < H rotates query head h in place; h >= H rotates key head
+    h - H and writes it, and the value head, into the cache slot of token t (no [T, Hk, hd] copy)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs = tl.arange(0, HEAD_DIM)
+    cs_t = t * stride_ct
+    if h < H:
+        ptr = Q + t * stride_qt + h * stride_qh
+        out = _norm_rope(ptr, QW, cs_t, 0, offs, eps, HEAD_DIM, HALF, HAS_NORM, COS, SIN)
+        tl.store(ptr + offs, out.to(Q.dtype.element_ty))
+    else:
+        kh = h - H
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        out = _norm_rope(K + t * stride_kt + kh * stride_kh, KW, cs_t, 0, offs, eps, HEAD_DIM, HALF, HAS_NORM,
+                         COS, SIN)
+        tl.store(KC + slot * stride_kcn + kh * stride_kch + offs, out.to(KC.dtype.element_ty))
+        v = tl.load(V + t * stride_vt + kh * stride_vh + offs)
+        tl.store(VC + slot * stride_vcn + kh * stride_vch + offs, v)

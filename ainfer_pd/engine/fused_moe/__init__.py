@@ -16,7 +16,8 @@ from torch import Tensor
 from ..moe import Routing
 from .plan import GemmPlan, MoEPlan, moe_plan
 
-__all__ = ["GemmPlan", "MoEPlan", "align_blocks", "fused_experts", "moe_plan"]
+__all__ = ["GemmPlan", "MoEPlan", "align_blocks", "align_blocks_triton", "fused_experts", "launch_down",
+           "launch_gate_up", "moe_plan"]
 
 
 def align_blocks(r: Routing, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -45,6 +46,28 @@ def align_blocks(r: Routing, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
     starts = torch.arange(0, P, block_m, device=dev, dtype=torch.int64)
     block_expert = torch.searchsorted(pad_end, starts, right=True).clamp_(max=E - 1).to(torch.int32)
     return sorted_ids, block_expert, pad_end[-1:]
+
+
+def align_blocks_triton(r: Routing, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The layout of :func:`align_blocks` in two launches (the order of pairs inside an expert's
+    run differs from run to run; no result depends on it)."""
+    from .kernels import moe_align_kernel, moe_scatter_kernel
+    flat = r.topk_idx.reshape(-1)
+    N = flat.numel()
+    E = r.counts.numel()
+    dev = flat.device
+    P = N + min(E, N) * (block_m - 1)
+    P = -(-P // block_m) * block_m
+    sorted_ids = torch.empty(P, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(P // block_m, dtype=torch.int32, device=dev)
+    num_post = torch.empty(1, dtype=torch.int32, device=dev)
+    cursor = torch.empty(E, dtype=torch.int32, device=dev)
+    e_pad = 1 << max(0, (E - 1).bit_length())
+    moe_align_kernel[(1,)](r.counts, sorted_ids, block_expert, num_post, cursor, E, P, N,
+                           BLOCK_M=block_m, E_PAD=e_pad, FILL=1024, BLOCKS_PER_STEP=max(1, 4096 // e_pad),
+                           num_warps=4)
+    moe_scatter_kernel[(triton_cdiv(N, 1024),)](flat, sorted_ids, cursor, N, BLOCK=1024, num_warps=4)
+    return sorted_ids, block_expert, num_post
 
 
 def launch_gate_up(x: Tensor, w13: Tensor, act: Tensor, layout: tuple[Tensor, Tensor, Tensor], top_k: int,
@@ -85,13 +108,13 @@ def fused_experts(x: Tensor, r: Routing, w13: Tensor, w2: Tensor, plan: MoEPlan 
         return torch.zeros_like(x)
     plan = plan or moe_plan(N, E, x.dtype == torch.float32)
     assert plan.gate_up.block_m == plan.down.block_m, "both GEMMs walk the same aligned blocks"
-    layout = align_blocks(r, plan.block_m)
+    layout = align_blocks_triton(r, plan.block_m)
     x = x.contiguous()
     act = torch.empty(N, I2 // 2, dtype=x.dtype, device=x.device)
     launch_gate_up(x, w13, act, layout, k, plan.gate_up)
     rows = torch.empty(N, D, dtype=x.dtype, device=x.device)
     launch_down(act, w2, rows, layout, r.topk_weights.reshape(-1).contiguous(), plan.down)
-    return rows.view(T, k, D).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return rows.view(T, k, D).sum(dim=1)          # fp32 accumulation, one rounding
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -116,3 +116,41 @@ def moe_down_kernel(
     acc = acc * w[:, None]
     tl.store(OUT + prow[:, None] * stride_on + offs_n[None, :], acc.to(OUT.dtype.element_ty),
              mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def moe_align_kernel(
+    COUNTS, SORTED, BLOCK_EXPERT, NUM_POST, CURSOR,
+    E, P, num_pairs,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, FILL: tl.constexpr, BLOCKS_PER_STEP: tl.constexpr,
+):
+    """One program: per-expert padded starts (into CURSOR), the expert of every row block, the
+    padded length in use, and the sentinel in every sorted slot (``moe_scatter_kernel`` fills)."""
+    offs_e = tl.arange(0, E_PAD)
+    emask = offs_e < E
+    c = tl.load(COUNTS + offs_e, mask=emask, other=0).to(tl.int32)
+    padded = (c + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, 0)
+    tl.store(CURSOR + offs_e, end - padded, mask=emask)
+    tl.store(NUM_POST, tl.sum(padded, 0))
+    nb = P // BLOCK_M
+    for b0 in range(0, nb, BLOCKS_PER_STEP):
+        offs_b = b0 + tl.arange(0, BLOCKS_PER_STEP)
+        before = (end[None, :] <= (offs_b * BLOCK_M)[:, None]) & emask[None, :]
+        ex = tl.minimum(tl.sum(before.to(tl.int32), 1), E - 1)
+        tl.store(BLOCK_EXPERT + offs_b, ex, mask=offs_b < nb)
+    for p0 in range(0, P, FILL):
+        offs_p = p0 + tl.arange(0, FILL)
+        tl.store(SORTED + offs_p, tl.full([FILL], 0, tl.int32) + num_pairs, mask=offs_p < P)
+
+
+@triton.jit
+def moe_scatter_kernel(TOPK_IDX, SORTED, CURSOR, num_pairs, BLOCK: tl.constexpr):
+    """Each (token, slot) pair takes the next slot of its expert's padded run (atomic cursor).
+    Which pairs share a row block varies from run to run; no result depends on it (rows of a
+    block are computed independently)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < num_pairs
+    e = tl.load(TOPK_IDX + offs, mask=m, other=0)
+    dest = tl.atomic_add(CURSOR + e, 1, mask=m)
+    tl.store(SORTED + dest, offs, mask=m)
