@@ -62,6 +62,9 @@ def _csv(text: str) -> list[str]:
 def _add_workload_args(p: argparse.ArgumentParser, *, preset: str) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--config", default=DEFAULT_CONFIG, help=f"worker YAML config (default {DEFAULT_CONFIG})")
+    g.add_argument("--model", metavar="DIR",
+                   help="a Hugging Face model directory (config.json + safetensors): the model section comes from "
+                        "its config.json instead of --config's (config-only: seeded random init of its shapes)")
     g.add_argument("--preset", choices=sorted(PRESETS), default=preset,
                    help=f"workload defaults (default {preset}: {PRESETS[preset]})")
     g.add_argument("--workload", choices=("paper", "p-heavy", "decode-only"), default="paper",
@@ -98,13 +101,18 @@ def resolve_config_path(path: str) -> Path:
     raise ConfigError(f"config file not found: {path}")
 
 
-def load_config(path: str, overrides: list[str] | None = None):
-    """The YAML config at ``path`` with ``KEY=VALUE`` overrides (values parsed as YAML)."""
+def load_config(path: str, overrides: list[str] | None = None, model: str | None = None):
+    """The YAML config at ``path`` with ``KEY=VALUE`` overrides (values parsed as YAML); with
+    ``model`` (a Hugging Face directory) its model section is that directory's ``config.json``."""
     import yaml
 
     from .config import WorkerConfig
     from .errors import ConfigError
     cfg = WorkerConfig.from_yaml(resolve_config_path(path))
+    if model:
+        data = cfg.to_dict()
+        data["model"] = {"path": str(model)}
+        cfg = WorkerConfig.from_dict(data)
     kv = {}
     for item in overrides or ():
         key, sep, value = item.partition("=")
@@ -169,7 +177,7 @@ def _run_comparison(args: argparse.Namespace, *, policies: list[str], cells: lis
     ws = _check_world_size(args)
     if ws is not None:
         return ws
-    cfg = load_config(args.config, getattr(args, "set", None))
+    cfg = load_config(args.config, getattr(args, "set", None), getattr(args, "model", None))
     trace = build_trace(args, cfg)
     variants = bench.make_variants(policies, span=args.span, spans=spans)
     time_scale = _opt(args, "time_scale")
@@ -177,7 +185,9 @@ def _run_comparison(args: argparse.Namespace, *, policies: list[str], cells: lis
     print(f"workload: {s['conversations']} conversations, {s['requests']} requests "
           f"({s['continuations']} continuations), {s['input_tokens']} input / {s['output_tokens']} output "
           f"tokens, max context {s['max_context']}; cells {','.join(cells)}, time scale {time_scale}; "
-          f"policies {', '.join(v.name for v in variants)}; repeats {repeats}; config {args.config}",
+          f"policies {', '.join(v.name for v in variants)}; repeats {repeats}; config {args.config}"
+          + (f"; model {args.model} ({cfg.model.architecture}, {cfg.model.num_params / 1e6:.1f}M params)"
+             if getattr(args, "model", None) else ""),
           file=sys.stderr, flush=True)
     res = bench.run_async(bench.run_bench(cfg, trace, variants=variants, cells=cells, repeats=repeats,
                                           seed=args.seed, time_scale=time_scale,

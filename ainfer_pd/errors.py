@@ -18,6 +18,16 @@ class TopologyError(ConfigError):
     """World size, attention-DP and expert-parallel widths do not fit together."""
 
 
+class UnsupportedModelError(ConfigError):
+    """A Hugging Face ``config.json`` asks for something this engine does not compute: an unknown
+    ``model_type``, a ``rope_scaling`` type, or another field that changes the math (named)."""
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint directory cannot be loaded: a missing shard, a tensor whose shape disagrees
+    with ``config.json``, missing or unexpected tensors, or pickle-only weights (refused)."""
+
+
 class InvalidRequestError(AInferPDError, ValueError):
     """A request is malformed: empty prompt, token out of vocabulary, bad sampling values."""
 

@@ -105,7 +105,7 @@ def run_cli(args: argparse.Namespace) -> int:
     """The ``--world-size N`` path of ``ainfer-pd replay`` / ``bench``."""
     from .cli import _opt, build_trace, load_config
     from .metrics.report import aggregate, format_table, summarize
-    cfg = load_config(args.config, getattr(args, "set", None))
+    cfg = load_config(args.config, getattr(args, "set", None), getattr(args, "model", None))
     trace = build_trace(args, cfg)
     policies = [args.policy] if getattr(args, "policy", None) else [p for p in args.policies.split(",") if p]
     cells = [args.cell or _opt(args, "cell")] if hasattr(args, "cell") else [c for c in args.cells.split(",") if c]
@@ -145,7 +145,7 @@ def run_torchrun_cli(args: argparse.Namespace) -> int:
     from .metrics.report import aggregate, format_table, summarize
     ctx = init_distributed()
     ws, rank = ctx.world_size, ctx.rank
-    cfg = multirank_config(load_config(args.config, getattr(args, "set", None)), ws)
+    cfg = multirank_config(load_config(args.config, getattr(args, "set", None), getattr(args, "model", None)), ws)
     trace = build_trace(args, cfg)
     policies = [args.policy] if getattr(args, "policy", None) else [p for p in args.policies.split(",") if p]
     cell = (args.cell or _opt(args, "cell")) if hasattr(args, "cell") else args.cells.split(",")[0]

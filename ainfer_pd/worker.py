@@ -19,7 +19,7 @@ from .config import WorkerConfig
 from .engine.multirank import make_engine
 from .engine.sampler import make_generator
 from .engine.state import Trajectory, Turn
-from .engine.weights import apply_named_tensors
+from .engine.weights import WeightStage
 from .errors import (AInferPDError, CapacityError, ContextLengthError, InvalidRequestError,
                      TrajectoryBusyError, UnknownTrajectoryError, WorkerClosedError)
 from .metrics.recorder import Recorder
@@ -50,6 +50,8 @@ class RolloutWorker:
         self._failure: BaseException | None = None
         self._sleeping = False
         self._weights_lock = asyncio.Lock()
+        self.last_weight_sync = None
+        """The :class:`~ainfer_pd.engine.weights.SyncReport` of the last applied weight sync."""
 
     @property
     def model(self) -> torch.nn.Module:
@@ -277,12 +279,19 @@ class RolloutWorker:
                 best = (tid, m)
         return best
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                             partial: bool = False) -> int:
         """In-place copy of (name, tensor) pairs; all-or-nothing (names, shapes, dtypes and
-        finiteness are checked before anything is written). Any floating dtype and any device
+        finiteness are checked, and the sync must be complete, before anything is written).
+        Names: the checkpoint's safetensors names, the installed transformers' ``named_parameters()``
+        names and layouts (packed ``mlp.experts.gate_up_proj`` ...), or this engine's own names, in
+        any order; ``named_tensors`` may be a generator over several buckets. ``partial=True``
+        updates a subset. With expert parallelism this rank keeps only its own experts' tensors
+        (the others are shape-checked, never read). Any floating dtype and any device
         is accepted and converted to the parameter's (e.g. a trainer's float32 master weights
         into a bf16 worker). The parameters keep their storage, so captured CUDA graphs replay
-        with the new values. Returns the number of tensors written.
+        with the new values. Returns the number of tensors written (this rank); what the sync
+        did is in ``last_weight_sync``.
 
         Never blocks the event loop: every stream of the device is parked at a FIFO point
         (:meth:`Stream.hold`: work submitted later waits there), work launched before it is
@@ -298,7 +307,7 @@ class RolloutWorker:
             copy: asyncio.Future | None = None
             try:
                 await asyncio.gather(*(asyncio.wrap_future(h.reached) for h in holds))
-                copy = loop.run_in_executor(None, self._apply_weights, named_tensors)
+                copy = loop.run_in_executor(None, self._apply_weights, named_tensors, partial)
                 return await asyncio.shield(copy)
             except asyncio.CancelledError:
                 while copy is not None and not copy.done():
@@ -311,14 +320,17 @@ class RolloutWorker:
                 for h in holds:
                     h.release()
 
-    def _apply_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """The copy thread of :meth:`update_weights` (every stream is parked)."""
+    def _apply_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> int:
+        """The copy thread of :meth:`update_weights` (every stream is parked): stage and check
+        the whole sync, then copy."""
         dev = self.engine.device
+        stage = WeightStage(self.model, partial=partial).add_all(named_tensors)
         if dev.kind == "cuda":
             # launched kernels (graph replays, unawaited P segments) may still read the weights
             # on the P/D streams, which do not order with the stream the copies run on
             torch.cuda.synchronize(dev.torch_device)
-        n = apply_named_tensors(self.model, named_tensors)
+        n = stage.apply()
+        self.last_weight_sync = stage.report
         if dev.kind == "cuda":
             torch.cuda.synchronize(dev.torch_device)
         return n

@@ -39,3 +39,30 @@ async def worker(cfg):
 
 def rand_ids(rng: random.Random, n: int, vocab: int = 512) -> list[int]:
     return [rng.randrange(2, vocab) for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def hf_model_dir(tmp_path_factory):
+    """name -> directory of a tiny sharded Hugging Face model (tests/_hf_models.py), built on
+    first use and kept for the session."""
+    from tests import _hf_models
+    root = tmp_path_factory.mktemp("hf")
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = _hf_models.build(name, root)
+        return built[name]
+    return get
+
+
+def hf_worker_cfg(path, policy: str = "normal", **sections) -> WorkerConfig:
+    """A CPU float32 worker config for a Hugging Face directory (small KV cache; multiplexing
+    switches on for any concurrent prefill, so fine-grained really segments)."""
+    over = {"model": {"dtype": "float32"}, "device": {"device": "cpu"},
+            "cache": {"block_size": 16, "num_blocks": 256},
+            "scheduler": {"policy": policy, "max_prefill_tokens": 512, "max_decode_batch": 16},
+            "mux": {"activation_threshold": 1}}
+    for k, v in sections.items():
+        over.setdefault(k, {}).update(v)
+    return WorkerConfig.from_pretrained(path, over)

@@ -13,6 +13,7 @@ import torch
 from ainfer_pd import RolloutWorker, SamplingParams, WorkerConfig
 from ainfer_pd.engine.model import build_model
 from ainfer_pd.engine.weights import apply_named_tensors
+from ainfer_pd.hf.export import state_dict
 from ainfer_pd.errors import BackendUnavailableError, ConfigError, WeightUpdateError
 from trainer_examples.live_rl.env import EnvConfig, Episode, Task, ToolEnv
 from trainer_examples.live_rl.grpo import group_advantages, pack
@@ -52,9 +53,11 @@ def test_train_forward_matches_inference_forward():
         assert torch.allclose(got[i, :len(s)], ref, atol=1e-4, rtol=1e-4), (got[i, :len(s)] - ref).abs().max()
     # and it is differentiable down to the router and the routed experts
     token_logprobs(train, tok).sum().backward()
-    lyr = train.layers[0]
-    for p in (lyr.router, lyr.w13, lyr.w2, lyr.wqkv, train.embed, train.lm_head):
+    lyr = train.model.layers[0]
+    for p in (lyr.mlp.gate.weight, lyr.mlp.experts.gate_up_proj, lyr.mlp.experts.down_proj, lyr.self_attn.q_proj.weight,
+              lyr.self_attn.q_norm.weight, train.model.embed_tokens.weight, train.lm_head.weight):
         assert p.grad is not None and p.grad.abs().sum() > 0
+    assert type(train).__name__ == "Qwen3MoeForCausalLM"          # the trainer is transformers' own model
 
 
 def test_env_reward_is_verifiable():
@@ -74,9 +77,11 @@ async def test_three_grpo_steps_sync_weights_into_the_worker():
         initial = {n: p.detach().clone() for n, p in run.worker.model.named_parameters()}
         for step in range(3):
             rec = await run.step(step)
-            # the worker now holds exactly the trainer's weights
-            for (n, p), (n2, q) in zip(run.trainable.named_parameters(), run.worker.model.named_parameters()):
-                assert n == n2 and torch.equal(p.detach(), q), n
+            # the worker now holds exactly the trainer's weights (synced in transformers' names)
+            held = state_dict(run.worker.model, "transformers")
+            for n, p in run.trainable.named_parameters():
+                assert torch.equal(p.detach(), held[n]), n
+            assert any(n.endswith("mlp.experts.gate_up_proj") for n in run.worker.last_weight_sync.applied)
             # the rollout logprobs (continuation prefill + decode, paged KV) are the trainer's
             # differentiable forward on the same tokens and weights: the sync is exact
             assert rec["logprob_mismatch_max"] < 1e-3
@@ -121,17 +126,17 @@ def _padded(seqs: list[list[int]]) -> torch.Tensor:
 def test_bf16_compute_over_fp32_masters_matches_the_bf16_engine():
     model = build_model(tiny_cfg(**{"model.dtype": "bfloat16"}).model)
     masters = make_trainable(model)                               # float32 copy of the bf16 weights
-    assert masters.embed.dtype == torch.float32 and torch.equal(masters.embed.to(BF16), model.embed)
+    emb = masters.model.embed_tokens.weight
+    assert emb.dtype == torch.float32 and torch.equal(emb.to(BF16), model.embed)
     rng = random.Random(1)
     seqs = [[rng.randrange(2, 512) for _ in range(n)] for n in (37, 20, 5)]
     tok = _padded(seqs)
-    got = forward_logits(masters, tok, BF16)
-    # exactly the forward over the bf16 weights themselves (float32 compute is not)
-    assert torch.equal(got, forward_logits(make_trainable(model, dtype=BF16), tok))
-    for i, s in enumerate(seqs):                                  # and close to the engine's bf16 forward
+    got = forward_logits(masters, tok, BF16)                      # transformers' forward over bf16 casts
+    for i, s in enumerate(seqs):                                  # close to the engine's bf16 forward
         assert (got[i, :len(s)] - inference_logits(model, s)).abs().max() <= 0.1
     token_logprobs(masters, tok, BF16).sum().backward()           # grads reach the float32 masters
-    for p in (masters.layers[0].w13, masters.layers[0].router, masters.lm_head):
+    for p in (masters.model.layers[0].mlp.experts.gate_up_proj, masters.model.layers[0].mlp.gate.weight,
+              masters.lm_head.weight):
         assert p.grad is not None and p.grad.dtype == torch.float32 and p.grad.abs().sum() > 0
 
 
@@ -206,9 +211,11 @@ async def test_bf16_worker_trains_fp32_masters_and_syncs_bf16():
             rec = await run.step(step)
             ticker.cancel()
             assert max(lags) < 0.5 * rec["train_s"]               # the update ran off the event loop
-            for (n, p), (n2, q) in zip(run.trainable.named_parameters(), run.worker.model.named_parameters()):
-                assert n == n2 and p.dtype == torch.float32 and q.dtype == BF16, n
-                assert torch.equal(p.detach().to(BF16), q) and q.data_ptr() == ptrs[n], n
+            held = state_dict(run.worker.model, "transformers")
+            for n, p in run.trainable.named_parameters():
+                assert p.dtype == torch.float32 and held[n].dtype == BF16, n
+                assert torch.equal(p.detach().to(BF16), held[n]), n
+            assert all(q.data_ptr() == ptrs[n] for n, q in run.worker.model.named_parameters())   # in place
             assert rec["logprob_mismatch_mean"] < 0.05 and rec["cached_tokens"] > 0
         assert all(not torch.equal(p, init[n]) for n, p in run.trainable.named_parameters())
         res = run.result()

@@ -82,11 +82,11 @@ def trainer_config(rc):
     return OmegaConf.create({"actor_rollout_ref": {"rollout": rc, "model": {}}, "data": {}})
 
 
-async def launch_replica(suffix: str, **engine):
+async def launch_replica(suffix: str, model_config=None, **engine):
     import verl  # noqa: F401  (loads the verl.plugins entry point)
     from verl.workers.rollout.replica import RolloutMode, get_rollout_replica_class
     cls = get_rollout_replica_class("ainfer_pd")
-    replica = cls(replica_rank=0, config=rollout_config(**engine), model_config={}, gpus_per_node=1,
+    replica = cls(replica_rank=0, config=rollout_config(**engine), model_config=model_config or {}, gpus_per_node=1,
                   name_suffix=suffix)
     await replica.init_local(RolloutMode.HYBRID)
     return replica
@@ -344,5 +344,46 @@ async def test_sleep_wake_abort_resume_keep_other_trajectories(ray_cluster):
         await replica.resume_generation()
         await replica.clear_kv_cache()
         assert (await server.metrics.remote())["server"]["retained"] == 0
+    finally:
+        await kill(replica)
+
+
+@needs_verl
+async def test_replica_serves_actor_rollout_ref_model_path_and_syncs_transformers_names(ray_cluster, hf_model_dir):
+    """The model comes from verl's actor_rollout_ref.model.path (a Hugging Face directory); the
+    adapter streams a perturbed transformers model's named_parameters() in buckets."""
+    from verl.workers.config import HFModelConfig
+    from verl.workers.rollout.base import get_rollout_class
+
+    from ainfer_pd.errors import WeightUpdateError
+    from tests import _hf_models
+    path = hf_model_dir("qwen3_moe")
+    prompt = [5, 17, 33, 2, 99, 41, 7, 8, 250, 12]
+    ref = _hf_models.make("qwen3_moe", seed=0)
+    base = _hf_models.hf_greedy(ref, prompt, 8)[0]
+    _hf_models.randomize(ref, seed=123)
+    expected = _hf_models.hf_greedy(ref, prompt, 8)[0]
+    assert expected != base
+    model_config = HFModelConfig(path=str(path), load_tokenizer=False)   # verl's actor_rollout_ref.model
+    replica = await launch_replica("hfpath", model_config=model_config, overrides={"cache.num_blocks": 256})
+    try:
+        wc = await replica.server_handle.get_worker_config.remote()
+        assert wc["model"]["architecture"] == "qwen3_moe" and wc["model"]["path"] == str(path)
+        req = {**GREEDY, "max_tokens": 8, "ignore_eos": True}
+
+        async def gen_tokens():
+            return (await replica.server_handle.generate.remote(prompt, dict(req), uuid.uuid4().hex)).token_ids
+
+        assert await gen_tokens() == base
+        adapter = get_rollout_class("ainfer_pd", "async")(config=rollout_config(), model_config=model_config,
+                                                           device_mesh=None, replica_rank=0,
+                                                           server_handle=replica.server_handle)
+        adapter.bucket_bytes = 32 << 10                       # several buckets
+        named = [(n, p.detach().clone()) for n, p in ref.named_parameters()]
+        with pytest.raises(WeightUpdateError, match="incomplete"):      # a bucket lost: nothing applied
+            await adapter.update_weights(iter(named[:-2]), global_steps=1)
+        assert await gen_tokens() == base
+        await adapter.update_weights(iter(named), global_steps=2)
+        assert await gen_tokens() == expected
     finally:
         await kill(replica)

@@ -21,6 +21,24 @@ from .model import MoETransformer
 from .moe import Routing, swiglu_grouped
 
 
+def expert_shard(cfg: Any, rank: int | None = None) -> tuple[int, int] | None:
+    """Global ids [lo, hi) of the routed experts rank ``rank`` (default: this process's
+    ``torch.distributed`` rank) holds under expert parallelism; None without it (all experts).
+    The same split as the dispatchers' ``local_expert_range``: ``ep_rank * E / e ...``."""
+    pc = cfg.parallel
+    if pc.expert_parallel <= 1:
+        return None
+    if rank is None:
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            return None                  # make_engine refuses this configuration with its own error
+        rank = dist.get_rank()
+    from ..comm.topology import Topology
+    ep_rank = Topology.from_config(pc, rank).ep_rank
+    n = cfg.model.num_experts // pc.expert_parallel
+    return ep_rank * n, (ep_rank + 1) * n
+
+
 class ExpertParallel:
     def __init__(self, model: MoETransformer, dispatchers: PhaseDispatchers) -> None:
         self.model = model
@@ -28,8 +46,11 @@ class ExpertParallel:
 
     def _local_fn(self, layer: int, disp: Any):
         lo, hi = disp.local_expert_range
+        base, top = self.model.expert_range        # the experts this model holds (its shard, or all)
+        if not base <= lo < hi <= top:
+            raise RuntimeError(f"dispatcher serves experts [{lo}, {hi}) but the model holds [{base}, {top})")
         lyr = self.model.layers[layer]
-        w13, w2 = lyr.w13[lo:hi], lyr.w2[lo:hi]
+        w13, w2 = lyr.w13[lo - base:hi - base], lyr.w2[lo - base:hi - base]
 
         def fn(xg: Tensor, counts: Tensor) -> Tensor:       # xg [N, D] grouped by local expert
             offs = torch.cumsum(counts, 0).to(torch.int32)

@@ -18,35 +18,61 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelConfig
-from .attention import AttentionBackend, ForwardBatch, paged_attention
-from .rope import apply_rope, rope_cos_sin
-from .moe import Routing, experts_local, route, swiglu_dense
+from .attention import AttentionBackend, ForwardBatch, TorchAttention, attend
+from .norm import rms_norm
+from .rope import rope_cos_sin
+from .moe import Routing, experts_local, swiglu_dense
+from .routing import RouterSpec, route
 
 # An expert backend maps (x [T, D], routing, layer index) -> routed expert output [T, D].
 ExpertFn = Callable[[Tensor, Routing, int], Tensor]
 
 
-def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+_REFERENCE = TorchAttention()
 
 
-class MoELayer(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+class DecoderLayer(nn.Module):
+    """The parameters of one decoder layer; which exist is set by the config's features.
+
+    Attention: ``attn_norm`` [D], ``wqkv`` [(H + 2Hk) hd, D] (+ ``bqkv``), ``q_norm`` / ``k_norm``
+    [hd] (QK-norm), ``wo`` [D, H hd] (+ ``bo``). FFN: ``ffn_norm`` [D], then either the MoE
+    (``router`` [E, D], ``router_bias`` [E] float32 for the sigmoid router, ``w13`` [El, D, 2I]
+    with the gate columns first, ``w2`` [El, I, D], an optional shared expert ``shared_w13``
+    [D, 2Is] / ``shared_w2`` [Is, D] / ``shared_gate`` [1, D]) or, for a dense layer, ``dense_w13``
+    [D, 2Id] / ``dense_w2`` [Id, D]. El = the experts this rank holds (all without EP).
+    """
+
+    def __init__(self, c: ModelConfig, i: int, experts: tuple[int, int]) -> None:
         super().__init__()
         D, hd = c.hidden_size, c.head_dim
+        nqkv = (c.num_heads + 2 * c.num_kv_heads) * hd
+        self.is_moe = c.is_moe_layer(i)
         self.attn_norm = nn.Parameter(torch.ones(D))
-        self.wqkv = nn.Parameter(torch.empty((c.num_heads + 2 * c.num_kv_heads) * hd, D))
+        self.wqkv = nn.Parameter(torch.empty(nqkv, D))
+        self.bqkv = nn.Parameter(torch.zeros(nqkv)) if c.qkv_bias else None
+        self.q_norm = nn.Parameter(torch.ones(hd)) if c.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(hd)) if c.qk_norm else None
         self.wo = nn.Parameter(torch.empty(D, c.num_heads * hd))
+        self.bo = nn.Parameter(torch.zeros(D)) if c.o_bias else None
         self.ffn_norm = nn.Parameter(torch.ones(D))
+        self.router = self.router_bias = self.w13 = self.w2 = None
+        self.shared_w13 = self.shared_w2 = self.shared_gate = None
+        self.dense_w13 = self.dense_w2 = None
+        if not self.is_moe:
+            self.dense_w13 = nn.Parameter(torch.empty(D, 2 * c.dense_intermediate))
+            self.dense_w2 = nn.Parameter(torch.empty(c.dense_intermediate, D))
+            return
+        n_local = experts[1] - experts[0]
         self.router = nn.Parameter(torch.empty(c.num_experts, D))
-        self.w13 = nn.Parameter(torch.empty(c.num_experts, D, 2 * c.expert_intermediate))
-        self.w2 = nn.Parameter(torch.empty(c.num_experts, c.expert_intermediate, D))
+        if c.router == "sigmoid":      # e_score_correction_bias: float32 in every checkpoint and model dtype
+            self.router_bias = nn.Parameter(torch.zeros(c.num_experts, dtype=torch.float32))
+        self.w13 = nn.Parameter(torch.empty(n_local, D, 2 * c.expert_intermediate))
+        self.w2 = nn.Parameter(torch.empty(n_local, c.expert_intermediate, D))
         if c.shared_expert_intermediate:
             self.shared_w13 = nn.Parameter(torch.empty(D, 2 * c.shared_expert_intermediate))
             self.shared_w2 = nn.Parameter(torch.empty(c.shared_expert_intermediate, D))
-        else:
-            self.shared_w13 = self.shared_w2 = None
+            if c.shared_expert_gate:
+                self.shared_gate = nn.Parameter(torch.empty(1, D))
 
 
 @dataclass(slots=True)
@@ -59,32 +85,59 @@ class SegmentState:
 
 
 class MoETransformer(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, experts: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.cfg = c
+        self.expert_range = experts or (0, c.num_experts)
+        """Global ids [lo, hi) of the routed experts this model holds (expert parallelism: its shard)."""
+        lo, hi = self.expert_range
+        if not 0 <= lo < hi <= c.num_experts:
+            raise ValueError(f"expert range {self.expert_range} outside [0, {c.num_experts}]")
+        self.router_spec = RouterSpec.of(c)
         self.embed = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size))
-        self.layers = nn.ModuleList(MoELayer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, i, self.expert_range) for i in range(c.num_layers))
         self.final_norm = nn.Parameter(torch.ones(c.hidden_size))
-        self.lm_head = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size))
+        # tied: the same Parameter under both names (named_parameters() lists it once, as "embed")
+        self.lm_head = self.embed if c.tie_word_embeddings else nn.Parameter(torch.empty(c.vocab_size, c.hidden_size))
         self.attn_backend: AttentionBackend | None = None   # None: the torch reference path
         self.expert_kernel: Callable[[Tensor, Routing, Tensor, Tensor], Tensor] = experts_local
+        self.load_report = None
+        """What building the model read (:class:`ainfer_pd.hf.checkpoint.LoadReport`), if it loaded a checkpoint."""
+
+    @property
+    def kernels(self) -> AttentionBackend:
+        """The backend whose kernels run this model's attention, norms and QKV prologue."""
+        return self.attn_backend or _REFERENCE
+
+    @property
+    def holds_all_experts(self) -> bool:
+        return self.expert_range == (0, self.cfg.num_experts)
 
     # ------------------------------------------------------------------ init
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Deterministic random init: same seed and device type -> same weights
-        (one generator per parameter, on the parameter's device)."""
+        """Deterministic random init: same seed and device type -> same weights (one generator
+        per parameter, and per expert for routed-expert tensors, so an expert-parallel shard
+        holds exactly its slice of the whole model's init). Norms 1, biases 0."""
+        lo = self.expert_range[0]
         for idx, (name, p) in enumerate(self.named_parameters()):
-            g = torch.Generator(device=p.device).manual_seed(seed * 100003 + idx)
-            if name.endswith("norm"):
+            base = seed * 100003 + idx
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf.endswith("norm"):
                 p.fill_(1.0)
                 continue
-            fan_in = p.shape[-2] if p.dim() == 3 else p.shape[-1]
-            if name.endswith(("w13", "w2")) and p.dim() == 2:      # shared expert [in, out]
-                fan_in = p.shape[0]
-            std = fan_in ** -0.5
-            if name == "embed":
-                std = 1.0
+            if leaf in ("bqkv", "bo", "router_bias"):
+                p.zero_()
+                continue
+            if leaf in ("w13", "w2") and p.dim() == 3:            # routed experts [El, in, out]
+                std = p.shape[-2] ** -0.5
+                for j in range(p.shape[0]):
+                    g = torch.Generator(device=p.device).manual_seed(base * 1_000_003 + lo + j)
+                    p[j].copy_(torch.randn(p.shape[1:], generator=g, dtype=torch.float32, device=p.device).mul_(std))
+                continue
+            g = torch.Generator(device=p.device).manual_seed(base)
+            fan_in = p.shape[0] if leaf.endswith(("w13", "w2")) else p.shape[-1]   # dense/shared [in, out]
+            std = 1.0 if name == "embed" else fan_in ** -0.5
             t = torch.randn(p.shape, generator=g, dtype=torch.float32, device=p.device)
             p.copy_(t.mul_(std))
             del t
@@ -93,51 +146,61 @@ class MoETransformer(nn.Module):
     def embed_tokens(self, fb: ForwardBatch) -> SegmentState:
         c = self.cfg
         # NOTE: recomputed every pass (inside a captured graph too): static graph inputs change per replay
-        fb.rope = rope_cos_sin(fb.positions, c.head_dim, c.rope_theta, self.embed.dtype)
+        fb.rope = rope_cos_sin(fb.positions, c.rotary_dim, c.rope_theta, self.embed.dtype)
         return SegmentState(h=F.embedding(fb.input_ids, self.embed))
 
     def attn_route(self, i: int, st: SegmentState, fb: ForwardBatch, kv: Tensor,
                    attn_reduce: Callable[[Tensor], Tensor] | None = None) -> SegmentState:
         """Attention of layer i (writes this layer's KV), then the router of its MoE.
 
-        kv [2, S, Hk, hd] is layer i's cache. Returns the state with ``routing`` set:
-        its ``counts`` are what an expert exchange notifies to peers.
+        kv [2, S, Hk, hd] is layer i's cache. Returns the state with ``routing`` set (None for
+        a dense layer): its ``counts`` are what an expert exchange notifies to peers.
         """
-        c, lyr = self.cfg, self.layers[i]
+        c, lyr, kn = self.cfg, self.layers[i], self.kernels
         T = st.h.shape[0]
-        x = rms_norm(st.h, lyr.attn_norm, c.rms_eps)
-        qkv = F.linear(x, lyr.wqkv)                                        # [T, (H+2Hk)*hd]
+        x = kn.rms_norm(st.h, lyr.attn_norm, c.rms_eps)
+        qkv = F.linear(x, lyr.wqkv, lyr.bqkv)                              # [T, (H+2Hk)*hd]
         H, Hk, hd = c.num_heads, c.num_kv_heads, c.head_dim
         q, k, v = qkv.split([H * hd, Hk * hd, Hk * hd], dim=-1)
         q, k, v = q.view(T, H, hd), k.view(T, Hk, hd), v.view(T, Hk, hd)
         if fb.rope is None:
-            fb.rope = rope_cos_sin(fb.positions, hd, c.rope_theta, q.dtype)
-        cos, sin = fb.rope                                                 # set by embed_tokens
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = paged_attention(q, k, v, kv, fb, self.attn_backend)                             # [T, H, hd]
-        o = F.linear(o.reshape(T, H * hd), lyr.wo)                         # [T, D]
+            fb.rope = rope_cos_sin(fb.positions, c.rotary_dim, c.rope_theta, q.dtype)
+        # QK-norm over each head (when the architecture has it), RoPE, this batch's K/V into the cache
+        q = kn.prologue(q, k, v, lyr.q_norm, lyr.k_norm, c.rms_eps, fb.rope, kv, fb.write_slots)
+        o = attend(q, kv, fb, self.attn_backend)                           # [T, H, hd]
+        o = F.linear(o.reshape(T, H * hd), lyr.wo, lyr.bo)                 # [T, D]
         if attn_reduce is not None:
             o = attn_reduce(o)
-        h = st.h + o
-        xn = rms_norm(h, lyr.ffn_norm, c.rms_eps)
-        return SegmentState(h=h, xn=xn, routing=route(xn, lyr.router, c.top_k))
+        h, xn = kn.add_rms_norm(o, st.h, lyr.ffn_norm, c.rms_eps)
+        routing = route(xn, lyr.router, self.router_spec, lyr.router_bias) if lyr.is_moe else None
+        return SegmentState(h=h, xn=xn, routing=routing)
 
     def experts(self, i: int, st: SegmentState, expert_fn: ExpertFn | None = None) -> SegmentState:
-        """Routed experts (local, or through an expert-parallel backend) plus the shared expert."""
+        """Routed experts (local, or through an expert-parallel backend) plus the shared expert;
+        a dense layer runs its MLP here (locally: no expert exchange)."""
         lyr = self.layers[i]
-        assert st.xn is not None and st.routing is not None
+        assert st.xn is not None
+        if not lyr.is_moe:
+            return SegmentState(h=st.h + swiglu_dense(st.xn, lyr.dense_w13, lyr.dense_w2))
+        assert st.routing is not None
         if expert_fn is None:
+            if not self.holds_all_experts:
+                raise RuntimeError(f"this model holds experts {self.expert_range} only: the routed experts "
+                                   "need the expert-parallel backend")
             y = self.expert_kernel(st.xn, st.routing, lyr.w13, lyr.w2)
         else:
             y = expert_fn(st.xn, st.routing, i)
         if lyr.shared_w13 is not None:
-            y = y + swiglu_dense(st.xn, lyr.shared_w13, lyr.shared_w2)
+            s = swiglu_dense(st.xn, lyr.shared_w13, lyr.shared_w2)
+            if lyr.shared_gate is not None:                                # qwen2_moe: sigmoid-gated
+                s = torch.sigmoid(F.linear(st.xn, lyr.shared_gate)) * s
+            y = y + s
         return SegmentState(h=st.h + y)
 
     def head(self, st: SegmentState, rows: Tensor | None) -> Tensor:
         """Logits [R, V] (float32) of the selected rows."""
         h = st.h if rows is None else st.h.index_select(0, rows)
-        return F.linear(rms_norm(h, self.final_norm, self.cfg.rms_eps), self.lm_head).float()
+        return F.linear(self.kernels.rms_norm(h, self.final_norm, self.cfg.rms_eps), self.lm_head).float()
 
     # ------------------------------------------------------------------ whole pass
     def forward_batch(self, fb: ForwardBatch, kv_cache: Tensor, expert_fn: ExpertFn | None = None,
@@ -156,16 +219,25 @@ class MoETransformer(nn.Module):
         return 1 + 2 * self.cfg.num_layers
 
 
-def build_model(c: ModelConfig, device: torch.device | str = "cpu") -> MoETransformer:
+def build_model(c: ModelConfig, device: torch.device | str = "cpu",
+                experts: tuple[int, int] | None = None) -> MoETransformer:
+    """The model of ``c`` on ``device``, holding routed experts ``experts`` = [lo, hi) (default
+    all). Weights: a Hugging Face checkpoint at ``c.path`` (this rank's experts only), else the
+    seeded random init (``c.path`` without weight files says so in the log), then
+    ``c.weights_path`` (this engine's own names) over it."""
     prev = torch.get_default_dtype()
     torch.set_default_dtype(c.torch_dtype)          # parameters are created in their final dtype
     try:
         with torch.device(device):
-            model = MoETransformer(c)
+            model = MoETransformer(c, experts)
     finally:
         torch.set_default_dtype(prev)
     model.requires_grad_(False)
-    model.init_weights(c.seed)
+    if c.path:
+        from ..hf.checkpoint import load_pretrained
+        load_pretrained(model, c.path)           # random init (logged) when the directory has no weights
+    else:
+        model.init_weights(c.seed)
     if c.weights_path:
         from .weights import load_safetensors
         load_safetensors(model, c.weights_path)

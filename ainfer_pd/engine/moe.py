@@ -1,4 +1,4 @@
-"""MoE FFN pieces: softmax top-k router, local grouped expert compute, SwiGLU.
+"""MoE FFN pieces: softmax top-k router (other routers: :mod:`.routing`), local grouped expert compute, SwiGLU.
 
 Shape legend: T = tokens, D = hidden, E = routed experts, k = top-k,
 I = expert intermediate, N = T * k routed rows.
@@ -29,18 +29,24 @@ class Routing:
 
 
 def route(x: Tensor, router_w: Tensor, top_k: int) -> Routing:
-    """Softmax router, top-k, renormalised weights; expert-sorted layout."""
+    """Softmax router, top-k, renormalised weights; expert-sorted layout (the other router
+    variants: :mod:`.routing`)."""
     scores = F.linear(x, router_w)                              # [T, E] in the model dtype
     probs = torch.softmax(scores.float(), dim=-1)
     topk_w, topk_idx = torch.topk(probs, top_k, dim=-1)         # [T, k]
     topk_w = topk_w / topk_w.sum(dim=-1, keepdim=True)
+    return routing_of(topk_idx, topk_w.to(x.dtype), router_w.shape[0])
+
+
+def routing_of(topk_idx: Tensor, topk_weights: Tensor, num_experts: int) -> Routing:
+    """The expert-sorted layout of a top-k choice: topk_idx [T, k] int64, topk_weights [T, k]
+    (the final combine weights) -> Routing. No host sync (counts by ``scatter_add_``)."""
     flat = topk_idx.reshape(-1)                                  # [N]
     order = torch.sort(flat, stable=True).indices                # [N]
-    num_experts = router_w.shape[0]
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=topk_idx.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     offsets = torch.cumsum(counts, 0).to(torch.int32)
-    return Routing(topk_idx, topk_w.to(x.dtype), order, counts, offsets)
+    return Routing(topk_idx, topk_weights, order, counts, offsets)
 
 
 def swiglu_grouped(xs: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor) -> Tensor:

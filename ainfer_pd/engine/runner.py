@@ -43,7 +43,8 @@ class ModelRunner:
         self.device = device
         self.kv = kv
         mc = cfg.model
-        self.model: MoETransformer = build_model(mc, device)
+        from .expert_parallel import expert_shard
+        self.model: MoETransformer = build_model(mc, device, experts=expert_shard(cfg))   # EP: this rank's experts
         # [layers, 2, S, Hk, hd] with S = (num_blocks + 1) * block_size: the last block is scratch,
         # written by padded graph rows and warm-up passes (its first slot), never allocated
         self.scratch_block = kv.alloc.num_blocks
@@ -117,8 +118,9 @@ class ModelRunner:
         return self.model.attn_route(layer, st, plan.fb, self.kv_cache[layer], self.attn_reduce)
 
     def notify(self, ctx: PhaseContext, st: SegmentState):
-        """Start the expert exchange of this layer (peers learn the shape); None without EP."""
-        return None if self.ep is None else self.ep.notify(ctx, st.routing)
+        """Start the expert exchange of this layer (peers learn the shape); None without EP
+        and for a dense layer (no routing: nothing is exchanged, on every rank alike)."""
+        return None if self.ep is None or st.routing is None else self.ep.notify(ctx, st.routing)
 
     def experts(self, layer: int, st: SegmentState, ctx: PhaseContext, notified=None) -> SegmentState:
         """Routed + shared experts; with EP the data moves now (after counts and permit)."""

@@ -1,7 +1,12 @@
-"""Weights in and out: safetensors only (never pickle), checked in-place updates."""
+"""Weights in and out: safetensors only (never pickle), checked in-place updates.
+
+:class:`WeightStage` is the all-or-nothing weight sync of the engine model in any family of
+names (:mod:`ainfer_pd.hf.names`); ``apply_named_tensors`` the plain same-name copy for any module.
+"""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -63,3 +68,114 @@ def apply_named_tensors(model: nn.Module, named: Iterable[tuple[str, Tensor]], *
     for p, t in plan:
         p.copy_(t)                                 # copy_ converts dtype and device
     return len(plan)
+
+
+# ====================================================================== named syncs into the engine model
+@dataclass(slots=True)
+class SyncReport:
+    """What one weight sync did on this rank."""
+
+    applied: list[str] = field(default_factory=list)
+    """Names copied into this rank's parameters."""
+    skipped: list[str] = field(default_factory=list)
+    """Names of other expert-parallel ranks' experts: shape-checked, never read."""
+    ignored: list[str] = field(default_factory=list)
+    """Known names that carry nothing here (the tied ``lm_head.weight``)."""
+
+
+class WeightStage:
+    """One all-or-nothing weight sync into an engine model.
+
+    :meth:`add` checks each (name, tensor) the moment it arrives (a name of any family of
+    :mod:`ainfer_pd.hf.names`; shape, dtype, finiteness of the part this rank keeps; no part
+    given twice) and keeps a reference to it; nothing is written until :meth:`apply`, which
+    first checks that the sync is complete (unless ``partial``). So a generator over several
+    buckets whose last bucket is bad leaves every weight as it was. The caller must not reuse a
+    tensor's memory for another one of the same sync (the copies happen at the end).
+    """
+
+    def __init__(self, model: nn.Module, *, partial: bool = False) -> None:
+        from ..hf.names import name_table
+        self.model = model
+        self.table = name_table(model)
+        self.partial = partial
+        self.report = SyncReport()
+        self._plan: list[tuple[Tensor, Tensor]] = []     # (parameter region, source view)
+        self._covered: dict = {}                          # unit -> the name that filled it
+        self._hf_names = False
+
+    def add_all(self, named: Iterable[tuple[str, Tensor]]) -> "WeightStage":
+        for item in named:
+            try:
+                name, t = item
+            except (TypeError, ValueError):
+                raise WeightUpdateError(f"weights must be (name, tensor) pairs, got {type(item).__name__}") from None
+            self.add(name, t)
+        return self
+
+    def add(self, name: str, t: Tensor) -> None:
+        if not isinstance(name, str):
+            raise WeightUpdateError(f"weight name {name!r} is not a string")
+        target = self.table.lookup(name)
+        if target is None:
+            c = self.model.cfg
+            raise WeightUpdateError(f"unknown weight name {name!r} (a {c.architecture} model of {c.num_layers} layers "
+                                    "takes its checkpoint's names, the installed transformers' named_parameters() "
+                                    "names, or this engine's own parameter names)")
+        if not isinstance(t, Tensor):
+            raise WeightUpdateError(f"weight {name!r} is not a tensor ({type(t).__name__})")
+        if tuple(t.shape) != target.shape:
+            raise WeightUpdateError(f"weight {name!r} has shape {tuple(t.shape)}, expected {target.shape}")
+        self._hf_names |= self.table.is_hf(name)
+        if not target.mine:
+            self.report.skipped.append(name)
+            return
+        if target.param is None:
+            self.report.ignored.append(name)
+            return
+        p = self.table.params[target.param]
+        if not (t.dtype == p.dtype or (t.is_floating_point() and p.is_floating_point())):
+            raise WeightUpdateError(f"weight {name!r} has dtype {t.dtype}, expected {p.dtype}")
+        lo, hi = self.model.expert_range
+        src = target.source(t, lo, hi)
+        _check_values(name, src, p.dtype)
+        for u in target.units:
+            prev = self._covered.get(u)
+            if prev is not None:
+                raise WeightUpdateError(f"weight {name!r} fills a part of {target.param!r} that {prev!r} already "
+                                        "filled in this sync")
+            self._covered[u] = name
+        region = p[target.index] if target.index else p
+        self._plan.append((region, src))
+        self.report.applied.append(name)
+
+    def missing(self) -> set:
+        return self.table.sync_required - self._covered.keys()
+
+    @torch.no_grad()
+    def apply(self) -> int:
+        """Check completeness (unless partial), then copy every staged tensor (converted to the
+        parameter's dtype and device; storages are never rebound, so captured CUDA graphs stay
+        valid). Returns the number of tensors written."""
+        if not self.partial:
+            missing = self.missing()
+            if missing:
+                if self._hf_names:
+                    what = self.table.describe_missing(missing)
+                else:
+                    what = ", ".join(sorted({u[0] for u in missing})[:5])
+                raise WeightUpdateError(f"incomplete weight sync: missing {what} ({len(missing)} of "
+                                        f"{len(self.table.sync_required)} parts not given; nothing was written; "
+                                        "pass partial=True to update a subset)")
+        for region, src in self._plan:
+            region.copy_(src)
+        return len(self._plan)
+
+
+def _check_values(name: str, t: Tensor, dtype: torch.dtype) -> None:
+    if t.is_floating_point() and t.numel() and not torch.isfinite(t).all():
+        raise WeightUpdateError(f"weight {name!r} has non-finite values")
+    if t.is_floating_point() and dtype.is_floating_point and torch.finfo(dtype).max < torch.finfo(t.dtype).max:
+        big = float(t.detach().abs().max()) if t.numel() else 0.0
+        if big > torch.finfo(dtype).max:          # would become inf in the parameter's dtype
+            raise WeightUpdateError(f"weight {name!r} has a value of magnitude {big:.3g}, beyond {dtype}")

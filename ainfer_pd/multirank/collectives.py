@@ -299,9 +299,10 @@ def shard_attention(model: Any, tp_rank: int, atp: int) -> Any:
     """A copy of ``model`` whose attention keeps only TP shard ``tp_rank`` of ``atp``.
 
     Query heads and KV heads are split into ``atp`` contiguous blocks (GQA groups stay
-    together: local query head h uses local KV head h // (H / Hk), as globally); ``wqkv``
-    keeps the matching rows and ``wo`` the matching columns. Everything else (norms, router,
-    experts, embeddings, head) is replicated. The shard's KV cache has ``Hk / atp`` heads.
+    together: local query head h uses local KV head h // (H / Hk), as globally); ``wqkv`` (and
+    its bias ``bqkv``) keeps the matching rows and ``wo`` the matching columns; the output bias
+    ``bo`` stays on TP rank 0 only (the shards' outputs are summed). Everything else (norms,
+    QK-norms, router, experts, embeddings, head) is replicated. The shard's KV cache has ``Hk / atp`` heads.
     Summing the shards' attention outputs (``attn_reduce``) gives the full output.
     """
     from ..engine.model import MoETransformer
@@ -320,7 +321,7 @@ def shard_attention(model: Any, tp_rank: int, atp: int) -> Any:
     torch.set_default_dtype(c.torch_dtype)
     try:
         with torch.device(model.embed.device):
-            shard = MoETransformer(cs)
+            shard = MoETransformer(cs, model.expert_range)
     finally:
         torch.set_default_dtype(prev)
     shard.requires_grad_(False)
@@ -332,8 +333,10 @@ def shard_attention(model: Any, tp_rank: int, atp: int) -> Any:
     with torch.no_grad():
         for name, p in shard.named_parameters():
             s = src[name]
-            if name.endswith(".wqkv"):
+            if name.endswith((".wqkv", ".bqkv")):
                 p.copy_(s.index_select(0, rows))
+            elif name.endswith(".bo"):
+                p.copy_(s if tp_rank == 0 else torch.zeros_like(s))
             elif name.endswith(".wo"):
                 p.copy_(s[:, tp_rank * hq * hd:(tp_rank + 1) * hq * hd])
             else:

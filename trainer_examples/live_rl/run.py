@@ -6,9 +6,9 @@
 
 Every step: B prompts x G episodes run concurrently (asyncio.TaskGroup) against the worker
 (generate -> simulated tool wait -> continue_ with only the observation tokens -> ...), then a
-GRPO update of a trainable copy of the policy (float32 master weights on the worker's device,
-forward in the worker's dtype by default), then ``worker.update_weights`` with its parameters in
-the worker's dtype (copied in place: captured CUDA graphs keep reading the same storage). The
+GRPO update of the policy as transformers' ``Qwen3MoeForCausalLM`` (float32 master weights on the
+worker's device, forward in the worker's dtype by default), then ``worker.update_weights`` with
+its ``named_parameters()`` (transformers' names and packed experts) in the worker's dtype (copied in place: captured CUDA graphs keep reading the same storage). The
 update and the weight conversion run in a thread, off the event loop; on CUDA every timed
 interval ends with a device synchronize. With ``--policy both`` the same seeds run once under
 ``normal`` and once under ``fine-grained``; the cumulative rollout times, their ratio, a JSON

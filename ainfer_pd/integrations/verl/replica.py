@@ -11,7 +11,9 @@ verl picks it with ``actor_rollout_ref.rollout.name=ainfer_pd``.
 * :meth:`AInferPDReplica.init_local`: no placement at all (CPU tests, one-host debugging).
 
 The ainfer-pd config comes from ``rollout.engine_kwargs.ainfer_pd`` (see
-:data:`.server.ENGINE_KWARGS`). The server hosts the whole :class:`RolloutWorker`; its
+:data:`.server.ENGINE_KWARGS`); the model from verl's ``actor_rollout_ref.model.path`` when
+that is a Hugging Face directory (its ``config.json`` and safetensors: the trainer's model, whose
+weight syncs then arrive in its own names). The server hosts the whole :class:`RolloutWorker`; its
 ``parallel.world_size`` should equal verl's ``tensor_model_parallel_size *
 data_parallel_size`` (GPUs per replica), which is checked with a warning.
 """
@@ -23,7 +25,7 @@ import logging
 import ray
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 
-from .server import AInferPDServer, build_worker_config, engine_kwargs_of
+from .server import AInferPDServer, build_worker_config, engine_kwargs_of, model_path_of
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +36,8 @@ class AInferPDReplica(RolloutReplica):
         super().__init__(replica_rank, config, model_config, gpus_per_node, is_reward_model, is_teacher_model,
                          name_suffix)
         self.server_class = ray.remote(AInferPDServer)
-        self.worker_config = build_worker_config(engine_kwargs_of(self.config))
+        self.model_path = model_path_of(model_config)      # actor_rollout_ref.model.path (local copy)
+        self.worker_config = build_worker_config(engine_kwargs_of(self.config), self.model_path)
         g = self.worker_config.parallel.world_size
         if g != self.world_size:
             logger.warning("ainfer_pd: parallel.world_size=%d but verl allots %d GPUs per replica "
@@ -85,7 +88,7 @@ class AInferPDReplica(RolloutReplica):
             options["runtime_env"] = {"env_vars": env}
         server = self.server_class.options(**options).remote(
             config=self.config, replica_rank=self.replica_rank, node_rank=0,
-            rollout_mode=self.rollout_mode.value if self.rollout_mode else "standalone")
+            rollout_mode=self.rollout_mode.value if self.rollout_mode else "standalone", model_path=self.model_path)
         await server.launch_server.remote()
         host, port = await server.get_server_address.remote()
         self.servers = [server]

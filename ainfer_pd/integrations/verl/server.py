@@ -45,7 +45,8 @@ logger = logging.getLogger(__name__)
 
 #: Keys of ``rollout.engine_kwargs.ainfer_pd`` (everything else is rejected).
 ENGINE_KWARGS = {
-    "config": "path of an ainfer-pd WorkerConfig YAML (default: the packaged configs/tiny-cpu.yaml)",
+    "config": "path of an ainfer-pd WorkerConfig YAML (default: the packaged configs/tiny-cpu.yaml); its model "
+              "section is replaced by actor_rollout_ref.model.path when that is a Hugging Face directory",
     "overrides": "dotted WorkerConfig overrides, e.g. {'scheduler.policy': 'fine-grained'}",
     "worker_cls": "import path of the worker class (default ainfer_pd.RolloutWorker)",
     "max_retained_trajectories": "idle trajectories kept for KV reuse (LRU), default 4096",
@@ -85,7 +86,23 @@ def default_config_path() -> str:
     return os.path.normpath(os.path.join(here, "..", "..", "..", "configs", "tiny-cpu.yaml"))
 
 
-def build_worker_config(engine_kwargs: dict):
+def model_path_of(model_config: Any) -> Optional[str]:
+    """The Hugging Face directory of verl's ``actor_rollout_ref.model`` (``HFModelConfig``:
+    ``local_path``, the local copy verl made, else ``path``); None when there is none (no
+    model section, or a path that is not a local directory with ``config.json``)."""
+    mc = _to_plain(model_config)
+    get = (lambda k: mc.get(k)) if isinstance(mc, dict) else (lambda k: getattr(mc, k, None))
+    for key in ("local_path", "path"):
+        p = get(key)
+        if isinstance(p, str) and p and os.path.isfile(os.path.join(os.path.expanduser(p), "config.json")):
+            return os.path.expanduser(p)
+    return None
+
+
+def build_worker_config(engine_kwargs: dict, model_path: Optional[str] = None):
+    """The worker config: the ainfer-pd YAML; with ``model_path`` (verl's model directory) the
+    model section is that directory's ``config.json`` (architecture, shapes, dtype, weights);
+    then the dotted ``overrides`` (e.g. ``{"model.dtype": "float32"}``)."""
     from ...config import WorkerConfig
     path = engine_kwargs.get("config") or default_config_path()
     if not os.path.isabs(path) and not os.path.exists(path):
@@ -93,6 +110,10 @@ def build_worker_config(engine_kwargs: dict):
         alt = os.path.join(os.path.dirname(os.path.dirname(default_config_path())), path)
         path = alt if os.path.exists(alt) else path
     cfg = WorkerConfig.from_yaml(path)
+    if model_path:
+        data = cfg.to_dict()
+        data["model"] = {"path": model_path}
+        cfg = WorkerConfig.from_dict(data)
     overrides = engine_kwargs.get("overrides") or {}
     return cfg.replace(**overrides) if overrides else cfg
 
@@ -109,13 +130,15 @@ class AInferPDServer:
     """Plain class; the replica wraps it with ``ray.remote``. One asyncio loop (Ray's)."""
 
     def __init__(self, config: Any, replica_rank: int = 0, node_rank: int = 0,
-                 rollout_mode: str = "standalone", cuda_visible_devices: Optional[str] = None) -> None:
+                 rollout_mode: str = "standalone", cuda_visible_devices: Optional[str] = None,
+                 model_path: Optional[str] = None) -> None:
         self.replica_rank = replica_rank
         self.node_rank = node_rank
         self.rollout_mode = str(getattr(rollout_mode, "value", rollout_mode))
         self.config = config
         self.engine_kwargs = engine_kwargs_of(config)
-        self.worker_config = build_worker_config(self.engine_kwargs)
+        self.model_path = model_path
+        self.worker_config = build_worker_config(self.engine_kwargs, model_path)
         self._get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) \
             else (lambda k, d=None: getattr(config, k, d))
         self.free_cache_engine = bool(self._get("free_cache_engine", True))
@@ -439,28 +462,32 @@ class AInferPDServer:
         return m
 
     # ------------------------------------------------------------------ weights
-    def _param_specs(self) -> Optional[dict]:
+    def _names(self):
+        """The served model's name table (checkpoint, transformers and engine names), if any."""
         model = getattr(self.worker, "model", None)
-        if model is None:
+        if model is None or not hasattr(model, "expert_range"):
             return None
-        return {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
+        from ...hf.names import name_table
+        return name_table(model)
 
     def _prepare(self, named: Iterable[tuple[str, Any]]) -> list:
-        """Validate names/shapes (and cast dtypes) against the model before anything is copied."""
+        """Validate names/shapes (and cast dtypes) against the model as each bucket arrives, before
+        anything is copied (the worker checks the whole sync again, completeness included)."""
         import torch
-        specs = self._param_specs()
+        table = self._names()
         out = []
         for name, t in named:
             if not isinstance(t, torch.Tensor):
                 raise WeightUpdateError(f"weight {name!r}: expected a torch.Tensor, got {type(t).__name__}")
-            if specs is not None:
-                if name not in specs:
-                    close = [n for n in specs if n.split(".")[-1] == name.split(".")[-1]][:3]
-                    raise WeightUpdateError(f"unknown weight name {name!r} (model has {len(specs)} parameters"
+            if table is not None:
+                target = table.lookup(name)
+                if target is None:
+                    close = [n for n in table.hf if n.split(".")[-1] == name.split(".")[-1]][:3]
+                    raise WeightUpdateError(f"unknown weight name {name!r} (a {table.model.cfg.architecture} model"
                                             + (f"; similar: {close}" if close else "") + ")")
-                shape, dtype = specs[name]
-                if tuple(t.shape) != shape:
-                    raise WeightUpdateError(f"weight {name!r}: shape {tuple(t.shape)} != model shape {shape}")
+                if tuple(t.shape) != target.shape:
+                    raise WeightUpdateError(f"weight {name!r}: shape {tuple(t.shape)} != model shape {target.shape}")
+                dtype = table.params[target.param].dtype if target.param is not None else t.dtype
                 if t.dtype != dtype:
                     if self.cast_weight_dtype and t.is_floating_point() and dtype.is_floating_point:
                         t = t.to(dtype)

@@ -1,0 +1,192 @@
+"""Reading a Hugging Face model directory into the engine model, lazily and per rank.
+
+The directory holds ``config.json`` and one or many ``*.safetensors`` files, with or without
+``model.safetensors.index.json``. Every file is opened with ``safe_open`` (headers only); each
+tensor is read when it is copied into its parameter, and with expert parallelism a rank reads
+only its own experts' tensors (packed expert tensors: only its slice). Before anything is read
+the whole checkpoint is checked against the model: every tensor name known, every shape as
+``config.json`` implies, every part of the model filled exactly once; a failure is a
+:class:`~ainfer_pd.errors.CheckpointError` naming the tensor (or shard).
+
+Pickled weights (``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``) are never unpickled: a directory
+with only those is refused. A directory with ``config.json`` and no weight files at all gives
+the seeded random init of the real shapes (benchmarks), and says so in the log.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError
+from .config import num_extra_layers, read_config_json
+from .names import name_table
+
+log = logging.getLogger("ainfer_pd.hf")
+
+INDEX = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+_FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+@dataclass(slots=True)
+class LoadReport:
+    """What loading one model (one rank) did."""
+
+    path: str
+    random_init: bool = False
+    files: list[str] = field(default_factory=list)
+    """Weight files opened (headers read)."""
+    tensors_read: list[str] = field(default_factory=list)
+    """Names whose data this rank read (expert parallelism: its own experts only)."""
+    tensors_skipped: list[str] = field(default_factory=list)
+    """Names of other ranks' experts, or unused extra layers: never read."""
+    bytes_read: int = 0
+    seconds: float = 0.0
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def weight_files(model_dir: str | Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The safetensors files of a model directory and the index's name -> file map (None
+    without an index). No weight files at all -> ([], None); pickle only -> CheckpointError."""
+    d = Path(model_dir)
+    idx = d / INDEX
+    if idx.is_file():
+        try:
+            wmap = json.loads(idx.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{d.name}/{INDEX} is not a valid index ({exc!r})") from None
+        shards = sorted(set(wmap.values()))
+        absent = [s for s in shards if not (d / s).is_file()]
+        if absent:
+            raise CheckpointError(f"{d.name}: shard(s) {', '.join(absent)} listed in {INDEX} are missing "
+                                  f"({len(wmap)} tensors indexed over {len(shards)} shards)")
+        return [d / s for s in shards], dict(wmap)
+    files = sorted(d.glob("*.safetensors"))
+    if files:
+        return files, None
+    pickled = sorted(p.name for p in d.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickled:
+        raise CheckpointError(f"{d.name} holds pickled weights only ({', '.join(pickled[:3])}): ainfer-pd never "
+                              "unpickles checkpoints (loading a pickle can run arbitrary code); convert them to "
+                              "safetensors (e.g. save_pretrained(..., safe_serialization=True))")
+    return [], None
+
+
+@torch.no_grad()
+def load_pretrained(model: nn.Module, model_dir: str | Path) -> "LoadReport":
+    """Fill ``model`` (an engine model built from this directory's config) from its weights;
+    random init when it has none. Sets and returns ``model.load_report``."""
+    t0 = time.perf_counter()
+    d = Path(model_dir)
+    hf = read_config_json(d)
+    files, index = weight_files(d)
+    report = LoadReport(path=str(d))
+    if not files:
+        log.info("%s has config.json but no weight files: seeded random init (seed %d) of the real shapes",
+                 d.name, model.cfg.seed)
+        model.init_weights(model.cfg.seed)
+        report.random_init = True
+        report.seconds = time.perf_counter() - t0
+        model.load_report = report
+        return report
+    table = name_table(model)
+    lo, hi = model.expert_range
+    extra_from = model.cfg.num_layers if num_extra_layers(hf) else None
+    with ExitStack() as stack:
+        from safetensors import safe_open
+        handles = {}
+        for f in files:
+            try:
+                handles[f.name] = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
+            except Exception as exc:          # safetensors raises its own error types
+                raise CheckpointError(f"{d.name}/{f.name} is not a readable safetensors file: {exc}") from None
+            report.files.append(f.name)
+        where = _locate(handles, index, d.name)
+        plan = _check(where, handles, table, extra_from, d.name, report)
+        for name, fname, target in plan:           # pass 2: read and copy (this rank's tensors only)
+            h = handles[fname]
+            t = h.get_slice(name)[lo:hi] if target.expert_axis else h.get_tensor(name)
+            src = t.transpose(-1, -2) if target.transpose else t
+            p = table.params[target.param]
+            (p[target.index] if target.index else p).copy_(src)
+            report.tensors_read.append(name)
+            report.bytes_read += t.numel() * t.element_size()
+            del t, src
+    report.seconds = time.perf_counter() - t0
+    model.load_report = report
+    log.info("loaded %s: %d tensors, %.2f GB in %.2f s (%.2f GB/s)%s", d.name, len(report.tensors_read),
+             report.bytes_read / 1e9, report.seconds, report.gb_per_s,
+             f"; experts {lo}..{hi - 1} of {model.cfg.num_experts}" if not model.holds_all_experts else "")
+    return report
+
+
+def _locate(handles: dict, index: dict[str, str] | None, dname: str) -> dict[str, str]:
+    """name -> file holding it (the index's claim checked against the file headers)."""
+    where: dict[str, str] = {}
+    for fname, h in handles.items():
+        for name in h.keys():
+            if name in where:
+                raise CheckpointError(f"{dname}: tensor {name!r} is stored twice ({where[name]} and {fname})")
+            where[name] = fname
+    if index is not None:
+        for name, fname in index.items():
+            if where.get(name) != fname:
+                raise CheckpointError(f"{dname}/{INDEX} puts {name!r} in {fname}, but that file does not hold it")
+    return where
+
+
+def _check(where: dict[str, str], handles: dict, table, extra_from: int | None, dname: str,
+           report: LoadReport) -> list:
+    """Pass 1 (headers only): every name known, every shape and dtype right, every part of
+    the model filled exactly once. Returns the (name, file, target) list this rank reads."""
+    c = table.model.cfg
+    plan, unexpected, covered = [], [], {}
+    for name in sorted(where):
+        target = table.hf.get(name)
+        if target is None:
+            m = _LAYER.match(name)
+            if (m and extra_from is not None and int(m.group(1)) >= extra_from) or name.endswith("rotary_emb.inv_freq"):
+                report.tensors_skipped.append(name)      # unused extra (MTP) layers; a non-persistent buffer
+                continue
+            unexpected.append(name)
+            continue
+        sl = handles[where[name]].get_slice(name)
+        shape = tuple(sl.get_shape())
+        if shape != target.shape:
+            raise CheckpointError(f"{dname}: tensor {name!r} in {where[name]} has shape {shape}, but config.json "
+                                  f"({c.architecture}) implies {target.shape}")
+        dt = sl.get_dtype()
+        if dt not in _FLOAT_DTYPES:
+            raise CheckpointError(f"{dname}: tensor {name!r} has dtype {dt}; only floating checkpoints are supported")
+        if not target.mine:
+            report.tensors_skipped.append(name)
+            continue
+        if target.param is None:                          # the tied lm_head: the embedding serves
+            report.tensors_skipped.append(name)
+            continue
+        for u in target.units:
+            if u in covered:
+                raise CheckpointError(f"{dname}: tensor {name!r} fills a part of {target.param!r} that "
+                                      f"{covered[u]!r} already fills")
+            covered[u] = name
+        plan.append((name, where[name], target))
+    if unexpected:
+        raise CheckpointError(f"{dname}: {len(unexpected)} tensor(s) a {c.architecture} model of {c.num_layers} "
+                              f"layers has no place for, e.g. {', '.join(unexpected[:4])}")
+    missing = table.required - covered.keys()
+    if missing:
+        raise CheckpointError(f"{dname}: the checkpoint lacks {table.describe_missing(missing)} "
+                              f"({len(missing)} of {len(table.required)} parts of the model)")
+    return plan
