@@ -356,7 +356,15 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
             del g, g2
         fig(f"{tag}_moe_decode", moe)
         R[f"{tag}_parts"] = {"attention": attn, "moe": moe}
+    release(runner)
+
+
+def release(runner) -> None:
+    """Free a runner's GPU memory now (runner <-> DecodeGraphs is a reference cycle)."""
+    import gc
+    runner.graphs = None
     del runner
+    gc.collect()
     torch.cuda.empty_cache()
 
 
@@ -467,8 +475,7 @@ def profiles(out: Path) -> None:
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14)
             (out / f"profile_{name}.txt").write_text(table)
             print(f"== profile {name}\n{table}", flush=True)
-    del runner
-    torch.cuda.empty_cache()
+    release(runner)
 
 
 def main() -> None:

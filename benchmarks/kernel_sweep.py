@@ -68,6 +68,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-s", type=float, default=240)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--sections", default="moe64,moe128,moe512,moe4096,decode,prefill",
+                    help="comma list among moe64, moe128, moe512, moe4096, moe16384, decode, prefill")
     args = ap.parse_args()
     x = torch.empty(2 << 30, dtype=torch.uint8, device=DEV)
     y = torch.empty_like(x)
@@ -85,11 +87,14 @@ def main() -> None:
     small = [(16, 64, 128, 1, 4, 3), (16, 64, 128, 1, 4, 4), (16, 32, 128, 1, 4, 4), (16, 64, 256, 1, 4, 3),
              (16, 128, 128, 1, 4, 3), (16, 64, 64, 1, 4, 5), (16, 32, 256, 1, 4, 4), (16, 128, 64, 1, 8, 4),
              (16, 64, 128, 1, 8, 4)]
-    large = [(64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 3), (128, 64, 64, 8, 4, 3), (128, 128, 64, 8, 8, 3),
-             (64, 128, 64, 16, 4, 4), (128, 128, 32, 8, 8, 4), (64, 64, 128, 8, 4, 3), (128, 64, 64, 16, 8, 4)]
+    large = [(128, 128, 32, 8, 8, 4), (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 64, 128, 8, 8, 3),
+             (128, 128, 32, 16, 8, 4), (128, 128, 32, 8, 8, 5), (128, 128, 64, 16, 8, 3), (128, 256, 64, 8, 8, 3),
+             (128, 128, 128, 8, 8, 3), (128, 64, 64, 8, 4, 4)]
     medium = [(32, 64, 128, 4, 4, 3), (32, 128, 64, 4, 4, 3), (64, 64, 64, 8, 4, 3), (32, 64, 64, 4, 4, 4),
               (16, 64, 128, 1, 4, 4), (64, 128, 64, 8, 4, 3)]
-    for T, cands in ((64, small), (128, small), (512, medium), (4096, large)):
+    moe_cases = [(T, c) for T, c in ((64, small), (128, small), (512, medium), (4096, large), (16384, large))
+                 if f"moe{T}" in args.sections]
+    for T, cands in moe_cases:
         xx = torch.randn(T, D, device=DEV, dtype=dt)
         r = route(xx, rw, K)
         touched = int((r.counts > 0).sum())
@@ -113,14 +118,11 @@ def main() -> None:
               b2, bud)
 
     # ---- paged decode attention
-    for B, L in ((64, 2048), (32, 2048), (128, 2048), (64, 4096)):
+    for B, L in ((64, 2048), (32, 2048), (128, 2048), (64, 4096)) if "decode" in args.sections else ():
         fb, q, kc, vc = uniform_decode(B, L, H, Hk, hd, dt, DEV)
         kvb = 2 * B * L * Hk * hd * 2
-        cands = [(bn, w, st, sk) for sk in (512,) for bn in (32, 64, 128) for w in (2, 4, 8) for st in (1, 2, 3)] \
-            if (B, L) == (64, 2048) else []
-        if not cands:
-            best = RES.get("attn_decode_B64_L2048", {}).get("best", [64, 4, 2, 512])
-            cands = [(best[0], best[1], best[2], sk) for sk in (256, 512, 1024, 2048)]
+        cands = [(bn, w, st, sk) for sk in (512, 1024, 2048) for (bn, w, st) in ((64, 2, 2), (64, 4, 2), (32, 4, 3),
+                                                                                (128, 4, 2))]
 
         def run(c):
             be = TritonAttention(DEV, decode_overrides={"block_n": c[0], "num_warps": c[1], "num_stages": c[2],
@@ -130,13 +132,13 @@ def main() -> None:
         del fb, q, kc, vc
 
     # ---- varlen paged prefill attention (4096 new tokens; and a 575-token continuation on 1500)
-    for seqs in ([(0, 4096)], [(1500, 575), (1500, 575)]):
+    for seqs in ([(0, 4096)], [(1500, 575), (1500, 575)]) if "prefill" in args.sections else ():
         fb, q, k, v, kv, _ = paged_case(seqs, [], H, Hk, hd, dt, DEV)
         kc, vc = kv[0], kv[1]
         out = torch.empty_like(q)
         fl = sum(4 * H * hd * (n * c + n * n / 2) for c, n in seqs)
-        cands = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 2), (128, 128, 8, 2), (128, 32, 4, 2), (64, 64, 4, 2),
-                 (64, 64, 4, 3), (64, 128, 4, 2), (128, 64, 8, 1), (64, 32, 4, 3), (128, 128, 8, 3), (64, 64, 8, 2)]
+        cands = [(128, 128, 8, 3), (64, 64, 4, 2), (128, 64, 4, 3), (128, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4),
+                 (128, 128, 8, 4), (128, 64, 8, 3)]
 
         def runp(c):
             be = TritonAttention(DEV, prefill_override=PrefillPlan(*c))
