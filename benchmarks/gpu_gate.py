@@ -415,7 +415,7 @@ def smoke(out: Path) -> None:
 
 
 def bench(out: Path, args) -> None:
-    bdir = out / "bench"
+    bdir = Path("/tmp/gpu_gate_bench")         # plots stay here: only a few files come back from a device run
     cmd = [sys.executable, "-m", "ainfer_pd.cli", "bench", "--config", "configs/qwen3-30b-a3b-shape.yaml",
            "--policies", "normal,fine-grained,mixed-chunked", "--cells", "P1", "--repeats", "1",
            "--conversations", str(args.bench_conversations), "--max-turns", "3", "--token-scale", str(args.bench_token_scale),
@@ -427,6 +427,7 @@ def bench(out: Path, args) -> None:
     print("   " + "\n   ".join(lines[-20:]), flush=True)
     ok = rc == 0 and (bdir / "results.json").exists()
     if ok:
+        (out / "bench_results.json").write_text((bdir / "results.json").read_text())
         res = json.loads((bdir / "results.json").read_text())
         agg = res["aggregates"]["P1"]
         ms = {v: agg[v]["makespan_s"]["median"] for v in agg}
@@ -482,7 +483,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--commit", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--only", default="kernels,qwen3,paper,smoke,bench")
+    ap.add_argument("--only", default="kernels,qwen3,paper,profile,smoke,bench")
     ap.add_argument("--bench-conversations", type=int, default=24)
     ap.add_argument("--bench-token-scale", type=float, default=0.5)
     ap.add_argument("--bench-timeout", type=int, default=240)

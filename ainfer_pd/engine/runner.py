@@ -172,7 +172,31 @@ class ModelRunner:
                                                                            dtype=torch.int64))],
                     logits_rows=torch.tensor([n - 1], dtype=torch.int64, device=dev), block_size=bs)
                 self.forward_fb(fb, ctx)
+        self.warmup_eager_decode(ctx)
         return sizes
+
+    def warmup_eager_decode(self, ctx: PhaseContext) -> list[int]:
+        """Eager decode passes of one row at key lengths 16 .. max_context_len (doubling), over the
+        scratch block: every split-count variant of the decode kernels is compiled before the first
+        mixed batch or long row needs it. Writes only the scratch slot. Returns the lengths."""
+        dev, bs = self.device, self.kv.block_size
+        lens, n = [], 16
+        while n < self.cfg.model.max_context_len:
+            lens.append(n)
+            n *= 2
+        lens.append(self.cfg.model.max_context_len)
+        for L in lens:
+            nb = -(-L // bs)
+            fb = ForwardBatch(
+                input_ids=torch.zeros(1, dtype=torch.int64, device=dev),
+                positions=torch.full((1,), L - 1, dtype=torch.int64, device=dev),
+                write_slots=torch.full((1,), self.scratch_slot, dtype=torch.int64, device=dev),
+                decode=DecodeMeta(None, torch.full((1,), L, dtype=torch.int64, device=dev),
+                                  block_table=torch.full((1, nb), self.scratch_block, dtype=torch.int64, device=dev),
+                                  block_size=bs),
+                logits_rows=torch.zeros(1, dtype=torch.int64, device=dev), block_size=bs)
+            self.forward_fb(fb, ctx)
+        return lens
 
     def capture_decode_graphs(self, ctx: PhaseContext) -> int:
         """CUDA only: capture decode graphs for the configured buckets."""

@@ -101,19 +101,19 @@ class TritonAttention:
             op, lse = out, out            # unused
         scale = _LOG2E / math.sqrt(hd)
         paged_decode_kernel[(B, Hk, plan.num_splits)](
-            q, kc, vc, table, d.ctx_lens, out, op, lse, scale,
+            q, kc, vc, table, d.ctx_lens, out, op, lse, scale, plan.num_splits,
             q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
             table.stride(0), out.stride(0), out.stride(1),
             op.stride(0), op.stride(1), op.stride(2) if plan.num_splits > 1 else 0,
             lse.stride(0), lse.stride(1),
             GROUP=G, GROUP_PAD=max(16, _pow2(G)), HEAD_DIM=hd, PAGE=d.block_size,
-            BLOCK_N=plan.block_n, SPLIT_KEYS=plan.split_keys, NUM_SPLITS=plan.num_splits, IEEE=ieee,
+            BLOCK_N=plan.block_n, SPLIT_KEYS=plan.split_keys, SINGLE=plan.num_splits == 1, IEEE=ieee,
             num_warps=plan.num_warps, num_stages=plan.num_stages)
         if plan.num_splits > 1:
             decode_merge_kernel[(B, H)](
-                op, lse, out, op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1),
+                op, lse, out, plan.num_splits, op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1),
                 out.stride(0), out.stride(1),
-                HEAD_DIM=hd, NUM_SPLITS=plan.num_splits, SPLITS_PAD=_pow2(plan.num_splits), num_warps=4)
+                HEAD_DIM=hd, SPLITS_PAD=_pow2(plan.num_splits), num_warps=4)
         return out
 
     # ------------------------------------------------------------------ prefill

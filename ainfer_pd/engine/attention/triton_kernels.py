@@ -9,6 +9,10 @@ The cache of one layer is ``K, V [slots, Hk, hd]``; key n of a sequence lives in
   KV head of one row over one split of its keys (flash-decoding); the G heads share every K/V
   load, so KV bytes are read once per row and KV head. With NS = 1 it writes the output, else
   a partial output and its log-sum-exp (base 2) that ``decode_merge_kernel`` combines.
+
+Integer arguments that change from batch to batch are ``do_not_specialize``: Triton would
+otherwise compile a new variant for each new divisibility (0.5-0.9 s stalls inside P epochs,
+seen on the H200).
 * ``paged_prefill_kernel`` (grid ``NT x H``): flash-attention forward over varlen query tiles of
   every sequence of a pass, causal aligned to the end of each sequence's keys (lower right):
   query i of a sequence with ``cached`` earlier keys sees keys ``0 .. cached + i``.
@@ -22,10 +26,10 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def paged_decode_kernel(
     Q, K, V, TABLE, LENS, O, OP, LSE,
-    scale_log2,
+    scale_log2, num_splits,
     stride_qb, stride_qh,
     stride_kn, stride_kh, stride_vn, stride_vh,
     stride_tb,
@@ -33,7 +37,7 @@ def paged_decode_kernel(
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT_KEYS: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT_KEYS: tl.constexpr, SINGLE: tl.constexpr, IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -71,7 +75,7 @@ def paged_decode_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     safe_l = tl.where(l_i == 0.0, 1.0, l_i)
-    if NUM_SPLITS == 1:
+    if SINGLE:
         out = acc / safe_l[:, None]
         tl.store(O + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
                  mask=gmask[:, None])
@@ -81,20 +85,20 @@ def paged_decode_kernel(
         tl.store(LSE + b * stride_lb + heads * stride_lh + sp, m_i + tl.log2(l_i), mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def decode_merge_kernel(
-    OP, LSE, O,
+    OP, LSE, O, num_splits,
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
     """Combine the NS partial outputs of one (row, head): weights 2^(lse_s - max lse)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    smask = offs_s < NUM_SPLITS
+    smask = offs_s < num_splits
     lse = tl.load(LSE + b * stride_lb + h * stride_lh + offs_s, mask=smask, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.exp2(lse - m)                                   # empty splits: lse = -inf -> 0

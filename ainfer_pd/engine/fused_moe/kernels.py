@@ -12,6 +12,7 @@ of BLOCK_M with the sentinel N; ``BLOCK_EXPERT [P / BLOCK_M]`` is the expert of 
 * ``moe_down_kernel``: ``OUT[pair] = w[pair] * ACT[pair] @ W2[e]``; the caller sums the k rows
   of each token in a fixed order (a token's output does not depend on its batch).
 
+Row counts (``num_pairs``, ``P``) are ``do_not_specialize``: no recompilation per batch size.
 Programs are grouped ``GROUP_M`` row blocks at a time (the usual L2 swizzle), so an expert's
 weight tiles are read from HBM once per group of its row blocks.
 """
@@ -33,7 +34,7 @@ def _tile_ids(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "P"])
 def moe_gate_up_kernel(
     X, W, ACT, SORTED, BLOCK_EXPERT, NUM_POST,
     num_pairs, P, K, I,
@@ -78,7 +79,7 @@ def moe_gate_up_kernel(
     tl.store(out_ptr, act.to(ACT.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "P"])
 def moe_down_kernel(
     A, W, OUT, SORTED, BLOCK_EXPERT, NUM_POST, TOPW,
     num_pairs, P, K, N,
@@ -118,7 +119,7 @@ def moe_down_kernel(
              mask=rmask[:, None] & nmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "num_pairs"])
 def moe_align_kernel(
     COUNTS, SORTED, BLOCK_EXPERT, NUM_POST, CURSOR,
     E, P, num_pairs,
@@ -144,7 +145,7 @@ def moe_align_kernel(
         tl.store(SORTED + offs_p, tl.full([FILL], 0, tl.int32) + num_pairs, mask=offs_p < P)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def moe_scatter_kernel(TOPK_IDX, SORTED, CURSOR, num_pairs, BLOCK: tl.constexpr):
     """Each (token, slot) pair takes the next slot of its expert's padded run (atomic cursor).
     Which pairs share a row block varies from run to run; no result depends on it (rows of a

@@ -31,7 +31,7 @@ class MoEPlan:
 # (rows per expert on average) -> plans; tuned on the H200 (docs/BENCHMARKS.md, fused MoE sweep)
 _SMALL = MoEPlan(GemmPlan(16, 64, 256, 1, 4, 3), GemmPlan(16, 128, 128, 1, 4, 3))
 _MEDIUM = MoEPlan(GemmPlan(64, 64, 64, 8, 4, 3), GemmPlan(64, 128, 64, 8, 4, 3))
-_LARGE = MoEPlan(GemmPlan(128, 128, 32, 8, 8, 4), GemmPlan(128, 128, 64, 8, 8, 3))
+_LARGE = MoEPlan(GemmPlan(128, 128, 32, 8, 8, 4), GemmPlan(128, 128, 32, 16, 8, 4))
 _FP32 = MoEPlan(GemmPlan(16, 32, 32, 1, 4, 1), GemmPlan(16, 32, 32, 1, 4, 1))
 
 
