@@ -23,6 +23,7 @@ POLICIES = ("normal", "global-complete", "global-enqueue", "fine-grained", "mixe
 ORDERINGS = ("none", "global-implicit", "selective")
 EXPERT_BACKENDS = ("local", "torch", "deepep")
 SPANS = ("1", "2", "3", "4", "auto")
+KERNEL_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
@@ -329,6 +330,14 @@ class DeviceConfig:
     """CUDA: none | P | D. The named phase's stream gets the device's highest stream priority,
     so its kernels are scheduled first when both phases have work queued (P: first-token
     latency; D: decode iteration time). Equal priority by default."""
+    attention_backend: str = "auto"
+    """auto | torch | triton. ``triton``: paged kernels reading K/V in place through the block
+    tables (decode split-KV, one varlen launch per P segment); ``torch``: the reference path
+    (gather + SDPA). auto = triton on CUDA, torch on CPU."""
+    moe_backend: str = "auto"
+    """auto | torch | triton. ``triton``: the fused MoE kernels (block-aligned expert layout on
+    the device, SwiGLU fused into the first GEMM); ``torch``: the reference grouped GEMM with
+    gather / scatter. auto = triton on CUDA, torch on CPU."""
     warmup_prefill: bool = True
     """CUDA: at start, run P passes of 16 .. max_prefill_tokens tokens (first turn and
     continuation) on the P stream, so first-use kernel loading and GEMM selection do not land
@@ -340,6 +349,9 @@ class DeviceConfig:
         if self.high_priority_stream not in ("none", "P", "D"):
             raise ConfigError(f"device.high_priority_stream={self.high_priority_stream!r}: expected none | P | D")
         _positive(self, "cpu_threads_per_stream", "residency_slots", "graph_max_context")
+        for key in ("attention_backend", "moe_backend"):
+            if getattr(self, key) not in KERNEL_BACKENDS:
+                raise ConfigError(f"device.{key}={getattr(self, key)!r}: expected one of {KERNEL_BACKENDS}")
         if not self.graph_batch_sizes or sorted(self.graph_batch_sizes) != list(self.graph_batch_sizes):
             raise ConfigError("device.graph_batch_sizes must be a non-empty ascending list")
 

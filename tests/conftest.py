@@ -1,9 +1,14 @@
 import asyncio
+import os
 import random
 from pathlib import Path
 
 import pytest
 import torch
+
+# Triton kernels run on CPU tensors under the interpreter (set before any kernel module is imported).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from ainfer_pd import RolloutWorker, WorkerConfig
 

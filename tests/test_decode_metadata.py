@@ -34,8 +34,11 @@ def test_prefill_warmup_writes_only_the_scratch_slot():
     with torch.inference_mode():
         sizes = runner.warmup_prefill(PhaseContext(Phase.PREFILL, None), 40, cached=24)
     assert sizes == [16, 24, 32, 40]
-    assert runner.kv_cache[:, :, :-1].abs().sum() == 0          # real slots untouched
-    assert runner.kv_cache[:, :, -1].abs().sum() > 0            # the scratch slot was written
+    s = runner.scratch_slot
+    assert s == 64 * cfg.cache.block_size                       # the first slot of the scratch block
+    assert runner.kv_cache[:, :, :s].abs().sum() == 0           # real blocks untouched
+    assert runner.kv_cache[:, :, s].abs().sum() > 0             # the scratch slot was written
+    assert runner.kv_cache[:, :, s + 1:].abs().sum() == 0
 
 
 def test_breakdown_and_interval_stats():

@@ -52,7 +52,7 @@ class DecodeGraphs:
 
     def _fb(self, s: dict[str, Tensor]) -> ForwardBatch:
         meta = DecodeMeta(None, s["lens"], block_table=s["table"], block_size=self.block_size)
-        return ForwardBatch(s["ids"], s["pos"], s["write"], [], meta, s["rows"])
+        return ForwardBatch(s["ids"], s["pos"], s["write"], [], meta, s["rows"], block_size=self.block_size)
 
     def _capture(self, B: int, L: int, dev) -> None:
         s = self._static(B, L, dev)

@@ -170,6 +170,10 @@ class KVCacheManager:
             rows.append(blocks + [0] * (num_blocks - len(blocks)))
         return torch.tensor(rows, dtype=torch.int64).reshape(len(tids), num_blocks)
 
+    def block_ids(self, tid: str, num_tokens: int) -> torch.Tensor:
+        """Host int64 ids of the blocks holding the first ``num_tokens`` positions of ``tid``."""
+        return torch.tensor(self.trajectories[tid].blocks[:self.alloc.blocks_for(num_tokens)], dtype=torch.int64)
+
     def slots(self, tid: str, start: int, end: int) -> torch.Tensor:
         """Cache slots of positions [start, end) of ``tid``: [end - start] int64."""
         blocks = torch.tensor(self.trajectories[tid].blocks, dtype=torch.int64)

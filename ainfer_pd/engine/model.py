@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelConfig
-from .attention import AttentionBackend, ForwardBatch, paged_attention
-from .rope import apply_rope, rope_cos_sin
+from .attention import AttentionBackend, ForwardBatch, TorchAttention, attend
+from .norm import rms_norm
+from .rope import rope_cos_sin
 from .moe import Routing, experts_local, swiglu_dense
 from .routing import RouterSpec, route
 
@@ -27,9 +28,7 @@ from .routing import RouterSpec, route
 ExpertFn = Callable[[Tensor, Routing, int], Tensor]
 
 
-def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+_REFERENCE = TorchAttention()
 
 
 class DecoderLayer(nn.Module):
@@ -101,8 +100,14 @@ class MoETransformer(nn.Module):
         # tied: the same Parameter under both names (named_parameters() lists it once, as "embed")
         self.lm_head = self.embed if c.tie_word_embeddings else nn.Parameter(torch.empty(c.vocab_size, c.hidden_size))
         self.attn_backend: AttentionBackend | None = None   # None: the torch reference path
+        self.expert_kernel: Callable[[Tensor, Routing, Tensor, Tensor], Tensor] = experts_local
         self.load_report = None
         """What building the model read (:class:`ainfer_pd.hf.checkpoint.LoadReport`), if it loaded a checkpoint."""
+
+    @property
+    def kernels(self) -> AttentionBackend:
+        """The backend whose kernels run this model's attention, norms and QKV prologue."""
+        return self.attn_backend or _REFERENCE
 
     @property
     def holds_all_experts(self) -> bool:
@@ -142,8 +147,6 @@ class MoETransformer(nn.Module):
         c = self.cfg
         # NOTE: recomputed every pass (inside a captured graph too): static graph inputs change per replay
         fb.rope = rope_cos_sin(fb.positions, c.rotary_dim, c.rope_theta, self.embed.dtype)
-        if fb.decode is not None:
-            fb.decode.resolve()
         return SegmentState(h=F.embedding(fb.input_ids, self.embed))
 
     def attn_route(self, i: int, st: SegmentState, fb: ForwardBatch, kv: Tensor,
@@ -153,25 +156,22 @@ class MoETransformer(nn.Module):
         kv [2, S, Hk, hd] is layer i's cache. Returns the state with ``routing`` set (None for
         a dense layer): its ``counts`` are what an expert exchange notifies to peers.
         """
-        c, lyr = self.cfg, self.layers[i]
+        c, lyr, kn = self.cfg, self.layers[i], self.kernels
         T = st.h.shape[0]
-        x = rms_norm(st.h, lyr.attn_norm, c.rms_eps)
+        x = kn.rms_norm(st.h, lyr.attn_norm, c.rms_eps)
         qkv = F.linear(x, lyr.wqkv, lyr.bqkv)                              # [T, (H+2Hk)*hd]
         H, Hk, hd = c.num_heads, c.num_kv_heads, c.head_dim
         q, k, v = qkv.split([H * hd, Hk * hd, Hk * hd], dim=-1)
         q, k, v = q.view(T, H, hd), k.view(T, Hk, hd), v.view(T, Hk, hd)
-        if lyr.q_norm is not None:                                         # QK-norm over each head, before RoPE
-            q, k = rms_norm(q, lyr.q_norm, c.rms_eps), rms_norm(k, lyr.k_norm, c.rms_eps)
         if fb.rope is None:
             fb.rope = rope_cos_sin(fb.positions, c.rotary_dim, c.rope_theta, q.dtype)
-        cos, sin = fb.rope                                                 # set by embed_tokens
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = paged_attention(q, k, v, kv, fb, self.attn_backend)                             # [T, H, hd]
+        # QK-norm over each head (when the architecture has it), RoPE, this batch's K/V into the cache
+        q = kn.prologue(q, k, v, lyr.q_norm, lyr.k_norm, c.rms_eps, fb.rope, kv, fb.write_slots)
+        o = attend(q, kv, fb, self.attn_backend)                           # [T, H, hd]
         o = F.linear(o.reshape(T, H * hd), lyr.wo, lyr.bo)                 # [T, D]
         if attn_reduce is not None:
             o = attn_reduce(o)
-        h = st.h + o
-        xn = rms_norm(h, lyr.ffn_norm, c.rms_eps)
+        h, xn = kn.add_rms_norm(o, st.h, lyr.ffn_norm, c.rms_eps)
         routing = route(xn, lyr.router, self.router_spec, lyr.router_bias) if lyr.is_moe else None
         return SegmentState(h=h, xn=xn, routing=routing)
 
@@ -187,7 +187,7 @@ class MoETransformer(nn.Module):
             if not self.holds_all_experts:
                 raise RuntimeError(f"this model holds experts {self.expert_range} only: the routed experts "
                                    "need the expert-parallel backend")
-            y = experts_local(st.xn, st.routing, lyr.w13, lyr.w2)
+            y = self.expert_kernel(st.xn, st.routing, lyr.w13, lyr.w2)
         else:
             y = expert_fn(st.xn, st.routing, i)
         if lyr.shared_w13 is not None:
@@ -200,7 +200,7 @@ class MoETransformer(nn.Module):
     def head(self, st: SegmentState, rows: Tensor | None) -> Tensor:
         """Logits [R, V] (float32) of the selected rows."""
         h = st.h if rows is None else st.h.index_select(0, rows)
-        return F.linear(rms_norm(h, self.final_norm, self.cfg.rms_eps), self.lm_head).float()
+        return F.linear(self.kernels.rms_norm(h, self.final_norm, self.cfg.rms_eps), self.lm_head).float()
 
     # ------------------------------------------------------------------ whole pass
     def forward_batch(self, fb: ForwardBatch, kv_cache: Tensor, expert_fn: ExpertFn | None = None,

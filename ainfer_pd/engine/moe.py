@@ -10,22 +10,38 @@ counts come from ``scatter_add_`` into a fixed-size tensor and offsets from
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 
-@dataclass(slots=True)
 class Routing:
-    """Top-k routing of T tokens, and the expert-sorted layout of the N = T*k rows."""
+    """Top-k routing of T tokens, and the expert-sorted layout of the N = T*k rows.
 
-    topk_idx: Tensor        # [T, k] int64
-    topk_weights: Tensor    # [T, k] float
-    order: Tensor           # [N] row ids sorted by expert (row = token * k + slot)
-    counts: Tensor          # [E] int64 rows per expert (device tensor: the "receive counts")
-    offsets: Tensor         # [E] int32 cumulative counts (grouped GEMM ends)
+    ``topk_idx [T, k] int64``, ``topk_weights [T, k]`` (final combine weights), ``counts [E]
+    int64`` rows per expert (device tensor: the "receive counts"). ``order [N]`` (row ids sorted
+    by expert, stable; row = token * k + slot) and ``offsets [E] int32`` (cumulative counts,
+    the grouped GEMM ends) are computed on first use: the fused MoE kernels need neither.
+    """
+
+    __slots__ = ("topk_idx", "topk_weights", "counts", "_order", "_offsets")
+
+    def __init__(self, topk_idx: Tensor, topk_weights: Tensor, order: Tensor | None, counts: Tensor,
+                 offsets: Tensor | None = None) -> None:
+        self.topk_idx, self.topk_weights, self.counts = topk_idx, topk_weights, counts
+        self._order, self._offsets = order, offsets
+
+    @property
+    def order(self) -> Tensor:
+        if self._order is None:
+            self._order = torch.sort(self.topk_idx.reshape(-1), stable=True).indices
+        return self._order
+
+    @property
+    def offsets(self) -> Tensor:
+        if self._offsets is None:
+            self._offsets = torch.cumsum(self.counts, 0).to(torch.int32)
+        return self._offsets
 
 
 def route(x: Tensor, router_w: Tensor, top_k: int) -> Routing:
@@ -42,11 +58,9 @@ def routing_of(topk_idx: Tensor, topk_weights: Tensor, num_experts: int) -> Rout
     """The expert-sorted layout of a top-k choice: topk_idx [T, k] int64, topk_weights [T, k]
     (the final combine weights) -> Routing. No host sync (counts by ``scatter_add_``)."""
     flat = topk_idx.reshape(-1)                                  # [N]
-    order = torch.sort(flat, stable=True).indices                # [N]
     counts = torch.zeros(num_experts, dtype=torch.int64, device=topk_idx.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
-    offsets = torch.cumsum(counts, 0).to(torch.int32)
-    return Routing(topk_idx, topk_weights, order, counts, offsets)
+    return Routing(topk_idx, topk_weights, None, counts)
 
 
 def swiglu_grouped(xs: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor) -> Tensor:

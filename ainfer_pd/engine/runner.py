@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from ..config import WorkerConfig
-from .attention import DecodeMeta, ForwardBatch, PrefillSeq
+from .attention import DecodeMeta, ForwardBatch, PrefillSeq, select_backend
+from .attention.backend import resolve_kernel_backend
 from .kv_cache import KVCacheManager
 from .model import MoETransformer, SegmentState, build_model
 from ..phase import PhaseContext
@@ -44,11 +45,19 @@ class ModelRunner:
         mc = cfg.model
         from .expert_parallel import expert_shard
         self.model: MoETransformer = build_model(mc, device, experts=expert_shard(cfg))   # EP: this rank's experts
-        slots = kv.alloc.num_blocks * kv.block_size
-        # [layers, 2, S + 1, Hk, hd]; the last slot is scratch for padded graph rows
-        self.scratch_slot = slots
-        self.kv_cache = torch.zeros(mc.num_layers, 2, slots + 1, mc.num_kv_heads, mc.head_dim,
-                                    dtype=mc.torch_dtype, device=device)
+        # [layers, 2, S, Hk, hd] with S = (num_blocks + 1) * block_size: the last block is scratch,
+        # written by padded graph rows and warm-up passes (its first slot), never allocated
+        self.scratch_block = kv.alloc.num_blocks
+        self.scratch_slot = self.scratch_block * kv.block_size
+        self.kv_cache = torch.zeros(mc.num_layers, 2, (kv.alloc.num_blocks + 1) * kv.block_size,
+                                    mc.num_kv_heads, mc.head_dim, dtype=mc.torch_dtype, device=device)
+        dc = cfg.device
+        self.model.attn_backend = select_backend(dc.attention_backend, device, mc.head_dim)
+        self.moe_backend = resolve_kernel_backend("moe_backend", dc.moe_backend, device)
+        if self.moe_backend == "triton":
+            from .fused_moe import fused_experts
+            self.model.expert_kernel = fused_experts
+        log.info("attention backend %s, MoE backend %s", self.model.attn_backend.name, self.moe_backend)
         self.graphs = None
         self.ep = None                 # ExpertParallel when experts are spread over ranks
         self.attn_reduce = None        # set by the attention-TP collectives
@@ -66,9 +75,9 @@ class ModelRunner:
             q0 = len(ids)
             ids.extend(turn.context[start:start + n])
             pos.extend(range(start, start + n))
-            keys = self.kv.slots(turn.tid, 0, start + n)          # every key; the new ones are written
-            write.append(keys[start:])
-            seqs.append(PrefillSeq(q0, n, start + n, keys.to(self.device)))
+            blocks = self.kv.block_ids(turn.tid, start + n)        # host [ceil((start + n) / bs)]
+            write.append(self.kv.slots(turn.tid, start, start + n))     # the new keys are written
+            seqs.append(PrefillSeq(q0, n, start + n, block_ids=blocks))
             if start + n == len(turn.context):       # prompt complete: its last row gives the first token
                 rows.append(q0 + n - 1)
                 logit_turns.append(turn)
@@ -97,6 +106,7 @@ class ModelRunner:
             write_slots=torch.cat(write).to(d) if write else torch.zeros(0, dtype=torch.int64, device=d),
             prefill=seqs, decode=decode_meta,
             logits_rows=torch.tensor(rows, dtype=torch.int64, device=d),
+            block_size=self.kv.block_size,
         )
         return BatchPlan(fb, prefill, decode, logit_turns)
 
@@ -146,7 +156,7 @@ class ModelRunner:
     def warmup_prefill(self, ctx: PhaseContext, max_tokens: int, cached: int = 512) -> list[int]:
         """Run P passes of 16, 24, 32, 48 .. ``max_tokens`` tokens, as first turns and as
         continuations on ``cached`` keys, writing only the scratch slot. Returns the sizes."""
-        dev, scratch = self.device, self.scratch_slot
+        dev, scratch, bs = self.device, self.scratch_slot, self.kv.block_size
         sizes, n = [], 16
         while n < max_tokens:
             sizes += [n, n * 3 // 2]
@@ -158,10 +168,35 @@ class ModelRunner:
                     input_ids=torch.zeros(n, dtype=torch.int64, device=dev),
                     positions=torch.arange(p0, p0 + n, dtype=torch.int64, device=dev),
                     write_slots=torch.full((n,), scratch, dtype=torch.int64, device=dev),
-                    prefill=[PrefillSeq(0, n, p0 + n, torch.full((p0 + n,), scratch, dtype=torch.int64, device=dev))],
-                    logits_rows=torch.tensor([n - 1], dtype=torch.int64, device=dev))
+                    prefill=[PrefillSeq(0, n, p0 + n, block_ids=torch.full((-(-(p0 + n) // bs),), self.scratch_block,
+                                                                           dtype=torch.int64))],
+                    logits_rows=torch.tensor([n - 1], dtype=torch.int64, device=dev), block_size=bs)
                 self.forward_fb(fb, ctx)
+        self.warmup_eager_decode(ctx)
         return sizes
+
+    def warmup_eager_decode(self, ctx: PhaseContext) -> list[int]:
+        """Eager decode passes of one row at key lengths 16 .. max_context_len (doubling), over the
+        scratch block: every split-count variant of the decode kernels is compiled before the first
+        mixed batch or long row needs it. Writes only the scratch slot. Returns the lengths."""
+        dev, bs = self.device, self.kv.block_size
+        lens, n = [], 16
+        while n < self.cfg.model.max_context_len:
+            lens.append(n)
+            n *= 2
+        lens.append(self.cfg.model.max_context_len)
+        for L in lens:
+            nb = -(-L // bs)
+            fb = ForwardBatch(
+                input_ids=torch.zeros(1, dtype=torch.int64, device=dev),
+                positions=torch.full((1,), L - 1, dtype=torch.int64, device=dev),
+                write_slots=torch.full((1,), self.scratch_slot, dtype=torch.int64, device=dev),
+                decode=DecodeMeta(None, torch.full((1,), L, dtype=torch.int64, device=dev),
+                                  block_table=torch.full((1, nb), self.scratch_block, dtype=torch.int64, device=dev),
+                                  block_size=bs),
+                logits_rows=torch.zeros(1, dtype=torch.int64, device=dev), block_size=bs)
+            self.forward_fb(fb, ctx)
+        return lens
 
     def capture_decode_graphs(self, ctx: PhaseContext) -> int:
         """CUDA only: capture decode graphs for the configured buckets."""
@@ -170,8 +205,9 @@ class ModelRunner:
         if self.ep is not None:
             log.warning("expert-parallel decode with host split sizes is not graph-capturable; decoding eagerly")
             return 0
-        if self.cfg.model.dtype != "bfloat16":
-            log.warning("CUDA graphs need bf16 experts (grouped GEMM); %s decodes eagerly", self.cfg.model.dtype)
+        if self.cfg.model.dtype != "bfloat16" and self.moe_backend != "triton":
+            log.warning("CUDA graphs with the torch MoE path need bf16 experts (grouped GEMM); %s decodes eagerly",
+                        self.cfg.model.dtype)
             return 0
         ctxs = tuple(c for c in (512, 1024, 2048, 4096, 8192, 16384) if c <= dc.graph_max_context) or (dc.graph_max_context,)
         sizes = tuple(b for b in dc.graph_batch_sizes if b <= self.cfg.scheduler.max_decode_batch) or (1,)

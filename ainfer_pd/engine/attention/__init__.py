@@ -16,7 +16,7 @@ from .batch import DecodeMeta, ForwardBatch, PrefillMeta, PrefillSeq, blocks_of_
 from .reference import TorchAttention
 
 __all__ = ["AttentionBackend", "DecodeMeta", "ForwardBatch", "PrefillMeta", "PrefillSeq", "TorchAttention",
-           "apply_rope", "blocks_of_slots", "paged_attention", "rope_cos_sin", "select_backend",
+           "apply_rope", "attend", "blocks_of_slots", "paged_attention", "rope_cos_sin", "select_backend",
            "slots_of_blocks"]
 
 _REFERENCE = TorchAttention()
@@ -28,10 +28,18 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, fb: ForwardBatc
 
     q [T, H, hd], k/v [T, Hk, hd], kv [2, S, Hk, hd] -> [T, H, hd]
     """
+    kv[0].index_copy_(0, fb.write_slots, k)
+    kv[1].index_copy_(0, fb.write_slots, v)
+    return attend(q, kv, fb, backend)
+
+
+def attend(q: Tensor, kv: Tensor, fb: ForwardBatch, backend: AttentionBackend | None = None) -> Tensor:
+    """Attention of every row of ``fb`` over the cache (the batch's own K/V already written).
+
+    q [T, H, hd], kv [2, S, Hk, hd] -> [T, H, hd]
+    """
     be = backend or _REFERENCE
     kc, vc = kv[0], kv[1]
-    kc.index_copy_(0, fb.write_slots, k)
-    vc.index_copy_(0, fb.write_slots, v)
     n_p = fb.num_prefill_tokens
     if fb.decode is None:
         out = q.new_empty(q.shape)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Protocol
 
 import torch
@@ -12,7 +13,7 @@ from .batch import ForwardBatch
 
 log = logging.getLogger("ainfer_pd.attention")
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+from ...config import KERNEL_BACKENDS as ATTENTION_BACKENDS
 
 
 class AttentionBackend(Protocol):
@@ -22,6 +23,17 @@ class AttentionBackend(Protocol):
     """
 
     name: str
+
+    def rms_norm(self, x: Tensor, w: Tensor, eps: float) -> Tensor:
+        """x [T, D] -> rms_norm(x) * w."""
+
+    def add_rms_norm(self, x: Tensor, residual: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        """``h = residual + x`` and ``rms_norm(h) * w`` (the residual add fused into the norm)."""
+
+    def prologue(self, q: Tensor, k: Tensor, v: Tensor, q_w: Tensor | None, k_w: Tensor | None, eps: float,
+                 rope: tuple[Tensor, Tensor], kv: Tensor, slots: Tensor) -> Tensor:
+        """Optional QK-norm (weights ``q_w`` / ``k_w`` [hd]), RoPE of q and k (half-split over the
+        first ``2 * cos.shape[-1]`` dims), K/V written into ``kv`` [2, S, Hk, hd] at ``slots``; returns q."""
 
     def prefill(self, q: Tensor, kc: Tensor, vc: Tensor, fb: ForwardBatch, out: Tensor) -> None:
         """Every prefill sequence of ``fb`` (causal, lower-right aligned): rows into ``out``."""
@@ -38,16 +50,37 @@ def triton_available() -> bool:
     return True
 
 
-def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``auto``: the Triton paged kernels on CUDA when Triton imports, else the torch reference."""
-    from .reference import TorchAttention
+def resolve_kernel_backend(key: str, name: str, device: torch.device) -> str:
+    """``auto`` -> ``triton`` on CUDA when Triton imports, else ``torch``; ``triton`` is refused
+    where it cannot run (no package; CPU tensors outside the interpreter)."""
     if name not in ATTENTION_BACKENDS:
-        raise ConfigError(f"device.attention_backend={name!r}: expected one of {ATTENTION_BACKENDS}")
+        raise ConfigError(f"device.{key}={name!r}: expected one of {ATTENTION_BACKENDS}")
     if name == "auto":
-        name = "triton" if device.type == "cuda" and triton_available() else "torch"
-    if name == "torch":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if name == "triton":
+        if not triton_available():
+            raise BackendUnavailableError(f"device.{key}='triton' needs the triton package (pip install triton)")
+        if device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
+            raise ConfigError(f"device.{key}='triton' on {device.type} runs only under TRITON_INTERPRET=1 "
+                              "(the Triton interpreter: for checking kernels, not for speed)")
+    return name
+
+
+def select_backend(name: str, device: torch.device, head_dim: int | None = None) -> AttentionBackend:
+    """The attention backend named by ``device.attention_backend`` (see :func:`resolve_kernel_backend`).
+    ``auto`` keeps the reference path for head dims the paged kernels do not take."""
+    from .reference import TorchAttention
+    chosen = resolve_kernel_backend("attention_backend", name, device)
+    if chosen == "triton" and head_dim is not None:
+        from .triton_backend import TritonAttention
+        try:
+            TritonAttention.check_head_dim(head_dim)
+        except ConfigError:
+            if name != "auto":
+                raise
+            log.warning("head_dim %d: the paged kernels need a power of two >= 16; using the torch path", head_dim)
+            chosen = "torch"
+    if chosen == "torch":
         return TorchAttention()
-    if not triton_available():
-        raise BackendUnavailableError("device.attention_backend='triton' needs the triton package (pip install triton)")
     from .triton_backend import TritonAttention
     return TritonAttention(device)

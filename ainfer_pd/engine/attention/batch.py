@@ -136,7 +136,8 @@ class ForwardBatch:
         i32 = dict(dtype=torch.int32)
         host = torch.cat([torch.tensor(starts, **i32), torch.tensor(qlens, **i32), torch.tensor(ctxs, **i32),
                           torch.tensor(tseq, **i32), torch.tensor(tm, **i32), torch.stack(tables).reshape(-1)])
-        dv = host.to(dev, non_blocking=False)
+        # pinned + non-blocking: enqueued on the consuming stream, no wait for its earlier work
+        dv = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
         S, NT = len(starts), len(tseq)
         o = 0
         parts = []

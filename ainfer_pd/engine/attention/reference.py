@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
+from ..norm import rms_norm
+from ..rope import apply_rope
 from .batch import ForwardBatch, slots_of_blocks
 
 
@@ -61,11 +63,35 @@ class TorchAttention:
 
     name = "torch"
 
+    # ---------------------------------------------------------------- layer prologue / norms
+    def rms_norm(self, x: Tensor, w: Tensor, eps: float) -> Tensor:
+        return rms_norm(x, w, eps)
+
+    def add_rms_norm(self, x: Tensor, residual: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        """``h = residual + x`` and ``rms_norm(h)``."""
+        h = residual + x
+        return h, rms_norm(h, w, eps)
+
+    def prologue(self, q: Tensor, k: Tensor, v: Tensor, q_w: Tensor | None, k_w: Tensor | None, eps: float,
+                 rope: tuple[Tensor, Tensor], kv: Tensor, slots: Tensor) -> Tensor:
+        """Optional QK-norm, RoPE of q and k, K/V written into the cache at ``slots``; returns q."""
+        if q_w is not None:
+            q, k = rms_norm(q, q_w, eps), rms_norm(k, k_w, eps)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kv[0].index_copy_(0, slots, k)
+        kv[1].index_copy_(0, slots, v)
+        return q
+
+    # ---------------------------------------------------------------- attention
+
     def prefill(self, q: Tensor, kc: Tensor, vc: Tensor, fb: ForwardBatch, out: Tensor) -> None:
         """Rows of every prefill sequence of ``fb``: q [T, H, hd] -> out [T, H, hd] (in place)."""
         groups = q.shape[1] // kc.shape[1]
         for s in fb.prefill:
-            slots = s.key_slots if s.key_slots is not None else slots_of_blocks(s.block_ids, fb.block_size, s.ctx_len)
+            slots = s.key_slots
+            if slots is None:
+                slots = slots_of_blocks(s.block_ids, fb.block_size, s.ctx_len).to(q.device)
             qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1).unsqueeze(0)        # [1, H, q, hd]
             ks = _expand_kv(kc.index_select(0, slots).transpose(0, 1), groups).unsqueeze(0)  # [1, H, ctx, hd]
             vs = _expand_kv(vc.index_select(0, slots).transpose(0, 1), groups).unsqueeze(0)

@@ -1,0 +1,138 @@
+"""The ``triton`` attention backend: paged decode (split-KV) and varlen paged prefill kernels.
+
+No gather into dense copies, no GQA expansion: the kernels read each sequence's K/V in place
+through its block table. Decode has fixed shapes for a given (rows, blocks per row), so it
+replays inside CUDA graphs; prefill is one launch for every sequence of a P segment.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ...errors import ConfigError
+from .batch import ForwardBatch
+from .plan import DecodePlan, PrefillPlan, decode_plan, prefill_plan
+from .triton_kernels import (decode_merge_kernel, paged_decode_kernel, paged_prefill_kernel, qkv_prologue_kernel,
+                             rms_norm_kernel)
+
+_LOG2E = 1.4426950408889634
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class TritonAttention:
+    name = "triton"
+
+    def __init__(self, device: torch.device, *, decode_overrides: dict | None = None,
+                 prefill_override: PrefillPlan | None = None) -> None:
+        self.device = device
+        self.decode_overrides = dict(decode_overrides or {})
+        self.prefill_override = prefill_override
+
+    @staticmethod
+    def check_head_dim(head_dim: int) -> None:
+        if head_dim < 16 or head_dim & (head_dim - 1):
+            raise ConfigError(f"the triton attention backend needs a power-of-two head_dim >= 16 (got {head_dim})")
+
+    # ------------------------------------------------------------------ layer prologue / norms
+    def rms_norm(self, x: Tensor, w: Tensor, eps: float) -> Tensor:
+        out = torch.empty_like(x)
+        self._norm(x, None, w, eps, out, out)
+        return out
+
+    def add_rms_norm(self, x: Tensor, residual: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        h = torch.empty_like(x)
+        xn = torch.empty_like(x)
+        self._norm(x, residual, w, eps, h, xn)
+        return h, xn
+
+    @staticmethod
+    def _norm(x: Tensor, res: Tensor | None, w: Tensor, eps: float, h: Tensor, xn: Tensor) -> None:
+        D = x.shape[-1]
+        rows = x.numel() // D if D else 0
+        if rows == 0:
+            return
+        assert x.stride(-1) == 1 and x.dim() == 2, "rows of [T, D] with unit stride"
+        r = res if res is not None else x
+        rms_norm_kernel[(rows,)](x, r, w, h, xn, x.stride(0), r.stride(0), h.stride(0), xn.stride(0), D, eps,
+                                 HAS_RES=res is not None, BLOCK_D=_pow2(D), num_warps=4 if D <= 4096 else 8)
+
+    def prologue(self, q: Tensor, k: Tensor, v: Tensor, q_w: Tensor | None, k_w: Tensor | None, eps: float,
+                 rope: tuple[Tensor, Tensor], kv: Tensor, slots: Tensor) -> Tensor:
+        T, H, hd = q.shape
+        if T == 0:
+            return q
+        self.check_head_dim(hd)
+        cos, sin = rope
+        kc, vc = kv[0], kv[1]
+        has_norm = q_w is not None
+        qkv_prologue_kernel[(T, H + k.shape[1])](
+            q, k, v, q_w if has_norm else q, k_w if has_norm else k, cos, sin, slots, kc, vc,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+            kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), H, eps,
+            HEAD_DIM=hd, HALF=cos.shape[-1], HAS_NORM=has_norm, num_warps=1)
+        return q
+
+    # ------------------------------------------------------------------ decode
+    def decode_plan(self, max_keys: int) -> DecodePlan:
+        return decode_plan(max_keys, **self.decode_overrides)
+
+    def decode(self, q: Tensor, kc: Tensor, vc: Tensor, fb: ForwardBatch) -> Tensor:
+        d = fb.decode
+        assert d.block_table is not None, "the paged decode kernel reads a block table"
+        B, H, hd = q.shape
+        Hk = kc.shape[1]
+        G = H // Hk
+        self.check_head_dim(hd)
+        plan = self.decode_plan(d.max_keys)
+        out = torch.empty_like(q)
+        if B == 0:
+            return out
+        table = d.block_table
+        ieee = q.dtype == torch.float32
+        if plan.num_splits > 1:
+            op = torch.empty(B, H, plan.num_splits, hd, dtype=torch.float32, device=q.device)
+            lse = torch.empty(B, H, plan.num_splits, dtype=torch.float32, device=q.device)
+        else:
+            op, lse = out, out            # unused
+        scale = _LOG2E / math.sqrt(hd)
+        paged_decode_kernel[(B, Hk, plan.num_splits)](
+            q, kc, vc, table, d.ctx_lens, out, op, lse, scale, plan.num_splits,
+            q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
+            table.stride(0), out.stride(0), out.stride(1),
+            op.stride(0), op.stride(1), op.stride(2) if plan.num_splits > 1 else 0,
+            lse.stride(0), lse.stride(1),
+            GROUP=G, GROUP_PAD=max(16, _pow2(G)), HEAD_DIM=hd, PAGE=d.block_size,
+            BLOCK_N=plan.block_n, SPLIT_KEYS=plan.split_keys, SINGLE=plan.num_splits == 1, IEEE=ieee,
+            num_warps=plan.num_warps, num_stages=plan.num_stages)
+        if plan.num_splits > 1:
+            decode_merge_kernel[(B, H)](
+                op, lse, out, plan.num_splits, op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1),
+                out.stride(0), out.stride(1),
+                HEAD_DIM=hd, SPLITS_PAD=_pow2(plan.num_splits), num_warps=4)
+        return out
+
+    # ------------------------------------------------------------------ prefill
+    def prefill_plan(self, head_dim: int, dtype: torch.dtype) -> PrefillPlan:
+        return self.prefill_override or prefill_plan(head_dim, dtype == torch.float32)
+
+    def prefill(self, q: Tensor, kc: Tensor, vc: Tensor, fb: ForwardBatch, out: Tensor) -> None:
+        T, H, hd = q.shape
+        Hk = kc.shape[1]
+        self.check_head_dim(hd)
+        plan = self.prefill_plan(hd, q.dtype)
+        pm = fb.build_prefill_meta(plan.block_m)
+        NT = int(pm.tile_seq.shape[0])
+        if NT == 0:
+            return
+        scale = _LOG2E / math.sqrt(hd)
+        paged_prefill_kernel[(NT, H)](
+            q, kc, vc, out, pm.block_table, pm.q_start, pm.q_len, pm.ctx_len, pm.tile_seq, pm.tile_m, scale,
+            q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
+            out.stride(0), out.stride(1), pm.block_table.stride(0),
+            GROUP=H // Hk, HEAD_DIM=hd, PAGE=fb.block_size, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+            IEEE=q.dtype == torch.float32, num_warps=plan.num_warps, num_stages=plan.num_stages)

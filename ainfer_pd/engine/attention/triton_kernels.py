@@ -1,0 +1,259 @@
+"""Triton kernels of the paged attention backend: they read K/V in place through block tables.
+
+Shape legend: B = decode rows, H = query heads, Hk = KV heads, G = H / Hk (GQA group),
+hd = head dim, NS = KV splits of a decode row, NT = prefill query tiles, PAGE = block size.
+The cache of one layer is ``K, V [slots, Hk, hd]``; key n of a sequence lives in slot
+``table[n // PAGE] * PAGE + n % PAGE``.
+
+* ``paged_decode_kernel`` (grid ``B x Hk x NS``): one program attends the G query heads of one
+  KV head of one row over one split of its keys (flash-decoding); the G heads share every K/V
+  load, so KV bytes are read once per row and KV head. With NS = 1 it writes the output, else
+  a partial output and its log-sum-exp (base 2) that ``decode_merge_kernel`` combines.
+
+Integer arguments that change from batch to batch are ``do_not_specialize``: Triton would
+otherwise compile a new variant for each new divisibility (0.5-0.9 s stalls inside P epochs,
+seen on the H200).
+* ``paged_prefill_kernel`` (grid ``NT x H``): flash-attention forward over varlen query tiles of
+  every sequence of a pass, causal aligned to the end of each sequence's keys (lower right):
+  query i of a sequence with ``cached`` earlier keys sees keys ``0 .. cached + i``.
+
+Softmax runs in base 2 with the scale folded into ``scale_log2 = log2(e) / sqrt(hd)``.
+These run on CUDA, and on CPU tensors under ``TRITON_INTERPRET=1`` (the CI checks their logic).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def paged_decode_kernel(
+    Q, K, V, TABLE, LENS, O, OP, LSE,
+    scale_log2, num_splits,
+    stride_qb, stride_qh,
+    stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_tb,
+    stride_ob, stride_oh,
+    stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT_KEYS: tl.constexpr, SINGLE: tl.constexpr, IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    ctx = tl.load(LENS + b).to(tl.int32)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kvh * GROUP + offs_g
+    gmask = offs_g < GROUP
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None], other=0.0)
+    start = sp * SPLIT_KEYS
+    end = tl.minimum(start + SPLIT_KEYS, ctx)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        nmask = offs_n < end
+        blk = tl.load(TABLE + b * stride_tb + offs_n // PAGE, mask=nmask, other=0)
+        slot = blk.to(tl.int64) * PAGE + offs_n % PAGE
+        k = tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = tl.where(nmask[None, :], qk * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    safe_l = tl.where(l_i == 0.0, 1.0, l_i)
+    if SINGLE:
+        out = acc / safe_l[:, None]
+        tl.store(O + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
+                 mask=gmask[:, None])
+    else:
+        tl.store(OP + b * stride_pb + heads[:, None] * stride_ph + sp * stride_ps + offs_d[None, :],
+                 acc / safe_l[:, None], mask=gmask[:, None])
+        tl.store(LSE + b * stride_lb + heads * stride_lh + sp, m_i + tl.log2(l_i), mask=gmask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def decode_merge_kernel(
+    OP, LSE, O, num_splits,
+    stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh,
+    stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """Combine the NS partial outputs of one (row, head): weights 2^(lse_s - max lse)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    smask = offs_s < num_splits
+    lse = tl.load(LSE + b * stride_lb + h * stride_lh + offs_s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - m)                                   # empty splits: lse = -inf -> 0
+    w = tl.where(smask, w, 0.0)
+    o = tl.load(OP + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+                mask=smask[:, None], other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty))
+
+
+@triton.jit
+def paged_prefill_kernel(
+    Q, K, V, O, TABLE, QSTART, QLEN, CTX, TSEQ, TM,
+    scale_log2,
+    stride_qt, stride_qh,
+    stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_ot, stride_oh,
+    stride_ts,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // GROUP
+    seq = tl.load(TSEQ + t)
+    m0 = tl.load(TM + t)
+    q0 = tl.load(QSTART + seq)
+    qlen = tl.load(QLEN + seq)
+    ctx = tl.load(CTX + seq)
+    cached = ctx - qlen
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mmask = offs_m < qlen
+    rows = (q0 + offs_m).to(tl.int64)
+    q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=mmask[:, None], other=0.0)
+    tbl = TABLE + seq.to(tl.int64) * stride_ts
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # keys below `lo` are visible to every row of the tile (key <= cached + m0): no mask
+    lo = ((cached + m0 + 1) // BLOCK_N) * BLOCK_N
+    hi = cached + tl.minimum(m0 + BLOCK_M, qlen)
+    for n0 in range(0, lo, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        blk = tl.load(tbl + offs_n // PAGE)
+        slot = blk.to(tl.int64) * PAGE + offs_n % PAGE
+        k = tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :])
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        else:
+            qk = tl.dot(q, tl.trans(k)) * scale_log2
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :])
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    # the diagonal tiles: causal mask (key <= cached + row) and the end of the keys
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        nmask = offs_n < ctx
+        blk = tl.load(tbl + offs_n // PAGE, mask=nmask, other=0)
+        slot = blk.to(tl.int64) * PAGE + offs_n % PAGE
+        k = tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        else:
+            qk = tl.dot(q, tl.trans(k)) * scale_log2
+        vis = (offs_n[None, :] <= cached + offs_m[:, None]) & nmask[None, :]
+        qk = tl.where(vis, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)     # padded rows see no key
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(O + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=mmask[:, None])
+
+
+@triton.jit
+def rms_norm_kernel(
+    X, RES, W, H_OUT, N_OUT,
+    stride_x, stride_r, stride_h, stride_n,
+    D, eps,
+    HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One row: ``h = x (+ res)`` rounded to the model dtype (stored when HAS_RES), then
+    ``rms_norm(h) = (h * rsqrt(mean(h^2) + eps))`` rounded, times the weight."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    m = offs < D
+    x = tl.load(X + row * stride_x + offs, mask=m, other=0.0)
+    if HAS_RES:
+        r = tl.load(RES + row * stride_r + offs, mask=m, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(H_OUT.dtype.element_ty)
+        tl.store(H_OUT + row * stride_h + offs, x, mask=m)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
+    y = (xf * rstd).to(N_OUT.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(N_OUT + row * stride_n + offs, (y * w).to(N_OUT.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _norm_rope(ptr, w_ptr, cs_t, SIN_OFF, offs, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+               HAS_NORM: tl.constexpr, COS, SIN):
+    """One head vector: optional RMS norm with weight, then half-split RoPE over 2 * HALF dims."""
+    rot = offs < 2 * HALF
+    partner = tl.where(offs < HALF, offs + HALF, offs - HALF)
+    x = tl.load(ptr + offs).to(tl.float32)
+    p = tl.load(ptr + partner, mask=rot, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, 0) / HEAD_DIM + eps)
+        x = x * rstd * tl.load(w_ptr + offs).to(tl.float32)
+        p = p * rstd * tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)
+    j = offs % HALF
+    c = tl.load(COS + cs_t + j, mask=rot, other=1.0).to(tl.float32)
+    s = tl.load(SIN + cs_t + j, mask=rot, other=0.0).to(tl.float32)
+    return tl.where(offs < HALF, x * c - p * s, tl.where(rot, x * c + p * s, x))
+
+
+@triton.jit
+def qkv_prologue_kernel(
+    Q, K, V, QW, KW, COS, SIN, SLOTS, KC, VC,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
+    stride_kcn, stride_kch, stride_vcn, stride_vch,
+    H, eps,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+):
+    """Program (token t, head h): h < H rotates query head h in place; h >= H rotates key head
+    h - H and writes it, and the value head, into the cache slot of token t (no [T, Hk, hd] copy)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs = tl.arange(0, HEAD_DIM)
+    cs_t = t * stride_ct
+    if h < H:
+        ptr = Q + t * stride_qt + h * stride_qh
+        out = _norm_rope(ptr, QW, cs_t, 0, offs, eps, HEAD_DIM, HALF, HAS_NORM, COS, SIN)
+        tl.store(ptr + offs, out.to(Q.dtype.element_ty))
+    else:
+        kh = h - H
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        out = _norm_rope(K + t * stride_kt + kh * stride_kh, KW, cs_t, 0, offs, eps, HEAD_DIM, HALF, HAS_NORM,
+                         COS, SIN)
+        tl.store(KC + slot * stride_kcn + kh * stride_kch + offs, out.to(KC.dtype.element_ty))
+        v = tl.load(V + t * stride_vt + kh * stride_vh + offs)
+        tl.store(VC + slot * stride_vcn + kh * stride_vch + offs, v)

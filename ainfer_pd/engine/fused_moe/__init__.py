@@ -1,0 +1,121 @@
+"""Fused MoE: routing layout, permutation and the grouped expert GEMMs without round trips.
+
+``fused_experts`` replaces the reference ``experts_local`` (gather ``[N, D]`` rows, grouped
+GEMM into ``[N, 2I]``, SwiGLU, grouped GEMM, scatter): it builds the block-aligned expert
+layout on the device (no host sync, so it is captured inside decode graphs) and runs two
+Triton kernels that read the tokens in place and write each (token, slot) row once.
+
+Shape legend: T = tokens, k = top-k, N = T * k, D = hidden, I = expert intermediate,
+E = experts, P = padded sorted length.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..moe import Routing
+from .plan import GemmPlan, MoEPlan, moe_plan
+
+__all__ = ["GemmPlan", "MoEPlan", "align_blocks", "align_blocks_triton", "fused_experts", "launch_down",
+           "launch_gate_up", "moe_plan"]
+
+
+def align_blocks(r: Routing, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Expert-sorted pair ids padded per expert to multiples of ``block_m``.
+
+    Returns ``sorted_ids [P]`` int32 (sentinel N for padding), ``block_expert [P / block_m]``
+    int32 and ``num_post [1]`` (padded rows in use). P = N + min(E, N) * (block_m - 1) is fixed
+    for a given N, so the shapes never depend on device values.
+    """
+    flat = r.topk_idx.reshape(-1)
+    N = flat.numel()
+    E = r.counts.numel()
+    dev = flat.device
+    counts = r.counts
+    padded = torch.div(counts + (block_m - 1), block_m, rounding_mode="floor") * block_m
+    pad_end = torch.cumsum(padded, 0)
+    pad_start = pad_end - padded
+    start = r.offsets.to(torch.int64) - counts
+    e_sorted = flat.index_select(0, r.order)
+    rank = torch.arange(N, device=dev) - start.index_select(0, e_sorted)
+    dest = pad_start.index_select(0, e_sorted) + rank
+    P = N + min(E, N) * (block_m - 1)
+    P = -(-P // block_m) * block_m
+    sorted_ids = torch.full((P,), N, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, dest, r.order.to(torch.int32))
+    starts = torch.arange(0, P, block_m, device=dev, dtype=torch.int64)
+    block_expert = torch.searchsorted(pad_end, starts, right=True).clamp_(max=E - 1).to(torch.int32)
+    return sorted_ids, block_expert, pad_end[-1:]
+
+
+def align_blocks_triton(r: Routing, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The layout of :func:`align_blocks` in two launches (the order of pairs inside an expert's
+    run differs from run to run; no result depends on it)."""
+    from .kernels import moe_align_kernel, moe_scatter_kernel
+    flat = r.topk_idx.reshape(-1)
+    N = flat.numel()
+    E = r.counts.numel()
+    dev = flat.device
+    P = N + min(E, N) * (block_m - 1)
+    P = -(-P // block_m) * block_m
+    sorted_ids = torch.empty(P, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(P // block_m, dtype=torch.int32, device=dev)
+    num_post = torch.empty(1, dtype=torch.int32, device=dev)
+    cursor = torch.empty(E, dtype=torch.int32, device=dev)
+    e_pad = 1 << max(0, (E - 1).bit_length())
+    moe_align_kernel[(1,)](r.counts, sorted_ids, block_expert, num_post, cursor, E, P, N,
+                           BLOCK_M=block_m, E_PAD=e_pad, FILL=1024, BLOCKS_PER_STEP=max(1, 4096 // e_pad),
+                           num_warps=4)
+    moe_scatter_kernel[(triton_cdiv(N, 1024),)](flat, sorted_ids, cursor, N, BLOCK=1024, num_warps=4)
+    return sorted_ids, block_expert, num_post
+
+
+def launch_gate_up(x: Tensor, w13: Tensor, act: Tensor, layout: tuple[Tensor, Tensor, Tensor], top_k: int,
+                   g: GemmPlan) -> None:
+    """act [N, I] = silu(x[tok] @ W13[e, :, :I]) * (x[tok] @ W13[e, :, I:]) for every pair."""
+    from .kernels import moe_gate_up_kernel
+    sorted_ids, block_expert, num_post = layout
+    P, D, I = sorted_ids.numel(), x.shape[1], act.shape[1]
+    grid = (triton_cdiv(P, g.block_m) * triton_cdiv(I, g.block_n),)
+    moe_gate_up_kernel[grid](
+        x, w13, act, sorted_ids, block_expert, num_post, act.shape[0], P, D, I,
+        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
+        TOPK=top_k, BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
+        IEEE=x.dtype == torch.float32, num_warps=g.num_warps, num_stages=g.num_stages)
+
+
+def launch_down(act: Tensor, w2: Tensor, rows: Tensor, layout: tuple[Tensor, Tensor, Tensor], topw: Tensor,
+                g: GemmPlan) -> None:
+    """rows [N, D] = topw[pair] * act[pair] @ W2[e] for every pair."""
+    from .kernels import moe_down_kernel
+    sorted_ids, block_expert, num_post = layout
+    P, I, D = sorted_ids.numel(), act.shape[1], rows.shape[1]
+    grid = (triton_cdiv(P, g.block_m) * triton_cdiv(D, g.block_n),)
+    moe_down_kernel[grid](
+        act, w2, rows, sorted_ids, block_expert, num_post, topw, act.shape[0], P, I, D,
+        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), rows.stride(0),
+        BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
+        IEEE=act.dtype == torch.float32, num_warps=g.num_warps, num_stages=g.num_stages)
+
+
+def fused_experts(x: Tensor, r: Routing, w13: Tensor, w2: Tensor, plan: MoEPlan | None = None) -> Tensor:
+    """Routed experts: x [T, D], w13 [E, D, 2I], w2 [E, I, D] -> [T, D]."""
+    T, D = x.shape
+    k = r.topk_idx.shape[1]
+    E, _, I2 = w13.shape
+    N = T * k
+    if N == 0:
+        return torch.zeros_like(x)
+    plan = plan or moe_plan(N, E, x.dtype == torch.float32)
+    assert plan.gate_up.block_m == plan.down.block_m, "both GEMMs walk the same aligned blocks"
+    layout = align_blocks_triton(r, plan.block_m)
+    x = x.contiguous()
+    act = torch.empty(N, I2 // 2, dtype=x.dtype, device=x.device)
+    launch_gate_up(x, w13, act, layout, k, plan.gate_up)
+    rows = torch.empty(N, D, dtype=x.dtype, device=x.device)
+    launch_down(act, w2, rows, layout, r.topk_weights.reshape(-1).contiguous(), plan.down)
+    return rows.view(T, k, D).sum(dim=1)          # fp32 accumulation, one rounding
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,157 @@
+"""Triton kernels of the fused MoE: grouped expert GEMMs over expert-sorted (token, slot) rows.
+
+Shape legend: T = tokens, k = top-k, N = T * k (token, slot) rows ("pairs", row id
+``token * k + slot``), D = hidden, I = expert intermediate, E = experts, P = padded sorted
+length. ``SORTED [P]`` lists pair ids grouped by expert, each expert's run padded to a multiple
+of BLOCK_M with the sentinel N; ``BLOCK_EXPERT [P / BLOCK_M]`` is the expert of each block;
+``NUM_POST [1]`` the padded length actually used (blocks beyond it exit at once).
+
+* ``moe_gate_up_kernel``: ``ACT[pair] = silu(x[tok] @ W13[e, :, :I]) * (x[tok] @ W13[e, :, I:])``,
+  both halves accumulated in one program (the [N, 2I] intermediate never exists), x read in
+  place through the token id of each pair (no [N, D] gather).
+* ``moe_down_kernel``: ``OUT[pair] = w[pair] * ACT[pair] @ W2[e]``; the caller sums the k rows
+  of each token in a fixed order (a token's output does not depend on its batch).
+
+Row counts (``num_pairs``, ``P``) are ``do_not_specialize``: no recompilation per batch size.
+Programs are grouped ``GROUP_M`` row blocks at a time (the usual L2 swizzle), so an expert's
+weight tiles are read from HBM once per group of its row blocks.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tile_ids(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    in_group = GROUP_M * num_pid_n
+    group = pid // in_group
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % size_m
+    pid_n = (pid % in_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit(do_not_specialize=["num_pairs", "P"])
+def moe_gate_up_kernel(
+    X, W, ACT, SORTED, BLOCK_EXPERT, NUM_POST,
+    num_pairs, P, K, I,
+    stride_xt, stride_we, stride_wk, stride_wn, stride_an,
+    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, IEEE: tl.constexpr,
+):
+    num_pid_m = tl.cdiv(P, BLOCK_M)
+    num_pid_n = tl.cdiv(I, BLOCK_N)
+    pid_m, pid_n = _tile_ids(num_pid_m, num_pid_n, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(NUM_POST):
+        return
+    e = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(SORTED + offs_m)
+    rmask = pairs < num_pairs
+    tok = (pairs // TOPK).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptr = X + tok[:, None] * stride_xt + offs_k[None, :]
+    g_ptr = W + e * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+    u_ptr = g_ptr + I * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = offs_k < K - k0
+        a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        bg = tl.load(g_ptr, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        bu = tl.load(u_ptr, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        if IEEE:
+            acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, bg, acc_g)
+            acc_u = tl.dot(a, bu, acc_u)
+        a_ptr += BLOCK_K
+        g_ptr += BLOCK_K * stride_wk
+        u_ptr += BLOCK_K * stride_wk
+    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    out_ptr = ACT + pairs.to(tl.int64)[:, None] * stride_an + offs_n[None, :]
+    tl.store(out_ptr, act.to(ACT.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs", "P"])
+def moe_down_kernel(
+    A, W, OUT, SORTED, BLOCK_EXPERT, NUM_POST, TOPW,
+    num_pairs, P, K, N,
+    stride_an, stride_we, stride_wk, stride_wn, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, IEEE: tl.constexpr,
+):
+    num_pid_m = tl.cdiv(P, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = _tile_ids(num_pid_m, num_pid_n, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(NUM_POST):
+        return
+    e = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(SORTED + offs_m)
+    rmask = pairs < num_pairs
+    prow = pairs.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptr = A + prow[:, None] * stride_an + offs_k[None, :]
+    b_ptr = W + e * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = offs_k < K - k0
+        a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_ptr, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptr += BLOCK_K
+        b_ptr += BLOCK_K * stride_wk
+    w = tl.load(TOPW + prow, mask=rmask, other=0.0).to(tl.float32)
+    acc = acc * w[:, None]
+    tl.store(OUT + prow[:, None] * stride_on + offs_n[None, :], acc.to(OUT.dtype.element_ty),
+             mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit(do_not_specialize=["P", "num_pairs"])
+def moe_align_kernel(
+    COUNTS, SORTED, BLOCK_EXPERT, NUM_POST, CURSOR,
+    E, P, num_pairs,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, FILL: tl.constexpr, BLOCKS_PER_STEP: tl.constexpr,
+):
+    """One program: per-expert padded starts (into CURSOR), the expert of every row block, the
+    padded length in use, and the sentinel in every sorted slot (``moe_scatter_kernel`` fills)."""
+    offs_e = tl.arange(0, E_PAD)
+    emask = offs_e < E
+    c = tl.load(COUNTS + offs_e, mask=emask, other=0).to(tl.int32)
+    padded = (c + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, 0)
+    tl.store(CURSOR + offs_e, end - padded, mask=emask)
+    tl.store(NUM_POST, tl.sum(padded, 0))
+    nb = P // BLOCK_M
+    for b0 in range(0, nb, BLOCKS_PER_STEP):
+        offs_b = b0 + tl.arange(0, BLOCKS_PER_STEP)
+        before = (end[None, :] <= (offs_b * BLOCK_M)[:, None]) & emask[None, :]
+        ex = tl.minimum(tl.sum(before.to(tl.int32), 1), E - 1)
+        tl.store(BLOCK_EXPERT + offs_b, ex, mask=offs_b < nb)
+    for p0 in range(0, P, FILL):
+        offs_p = p0 + tl.arange(0, FILL)
+        tl.store(SORTED + offs_p, tl.full([FILL], 0, tl.int32) + num_pairs, mask=offs_p < P)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def moe_scatter_kernel(TOPK_IDX, SORTED, CURSOR, num_pairs, BLOCK: tl.constexpr):
+    """Each (token, slot) pair takes the next slot of its expert's padded run (atomic cursor).
+    Which pairs share a row block varies from run to run; no result depends on it (rows of a
+    block are computed independently)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < num_pairs
+    e = tl.load(TOPK_IDX + offs, mask=m, other=0)
+    dest = tl.atomic_add(CURSOR + e, 1, mask=m)
+    tl.store(SORTED + dest, offs, mask=m)

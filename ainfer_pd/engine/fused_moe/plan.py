@@ -1,0 +1,47 @@
+"""Tile plans of the fused MoE kernels: pure functions of host-known shapes.
+
+A plan depends only on the number of (token, slot) rows and the dtype, so a decode graph
+bucket replays the plan it was captured with.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class GemmPlan:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True, slots=True)
+class MoEPlan:
+    gate_up: GemmPlan
+    down: GemmPlan
+
+    @property
+    def block_m(self) -> int:
+        return self.gate_up.block_m
+
+
+# (rows per expert on average) -> plans; tuned on the H200 (docs/BENCHMARKS.md, fused MoE sweep)
+_SMALL = MoEPlan(GemmPlan(16, 64, 256, 1, 4, 3), GemmPlan(16, 128, 128, 1, 4, 3))
+_MEDIUM = MoEPlan(GemmPlan(64, 64, 64, 8, 4, 3), GemmPlan(64, 128, 64, 8, 4, 3))
+_LARGE = MoEPlan(GemmPlan(128, 128, 32, 8, 8, 4), GemmPlan(128, 128, 32, 16, 8, 4))
+_FP32 = MoEPlan(GemmPlan(16, 32, 32, 1, 4, 1), GemmPlan(16, 32, 32, 1, 4, 1))
+
+
+def moe_plan(num_pairs: int, num_experts: int, fp32: bool) -> MoEPlan:
+    """Small row blocks when experts get a few rows each (decode), large ones for prefill."""
+    if fp32:
+        return _FP32
+    per_expert = num_pairs / max(1, num_experts)
+    if per_expert <= 8:
+        return _SMALL
+    if per_expert <= 64:
+        return _MEDIUM
+    return _LARGE

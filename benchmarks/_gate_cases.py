@@ -1,0 +1,84 @@
+"""Random paged-attention and MoE cases for the GPU gate and the kernel sweep (GPU host).
+
+Shape legend: H / Hk query / KV heads, hd head dim, B decode rows, L keys per row.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ainfer_pd.engine.attention import DecodeMeta, ForwardBatch, PrefillSeq
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; inf when out has a NaN."""
+    o, r = out.double(), ref.double()
+    if not torch.isfinite(o).all():
+        return math.inf
+    return float((o - r).norm() / r.norm().clamp_min(1e-300))
+
+
+def dense_attention(q, keys, vals, cached):
+    """float64 full recompute: q [n, H, hd] at positions cached.. over keys/vals [m, Hk, hd], causal."""
+    H, Hk = q.shape[1], keys.shape[1]
+    k = keys.double().repeat_interleave(H // Hk, dim=1)
+    v = vals.double().repeat_interleave(H // Hk, dim=1)
+    s = torch.einsum("nhd,mhd->hnm", q.double(), k) / math.sqrt(q.shape[-1])
+    n, m = q.shape[0], keys.shape[0]
+    vis = torch.arange(m, device=q.device)[None, :] <= (cached + torch.arange(n, device=q.device))[:, None]
+    return torch.einsum("hnm,mhd->nhd", s.masked_fill(~vis, float("-inf")).softmax(-1), v)
+
+
+def paged_case(seqs, decode_lens, H, Hk, hd, dtype, device, bs=16, seed=0):
+    """A flat batch over a random block table with holes; returns (fb, q, k, v, kv, refs)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    need = sum(-(-(c + n) // bs) + 1 for c, n in seqs) + sum(-(-L // bs) + 1 for L in decode_lens) + 4
+    nblocks = need * 2
+    kv = torch.randn(2, nblocks * bs, Hk, hd, generator=g).to(device, dtype)
+    perm = iter(torch.randperm(nblocks, generator=g).tolist())
+    prefill, write, refs, t = [], [], [], 0
+    for cached, n in seqs:
+        ctx = cached + n
+        blocks = [next(perm) for _ in range(-(-ctx // bs))]
+        next(perm)
+        slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(ctx)])
+        prefill.append(PrefillSeq(t, n, ctx, block_ids=torch.tensor(blocks)))
+        write.append(slots[cached:])
+        refs.append((t, n, cached, slots))
+        t += n
+    tables = []
+    for L in decode_lens:
+        blocks = [next(perm) for _ in range(-(-L // bs))]
+        next(perm)
+        tables.append(blocks)
+        slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(L)])
+        write.append(slots[-1:])
+        refs.append((t, 1, L - 1, slots))
+        t += 1
+    q = torch.randn(t, H, hd, generator=g).to(device, dtype)
+    kn = torch.randn(t, Hk, hd, generator=g).to(device, dtype)
+    vn = torch.randn(t, Hk, hd, generator=g).to(device, dtype)
+    decode = None
+    if decode_lens:
+        nb = max(len(b) for b in tables)
+        table = torch.tensor([b + [0] * (nb - len(b)) for b in tables], device=device)
+        decode = DecodeMeta(None, torch.tensor(decode_lens, device=device), block_table=table, block_size=bs)
+    fb = ForwardBatch(torch.zeros(t, dtype=torch.int64, device=device), torch.zeros(t, dtype=torch.int64, device=device),
+                      torch.cat(write).to(device), prefill, decode, None, block_size=bs)
+    return fb, q, kn, vn, kv, refs
+
+
+def uniform_decode(B, L, H, Hk, hd, dtype, device, bs=16, seed=0):
+    """B rows of L keys each over a shuffled block pool (the roofline case): (fb, q, kc, vc)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    nb = -(-L // bs)
+    pool = B * nb
+    kc = torch.randn(pool * bs, Hk, hd, device=device, dtype=dtype)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(pool, generator=g).view(B, nb).to(device)
+    meta = DecodeMeta(None, torch.full((B,), L, device=device), block_table=table, block_size=bs)
+    q = torch.randn(B, H, hd, device=device, dtype=dtype)
+    fb = ForwardBatch(torch.zeros(B, dtype=torch.int64, device=device), torch.zeros(B, dtype=torch.int64, device=device),
+                      torch.zeros(B, dtype=torch.int64, device=device), [], meta, None, block_size=bs)
+    return fb, q, kc, vc

@@ -1,0 +1,155 @@
+"""Tile-configuration sweep of the Triton kernels on the Qwen3-30B-A3B shape (GPU host).
+
+Times each candidate configuration of the paged decode attention, the varlen paged prefill
+attention and the two fused-MoE GEMMs (decode-, medium- and prefill-sized row counts) against
+its byte or FLOP bound, and prints the best per case. The chosen defaults live in
+``engine/attention/plan.py`` and ``engine/fused_moe/plan.py``; docs/BENCHMARKS.md records the run.
+
+    python benchmarks/kernel_sweep.py --budget-s 240 --out sweep.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _gate_cases import paged_case, uniform_decode  # noqa: E402
+
+from ainfer_pd.engine.attention.plan import PrefillPlan  # noqa: E402
+from ainfer_pd.engine.attention.triton_backend import TritonAttention  # noqa: E402
+from ainfer_pd.engine.fused_moe import GemmPlan, align_blocks, launch_down, launch_gate_up  # noqa: E402
+from ainfer_pd.engine.moe import route  # noqa: E402
+
+DEV = torch.device("cuda")
+H, Hk, hd, D, E, K, I = 32, 4, 128, 2048, 128, 8, 768
+T0 = time.time()
+RES: dict = {}
+
+
+def ms(fn) -> float:
+    import triton.testing
+    return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+
+
+def over(budget: float) -> bool:
+    return time.time() - T0 > budget
+
+
+def sweep(name: str, cands, run, bound_ms: float, budget: float) -> None:
+    rows = []
+    for c in cands:
+        if over(budget):
+            print(f"  {name}: budget reached", flush=True)
+            break
+        try:
+            t = run(c)
+        except Exception as exc:  # noqa: BLE001 - a config that does not compile is skipped
+            print(f"  {name} {c}: {type(exc).__name__} {str(exc)[:80]}", flush=True)
+            continue
+        rows.append((t, c))
+        print(f"  {name} {c}: {t:.4f} ms ({t / bound_ms:.2f}x bound)", flush=True)
+    rows.sort(key=lambda r: r[0])
+    if rows:
+        t, c = rows[0]
+        print(f"BEST {name}: {c} {t:.4f} ms = {t / bound_ms:.2f}x bound {bound_ms:.4f} ms", flush=True)
+        RES[name] = {"best": list(c) if isinstance(c, tuple) else c, "ms": t, "bound_ms": bound_ms,
+                     "all": [[list(cc), tt] for tt, cc in rows]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--budget-s", type=float, default=240)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--sections", default="moe64,moe128,moe512,moe4096,decode,prefill",
+                    help="comma list among moe64, moe128, moe512, moe4096, moe16384, decode, prefill")
+    args = ap.parse_args()
+    x = torch.empty(2 << 30, dtype=torch.uint8, device=DEV)
+    y = torch.empty_like(x)
+    bw = 2 * x.numel() / (ms(lambda: y.copy_(x)) / 1e3)
+    del x, y
+    print(f"HBM copy {bw / 1e12:.2f} TB/s", flush=True)
+    dt = torch.bfloat16
+    bud = args.budget_s
+
+    # ---- fused MoE, decode-sized (B = 64 tokens, 8 pairs each)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    w13 = (torch.randn(E, D, 2 * I, device=DEV, generator=g) * 0.02).to(dt)
+    w2 = (torch.randn(E, I, D, device=DEV, generator=g) * 0.02).to(dt)
+    rw = (torch.randn(E, D, device=DEV, generator=g) * 0.02).to(dt)
+    small = [(16, 64, 128, 1, 4, 3), (16, 64, 128, 1, 4, 4), (16, 32, 128, 1, 4, 4), (16, 64, 256, 1, 4, 3),
+             (16, 128, 128, 1, 4, 3), (16, 64, 64, 1, 4, 5), (16, 32, 256, 1, 4, 4), (16, 128, 64, 1, 8, 4),
+             (16, 64, 128, 1, 8, 4)]
+    large = [(128, 128, 32, 8, 8, 4), (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 64, 128, 8, 8, 3),
+             (128, 128, 32, 16, 8, 4), (128, 128, 32, 8, 8, 5), (128, 128, 64, 16, 8, 3), (128, 256, 64, 8, 8, 3),
+             (128, 128, 128, 8, 8, 3), (128, 64, 64, 8, 4, 4)]
+    medium = [(32, 64, 128, 4, 4, 3), (32, 128, 64, 4, 4, 3), (64, 64, 64, 8, 4, 3), (32, 64, 64, 4, 4, 4),
+              (16, 64, 128, 1, 4, 4), (64, 128, 64, 8, 4, 3)]
+    moe_cases = [(T, c) for T, c in ((64, small), (128, small), (512, medium), (4096, large), (16384, large))
+                 if f"moe{T}" in args.sections]
+    for T, cands in moe_cases:
+        xx = torch.randn(T, D, device=DEV, dtype=dt)
+        r = route(xx, rw, K)
+        touched = int((r.counts > 0).sum())
+        N = T * K
+        flops = 2 * N * D * 2 * I
+        wb1, wb2 = touched * D * 2 * I * 2, touched * I * D * 2
+        act = torch.empty(N, I, device=DEV, dtype=dt)
+        rows = torch.empty(N, D, device=DEV, dtype=dt)
+        topw = r.topk_weights.reshape(-1).contiguous()
+        lay = {}
+
+        def layout(bm):
+            if bm not in lay:
+                lay[bm] = align_blocks(r, bm)
+            return lay[bm]
+        b1 = max(wb1 / bw, flops / 800e12) * 1e3
+        b2 = max(wb2 / bw, flops / 2 / 800e12) * 1e3
+        sweep(f"moe_gate_up_T{T}", cands, lambda c: ms(lambda: launch_gate_up(xx, w13, act, layout(c[0]), K, GemmPlan(*c))),
+              b1, bud)
+        sweep(f"moe_down_T{T}", cands, lambda c: ms(lambda: launch_down(act, w2, rows, layout(c[0]), topw, GemmPlan(*c))),
+              b2, bud)
+
+    # ---- paged decode attention
+    for B, L in ((64, 2048), (32, 2048), (128, 2048), (64, 4096)) if "decode" in args.sections else ():
+        fb, q, kc, vc = uniform_decode(B, L, H, Hk, hd, dt, DEV)
+        kvb = 2 * B * L * Hk * hd * 2
+        cands = [(bn, w, st, sk) for sk in (512, 1024, 2048) for (bn, w, st) in ((64, 2, 2), (64, 4, 2), (32, 4, 3),
+                                                                                (128, 4, 2))]
+
+        def run(c):
+            be = TritonAttention(DEV, decode_overrides={"block_n": c[0], "num_warps": c[1], "num_stages": c[2],
+                                                        "split_keys": c[3]})
+            return ms(lambda: be.decode(q, kc, vc, fb))
+        sweep(f"attn_decode_B{B}_L{L}", cands, run, kvb / bw * 1e3, bud)
+        del fb, q, kc, vc
+
+    # ---- varlen paged prefill attention (4096 new tokens; and a 575-token continuation on 1500)
+    for seqs in ([(0, 4096)], [(1500, 575), (1500, 575)]) if "prefill" in args.sections else ():
+        fb, q, k, v, kv, _ = paged_case(seqs, [], H, Hk, hd, dt, DEV)
+        kc, vc = kv[0], kv[1]
+        out = torch.empty_like(q)
+        fl = sum(4 * H * hd * (n * c + n * n / 2) for c, n in seqs)
+        cands = [(128, 128, 8, 3), (64, 64, 4, 2), (128, 64, 4, 3), (128, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4),
+                 (128, 128, 8, 4), (128, 64, 8, 3)]
+
+        def runp(c):
+            be = TritonAttention(DEV, prefill_override=PrefillPlan(*c))
+            fb.prefill_meta = None
+            be.prefill(q, kc, vc, fb, out)
+            return ms(lambda: be.prefill(q, kc, vc, fb, out))
+        sweep(f"attn_prefill_{'+'.join(f'{c}:{n}' for c, n in seqs)}", cands, runp, fl / 800e12 * 1e3, bud)
+    if args.out:
+        Path(args.out).write_text(json.dumps(RES, indent=1))
+    print(f"sweep done in {time.time() - T0:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
