@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # this checkout's ainfer_pd, not an installed one
+
 # Qwen3-30B-A3B's config.json (the fields that shape the model)
 QWEN3_30B_A3B = {
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
@@ -118,7 +120,9 @@ def run_case(case: str, root: Path) -> dict:
         m = build_model(c, "cpu", experts=experts)
         dt = time.perf_counter() - t0
         r = m.load_report
+        import ainfer_pd
         out.update(seconds=dt, bytes_read_gb=r.bytes_read / 1e9, read_seconds=r.seconds, gb_per_s=r.gb_per_s,
+                   package=str(Path(ainfer_pd.__file__).parent),
                    tensors_read=len(r.tensors_read), tensors_skipped=len(r.tensors_skipped), shards=len(r.files),
                    param_gb=_param_bytes(m) / 1e9, peak_rss_gb=_peak_rss_gb())
         return out
