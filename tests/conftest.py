@@ -34,3 +34,8 @@ async def worker(cfg):
 
 def rand_ids(rng: random.Random, n: int, vocab: int = 512) -> list[int]:
     return [rng.randrange(2, vocab) for _ in range(n)]
+
+
+def pytest_addoption(parser):
+    parser.addoption("--soak", action="store_true", default=False,
+                     help="run the long profiles of the property tests (tests/test_property_api.py)")
