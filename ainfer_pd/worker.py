@@ -133,6 +133,7 @@ class RolloutWorker:
         finally:
             await asyncio.to_thread(self.engine.shutdown)     # joins stream threads off the loop
             self.engine.close()                               # no caller or drain waiter left behind
+            await self.engine.aclose()                        # the control rendezvous of a lockstep rank
             if self.cfg.trace_dir:
                 self._dump_timeline(failed=et is not None or close_error is not None or self._failure is not None)
             self.recorder.close()

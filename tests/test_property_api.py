@@ -64,6 +64,14 @@ EDGE_TEMPERATURES = (1e-45, 1.2e-38, 1e-30, 1e-8, 1e-6, 1e-5)
 """Tiny positive temperatures (case 5 of issue 13): rejected, or sampled without NaN."""
 
 
+STATS: dict[str, int] = {}
+"""Counts over a test run (what the programs exercised); ``AINFER_PD_PROPERTY_STATS=1`` prints them."""
+
+
+def _count(key: str, n: int = 1) -> None:
+    STATS[key] = STATS.get(key, 0) + n
+
+
 class Hang(AssertionError):
     """A call did not finish within its bound."""
 
@@ -148,6 +156,18 @@ class Checked:
 
 def _is_deterministic(p: SamplingParams) -> bool:
     return p.temperature == 0.0 or p.seed is not None
+
+
+def _threads_left(before: set[int], timeout_s: float = 5.0) -> list[str]:
+    """Threads started since ``before`` that are still alive after a grace period (threads
+    that are shutting down get ``timeout_s`` to go)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()
+                and t is not threading.current_thread()]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.02)
 
 
 def _blocks(n_tokens: int) -> int:
@@ -275,6 +295,7 @@ class WorkerMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ lifecycle
     @initialize(cache=st.sampled_from(["tiny", "tiny", "large"]), which=st.integers(0, len(TINY_CACHES) - 1))
     def start(self, cache: str, which: int) -> None:
+        _count("examples")
         if self.SHARED is not None:
             self.lt, self.w = self.SHARED["lt"], self.SHARED["worker"]
             self.num_blocks = self.w.engine.kv.alloc.num_blocks
@@ -346,6 +367,8 @@ class WorkerMachine(RuleBasedStateMachine):
         if tr is not None and tr.call is call:
             tr.call = None
         kind, value = call.outcome
+        _count(f"outcome.{call.kind}.{call.expect}.{kind}" + (f".{value.finish_reason}" if kind == "ok" else
+                                                              f".{type(value).__name__}" if kind == "error" else ""))
         what = f"{call.kind}({call.tid}, {len(call.context or [])} tokens, {call.params})"
         if kind == "error":
             exc = value
@@ -384,6 +407,7 @@ class WorkerMachine(RuleBasedStateMachine):
             tr.tokens = list(call.context) + list(out.token_ids)
         overlapped = any(a <= call.t1 and call.t0 <= b for a, b in self.updates)
         if _is_deterministic(p) and not overlapped:
+            _count("checked_turns")
             self.checked.append(Checked(call.version, list(call.context), p, list(out.token_ids)))
 
     async def _registered(self, tid: str) -> bool:
@@ -452,7 +476,6 @@ class WorkerMachine(RuleBasedStateMachine):
         call = Call("continue_", tid, context, params, expect, False, self.version)
         self.launch(call, lambda: self.w.continue_(tid, given, params))
 
-    @rule(kind=st.sampled_from(BAD_PROMPTS), existing=st.booleans(), data=st.data())
     def bad_prompt(self, kind: str, existing: bool, data) -> None:
         """Malformed prompts are rejected with InvalidRequestError; nothing is registered."""
         bad = _bad_prompt(kind)
@@ -468,7 +491,6 @@ class WorkerMachine(RuleBasedStateMachine):
             call = Call("generate", tid, None, sp, "invalid", True, self.version)
             self.launch(call, lambda: self.w.generate(bad, sp, trajectory_id=tid))
 
-    @rule(n=st.integers(1, 30), seed=st.integers(0, 2 ** 16), container=st.sampled_from(GOOD_CONTAINERS))
     def generate_other_container(self, n: int, seed: int, container: str) -> None:
         """Token ids as a tuple, an integer torch tensor, an integer numpy array or numpy ints."""
         rng = random.Random(seed)
@@ -479,8 +501,6 @@ class WorkerMachine(RuleBasedStateMachine):
         call = Call("generate", tid, prompt, sp, self.expect_for(n, sp), True, self.version)
         self.launch(call, lambda: self.w.generate(given, sp, trajectory_id=tid))
 
-    @precondition(lambda self: bool(self.busy()))
-    @rule(data=st.data())
     def continue_busy(self, data) -> None:
         """A second turn on a trajectory with one in flight: TrajectoryBusyError, checked atomically
         on the loop (the in-flight turn may have just ended: then nothing is called)."""
@@ -512,16 +532,12 @@ class WorkerMachine(RuleBasedStateMachine):
         time.sleep(ms / 1000)
 
     # ------------------------------------------------------------------ rules: aborts, cancels
-    @precondition(lambda self: bool(self.busy()))
-    @rule(data=st.data(), ms=st.sampled_from([0, 1, 2, 5, 10, 20, 40]))
     def cancel_at_random_point(self, data, ms: int) -> None:
         call = self.trajs[data.draw(st.sampled_from(self.busy()))].call
         time.sleep(ms / 1000)
         call.cancel_issued = True
         self.lt.loop.call_soon_threadsafe(call.task.cancel)
 
-    @precondition(lambda self: bool(self.trajs))
-    @rule(data=st.data(), ms=st.sampled_from([0, 1, 2, 5, 10, 20, 40]))
     def abort(self, data, ms: int) -> None:
         tid = data.draw(st.sampled_from(sorted(self.trajs)))
         time.sleep(ms / 1000)
@@ -538,8 +554,6 @@ class WorkerMachine(RuleBasedStateMachine):
         elif res:
             call.abort_true = True
 
-    @precondition(lambda self: bool(self.trajs))
-    @rule(data=st.data(), twice=st.booleans())
     def release(self, data, twice: bool) -> None:
         """release(tid) (aborting a turn in flight); twice: two concurrent releases, the second
         may find it already released (UnknownTrajectoryError) but nothing else."""
@@ -567,7 +581,6 @@ class WorkerMachine(RuleBasedStateMachine):
             self.collect(call)
         self.trajs.pop(tid, None)
 
-    @rule()
     def abort_all(self) -> None:
         in_flight = [c for c in self.calls if c.expect == "ok"]
 
@@ -578,7 +591,6 @@ class WorkerMachine(RuleBasedStateMachine):
         n = self.run(go(), "abort_all")
         self.check(isinstance(n, int) and 0 <= n <= len(in_flight), f"abort_all returned {n!r} for {len(in_flight)} in flight")
 
-    @rule(racing=st.sampled_from(["no", "no", "before", "after"]), data=st.data())
     def sleep_then_wake(self, racing: str, data) -> None:
         """sleep() aborts everything in flight and drops all retained KV; racing: a turn starts
         right before sleep, or while sleep waits for drains (it is aborted or completes; it never
@@ -661,8 +673,6 @@ class WorkerMachine(RuleBasedStateMachine):
         return self.versions[self.version]
 
     # ------------------------------------------------------------------ rules: loop affinity
-    @precondition(lambda self: self.SHARED is None)
-    @rule()
     def call_from_a_foreign_loop(self) -> None:
         """A call from another thread's event loop raises a typed error (never hangs)."""
         async def foreign() -> Any:
@@ -677,6 +687,61 @@ class WorkerMachine(RuleBasedStateMachine):
         res = asyncio.run(foreign())
         self.check(isinstance(res, AInferPDError), f"a call from a foreign event loop gave {res!r}")
 
+    # ------------------------------------------------------------------ the rule mix
+    # (hypothesis picks rules uniformly: launching and collecting turns get several rules, the
+    # interruptions and odd inputs one dispatching rule per family)
+    @rule(n=_prompt_len(), seed=st.integers(0, 2 ** 16), kw=_sampling_kwargs())
+    def generate_new_valid(self, n: int, seed: int, kw: dict) -> None:
+        self.generate_new(n=n, seed=seed, kw=kw, bypass=-1)
+
+    @precondition(lambda self: bool(self.idle()))
+    @rule(data=st.data(), n=st.integers(0, 60), seed=st.integers(0, 2 ** 16), kw=_sampling_kwargs())
+    def continue_list(self, data, n: int, seed: int, kw: dict) -> None:
+        self.continue_turn(data=data, n=n, seed=seed, kw=kw, container="list")
+
+    @precondition(lambda self: bool(self.calls))
+    @rule(data=st.data())
+    def collect_another(self, data) -> None:
+        self.collect_one(data=data)
+
+    @precondition(lambda self: bool(self.trajs))
+    @rule(data=st.data(), kind=st.sampled_from(["cancel", "abort", "abort", "release", "release_twice"]),
+          ms=st.sampled_from([0, 1, 2, 5, 10, 20, 40]))
+    def interrupt_one(self, data, kind: str, ms: int) -> None:
+        """cancel-at-a-random-point / abort / release (twice, concurrently) of one trajectory."""
+        if kind == "cancel":
+            if self.busy():
+                self.cancel_at_random_point(data=data, ms=ms)
+        elif kind == "abort":
+            self.abort(data=data, ms=ms)
+        else:
+            time.sleep(ms / 1000)
+            self.release(data=data, twice=kind == "release_twice")
+
+    @rule(kind=st.sampled_from(["abort_all", "sleep", "sleep", "sleep_racing_before", "sleep_racing_after"]),
+          data=st.data())
+    def interrupt_all(self, kind: str, data) -> None:
+        if kind == "abort_all":
+            self.abort_all()
+        else:
+            self.sleep_then_wake(racing={"sleep": "no", "sleep_racing_before": "before",
+                                         "sleep_racing_after": "after"}[kind], data=data)
+
+    @rule(kind=st.sampled_from(["bad_prompt", "bad_prompt", "other_container", "continue_busy", "foreign_loop"]),
+          bad=st.sampled_from(BAD_PROMPTS), existing=st.booleans(), n=st.integers(1, 30),
+          seed=st.integers(0, 2 ** 16), container=st.sampled_from(GOOD_CONTAINERS), data=st.data())
+    def odd_input(self, kind: str, bad: str, existing: bool, n: int, seed: int, container: str, data) -> None:
+        """Malformed prompts, other token containers, a busy trajectory, a foreign event loop."""
+        if kind == "bad_prompt":
+            self.bad_prompt(kind=bad, existing=existing, data=data)
+        elif kind == "other_container":
+            self.generate_other_container(n=n, seed=seed, container=container)
+        elif kind == "continue_busy":
+            if self.busy():
+                self.continue_busy(data=data)
+        elif self.SHARED is None:
+            self.call_from_a_foreign_loop()
+
     # ------------------------------------------------------------------ invariants
     @invariant()
     def kv_accounting_is_consistent(self) -> None:
@@ -690,6 +755,7 @@ class WorkerMachine(RuleBasedStateMachine):
 
     @invariant()
     def nothing_runs_past_its_bound(self) -> None:
+        _count("steps")
         for c in self.calls:
             if c.cfut is not None and not c.cfut.done() and c.t0 and self.lt.now() - c.t0 > BOUND_S:
                 self.failed = True
@@ -708,6 +774,9 @@ class WorkerMachine(RuleBasedStateMachine):
         finally:
             if self.SHARED is None:
                 self.lt.stop()
+        if self.SHARED is None and not self.failed:
+            left = _threads_left(self.threads_before)
+            self.check(not left, f"threads left behind: {left}")
 
     def _teardown(self) -> None:
         for c in list(self.calls):
@@ -736,8 +805,8 @@ class WorkerMachine(RuleBasedStateMachine):
             raise Hang("leaving `async with RolloutWorker(...)` did not finish") from None
         except BaseException as exc:          # noqa: BLE001
             self.check(False, f"leaving `async with RolloutWorker(...)` raised {exc!r}")
-        self.check(not self.w.engine.device.live_threads(),
-                   f"stream threads left behind: {[t.name for t in self.w.engine.device.live_threads()]}")
+        streams = [t for t in _threads_left(self.threads_before, 0.0) if t.startswith(("ainfer-P", "ainfer-D"))]
+        self.check(not streams, f"stream threads left behind: {streams}")
 
         async def tasks() -> list[str]:
             me = asyncio.current_task()
@@ -778,6 +847,12 @@ def _settings(request, *, examples: int, steps: int) -> settings:
                     derandomize=True, phases=phases, print_blob=True, suppress_health_check=list(HealthCheck))
 
 
+def _print_stats(label: str) -> None:
+    if os.environ.get("AINFER_PD_PROPERTY_STATS") == "1":
+        print(f"\n[{label}]", *(f"{k}={v}" for k, v in sorted(STATS.items())), sep="\n  ")
+    STATS.clear()
+
+
 def _machine(policy: str) -> type[WorkerMachine]:
     return type(f"Machine_{policy.replace('-', '_')}", (WorkerMachine,), {"POLICY": policy})
 
@@ -786,7 +861,11 @@ def _machine(policy: str) -> type[WorkerMachine]:
 def test_public_api_state_machine_one_rank(policy, request):
     if request.config.getoption("--soak") and os.environ.get("AINFER_PD_SOAK_SEED"):
         random.seed(int(os.environ["AINFER_PD_SOAK_SEED"]))
-    run_state_machine_as_test(_machine(policy), settings=_settings(request, examples=7, steps=30))
+    STATS.clear()
+    try:
+        run_state_machine_as_test(_machine(policy), settings=_settings(request, examples=7, steps=30))
+    finally:
+        _print_stats(policy)
 
 
 # ---------------------------------------------------------------------- two gloo ranks
@@ -826,11 +905,9 @@ def _rank_property(rank: int, world_size: int, examples: int, steps: int, soak: 
         keeper.result(180)
     except BaseException as exc:              # noqa: BLE001
         exit_error = repr(exc)
-    live = [t.name for t in w.engine.device.live_threads()]
+    live = [t for t in _threads_left(before, 2.0) if t.startswith(("ainfer-P", "ainfer-D", "ainfer-pd-rdzv"))]
     lt.stop()
-    time.sleep(0.2)
-    extra = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()
-             and not t.name.startswith(("ainfer-pd-rdzv", "ainfer-pd-heartbeat"))]
+    extra = _threads_left(before)
     return error, exit_error, live, extra, [(c.version, c.context, c.params, c.tokens) for c in shared["checked"]]
 
 

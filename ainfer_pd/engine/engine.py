@@ -561,6 +561,10 @@ class Engine:
             self.num_aborted -= 1            # counted as failed, not aborted
         self._notify()
 
+    async def aclose(self) -> None:
+        """After the loops stopped: release what the engine owns beyond its threads (the
+        lockstep engine's control rendezvous); nothing at world size 1."""
+
     def close(self) -> None:
         """After the loops stopped and the streams were joined (no device work in flight):
         every turn still known ends with "abort" and every pending cleanup runs, so no caller,
