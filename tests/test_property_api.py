@@ -138,6 +138,9 @@ class Call:
     abort_true: bool = False           # abort(tid) returned True for this turn
     cancel_issued: bool = False
 
+    def __repr__(self) -> str:          # what hypothesis prints for a drawn call
+        return f"<{self.kind}({self.tid!r}) {len(self.context or [])} tokens {self.params} expect={self.expect}>"
+
 
 @dataclass(eq=False)
 class Traj:
@@ -154,6 +157,10 @@ class Checked:
     context: list[int]
     params: SamplingParams
     tokens: list[int]
+
+
+def _params_dict(p: SamplingParams) -> dict:
+    return {f: getattr(p, f) for f in SamplingParams.__slots__}
 
 
 def _is_deterministic(p: SamplingParams) -> bool:
@@ -208,7 +215,8 @@ BYPASSED = [("temperature", -1.0), ("temperature", math.nan), ("temperature", ma
 
 
 def _prompt_len():
-    return st.one_of(st.integers(1, 40), st.integers(1, 40), st.integers(60, 200), st.integers(200, 420))
+    """(bucket, u): a length drawn relative to the cache (see WorkerMachine.prompt_len)."""
+    return st.tuples(st.sampled_from(["short", "short", "mid", "long"]), st.floats(0.0, 1.0))
 
 
 # Prompts the worker must reject (typed) and ones it must accept in another container.
@@ -280,6 +288,18 @@ class WorkerMachine(RuleBasedStateMachine):
 
     def busy(self) -> list[str]:
         return sorted(t for t, tr in self.trajs.items() if tr.call is not None)
+
+    def prompt_len(self, plen: tuple[str, float]) -> int:
+        """Short prompts, or prompts sized against the cache: a tiny cache gets prompts that take
+        a quarter of it up to more than all of it (KV pressure, CapacityError), a large one
+        prompts of 60-420 tokens."""
+        bucket, u = plen
+        if bucket == "short":
+            return 1 + int(u * 39)
+        if self.num_blocks == LARGE_CACHE:
+            return 60 + int(u * 140) if bucket == "mid" else 200 + int(u * 220)
+        cap = self.num_blocks * BLOCK
+        return max(1, int(cap * ((0.25 + 0.5 * u) if bucket == "mid" else (0.75 + 0.5 * u))))
 
     def expect_for(self, context_len: int, params: SamplingParams) -> str:
         return "capacity" if _blocks(context_len + params.max_new_tokens) > self.num_blocks else "ok"
@@ -432,13 +452,14 @@ class WorkerMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ rules: turns
     @rule(n=_prompt_len(), seed=st.integers(0, 2 ** 16), kw=_sampling_kwargs(),
           bypass=st.one_of(st.just(-1), st.just(-1), st.just(-1), st.integers(0, len(BYPASSED))))
-    def generate_new(self, n: int, seed: int, kw: dict, bypass: int) -> None:
+    def generate_new(self, n: tuple, seed: int, kw: dict, bypass: int, tid: str | None = None) -> None:
+        n = self.prompt_len(n)
         params, expect = self._params_or_bypass(kw, bypass)
         if expect == "skip":
             return
         rng = random.Random(seed)
         prompt = [rng.randrange(2, VOCAB) for _ in range(n)]
-        tid = self.new_tid()
+        tid = tid or self.new_tid()
         if expect == "ok":
             expect = self.expect_for(n, params)
         call = Call("generate", tid, prompt, params, expect, True, self.version)
@@ -447,9 +468,10 @@ class WorkerMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.idle()))
     @rule(data=st.data(), extend=st.booleans(), n=_prompt_len(), seed=st.integers(0, 2 ** 16),
           kw=_sampling_kwargs())
-    def generate_on_existing(self, data, extend: bool, n: int, seed: int, kw: dict) -> None:
+    def generate_on_existing(self, data, extend: bool, n: tuple, seed: int, kw: dict) -> None:
         """generate(prompt, trajectory_id=existing): the prompt extends the retained tokens, or
         diverges from them (it may fit only if the trajectory's own blocks are reused: case 1)."""
+        n = self.prompt_len(n)
         tid = data.draw(st.sampled_from(self.idle()))
         params = self.make_params(kw)
         if params is None:
@@ -540,8 +562,8 @@ class WorkerMachine(RuleBasedStateMachine):
         call.cancel_issued = True
         self.lt.loop.call_soon_threadsafe(call.task.cancel)
 
-    def abort(self, data, ms: int) -> None:
-        tid = data.draw(st.sampled_from(sorted(self.trajs)))
+    def abort(self, data, ms: int, tid: str | None = None) -> None:
+        tid = tid or data.draw(st.sampled_from(sorted(self.trajs)))
         time.sleep(ms / 1000)
         call = self.trajs[tid].call
 
@@ -556,10 +578,10 @@ class WorkerMachine(RuleBasedStateMachine):
         elif res:
             call.abort_true = True
 
-    def release(self, data, twice: bool) -> None:
+    def release(self, data, twice: bool, tid: str | None = None) -> None:
         """release(tid) (aborting a turn in flight); twice: two concurrent releases, the second
         may find it already released (UnknownTrajectoryError) but nothing else."""
-        tid = data.draw(st.sampled_from(sorted(self.trajs)))
+        tid = tid or data.draw(st.sampled_from(sorted(self.trajs)))
         call = self.trajs[tid].call
 
         async def one() -> str:
@@ -693,8 +715,13 @@ class WorkerMachine(RuleBasedStateMachine):
     # (hypothesis picks rules uniformly: launching and collecting turns get several rules, the
     # interruptions and odd inputs one dispatching rule per family)
     @rule(n=_prompt_len(), seed=st.integers(0, 2 ** 16), kw=_sampling_kwargs())
-    def generate_new_valid(self, n: int, seed: int, kw: dict) -> None:
+    def generate_new_valid(self, n: tuple, seed: int, kw: dict) -> None:
         self.generate_new(n=n, seed=seed, kw=kw, bypass=-1)
+
+    @precondition(lambda self: bool(self.idle()))
+    @rule(data=st.data(), n=_prompt_len(), seed=st.integers(0, 2 ** 16), kw=_sampling_kwargs())
+    def generate_replacing_context(self, data, n: tuple, seed: int, kw: dict) -> None:
+        self.generate_on_existing(data=data, extend=False, n=n, seed=seed, kw=kw)
 
     @precondition(lambda self: bool(self.idle()))
     @rule(data=st.data(), n=st.integers(0, 60), seed=st.integers(0, 2 ** 16), kw=_sampling_kwargs())
@@ -719,6 +746,35 @@ class WorkerMachine(RuleBasedStateMachine):
         else:
             time.sleep(ms / 1000)
             self.release(data=data, twice=kind == "release_twice")
+
+    @rule(n=st.floats(0.0, 1.0), d_tokens=st.integers(24, 80), wait_ms=st.sampled_from([2, 5, 10, 20]),
+          ms=st.sampled_from([0, 1, 2, 4, 8, 16]),
+          kind=st.sampled_from(["abort", "cancel", "release", "abort_all", "sleep"]), data=st.data())
+    def overlap_then_interrupt(self, n: float, d_tokens: int, wait_ms: int, ms: int, kind: str, data) -> None:
+        """A trajectory decodes while another's long prompt is prefilled (under the turnstile
+        policies a gated P epoch), then the decoding one is interrupted at a random point, maybe
+        while P waits for its next permit (issue 13, case 2)."""
+        d_tid = self.new_tid()
+        d_sp = SamplingParams(max_new_tokens=d_tokens, temperature=0.0, ignore_eos=True)
+        self.generate_new(n=("short", n), seed=d_tokens, kw=_params_dict(d_sp), bypass=-1, tid=d_tid)
+        time.sleep(wait_ms / 1000)
+        p_sp = dict(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+        self.generate_new(n=("long" if self.num_blocks == LARGE_CACHE else "mid", n), seed=wait_ms, kw=p_sp, bypass=-1)
+        time.sleep(ms / 1000)
+        if d_tid not in self.trajs or self.trajs[d_tid].call is None:
+            return
+        call = self.trajs[d_tid].call
+        if kind == "cancel":
+            call.cancel_issued = True
+            self.lt.loop.call_soon_threadsafe(call.task.cancel)
+        elif kind == "abort":
+            self.abort(data=None, ms=0, tid=d_tid)
+        elif kind == "release":
+            self.release(data=None, twice=False, tid=d_tid)
+        elif kind == "abort_all":
+            self.abort_all()
+        else:
+            self.sleep_then_wake(racing="no", data=data)
 
     @rule(kind=st.sampled_from(["abort_all", "sleep", "sleep", "sleep_racing_before", "sleep_racing_after"]),
           data=st.data())
@@ -880,7 +936,7 @@ def test_public_api_state_machine_one_rank(policy, request):
         seed = int(os.environ["AINFER_PD_SOAK_SEED"]) + POLICIES.index(policy) if os.environ.get("AINFER_PD_SOAK_SEED") else None
     STATS.clear()
     try:
-        _run(_machine(policy), _settings(request, examples=7, steps=30), seed)
+        _run(_machine(policy), _settings(request, examples=10, steps=30), seed)
     finally:
         _print_stats(policy)
 
