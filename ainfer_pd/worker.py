@@ -109,18 +109,18 @@ class RolloutWorker:
             if traj.turn is not None:
                 self.engine.abort(traj.turn)
         close_error: BaseException | None = None
-        if (self._engine_task is not None and not self._engine_task.done() and et is None
-                and hasattr(self.engine, "closing")):
-            # lockstep ranks leave together: keep stepping until every rank is closing and idle
-            self.engine.closing = True
-            try:
-                async with asyncio.timeout(self.cfg.parallel.rendezvous_timeout_s * 2):
-                    await asyncio.shield(self._engine_task)
-            except TimeoutError:
-                close_error = WorkerClosedError("peers did not close within 2x the rendezvous timeout")
-        if self._engine_task is not None and not self._engine_task.done():
-            self._engine_task.cancel()
         try:
+            if (self._engine_task is not None and not self._engine_task.done() and et is None
+                    and hasattr(self.engine, "closing")):
+                # lockstep ranks leave together: keep stepping until every rank is closing and idle
+                self.engine.closing = True
+                try:
+                    async with asyncio.timeout(self.cfg.parallel.rendezvous_timeout_s * 2):
+                        await asyncio.shield(self._engine_task)
+                except TimeoutError:
+                    close_error = WorkerClosedError("peers did not close within 2x the rendezvous timeout")
+            if self._engine_task is not None and not self._engine_task.done():
+                self._engine_task.cancel()
             assert self._tg is not None
             try:
                 # NOTE: the TaskGroup owns the worker's tasks only: the user's exception is not
@@ -131,9 +131,14 @@ class RolloutWorker:
                     raise (_first_typed(eg) or WorkerClosedError(f"engine failed: {eg!r}")) from eg
                 log.error("rank %d: the engine failed while leaving on %s: %r", self.rank, et.__name__, eg)
         finally:
+            if self._engine_task is not None and not self._engine_task.done():
+                self._engine_task.cancel()                    # we were cancelled while closing
             await asyncio.to_thread(self.engine.shutdown)     # joins stream threads off the loop
             self.engine.close()                               # no caller or drain waiter left behind
-            await self.engine.aclose()                        # the control rendezvous of a lockstep rank
+            try:
+                await self.engine.aclose()                    # the control rendezvous of a lockstep rank
+            except Exception as e:                            # noqa: BLE001 - closing must not mask the exit
+                log.warning("rank %d: closing the control rendezvous failed: %r", self.rank, e)
             if self.cfg.trace_dir:
                 self._dump_timeline(failed=et is not None or close_error is not None or self._failure is not None)
             self.recorder.close()
