@@ -24,13 +24,14 @@ SEED_RANGE = (0, 2 ** 64)
 class SamplingParams:
     max_new_tokens: int = 64
     temperature: float = 1.0
-    """0 = greedy."""
+    """0 = greedy; otherwise at least ``MIN_TEMPERATURE`` (1e-5)."""
     top_p: float = 1.0
     top_k: int = -1
     """-1 or 0 = off."""
     repetition_penalty: float = 1.0
+    """1 = off; within ``REPETITION_PENALTY_RANGE`` ([0.01, 100])."""
     seed: int | None = None
-    """Per-request seed: the same seed gives the same tokens whatever the batch."""
+    """Per-request seed (0 <= seed < 2**64): the same seed gives the same tokens whatever the batch."""
     stop_token_ids: tuple[int, ...] = ()
     """Token ids that end the turn (None = none)."""
     ignore_eos: bool = False
