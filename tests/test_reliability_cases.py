@@ -5,6 +5,7 @@ four decisions it asked for. Every wait is bounded; states are reached by holdin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 import random
@@ -67,18 +68,23 @@ def idle_and_clean(w) -> bool:
     return w.kv_leak_free() and all(not kv.pinned for kv in w.engine.kv.trajectories.values())
 
 
-async def draining_trajectory(w, tid: str, n: int = 60):
-    """A trajectory whose aborted turn still has P work in flight (the P stream is held):
-    returns the holds; the caller releases them."""
+@contextlib.asynccontextmanager
+async def draining(w, tid: str, n: int = 60):
+    """A trajectory whose aborted turn still has P work in flight (the P stream is held).
+    Yields the release function; the hold is released on the way out whatever happens (a
+    test that fails inside must not leave a parked stream for the worker's exit to join)."""
     holds = hold(w, "P")
-    task = asyncio.ensure_future(w.generate(rand_ids(random.Random(n), n), SamplingParams(max_new_tokens=4, **GREEDY),
-                                            trajectory_id=tid))
-    await until(lambda: tid in w.trajectories and w.trajectories[tid].turn is not None
-                and w.trajectories[tid].turn.in_flight > 0, "the turn's P epoch started")
-    assert await w.abort(tid) is True
-    assert (await bounded(task, "the aborted turn")).finish_reason == "abort"
-    assert w.trajectories[tid].draining is not None
-    return holds
+    try:
+        task = asyncio.ensure_future(w.generate(rand_ids(random.Random(n), n), SamplingParams(max_new_tokens=4, **GREEDY),
+                                                trajectory_id=tid))
+        await until(lambda: tid in w.trajectories and w.trajectories[tid].turn is not None
+                    and w.trajectories[tid].turn.in_flight > 0, "the turn's P epoch started")
+        assert await w.abort(tid) is True
+        assert (await bounded(task, "the aborted turn")).finish_reason == "abort"
+        assert w.trajectories[tid].draining is not None
+        yield lambda: release(holds)
+    finally:
+        release(holds)
 
 
 # ====================================================================== case 1
@@ -220,16 +226,13 @@ async def test_case03_abort_ends_a_turn_queued_behind_a_drain():
     """abort(tid) while a continue_(tid) waits for the previous aborted turn to drain: the
     queued turn ends with "abort" (before: abort returned True and the continue_ ran)."""
     async with RolloutWorker(tiny_cfg()) as w:
-        holds = await draining_trajectory(w, "A")
-        try:
+        async with draining(w, "A"):
             queued = asyncio.ensure_future(w.continue_("A", [5, 6, 7], SamplingParams(max_new_tokens=4, **GREEDY)))
             await until(lambda: w.trajectories["A"].turn is not None, "the continue_ is queued")
             assert w.trajectories["A"].turn.lifetime == 0          # not admitted: behind the drain
             assert await w.abort("A") is True
             out = await bounded(queued, "the queued continue_", 2.0)
             assert out.finish_reason == "abort" and out.token_ids == []
-        finally:
-            release(holds)
         await until(lambda: w.trajectories["A"].draining is None, "the drain")
         assert w.trajectories["A"].turn is None and w.trajectories["A"].tokens == []
         await w.release("A")
@@ -241,10 +244,10 @@ async def test_case04_leaving_async_with_ends_a_turn_queued_behind_a_drain():
     "abort" (before: it was submitted into the stopped engine and never resolved)."""
     w = RolloutWorker(tiny_cfg())
     async with w:
-        holds = await draining_trajectory(w, "A")
-        queued = asyncio.ensure_future(w.continue_("A", [5, 6, 7], SamplingParams(max_new_tokens=4, **GREEDY)))
-        await until(lambda: w.trajectories["A"].turn is not None, "the continue_ is queued")
-        release(holds)                               # the drain completes while the worker closes
+        async with draining(w, "A") as release_hold:
+            queued = asyncio.ensure_future(w.continue_("A", [5, 6, 7], SamplingParams(max_new_tokens=4, **GREEDY)))
+            await until(lambda: w.trajectories["A"].turn is not None, "the continue_ is queued")
+            release_hold()                           # the drain completes while the worker closes
     out = await bounded(queued, "the queued continue_ after exit", 5.0)
     assert out.finish_reason == "abort"
     assert not [t for t in threading.enumerate() if t.name.startswith(("ainfer-P", "ainfer-D"))]
@@ -255,20 +258,20 @@ async def test_decide_release_during_the_drain_window_aborts_the_queued_turn():
     gets "abort"), waits for the drain and forgets the trajectory (before: TrajectoryBusyError,
     though the docstring said it aborts the turn first)."""
     async with RolloutWorker(tiny_cfg()) as w:
-        holds = await draining_trajectory(w, "A")
-        queued = asyncio.ensure_future(w.continue_("A", [5, 6, 7], SamplingParams(max_new_tokens=4, **GREEDY)))
-        await until(lambda: w.trajectories["A"].turn is not None, "the continue_ is queued")
-        releasing = asyncio.ensure_future(w.release("A"))
-        out = await bounded(queued, "the queued continue_", 2.0)
-        assert out.finish_reason == "abort"
-        await asyncio.sleep(0)
-        with pytest.raises(UnknownTrajectoryError):       # being released: no new turn
-            await w.continue_("A", [8], SamplingParams(max_new_tokens=2))
-        with pytest.raises(TrajectoryBusyError):
-            await w.generate([8, 9], SamplingParams(max_new_tokens=2), trajectory_id="A")
-        assert not releasing.done()                        # it waits for the drain
-        release(holds)
-        await bounded(releasing, "release")
+        async with draining(w, "A") as release_hold:
+            queued = asyncio.ensure_future(w.continue_("A", [5, 6, 7], SamplingParams(max_new_tokens=4, **GREEDY)))
+            await until(lambda: w.trajectories["A"].turn is not None, "the continue_ is queued")
+            releasing = asyncio.ensure_future(w.release("A"))
+            out = await bounded(queued, "the queued continue_", 2.0)
+            assert out.finish_reason == "abort"
+            await asyncio.sleep(0)
+            with pytest.raises(UnknownTrajectoryError):       # being released: no new turn
+                await w.continue_("A", [8], SamplingParams(max_new_tokens=2))
+            with pytest.raises(TrajectoryBusyError):
+                await w.generate([8, 9], SamplingParams(max_new_tokens=2), trajectory_id="A")
+            assert not releasing.done()                        # it waits for the drain
+            release_hold()
+            await bounded(releasing, "release")
         assert "A" not in w.trajectories and idle_and_clean(w)
         assert w.engine.kv.num_free_blocks == w.engine.kv.alloc.num_blocks
 
@@ -483,15 +486,15 @@ async def test_case11_sleep_aborts_a_turn_started_while_it_waits_for_a_drain():
     """sleep() waits for an aborted turn to drain; a turn started meanwhile is aborted too
     (before: it was admitted, then sleep freed its KV and it failed with EpochFailedError)."""
     async with RolloutWorker(tiny_cfg()) as w:
-        holds = await draining_trajectory(w, "A")
-        sleeping = asyncio.ensure_future(w.sleep())
-        await asyncio.sleep(0)
-        b = asyncio.ensure_future(w.generate(rand_ids(random.Random(8), 50), SamplingParams(max_new_tokens=4, **GREEDY),
-                                             trajectory_id="B"))
-        await until(lambda: "B" in w.trajectories, "B submitted")
-        release(holds)
-        await bounded(sleeping, "sleep")
-        out = await bounded(b, "B")
+        async with draining(w, "A") as release_hold:
+            sleeping = asyncio.ensure_future(w.sleep())
+            await asyncio.sleep(0)
+            b = asyncio.ensure_future(w.generate(rand_ids(random.Random(8), 50),
+                                                 SamplingParams(max_new_tokens=4, **GREEDY), trajectory_id="B"))
+            await until(lambda: "B" in w.trajectories, "B submitted")
+            release_hold()
+            await bounded(sleeping, "sleep")
+            out = await bounded(b, "B")
         assert out.finish_reason == "abort"
         assert w.engine.kv.num_free_blocks == w.engine.kv.alloc.num_blocks and idle_and_clean(w)
         await w.wake_up()
