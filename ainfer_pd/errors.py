@@ -192,3 +192,13 @@ class PeerLostError(DistributedError):
 
 class EpochFailedError(AInferPDError):
     """A P epoch failed on this rank; the turns it carried end with this error."""
+
+
+class SamplingError(AInferPDError):
+    """This request's next-token distribution was not a distribution (NaN, +inf or no finite
+    mass, e.g. non-finite logits); only this request fails, the rest of its batch goes on."""
+
+
+class WrongEventLoopError(AInferPDError, RuntimeError):
+    """The worker was used from an event loop (or thread) other than the one that entered
+    ``async with RolloutWorker(...)``; a worker belongs to one loop for its whole life."""

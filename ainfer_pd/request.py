@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -9,28 +10,41 @@ from .errors import InvalidRequestError
 
 FinishReason = Literal["stop", "length", "abort"]
 
+MIN_TEMPERATURE = 1e-5
+"""The smallest positive temperature (0 means greedy). Below it ``logits / temperature``
+overflows float32 for ordinary logits and the distribution becomes NaN (issue 13, case 5);
+vLLM treats temperatures under the same 1e-5 as greedy, here they are rejected."""
+REPETITION_PENALTY_RANGE = (1e-2, 1e2)
+"""Repetition penalties outside it overflow (tiny) or turn 0 * inf into NaN (huge)."""
+SEED_RANGE = (0, 2 ** 64)
+"""Seeds are 0 <= seed < 2**64 (what a torch.Generator takes)."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SamplingParams:
     max_new_tokens: int = 64
     temperature: float = 1.0
-    """0 = greedy."""
+    """0 = greedy; otherwise at least ``MIN_TEMPERATURE`` (1e-5)."""
     top_p: float = 1.0
     top_k: int = -1
     """-1 or 0 = off."""
     repetition_penalty: float = 1.0
+    """1 = off; within ``REPETITION_PENALTY_RANGE`` ([0.01, 100])."""
     seed: int | None = None
-    """Per-request seed: the same seed gives the same tokens whatever the batch."""
+    """Per-request seed (0 <= seed < 2**64): the same seed gives the same tokens whatever the batch."""
     stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end the turn (None = none)."""
     ignore_eos: bool = False
     logprobs: bool = True
     """Return the log-probability of each sampled token."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", _token_tuple(self.stop_token_ids))
         self.validate()
 
     def validate(self) -> None:
+        """Every field in range, so that a request that passes can be sampled without NaN
+        (:mod:`ainfer_pd.engine.sampler` still isolates a row that is not)."""
         def bad(msg: str) -> InvalidRequestError:
             return InvalidRequestError(f"invalid SamplingParams: {msg}")
 
@@ -42,21 +56,47 @@ class SamplingParams:
                 raise bad(f"{name} must be a finite number, got {v!r}")
         if self.temperature < 0:
             raise bad(f"temperature must be >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise bad(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.repetition_penalty <= 0:
-            raise bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not lo <= self.repetition_penalty <= hi:
+            raise bad(f"repetition_penalty must be in [{lo:g}, {hi:g}], got {self.repetition_penalty!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise bad(f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise bad(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None:
+            if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+                raise bad(f"seed must be an integer, got {self.seed!r}")
+            if not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+                raise bad(f"seed must be in [0, 2**64), got {self.seed}")
+        if not isinstance(self.stop_token_ids, tuple):
+            raise bad(f"stop_token_ids must be a tuple of token ids, got {self.stop_token_ids!r}")
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise bad(f"stop_token_ids must be non-negative integers, got {t!r}")
+        for name in ("ignore_eos", "logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _token_tuple(ids: object) -> object:
+    """``stop_token_ids`` as a tuple of ints: None is (), numpy / torch integers become ints;
+    anything that is not a collection of token ids is left for :meth:`SamplingParams.validate`
+    to reject (a str, a dict, a bare int)."""
+    if ids is None:
+        return ()
+    if isinstance(ids, (str, bytes, bytearray, dict)) or not hasattr(ids, "__iter__"):
+        return ids
+    try:
+        items = list(ids)
+    except TypeError:
+        return ids
+    return tuple(int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in items)
 
 
 @dataclass(slots=True)

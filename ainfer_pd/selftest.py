@@ -240,9 +240,36 @@ def setup_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, default=5, help="seeds of the selective skew scenario")
     parser.add_argument("--skew-ms", type=float, default=20.0, help="random rank skew before launches")
     parser.add_argument("--timeout-s", type=float, default=150.0, help="hard deadline of each launch")
+    parser.add_argument("--soak", action="store_true",
+                        help="instead: the long profile of the public-API property test (issue 13; "
+                             "tests/test_property_api.py --soak, needs a repository checkout and pytest)")
+    parser.add_argument("--soak-examples", type=int, default=None, help="programs per policy of --soak")
+    parser.add_argument("--soak-seed", type=int, default=None, help="seed of --soak (default: random, printed on failure)")
+
+
+def run_soak(args: argparse.Namespace) -> int:
+    """``ainfer-pd selftest --soak``: the property test's long profile, randomized (random seeds
+    unless ``--soak-seed``), every policy on one rank and fine-grained on two gloo ranks."""
+    import os
+    import subprocess
+    root = Path(__file__).resolve().parent.parent
+    test = root / "tests" / "test_property_api.py"
+    if not test.exists():
+        print(f"ainfer-pd selftest --soak needs the repository's tests ({test} is missing)", file=sys.stderr)
+        return 2
+    env = dict(os.environ)
+    if args.soak_examples is not None:
+        env["AINFER_PD_SOAK_EXAMPLES"] = str(args.soak_examples)
+    if args.soak_seed is not None:
+        env["AINFER_PD_SOAK_SEED"] = str(args.soak_seed)
+    cmd = [sys.executable, "-m", "pytest", "-q", str(test), "--soak", "-p", "no:cacheprovider", "-o", "timeout=0"]
+    print(" ".join(cmd), file=sys.stderr, flush=True)
+    return subprocess.call(cmd, cwd=root, env=env)
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "soak", False):
+        return run_soak(args)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="ainfer-pd-selftest-"))
     summary = run_selftest(out, stall_runs=args.stall_runs, seeds=args.seeds, skew_ms=args.skew_ms,
                            timeout_s=args.timeout_s, args=args,

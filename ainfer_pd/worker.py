@@ -5,12 +5,22 @@ owned by the worker; leaving the block aborts what is in flight, stops the loops
 joins the stream threads. Every public coroutine validates its input first and raises a
 typed :class:`~ainfer_pd.errors.AInferPDError` subclass without touching other
 trajectories.
+
+A worker belongs to the event loop that entered it: a call from another loop or thread
+raises :class:`~ainfer_pd.errors.WrongEventLoopError`. An exception raised by your own code
+inside ``async with`` comes out unchanged (the worker's TaskGroup never wraps it); a failure
+of the engine itself ends every turn in flight with a typed error and is raised, typed, when
+the block is left.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import numbers
+import threading
 import uuid
+from collections.abc import Mapping
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -21,10 +31,12 @@ from .engine.sampler import make_generator
 from .engine.state import Trajectory, Turn
 from .engine.weights import WeightStage
 from .errors import (AInferPDError, CapacityError, ContextLengthError, InvalidRequestError,
-                     TrajectoryBusyError, UnknownTrajectoryError, WorkerClosedError)
+                     TrajectoryBusyError, UnknownTrajectoryError, WeightUpdateError, WorkerClosedError,
+                     WrongEventLoopError)
 from .metrics.recorder import Recorder
 from .request import SamplingParams, TurnOutput
 
+log = logging.getLogger("ainfer_pd.worker")
 _request_ids = itertools.count(1)
 
 
@@ -46,6 +58,8 @@ class RolloutWorker:
         self.trajectories: dict[str, Trajectory] = {}
         self._tg: asyncio.TaskGroup | None = None
         self._engine_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: int | None = None
         self._closed = False
         self._failure: BaseException | None = None
         self._sleeping = False
@@ -59,58 +73,86 @@ class RolloutWorker:
 
     # ================================================================== lifecycle
     async def __aenter__(self) -> "RolloutWorker":
+        if self._loop is not None:
+            raise WorkerClosedError("a RolloutWorker can be entered once (create a new one)")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.get_ident()
         self._tg = asyncio.TaskGroup()
         await self._tg.__aenter__()
         self._engine_task = self._tg.create_task(self._run_engine(), name="ainfer-engine")
         return self
 
     async def _run_engine(self) -> None:
+        """The engine's loops. NOTE: an engine failure is recorded and every waiter gets a typed
+        error; it is not re-raised into the TaskGroup, which would cancel the user's task and
+        wrap what comes out of ``async with`` in an ExceptionGroup. ``__aexit__`` raises it."""
         try:
             await self.engine.run()
         except asyncio.CancelledError:
             raise
-        except BaseException as exc:          # the engine failed: every waiter gets a typed error
+        except Exception as exc:
             self._failure = exc
-            err = exc if isinstance(exc, AInferPDError) else WorkerClosedError(f"engine failed: {exc!r}")
-            self.engine.fail_all(err)
-            raise
+            log.error("rank %d: the engine failed: %r", self.rank, exc)
+            self.engine.fail_all(self._failure_error())
 
-    async def __aexit__(self, et, exc, tb) -> bool | None:
+    def _failure_error(self) -> AInferPDError:
+        exc = self._failure
+        if isinstance(exc, AInferPDError):
+            return exc
+        return WorkerClosedError(f"engine failed: {exc!r}")
+
+    async def __aexit__(self, et, exc, tb) -> None:
+        """Abort what is in flight, stop the loops, join the stream threads. The user's own
+        exception (``et``) propagates unchanged; without one, an engine failure or a peer that
+        did not close is raised here, typed."""
+        self._check_loop("leave the worker")
         self._closed = True
         for traj in self.trajectories.values():
             if traj.turn is not None:
                 self.engine.abort(traj.turn)
         close_error: BaseException | None = None
-        if (self._engine_task is not None and not self._engine_task.done() and et is None
-                and hasattr(self.engine, "closing")):
-            # lockstep ranks leave together: keep stepping until every rank is closing and idle
-            self.engine.closing = True
-            try:
-                async with asyncio.timeout(self.cfg.parallel.rendezvous_timeout_s * 2):
-                    await asyncio.shield(self._engine_task)
-            except TimeoutError:
-                close_error = WorkerClosedError("peers did not close within 2x the rendezvous timeout")
-            except BaseException as e:                    # a peer failed while we were closing
-                close_error = _first_typed(e) or e
-        if self._engine_task is not None and not self._engine_task.done():
-            self._engine_task.cancel()
         try:
+            if (self._engine_task is not None and not self._engine_task.done() and et is None
+                    and hasattr(self.engine, "closing")):
+                # lockstep ranks leave together: keep stepping until every rank is closing and idle
+                self.engine.closing = True
+                try:
+                    async with asyncio.timeout(self.cfg.parallel.rendezvous_timeout_s * 2):
+                        await asyncio.shield(self._engine_task)
+                except TimeoutError:
+                    close_error = WorkerClosedError("peers did not close within 2x the rendezvous timeout")
+            if self._engine_task is not None and not self._engine_task.done():
+                self._engine_task.cancel()
             assert self._tg is not None
             try:
-                suppressed = await self._tg.__aexit__(et, exc, tb)
-            except BaseExceptionGroup as eg:
-                typed = _first_typed(eg)           # surface the engine's own typed error, not a group
-                if typed is not None and et is None:
-                    raise typed from eg
-                raise
-            if close_error is not None and et is None:
-                raise close_error
-            return suppressed
+                # NOTE: the TaskGroup owns the worker's tasks only: the user's exception is not
+                # passed in (it would come out wrapped in an ExceptionGroup).
+                await self._tg.__aexit__(None, None, None)
+            except BaseExceptionGroup as eg:      # a BaseException (KeyboardInterrupt...) in the engine
+                if et is None:
+                    raise (_first_typed(eg) or WorkerClosedError(f"engine failed: {eg!r}")) from eg
+                log.error("rank %d: the engine failed while leaving on %s: %r", self.rank, et.__name__, eg)
         finally:
+            if self._engine_task is not None and not self._engine_task.done():
+                self._engine_task.cancel()                    # we were cancelled while closing
             await asyncio.to_thread(self.engine.shutdown)     # joins stream threads off the loop
+            self.engine.close()                               # no caller or drain waiter left behind
+            try:
+                await self.engine.aclose()                    # the control rendezvous of a lockstep rank
+            except Exception as e:                            # noqa: BLE001 - closing must not mask the exit
+                log.warning("rank %d: closing the control rendezvous failed: %r", self.rank, e)
             if self.cfg.trace_dir:
                 self._dump_timeline(failed=et is not None or close_error is not None or self._failure is not None)
             self.recorder.close()
+        if et is not None:
+            if self._failure is not None:
+                log.error("rank %d: leaving on %s; the engine had failed: %r", self.rank, et.__name__, self._failure)
+            return None
+        if self._failure is not None:
+            raise self._failure_error() from self._failure
+        if close_error is not None:
+            raise close_error
+        return None
 
     def _dump_timeline(self, *, failed: bool) -> None:
         """Work intervals of this rank next to its control trace (``ainfer-pd timeline RUN_DIR``
@@ -123,23 +165,51 @@ class RolloutWorker:
         path.write_text(json.dumps(data))
 
     def _check_open(self) -> None:
+        """Every public coroutine starts here: open, not failed, and on the worker's own loop."""
         if self._tg is None or self._closed:
             raise WorkerClosedError("worker is not running (use `async with RolloutWorker(cfg)`)")
+        self._check_loop()
         if self._failure is not None:
             raise WorkerClosedError(f"worker failed: {self._failure!r}")
 
-    # ================================================================== validation
-    def _check_tokens(self, ids: Sequence[int], what: str) -> list[int]:
-        if isinstance(ids, torch.Tensor):
-            ids = ids.tolist()
+    def _check_loop(self, what: str = "use the worker") -> None:
+        """The running loop must be the one that entered the worker (issue 13, case 9: a call
+        from another thread's loop, or from a later ``asyncio.run()``, used to hang)."""
+        if self._loop is None:
+            return
         try:
-            ids = list(ids)
-        except TypeError:
-            raise InvalidRequestError(f"{what} must be a sequence of token ids") from None
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not self._loop:
+            raise WrongEventLoopError(
+                f"cannot {what} from {'this event loop' if running is not None else 'outside an event loop'}: "
+                f"the worker belongs to the event loop that entered it (thread {self._thread}); "
+                "submit calls there, e.g. with asyncio.run_coroutine_threadsafe")
+
+    def _check_thread(self) -> None:
+        """Synchronous methods read the engine's state: while the worker runs, only from its thread."""
+        if self._loop is None or self._closed:
+            return
+        if threading.get_ident() != self._thread:
+            raise WrongEventLoopError("the worker's state belongs to the thread of the event loop that "
+                                      f"entered it (thread {self._thread}); call it there")
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if running is not self._loop:
+            raise WrongEventLoopError("the worker belongs to another event loop of this thread")
+
+    # ================================================================== validation
+    def _check_tokens(self, ids: Any, what: str) -> list[int]:
+        """Token ids as a list of ints. Accepted: a list, tuple or range of integers (Python or
+        numpy integers), a 1-D integer torch tensor, a 1-D integer numpy array. Rejected
+        (InvalidRequestError): str, bytes, dict / mappings, sets, iterators and generators,
+        bools, floats, tensors / arrays that are not 1-D integer ones, ids outside the vocabulary."""
+        ids = _token_list(ids, what)
         V = self.cfg.model.vocab_size
         for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise InvalidRequestError(f"{what} contains a non-integer token {t!r}")
             if not 0 <= t < V:
                 raise InvalidRequestError(f"{what} contains token id {t} outside the vocabulary [0, {V})")
         return ids
@@ -149,7 +219,12 @@ class RolloutWorker:
             return SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling params must be a SamplingParams")
-        params.validate()      # frozen, but a caller may have bypassed __post_init__
+        try:
+            params.validate()      # frozen, but a caller may have bypassed __post_init__
+        except AInferPDError:
+            raise
+        except Exception as exc:   # a field of a type validate() cannot even compare
+            raise InvalidRequestError(f"invalid SamplingParams: {exc!r}") from None
         for t in params.stop_token_ids:
             if t >= self.cfg.model.vocab_size:
                 raise InvalidRequestError(f"stop token {t} outside the vocabulary")
@@ -159,7 +234,8 @@ class RolloutWorker:
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
                        trajectory_id: str | None = None) -> TurnOutput:
         """Generate one turn. With ``trajectory_id`` naming a retained trajectory whose
-        tokens are a prefix of ``prompt_ids``, that prefix's KV is reused."""
+        tokens are a prefix of ``prompt_ids``, that prefix's KV is reused (a prompt that does
+        not extend them replaces the trajectory's context). Token ids: see :meth:`_check_tokens`."""
         self._check_open()
         ids = self._check_tokens(prompt_ids, "prompt_ids")
         if not ids:
@@ -170,6 +246,8 @@ class RolloutWorker:
         if not isinstance(trajectory_id, str) or not trajectory_id:
             raise InvalidRequestError("trajectory_id must be a non-empty string")
         traj = self.trajectories.get(trajectory_id)
+        if traj is not None and traj.releasing:
+            raise TrajectoryBusyError(f"trajectory {trajectory_id!r} is being released")
         if traj is None:
             traj = Trajectory(trajectory_id)
         return await self._run_turn(traj, ids, params, new=trajectory_id not in self.trajectories)
@@ -189,6 +267,8 @@ class RolloutWorker:
         return await self._run_turn(traj, traj.tokens + obs, params, new=False)
 
     async def _run_turn(self, traj: Trajectory, context: list[int], params: SamplingParams, *, new: bool) -> TurnOutput:
+        # NOTE: every check first; nothing is registered or changed before they all passed, and
+        # nothing awaits between the checks and the submission (no window for abort / exit).
         if traj.turn is not None:
             raise TrajectoryBusyError(f"trajectory {traj.tid!r} already has a turn in flight")
         limit = self.cfg.model.max_context_len
@@ -200,14 +280,12 @@ class RolloutWorker:
         if need > kvm.alloc.num_blocks:
             raise CapacityError(f"a turn of {len(context) + params.max_new_tokens} tokens needs {need} KV blocks; "
                                 f"the cache has {kvm.alloc.num_blocks}")
+        try:
+            generator = make_generator(params, fallback_seed=hash((traj.tid, traj.num_turns)) & 0x7FFFFFFF)
+        except (ValueError, RuntimeError, OverflowError) as exc:     # validate() keeps seeds in range
+            raise InvalidRequestError(f"invalid SamplingParams: seed {params.seed!r}: {exc}") from None
         if new:
             self.trajectories[traj.tid] = traj
-        if traj.draining is not None:          # an aborted turn's device work must drain before its KV is reused
-            traj.turn = traj.draining
-            try:
-                await traj.draining.drained.wait()
-            finally:
-                traj.turn = None
         kv = kvm.trajectories.get(traj.tid)
         valid = kv.num_tokens if kv is not None else 0
         m = _common_prefix(traj.tokens[:valid], context)
@@ -216,9 +294,11 @@ class RolloutWorker:
         rid = f"req-{next(_request_ids)}"
         turn = Turn(request_id=rid, traj=traj, params=params, context=context, prev_tokens=list(traj.tokens),
                     num_cached=num_cached, prefilled=num_cached, future=loop.create_future(), t_submit=self.recorder.now(),
-                    generator=make_generator(params, fallback_seed=hash((traj.tid, traj.num_turns)) & 0x7FFFFFFF))
+                    generator=generator)
         traj.turn = turn
         traj.num_turns += 1
+        # NOTE: a trajectory whose aborted turn still drains gets this turn queued behind the
+        # drain inside the engine (Engine._behind_drain): it is the trajectory's turn from now on.
         self.engine.submit(turn)
         try:
             return await asyncio.shield(turn.future)
@@ -227,21 +307,27 @@ class RolloutWorker:
             self.engine.abort(turn)
             raise
 
-    def _get(self, trajectory_id: str) -> Trajectory:
+    def _get(self, trajectory_id: str, *, releasing_ok: bool = False) -> Trajectory:
         traj = self.trajectories.get(trajectory_id) if isinstance(trajectory_id, str) else None
-        if traj is None:
-            raise UnknownTrajectoryError(f"unknown or released trajectory {trajectory_id!r}")
+        if traj is None or (traj.releasing and not releasing_ok):
+            state = "being released" if traj is not None else "unknown or released"
+            raise UnknownTrajectoryError(f"{state} trajectory {trajectory_id!r}")
         return traj
 
     async def abort(self, trajectory_id: str) -> bool:
-        """Abort the trajectory's turn in flight (its caller gets finish_reason "abort")."""
-        traj = self._get(trajectory_id)
+        """Abort the trajectory's turn in flight, a turn still queued behind the drain of an
+        earlier aborted one included (its caller gets finish_reason "abort"). Returns whether
+        there was one."""
+        self._check_open()
+        traj = self._get(trajectory_id, releasing_ok=True)
         if traj.turn is None:
             return False
         self.engine.abort(traj.turn)
         return True
 
     async def abort_all(self) -> int:
+        """Abort every turn in flight (queued ones included); returns how many."""
+        self._check_open()
         n = 0
         for traj in list(self.trajectories.values()):
             if traj.turn is not None:
@@ -250,23 +336,32 @@ class RolloutWorker:
         return n
 
     async def release(self, trajectory_id: str) -> None:
-        """Forget the trajectory and free its KV (aborting a turn in flight first; its
-        blocks are freed only after submitted device work on them has drained)."""
+        """Forget the trajectory and free its KV, aborting its turn in flight first (a turn
+        queued behind the drain of an earlier aborted one included: its caller gets "abort");
+        the blocks are freed only after submitted device work on them has drained. While it
+        runs, the trajectory takes no new turn, and a second ``release`` of it raises
+        UnknownTrajectoryError (as after it)."""
+        self._check_open()
         traj = self._get(trajectory_id)
-        turn = traj.turn
-        if turn is not None:
-            self.engine.abort(turn)
-        if traj.draining is not None:
-            await traj.draining.drained.wait()
-        if traj.turn is not None:
-            raise TrajectoryBusyError(f"trajectory {trajectory_id!r} got a new turn while being released")
+        traj.releasing = True
+        try:
+            while True:
+                if traj.turn is not None:
+                    self.engine.abort(traj.turn)
+                if traj.draining is None:
+                    break
+                await traj.draining.drained.wait()
+        except BaseException:
+            traj.releasing = False     # cancelled while waiting: the trajectory stays as it was
+            raise
         del self.trajectories[trajectory_id]
         self.engine.kv.release(trajectory_id)
 
     def find_prefix_trajectory(self, prompt_ids: Sequence[int], *, min_tokens: int | None = None) -> tuple[str, int] | None:
         """The idle retained trajectory sharing the longest KV-valid prefix with
         ``prompt_ids`` (for trainers that resend the whole context each turn)."""
-        ids = list(prompt_ids)
+        self._check_thread()
+        ids = _token_list(prompt_ids, "prompt_ids")
         best: tuple[str, int] | None = None
         floor = self.cfg.cache.block_size if min_tokens is None else min_tokens
         for tid, traj in self.trajectories.items():
@@ -279,28 +374,37 @@ class RolloutWorker:
                 best = (tid, m)
         return best
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], *,
                              partial: bool = False) -> int:
-        """In-place copy of (name, tensor) pairs; all-or-nothing (names, shapes, dtypes and
-        finiteness are checked, and the sync must be complete, before anything is written).
-        Names: the checkpoint's safetensors names, the installed transformers' ``named_parameters()``
-        names and layouts (packed ``mlp.experts.gate_up_proj`` ...), or this engine's own names, in
-        any order; ``named_tensors`` may be a generator over several buckets. ``partial=True``
-        updates a subset. With expert parallelism this rank keeps only its own experts' tensors
-        (the others are shape-checked, never read). Any floating dtype and any device
-        is accepted and converted to the parameter's (e.g. a trainer's float32 master weights
-        into a bf16 worker). The parameters keep their storage, so captured CUDA graphs replay
-        with the new values. Returns the number of tensors written (this rank); what the sync
-        did is in ``last_weight_sync``.
+        """In-place copy of (name, tensor) pairs (or a ``{name: tensor}`` mapping such as a
+        ``state_dict()``); all-or-nothing (names, shapes, dtypes and finiteness are checked, and
+        the sync must be complete, before anything is written; anything malformed raises
+        WeightUpdateError). Names: the checkpoint's safetensors names, the installed transformers'
+        ``named_parameters()`` names and layouts (packed ``mlp.experts.gate_up_proj`` ...), or this
+        engine's own names, in any order; ``named_tensors`` may be a generator over several buckets.
+        ``partial=True`` updates a subset. With expert parallelism this rank keeps only its own
+        experts' tensors (the others are shape-checked, never read). Any floating dtype and any
+        device is accepted and converted to the parameter's (e.g. a trainer's float32 master
+        weights into a bf16 worker); meta and sparse tensors are refused. The parameters keep their
+        storage, so captured CUDA graphs replay with the new values. Returns the number of tensors
+        written (this rank); what the sync did is in ``last_weight_sync``.
+
+        Retained KV does not survive a weight change (it was computed with the old weights):
+        the idle trajectories' KV is dropped once the copy is done and their next turn
+        recomputes its context; a turn in flight reads the new weights from its next stream
+        item on (a mix of both: the verl server drains requests first for a clean cut) and
+        keeps no KV when it ends.
 
         Never blocks the event loop: every stream of the device is parked at a FIFO point
         (:meth:`Stream.hold`: work submitted later waits there), work launched before it is
         awaited (CUDA: a device synchronize, in the copy thread), then the checks and copies
-        run in a thread. Trajectories in flight keep their place and read the new weights from
-        their next stream item on (the verl server drains requests first for a clean cut). One
-        update at a time. Cancelled, it lets a copy already started finish (or reject) before
-        the streams move again - never half-written weights - and re-raises."""
+        run in a thread. One update at a time. Cancelled, it lets a copy already started
+        finish (or reject) before the streams move again - never half-written weights - and
+        re-raises."""
         self._check_open()
+        if isinstance(named_tensors, (str, bytes, torch.Tensor)) or not hasattr(named_tensors, "__iter__"):
+            raise WeightUpdateError("update_weights takes (name, tensor) pairs or a mapping, "
+                                    f"got {type(named_tensors).__name__}")
         loop = asyncio.get_running_loop()
         async with self._weights_lock:
             holds = [s.hold("weights") for s in list(self.engine.device.streams.values())]
@@ -319,41 +423,68 @@ class RolloutWorker:
             finally:
                 for h in holds:
                     h.release()
+                if copy is not None and copy.done() and not copy.cancelled() and copy.exception() is None:
+                    self.engine.kv.invalidate()      # written (even if cancelled meanwhile): old KV is stale
 
-    def _apply_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> int:
-        """The copy thread of :meth:`update_weights` (every stream is parked): stage and check
-        the whole sync, then copy."""
+    def _apply_weights(self, named_tensors: Any, partial: bool = False) -> int:
+        """The copy thread of :meth:`update_weights` (every stream is parked). A lazy iterable
+        (verl's generator) is consumed here, off the loop: the whole sync is staged and checked
+        before anything is copied."""
         dev = self.engine.device
-        stage = WeightStage(self.model, partial=partial).add_all(named_tensors)
+        try:
+            stage = WeightStage(self.model, partial=partial).add_all(named_tensors)
+        except AInferPDError:
+            raise
+        except Exception as exc:       # a malformed input no check names: nothing was written
+            raise WeightUpdateError(f"weight update rejected: {exc!r}") from exc
         if dev.kind == "cuda":
             # launched kernels (graph replays, unawaited P segments) may still read the weights
             # on the P/D streams, which do not order with the stream the copies run on
             torch.cuda.synchronize(dev.torch_device)
-        n = stage.apply()
+        try:
+            n = stage.apply()
+        except AInferPDError:
+            raise
+        except Exception as exc:       # a copy failing after every check passed: report it typed
+            raise WeightUpdateError(f"weight update failed while copying: {exc!r}") from exc
         self.last_weight_sync = stage.report
         if dev.kind == "cuda":
             torch.cuda.synchronize(dev.torch_device)
         return n
 
     async def sleep(self) -> None:
-        """Abort everything in flight and drop all retained KV (trainer takes the GPU)."""
-        await self.abort_all()
-        for tid in list(self.trajectories):
-            traj = self.trajectories[tid]
-            if traj.draining is not None:
-                await traj.draining.drained.wait()
-            self.engine.kv.release(tid)
-            self.engine.kv.trajectories.pop(tid, None)
+        """Abort everything in flight and drop all retained KV (trainer takes the GPU).
+        Turns started while it waits for aborted device work to drain are aborted too; the KV
+        is dropped in one step once nothing is in flight or draining (issue 13, case 11: a turn
+        admitted during the wait used to lose its KV). Trajectories stay registered with their
+        tokens: their next turn recomputes. Calls after it work (the pool is never freed)."""
+        self._check_open()
+        while True:
+            await self.abort_all()
+            draining = [t.draining for t in self.trajectories.values() if t.draining is not None]
+            if not draining:
+                break
+            for d in draining:
+                await d.drained.wait()
+        # NOTE: no await from here on: nothing can be admitted between the check and the drop.
+        kvm = self.engine.kv
+        for tid, kv in list(kvm.trajectories.items()):
+            if not kv.pinned:
+                kvm.release(tid)
         self._sleeping = True
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """Back from ``sleep``: weights and the KV pool were never freed on this engine, so
         nothing is reloaded (``tags`` as verl passes them: "weights", "kv_cache")."""
+        self._check_open()
+        if tags is not None and (isinstance(tags, (str, bytes)) or not all(isinstance(t, str) for t in tags)):
+            raise InvalidRequestError(f"wake_up tags must be a list of strings, got {tags!r}")
         self._sleeping = False
 
     async def release_kv_cache(self) -> int:
         """Drop the retained KV of every idle trajectory (they keep their tokens and recompute
         on their next turn: correct either way). Returns the number of blocks freed."""
+        self._check_open()
         kvm = self.engine.kv
         freed = 0
         for tid, traj in self.trajectories.items():
@@ -365,14 +496,17 @@ class RolloutWorker:
 
     async def resume_kv_cache(self) -> None:
         """The KV pool stays allocated: the next turns simply fill it again."""
+        self._check_open()
 
     def metrics(self) -> dict[str, Any]:
+        self._check_thread()
         m = self.engine.metrics()
         m["trajectories"] = len(self.trajectories)
         return m
 
     def audit(self, *, strict: bool = False):
         """The phase-ownership audit of this rank (multi-rank engines with expert parallelism)."""
+        self._check_thread()
         fn = getattr(self.engine, "audit", None)
         if fn is None:
             from .errors import OwnershipAuditError
@@ -385,11 +519,34 @@ class RolloutWorker:
         return prometheus_text(self.metrics(), rank=self.rank)
 
     def timeline(self) -> list[tuple]:
+        self._check_thread()
         return list(self.recorder.intervals)
 
     def kv_leak_free(self) -> bool:
         """Block accounting is consistent (and nothing is pinned when idle)."""
+        self._check_thread()
         return self.engine.kv.check_no_leak()
+
+
+def _token_list(ids: Any, what: str) -> list[int]:
+    """See :meth:`RolloutWorker._check_tokens` (the vocabulary check is the caller's)."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() != 1 or ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+            raise InvalidRequestError(f"{what} must be a 1-D integer tensor, got {ids.dim()}-D {ids.dtype}")
+        return [int(t) for t in ids.tolist()]
+    if type(ids).__module__ == "numpy" and hasattr(ids, "dtype") and hasattr(ids, "ndim"):
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise InvalidRequestError(f"{what} must be a 1-D integer array, got {ids.ndim}-D {ids.dtype}")
+        return [int(t) for t in ids.tolist()]
+    if isinstance(ids, (str, bytes, bytearray, memoryview, Mapping)) or not isinstance(ids, Sequence):
+        raise InvalidRequestError(f"{what} must be a sequence of token ids (list, tuple, 1-D integer "
+                                  f"tensor or array), got {type(ids).__name__}")
+    out = []
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or type(t).__module__ == "torch":
+            raise InvalidRequestError(f"{what} contains a non-integer token {t!r}")
+        out.append(int(t))
+    return out
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -66,3 +66,8 @@ def hf_worker_cfg(path, policy: str = "normal", **sections) -> WorkerConfig:
     for k, v in sections.items():
         over.setdefault(k, {}).update(v)
     return WorkerConfig.from_pretrained(path, over)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--soak", action="store_true", default=False,
+                     help="run the long profiles of the property tests (tests/test_property_api.py)")

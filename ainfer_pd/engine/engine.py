@@ -21,13 +21,13 @@ from typing import Any, Callable
 import torch
 
 from ..config import WorkerConfig
-from ..errors import AInferPDError, EpochFailedError
+from ..errors import AInferPDError, EpochFailedError, SamplingError
 from ..faults import Faults, FaultyRendezvous
 from ..metrics.export import set_log_context
 from ..metrics.recorder import Recorder
 from ..phase import Phase, PhaseContext
 from ..request import TurnOutput
-from ..sched.planner import PendingPrefill, plan_decode, plan_prefill
+from ..sched.planner import PendingPrefill, fits, plan_decode, plan_prefill
 from ..sched.span import Activation, SpanInputs, make_span_policy
 from ..turnstile.rendezvous import LocalRendezvous
 from ..turnstile.turnstile import Turnstile
@@ -117,7 +117,8 @@ class Engine:
 
     def abort(self, turn: Turn, reason: str = "abort") -> None:
         """Abort a turn: its caller gets finish_reason "abort" now; its KV is cleaned up
-        once no submitted device work touches it (a cancel waits for P work to drain)."""
+        once no submitted device work touches it (a cancel waits for P work to drain).
+        Until then the trajectory is *draining*: its next turn is queued but not admitted."""
         if turn.state in (TurnState.DONE, TurnState.ABORTED) or turn.abort_requested:
             return
         turn.abort_requested = True
@@ -125,10 +126,12 @@ class Engine:
         if turn.traj.turn is turn:             # the trajectory is free for its next turn at once
             turn.traj.turn = None
             turn.traj.tokens = turn.prev_tokens
-            turn.traj.draining = turn
         if turn.in_flight == 0:
             self._cleanup_aborted(turn)
         else:
+            # NOTE: only a turn with device work pending drains; a queued turn never submitted
+            # any, and must not hide the drain of the turn it waits for.
+            turn.traj.draining = turn
             self._pending_cleanup.append(turn)
         self._notify()
 
@@ -140,10 +143,8 @@ class Engine:
         turn.state = TurnState.ABORTED
         if turn.lifetime:
             self.kv.abort_turn(turn.tid, turn.lifetime, turn.num_cached, self.rec.now())
-        else:
-            kv = self.kv.trajectories.get(turn.tid)
-            if kv is not None:
-                kv.pinned = False
+        # NOTE: a turn never admitted holds no reservation and pins nothing (a pin on its
+        # trajectory's KV belongs to another lifetime: an earlier turn still draining).
         if turn.traj.turn is turn:
             turn.traj.turn = None
             turn.traj.tokens = turn.prev_tokens
@@ -190,15 +191,22 @@ class Engine:
     def _pending_view(self) -> list[PendingPrefill]:
         out = []
         for t in self.waiting:
-            if t.abort_requested:
+            if t.abort_requested or self._behind_drain(t):
                 continue
-            need = 0 if t.lifetime else self.kv.blocks_needed(t.tid, len(t.context) + t.params.max_new_tokens,
-                                                               self._valid_prefix(t))
+            need = 0 if t.lifetime else self.kv.admission_demand(t.tid, len(t.context) + t.params.max_new_tokens)
             out.append(PendingPrefill(t.request_id, t.remaining_prompt, bool(t.lifetime), need))
         return out
 
+    @staticmethod
+    def _behind_drain(t: Turn) -> bool:
+        """``t`` waits for its trajectory's aborted turn to drain (device work still touches
+        the KV it would reuse): queued, not admissible yet; abort / release / sleep / exit end
+        it like any waiting turn (issue 13, cases 3 and 4)."""
+        d = t.traj.draining
+        return d is not None and d is not t
+
     def _available_blocks(self) -> int:
-        return self.kv.num_free_blocks + self.kv.evictable_blocks()
+        return self.kv.pool_blocks()
 
     def _valid_prefix(self, t: Turn) -> int:
         """Prompt tokens of ``t`` whose KV is still retained (an idle prefix may have been evicted)."""
@@ -206,8 +214,10 @@ class Engine:
         return min(t.num_cached, kv.num_tokens if kv is not None else 0)
 
     def _admit(self, chunks, admitted) -> list[tuple[Turn, int, int]]:
-        """Reserve KV for newly admitted turns (FIFO); a turn that no longer fits (an earlier
-        admission evicted the prefix it counted on) stops admission. Returns the runnable chunks."""
+        """Reserve KV for newly admitted turns (FIFO), re-checking each with the same rule the
+        planner used (:func:`~ainfer_pd.sched.planner.fits`) on the live cache; the prefix a
+        turn keeps is re-read (an earlier admission may have evicted it: its demand does not
+        change). Returns the runnable chunks."""
         by_id = {t.request_id: t for t in self.waiting}
         now = self.rec.now()
         blocked = False
@@ -215,8 +225,8 @@ class Engine:
             t = by_id[rid]
             keep = self._valid_prefix(t)
             total = len(t.context) + t.params.max_new_tokens
-            if blocked or not self.kv.can_reserve(t.tid, total, keep):
-                blocked = True
+            if blocked or not fits(self.kv.admission_demand(t.tid, total), self.kv.pool_blocks()):
+                blocked = True            # FIFO: nothing behind it either (cannot happen: same rule as the plan)
                 continue
             t.num_cached = t.prefilled = keep
             t.lifetime = self.kv.reserve(t.tid, total, keep, now)
@@ -241,7 +251,9 @@ class Engine:
                                             self._available_blocks())
             work = self._admit(chunks, admitted)
             if not work:
-                await asyncio.sleep(0.002)       # KV is short until a running turn ends
+                # NOTE: unreachable while the plan and the admission share `fits`; should it happen,
+                # wait for the next change (a turn ending frees KV) instead of polling.
+                await self._changed.wait()
                 continue
             self._epoch += 1
             has_d = bool(self.decoding)
@@ -379,8 +391,11 @@ class Engine:
                 and self.kv.is_current(t.tid, t.lifetime)]
         if keep:
             turns = [plan.logit_turns[i] for i in keep]
-            toks, lps = sample(logits[keep], [self._sample_row(t) for t in turns])
-            for t, tok, lp in zip(turns, toks, lps):
+            toks, lps, bad = sample(logits[keep], [self._sample_row(t) for t in turns])
+            self._fail_unsampled(turns, bad)
+            for i, (t, tok, lp) in enumerate(zip(turns, toks, lps)):
+                if i in bad:
+                    continue
                 self.waiting.remove(t)
                 t.t_first = now
                 self.rec.sample("ttft_s", now - t.t_submit)
@@ -389,22 +404,37 @@ class Engine:
         self._notify()
 
     # ------------------------------------------------------------------ D
+    def _has_live_rows(self) -> bool:
+        return any(not t.abort_requested for t in self.decoding)
+
     def _d_may_run(self) -> bool:
-        if not any(not t.abort_requested for t in self.decoding):
+        if not self._has_live_rows():
             return False
         if self.policy == "normal":
             return not (self._p_running or self._p_admissible())
         return not self._p_exclusive
 
+    async def _await_decode_rows(self) -> None:
+        """Wait for live decode rows. While D has none, it owes a gated P epoch no round: the
+        turnstile opens that epoch's gate (issue 13, case 2: the last row finished, was aborted,
+        cancelled, released or slept away mid-epoch; before, P waited for a permit no D round
+        would grant). New rows appear only when an epoch ends, so the gate stays open to its end."""
+        while not self._has_live_rows():
+            if self.turnstile.gated_epoch_active:
+                self.turnstile.open_gate()
+            await self._changed.wait()
+
     async def _decode_loop(self) -> None:
         """Foreground D loop. Consumes decoding turns, one iteration at a time.
         Waits for: decode rows; under ``normal`` no pending P; under the turnstile
         policies P's next boundary (rendezvous 1) and the enqueue ACK (rendezvous 2).
-        Unblocked by: promotions, P epochs ending, boundaries published."""
+        Unblocked by: promotions, P epochs ending, boundaries published, aborts."""
         while True:
-            await self._wait_for(lambda: any(not t.abort_requested for t in self.decoding))
+            await self._await_decode_rows()
             t_ready = self.rec.now()
-            await self._wait_for(self._d_may_run)
+            await self._wait_for(lambda: self._d_may_run() or not self._has_live_rows())
+            if not self._has_live_rows():
+                continue
             rnd = await self.turnstile.before_decode()
             rows = [t for t in plan_decode(self.decoding, self.cfg.scheduler.max_decode_batch) if not t.abort_requested]
             if not rows:
@@ -412,8 +442,6 @@ class Engine:
                     await self.turnstile.after_decode(rnd)
                 continue
             await self._decode_once(rows, rnd, t_ready)
-            if not any(not t.abort_requested for t in self.decoding):
-                self.turnstile.open_gate()
             self._notify()
 
     async def _decode_once(self, rows: list[Turn], rnd, t_ready: float) -> None:
@@ -459,9 +487,20 @@ class Engine:
         turns = [plan.logit_turns[i] for i in live]
         for t in turns:
             self.kv.mark_written(t.tid, t.lifetime, t.seq_len)
-        toks, lps = sample(logits[live], [self._sample_row(t) for t in turns])
-        for t, tok, lp in zip(turns, toks, lps):
-            self._append_token(t, tok, lp)
+        toks, lps, bad = sample(logits[live], [self._sample_row(t) for t in turns])
+        self._fail_unsampled(turns, bad)
+        for i, (t, tok, lp) in enumerate(zip(turns, toks, lps)):
+            if i not in bad:
+                self._append_token(t, tok, lp)
+
+    def _fail_unsampled(self, turns: list[Turn], bad: dict[int, str]) -> None:
+        """Rows the sampler could not sample end alone with SamplingError (their device work
+        has completed); the rest of the batch goes on."""
+        for i, why in bad.items():
+            t = turns[i]
+            log.warning("request %s failed in sampling: %s", t.request_id, why)
+            self._fail_turns([t], SamplingError(f"request {t.request_id} ({t.tid!r}): {why} "
+                                                f"(sampling params {t.params})"))
 
     # ================================================================== tokens and finishing
     def _sample_row(self, t: Turn) -> SampleRow:
@@ -521,6 +560,21 @@ class Engine:
             self._cleanup_aborted(t)
             self.num_aborted -= 1            # counted as failed, not aborted
         self._notify()
+
+    async def aclose(self) -> None:
+        """After the loops stopped: release what the engine owns beyond its threads (the
+        lockstep engine's control rendezvous); nothing at world size 1."""
+
+    def close(self) -> None:
+        """After the loops stopped and the streams were joined (no device work in flight):
+        every turn still known ends with "abort" and every pending cleanup runs, so no caller,
+        drain waiter or KV pin is left behind."""
+        for t in self._pending_cleanup:
+            t.in_flight = 0
+        self._drain_cleanups()
+        for t in list(self.waiting) + list(self.decoding):
+            t.in_flight = 0
+            self.abort(t, "shutdown")
 
     def fail_all(self, exc: BaseException) -> None:
         """The engine stopped: every turn in flight ends with ``exc`` (typed)."""

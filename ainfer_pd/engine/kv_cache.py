@@ -68,6 +68,7 @@ class TrajectoryKV:
     lifetime: int = 0            # lifetime of the current reservation (0 = none)
     last_used: float = 0.0
     pinned: bool = False         # a turn is in flight: never evicted
+    stale: bool = False          # computed (partly) with old weights: dropped when the turn ends
 
 
 class KVCacheManager:
@@ -87,14 +88,20 @@ class KVCacheManager:
     def evictable_blocks(self, exclude: str | None = None) -> int:
         return sum(len(t.blocks) for tid, t in self.trajectories.items() if not t.pinned and tid != exclude)
 
-    def blocks_needed(self, tid: str, total_tokens: int, keep_tokens: int) -> int:
-        have = len(self.trajectories[tid].blocks) if tid in self.trajectories else 0
-        have = min(have, self.alloc.blocks_for(keep_tokens))
-        return max(0, self.alloc.blocks_for(total_tokens) - have)
+    def pool_blocks(self) -> int:
+        """Blocks an admission can draw on: the free ones plus every idle (unpinned)
+        trajectory's, the admitted trajectory's own included."""
+        return self.alloc.num_free + self.evictable_blocks()
 
-    def can_reserve(self, tid: str, total_tokens: int, keep_tokens: int) -> bool:
-        need = self.blocks_needed(tid, total_tokens, keep_tokens)
-        return need <= self.alloc.num_free + self.evictable_blocks(exclude=tid)
+    def admission_demand(self, tid: str, total_tokens: int) -> int:
+        """Blocks that :meth:`reserve` of ``total_tokens`` for ``tid`` takes out of
+        :meth:`pool_blocks`: every block of the turn, less the trajectory's own blocks that are
+        outside the pool (pinned). It does not depend on how much of the trajectory's retained
+        prefix is kept: kept blocks are in the pool and stay in use, the rest is truncated into
+        the free list and drawn again. :func:`ainfer_pd.sched.planner.fits` compares the two."""
+        kv = self.trajectories.get(tid)
+        outside = len(kv.blocks) if kv is not None and kv.pinned else 0
+        return max(0, self.alloc.blocks_for(total_tokens) - outside)
 
     # -------------------------------------------------------------- mechanism
     def reserve(self, tid: str, total_tokens: int, keep_tokens: int, now: float) -> int:
@@ -120,10 +127,13 @@ class KVCacheManager:
         return lifetime
 
     def finish_turn(self, tid: str, lifetime: int, num_valid_tokens: int, now: float) -> None:
-        """The turn of ``lifetime`` ended: keep ``num_valid_tokens`` of KV, free the rest."""
+        """The turn of ``lifetime`` ended: keep ``num_valid_tokens`` of KV, free the rest
+        (all of it when the weights changed during the turn: see :meth:`invalidate`)."""
         kv = self.trajectories.get(tid)
         if kv is None or kv.lifetime != lifetime:
             return
+        if kv.stale:
+            num_valid_tokens, kv.stale = 0, False
         kv.num_tokens = num_valid_tokens
         self._truncate(kv, num_valid_tokens)
         kv.pinned = False
@@ -134,6 +144,8 @@ class KVCacheManager:
         kv = self.trajectories.get(tid)
         if kv is None or kv.lifetime != lifetime:
             return
+        if kv.stale:
+            num_valid_tokens, kv.stale = 0, False
         kv.num_tokens = min(kv.num_tokens, num_valid_tokens)
         self._truncate(kv, kv.num_tokens)
         kv.lifetime = new_lifetime()          # any late result of the old lifetime is now stale
@@ -151,6 +163,21 @@ class KVCacheManager:
     def is_current(self, tid: str, lifetime: int) -> bool:
         kv = self.trajectories.get(tid)
         return kv is not None and kv.lifetime == lifetime and self.alloc.check_owner(kv.blocks, lifetime)
+
+    def invalidate(self) -> int:
+        """The weights changed: retained KV no longer matches them. Frees every idle
+        trajectory's blocks now (its next turn recomputes); a pinned one (a turn in flight,
+        which reads the new weights from its next stream item on) is marked stale and keeps
+        nothing when that turn ends. Returns the number of blocks freed now."""
+        freed = 0
+        for kv in self.trajectories.values():
+            if kv.pinned:
+                kv.stale = True
+            elif kv.blocks:
+                freed += len(kv.blocks)
+                self._truncate(kv, 0)
+                kv.lifetime = new_lifetime()
+        return freed
 
     def release(self, tid: str) -> None:
         kv = self.trajectories.pop(tid, None)

@@ -25,7 +25,7 @@ class MixedChunkedEngine(Engine):
         """Outside reference (vLLM/SGLang-style): each step is one batch of every
         decode row plus a prefill chunk under a shared token budget."""
         while True:
-            await self._wait_for(lambda: bool(self.decoding) or self._p_admissible())
+            await self._wait_for(lambda: self._has_live_rows() or self._p_admissible())
             running = [t for t in self.decoding if not t.abort_requested]
             sp = plan_step([t.request_id for t in running], self._pending_view(),
                            max_decode_rows=self.cfg.scheduler.max_decode_batch,
@@ -33,6 +33,11 @@ class MixedChunkedEngine(Engine):
                            available_blocks=self._available_blocks(), mixed=True)
             work = self._admit(sp.prefill, sp.admitted)
             rows = running[:len(sp.decode)]
+            if not work and not rows:
+                # NOTE: nothing runnable (cannot happen while plan and admission share `fits`):
+                # wait for a change, never spin a core (issue 13, case 1 spun here).
+                await self._changed.wait()
+                continue
             plan = self.runner.build(work, rows)
             touched = [t for t, _, _ in work] + rows
             for t in touched:

@@ -61,12 +61,21 @@ class LockstepEngine(Engine):
         self._go: asyncio.Queue = asyncio.Queue()
         self.num_steps = 0
         self.closing = False          # this rank's client is done; stop once every rank is
+        self.owned_rendezvous = None  # the control rendezvous make_engine created (closed by aclose)
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tg:
             prefill = tg.create_task(self._prefill_worker(), name="prefill")
             await self._step_loop()
             prefill.cancel()
+
+    async def aclose(self) -> None:
+        """After the loops stopped: close the control rendezvous this engine created (its
+        thread would otherwise outlive the worker; one given by the caller stays theirs)."""
+        rdv, self.owned_rendezvous = self.owned_rendezvous, None
+        close = getattr(rdv, "close", None)
+        if close is not None:
+            await close()
 
     # ------------------------------------------------------------------ local state
     def _local_p_tokens(self) -> int:
@@ -240,6 +249,8 @@ def make_engine(cfg: WorkerConfig, recorder: Recorder, *, rank: int = 0, rendezv
             TorchAllToAllDispatcher(Phase.DECODE, groups[EP_D], topo.ep_rank, pc.expert_parallel, mc.num_experts,
                                     max_tokens=sc.max_decode_batch, **common))
     eng = LockstepEngine(cfg, recorder, rendezvous=rdv, rank=rank, world_size=g, dispatchers=dispatchers)
+    if rendezvous is None:
+        eng.owned_rendezvous = rdv
     eng.group_backends = {name: group_backend(pg) for name, pg in groups.items() if name != "world"}
     recorder.event("process_groups", backends=eng.group_backends, rendezvous=getattr(rdv, "kind", type(rdv).__name__),
                    expert_dispatch="torch all-to-all" if dispatchers is not None else "local")

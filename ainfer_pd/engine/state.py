@@ -24,6 +24,7 @@ class Trajectory:
     turn: "Turn | None" = None                         # the turn in flight
     draining: "Turn | None" = None                     # an aborted turn whose device work has not drained
     num_turns: int = 0
+    releasing: bool = False                            # RolloutWorker.release is waiting for the drain
 
 
 @dataclass(eq=False, slots=True)

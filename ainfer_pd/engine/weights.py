@@ -5,7 +5,7 @@ names (:mod:`ainfer_pd.hf.names`); ``apply_named_tensors`` the plain same-name c
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,13 +105,15 @@ class WeightStage:
         self._covered: dict = {}                          # unit -> the name that filled it
         self._hf_names = False
 
-    def add_all(self, named: Iterable[tuple[str, Tensor]]) -> "WeightStage":
-        for item in named:
-            try:
-                name, t = item
-            except (TypeError, ValueError):
-                raise WeightUpdateError(f"weights must be (name, tensor) pairs, got {type(item).__name__}") from None
-            self.add(name, t)
+    def add_all(self, named: Iterable[tuple[str, Tensor]] | Mapping[str, Tensor]) -> "WeightStage":
+        """(name, tensor) pairs, a generator of them over several buckets, or a ``{name: tensor}``
+        mapping (a ``state_dict()``); anything else is a WeightUpdateError naming the item."""
+        items = named.items() if isinstance(named, Mapping) else named
+        for i, item in enumerate(items):
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                raise WeightUpdateError(f"update_weights item {i} is not a (name, tensor) pair: {type(item).__name__}"
+                                        + (f" of length {len(item)}" if isinstance(item, (tuple, list)) else ""))
+            self.add(*item)
         return self
 
     def add(self, name: str, t: Tensor) -> None:
@@ -125,6 +127,10 @@ class WeightStage:
                                     "names, or this engine's own parameter names)")
         if not isinstance(t, Tensor):
             raise WeightUpdateError(f"weight {name!r} is not a tensor ({type(t).__name__})")
+        if t.layout != torch.strided:
+            raise WeightUpdateError(f"weight {name!r} is a {t.layout} tensor; a dense (strided) one is needed")
+        if t.device.type == "meta":
+            raise WeightUpdateError(f"weight {name!r} is on the meta device (it has no values)")
         if tuple(t.shape) != target.shape:
             raise WeightUpdateError(f"weight {name!r} has shape {tuple(t.shape)}, expected {target.shape}")
         self._hf_names |= self.table.is_hf(name)

@@ -13,7 +13,7 @@ class PendingPrefill:
     request_id: str
     remaining_tokens: int      # prompt tokens still to prefill
     admitted: bool             # KV already reserved (a later chunk of a long prompt)
-    blocks_needed: int         # blocks to reserve if not admitted yet
+    blocks_needed: int         # blocks its admission takes out of the pool (KVCacheManager.admission_demand)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,13 +33,22 @@ class StepPlan:
         return sum(c.num_tokens for c in self.prefill)
 
 
+def fits(demand_blocks: int, pool_blocks: int) -> bool:
+    """THE admission rule (issue 13, case 1): a turn may be admitted when the blocks its
+    reservation takes out of the pool (``KVCacheManager.admission_demand``: its whole turn,
+    its own idle blocks included) are at most the pool (free + every idle trajectory's blocks,
+    ``KVCacheManager.pool_blocks``). The planner and the engine's admission both call it, so
+    a planned admission always succeeds."""
+    return demand_blocks <= pool_blocks
+
+
 def plan_decode(running: list[str], max_rows: int) -> tuple[str, ...]:
     """D-first: every ready decode row, oldest first, up to the batch limit."""
     return tuple(running[:max_rows])
 
 
 def plan_prefill(pending: list[PendingPrefill], budget_tokens: int, available_blocks: int) -> tuple[tuple[PrefillChunk, ...], tuple[str, ...]]:
-    """FIFO admission under a token budget and free KV (free + evictable blocks).
+    """FIFO admission under a token budget and the KV pool (free + evictable blocks; see :func:`fits`).
 
     A request is admitted only when its whole turn fits in KV (no decode-time
     preemption). Admission is head-of-line: a request that does not fit blocks the
@@ -53,7 +62,7 @@ def plan_prefill(pending: list[PendingPrefill], budget_tokens: int, available_bl
         if budget <= 0:
             break
         if not p.admitted:
-            if p.blocks_needed > blocks:
+            if not fits(p.blocks_needed, blocks):
                 break
             blocks -= p.blocks_needed
             admitted.append(p.request_id)
