@@ -174,7 +174,13 @@ class Turnstile:
         self._notify()
 
     def open_gate(self) -> None:
-        """D has no rows: let the active epoch run free (a no-op without an epoch)."""
+        """D has no rows: let the active epoch run free (a no-op without an epoch).
+
+        The defined behaviour when D empties mid-epoch (its last row finished, was aborted,
+        cancelled or released): the permit becomes inf, so a P waiting for a permit passes at
+        once, and D owes the epoch no further round (``before_decode`` returns None). The
+        single-rank engine calls it whenever D has no live rows; the lockstep engine at the
+        first step where no rank has any (the same step everywhere)."""
         ctl = self.controller
         if ctl.epoch is not None and not math.isinf(ctl.permit):
             ctl.open_gate(ctl.epoch)
