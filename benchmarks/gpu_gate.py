@@ -88,6 +88,19 @@ def bench_ms(fn, rep_ms: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=20, rep=rep_ms, return_mode="median"))
 
 
+def gpu_busy_ms(fn) -> float:
+    """Sum of the device time of every kernel of one call of ``fn`` (host launch gaps excluded):
+    what the pass costs the GPU, as against its wall time when the host launches slower."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    key = "self_device_time_total" if hasattr(prof.key_averages()[0], "self_device_time_total") else "self_cuda_time_total"
+    return sum(getattr(e, key) for e in prof.key_averages()) / 1e3
+
+
 def graph_of(fn):
     """Capture ``fn`` (warm-up on a side stream first); returns the graph."""
     s = torch.cuda.Stream()
@@ -321,8 +334,10 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
             e_touch = mc.num_experts * (1 - (1 - mc.top_k / mc.num_experts) ** n)
             bytes_ = attn_b + L * e_touch * exp_b + eh_b + ctx * kv_tok
             roof = max(flops / peak, bytes_ / bw)
+            busy = gpu_busy_ms(step)
             pre[f"{n}+{cached}"] = {"ms": round(t, 2), "roofline_ms": round(roof * 1e3, 2),
-                                    "roofline_fraction": round(roof * 1e3 / t, 3), "TFLOPs": round(flops / t / 1e9, 1)}
+                                    "roofline_fraction": round(roof * 1e3 / t, 3), "TFLOPs": round(flops / t / 1e9, 1),
+                                    "gpu_busy_ms": round(busy, 2), "gpu_busy_roofline_fraction": round(roof * 1e3 / busy, 3)}
             fig(f"{tag}_prefill_{n}_cached_{cached}", pre[f"{n}+{cached}"])
         R[f"{tag}_prefill_rows"] = pre
         # ---- per-layer parts: decode attention (eager and graph) and MoE decode
@@ -390,8 +405,11 @@ def summarize_targets() -> None:
     for k, v in R["prefill_roofline_fraction"].items():
         target(f"prefill_{k}_ge_60pct", v >= 0.6, f"{v * 100:.0f}% of max(FLOPs/peak, bytes/bw)")
     if "575+1500" in pre:
-        R["continuation_epoch_ms"] = pre["575+1500"]["ms"]
-        target("continuation_575_le_25ms", pre["575+1500"]["ms"] <= 25, f"{pre['575+1500']['ms']} ms (forward pass)")
+        c = pre["575+1500"]
+        R["continuation_epoch_ms"] = c["ms"]
+        R["continuation_epoch_gpu_busy_ms"] = c["gpu_busy_ms"]
+        target("continuation_575_le_25ms", c["ms"] <= 25,
+               f"{c['ms']} ms wall (forward pass), {c['gpu_busy_ms']} ms of kernels: the rest is host launch time")
 
 
 # --------------------------------------------------------------------------- subprocess checks

@@ -151,3 +151,16 @@ def test_triton_decode_is_batch_invariant_and_split_count_free():
                                       block_size=BS), None, block_size=BS)
         alone = paged_attention(q[j:j + 1], kn[j:j + 1], vn[j:j + 1], kv, one, be)
         assert torch.equal(alone, full[j:j + 1])
+
+
+def test_varlen_metadata_parts_start_on_16_byte_boundaries():
+    """Triton specialises pointers on 16-byte alignment: every part of the packed metadata must be
+    aligned whatever the sequence and tile counts, or each new count compiles a new variant."""
+    for seqs in ([(0, 7)], [(0, 5), (3, 9), (1, 1)], [(0, 70), (2, 3), (9, 4), (0, 1), (5, 33)]):
+        fb = make_case(1, seqs, [], 4, 2, 16)[0]
+        pm = fb.build_prefill_meta(16)
+        base = pm.q_start.data_ptr()
+        for t in (pm.q_start, pm.q_len, pm.ctx_len, pm.tile_seq, pm.tile_m, pm.block_table):
+            assert (t.data_ptr() - base) % 16 == 0
+        assert pm.q_len.tolist() == [n for _, n in seqs]
+        assert pm.ctx_len.tolist() == [c + n for c, n in seqs]

@@ -133,18 +133,22 @@ class ForwardBatch:
             for m in range(0, s.q_len, block_m):
                 tseq.append(i)
                 tm.append(m)
-        i32 = dict(dtype=torch.int32)
-        host = torch.cat([torch.tensor(starts, **i32), torch.tensor(qlens, **i32), torch.tensor(ctxs, **i32),
-                          torch.tensor(tseq, **i32), torch.tensor(tm, **i32), torch.stack(tables).reshape(-1)])
+        # one host-to-device copy; every part starts on a 16-byte boundary (Triton specialises
+        # pointer arguments on 16-byte alignment: unaligned parts would compile new kernel variants
+        # for new sequence / tile counts, ~1 s stalls inside P epochs)
+        parts = [starts, qlens, ctxs, tseq, tm]
+        offs, o = [], 0
+        for p in parts:
+            offs.append(o)
+            o += -(-len(p) // 4) * 4
+        host = torch.zeros(o + len(tables) * nb, dtype=torch.int32)
+        for p, at in zip(parts, offs):
+            host[at:at + len(p)] = torch.tensor(p, dtype=torch.int32)
+        host[o:] = torch.stack(tables).reshape(-1)
         # pinned + non-blocking: enqueued on the consuming stream, no wait for its earlier work
         dv = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
         S, NT = len(starts), len(tseq)
-        o = 0
-        parts = []
-        for n in (S, S, S, NT, NT):
-            parts.append(dv[o:o + n])
-            o += n
-        pm = PrefillMeta(parts[0], parts[1], parts[2], dv[o:].view(S, nb), parts[3], parts[4], block_m,
-                         max(ctxs))
+        v = [dv[at:at + len(p)] for p, at in zip(parts, offs)]
+        pm = PrefillMeta(v[0], v[1], v[2], dv[o:].view(S, nb), v[3], v[4], block_m, max(ctxs))
         self.prefill_meta = pm
         return pm

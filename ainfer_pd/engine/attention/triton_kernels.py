@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "stride_tb"])
 def paged_decode_kernel(
     Q, K, V, TABLE, LENS, O, OP, LSE,
     scale_log2, num_splits,
@@ -109,7 +109,7 @@ def decode_merge_kernel(
     tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_ts"])
 def paged_prefill_kernel(
     Q, K, V, O, TABLE, QSTART, QLEN, CTX, TSEQ, TM,
     scale_log2,
