@@ -20,7 +20,7 @@ import yaml
 from .errors import ConfigError, TopologyError
 
 POLICIES = ("normal", "global-complete", "global-enqueue", "fine-grained", "mixed-chunked")
-ORDERINGS = ("none", "global-implicit", "selective")
+from .comm.ordering import ORDERINGS  # noqa: E402  (its one home)
 EXPERT_BACKENDS = ("local", "torch", "deepep")
 SPANS = ("1", "2", "3", "4", "auto")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
@@ -282,6 +282,9 @@ class ParallelConfig:
     """local (no EP) | torch (torch.distributed all-to-all) | deepep."""
     rendezvous_timeout_s: float = 30.0
     """Deadline of every distributed wait."""
+    stall_timeout_s: float = 20.0
+    """Multi-rank watchdog: device work pending and no progress (collectives, D iterations, P
+    segments, completed requests) for this long -> StallError naming the cross-rank frontier."""
     fast_rendezvous: bool = True
     """Use the same-host shared-memory rendezvous when every rank is on one host."""
 
@@ -296,8 +299,8 @@ class ParallelConfig:
             raise ConfigError(f"parallel.ordering={self.ordering!r}: expected one of {ORDERINGS}")
         if self.expert_backend not in EXPERT_BACKENDS:
             raise ConfigError(f"parallel.expert_backend={self.expert_backend!r}: expected one of {EXPERT_BACKENDS}")
-        if self.rendezvous_timeout_s <= 0:
-            raise ConfigError("parallel.rendezvous_timeout_s must be > 0")
+        if self.rendezvous_timeout_s <= 0 or self.stall_timeout_s <= 0:
+            raise ConfigError("parallel.rendezvous_timeout_s and parallel.stall_timeout_s must be > 0")
 
     @property
     def atp(self) -> int:
@@ -321,6 +324,10 @@ class DeviceConfig:
     """CPU stand-in: torch intra-op threads used by each stream's executor."""
     residency_slots: int = 2
     """CPU stand-in: work items (kernels) a device runs at once across its streams."""
+    collective_slots: int = 0
+    """CPU stand-in: attention collectives resident on a device at once (0 = no limit). A resident
+    collective holds its slot until every peer joined, as a spinning NCCL kernel holds SMs; with one
+    slot, collectives of crossed groups launched in opposite orders on two ranks stall for real."""
     cuda_graphs: bool = True
     """CUDA: decode by graph replay of batch-size buckets."""
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -349,6 +356,8 @@ class DeviceConfig:
         if self.high_priority_stream not in ("none", "P", "D"):
             raise ConfigError(f"device.high_priority_stream={self.high_priority_stream!r}: expected none | P | D")
         _positive(self, "cpu_threads_per_stream", "residency_slots", "graph_max_context")
+        if isinstance(self.collective_slots, bool) or not isinstance(self.collective_slots, int) or self.collective_slots < 0:
+            raise ConfigError(f"device.collective_slots must be an integer >= 0, got {self.collective_slots!r}")
         for key in ("attention_backend", "moe_backend"):
             if getattr(self, key) not in KERNEL_BACKENDS:
                 raise ConfigError(f"device.{key}={getattr(self, key)!r}: expected one of {KERNEL_BACKENDS}")

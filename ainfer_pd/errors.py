@@ -18,6 +18,14 @@ class TopologyError(ConfigError):
     """World size, attention-DP and expert-parallel widths do not fit together."""
 
 
+class NotBuiltError(ConfigError):
+    """The configuration asks for something the engine does not build; ``missing`` names the piece."""
+
+    def __init__(self, message: str, *, missing: str = "") -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
 class UnsupportedModelError(ConfigError):
     """A Hugging Face ``config.json`` asks for something this engine does not compute: an unknown
     ``model_type``, a ``rope_scaling`` type, or another field that changes the math (named)."""

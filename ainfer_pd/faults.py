@@ -7,6 +7,10 @@ Switched on by ``WorkerConfig.faults`` (a mapping) or the environment variable
 * ``p_delay_ms``          - delayed P completion: every P segment sleeps this long on its stream;
 * ``slow_counts_ms``      - the receive counts arrive this much later;
 * ``p_error_epoch``       - raise inside a P segment of this epoch (``p_error_layer``, default 0);
+* ``phase_skew_ms``       - multi-rank, replicas out of phase on the device: on ranks with an even
+  ``dp_rank + tp_rank`` every D iteration, on the others every P attention collective, waits this
+  long on its stream before taking the device (neighbours in every group reach their P and D
+  collectives in opposite orders: the adversarial schedule of SPEC 2);
 * ``drop_rendezvous`` / ``duplicate_rendezvous`` / ``stale_rendezvous`` - the n-th control
   message of this rank is dropped (never sent: peers time out), sent twice, or sent with an
   old sequence number (peers see a mismatch);
@@ -24,7 +28,7 @@ from typing import Any, Mapping
 from .errors import AInferPDError, ConfigError
 
 KEYS = ("d_skew_ms", "d_skew_random_ms", "p_delay_ms", "slow_counts_ms", "p_error_epoch", "p_error_layer",
-        "drop_rendezvous", "duplicate_rendezvous", "stale_rendezvous", "seed")
+        "phase_skew_ms", "drop_rendezvous", "duplicate_rendezvous", "stale_rendezvous", "seed")
 
 
 class InjectedFault(AInferPDError):
@@ -39,6 +43,7 @@ class Faults:
     slow_counts_ms: float = 0.0
     p_error_epoch: int | None = None
     p_error_layer: int = 0
+    phase_skew_ms: float = 0.0
     drop_rendezvous: int | None = None
     duplicate_rendezvous: int | None = None
     stale_rendezvous: int | None = None
@@ -72,6 +77,11 @@ class Faults:
         if self.d_skew_random_ms:
             s += self._rng.uniform(0.0, self.d_skew_random_ms)
         return s / 1e3
+
+    def phase_skew_s(self, dp_rank: int, tp_rank: int) -> tuple[float, float]:
+        """(D iteration delay, P collective delay) of this rank, seconds (``phase_skew_ms``)."""
+        s = self.phase_skew_ms / 1e3
+        return (s, 0.0) if (dp_rank + tp_rank) % 2 == 0 else (0.0, s)
 
     def on_p_segment(self, epoch: int, layer: int) -> None:
         """Runs on the P stream inside a segment."""

@@ -42,9 +42,11 @@ def describe_groups(worker: Any) -> str:
         return f"rank {worker.rank}: single-rank Engine (no process groups)"
     groups = " ".join(f"{k}={v}" for k, v in backends.items())
     rdv = getattr(getattr(eng, "rdv", None), "kind", "?")
-    ep = "torch all-to-all" if getattr(eng, "dispatchers", None) is not None else "local"
+    ep = "torch all-to-all" if getattr(eng, "dispatcher", None) is not None else "local"
+    topo = getattr(eng, "topology", None)
+    where = f"; {topo.describe()}; ordering {eng.ordering}" if topo is not None else ""
     return (f"rank {worker.rank} process groups: {groups}; rendezvous {rdv}; expert dispatch {ep}; "
-            f"device {eng.device.torch_device}")
+            f"device {eng.device.torch_device}{where}")
 
 
 async def _rank_replay(rank: int, world_size: int, cfg_dict: dict, trace: Trace, cell: str, seed: int,
@@ -54,8 +56,12 @@ async def _rank_replay(rank: int, world_size: int, cfg_dict: dict, trace: Trace,
     from . import RolloutWorker
     from .workload.replay import replay
     cfg = WorkerConfig.from_dict(cfg_dict)
-    mine = Trace(conversations=[c for i, c in enumerate(trace.conversations) if i % world_size == rank],
-                 meta=dict(trace.meta))
+    pc = cfg.parallel
+    atp = pc.world_size // pc.attn_dp
+    # conversation i is served by replica i % ADP, at its leader; TP followers serve none of their own
+    leader, replica = rank % atp == 0, rank // atp
+    mine = Trace(conversations=[c for i, c in enumerate(trace.conversations)
+                                if leader and i % pc.attn_dp == replica], meta=dict(trace.meta))
     async with RolloutWorker(cfg) as worker:
         if rank == 0:
             print(describe_groups(worker), file=sys.stderr, flush=True)

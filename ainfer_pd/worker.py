@@ -26,7 +26,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from .config import WorkerConfig
-from .engine.multirank import make_engine
+from .engine.make import make_engine
 from .engine.sampler import make_generator
 from .engine.state import Trajectory, Turn
 from .engine.weights import WeightStage
@@ -269,6 +269,7 @@ class RolloutWorker:
     async def _run_turn(self, traj: Trajectory, context: list[int], params: SamplingParams, *, new: bool) -> TurnOutput:
         # NOTE: every check first; nothing is registered or changed before they all passed, and
         # nothing awaits between the checks and the submission (no window for abort / exit).
+        self.engine.check_accepts()           # a TP follower raises InvalidRequestError naming its leader
         if traj.turn is not None:
             raise TrajectoryBusyError(f"trajectory {traj.tid!r} already has a turn in flight")
         limit = self.cfg.model.max_context_len

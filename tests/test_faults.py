@@ -6,6 +6,8 @@ import threading
 
 import pytest
 
+from ainfer_pd.errors import AInferPDError
+
 from ainfer_pd import RolloutWorker, SamplingParams
 from ainfer_pd.errors import ConfigError
 from ainfer_pd.faults import Faults, InjectedFault
@@ -103,8 +105,9 @@ async def _rank_with_fault(rank, world_size, faults_by_rank, kill_rank):
                     if rank == kill_rank and i == 3:
                         os._exit(17)                       # the rank process dies mid-run
                     await w.generate(rand_ids(rng, 40), SamplingParams(max_new_tokens=8, **GREEDY))
-    except TimeoutError:
-        outcome = ("hung", "")
+    except TimeoutError as exc:
+        # NOTE: RendezvousTimeout is a TimeoutError too: typed, it is an error, not a hang
+        outcome = ("error", f"{type(exc).__name__}: {exc}") if isinstance(exc, AInferPDError) else ("hung", "")
     except BaseException as exc:                           # noqa: BLE001 - classified below
         e = _first_typed(exc)
         outcome = ("error", f"{type(e).__name__}: {e}") if e is not None else ("untyped", repr(exc))

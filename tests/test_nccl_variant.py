@@ -30,7 +30,7 @@ from ainfer_pd.errors import (
     TopologyError,
 )
 from ainfer_pd.metrics.tracecheck import check_run_dir
-from ainfer_pd.multirank.backend import (
+from ainfer_pd.comm.backend import (
     check_backend,
     data_backend_for,
     device_for_backend,
@@ -360,13 +360,13 @@ async def _generate(worker, prompts):
 async def _one_rank(rank: int, world_size: int, prompts):
     from ainfer_pd import RolloutWorker
     from ainfer_pd.comm.topology import build_process_groups
-    from ainfer_pd.engine.multirank import LockstepEngine
+    from ainfer_pd.engine.lockstep import LockstepEngine
     from ainfer_pd.multirank.collectives import PhaseCollectives
     from ainfer_pd.multirank_replay import describe_groups, multirank_config
     cfg = multirank_config(tiny_cfg(**{"scheduler.policy": "fine-grained"}), 1)
     assert cfg.parallel.expert_backend == "torch"
     async with RolloutWorker(cfg) as w:
-        assert isinstance(w.engine, LockstepEngine) and w.engine.dispatchers is not None
+        assert isinstance(w.engine, LockstepEngine) and w.engine.dispatcher is not None
         backends = dict(w.engine.group_backends)
         line = describe_groups(w)
         outs = await _generate(w, prompts)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ainfer_pd.comm.topology import (ATTN_DP_D, ATTN_TP_P, CONTROL, EP_D, EP_P, ETP_D, ETP_P, WORLD,
+from ainfer_pd.comm.topology import (ATTN_DP_D, ATTN_TP_D, ATTN_TP_P, CONTROL, EP_D, EP_P, ETP_D, ETP_P, REPLICA, WORLD,
                                      Topology, build_process_groups, dp_groups, ep_groups, etp_groups,
                                      group_specs, groups_cross, tp_groups, validate_dims)
 from ainfer_pd.config import ParallelConfig
@@ -121,9 +121,10 @@ def test_invalid_via_config_and_pure_functions():
 def test_group_specs_order():
     specs = group_specs(topo(4, 2, 2))
     names = [s.name for s in specs]
-    assert names == [CONTROL, ATTN_TP_P, ATTN_TP_P, ATTN_DP_D, ATTN_DP_D, EP_P, EP_P, EP_D, EP_D,
-                     ETP_P, ETP_P, ETP_D, ETP_D]
-    assert specs[0].kind == "ctrl" and all(s.kind == "data" for s in specs[1:])
+    assert names == [CONTROL, REPLICA, REPLICA, ATTN_TP_P, ATTN_TP_P, ATTN_TP_D, ATTN_TP_D, ATTN_DP_D, ATTN_DP_D,
+                     EP_P, EP_P, EP_D, EP_D, ETP_P, ETP_P, ETP_D, ETP_D]
+    assert [s.kind for s in specs[:3]] == ["ctrl"] * 3 and all(s.kind == "data" for s in specs[3:])
+    assert [s.ranks for s in specs if s.name == REPLICA] == [(0, 1), (2, 3)]
     assert [s.ranks for s in specs if s.name == ATTN_DP_D] == [(0, 2), (1, 3)]
 
 
@@ -150,7 +151,7 @@ def _groups_rank(rank: int, world_size: int):
     t = Topology(world_size=world_size, attn_dp=2, expert_parallel=2, rank=rank)
     groups = build_process_groups(t, "gloo", control_timeout_s=20)
     out = {"names": sorted(groups)}
-    for name in (ATTN_TP_P, ATTN_DP_D, EP_P, EP_D, ETP_P, ETP_D, CONTROL, WORLD):
+    for name in (ATTN_TP_P, ATTN_TP_D, REPLICA, ATTN_DP_D, EP_P, EP_D, ETP_P, ETP_D, CONTROL, WORLD):
         x = torch.tensor([1 << rank], dtype=torch.int64)
         dist.all_reduce(x, group=groups[name])
         out[name] = int(x)
@@ -164,8 +165,9 @@ def test_build_process_groups_real_gloo_g4_d2_e2():
     t = Topology(world_size=4, attn_dp=2, expert_parallel=2, rank=0)
     for r, out in enumerate(res):
         tr = t.for_rank(r)
-        assert out["names"] == sorted([CONTROL, ATTN_TP_P, ATTN_DP_D, EP_P, EP_D, ETP_P, ETP_D, WORLD])
-        assert out[ATTN_TP_P] == mask(tr.tp_group)         # {0,1},{2,3}
+        assert out["names"] == sorted([CONTROL, REPLICA, ATTN_TP_P, ATTN_TP_D, ATTN_DP_D, EP_P, EP_D, ETP_P, ETP_D,
+                                       WORLD])
+        assert out[ATTN_TP_P] == out[ATTN_TP_D] == out[REPLICA] == mask(tr.tp_group)         # {0,1},{2,3}
         assert out[ATTN_DP_D] == mask(tr.dp_group)         # {0,2},{1,3}
         assert out[EP_P] == out[EP_D] == mask(tr.ep_group)
         assert out[ETP_P] == out[ETP_D] == mask(tr.etp_group)

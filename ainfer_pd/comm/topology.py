@@ -28,7 +28,9 @@ Group = tuple[int, ...]
 
 # Names of the groups build_process_groups returns (one per phase where the phase owns it).
 CONTROL = "control"          # gloo, all ranks: the turnstile rendezvous (CPU only)
+REPLICA = "replica"          # gloo, one attention-DP replica (its TP ranks): the leader's step broadcast
 ATTN_TP_P = "attn_tp.P"      # P: full attention-TP all-reduce (eager)
+ATTN_TP_D = "attn_tp.D"      # D: its own attention-TP all-reduce (inside the D iteration / graph)
 ATTN_DP_D = "attn_dp.D"      # D: DP-attention reduce-scatter / all-gather (graph replay)
 EP_P, EP_D = "ep.P", "ep.D"  # phase-owned expert-parallel communicators (SPEC 3.4)
 ETP_P, ETP_D = "etp.P", "etp.D"
@@ -38,7 +40,9 @@ WORLD = "world"              # the default group (not created; included for conv
 _FAMILIES: tuple[tuple[str, str, str], ...] = (
     # (name, member-list family, backend kind: "ctrl" = always gloo, "data" = data backend)
     (CONTROL, "world", "ctrl"),
+    (REPLICA, "tp", "ctrl"),
     (ATTN_TP_P, "tp", "data"),
+    (ATTN_TP_D, "tp", "data"),
     (ATTN_DP_D, "dp", "data"),
     (EP_P, "ep", "data"),
     (EP_D, "ep", "data"),
@@ -163,6 +167,16 @@ class Topology:
     def tp_rank(self) -> int:
         """Index inside the attention-TP group (= index of the DP-attention group)."""
         return self.rank % self.atp
+
+    @property
+    def is_replica_leader(self) -> bool:
+        """This rank owns its replica's requests (tp_rank 0)."""
+        return self.tp_rank == 0
+
+    @property
+    def replica_leader(self) -> int:
+        """Global rank of this replica's leader."""
+        return self.dp_rank * self.atp
 
     @property
     def ep_rank(self) -> int:

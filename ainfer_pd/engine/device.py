@@ -9,12 +9,20 @@
   (see ``hold_until``) keeps its slot until every peer has joined, as spinning NCCL /
   DeepEP kernels do. torch releases the GIL inside ops, so the P and D streams really
   run at once on two cores.
+
+Both devices take per-item ``deps`` (items of other streams this one must wait for, like
+``cudaStreamWaitEvent``: a waiting stream holds no residency slot and no SMs) and ``attrs``
+(explicit phase identity of the item, e.g. a P collective routed onto the D stream, for the
+cross-rank trace's ``work`` intervals). :meth:`Device.comm_budget` runs expert exchanges outside
+the residency slots: DeepEP-style kernels have their own communication-SM budget (SPEC 3.4).
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import contextlib
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -33,6 +41,12 @@ class Work:
     _future: cf.Future = field(default_factory=cf.Future)
     _event: Any = None            # CUDA completion event (CudaDevice)
     _start_event: Any = None
+    deps: tuple = ()
+    """Items of other streams this item waits for before it starts (not before it is enqueued)."""
+    delay_s: float = 0.0
+    """Extra wait before the item takes the device (fault injection: replicas out of phase)."""
+    attrs: dict = field(default_factory=dict)
+    """Trace attributes (``phase``, ``kind``, ``registered``, ``epoch``, ``boundary``)."""
 
     def enqueued(self) -> cf.Future:
         """Resolves when the launch call returned (CPU: when it ran)."""
@@ -77,6 +91,8 @@ class Stream:
         self.name = name
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ainfer-{name}")
         self._pending = 0
+        self.num_done = 0
+        """Items that ran (progress for the multi-rank watchdog)."""
         self._lock = threading.Lock()
 
     def _post(self, item: Callable[[], None]) -> None:
@@ -90,12 +106,16 @@ class Stream:
             finally:
                 with self._lock:
                     self._pending -= 1
+                    self.num_done += 1
 
         self._pool.submit(run)
 
-    def submit(self, fn: Callable[..., Any], *args: Any, label: str = "") -> Work:
-        """Enqueue ``fn(*args)`` on this stream (FIFO); returns at once."""
-        work = Work(self, label or getattr(fn, "__name__", "work"), self.device.recorder.now())
+    def submit(self, fn: Callable[..., Any], *args: Any, label: str = "", deps: tuple = (),
+               delay_s: float = 0.0, attrs: dict | None = None) -> Work:
+        """Enqueue ``fn(*args)`` on this stream (FIFO); returns at once. ``deps``: items of other
+        streams that must complete first (waited for outside the residency slots)."""
+        work = Work(self, label or getattr(fn, "__name__", "work"), self.device.recorder.now(),
+                    deps=tuple(d for d in deps if d is not None), delay_s=delay_s, attrs=dict(attrs or {}))
 
         def run() -> None:
             try:
@@ -146,6 +166,25 @@ class Device:
     def _note_completed(self, work: Work) -> None:  # pragma: no cover - CUDA only
         pass
 
+    @contextlib.contextmanager
+    def comm_budget(self):
+        """Run an expert exchange outside the compute residency (its own SM budget); a no-op
+        where the device does not model residency."""
+        yield
+
+    @contextlib.contextmanager
+    def collective_slot(self):
+        """Hold one of the device's collective slots while an attention collective is resident
+        (CPU stand-in with ``collective_slots``; a no-op elsewhere: the hardware decides)."""
+        yield
+
+    def _record(self, work: Work, stream: "Stream", t0: float, t1: float) -> None:
+        """The interval of a completed item; with trace attributes also a ``work`` trace event."""
+        rec = self.recorder
+        rec.interval(work.label, stream.name, t0, t1, **work.attrs)
+        if work.attrs:
+            rec.event("work", what=work.label, stream=stream.name, t0=t0, t1=t1, **work.attrs)
+
     @property
     def torch_device(self) -> torch.device:
         raise NotImplementedError
@@ -163,24 +202,61 @@ class CpuDevice(Device):
 
     kind = "cpu"
 
-    def __init__(self, recorder: Recorder, *, residency_slots: int = 2, threads_per_stream: int = 1) -> None:
+    def __init__(self, recorder: Recorder, *, residency_slots: int = 2, threads_per_stream: int = 1,
+                 collective_slots: int = 0) -> None:
         super().__init__(recorder)
         self.residency = threading.BoundedSemaphore(residency_slots)
         self.residency_slots = residency_slots
         self.threads_per_stream = threads_per_stream
+        self.collective_slots = collective_slots
+        self._collectives = threading.BoundedSemaphore(collective_slots) if collective_slots else None
+        self._holding = threading.local()
+
+    @contextlib.contextmanager
+    def collective_slot(self):
+        """A resident collective holds one of ``collective_slots`` until it returned (every peer
+        joined); waiting for the slot, its item keeps its residency slot (SMs stay occupied)."""
+        if self._collectives is None:
+            yield
+            return
+        with self._collectives:
+            yield
 
     @property
     def torch_device(self) -> torch.device:
         return torch.device("cpu")
 
     def _execute(self, stream: Stream, work: Work, fn: Callable, args: tuple) -> Any:
+        # NOTE: dependencies and injected delays are waited for before the slot is taken: a
+        # stream that waits for another stream's event occupies nothing (cudaStreamWaitEvent).
+        for d in work.deps:
+            d.enqueued().result()                 # re-raises a failed dependency
+        if work.delay_s > 0:
+            time.sleep(work.delay_s)
         with self.residency:
+            self._holding.slot = True
             t0 = self.recorder.now()
             try:
                 with torch.inference_mode():
                     return fn(*args)
             finally:
-                self.recorder.interval(work.label, stream.name, t0, self.recorder.now())
+                self._holding.slot = False
+                self._record(work, stream, t0, self.recorder.now())
+
+    @contextlib.contextmanager
+    def comm_budget(self):
+        """Give this stream thread's residency slot back while an expert exchange waits for its
+        peers (DeepEP-style kernels run on their own communication SMs), take it again after."""
+        if not getattr(self._holding, "slot", False):
+            yield
+            return
+        self.residency.release()
+        self._holding.slot = False
+        try:
+            yield
+        finally:
+            self.residency.acquire()
+            self._holding.slot = True
 
 
 class CudaDevice(Device):
@@ -215,6 +291,12 @@ class CudaDevice(Device):
     def _execute(self, stream: Stream, work: Work, fn: Callable, args: tuple) -> Any:
         cs = self.cuda_stream(stream.name)
         torch.cuda.set_device(self.index)
+        for d in work.deps:
+            d.enqueued().result()                 # the dependency's launch call returned ...
+            if d._event is not None:
+                cs.wait_event(d._event)           # ... and this stream waits for it on the device
+        if work.delay_s > 0:
+            time.sleep(work.delay_s)
         with torch.cuda.stream(cs), torch.inference_mode():
             start = torch.cuda.Event(enable_timing=True)
             start.record(cs)
@@ -238,11 +320,11 @@ class CudaDevice(Device):
         for w in done:
             a = self._ref_host + self._ref_event.elapsed_time(w._start_event) / 1e3
             b = self._ref_host + self._ref_event.elapsed_time(w._event) / 1e3
-            self.recorder.interval(w.label, w.stream.name, a, b)
+            self._record(w, w.stream, a, b)
 
 
 def make_device(kind: str, recorder: Recorder, *, residency_slots: int = 2, threads_per_stream: int = 1,
-                index: int | None = None, high_priority_stream: str = "none") -> Device:
+                index: int | None = None, high_priority_stream: str = "none", collective_slots: int = 0) -> Device:
     """``index`` None: the current CUDA device (a lockstep rank has set it to its local GPU)."""
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
@@ -251,4 +333,5 @@ def make_device(kind: str, recorder: Recorder, *, residency_slots: int = 2, thre
             from ..errors import BackendUnavailableError
             raise BackendUnavailableError("device.device=cuda but CUDA is not available on this host")
         return CudaDevice(recorder, torch.cuda.current_device() if index is None else index, high_priority_stream)
-    return CpuDevice(recorder, residency_slots=residency_slots, threads_per_stream=threads_per_stream)
+    return CpuDevice(recorder, residency_slots=residency_slots, threads_per_stream=threads_per_stream,
+                     collective_slots=collective_slots)

@@ -45,15 +45,24 @@ TURNSTILE_POLICIES = ("global-complete", "global-enqueue", "fine-grained")
 class _Box:
     """Carries segment state between items of one FIFO stream."""
 
-    __slots__ = ("st", "notified")
+    __slots__ = ("st", "notified", "o")
 
     def __init__(self) -> None:
         self.st: Any = None
         self.notified: Any = None
+        self.o: Any = None
+
+
+P_ITEM = {"phase": "P", "kind": "compute"}
+D_ITEM = {"phase": "D", "kind": "iter"}
 
 
 class Engine:
-    def __init__(self, cfg: WorkerConfig, recorder: Recorder, *, rendezvous=None, rank: int = 0) -> None:
+    def __init__(self, cfg: WorkerConfig, recorder: Recorder, *, rendezvous=None, rank: int = 0,
+                 tp_shard: tuple[int, int] | None = None, setup: Callable[["Engine"], None] | None = None) -> None:
+        """``tp_shard`` = (tp_rank, ATP): this rank keeps that shard of the attention heads;
+        ``setup(engine)`` runs after the runner exists and before decode graphs are captured
+        (a multi-rank engine installs its phase hooks there: the graphs bind them)."""
         self.cfg = cfg
         self.rec = recorder
         self.rank = rank
@@ -64,15 +73,18 @@ class Engine:
         self.policy = cfg.scheduler.policy
         dc = cfg.device
         self.device: Device = make_device(dc.device, recorder, residency_slots=dc.residency_slots,
+                                          collective_slots=dc.collective_slots,
                                           threads_per_stream=dc.cpu_threads_per_stream,
                                           high_priority_stream=dc.high_priority_stream)
         if self.device.kind == "cpu":
             torch.set_num_threads(dc.cpu_threads_per_stream)
         num_blocks = cfg.cache.num_blocks or self._blocks_from_memory()
         self.kv = KVCacheManager(num_blocks, cfg.cache.block_size)
-        self.runner = ModelRunner(cfg, self.device.torch_device, self.kv)
+        self.runner = ModelRunner(cfg, self.device.torch_device, self.kv, tp_shard=tp_shard)
         self.prefill_ctx = PhaseContext(Phase.PREFILL, self.device.stream("P"))
         self.decode_ctx = PhaseContext(Phase.DECODE, self.device.stream("D"))
+        if setup is not None:
+            setup(self)
         span_policy = make_span_policy(cfg.mux) if self.policy == "fine-grained" else (lambda _inp: 1)
         self.turnstile = Turnstile(rendezvous=rendezvous or LocalRendezvous(), span=span_policy,
                                    recorder=recorder, rank=rank,
@@ -109,6 +121,9 @@ class Engine:
         return max(16, int((free - weights) * self.cfg.cache.gpu_memory_fraction) // per_block)
 
     # ================================================================== submission
+    def check_accepts(self) -> None:
+        """Raise unless this rank takes requests (a multi-rank TP follower does not)."""
+
     def submit(self, turn: Turn) -> None:
         # NOTE: a waiting turn does not pin its trajectory's KV: an idle prefix stays evictable
         # (or waiting turns could hold the whole cache and none be admitted); admission re-reads it.
@@ -287,17 +302,17 @@ class Engine:
         return self.activation.update(self.rec.now(), tokens, len(self.decoding))
 
     async def _run_epoch(self, epoch: int, work: list[tuple[Turn, int, int]], *, mux: bool, exclusive: bool,
-                         d_enqueued: bool, entered: asyncio.Event | None = None) -> None:
+                         d_enqueued: bool, entered: asyncio.Event | None = None, plan: BatchPlan | None = None) -> None:
         """One P epoch: segments on the P stream, stopping at safe boundaries for the turnstile
-        (``mux``). ``entered`` is set once the epoch is registered with the turnstile."""
-        plan = self.runner.build(work, [])
+        (``mux``). ``entered`` is set once the epoch is registered with the turnstile. ``plan``:
+        the batch when it was not built here from ``work`` (a TP follower runs its leader's)."""
+        plan = plan if plan is not None else self.runner.build(work, [])
         for t, _, _ in work:
             t.in_flight += 1
         ctx = self.prefill_ctx
         stream = ctx.stream
         runner, L = self.runner, self.runner.num_layers
         box = _Box()
-        faults_on = self.faults.active
         fine = mux and self.policy == "fine-grained"
         self._p_exclusive = exclusive
         self._p_running = True
@@ -305,29 +320,26 @@ class Engine:
         t_start = self.rec.now()
         waited = 0.0
         counts_waited = 0.0
+        seg_b = 0                                # the boundary P last passed: its communication's segment
         try:
             async with self.turnstile.epoch(epoch, gated=mux, d_enqueued=d_enqueued) as ep:
                 if entered is not None:
                     entered.set()
                 async def permit(b: int) -> None:
-                    nonlocal waited
+                    nonlocal waited, seg_b
                     t0 = self.rec.now()
                     await ep.permit(b)
                     waited += self.rec.now() - t0
+                    seg_b = b
                     self.rec.event("p_permit", epoch=epoch, boundary=b)
                     set_log_context(epoch=epoch, boundary=b)
 
                 if mux:
                     ep.publish(0)
                     await permit(0)
-                stream.submit(lambda: setattr(box, "st", runner.embed(plan)), label="P.embed")
+                stream.submit(lambda: setattr(box, "st", runner.embed(plan)), label="P.embed", attrs=P_ITEM)
                 for layer in range(L):
-                    def attn(l=layer) -> None:
-                        if faults_on:
-                            self.faults.on_p_segment(epoch, l)
-                        box.st = runner.attn_route(l, box.st, plan)
-                        box.notified = runner.notify(ctx, box.st)     # the expert notification
-                    w = stream.submit(attn, label=f"P.attn{layer}")
+                    w = self._enqueue_attention(layer, box, plan, epoch, seg_b, gated=mux)
                     b = 2 * layer + 1                  # expert notification point
                     if fine:
                         ep.publish(b)
@@ -344,14 +356,14 @@ class Engine:
                     if fine:
                         await permit(b)
                     stream.submit(lambda l=layer: setattr(box, "st", runner.experts(l, box.st, ctx, box.notified)),
-                                  label=f"P.experts{layer}")
+                                  label=f"P.experts{layer}", attrs=P_ITEM)
                     if fine:
                         if b + 1 < 2 * L:
                             ep.publish(b + 1)          # layer end
                             await permit(b + 1)
                         else:
                             ep.publish(b + 1, final=True)
-                logits_w = stream.submit(lambda: runner.head(box.st, plan), label="P.head")
+                logits_w = stream.submit(lambda: runner.head(box.st, plan), label="P.head", attrs=P_ITEM)
                 self.rec.sample("p_enqueue_s", self.rec.now() - t_start - waited)
                 if plan.num_tokens:
                     p_time = self.rec.now() - t_start - (waited - counts_waited)
@@ -375,6 +387,44 @@ class Engine:
         self.rec.sample("p_epoch_s", self.rec.now() - t_start)
         self.rec.sample("p_epoch_tokens", plan.num_tokens)
         self._finish_prefill(plan, logits)
+
+    def _enqueue_attention(self, layer: int, box: _Box, plan: BatchPlan, epoch: int, boundary: int, *,
+                           gated: bool):
+        """Enqueue layer ``layer``'s attention and router (the expert notification) on the P
+        stream; returns the item whose completion means the receive counts are on their way.
+        Under attention TP the partial output is all-reduced by its own item in between
+        (:meth:`_p_all_reduce`: routed by the ordering; ``boundary`` = its segment)."""
+        ctx, runner = self.prefill_ctx, self.runner
+        faults_on = self.faults.active
+
+        def attn() -> None:
+            if faults_on:
+                self.faults.on_p_segment(epoch, layer)
+            box.st = runner.attn_route(layer, box.st, plan)
+            box.notified = runner.notify(ctx, box.st)     # the expert notification
+
+        def attention() -> None:
+            if faults_on:
+                self.faults.on_p_segment(epoch, layer)
+            box.o = runner.attention(layer, box.st, plan)
+
+        if not self._p_tensor_parallel:
+            return ctx.stream.submit(attn, label=f"P.attn{layer}", attrs=P_ITEM)
+        wa = ctx.stream.submit(attention, label=f"P.attn{layer}", attrs=P_ITEM)
+        ar = self._p_all_reduce(lambda: box.o, after=wa, epoch=epoch, boundary=boundary, gated=gated)
+
+        def route() -> None:
+            box.st = runner.after_attention(layer, box.st, ar.enqueued().result())
+            box.notified = runner.notify(ctx, box.st)
+
+        return ctx.stream.submit(route, label=f"P.route{layer}", attrs=P_ITEM,
+                                 deps=(ar,) if ar.stream is not ctx.stream else ())
+
+    _p_tensor_parallel = False
+    """This rank holds a shard of the attention heads: P all-reduces every layer's output."""
+
+    def _p_all_reduce(self, tensor, *, after, epoch: int, boundary: int, gated: bool):  # pragma: no cover
+        raise NotImplementedError("attention TP runs in the lockstep engine")
 
     def _finish_prefill(self, plan: BatchPlan, logits: torch.Tensor) -> None:
         """Promote completed prompts to D (lifetime-checked); advance partial chunks."""
@@ -448,7 +498,7 @@ class Engine:
         """Enqueue one D iteration of ``rows`` (empty on a lockstep rank without rows), inside
         the turnstile round ``rnd`` when one is open; await completion; emit the tokens."""
         t_build = self.rec.now()
-        plan = self.runner.build([], rows)
+        plan = await self._decode_plan(rows)
         self.rec.sample("d_build_s", self.rec.now() - t_build)
         if self.faults.active:
             skew = self.faults.d_skew_s()
@@ -456,7 +506,10 @@ class Engine:
                 await asyncio.sleep(skew)
         for t in rows:
             t.in_flight += 1
-        w = self.decode_ctx.stream.submit(self.runner.decode, plan, self.decode_ctx, label="D.iter")
+        self._before_d_launch(rnd)
+        w = self.decode_ctx.stream.submit(self.runner.decode, plan, self.decode_ctx, label="D.iter",
+                                          attrs={**D_ITEM, "epoch": rnd.epoch if rnd else None},
+                                          delay_s=self._d_device_delay_s)
         self._d_in_flight = True
         if rows:
             self.rec.sample("d_wait_s", self.rec.now() - t_ready)
@@ -465,9 +518,11 @@ class Engine:
         try:
             if rnd is not None:
                 await self.turnstile.after_decode(rnd)
-                if self.prefill_ctx.stream.num_pending:
+                p_running = self.prefill_ctx.stream.num_pending
+                if p_running:
                     # the enqueue ACK came while P work was still running: not a completion fence
                     self.rec.count("delayed_ack_rounds")
+                self.rec.event("ack", epoch=rnd.epoch, boundary=rnd.boundary, p_running=p_running)
             logits = await w.done()
         finally:
             self._d_in_flight = False
@@ -479,6 +534,16 @@ class Engine:
         self._finish_decode(plan, logits)
         self._drain_cleanups()
         self.rec.sample("d_post_s", self.rec.now() - t_done)
+
+    async def _decode_plan(self, rows: list[Turn]) -> BatchPlan:
+        """The D batch of ``rows`` (a lockstep rank pads it and shares it with its TP followers)."""
+        return self.runner.build([], rows)
+
+    def _before_d_launch(self, rnd) -> None:
+        """Host side of the D launch, right before it is enqueued (lockstep: D's collectives)."""
+
+    _d_device_delay_s = 0.0
+    """Fault injection: the D iteration starts this much later on the device (replicas out of phase)."""
 
     def _finish_decode(self, plan: BatchPlan, logits: torch.Tensor) -> None:
         live = [i for i, t in enumerate(plan.logit_turns) if not t.abort_requested and t.state is TurnState.DECODING]

@@ -1,12 +1,15 @@
-"""Bridge between the model's MoE layers and the phase-owned expert dispatchers.
+"""Bridge between the model's MoE layers and P's phase-owned expert dispatcher.
 
-The phase is always explicit: every call takes the :class:`PhaseContext` of the work
-it belongs to, and the dispatcher is chosen from it (``PhaseDispatchers.get(ctx)``).
+The phase is always explicit: every call takes the :class:`PhaseContext` of the work it belongs
+to, and only P's context is accepted: D reaches the experts through the DP-attention gather /
+scatter of :class:`~ainfer_pd.engine.tensor_parallel.DecodeHooks` (static shapes, capturable),
+never through this exchange.
 
 Prefill splits a MoE layer at the notification (SPEC 3.4): ``notify`` (counts exchange,
 peers learn the shape) -> the P task awaits the receive counts and then the turnstile
-permit -> ``finish`` (routed data movement, local experts, combine). Decode runs the
-three steps back to back inside its iteration.
+permit -> ``finish`` (routed data movement, local experts, combine). The data movement runs on
+the device's communication budget (:meth:`~ainfer_pd.engine.device.Device.comm_budget`), not in
+a compute residency slot.
 """
 from __future__ import annotations
 
@@ -15,8 +18,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..comm.experts.base import Notified, PhaseDispatchers
-from ..phase import PhaseContext
+from ..comm.experts.base import Notified
+from ..errors import ConfigError
+from ..phase import Phase, PhaseContext
 from .model import MoETransformer
 from .moe import Routing, swiglu_grouped
 
@@ -40,9 +44,22 @@ def expert_shard(cfg: Any, rank: int | None = None) -> tuple[int, int] | None:
 
 
 class ExpertParallel:
-    def __init__(self, model: MoETransformer, dispatchers: PhaseDispatchers) -> None:
+    def __init__(self, model: MoETransformer, dispatcher: Any, device: Any = None) -> None:
+        if dispatcher.phase is not Phase.PREFILL:
+            raise ConfigError("ExpertParallel carries P's dispatcher (D uses the DP-attention gather)")
         self.model = model
-        self.dispatchers = dispatchers
+        self.dispatcher = dispatcher
+        self.device = device
+        """The device whose communication budget the data movement runs on (None: no residency)."""
+
+    def _get(self, ctx: PhaseContext) -> Any:
+        if ctx.phase is not Phase.PREFILL:
+            raise ConfigError(f"the {ctx.phase.name} phase has no expert dispatcher here (P only)")
+        return self.dispatcher
+
+    def _budget(self):
+        import contextlib
+        return self.device.comm_budget() if self.device is not None else contextlib.nullcontext()
 
     def _local_fn(self, layer: int, disp: Any):
         lo, hi = disp.local_expert_range
@@ -60,13 +77,17 @@ class ExpertParallel:
         return fn
 
     def notify(self, ctx: PhaseContext, routing: Routing, tokens=()) -> Notified:
-        return self.dispatchers.get(ctx).notify(routing.topk_idx, tokens=tokens)
+        return self._get(ctx).notify(routing.topk_idx, tokens=tokens)
 
     def finish(self, ctx: PhaseContext, notified: Notified, x: Tensor, routing: Routing, layer: int) -> Tensor:
-        disp = self.dispatchers.get(ctx)
-        d = disp.dispatch(notified, x, routing.topk_idx, routing.topk_weights)
-        return disp.combine(d, self._local_fn(layer, disp)(d.x, d.counts))
+        disp = self._get(ctx)
+        with self._budget():
+            d = disp.dispatch(notified, x, routing.topk_idx, routing.topk_weights)
+        y = self._local_fn(layer, disp)(d.x, d.counts)
+        with self._budget():
+            return disp.combine(d, y)
 
     def run(self, ctx: PhaseContext, x: Tensor, routing: Routing, layer: int) -> Tensor:
-        disp = self.dispatchers.get(ctx)
-        return disp.run_moe(x, routing.topk_idx, routing.topk_weights, self._local_fn(layer, disp))
+        disp = self._get(ctx)
+        with self._budget():
+            return disp.run_moe(x, routing.topk_idx, routing.topk_weights, self._local_fn(layer, disp))

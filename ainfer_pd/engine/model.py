@@ -149,13 +149,11 @@ class MoETransformer(nn.Module):
         fb.rope = rope_cos_sin(fb.positions, c.rotary_dim, c.rope_theta, self.embed.dtype)
         return SegmentState(h=F.embedding(fb.input_ids, self.embed))
 
-    def attn_route(self, i: int, st: SegmentState, fb: ForwardBatch, kv: Tensor,
-                   attn_reduce: Callable[[Tensor], Tensor] | None = None) -> SegmentState:
-        """Attention of layer i (writes this layer's KV), then the router of its MoE.
-
-        kv [2, S, Hk, hd] is layer i's cache. Returns the state with ``routing`` set (None for
-        a dense layer): its ``counts`` are what an expert exchange notifies to peers.
-        """
+    def attention(self, i: int, st: SegmentState, fb: ForwardBatch, kv: Tensor) -> Tensor:
+        """Attention of layer i over this model's heads (writes this layer's KV): the output
+        projection [T, D]. Under attention tensor parallelism (:mod:`.tensor_parallel`) the model
+        holds a shard of the heads and this is a partial sum, reduced over the TP group before
+        :meth:`after_attention`. kv [2, S, Hk, hd] is layer i's cache (Hk: this model's KV heads)."""
         c, lyr, kn = self.cfg, self.layers[i], self.kernels
         T = st.h.shape[0]
         x = kn.rms_norm(st.h, lyr.attn_norm, c.rms_eps)
@@ -168,12 +166,27 @@ class MoETransformer(nn.Module):
         # QK-norm over each head (when the architecture has it), RoPE, this batch's K/V into the cache
         q = kn.prologue(q, k, v, lyr.q_norm, lyr.k_norm, c.rms_eps, fb.rope, kv, fb.write_slots)
         o = attend(q, kv, fb, self.attn_backend)                           # [T, H, hd]
-        o = F.linear(o.reshape(T, H * hd), lyr.wo, lyr.bo)                 # [T, D]
+        return F.linear(o.reshape(T, H * hd), lyr.wo, lyr.bo)              # [T, D]
+
+    def after_attention(self, i: int, st: SegmentState, o: Tensor) -> SegmentState:
+        """Residual add of the (reduced) attention output, FFN norm, then the router of layer i's
+        MoE (None for a dense layer): its ``counts`` are what an expert exchange notifies to peers."""
+        c, lyr = self.cfg, self.layers[i]
+        h, xn = self.kernels.add_rms_norm(o, st.h, lyr.ffn_norm, c.rms_eps)
+        return SegmentState(h=h, xn=xn, routing=self.route_rows(i, xn) if lyr.is_moe else None)
+
+    def route_rows(self, i: int, xn: Tensor) -> Routing:
+        """The router of layer i's MoE over any rows xn [N, D] (e.g. every replica's, gathered)."""
+        lyr = self.layers[i]
+        return route(xn, lyr.router, self.router_spec, lyr.router_bias)
+
+    def attn_route(self, i: int, st: SegmentState, fb: ForwardBatch, kv: Tensor,
+                   attn_reduce: Callable[[Tensor], Tensor] | None = None) -> SegmentState:
+        """:meth:`attention` (reduced by ``attn_reduce`` under TP), then :meth:`after_attention`."""
+        o = self.attention(i, st, fb, kv)
         if attn_reduce is not None:
             o = attn_reduce(o)
-        h, xn = kn.add_rms_norm(o, st.h, lyr.ffn_norm, c.rms_eps)
-        routing = route(xn, lyr.router, self.router_spec, lyr.router_bias) if lyr.is_moe else None
-        return SegmentState(h=h, xn=xn, routing=routing)
+        return self.after_attention(i, st, o)
 
     def experts(self, i: int, st: SegmentState, expert_fn: ExpertFn | None = None) -> SegmentState:
         """Routed experts (local, or through an expert-parallel backend) plus the shared expert;

@@ -17,8 +17,9 @@ from .attention import DecodeMeta, ForwardBatch, PrefillSeq, select_backend
 from .attention.backend import resolve_kernel_backend
 from .kv_cache import KVCacheManager
 from .model import MoETransformer, SegmentState, build_model
-from ..phase import PhaseContext
+from ..phase import Phase, PhaseContext
 from .state import Turn
+from .tensor_parallel import LOCAL, PhaseHooks
 
 log = logging.getLogger("ainfer_pd.runner")
 
@@ -38,19 +39,24 @@ class BatchPlan:
 
 
 class ModelRunner:
-    def __init__(self, cfg: WorkerConfig, device: torch.device, kv: KVCacheManager) -> None:
+    def __init__(self, cfg: WorkerConfig, device: torch.device, kv: KVCacheManager,
+                 tp_shard: tuple[int, int] | None = None) -> None:
         self.cfg = cfg
         self.device = device
         self.kv = kv
         mc = cfg.model
         from .expert_parallel import expert_shard
         self.model: MoETransformer = build_model(mc, device, experts=expert_shard(cfg))   # EP: this rank's experts
+        if tp_shard is not None:                     # attention TP: this rank's heads (and their KV) only
+            from .tensor_parallel import shard_attention_
+            shard_attention_(self.model, *tp_shard)
         # [layers, 2, S, Hk, hd] with S = (num_blocks + 1) * block_size: the last block is scratch,
-        # written by padded graph rows and warm-up passes (its first slot), never allocated
+        # written by padded graph rows and warm-up passes (its first slot), never allocated.
+        # Hk = this rank's KV heads (the model's: a TP shard holds num_kv_heads / ATP).
         self.scratch_block = kv.alloc.num_blocks
         self.scratch_slot = self.scratch_block * kv.block_size
         self.kv_cache = torch.zeros(mc.num_layers, 2, (kv.alloc.num_blocks + 1) * kv.block_size,
-                                    mc.num_kv_heads, mc.head_dim, dtype=mc.torch_dtype, device=device)
+                                    self.model.cfg.num_kv_heads, mc.head_dim, dtype=mc.torch_dtype, device=device)
         dc = cfg.device
         self.model.attn_backend = select_backend(dc.attention_backend, device, mc.head_dim)
         self.moe_backend = resolve_kernel_backend("moe_backend", dc.moe_backend, device)
@@ -59,8 +65,10 @@ class ModelRunner:
             self.model.expert_kernel = fused_experts
         log.info("attention backend %s, MoE backend %s", self.model.attn_backend.name, self.moe_backend)
         self.graphs = None
-        self.ep = None                 # ExpertParallel when experts are spread over ranks
-        self.attn_reduce = None        # set by the attention-TP collectives
+        self.ep = None                 # P's ExpertParallel when experts are spread over ranks
+        self.hooks: dict[Phase, PhaseHooks] = {Phase.PREFILL: LOCAL, Phase.DECODE: LOCAL}
+        """What each phase's whole forward pass calls between segments (multi-rank: the attention
+        reduce and the expert path; single rank: nothing)."""
 
     # ------------------------------------------------------------------ batches
     def build(self, prefill: list[tuple[Turn, int, int]], decode: list[Turn]) -> BatchPlan:
@@ -115,7 +123,14 @@ class ModelRunner:
         return self.model.embed_tokens(plan.fb)
 
     def attn_route(self, layer: int, st: SegmentState, plan: BatchPlan) -> SegmentState:
-        return self.model.attn_route(layer, st, plan.fb, self.kv_cache[layer], self.attn_reduce)
+        return self.model.attn_route(layer, st, plan.fb, self.kv_cache[layer])
+
+    def attention(self, layer: int, st: SegmentState, plan: BatchPlan) -> Tensor:
+        """The attention output over this rank's heads (a partial sum under TP) [T, D]."""
+        return self.model.attention(layer, st, plan.fb, self.kv_cache[layer])
+
+    def after_attention(self, layer: int, st: SegmentState, o: Tensor) -> SegmentState:
+        return self.model.after_attention(layer, st, o)
 
     def notify(self, ctx: PhaseContext, st: SegmentState):
         """Start the expert exchange of this layer (peers learn the shape); None without EP
@@ -124,11 +139,10 @@ class ModelRunner:
 
     def experts(self, layer: int, st: SegmentState, ctx: PhaseContext, notified=None) -> SegmentState:
         """Routed + shared experts; with EP the data moves now (after counts and permit)."""
-        fn = None
-        if self.ep is not None:
+        fn = self.hooks[ctx.phase].experts
+        if notified is not None:
             ep = self.ep
-            fn = ((lambda x, r, i: ep.finish(ctx, notified, x, r, i)) if notified is not None
-                  else (lambda x, r, i: ep.run(ctx, x, r, i)))
+            fn = lambda x, r, i: ep.finish(ctx, notified, x, r, i)      # noqa: E731
         return self.model.experts(layer, st, fn)
 
     def head(self, st: SegmentState, plan: BatchPlan) -> Tensor:
@@ -139,11 +153,8 @@ class ModelRunner:
         return self.forward_fb(plan.fb, ctx)
 
     def forward_fb(self, fb: ForwardBatch, ctx: PhaseContext) -> Tensor:
-        fn = None
-        if self.ep is not None:
-            ep = self.ep
-            fn = lambda x, r, i: ep.run(ctx, x, r, i)
-        return self.model.forward_batch(fb, self.kv_cache, fn, self.attn_reduce)
+        h = self.hooks[ctx.phase]
+        return self.model.forward_batch(fb, self.kv_cache, h.experts, h.attn_reduce)
 
     def decode(self, plan: BatchPlan, ctx: PhaseContext) -> Tensor:
         """One D iteration: CUDA-graph replay when a bucket fits, else eager."""
@@ -202,9 +213,6 @@ class ModelRunner:
         """CUDA only: capture decode graphs for the configured buckets."""
         from .cuda_graphs import DecodeGraphs
         dc = self.cfg.device
-        if self.ep is not None:
-            log.warning("expert-parallel decode with host split sizes is not graph-capturable; decoding eagerly")
-            return 0
         if self.cfg.model.dtype != "bfloat16" and self.moe_backend != "triton":
             log.warning("CUDA graphs with the torch MoE path need bf16 experts (grouped GEMM); %s decodes eagerly",
                         self.cfg.model.dtype)

@@ -9,14 +9,16 @@ phase collectives: ``coll_enqueue`` (host enqueue order: ``phase``, ``comm``, ``
 
 Checks (SPEC 3.3, 7):
 
-1. **Direction of every registered pair.** For each registered P collective ``R`` of epoch
-   ``e`` issued past boundary ``j``, the D launch ``G`` of the turnstile round that granted it
+1. **Direction of every registered pair.** For each registered P collective ``R`` of a gated
+   epoch ``e`` issued past boundary ``j``, the D launch ``G`` of the turnstile round that granted it
    (the last round ``(e, b)`` with ``b <= j``) must be enqueued **before** ``R`` on the
    **same stream** (D -> P by FIFO), and every rank must show the same direction at the same
    ``(e, j)``. A registered P collective on another stream than its round's D launch has no
    device order ("unordered"); one without any round has no order either ("no-round").
    A registered P collective of an earlier segment (``j < b``) must precede ``G(e, b)``
-   (``R- < G``).
+   (``R- < G``). A P collective of an ungated epoch (``gated: false``: D does not launch while it
+   runs, and the lockstep step loop awaited the last D iteration before it began) is ordered by
+   that exclusion and only counted.
 2. **Participation.** Every rank issues the same registered ``(e, j)`` set.
 3. **Rendezvous alignment.** Every rank passes the same sequence of ``rdv1`` / ``rdv2`` at the
    same (epoch, boundary, permit).
@@ -61,11 +63,23 @@ def load_traces(run_dir: str | Path) -> dict[int, list[dict]]:
     return out
 
 
+def union(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The intervals merged into disjoint, sorted ones (nested items count once)."""
+    out: list[list[float]] = []
+    for a, b in sorted(iv):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
 def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Total time the intervals of ``a`` overlap those of ``b`` (pairwise sum)."""
+    """Total time during which some interval of ``a`` and some interval of ``b`` both run."""
     tot = 0.0
-    for x0, x1 in a:
-        for y0, y1 in b:
+    ub = union(b)
+    for x0, x1 in union(a):
+        for y0, y1 in ub:
             tot += max(0.0, min(x1, y1) - max(x0, y0))
     return tot
 
@@ -79,8 +93,8 @@ def check_traces(traces: dict[int, list[dict]], meta: dict | None = None) -> dic
     rdv_seqs: dict[int, list[tuple]] = {}
     rdv_costs: list[float] = []
     delayed_ack = acks = 0
-    reg_overlap = other_overlap = 0.0
-    pairs_checked = 0
+    reg_overlap = other_overlap = p_other_busy = 0.0
+    pairs_checked = pairs_exclusive = 0
 
     for rank, evs in sorted(traces.items()):
         enq = [(i, e) for i, e in enumerate(evs) if e.get("ev") == "coll_enqueue"]
@@ -93,6 +107,9 @@ def check_traces(traces: dict[int, list[dict]], meta: dict | None = None) -> dic
             if e.get("phase") == "D" and e.get("epoch") is not None:
                 g_by_round[(e["epoch"], e["boundary"])].append((i, e))
             elif e.get("phase") == "P":
+                if e.get("gated") is False:
+                    pairs_exclusive += 1          # ungated epoch: no D in flight while it runs
+                    continue
                 p_reg.append((i, e))
         rounds_by_epoch: dict[int, list[int]] = defaultdict(list)
         for (ep, b) in g_by_round:
@@ -147,6 +164,7 @@ def check_traces(traces: dict[int, list[dict]], meta: dict | None = None) -> dic
         ro, oo = overlap_seconds(p_reg_iv, d_reg_iv), overlap_seconds(p_other, d_all)
         reg_overlap += ro
         other_overlap += oo
+        p_other_busy += sum(b - a for a, b in union(p_other))
         per_rank[rank] = {"events": len(evs), "registered_p": len(p_reg), "rounds": len(seq) // 2,
                           "registered_pair_overlap_ms": 1e3 * ro, "other_p_vs_d_overlap_ms": 1e3 * oo}
 
@@ -188,6 +206,7 @@ def check_traces(traces: dict[int, list[dict]], meta: dict | None = None) -> dic
         "registered_pairs": (meta or {}).get("registered_pairs") if meta else None,
         "registered_seen": registered_seen,
         "pairs_checked": pairs_checked,
+        "pairs_exclusive": pairs_exclusive,
         "violations": violations,
         "ok": not violations,
         "rendezvous_per_rank": n_rdv,
@@ -197,6 +216,8 @@ def check_traces(traces: dict[int, list[dict]], meta: dict | None = None) -> dic
         "delayed_ack_rounds": delayed_ack,
         "registered_pair_overlap_ms": 1e3 * reg_overlap,
         "other_p_vs_d_overlap_ms": 1e3 * other_overlap,
+        "p_work_ms": 1e3 * p_other_busy,
+        "p_overlap_fraction": other_overlap / p_other_busy if p_other_busy else 0.0,
         "per_rank": per_rank,
     }
 
@@ -219,13 +240,15 @@ def check_run_dir(run_dir: str | Path) -> dict[str, Any]:
 def format_report(rep: dict) -> str:
     lines = [f"trace-check {rep.get('run_dir', '')}: {len(rep['ranks'])} ranks, "
              f"{rep['pairs_checked']} registered P collectives checked"
+             + (f" ({rep['pairs_exclusive']} more in ungated epochs)" if rep.get("pairs_exclusive") else "")
              + (f" (pairs: {', '.join(rep['registered_pairs'])})" if rep.get("registered_pairs") else "")]
     lines.append(f"  rendezvous: {rep['rendezvous_per_rank']} per rank ({rep['rounds_per_rank']} rounds), "
                  f"mean cost {rep['rendezvous_mean_ms']:.3f} ms")
     lines.append(f"  delayed-ACK rounds (rendezvous 2 done while P work still running): "
                  f"{rep['delayed_ack_rounds']} of {rep['ack_rounds']}")
     lines.append(f"  overlap: registered pairs {rep['registered_pair_overlap_ms']:.3f} ms (must be 0); "
-                 f"other P work vs D {rep['other_p_vs_d_overlap_ms']:.3f} ms")
+                 f"other P work vs D {rep['other_p_vs_d_overlap_ms']:.3f} ms "
+                 f"({100 * rep.get('p_overlap_fraction', 0.0):.1f}% of {rep.get('p_work_ms', 0.0):.1f} ms of P work)")
     if rep["violations"]:
         lines.append(f"  VIOLATIONS ({len(rep['violations'])}):")
         lines.extend(f"    {v}" for v in rep["violations"])

@@ -37,8 +37,8 @@ from ..comm.topology import ATTN_DP_D, ATTN_TP_P, Topology
 from ..engine.device import CpuDevice, Device, Stream, Work
 from ..errors import DistributedError, TopologyError
 from ..phase import Phase
-from .backend import group_backend
-from .ordering import (
+from ..comm.backend import group_backend
+from ..comm.ordering import (
     D_ADP_ALL_GATHER,
     D_ADP_REDUCE_SCATTER,
     P_ATP_ALL_REDUCE,

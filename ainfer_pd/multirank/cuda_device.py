@@ -43,7 +43,7 @@ import torch
 from ..engine.device import CudaDevice, Stream, Work
 from ..errors import DistributedError
 from ..phase import Phase
-from .backend import group_backend, require_cuda
+from ..comm.backend import group_backend, require_cuda
 
 __all__ = [
     "CompletionPoller",

@@ -63,14 +63,22 @@ from ..errors import (
     TopologyError,
 )
 from ..phase import Phase
-from .backend import check_backend
-from .ordering import (
+from ..comm.backend import check_backend
+from ..comm.ordering import (
     D_ADP_ALL_GATHER,
     P_ATP_ALL_REDUCE,
     ConflictRegistry,
     check_ordering,
-    collective_stream,
 )
+
+
+def collective_stream(ordering: str, kind, registry: ConflictRegistry) -> str:
+    """The harness's own streams: global-implicit puts every collective on stream C."""
+    if ordering == "global-implicit":
+        return "C"
+    if ordering == "selective" and kind.phase is Phase.PREFILL and registry.is_registered(kind):
+        return "D"
+    return kind.phase.value
 
 __all__ = ["HarnessOutcome", "HarnessSpec", "expected_rounds", "harness_rank", "run_harness"]
 
@@ -177,7 +185,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor, reps: int, delay_s: float) -> torch.Te
 def make_device(spec: HarnessSpec, recorder: Any) -> Any:
     """The harness device of this rank: the CPU stand-in (gloo) or ``cuda:LOCAL_RANK`` (nccl)."""
     if spec.backend == "nccl":
-        from .backend import local_cuda_index
+        from ..comm.backend import local_cuda_index
         from .cuda_device import DepCudaDevice
         return DepCudaDevice(recorder, local_cuda_index(), residency_slots=spec.residency_slots)
     from .collectives import DepCpuDevice
@@ -197,7 +205,7 @@ class _Run:
         from ..turnstile.dist_rendezvous import GlooRendezvous, make_rendezvous
         from ..turnstile.turnstile import Turnstile
         from .collectives import PhaseCollectives
-        from .watchdog import Watchdog
+        from ..comm.watchdog import Watchdog
 
         self.rank, self.topo, self.spec, self.store = rank, topo, spec, store
         self.run_dir = Path(spec.run_dir) if spec.run_dir else None
@@ -566,7 +574,7 @@ async def _rank_main(rank: int, world_size: int, specs: list[HarnessSpec], *, re
     topo = Topology(world_size=world_size, attn_dp=s0.attn_dp, expert_parallel=1, rank=rank)
     cuda_index = None
     if s0.backend == "nccl":
-        from .backend import local_cuda_index
+        from ..comm.backend import local_cuda_index
         cuda_index = local_cuda_index()
         torch.cuda.set_device(cuda_index)
     groups = build_process_groups(topo, s0.backend, control_timeout_s=max(s.rendezvous_timeout_s for s in specs),

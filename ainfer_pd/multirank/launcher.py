@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AInferPDError, ConfigError, PeerLostError, StallError
-from .backend import check_backend, data_backend_for
+from ..comm.backend import check_backend, data_backend_for
 from .harness import (
     SKEW_MODES,
     HarnessSpec,
@@ -42,7 +42,7 @@ from .harness import (
     registry_for,
     summarize_error,
 )
-from .ordering import ORDERINGS
+from ..comm.ordering import ORDERINGS
 
 __all__ = ["build_parser", "build_specs", "cli_rank", "expectation", "main", "rank_summary", "report"]
 

@@ -1,6 +1,6 @@
 """Data backend of the phase collectives, chosen from the device.
 
-One rule for the harness and the lockstep engine: CUDA ranks use **NCCL** for their data
+One rule for the lockstep engine: CUDA ranks use **NCCL** for their data
 collectives (attention all-reduce / all-gather / reduce-scatter, expert all-to-all), CPU ranks
 use **gloo**; the control group (rendezvous, store side channel) is always gloo
 (``comm.topology.build_process_groups``). Importable without CUDA: nothing here touches the
@@ -13,6 +13,8 @@ import os
 from ..errors import BackendUnavailableError, ConfigError
 
 __all__ = [
+    "abort_nccl",
+    "warm_up_nccl",
     "BACKENDS",
     "DEVICES",
     "check_backend",
@@ -91,3 +93,50 @@ def group_backend(group) -> str:
     """Backend name of a ``torch.distributed`` group ("gloo", "nccl", ...)."""
     import torch.distributed as dist
     return str(dist.get_backend(group))
+
+
+def warm_up_nccl(groups: dict, index: int) -> list[str]:
+    """One tiny all-reduce on every NCCL group (sorted by name: the same order on every rank),
+    then synchronize: every communicator exists before out-of-phase traffic starts (lazy creation
+    inside racing stream threads could itself deadlock). Returns the names warmed up."""
+    import torch
+    import torch.distributed as dist
+
+    todo = sorted(n for n, pg in groups.items() if n != "world" and group_backend(pg) == "nccl")
+    if not todo:
+        return []
+    torch.cuda.set_device(index)
+    t = torch.zeros(1, device=torch.device("cuda", index))
+    for name in todo:
+        dist.all_reduce(t, group=groups[name])
+    torch.cuda.synchronize(index)
+    return todo
+
+
+def abort_nccl(groups: dict, timeout_s: float = 10.0) -> bool:
+    """Abort the NCCL communicators among ``groups`` (``ProcessGroup.abort``: ncclCommAbort, kernels
+    spinning on a dead or stalled peer exit) on a daemon thread; True if that finished within
+    ``timeout_s``. Best effort: after a stall the process exits either way."""
+    import threading
+    pgs: list = []
+    for pg in groups.values():
+        try:
+            nccl = group_backend(pg) == "nccl"
+        except (RuntimeError, ValueError):        # destroyed already: nothing to abort
+            continue
+        if nccl and all(pg is not q for q in pgs):
+            pgs.append(pg)
+    if not pgs:
+        return True
+
+    def work() -> None:
+        for pg in pgs:
+            try:
+                pg.abort()
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+
+    th = threading.Thread(target=work, name="ainfer-pd-nccl-abort", daemon=True)
+    th.start()
+    th.join(timeout_s)
+    return not th.is_alive()

@@ -1,10 +1,11 @@
-"""Progress watchdog of one rank: no progress for ``stall_s`` seconds -> :class:`StallError`
-with the cross-rank frontier.
+"""Progress watchdog of one rank: no progress for ``stall_s`` seconds while device work is
+pending -> :class:`StallError` with the cross-rank frontier.
 
 Progress is any change of the rank's progress key (completed collectives, D iterations,
-P segments). On a stall every rank publishes its local frontier (completed D iterations and
-P segments, collectives in flight with communicator, group, phase, sequence number, stream
-and state, and how many collectives it has *joined* per communicator) in the
+P segments, completed requests); an idle rank (nothing pending on its device: clients in their
+tool waits) is never stalled. On a stall every rank publishes its local frontier (completed
+requests, D iterations and P segments, collectives in flight with communicator, group, phase,
+sequence number, stream and state, and how many collectives it has *joined* per communicator) in the
 ``torch.distributed`` store, waits briefly for its peers' frontiers, and raises a
 :class:`StallError` whose message says, for every collective running on a rank (holding a
 residency slot), which peers have not joined it, and names the device-progress cycle when the
@@ -31,12 +32,14 @@ __all__ = ["Watchdog", "describe_frontier", "find_wait_cycle"]
 class Watchdog:
     def __init__(self, *, rank: int, world_size: int, stall_s: float, progress: Callable[[], Any],
                  probe: Callable[[], dict], store: Any = None, prefix: str = "ainfer_pd/mr",
-                 heartbeat_s: float = 0.25, peer_wait_s: float = 1.5, poll_s: float = 0.05) -> None:
+                 heartbeat_s: float = 0.25, peer_wait_s: float = 1.5, poll_s: float = 0.05,
+                 busy: Callable[[], bool] | None = None) -> None:
         if stall_s <= 0:
             raise ValueError("stall_s must be > 0")
         self.rank, self.world_size = rank, world_size
         self.stall_s = float(stall_s)
         self._progress, self._probe = progress, probe
+        self._busy = busy or (lambda: True)
         self._store = store
         self.prefix = prefix
         self.heartbeat_s, self.peer_wait_s, self.poll_s = heartbeat_s, peer_wait_s, poll_s
@@ -107,7 +110,7 @@ class Watchdog:
             await asyncio.sleep(self.poll_s)
             key = self._progress()
             now = time.monotonic()
-            if key != last_key:
+            if key != last_key or not self._busy():
                 last_key, last_t = key, now
                 continue
             if now - last_t >= self.stall_s:
@@ -213,14 +216,24 @@ def describe_frontier(frontiers: dict[int, dict], world_size: int) -> tuple[str,
         if f is None:
             lines.append(f"  rank {r}: no frontier report (dead, or not stalled)")
             continue
-        lines.append(f"  rank {r}: completed D iterations {f.get('d_done')}, P segments {f.get('p_done')}"
+        done = f", completed requests {f['requests_done']}" if f.get("requests_done") is not None else ""
+        lines.append(f"  rank {r}: completed D iterations {f.get('d_done')}, P segments {f.get('p_done')}{done}"
                      f"{', ' + f['note'] if f.get('note') else ''}")
+        queued = []
         for c in f.get("colls", {}).get("inflight", []):
-            nj = _not_joined(c, frontiers)
-            what = ("RUNNING (holds a residency slot), peers not joined: " + str(nj)) if c["state"] == "running" \
-                else c["state"]
+            if c["state"] != "running":
+                queued.append(c)
+                continue
             lines.append(f"    {c['phase']} {c['op']} {c['comm']}#{c['seq']} group {tuple(c['group'])} on stream "
-                         f"{c['stream']} (epoch {c.get('epoch')}, boundary {c.get('boundary')}): {what}")
+                         f"{c['stream']} (epoch {c.get('epoch')}, boundary {c.get('boundary')}): RUNNING (resident: holds "
+                         f"its slot), peers not joined: {_not_joined(c, frontiers)}")
+        if queued:
+            heads = {}
+            for c in queued:                       # the next one of each stream: what waits behind the slot
+                heads.setdefault(c["stream"], c)
+            lines.append(f"    {len(queued)} queued; next per stream: " + "; ".join(
+                f"{st}: {c['phase']} {c['op']} {c['comm']}#{c['seq']} group {tuple(c['group'])}"
+                for st, c in sorted(heads.items())))
     cycle = find_wait_cycle(frontiers)
     if cycle:
         parts = []

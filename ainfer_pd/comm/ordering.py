@@ -1,33 +1,43 @@
-"""Registry of conflicting collective pairs and the stream each collective goes to (SPEC 3.3).
+"""Conflicting collective pairs, the orderings, and the stream each collective goes to (SPEC 3.3).
 
-A *conflicting pair* is a P collective and a D collective on different communicators that
-share ranks while neither group contains the other (the crossed topology of SPEC 2): if two
-ranks launch them in opposite device order, a device-progress cycle can close. Only such
-registered pairs are serialised by the device-order edge; every other P work item keeps its
-own stream and overlaps D.
+The one home of :data:`ORDERINGS` and of the collective kinds the engine issues:
+
+* P (eager): ``P:all_reduce@attn_tp.P``, the full attention-TP all-reduce of every layer;
+* D (in its iteration, a graph replay on CUDA): ``D:all_reduce@attn_tp.D`` (its own attention-TP
+  reduce), ``D:all_gather@attn_dp.D`` / ``D:reduce_scatter@attn_dp.D`` (the DP-attention gather /
+  scatter around the experts).
+
+A *conflicting pair* is a P and a D collective on different communicators that share at least
+two ranks: if two ranks launch them in opposite device order, a device-progress cycle can close.
+SPEC 2's crossed pair (P attention-TP all-reduce x D DP-attention collectives, ATP > 1 and
+ADP > 1: the groups intersect, neither contains the other) closes a cycle through four ranks;
+D's own attention-TP all-reduce shares every rank with P's (ATP > 1) and closes one through
+two. Only registered pairs are serialised by the device-order edge; every other P work item
+keeps its own stream and overlaps D. Expert exchanges are never registered: they run on their
+own communication budget (phase-owned DeepEP-style state, SPEC 3.4).
 
 Ordering modes (``ParallelConfig.ordering``):
 
 * ``none``: communicator isolation only; every collective on its phase's stream.
 * ``selective``: a registered P collective is enqueued on the **D stream** (after the D
   launch of the turnstile round that granted its permit): ``R- < G < R+`` by stream FIFO.
-* ``global-implicit``: one total order of all collectives: every collective of both phases
-  on one dedicated collective stream, in turnstile order (like NCCL_LAUNCH_ORDER_IMPLICIT).
+* ``global-implicit``: one total order of all attention collectives: every P collective goes
+  onto the D stream, which carries D's (inside its iteration), in turnstile order (like
+  NCCL_LAUNCH_ORDER_IMPLICIT); registered or not.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..comm.topology import ATTN_DP_D, ATTN_TP_P, Topology, groups_cross
 from ..errors import ConfigError
 from ..phase import Phase
+from .topology import ATTN_DP_D, ATTN_TP_D, ATTN_TP_P, Topology, groups_cross
 
-__all__ = ["CollectiveKind", "P_ATP_ALL_REDUCE", "D_ADP_ALL_GATHER", "D_ADP_REDUCE_SCATTER",
-           "ConflictRegistry", "ORDERINGS", "P_STREAM", "D_STREAM", "C_STREAM", "collective_stream",
-           "check_ordering"]
+__all__ = ["CollectiveKind", "P_ATP_ALL_REDUCE", "D_ATP_ALL_REDUCE", "D_ADP_ALL_GATHER", "D_ADP_REDUCE_SCATTER",
+           "ConflictRegistry", "ORDERINGS", "P_STREAM", "D_STREAM", "collective_stream", "check_ordering"]
 
 ORDERINGS = ("none", "global-implicit", "selective")
-P_STREAM, D_STREAM, C_STREAM = "P", "D", "C"
+P_STREAM, D_STREAM = "P", "D"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +54,7 @@ class CollectiveKind:
 
 
 P_ATP_ALL_REDUCE = CollectiveKind(Phase.PREFILL, "all_reduce", ATTN_TP_P)
+D_ATP_ALL_REDUCE = CollectiveKind(Phase.DECODE, "all_reduce", ATTN_TP_D)
 D_ADP_ALL_GATHER = CollectiveKind(Phase.DECODE, "all_gather", ATTN_DP_D)
 D_ADP_REDUCE_SCATTER = CollectiveKind(Phase.DECODE, "reduce_scatter", ATTN_DP_D)
 
@@ -74,13 +85,17 @@ class ConflictRegistry:
 
     @classmethod
     def for_topology(cls, topology: Topology, *, force: bool = False) -> ConflictRegistry:
-        """(P ATP all-reduce x D DP-attention all-gather / reduce-scatter), registered only
-        when the attention-TP and DP-attention groups cross (ATP > 1 and ADP > 1), or always
-        with ``force`` (exercises the selective route where nothing crosses, e.g. one rank)."""
+        """The pairs of ``topology``: (P ATP all-reduce x D DP-attention all-gather /
+        reduce-scatter) when the attention-TP and DP-attention groups cross (ATP > 1 and
+        ADP > 1); (P ATP all-reduce x D ATP all-reduce) whenever ATP > 1 (the same ranks on two
+        communicators). ``force`` registers every pair (exercises the selective route where
+        nothing conflicts, e.g. one rank)."""
         reg = cls()
         if force or (topology.crossed and groups_cross(topology.all_tp_groups(), topology.all_dp_groups())):
             reg.register(P_ATP_ALL_REDUCE, D_ADP_ALL_GATHER)
             reg.register(P_ATP_ALL_REDUCE, D_ADP_REDUCE_SCATTER)
+        if force or topology.atp > 1:
+            reg.register(P_ATP_ALL_REDUCE, D_ATP_ALL_REDUCE)
         return reg
 
 
@@ -91,11 +106,12 @@ def check_ordering(ordering: str) -> str:
 
 
 def collective_stream(ordering: str, kind: CollectiveKind, registry: ConflictRegistry) -> str:
-    """Name of the stream a collective of ``kind`` is enqueued on under ``ordering``."""
+    """Name of the stream a collective of ``kind`` is enqueued on under ``ordering`` (pure)."""
     check_ordering(ordering)
-    own = P_STREAM if kind.phase is Phase.PREFILL else D_STREAM
+    if kind.phase is Phase.DECODE:
+        return D_STREAM                      # D's collectives are inside its iteration (graph)
     if ordering == "global-implicit":
-        return C_STREAM
-    if ordering == "selective" and kind.phase is Phase.PREFILL and registry.is_registered(kind):
         return D_STREAM
-    return own
+    if ordering == "selective" and registry.is_registered(kind):
+        return D_STREAM
+    return P_STREAM

@@ -1,0 +1,219 @@
+"""Phase-identified attention collectives of one rank (SPEC 2, 3.1, 3.3).
+
+* P (eager): the full attention-TP **all-reduce** of every layer over its own communicator
+  (``attn_tp.P``), launched as its own stream item (:meth:`PhaseCollectives.launch`) so the
+  ordering can route it (:func:`~ainfer_pd.comm.ordering.collective_stream`).
+* D (inside its iteration, a graph replay on CUDA): its own attention-TP all-reduce
+  (``attn_tp.D``) and the DP-attention **all-gather / reduce-scatter** around the experts
+  (``attn_dp.D``), called from the D item (:class:`~ainfer_pd.engine.tensor_parallel.DecodeHooks`).
+
+Each collective has two halves. :meth:`enqueue` is the *host* half: it numbers the collective
+on its communicator, writes ``coll_enqueue`` (host order: the trace-check's device-order
+evidence) and puts it in the in-flight table the watchdog reads. :meth:`run` is the *device*
+half, on the stream thread: ``coll_launch`` when it joins its communicator's current call (on
+the CPU stand-in it holds a residency slot until every peer joined, as a spinning NCCL kernel
+holds SMs), the blocking call, ``coll_done`` and a ``work`` interval. A D iteration enqueues
+every collective of its schedule at its launch (:meth:`enqueue_schedule`) and runs them in that
+order. Groups of one rank issue nothing. The phase is always explicit: a kind whose phase or
+communicator is not the caller's is refused.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ..errors import DistributedError, TopologyError
+from ..phase import Phase
+from .ordering import (D_ADP_ALL_GATHER, D_ADP_REDUCE_SCATTER, D_ATP_ALL_REDUCE, P_ATP_ALL_REDUCE, CollectiveKind,
+                       ConflictRegistry)
+from .topology import ATTN_DP_D, ATTN_TP_D, ATTN_TP_P, Topology
+
+__all__ = ["PhaseCollectives", "KINDS"]
+
+KINDS = (P_ATP_ALL_REDUCE, D_ATP_ALL_REDUCE, D_ADP_ALL_GATHER, D_ADP_REDUCE_SCATTER)
+
+
+class PhaseCollectives:
+    """The attention collectives of one rank.
+
+    ``groups``: :func:`~ainfer_pd.comm.topology.build_process_groups` (``attn_tp.P``, ``attn_tp.D``,
+    ``attn_dp.D``); ``backend``: their data backend (nccl: the tensor-native ops); ``registry``: the
+    conflicting pairs (default: from the topology); ``recorder``: trace and clock.
+    """
+
+    def __init__(self, topology: Topology, groups: dict[str, Any], *, backend: str, recorder: Any,
+                 registry: ConflictRegistry | None = None) -> None:
+        missing = [n for n in (ATTN_TP_P, ATTN_TP_D, ATTN_DP_D) if n not in groups]
+        if missing:
+            raise TopologyError(f"PhaseCollectives: process groups {missing} missing (build_process_groups)")
+        self.topology = topology
+        self.groups = groups
+        self.native = backend == "nccl"
+        self.recorder = recorder
+        self.registry = registry if registry is not None else ConflictRegistry.for_topology(topology)
+        self.members = {ATTN_TP_P: topology.tp_group, ATTN_TP_D: topology.tp_group, ATTN_DP_D: topology.dp_group}
+        self._lock = threading.Lock()
+        self.enqueued = {c: 0 for c in self.members}
+        self.joined = {c: 0 for c in self.members}
+        self.completed = {c: 0 for c in self.members}
+        self.inflight: dict[tuple[str, int], dict] = {}
+        self._pending: dict[str, collections.deque] = {c: collections.deque() for c in self.members}
+        """Per communicator: collectives enqueued by the host, not started yet (FIFO)."""
+        self.booking = True
+        """Trace and track every collective (off while warm-up passes / graph captures run them)."""
+        self.gate: Callable[[], Any] = contextlib.nullcontext
+        """The device's collective residency (``Device.collective_slot``): held while resident."""
+
+    # ------------------------------------------------------------------ identity
+    def size(self, comm: str) -> int:
+        return len(self.members[comm])
+
+    def active(self, kind: CollectiveKind) -> bool:
+        """The collective exists on this topology (its group has more than one rank)."""
+        return self.size(kind.comm) > 1
+
+    # ------------------------------------------------------------------ host half
+    def enqueue(self, kind: CollectiveKind, *, stream: str, epoch: int | None = None, boundary: int | None = None,
+                extra: dict | None = None) -> dict:
+        """Number ``kind`` on its communicator in host order and trace ``coll_enqueue``."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown attention collective {kind.name}")
+        comm = kind.comm
+        with self._lock:
+            self.enqueued[comm] += 1
+            info = {"name": kind.name, "phase": kind.phase.value, "op": kind.op, "comm": comm,
+                    "group": list(self.members[comm]), "seq": self.enqueued[comm], "stream": stream,
+                    "epoch": epoch, "boundary": boundary, "registered": self.registry.is_registered(kind),
+                    "state": "queued", "kind": kind, **(extra or {})}
+            self.inflight[(comm, info["seq"])] = info
+            self._pending[comm].append(info)
+        self._event("coll_enqueue", info)
+        return info
+
+    def enqueue_schedule(self, kinds: Iterable[CollectiveKind], *, stream: str, epoch: int | None,
+                         boundary: int | None, extra: dict | None = None) -> list[dict]:
+        """A D iteration's collectives, in the order its item will run them."""
+        return [self.enqueue(k, stream=stream, epoch=epoch, boundary=boundary, extra=extra) for k in kinds]
+
+    # ------------------------------------------------------------------ device half
+    def run(self, kind: CollectiveKind, t: torch.Tensor) -> torch.Tensor:
+        """Run the next enqueued collective of ``kind``'s communicator on ``t`` (stream thread).
+        With :attr:`booking` off (warm-up passes, graph capture) only the operation runs."""
+        if not self.booking:
+            return self._op(kind, t)
+        with self._lock:
+            q = self._pending[kind.comm]
+            info = q.popleft() if q else None
+        if info is None or info["kind"] != kind:
+            raise DistributedError(f"rank {self.topology.rank}: {kind.name} ran without its host enqueue "
+                                   f"(next enqueued: {info and info['name']})")
+        with self.gate():                           # resident until every peer joined
+            t0 = self._started(info)
+            try:
+                out = self._op(kind, t)
+            except Exception as exc:  # transport failure: name the collective and the group
+                info["state"] = "failed"
+                raise DistributedError(
+                    f"rank {self.topology.rank}: {info['name']} #{info['seq']} over group {tuple(info['group'])} "
+                    f"failed (epoch {info['epoch']}, boundary {info['boundary']}): {exc}") from exc
+        self._completed(info, t0, self._now())
+        return out
+
+    def launch(self, kind: CollectiveKind, tensor: Callable[[], torch.Tensor], *, device: Any, stream: str,
+               epoch: int | None, boundary: int | None, deps: tuple = (), delay_s: float = 0.0,
+               extra: dict | None = None):
+        """Enqueue ``kind`` as its own item on ``stream`` of ``device`` (P's all-reduce: routed by
+        the ordering); ``tensor()`` is read on the stream. Returns the stream item."""
+        self.enqueue(kind, stream=stream, epoch=epoch, boundary=boundary, extra=extra)
+        return device.stream(stream).submit(lambda: self.run(kind, tensor()), label=f"{kind.name}",
+                                            deps=deps, delay_s=delay_s)
+
+    def complete_pending(self, comm: str | None = None) -> None:
+        """A graph replay ran its collectives without host callbacks: mark them done."""
+        now = self._now()
+        with self._lock:
+            comms = [comm] if comm else list(self._pending)
+            infos = [i for c in comms for i in self._pending[c]]
+            for c in comms:
+                self._pending[c].clear()
+        for info in infos:
+            self._started(info)
+            self._completed(info, now, now)
+
+    def _op(self, kind: CollectiveKind, t: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+        pg, members = self.groups[kind.comm], self.members[kind.comm]
+        n = len(members)
+        if kind.op == "all_reduce":
+            t = t.contiguous()
+            dist.all_reduce(t, group=pg)
+            return t
+        if kind.op == "all_gather":                     # dim 0, member order
+            t = t.contiguous()
+            if self.native:
+                out = t.new_empty((n * t.shape[0], *t.shape[1:]))
+                _native(dist, "all_gather_single", "all_gather_into_tensor")(out, t, group=pg)
+                return out
+            parts = [torch.empty_like(t) for _ in range(n)]
+            dist.all_gather(parts, t, group=pg)
+            return torch.cat(parts, 0)
+        if t.shape[0] % n:                              # reduce_scatter: sum, then this member's chunk
+            raise ValueError(f"reduce_scatter: dim 0 ({t.shape[0]}) not divisible by the group size {n}")
+        if self.native:
+            out = t.new_empty((t.shape[0] // n, *t.shape[1:]))
+            _native(dist, "reduce_scatter_single", "reduce_scatter_tensor")(out, t.contiguous(), group=pg)
+            return out
+        t = t.clone()                                   # gloo has no reduce-scatter: all-reduce + chunk
+        dist.all_reduce(t, group=pg)
+        return t.chunk(n, 0)[members.index(self.topology.rank)].clone()
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _now(self) -> float:
+        return self.recorder.now() if self.recorder is not None else 0.0
+
+    def _event(self, name: str, info: dict, **more: Any) -> None:
+        if self.recorder is None:
+            return
+        ev = {k: info[k] for k in ("phase", "op", "comm", "group", "stream", "epoch", "boundary", "registered",
+                                   "gated") if k in info}
+        self.recorder.event(name, coll=info["name"], cseq=info["seq"], **ev, **more)
+
+    def _started(self, info: dict) -> float:
+        with self._lock:
+            self.joined[info["comm"]] += 1
+            info["state"] = "running"
+        t0 = self._now()
+        self._event("coll_launch", info)
+        return t0
+
+    def _completed(self, info: dict, t0: float, t1: float) -> None:
+        with self._lock:
+            self.completed[info["comm"]] += 1
+            self.inflight.pop((info["comm"], info["seq"]), None)
+            info["state"] = "done"
+        self._event("coll_done", info)
+        if self.recorder is not None:
+            self.recorder.event("work", what=info["name"], phase=info["phase"], kind="coll", stream=info["stream"],
+                                registered=info["registered"], epoch=info["epoch"], boundary=info["boundary"],
+                                t0=t0, t1=t1)
+            self.recorder.interval(info["name"], info["stream"], t0, t1, phase=info["phase"], kind="coll")
+
+    def frontier(self) -> dict:
+        """What this rank has in flight (for the watchdog), JSON-ready."""
+        with self._lock:
+            return {"joined": dict(self.joined), "completed": dict(self.completed), "enqueued": dict(self.enqueued),
+                    "inflight": [{k: v for k, v in i.items() if k != "kind"} for i in self.inflight.values()]}
+
+    def progress(self) -> int:
+        with self._lock:
+            return sum(self.completed.values())
+
+
+def _native(dist: Any, name: str, older: str) -> Callable:
+    """The tensor-native collective under its current name (torch >= 2.13) or its older one."""
+    return getattr(dist, name, None) or getattr(dist, older)

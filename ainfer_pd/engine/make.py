@@ -1,0 +1,110 @@
+"""Which engine a rank runs, and what the engine does not build yet (refused by name).
+
+* World size 1: :class:`~ainfer_pd.engine.engine.Engine` (or the mixed-chunked reference),
+  except under ``torch.distributed`` with ``expert_backend: torch`` (``torchrun --nproc-per-node
+  1 -m ainfer_pd.cli replay``): one lockstep rank with its process groups, the N-rank code path.
+* World size g > 1: :class:`~ainfer_pd.engine.lockstep.LockstepEngine` for any attention split
+  (ATP = g / ADP) with experts expert-parallel over every rank (EP = g). Data groups are NCCL on
+  CUDA and gloo on CPU (:func:`ainfer_pd.comm.backend.data_backend_for`); the control group is
+  always gloo.
+
+:func:`check_engine_support` is the one place that refuses what is not built, with a
+:class:`~ainfer_pd.errors.NotBuiltError` naming the missing piece; it is pure (no process
+groups), so every named config can be checked anywhere.
+"""
+from __future__ import annotations
+
+import logging
+
+from ..config import WorkerConfig
+from ..errors import ConfigError, NotBuiltError
+from ..metrics.recorder import Recorder
+from .engine import Engine
+
+log = logging.getLogger("ainfer_pd.make")
+
+
+def lockstep_at_world_size_one(cfg: WorkerConfig) -> bool:
+    """One rank runs the lockstep engine (process groups, torch expert dispatch) when
+    ``torch.distributed`` is initialised and the config asks for ``expert_backend: torch``."""
+    import torch.distributed as dist
+    return cfg.parallel.world_size == 1 and cfg.parallel.expert_backend == "torch" and dist.is_initialized()
+
+
+def check_engine_support(cfg: WorkerConfig) -> None:
+    """Refuse, by name, a multi-rank configuration the engine does not build (pure)."""
+    pc = cfg.parallel
+    g = pc.world_size
+    if g == 1:
+        return
+    if pc.expert_parallel != g:
+        raise NotBuiltError(
+            f"parallel.expert_parallel={pc.expert_parallel} with world_size={g} means ETP = {pc.etp} "
+            f"(experts tensor-parallel over {pc.etp} ranks): expert tensor parallelism is not built; the engine "
+            f"spreads whole experts over every rank (expert_parallel = world_size)",
+            missing="expert tensor parallelism (ETP > 1)")
+    if pc.expert_backend == "deepep":
+        raise NotBuiltError(
+            "parallel.expert_backend=deepep: the DeepEP dispatchers (ainfer_pd.comm.experts.deepep) are not wired "
+            "into the lockstep engine, which builds P's torch all-to-all; use parallel.expert_backend: torch",
+            missing="DeepEP expert dispatch in the lockstep engine")
+    if cfg.scheduler.policy == "mixed-chunked":
+        raise NotBuiltError("scheduler.policy=mixed-chunked is the single-rank reference loop; use world_size 1",
+                            missing="a multi-rank mixed-chunked loop")
+
+
+def make_engine(cfg: WorkerConfig, recorder: Recorder, *, rank: int = 0, rendezvous=None) -> Engine:
+    """The engine for this rank: :class:`Engine` at world size 1 (unless
+    :func:`lockstep_at_world_size_one`), else the lockstep engine with its process groups,
+    rendezvous and P's phase-owned expert dispatcher."""
+    g = cfg.parallel.world_size
+    if g == 1 and not lockstep_at_world_size_one(cfg):
+        if cfg.scheduler.policy == "mixed-chunked":
+            from .mixed import MixedChunkedEngine
+            return MixedChunkedEngine(cfg, recorder, rendezvous=rendezvous, rank=rank)
+        return Engine(cfg, recorder, rendezvous=rendezvous, rank=rank)
+    check_engine_support(cfg)
+    import torch
+    import torch.distributed as dist
+
+    from ..comm.backend import check_backend, data_backend_for, group_backend, local_cuda_index, warm_up_nccl
+    from ..comm.experts.torch_a2a import TorchAllToAllDispatcher
+    from ..comm.topology import EP_P, Topology, build_process_groups
+    from ..launch import get_store
+    from ..phase import Phase
+    from ..turnstile.dist_rendezvous import detect_same_host, make_rendezvous
+    from .lockstep import LockstepEngine
+
+    if not dist.is_initialized():
+        raise ConfigError("parallel.world_size > 1 needs torch.distributed initialised "
+                          "(torchrun, or ainfer_pd.launch.init_distributed)")
+    if dist.get_world_size() != g:
+        raise ConfigError(f"parallel.world_size={g} but torch.distributed has {dist.get_world_size()} ranks")
+    rank = dist.get_rank()
+    pc = cfg.parallel
+    topo = Topology.from_config(pc, rank)
+    backend = check_backend(data_backend_for(cfg.device.device))    # cuda -> nccl, cpu -> gloo
+    cuda = backend == "nccl"
+    if cuda:
+        torch.cuda.set_device(local_cuda_index())   # the engine's device: NCCL communicators bind to it
+    groups = build_process_groups(topo, backend, control_timeout_s=pc.rendezvous_timeout_s,
+                                  data_timeout_s=pc.rendezvous_timeout_s)
+    if cuda:
+        warm_up_nccl(groups, torch.cuda.current_device())    # every communicator, one global order, before traffic
+    store = get_store()
+    same = detect_same_host(store, rank, g, timeout_s=pc.rendezvous_timeout_s)
+    rdv = rendezvous or make_rendezvous(pc, topo, same_host=same, group=groups["control"], store=store)
+    mc, sc = cfg.model, cfg.scheduler
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dispatcher = TorchAllToAllDispatcher(Phase.PREFILL, groups[EP_P], topo.ep_rank, pc.expert_parallel,
+                                         mc.num_experts, max_tokens=sc.max_prefill_tokens, hidden=mc.hidden_size,
+                                         top_k=mc.top_k, dtype=mc.torch_dtype, device=dev, recorder=recorder)
+    eng = LockstepEngine(cfg, recorder, rendezvous=rdv, topology=topo, groups=groups, backend=backend,
+                         dispatcher=dispatcher, store=store)
+    if rendezvous is None:
+        eng.owned_rendezvous = rdv
+    eng.group_backends = {name: group_backend(pg) for name, pg in groups.items() if name != "world"}
+    recorder.event("process_groups", backends=eng.group_backends, rendezvous=getattr(rdv, "kind", type(rdv).__name__),
+                   topology=topo.describe(), registered=eng.colls.registry.describe(), ordering=pc.ordering,
+                   expert_dispatch="P: torch all-to-all; D: DP-attention gather / scatter")
+    return eng
