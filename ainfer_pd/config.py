@@ -196,6 +196,12 @@ class ModelConfig:
     def is_moe_layer(self, i: int) -> bool:
         return i not in self.dense_layers
 
+    def rank_params(self, expert_parallel: int) -> int:
+        """Parameters one rank holds when the routed experts are spread over ``expert_parallel`` ranks."""
+        routed = (self.num_layers - len(self.dense_layers)) * self.num_experts * 3 * self.hidden_size \
+            * self.expert_intermediate
+        return self.num_params - routed + routed // max(1, expert_parallel)
+
     @property
     def num_params(self) -> int:
         h, L = self.hidden_size, self.num_layers
@@ -219,6 +225,10 @@ class CacheConfig:
     """KV blocks per rank (0 = size from ``gpu_memory_fraction`` on CUDA)."""
     gpu_memory_fraction: float = 0.85
     """Fraction of free GPU memory the KV cache may take when ``num_blocks`` is 0."""
+    gpu_memory_utilization: float = 0.0
+    """When > 0 (and ``num_blocks`` is 0): the share of the device's *total* memory the whole
+    rollout may hold, weights of this rank included (verl's ``rollout.gpu_memory_utilization``);
+    the KV pool gets what is left after the weights and a 2 GiB activation / graph reserve."""
 
     def validate(self) -> None:
         _positive(self, "block_size")
@@ -226,6 +236,8 @@ class CacheConfig:
             raise ConfigError("cache.num_blocks must be >= 0")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ConfigError("cache.gpu_memory_fraction must be in (0, 1]")
+        if not 0.0 <= self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("cache.gpu_memory_utilization must be in [0, 1] (0 = use gpu_memory_fraction)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -33,6 +33,7 @@ from ..turnstile.rendezvous import LocalRendezvous
 from ..turnstile.turnstile import Turnstile
 from .device import Device, make_device
 from .kv_cache import KVCacheManager
+from .residency import Residency, kv_blocks_for_budget
 from .runner import BatchPlan, ModelRunner
 from .sampler import SampleRow, sample
 from .state import Turn, TurnState
@@ -71,6 +72,7 @@ class Engine:
         num_blocks = cfg.cache.num_blocks or self._blocks_from_memory()
         self.kv = KVCacheManager(num_blocks, cfg.cache.block_size)
         self.runner = ModelRunner(cfg, self.device.torch_device, self.kv)
+        self.residency = Residency(self.runner)
         self.prefill_ctx = PhaseContext(Phase.PREFILL, self.device.stream("P"))
         self.decode_ctx = PhaseContext(Phase.DECODE, self.device.stream("D"))
         span_policy = make_span_policy(cfg.mux) if self.policy == "fine-grained" else (lambda _inp: 1)
@@ -102,11 +104,14 @@ class Engine:
         self.num_failed = 0
 
     def _blocks_from_memory(self) -> int:  # pragma: no cover - CUDA only
-        mc = self.cfg.model
-        free, _ = torch.cuda.mem_get_info()
-        per_block = mc.num_layers * 2 * self.cfg.cache.block_size * mc.num_kv_heads * mc.head_dim * torch.finfo(mc.torch_dtype).bits // 8
-        weights = mc.num_params * torch.finfo(mc.torch_dtype).bits // 8
-        return max(16, int((free - weights) * self.cfg.cache.gpu_memory_fraction) // per_block)
+        mc, cc = self.cfg.model, self.cfg.cache
+        free, total = torch.cuda.mem_get_info()
+        nbytes = torch.finfo(mc.torch_dtype).bits // 8
+        per_block = mc.num_layers * 2 * cc.block_size * mc.num_kv_heads * mc.head_dim * nbytes
+        weights = mc.rank_params(self.cfg.parallel.expert_parallel) * nbytes      # this rank's experts only
+        if cc.gpu_memory_utilization > 0:
+            return kv_blocks_for_budget(total, cc.gpu_memory_utilization, weights, per_block, reserve_bytes=2 << 30)
+        return max(16, int((free - weights) * cc.gpu_memory_fraction) // per_block)
 
     # ================================================================== submission
     def submit(self, turn: Turn) -> None:
