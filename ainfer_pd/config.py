@@ -250,11 +250,24 @@ class SchedulerConfig:
     """Decode rows per D iteration."""
     mixed_chunk_tokens: int = 512
     """mixed-chunked: tokens per step (decode rows + a prefill chunk)."""
+    priority: str = "fifo"
+    """fifo | critical-path: the order waiting prefill is admitted and decode rows are batched
+    (``ainfer_pd.sched.priority``): critical-path serves the trajectories with the most predicted
+    work left first, with aging and a first-token bound. Composes with every policy."""
+    priority_aging_s: float = 2.0
+    """critical-path: seconds of waiting worth one typical turn of work."""
+    ttft_bound_tokens: int = 16384
+    """critical-path: prefill tokens admitted ahead of a waiting turn before it goes first."""
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"scheduler.policy={self.policy!r}: unknown policy, expected one of {POLICIES}")
-        _positive(self, "max_prefill_tokens", "max_decode_batch", "mixed_chunk_tokens")
+        _positive(self, "max_prefill_tokens", "max_decode_batch", "mixed_chunk_tokens", "ttft_bound_tokens")
+        from .sched.priority import PRIORITIES
+        if self.priority not in PRIORITIES:
+            raise ConfigError(f"scheduler.priority={self.priority!r}: expected one of {PRIORITIES}")
+        if not self.priority_aging_s > 0:
+            raise ConfigError("scheduler.priority_aging_s must be > 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
