@@ -22,7 +22,7 @@ from .errors import ConfigError, TopologyError
 POLICIES = ("normal", "global-complete", "global-enqueue", "fine-grained", "mixed-chunked")
 ORDERINGS = ("none", "global-implicit", "selective")
 EXPERT_BACKENDS = ("local", "torch", "deepep")
-SPANS = ("1", "2", "3", "4", "auto")
+SPANS = ("1", "2", "3", "4", "auto", "measured")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -273,9 +273,14 @@ class SchedulerConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MuxConfig:
     span: str = "auto"
-    """Turnstile span K: "1".."4" or "auto" (load-selected among validated spans)."""
+    """Turnstile span K: "1".."4", "auto" (load-selected among validated spans) or "measured"
+    (from the measured P time per boundary and D iteration time, up to ``max_span``)."""
     auto_spans: tuple[int, ...] = (1, 2, 3, 4)
     """Spans the ``auto`` policy may choose among."""
+    measured_share: float = 1.0
+    """measured: P may cross as many boundaries per D round as fit in this share of one D iteration."""
+    max_span: int = 32
+    """measured: the largest span it may choose (<= 64)."""
     activation_threshold: int = 64
     """Multiplexing switches on when at least this many prefill tokens wait while D runs
     (below it a P epoch runs as under ``normal``: no rendezvous, no segmenting)."""
@@ -289,6 +294,10 @@ class MuxConfig:
             raise ConfigError("mux.auto_spans must be a non-empty list of spans in 1..4")
         if self.activation_threshold < 1:
             raise ConfigError("mux.activation_threshold must be >= 1")
+        if not 0 < self.measured_share <= 16:
+            raise ConfigError("mux.measured_share must be in (0, 16]")
+        if isinstance(self.max_span, bool) or not 1 <= self.max_span <= 64:
+            raise ConfigError("mux.max_span must be an integer in 1..64")
         if self.activation_cooldown_s < 0:
             raise ConfigError("mux.activation_cooldown_s must be >= 0")
 
