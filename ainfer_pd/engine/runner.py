@@ -55,8 +55,7 @@ class ModelRunner:
         # Hk = this rank's KV heads (the model's: a TP shard holds num_kv_heads / ATP).
         self.scratch_block = kv.alloc.num_blocks
         self.scratch_slot = self.scratch_block * kv.block_size
-        self.kv_cache = torch.zeros(mc.num_layers, 2, (kv.alloc.num_blocks + 1) * kv.block_size,
-                                    self.model.cfg.num_kv_heads, mc.head_dim, dtype=mc.torch_dtype, device=device)
+        self.kv_cache = self.new_kv_cache()
         dc = cfg.device
         self.model.attn_backend = select_backend(dc.attention_backend, device, mc.head_dim)
         self.moe_backend = resolve_kernel_backend("moe_backend", dc.moe_backend, device)
@@ -69,6 +68,13 @@ class ModelRunner:
         self.hooks: dict[Phase, PhaseHooks] = {Phase.PREFILL: LOCAL, Phase.DECODE: LOCAL}
         """What each phase's whole forward pass calls between segments (multi-rank: the attention
         reduce and the expert path; single rank: nothing)."""
+
+    def new_kv_cache(self) -> Tensor:
+        """The KV pool, zeroed: ``[layers, 2, (num_blocks + 1) * block_size, Hk, hd]`` (Hk: this rank's
+        KV heads, the model's own: a TP shard holds num_kv_heads / ATP)."""
+        mc, kv = self.cfg.model, self.kv
+        return torch.zeros(mc.num_layers, 2, (kv.alloc.num_blocks + 1) * kv.block_size, self.model.cfg.num_kv_heads,
+                           mc.head_dim, dtype=mc.torch_dtype, device=self.device)
 
     # ------------------------------------------------------------------ batches
     def build(self, prefill: list[tuple[Turn, int, int]], decode: list[Turn]) -> BatchPlan:
