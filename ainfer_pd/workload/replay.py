@@ -126,11 +126,12 @@ def _jsonable(x: Any) -> Any:
 
 
 def conversation_token_ids(trace: Trace, conv_index: int, *, seed: int, vocab_size: int) -> list[list[int]]:
-    """The seeded token ids appended before each turn of one conversation (ids in ``[2, vocab)``)."""
+    """The seeded token ids appended before each turn of one conversation (ids in ``[2, vocab)``),
+    seeded by the conversation's id (a rank replaying its share of a trace draws the same ids)."""
     if vocab_size < 3:
         raise InvalidRequestError("vocab_size must be >= 3")
     conv = trace.conversations[conv_index]
-    rng = np.random.default_rng([seed, conv_index])
+    rng = np.random.default_rng([seed, conv.conv_id])
     return [rng.integers(2, vocab_size, size=t.new_tokens).tolist() for t in conv.turns]
 
 
