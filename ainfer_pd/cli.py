@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from .comm.ordering import ORDERINGS
 from .errors import AInferPDError
 
 SetupFn = Callable[[argparse.ArgumentParser], None]
@@ -82,6 +83,9 @@ def _add_workload_args(p: argparse.ArgumentParser, *, preset: str) -> None:
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value (YAML value), e.g. --set device.high_priority_stream=P; repeatable")
     g.add_argument("--span", choices=("1", "2", "3", "4", "auto"), help="turnstile span of fine-grained runs")
+    g.add_argument("--ordering", choices=ORDERINGS,
+                   help="parallel.ordering of a multi-rank run: none (isolation only: can stall on a crossed "
+                        "topology) | global-implicit | selective (default: the config's)")
     g.add_argument("--out", metavar="DIR", help="write results.json, runs.jsonl and plots here")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--no-uvloop", action="store_true", help="use the default asyncio loop even if uvloop is installed")
@@ -101,14 +105,18 @@ def resolve_config_path(path: str) -> Path:
     raise ConfigError(f"config file not found: {path}")
 
 
-def load_config(path: str, overrides: list[str] | None = None, model: str | None = None):
+def load_config(path: str, overrides: list[str] | None = None, model: str | None = None,
+                ordering: str | None = None):
     """The YAML config at ``path`` with ``KEY=VALUE`` overrides (values parsed as YAML); with
-    ``model`` (a Hugging Face directory) its model section is that directory's ``config.json``."""
+    ``model`` (a Hugging Face directory) its model section is that directory's ``config.json``;
+    ``ordering``: ``parallel.ordering`` (the ``--ordering`` switch; ``--set`` still wins)."""
     import yaml
 
     from .config import WorkerConfig
     from .errors import ConfigError
     cfg = WorkerConfig.from_yaml(resolve_config_path(path))
+    if ordering:
+        cfg = cfg.replace(**{"parallel.ordering": ordering})
     if model:
         data = cfg.to_dict()
         data["model"] = {"path": str(model)}
@@ -160,14 +168,14 @@ def _check_world_size(args: argparse.Namespace) -> int | None:
     """None to go on in this process; an exit code when the launcher took over or is missing."""
     from .launch import is_torchrun
     if is_torchrun():
-        from .multirank_replay import run_torchrun_cli
+        from .workload.world import run_torchrun_cli
         return int(run_torchrun_cli(args) or 0)
     if args.world_size is None or args.world_size == 1:
         return None
     if args.world_size < 1:
         print("ainfer-pd: --world-size must be >= 1", file=sys.stderr)
         return 2
-    from .multirank_replay import run_cli
+    from .workload.world import run_cli
     return int(run_cli(args) or 0)
 
 
@@ -177,7 +185,8 @@ def _run_comparison(args: argparse.Namespace, *, policies: list[str], cells: lis
     ws = _check_world_size(args)
     if ws is not None:
         return ws
-    cfg = load_config(args.config, getattr(args, "set", None), getattr(args, "model", None))
+    cfg = load_config(args.config, getattr(args, "set", None), getattr(args, "model", None),
+                      getattr(args, "ordering", None))
     trace = build_trace(args, cfg)
     variants = bench.make_variants(policies, span=args.span, spans=spans, priorities=_csv(args.priorities))
     time_scale = _opt(args, "time_scale")

@@ -75,7 +75,7 @@ def test_expert_parallel_greedy_outputs_equal_the_single_rank_run(world_size, po
 async def _steps_during_exclusive_epochs(rank: int, world_size: int):
     import time
 
-    from ainfer_pd.multirank_replay import multirank_config
+    from ainfer_pd.workload.world import multirank_config
     # normal policy: D waits for every epoch; P made slow (20 ms per layer's counts)
     cfg = multirank_config(tiny_cfg(**{"scheduler.policy": "normal", "faults": {"slow_counts_ms": 20.0}}), 1)
     rng = random.Random(5)

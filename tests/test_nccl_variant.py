@@ -366,7 +366,7 @@ async def _one_rank(rank: int, world_size: int, prompts):
     from ainfer_pd.comm.topology import build_process_groups
     from ainfer_pd.engine.lockstep import LockstepEngine
     from ainfer_pd.multirank.collectives import PhaseCollectives
-    from ainfer_pd.multirank_replay import describe_groups, multirank_config
+    from ainfer_pd.workload.world import describe_groups, multirank_config
     cfg = multirank_config(tiny_cfg(**{"scheduler.policy": "fine-grained"}), 1)
     assert cfg.parallel.expert_backend == "torch"
     async with RolloutWorker(cfg) as w:

@@ -1,4 +1,4 @@
-"""``ainfer-pd replay --world-size N``: the replay over N local rank processes.
+"""The replay over N local rank processes (``ainfer-pd replay --world-size N`` / torchrun).
 
 Every rank is one process running a :class:`~ainfer_pd.RolloutWorker` of the lockstep
 multi-rank engine (one attention-DP replica per rank, experts spread over the ranks with
@@ -18,9 +18,9 @@ import asyncio
 import sys
 from typing import Any
 
-from .config import WorkerConfig
-from .workload.replay import ReplayResult
-from .workload.trace import Trace
+from ..config import WorkerConfig
+from .replay import ReplayResult
+from .trace import Trace
 
 
 def multirank_config(cfg: WorkerConfig, world_size: int) -> WorkerConfig:
@@ -49,12 +49,12 @@ def describe_groups(worker: Any) -> str:
             f"device {eng.device.torch_device}{where}")
 
 
-async def _rank_replay(rank: int, world_size: int, cfg_dict: dict, trace: Trace, cell: str, seed: int,
+async def rank_replay(rank: int, world_size: int, cfg_dict: dict, trace: Trace, cell: str, seed: int,
                        time_scale: float) -> ReplayResult:
     import torch.distributed as dist
 
-    from . import RolloutWorker
-    from .workload.replay import replay
+    from .. import RolloutWorker
+    from .replay import replay
     cfg = WorkerConfig.from_dict(cfg_dict)
     pc = cfg.parallel
     atp = pc.world_size // pc.attn_dp
@@ -101,25 +101,27 @@ def merge(results: list[ReplayResult]) -> ReplayResult:
 
 def run_world(cfg: WorkerConfig, trace: Trace, world_size: int, *, cell: str, seed: int, time_scale: float,
               timeout_s: float = 1800.0) -> ReplayResult:
-    from .launch import spawn
+    from ..launch import spawn
     cfg = multirank_config(cfg, world_size)
-    results = spawn(_rank_replay, world_size, (cfg.to_dict(), trace, cell, seed, time_scale), timeout_s)
+    results = spawn(rank_replay, world_size, (cfg.to_dict(), trace, cell, seed, time_scale), timeout_s)
     return merge(results)
 
 
 def run_cli(args: argparse.Namespace) -> int:
     """The ``--world-size N`` path of ``ainfer-pd replay`` / ``bench``."""
-    from .cli import _opt, build_trace, load_config
-    from .metrics.report import aggregate, format_table, summarize
-    cfg = load_config(args.config, getattr(args, "set", None), getattr(args, "model", None))
+    from ..cli import _opt, build_trace, load_config
+    from ..metrics.report import aggregate, format_table, summarize
+    cfg = load_config(args.config, getattr(args, "set", None), getattr(args, "model", None),
+                      getattr(args, "ordering", None))
     trace = build_trace(args, cfg)
     policies = [args.policy] if getattr(args, "policy", None) else [p for p in args.policies.split(",") if p]
     cells = [args.cell or _opt(args, "cell")] if hasattr(args, "cell") else [c for c in args.cells.split(",") if c]
     repeats = int(getattr(args, "repeats", 1) or 1)
     time_scale = _opt(args, "time_scale")
     ws = int(args.world_size)
-    print(f"multi-rank replay: world size {ws} (one attention-DP replica per rank, EP={ws}), "
-          f"{trace.num_requests} requests, policies {policies}, cells {cells}", file=sys.stderr, flush=True)
+    pc = multirank_config(cfg, ws).parallel
+    print(f"multi-rank replay: world size {ws} (ADP={pc.attn_dp}, ATP={pc.atp}, EP={pc.expert_parallel}, ordering "
+          f"{pc.ordering}), {trace.num_requests} requests, policies {policies}, cells {cells}", file=sys.stderr, flush=True)
     failures = 0
     for cell in cells:
         aggs = {}
@@ -146,12 +148,13 @@ def run_torchrun_cli(args: argparse.Namespace) -> int:
     conversations, and rank 0 gathers the records and prints the table."""
     import torch.distributed as dist
 
-    from .cli import _opt, build_trace, load_config
-    from .launch import destroy_distributed, init_distributed
-    from .metrics.report import aggregate, format_table, summarize
+    from ..cli import _opt, build_trace, load_config
+    from ..launch import destroy_distributed, init_distributed
+    from ..metrics.report import aggregate, format_table, summarize
     ctx = init_distributed()
     ws, rank = ctx.world_size, ctx.rank
-    cfg = multirank_config(load_config(args.config, getattr(args, "set", None), getattr(args, "model", None)), ws)
+    cfg = multirank_config(load_config(args.config, getattr(args, "set", None), getattr(args, "model", None),
+                      getattr(args, "ordering", None)), ws)
     trace = build_trace(args, cfg)
     policies = [args.policy] if getattr(args, "policy", None) else [p for p in args.policies.split(",") if p]
     cell = (args.cell or _opt(args, "cell")) if hasattr(args, "cell") else args.cells.split(",")[0]
@@ -161,7 +164,7 @@ def run_torchrun_cli(args: argparse.Namespace) -> int:
     try:
         for pol in policies:
             c = cfg.replace(**{"scheduler.policy": pol})
-            res = asyncio.run(_rank_replay(rank, ws, c.to_dict(), trace, cell, args.seed, time_scale))
+            res = asyncio.run(rank_replay(rank, ws, c.to_dict(), trace, cell, args.seed, time_scale))
             gathered: list = [None] * ws
             dist.all_gather_object(gathered, res)
             merged = merge(gathered)

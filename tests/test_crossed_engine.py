@@ -1,0 +1,159 @@
+"""The crossed topology (g = 4, ATP2 / ADP2, EP4) inside the real lockstep engine (issue 14).
+
+Real processes, gloo, the tiny model of ``configs/tiny-crossed-cpu.yaml``:
+
+* under ``selective`` the multi-rank replay's greedy tokens equal world size 1 on the same trace,
+  multiplexing happened (turnstile rounds, P work overlapping D) and ``trace-check`` finds the
+  registered pairs in device order and never overlapping; the same under 20 ms phase skew x seeds;
+* under ``none`` with the replicas out of phase the run stops making progress and the watchdog
+  turns it into a :class:`StallError` naming the frontier (bounded: the test never hangs);
+  ATP1 and ADP1 variants complete under ``none``;
+* a rank killed mid-run makes every other rank fail with a typed error naming it.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from ainfer_pd import RolloutWorker, SamplingParams
+from ainfer_pd.cli import load_config
+from ainfer_pd.errors import AInferPDError, DistributedError, PeerLostError, RankFailedError, RendezvousTimeout, \
+    StallError
+from ainfer_pd.launch import spawn
+from ainfer_pd.metrics.tracecheck import check_run_dir
+from ainfer_pd.workload import trace as tr
+from ainfer_pd.workload.replay import replay
+from ainfer_pd.workload.world import rank_replay, run_world
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+CROSSED = str(Path(__file__).resolve().parent.parent / "configs" / "tiny-crossed-cpu.yaml")
+SINGLE = str(Path(__file__).resolve().parent.parent / "configs" / "tiny-cpu.yaml")
+TIME_SCALE = 0.1
+
+
+def _trace(n: int = 6, turns: int = 3, seed: int = 0):
+    return tr.make_trace(n, turns, token_scale=0.25, max_context=4096, seed=seed)
+
+
+def _crossed(run_dir: Path, **over):
+    base = {"scheduler.policy": "fine-grained", "trace_dir": str(run_dir), "mux.activation_threshold": 16}
+    base.update(over)
+    return load_config(CROSSED).replace(**base)
+
+
+def _single_outputs(trace) -> dict:
+    async def go():
+        async with RolloutWorker(load_config(SINGLE)) as w:
+            return await replay(w, trace, cell="trace", seed=0, time_scale=TIME_SCALE)
+    return asyncio.run(go()).outputs
+
+
+def test_crossed_selective_replay_equals_world_size_one_and_trace_check_is_clean(tmp_path):
+    trace = _trace()
+    res = run_world(_crossed(tmp_path / "sel"), trace, 4, cell="trace", seed=0, time_scale=TIME_SCALE,
+                    timeout_s=200)
+    assert res.failures == 0 and res.completed == res.planned_requests == trace.num_requests
+    ref = _single_outputs(trace)
+    assert res.outputs == ref                                    # greedy tokens of every turn
+    rep = check_run_dir(tmp_path / "sel")
+    assert rep["ok"], rep["violations"][:5]
+    assert rep["ranks"] == [0, 1, 2, 3]
+    assert rep["rounds_per_rank"] > 0 and rep["pairs_checked"] > 0     # multiplexed, registered pairs ordered
+    assert rep["registered_pair_overlap_ms"] == 0.0
+    assert rep["other_p_vs_d_overlap_ms"] > 0.0                         # other P work overlapped D
+
+
+def test_crossed_selective_under_phase_skew_completes_with_a_clean_trace(tmp_path):
+    trace = _trace(4, 3, seed=3)
+    ref = _single_outputs(trace)
+    for seed in (1, 2):
+        d = tmp_path / f"skew{seed}"
+        cfg = _crossed(d, faults={"phase_skew_ms": 20.0, "d_skew_random_ms": 5.0, "seed": seed})
+        res = run_world(cfg, trace, 4, cell="trace", seed=0, time_scale=TIME_SCALE, timeout_s=200)
+        assert res.failures == 0 and res.outputs == ref, seed
+        rep = check_run_dir(d)
+        assert rep["ok"], (seed, rep["violations"][:5])
+        assert rep["registered_pair_overlap_ms"] == 0.0
+
+
+def test_crossed_ordering_none_out_of_phase_stalls_and_the_watchdog_names_the_frontier(tmp_path):
+    cfg = _crossed(tmp_path / "none", **{"parallel.ordering": "none", "parallel.stall_timeout_s": 3.0,
+                                         "faults": {"phase_skew_ms": 30.0}})
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError) as ei:
+        spawn(rank_replay, 4, (cfg.to_dict(), _trace(), "trace", 0, TIME_SCALE), 150, fail_grace_s=20)
+    assert time.monotonic() - t0 < 150
+    errs = ei.value.results
+    assert all(isinstance(e, StallError) for e in errs), [repr(e)[:200] for e in errs]
+    msg = str(errs[0])
+    assert "device-progress" in msg and "peers not joined" in msg
+    assert "P all_reduce attn_tp.P" in msg                    # the registered pair, on the P stream
+    assert "attn_dp.D" in msg or "attn_tp.D" in msg
+    assert "completed requests" in msg and all(f"rank {r}:" in msg for r in range(4))
+
+
+# ATP1: the replicas out of phase (the adversary of the crossed test); P has no attention collective.
+# ADP1: one replica whose TP peers run in phase (the leader's broadcast), with random rank skew. (Under
+# the checkerboard adversary the one-slot stand-in stalls even there: a P and a D all-reduce of one pair
+# in opposite orders; nothing crosses, so no ordering registers that pair.)
+@pytest.mark.parametrize("world_size,attn_dp,faults", [(2, 2, {"phase_skew_ms": 30.0}),
+                                                       (2, 1, {"d_skew_random_ms": 5.0, "seed": 4})],
+                         ids=["ATP1", "ADP1"])
+def test_any_axis_one_completes_under_ordering_none(tmp_path, world_size, attn_dp, faults):
+    trace = _trace(4, 2, seed=5)
+    cfg = _crossed(tmp_path / "run", **{"parallel.world_size": world_size, "parallel.attn_dp": attn_dp,
+                                        "parallel.expert_parallel": world_size, "parallel.ordering": "none",
+                                        "faults": faults})
+    res = run_world(cfg, trace, world_size, cell="trace", seed=0, time_scale=TIME_SCALE, timeout_s=150)
+    assert res.failures == 0 and res.outputs == _single_outputs(trace)
+    rep = check_run_dir(tmp_path / "run")
+    assert rep["ok"] and rep["pairs_checked"] == 0            # nothing crosses: no registered pair
+
+
+async def _kill_rank(rank: int, world_size: int, cfg_dict: dict, kill_rank: int, kill_after_s: float, stamp: str):
+    from ainfer_pd.config import WorkerConfig
+    cfg = WorkerConfig.from_dict(cfg_dict)
+    try:
+        async with asyncio.timeout(60):
+            async with RolloutWorker(cfg) as w:
+                if rank == kill_rank:
+                    await asyncio.sleep(kill_after_s)
+                    Path(stamp).write_text(repr(time.time()))
+                    os._exit(17)                             # the rank process dies mid-run
+                if w.engine.is_leader:
+                    rng = random.Random(rank)
+                    for _ in range(200):
+                        ids = [rng.randrange(2, 500) for _ in range(40)]
+                        await w.generate(ids, SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
+                else:
+                    await asyncio.sleep(kill_after_s + 2 * cfg.parallel.rendezvous_timeout_s + 5)
+    except BaseException as exc:                             # noqa: BLE001 - classified by the test
+        e = exc
+        while isinstance(e, BaseExceptionGroup):
+            e = e.exceptions[0]
+        return ("error", time.time(), type(e).__name__, str(e), isinstance(e, AInferPDError),
+                isinstance(e, DistributedError), tuple(getattr(e, "ranks", ()) or getattr(e, "missing_ranks", ())))
+    return ("finished", time.time(), "", "", False, False, ())
+
+
+def test_killing_a_rank_mid_run_fails_the_others_naming_it(tmp_path):
+    timeout = 4.0
+    cfg = _crossed(tmp_path / "kill", **{"parallel.rendezvous_timeout_s": timeout, "parallel.stall_timeout_s": 3.0})
+    kill_after = 3.0
+    stamp = tmp_path / "killed_at"
+    res = spawn(_kill_rank, 4, (cfg.to_dict(), 3, kill_after, str(stamp)), 120, return_exceptions=True,
+                fail_grace_s=40)
+    killed_at = float(stamp.read_text())
+    assert isinstance(res[3], RankFailedError) and "died" in str(res[3])
+    for r in (0, 1, 2):
+        status, failed_at, name, msg, typed, dist_err, ranks = res[r]
+        assert status == "error" and typed and dist_err, (r, name, msg[:300])
+        assert name in (RendezvousTimeout.__name__, StallError.__name__, PeerLostError.__name__), (r, name)
+        assert "rank 3" in msg or 3 in ranks, (r, msg[:300])
+        assert 0 <= failed_at - killed_at <= 2 * timeout, (r, failed_at - killed_at)
