@@ -1,24 +1,27 @@
 """``ainfer-pd selftest``: the SPEC section 7 ordering-contract acceptance list as one command.
 
-Runs real CPU ranks (gloo, one process each) through the multi-rank harness
-(:mod:`ainfer_pd.multirank.harness`) and prints / saves a summary table:
+Runs the real lockstep engine on the tiny model in the crossed topology
+(``configs/tiny-crossed-cpu.yaml``: g = 4, ATP2 / ADP2, EP4, one collective slot per device;
+real CPU rank processes, gloo) through the multi-rank replay (:mod:`ainfer_pd.workload.world`)
+and prints / saves a summary table:
 
-1. crossed topology (g=4, ATP2/ADP2), replicas out of phase, ``--ordering none``, one residency
-   slot: the run stalls (device-progress cycle) and the watchdog reports the frontier;
-2. the same with ATP1 (g=4, d=4) and with ADP1 (g=4, d=1): completes;
-3. ``selective`` under 20 ms random rank skew x 5 seeds: every turnstile cycle completes;
-4. delayed-P ACK: rounds where rendezvous 2 completed while P work was still running > 0;
-5. ``trace-check`` of every selective run: no violation, registered pairs never overlap
-   while other P work overlaps D (and it does flag the isolation-only trace);
-6. ``global-implicit`` completes;
-7. extra checks registered by other modules (:data:`EXTRA_CHECKS`, e.g. the ownership audit).
+1. ``--ordering none`` with the replicas out of phase (``faults.phase_skew_ms``): the run stalls
+   and the watchdog's :class:`~ainfer_pd.errors.StallError` names the frontier;
+2. ATP1 (g = 2, d = 2) under ``none`` and ADP1 (g = 2, d = 1) under ``selective``: complete;
+3. ``selective`` under phase skew + random rank skew x ``--seeds`` seeds: completes, greedy tokens
+   equal world size 1 on the same trace;
+4. ``global-implicit`` completes;
+5. ``trace-check`` of every completed run: no violation, registered pairs never overlap while
+   other P work overlaps D (and it flags the isolation-only trace);
+6. extra checks registered by other modules (:data:`EXTRA_CHECKS`, e.g. the ownership audit).
 
 The table goes to ``--out DIR`` as ``selftest.json`` and ``selftest.md``. Exit code 0 when
-every row passed, 1 otherwise. Runtime about 1-2 minutes on 2 cores.
+every row passed, 1 otherwise. Runtime about 3-5 minutes on 2 cores.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import tempfile
@@ -26,16 +29,16 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .multirank.harness import HarnessOutcome, HarnessSpec, expected_rounds, run_harness, summarize_error
-
-__all__ = ["EXTRA_CHECKS", "register_check", "stall_spec", "selective_specs", "run_selftest",
+__all__ = ["EXTRA_CHECKS", "register_check", "crossed_config", "small_trace", "run_selftest",
            "format_table", "setup_parser", "run"]
 
 Row = dict[str, Any]
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+TIME_SCALE = 0.1
 
 EXTRA_CHECKS: list[Callable[[argparse.Namespace], Row | list[Row]]] = []
 """Hook: callables ``check(args) -> row | [rows]`` appended to the table (row keys: ``check``,
-``expect``, ``result``, ``ok``; optional ``runs``, ``cycles``, ``stalls``, ``violations``)."""
+``expect``, ``result``, ``ok``; optional ``runs``, ``stalls``, ``violations``)."""
 
 
 def register_check(fn: Callable[[argparse.Namespace], Row | list[Row]]) -> Callable:
@@ -45,33 +48,29 @@ def register_check(fn: Callable[[argparse.Namespace], Row | list[Row]]) -> Calla
 
 
 # ---------------------------------------------------------------------- scenarios
-def stall_spec(**kw: Any) -> HarnessSpec:
-    """The crossed-order hazard: g=4 ATP2/ADP2, replicas out of phase, isolation only, one slot.
-    Long enough that the cycle forms (measured: within the first ~50 D iterations)."""
-    base = dict(world_size=4, attn_dp=2, ordering="none", residency_slots=1, epochs=25, segments=6,
-                d_iters=200, jitter_ms=2.0, stall_s=2.0, tag="stall")
-    base.update(kw)
-    return HarnessSpec(**base)
+def crossed_config(run_dir: Path | str, **over: Any):
+    """``configs/tiny-crossed-cpu.yaml`` (fine-grained, traced to ``run_dir``) with ``over``."""
+    from .config import WorkerConfig
+    base = {"scheduler.policy": "fine-grained", "trace_dir": str(run_dir)}
+    base.update(over)
+    return WorkerConfig.from_yaml(CONFIGS / "tiny-crossed-cpu.yaml").replace(**base)
 
 
-def selective_specs(out: Path | None, *, seeds: int = 5, skew_ms: float = 20.0, **kw: Any) -> list[HarnessSpec]:
-    """``seeds`` selective runs under random rank skew (one slot), one delayed-P run with two
-    slots (overlap + delayed ACK), one global-implicit run; same topology (g=4 ATP2/ADP2)."""
-    base = dict(world_size=4, attn_dp=2, residency_slots=1, epochs=4, segments=6, d_iters=12,
-                stall_s=8.0, rendezvous_timeout_s=10.0)
-    base.update(kw)
+def small_trace(n: int = 6, turns: int = 3, seed: int = 0):
+    from .workload.trace import make_trace
+    return make_trace(n, turns, token_scale=0.25, max_context=4096, seed=seed)
 
-    def rd(name: str) -> str | None:
-        return str(out / name) if out is not None else None
 
-    specs = [HarnessSpec(ordering="selective", seed=s, skew_ms=skew_ms, skew_mode="random",
-                         run_dir=rd(f"selective-skew-seed{s}"), tag=f"sel{s}", **base) for s in range(seeds)]
-    specs.append(HarnessSpec(ordering="selective", seed=100, residency_slots=2, p_delay_ms=4.0, p_reps=6,
-                             run_dir=rd("selective-delayed-p"), tag="delayed",
-                             **{k: v for k, v in base.items() if k != "residency_slots"}))
-    specs.append(HarnessSpec(ordering="global-implicit", seed=200, run_dir=rd("global-implicit"), tag="global",
-                             **base))
-    return specs
+def single_rank_outputs(trace) -> dict:
+    """Greedy tokens of every turn of ``trace`` at world size 1 (``configs/tiny-cpu.yaml``)."""
+    from . import RolloutWorker
+    from .config import WorkerConfig
+    from .workload.replay import replay
+
+    async def go():
+        async with RolloutWorker(WorkerConfig.from_yaml(CONFIGS / "tiny-cpu.yaml")) as w:
+            return await replay(w, trace, cell="trace", seed=0, time_scale=TIME_SCALE)
+    return asyncio.run(go()).outputs
 
 
 # ---------------------------------------------------------------------- runner
@@ -79,49 +78,47 @@ def _row(check: str, expect: str, result: str, ok: bool, **extra: Any) -> Row:
     return {"check": check, "expect": expect, "result": result, "ok": bool(ok), **extra}
 
 
-def _stall_rows(out: Path, runs: int, timeout_s: float) -> tuple[list[Row], list[HarnessOutcome]]:
-    from .errors import StallError
-    outcomes = []
-    stalled = 0
-    cycles = 0
-    details = []
+def _stall_row(out: Path, runs: int, timeout_s: float) -> Row:
+    from .errors import RankFailedError, StallError
+    from .launch import spawn
+    from .workload.world import rank_replay
+    stalled, named = 0, 0
+    first = ""
     for i in range(runs):
-        o = run_harness(stall_spec(seed=i, run_dir=str(out / f"none-crossed-seed{i}"), tag=f"stall{i}"),
-                        timeout_s=timeout_s)
-        outcomes.append(o)
-        errs = o.errors
-        stall_ranks = [r for r, e in errs.items() if isinstance(e, StallError)]
-        if len(stall_ranks) == len(o.results):
+        cfg = crossed_config(out / f"none-crossed-{i}", **{"parallel.ordering": "none", "parallel.stall_timeout_s": 3.0,
+                                                           "faults": {"phase_skew_ms": 30.0, "seed": i}})
+        try:
+            spawn(rank_replay, 4, (cfg.to_dict(), small_trace(seed=i), "trace", 0, TIME_SCALE), timeout_s,
+                  fail_grace_s=20)
+            continue
+        except RankFailedError as exc:
+            errs = exc.results
+        if all(isinstance(e, StallError) for e in errs):
             stalled += 1
-        cyc = next((getattr(e, "cycle", None) for e in errs.values() if getattr(e, "cycle", None)), None)
-        if cyc:
-            cycles += 1
-        fr = next((getattr(e, "frontier", None) for e in errs.values() if getattr(e, "frontier", None)), {})
-        frontier = {r: (f.get("d_done"), f.get("p_done")) for r, f in sorted(fr.items())}
-        details.append({"seed": i, "stall_ranks": stall_ranks, "cycle": cyc, "frontier_d_p": frontier,
-                        "wall_s": round(o.wall_s, 1),
-                        "errors": {r: summarize_error(e) for r, e in errs.items()}})
-    rows = [_row("crossed g=4 ATP2/ADP2, ordering none, 1 slot", "stalls; watchdog names the frontier",
-                 f"stalled {stalled}/{runs} (every rank StallError), wait cycle named in {cycles}/{runs}; "
-                 f"frontier (D iters, P segs) per rank: {details[0]['frontier_d_p'] if details else {}}",
-                 stalled == runs and cycles == runs, runs=runs, stalls=stalled, details=details)]
-    return rows, outcomes
+            msg = str(errs[0])
+            named += "peers not joined" in msg and "P all_reduce attn_tp.P" in msg
+            first = first or msg.splitlines()[-1]
+    return _row("crossed g=4 ATP2/ADP2, ordering none, replicas out of phase", "stalls; watchdog names the frontier",
+                f"stalled {stalled}/{runs} (every rank StallError), frontier named in {named}/{runs}; {first}",
+                stalled == named == runs, runs=runs, stalls=stalled)
 
 
-def _complete_row(name: str, spec: HarnessSpec, timeout_s: float) -> Row:
-    o = run_harness(spec, timeout_s=timeout_s)
-    if o.completed:
-        res = o.runs(0)
-        d = res[0]["d_done"]
-        p = res[0]["p_done"]
-        return _row(name, "completes", f"completed: {d} D iterations, {p} P segments per rank in "
-                    f"{max(r['wall_s'] for r in res):.2f} s", True, runs=1, stalls=0)
-    errs = "; ".join(f"rank {r}: {summarize_error(e)}" for r, e in o.errors.items())
-    return _row(name, "completes", f"FAILED: {errs}", False, runs=1, stalls=1)
+def _complete(name: str, out: Path, cfg: Any, trace: Any, ref: dict, timeout_s: float) -> tuple[Row, Path | None]:
+    from .workload.world import run_world
+    ws = cfg.parallel.world_size
+    try:
+        res = run_world(cfg, trace, ws, cell="trace", seed=0, time_scale=TIME_SCALE, timeout_s=timeout_s)
+    except Exception as exc:  # a failed run is a failed row
+        return _row(name, "completes, tokens = world size 1", f"FAILED: {type(exc).__name__}: {str(exc)[:300]}",
+                    False, runs=1, stalls=1), None
+    same = res.outputs == ref
+    return _row(name, "completes, tokens = world size 1",
+                f"{res.completed}/{res.planned_requests} requests in {res.makespan_s:.1f} s; greedy tokens equal "
+                f"world size 1: {same}", res.failures == 0 and same, runs=1, stalls=0), Path(cfg.trace_dir)
 
 
-def run_selftest(out: str | Path, *, stall_runs: int = 3, seeds: int = 5, skew_ms: float = 20.0,
-                 timeout_s: float = 150.0, args: argparse.Namespace | None = None,
+def run_selftest(out: str | Path, *, stall_runs: int = 2, seeds: int = 3, skew_ms: float = 20.0,
+                 timeout_s: float = 200.0, args: argparse.Namespace | None = None,
                  progress: Callable[[str], None] | None = None) -> dict:
     """Run the acceptance list; returns ``{"rows": [...], "ok": bool, "wall_s": ...}`` and writes
     ``selftest.json`` / ``selftest.md`` into ``out``."""
@@ -132,59 +129,40 @@ def run_selftest(out: str | Path, *, stall_runs: int = 3, seeds: int = 5, skew_m
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     rows: list[Row] = []
+    traced: list[Path] = []
 
-    say("1/4 crossed topology under isolation only (expect a stall) ...")
-    stall_rows, stall_outcomes = _stall_rows(out, stall_runs, timeout_s)
-    rows += stall_rows
-    say("2/4 the same workload with ATP1 and with ADP1 ...")
-    rows.append(_complete_row("g=4 ATP1/ADP4 (d=4), ordering none, 1 slot",
-                              stall_spec(attn_dp=4, tag="atp1", run_dir=str(out / "none-atp1")), timeout_s))
-    rows.append(_complete_row("g=4 ATP4/ADP1 (d=1), ordering none, 1 slot",
-                              stall_spec(attn_dp=1, tag="adp1", run_dir=str(out / "none-adp1")), timeout_s))
+    say("1/5 crossed topology under isolation only, replicas out of phase (expect a stall) ...")
+    rows.append(_stall_row(out, stall_runs, timeout_s))
+    trace = small_trace(4, 3, seed=3)
+    ref = single_rank_outputs(trace)
+    say("2/5 ATP1 under none, ADP1 under selective ...")
+    for name, ws, d, ordering in (("g=2 ATP1/ADP2, ordering none", 2, 2, "none"),
+                                  ("g=2 ATP2/ADP1, ordering selective", 2, 1, "selective")):
+        cfg = crossed_config(out / f"axis-{ws}-{d}", **{"parallel.world_size": ws, "parallel.attn_dp": d,
+                                                         "parallel.expert_parallel": ws, "parallel.ordering": ordering,
+                                                         "faults": {"phase_skew_ms": 30.0}})
+        row, d_ = _complete(name, out, cfg, trace, ref, timeout_s)
+        rows.append(row)
+        traced += [d_] if d_ else []
+    say(f"3/5 selective under {skew_ms:g} ms phase skew + 5 ms random rank skew x {seeds} seeds ...")
+    for s in range(seeds):
+        cfg = crossed_config(out / f"selective-skew-{s}", faults={"phase_skew_ms": skew_ms, "d_skew_random_ms": 5.0,
+                                                                 "seed": s})
+        row, d_ = _complete(f"crossed, selective, skew seed {s}", out, cfg, trace, ref, timeout_s)
+        rows.append(row)
+        traced += [d_] if d_ else []
+    say("4/5 global-implicit ...")
+    row, d_ = _complete("crossed, global-implicit", out, crossed_config(out / "global-implicit", **{
+        "parallel.ordering": "global-implicit"}), trace, ref, timeout_s)
+    rows.append(row)
+    traced += [d_] if d_ else []
 
-    say(f"3/4 selective under {skew_ms:g} ms rank skew x {seeds} seeds, delayed-P ACK, global-implicit ...")
-    specs = selective_specs(out, seeds=seeds, skew_ms=skew_ms)
-    o = run_harness(specs, timeout_s=timeout_s)
-    sel_specs = specs[:seeds]
-    if not o.completed:
-        errs = "; ".join(f"rank {r}: {summarize_error(e)}" for r, e in o.errors.items())
-        rows.append(_row(f"selective, {skew_ms:g} ms skew x {seeds} seeds", "every cycle completes",
-                         f"FAILED: {errs}", False, runs=seeds))
-    else:
-        done = exp = 0
-        agree = True
-        for i, s in enumerate(sel_specs):
-            res = o.runs(i)
-            rounds = {r["rounds"] for r in res}
-            agree &= len(rounds) == 1
-            done += min(rounds)
-            exp += expected_rounds(s) or 0
-        rows.append(_row(f"selective, {skew_ms:g} ms random skew x {seeds} seeds (g=4 ATP2/ADP2, 1 slot)",
-                         "every turnstile cycle completes",
-                         f"{done}/{exp} cycles completed on every rank; all ranks agree: {agree}",
-                         done == exp and agree, runs=seeds, cycles=done, stalls=0))
-        dres = o.runs(seeds)
-        dack = [r["delayed_ack_rounds"] for r in dres]
-        rows.append(_row("delayed-P ACK (P completion +4 ms, 2 slots)", "> 0 rounds ACKed while P still runs",
-                         f"delayed-ACK rounds per rank {dack} of {dres[0]['ack_rounds']}", min(dack) > 0,
-                         runs=1, delayed_ack=min(dack)))
-        gres = o.runs(seeds + 1)
-        grounds = {r["rounds"] for r in gres}
-        rows.append(_row("global-implicit (one collective stream)", "completes",
-                         f"completed, {min(grounds)}/{expected_rounds(specs[seeds + 1])} cycles",
-                         len(grounds) == 1 and min(grounds) == expected_rounds(specs[seeds + 1]), runs=1,
-                         cycles=min(grounds)))
-
-    say("4/4 trace-check ...")
-    viol = 0
-    n_rdv = 0
-    cost = []
+    say("5/5 trace-check ...")
+    viol = n_rdv = checked = 0
+    cost: list[float] = []
     reg_ov = other_ov = 0.0
-    checked = 0
-    for s in specs:
-        if not s.run_dir or not Path(s.run_dir).exists():
-            continue
-        rep = check_run_dir(s.run_dir)
+    for d_ in traced:
+        rep = check_run_dir(d_)
         checked += 1
         viol += len(rep["violations"])
         n_rdv += rep["rendezvous_per_rank"]
@@ -193,14 +171,15 @@ def run_selftest(out: str | Path, *, stall_runs: int = 3, seeds: int = 5, skew_m
         reg_ov += rep["registered_pair_overlap_ms"]
         other_ov += rep["other_p_vs_d_overlap_ms"]
     mean_cost = sum(cost) / len(cost) if cost else 0.0
-    rows.append(_row("trace-check of the turnstile runs", "0 violations; registered-pair overlap 0; other P/D overlap > 0",
+    rows.append(_row("trace-check of the completed engine runs",
+                     "0 violations; registered-pair overlap 0; other P/D overlap > 0",
                      f"{checked} runs, {viol} violations, {n_rdv} rendezvous per rank (mean {mean_cost:.2f} ms); "
                      f"registered-pair overlap {reg_ov:.3f} ms, other P work vs D {other_ov:.1f} ms",
                      checked > 0 and viol == 0 and reg_ov == 0.0 and other_ov > 0.0, runs=checked, violations=viol,
                      rendezvous=n_rdv, rendezvous_mean_ms=mean_cost, registered_overlap_ms=reg_ov,
                      other_overlap_ms=other_ov))
     if stall_runs:
-        rep = check_run_dir(out / "none-crossed-seed0")
+        rep = check_run_dir(out / "none-crossed-0")
         rows.append(_row("trace-check flags the isolation-only trace", "violations > 0 (no device order)",
                          f"{len(rep['violations'])} violations", len(rep["violations"]) > 0,
                          violations=len(rep["violations"])))
@@ -236,10 +215,10 @@ def format_table(rows: list[Row], *, markdown: bool = False) -> str:
 def setup_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="directory for traces and the summary table "
                                                     "(default: a fresh temporary directory)")
-    parser.add_argument("--stall-runs", type=int, default=3, help="launches of the crossed stall scenario")
-    parser.add_argument("--seeds", type=int, default=5, help="seeds of the selective skew scenario")
-    parser.add_argument("--skew-ms", type=float, default=20.0, help="random rank skew before launches")
-    parser.add_argument("--timeout-s", type=float, default=150.0, help="hard deadline of each launch")
+    parser.add_argument("--stall-runs", type=int, default=2, help="launches of the crossed stall scenario")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds of the selective skew scenario")
+    parser.add_argument("--skew-ms", type=float, default=20.0, help="phase skew of the replicas (ms)")
+    parser.add_argument("--timeout-s", type=float, default=200.0, help="hard deadline of each launch")
     parser.add_argument("--soak", action="store_true",
                         help="instead: the long profile of the public-API property test (issue 13; "
                              "tests/test_property_api.py --soak, needs a repository checkout and pytest)")

@@ -77,3 +77,25 @@ def test_cli_set_overrides_and_stream_priority_validation():
         load_config("configs/h200-bench.yaml", ["device.no_such_key=1"])
     with pytest.raises(ConfigError, match="high_priority_stream"):
         load_config("configs/h200-bench.yaml", ["device.high_priority_stream=X"])
+
+
+# name -> the piece the engine names when it refuses the config (None: the engine builds it)
+ENGINE_SUPPORT = {"h1": "expert tensor parallelism", "h2": "expert tensor parallelism",
+                  "h3": "DeepEP", "h4": "DeepEP", "crossed": "DeepEP", "two-node": "DeepEP"}
+
+
+@pytest.mark.parametrize("name", all_configs())
+def test_every_named_config_is_built_or_refused_naming_the_missing_piece(name):
+    from ainfer_pd.engine.make import check_engine_support
+    from ainfer_pd.errors import NotBuiltError
+    cfg = WorkerConfig.from_yaml(CONFIGS / f"{name}.yaml")
+    want = ENGINE_SUPPORT.get(name)
+    if want is None:
+        check_engine_support(cfg)                       # world size 1, or the tiny crossed CPU config
+        return
+    with pytest.raises(NotBuiltError) as ei:
+        check_engine_support(cfg)
+    assert want in ei.value.missing and want in str(ei.value)
+    # the same topology with the missing piece supplied is built (the crossed path of tiny-crossed-cpu)
+    fix = {"parallel.expert_backend": "torch", "parallel.expert_parallel": cfg.parallel.world_size}
+    check_engine_support(cfg.replace(**fix))

@@ -21,37 +21,22 @@ from pathlib import Path
 import pytest
 
 from ainfer_pd import RolloutWorker, SamplingParams
-from ainfer_pd.cli import load_config
 from ainfer_pd.errors import AInferPDError, DistributedError, PeerLostError, RankFailedError, RendezvousTimeout, \
     StallError
 from ainfer_pd.launch import spawn
 from ainfer_pd.metrics.tracecheck import check_run_dir
-from ainfer_pd.workload import trace as tr
-from ainfer_pd.workload.replay import replay
+from ainfer_pd.selftest import crossed_config, single_rank_outputs, small_trace
 from ainfer_pd.workload.world import rank_replay, run_world
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-CROSSED = str(Path(__file__).resolve().parent.parent / "configs" / "tiny-crossed-cpu.yaml")
-SINGLE = str(Path(__file__).resolve().parent.parent / "configs" / "tiny-cpu.yaml")
 TIME_SCALE = 0.1
-
-
-def _trace(n: int = 6, turns: int = 3, seed: int = 0):
-    return tr.make_trace(n, turns, token_scale=0.25, max_context=4096, seed=seed)
+_trace = small_trace
+_single_outputs = single_rank_outputs
 
 
 def _crossed(run_dir: Path, **over):
-    base = {"scheduler.policy": "fine-grained", "trace_dir": str(run_dir), "mux.activation_threshold": 16}
-    base.update(over)
-    return load_config(CROSSED).replace(**base)
-
-
-def _single_outputs(trace) -> dict:
-    async def go():
-        async with RolloutWorker(load_config(SINGLE)) as w:
-            return await replay(w, trace, cell="trace", seed=0, time_scale=TIME_SCALE)
-    return asyncio.run(go()).outputs
+    return crossed_config(run_dir, **over)
 
 
 def test_crossed_selective_replay_equals_world_size_one_and_trace_check_is_clean(tmp_path):
