@@ -57,7 +57,7 @@ def test_crossed_selective_replay_equals_world_size_one_and_trace_check_is_clean
 def test_crossed_selective_under_phase_skew_completes_with_a_clean_trace(tmp_path):
     trace = _trace(4, 3, seed=3)
     ref = _single_outputs(trace)
-    for seed in (1, 2):
+    for seed in (1,):                       # more seeds: `ainfer-pd selftest --seeds N`
         d = tmp_path / f"skew{seed}"
         cfg = _crossed(d, faults={"phase_skew_ms": 20.0, "d_skew_random_ms": 5.0, "seed": seed})
         res = run_world(cfg, trace, 4, cell="trace", seed=0, time_scale=TIME_SCALE, timeout_s=200)
