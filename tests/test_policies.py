@@ -47,3 +47,25 @@ def test_decode_only_workload_adds_no_rendezvous_and_no_segmenting(tmp_path):
     events = (tmp_path / "rank0.jsonl").read_text()
     assert '"ev": "publish"' not in events and '"ev": "p_permit"' not in events
     assert '"gated": true' not in events
+
+
+# ---------------------------------------------------------------- policies as data (issue 14)
+def test_epoch_mode_is_a_pure_table_of_the_policies():
+    from ainfer_pd.errors import ConfigError
+    from ainfer_pd.sched.epoch_mode import TURNSTILE_POLICIES, epoch_mode
+    assert TURNSTILE_POLICIES == ("global-complete", "global-enqueue", "fine-grained")
+    # normal: never gated, always exclusive
+    for has_d in (False, True):
+        for active in (False, True):
+            m = epoch_mode("normal", has_d, active)
+            assert not m.gated and m.exclusive and m.final is None
+    # turnstile policies: gated only with D present and the activation on
+    for p, final in (("global-complete", "complete"), ("global-enqueue", "enqueue"), ("fine-grained", "layer")):
+        m = epoch_mode(p, True, True)
+        assert m.gated and not m.exclusive and m.final == final and m.per_layer == (p == "fine-grained")
+        m = epoch_mode(p, True, False)                     # D present, multiplexing off: D waits (P priority)
+        assert not m.gated and m.exclusive and not m.per_layer and m.final is None
+        m = epoch_mode(p, False, True)                     # no D: nothing to multiplex, nothing waits
+        assert not m.gated and not m.exclusive
+    with pytest.raises(ConfigError):
+        epoch_mode("fastest", True, True)

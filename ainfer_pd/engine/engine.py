@@ -41,7 +41,7 @@ from .state import Turn, TurnState
 
 log = logging.getLogger("ainfer_pd.engine")
 
-TURNSTILE_POLICIES = ("global-complete", "global-enqueue", "fine-grained")
+from ..sched.epoch_mode import TURNSTILE_POLICIES, EpochMode, epoch_mode, policy_traits  # noqa: E402,F401
 
 
 class _Box:
@@ -88,7 +88,8 @@ class Engine:
         self.decode_ctx = PhaseContext(Phase.DECODE, self.device.stream("D"))
         if setup is not None:
             setup(self)
-        span_policy = make_span_policy(cfg.mux) if self.policy == "fine-grained" else (lambda _inp: 1)
+        self.traits = policy_traits(self.policy)
+        span_policy = make_span_policy(cfg.mux) if self.traits.per_layer else (lambda _inp: 1)
         self.turnstile = Turnstile(rendezvous=rendezvous or LocalRendezvous(), span=span_policy,
                                    recorder=recorder, rank=rank,
                                    timeout_s=cfg.parallel.rendezvous_timeout_s, load=self._span_inputs)
@@ -301,11 +302,10 @@ class Engine:
                 continue
             self._epoch += 1
             has_d = bool(self.decoding)
-            mux = self.policy in TURNSTILE_POLICIES and has_d and self._mux_active(work)
             # NOTE: without the turnstile and with decode rows present, D waits for this epoch (strict P priority).
-            exclusive = (has_d and not mux) or self.policy == "normal"
+            mode = epoch_mode(self.policy, has_d, has_d and self.traits.turnstile and self._mux_active(work))
             try:
-                await self._run_epoch(self._epoch, work, mux=mux, exclusive=exclusive, d_enqueued=self._d_in_flight)
+                await self._run_epoch(self._epoch, work, mode, d_enqueued=self._d_in_flight)
             except Exception as exc:
                 # NOTE: one rank, so no peer waits on this epoch: fail its turns (typed), free their
                 # KV once the P stream drained, keep serving everyone else.
@@ -330,10 +330,10 @@ class Engine:
         tokens = sum(n for _, _, n in work) + sum(t.remaining_prompt for t in self.waiting)
         return self.activation.update(self.rec.now(), tokens, len(self.decoding))
 
-    async def _run_epoch(self, epoch: int, work: list[tuple[Turn, int, int]], *, mux: bool, exclusive: bool,
+    async def _run_epoch(self, epoch: int, work: list[tuple[Turn, int, int]], mode: EpochMode, *,
                          d_enqueued: bool, entered: asyncio.Event | None = None, plan: BatchPlan | None = None) -> None:
         """One P epoch: segments on the P stream, stopping at safe boundaries for the turnstile
-        (``mux``). ``entered`` is set once the epoch is registered with the turnstile. ``plan``:
+        (``mode.gated``). ``entered`` is set once the epoch is registered with the turnstile. ``plan``:
         the batch when it was not built here from ``work`` (a TP follower runs its leader's)."""
         plan = plan if plan is not None else self.runner.build(work, [])
         for t, _, _ in work:
@@ -342,8 +342,8 @@ class Engine:
         stream = ctx.stream
         runner, L = self.runner, self.runner.num_layers
         box = _Box()
-        fine = mux and self.policy == "fine-grained"
-        self._p_exclusive = exclusive
+        mux, fine = mode.gated, mode.per_layer
+        self._p_exclusive = mode.exclusive
         self._p_running = True
         self.rec.event("p_epoch", epoch=epoch, tokens=plan.num_tokens, gated=mux, policy=self.policy)
         t_start = self.rec.now()
@@ -397,13 +397,13 @@ class Engine:
                 if plan.num_tokens:
                     p_time = self.rec.now() - t_start - (waited - counts_waited)
                     self._p_boundary_ema = self._ema(self._p_boundary_ema, p_time / (2 * L))
-                if mux and self.policy == "global-enqueue":
+                if mode.final == "enqueue":
                     ep.publish(1, final=True)
-                if self.policy == "global-complete" or not mux:
+                if mode.final == "complete" or not mux:
                     logits = await logits_w.done()
                     if mux:
                         ep.publish(1, final=True)
-            if mux and self.policy != "global-complete":
+            if mux and mode.final != "complete":
                 logits = await logits_w.done()
         finally:
             for t, _, _ in work:
@@ -489,7 +489,7 @@ class Engine:
     def _d_may_run(self) -> bool:
         if not self._has_live_rows():
             return False
-        if self.policy == "normal":
+        if self.traits.p_priority:
             return not (self._p_running or self._p_admissible())
         return not self._p_exclusive
 

@@ -35,7 +35,8 @@ from ..errors import AInferPDError, ConfigError, InvalidRequestError, PeerLostEr
 from ..metrics.recorder import Recorder
 from ..phase import Phase
 from ..sched.planner import plan_decode, plan_prefill
-from .engine import TURNSTILE_POLICIES, Engine
+from ..sched.epoch_mode import epoch_mode
+from .engine import Engine
 from .replica import ReplicaChannel, decode_numel, pack_decode, pack_prefill, pad_decode, unpack_decode, unpack_prefill
 from .runner import BatchPlan
 from .tensor_parallel import DecodeHooks, PrefillHooks
@@ -230,12 +231,11 @@ class LockstepEngine(Engine):
 
     async def _start_epoch(self, has_d: bool, mux_on: bool) -> None:
         self._epoch += 1
-        mux = self.policy in TURNSTILE_POLICIES and has_d and mux_on
-        exclusive = self.policy == "normal" or (has_d and not mux)
-        self._exclusive_epoch = exclusive
+        mode = epoch_mode(self.policy, has_d, mux_on)
+        self._exclusive_epoch = mode.exclusive
         entered = asyncio.Event()
         self._p_running = True
-        await self._go.put((self._epoch, mux, exclusive, entered))
+        await self._go.put((self._epoch, mode, entered))
         await entered.wait()
 
     async def _prefill_worker(self) -> None:
@@ -244,10 +244,10 @@ class LockstepEngine(Engine):
         receives it; both run the epoch's segments, waiting for receive counts and then permits.
         Unblocked by: the step loop."""
         while True:
-            epoch, mux, exclusive, entered = await self._go.get()
+            epoch, mode, entered = await self._go.get()
             try:
                 work, plan = await self._epoch_batch()
-                await self._run_epoch(epoch, work, mux=mux, exclusive=exclusive, d_enqueued=False, entered=entered,
+                await self._run_epoch(epoch, work, mode, d_enqueued=False, entered=entered,
                                       plan=plan)
             finally:
                 entered.set()

@@ -1,0 +1,77 @@
+"""Policies as data: what a scheduler policy means for one P epoch (pure).
+
+The engines read an :class:`EpochMode` (and a policy's :class:`PolicyTraits`), never the policy
+name. :func:`epoch_mode` maps (policy, D present, multiplexing active) to the mode of one epoch:
+
+==================  =========  ==========================================================
+policy              turnstile  a gated epoch (D present and the activation on)
+==================  =========  ==========================================================
+normal              no         never gated; D waits while P is admissible or running
+global-complete     yes        one boundary; its final publish after P *completed*
+global-enqueue      yes        one boundary; its final publish once P is *enqueued*
+fine-grained        yes        a boundary per expert notification and layer end; span policy
+==================  =========  ==========================================================
+
+An epoch that is not gated while decode rows exist is *exclusive*: D waits for it (strict P
+priority); under ``normal`` every epoch is exclusive.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+__all__ = ["PolicyTraits", "EpochMode", "policy_traits", "epoch_mode", "TURNSTILE_POLICIES"]
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyTraits:
+    turnstile: bool
+    """P epochs may be multiplexed with D through the turnstile."""
+    per_layer: bool
+    """Boundaries at every expert notification and layer end (and the span policy picks K)."""
+    final: str | None
+    """When a one-boundary gated epoch publishes its final boundary: "enqueue" | "complete";
+    "layer" for per-layer boundaries (the last layer end is final); None without a turnstile."""
+    p_priority: bool
+    """D runs only while no P is admissible or running (``normal``)."""
+
+
+_TRAITS = {
+    "normal": PolicyTraits(turnstile=False, per_layer=False, final=None, p_priority=True),
+    "global-complete": PolicyTraits(turnstile=True, per_layer=False, final="complete", p_priority=False),
+    "global-enqueue": PolicyTraits(turnstile=True, per_layer=False, final="enqueue", p_priority=False),
+    "fine-grained": PolicyTraits(turnstile=True, per_layer=True, final="layer", p_priority=False),
+    # the single-rank reference loop: no P epochs of its own (mixed steps), no turnstile
+    "mixed-chunked": PolicyTraits(turnstile=False, per_layer=False, final=None, p_priority=False),
+}
+
+TURNSTILE_POLICIES = tuple(p for p, t in _TRAITS.items() if t.turnstile)
+
+
+@dataclass(frozen=True, slots=True)
+class EpochMode:
+    gated: bool
+    """The epoch goes through the turnstile (stops at its boundaries for D rounds)."""
+    exclusive: bool
+    """D waits for the epoch."""
+    per_layer: bool
+    """Gated at every boundary (fine-grained); else one boundary."""
+    final: str | None
+    """Gated epochs: "layer" | "enqueue" | "complete" (see :class:`PolicyTraits`); else None."""
+
+
+def policy_traits(policy: str) -> PolicyTraits:
+    try:
+        return _TRAITS[policy]
+    except KeyError:
+        raise ConfigError(f"scheduler.policy={policy!r}: expected one of {tuple(_TRAITS)}") from None
+
+
+def epoch_mode(policy: str, has_d: bool, active: bool) -> EpochMode:
+    """The mode of one P epoch under ``policy`` when decode rows exist (``has_d``) and the
+    multiplexing activation is on (``active``)."""
+    t = policy_traits(policy)
+    gated = t.turnstile and has_d and active
+    return EpochMode(gated=gated, exclusive=t.p_priority or (has_d and not gated),
+                     per_layer=gated and t.per_layer, final=t.final if gated else None)
