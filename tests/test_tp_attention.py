@@ -6,7 +6,6 @@ from pathlib import Path
 
 import torch
 
-from ainfer_pd.phase import Phase
 
 try:
     from tests._dist_util import run_ranks
@@ -21,14 +20,15 @@ def _tp_prefill_rank(rank: int, world_size: int, cfg_path: str) -> dict:
     from ainfer_pd.config import WorkerConfig
     from ainfer_pd.engine.attention import ForwardBatch, PrefillSeq
     from ainfer_pd.engine.model import build_model
-    from ainfer_pd.multirank.collectives import PhaseCollectives, shard_attention, tp_attn_reduce
+    from ainfer_pd.comm.collectives import PhaseCollectives
+    from ainfer_pd.engine.tensor_parallel import PrefillHooks, shard_attention_
 
     mc = WorkerConfig.from_yaml(cfg_path).model
     topo = Topology(world_size=world_size, attn_dp=1, expert_parallel=1, rank=rank)   # ATP = world_size
     groups = build_process_groups(topo, "gloo", control_timeout_s=30, data_timeout_s=30)
-    colls = PhaseCollectives(topo, groups)
+    colls = PhaseCollectives(topo, groups, backend="gloo", recorder=None)
     model = build_model(mc)
-    shard = shard_attention(model, topo.tp_rank, topo.atp)
+    shard = shard_attention_(build_model(mc), topo.tp_rank, topo.atp)     # the engine's sharding, in place
     g = torch.Generator().manual_seed(7)
     T = 37
     ids = torch.randint(2, mc.vocab_size, (T,), generator=g)
@@ -41,13 +41,13 @@ def _tp_prefill_rank(rank: int, world_size: int, cfg_path: str) -> dict:
         kv_full = torch.zeros(mc.num_layers, 2, T, mc.num_kv_heads, mc.head_dim)
         ref = model.forward_batch(fb(), kv_full)
         kv_shard = torch.zeros(mc.num_layers, 2, T, mc.num_kv_heads // topo.atp, mc.head_dim)
-        out = shard.forward_batch(fb(), kv_shard, attn_reduce=tp_attn_reduce(colls, Phase.PREFILL))
+        out = shard.forward_batch(fb(), kv_shard, attn_reduce=PrefillHooks(colls, None, None).hooks().attn_reduce)
     # the shard's KV cache holds exactly this rank's slice of the KV heads
     hk = mc.num_kv_heads // topo.atp
     kv_ok = torch.allclose(kv_shard, kv_full[:, :, :, rank * hk:(rank + 1) * hk], atol=1e-5, rtol=1e-5)
     return {"max_abs": float((out - ref).abs().max()), "ref_tok": ref.argmax(-1).tolist(),
             "tp_tok": out.argmax(-1).tolist(), "kv_ok": kv_ok,
-            "shard_heads": (shard.cfg.num_heads, shard.cfg.num_kv_heads)}
+            "shard_heads": (shard.cfg.num_heads, shard.cfg.num_kv_heads), "p_allreduces": colls.completed["attn_tp.P"]}
 
 
 def test_tp_sharded_prefill_matches_single_rank():
@@ -57,29 +57,35 @@ def test_tp_sharded_prefill_matches_single_rank():
         assert x["max_abs"] < 1e-4, (r, x["max_abs"])
         assert x["tp_tok"] == x["ref_tok"], r
         assert x["kv_ok"], r
+        assert x["p_allreduces"] == 4                  # one P attention all-reduce per layer, booked
     assert res[0]["tp_tok"] == res[1]["tp_tok"]
 
 
 def _phase_colls_rank(rank: int, world_size: int) -> dict:
+    from ainfer_pd.comm.collectives import PhaseCollectives
+    from ainfer_pd.comm.ordering import D_ADP_ALL_GATHER, D_ADP_REDUCE_SCATTER, P_ATP_ALL_REDUCE
     from ainfer_pd.comm.topology import Topology, build_process_groups
-    from ainfer_pd.multirank.collectives import PhaseCollectives
+    from ainfer_pd.errors import DistributedError
 
     topo = Topology(world_size=world_size, attn_dp=world_size, expert_parallel=1, rank=rank)   # ADP = 2, ATP = 1
     groups = build_process_groups(topo, "gloo", control_timeout_s=30, data_timeout_s=30)
-    colls = PhaseCollectives(topo, groups)
+    colls = PhaseCollectives(topo, groups, backend="gloo", recorder=None)
     x = torch.full((2, 3), float(rank + 1))
-    ag = colls.all_gather(Phase.DECODE, x)
-    rs = colls.reduce_scatter(Phase.DECODE, torch.arange(8, dtype=torch.float32).view(4, 2) * (rank + 1))
-    ar = colls.all_reduce(Phase.PREFILL, x.clone())       # ATP group of size 1: identity
+    colls.enqueue_schedule([D_ADP_ALL_GATHER, D_ADP_REDUCE_SCATTER], stream="D", epoch=None, boundary=None)
+    ag = colls.run(D_ADP_ALL_GATHER, x)
+    rs = colls.run(D_ADP_REDUCE_SCATTER, torch.arange(8, dtype=torch.float32).view(4, 2) * (rank + 1))
     wrong = []
-    for phase, op in ((Phase.DECODE, colls.all_reduce), (Phase.PREFILL, colls.all_gather),
-                      (Phase.PREFILL, colls.reduce_scatter)):
-        try:
-            op(phase, x)
-        except ValueError as exc:
-            wrong.append(str(exc))
-    return {"ag": ag.tolist(), "rs": rs.tolist(), "ar": ar.tolist(), "wrong": wrong,
-            "registered": colls.registry.describe()}
+    try:                                    # a device half without its host enqueue
+        colls.run(D_ADP_ALL_GATHER, x)
+    except DistributedError as exc:
+        wrong.append(str(exc))
+    colls.enqueue(P_ATP_ALL_REDUCE, stream="P")
+    try:                                    # the other phase's collective in its place
+        colls.run(D_ADP_ALL_GATHER, x)
+    except DistributedError as exc:
+        wrong.append(str(exc))
+    return {"ag": ag.tolist(), "rs": rs.tolist(), "wrong": wrong, "active_p": colls.active(P_ATP_ALL_REDUCE),
+            "registered": colls.registry.describe(), "frontier": colls.frontier()}
 
 
 def test_phase_collectives_use_their_own_group_and_reject_the_other_phase():
@@ -88,6 +94,7 @@ def test_phase_collectives_use_their_own_group_and_reject_the_other_phase():
     for r, x in enumerate(res):
         assert x["ag"] == [[1.0] * 3] * 2 + [[2.0] * 3] * 2
         assert x["rs"] == full.chunk(2, 0)[r].tolist()
-        assert x["ar"] == [[float(r + 1)] * 3] * 2
-        assert len(x["wrong"]) == 3 and all("phase" in w for w in x["wrong"])
+        assert not x["active_p"]              # ATP1: P's attention group has one rank, nothing issued
+        assert len(x["wrong"]) == 2 and all("without its host enqueue" in w for w in x["wrong"])
         assert x["registered"] == []          # ATP1: nothing crosses, nothing registered
+        assert x["frontier"]["completed"]["attn_dp.D"] == 2
