@@ -25,7 +25,7 @@ async def _rank_audit(rank: int, world_size: int) -> dict[str, Any]:
         await w.release(out.trajectory_id)
         report = w.audit()
         reg = w.engine.ownership_registry()
-        counter = w.engine.dispatcher._recv_counts
+        counter = w.engine.dispatchers.decode._recv_counts
         reg.register("counters", "planted.shared", Phase.PREFILL, identity=id(counter))
         reg.register("counters", "planted.shared", Phase.DECODE, identity=id(counter))
         try:

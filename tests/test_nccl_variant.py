@@ -370,7 +370,7 @@ async def _one_rank(rank: int, world_size: int, prompts):
     cfg = multirank_config(tiny_cfg(**{"scheduler.policy": "fine-grained"}), 1)
     assert cfg.parallel.expert_backend == "torch"
     async with RolloutWorker(cfg) as w:
-        assert isinstance(w.engine, LockstepEngine) and w.engine.dispatcher is not None
+        assert isinstance(w.engine, LockstepEngine) and w.engine.dispatchers is not None
         backends = dict(w.engine.group_backends)
         line = describe_groups(w)
         outs = await _generate(w, prompts)

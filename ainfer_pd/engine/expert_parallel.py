@@ -1,15 +1,16 @@
-"""Bridge between the model's MoE layers and P's phase-owned expert dispatcher.
+"""Bridge between the model's MoE layers and the phase-owned expert dispatchers.
 
-The phase is always explicit: every call takes the :class:`PhaseContext` of the work it belongs
-to, and only P's context is accepted: D reaches the experts through the DP-attention gather /
-scatter of :class:`~ainfer_pd.engine.tensor_parallel.DecodeHooks` (static shapes, capturable),
-never through this exchange.
+The phase is always explicit: every call takes the :class:`PhaseContext` of the work
+it belongs to, and the dispatcher is chosen from it (``PhaseDispatchers.get(ctx)``): P's
+(normal path) and D's (low-latency path) never share mutable state (SPEC 3.4).
 
 Prefill splits a MoE layer at the notification (SPEC 3.4): ``notify`` (counts exchange,
 peers learn the shape) -> the P task awaits the receive counts and then the turnstile
-permit -> ``finish`` (routed data movement, local experts, combine). The data movement runs on
-the device's communication budget (:meth:`~ainfer_pd.engine.device.Device.comm_budget`), not in
-a compute residency slot.
+permit -> ``finish`` (routed data movement, local experts, combine). Decode runs the
+three steps back to back inside its iteration (under attention TP on its TP rank's share of
+the replica's rows: :class:`~ainfer_pd.engine.tensor_parallel.DecodeHooks`). The data movement
+runs on the device's communication budget
+(:meth:`~ainfer_pd.engine.device.Device.comm_budget`), not in a compute residency slot.
 """
 from __future__ import annotations
 
@@ -18,9 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..comm.experts.base import Notified
-from ..errors import ConfigError
-from ..phase import Phase, PhaseContext
+from ..comm.experts.base import Notified, PhaseDispatchers
+from ..phase import PhaseContext
 from .model import MoETransformer
 from .moe import Routing, swiglu_grouped
 
@@ -44,18 +44,14 @@ def expert_shard(cfg: Any, rank: int | None = None) -> tuple[int, int] | None:
 
 
 class ExpertParallel:
-    def __init__(self, model: MoETransformer, dispatcher: Any, device: Any = None) -> None:
-        if dispatcher.phase is not Phase.PREFILL:
-            raise ConfigError("ExpertParallel carries P's dispatcher (D uses the DP-attention gather)")
+    def __init__(self, model: MoETransformer, dispatchers: PhaseDispatchers, device: Any = None) -> None:
         self.model = model
-        self.dispatcher = dispatcher
+        self.dispatchers = dispatchers
         self.device = device
         """The device whose communication budget the data movement runs on (None: no residency)."""
 
     def _get(self, ctx: PhaseContext) -> Any:
-        if ctx.phase is not Phase.PREFILL:
-            raise ConfigError(f"the {ctx.phase.name} phase has no expert dispatcher here (P only)")
-        return self.dispatcher
+        return self.dispatchers.get(ctx)
 
     def _budget(self):
         import contextlib

@@ -51,16 +51,21 @@ _instances = itertools.count()
 
 class LockstepEngine(Engine):
     def __init__(self, cfg: WorkerConfig, recorder: Recorder, *, rendezvous, topology: Topology, groups: dict,
-                 backend: str, dispatcher=None, store=None) -> None:
+                 backend: str, dispatchers=None, store=None) -> None:
         if cfg.scheduler.policy == "mixed-chunked":
             raise ConfigError("mixed-chunked is a single-rank reference; use world_size 1")
+        if dispatchers is not None and cfg.device.cuda_graphs and cfg.device.device != "cpu":
+            # D's expert exchange is its own dispatcher's all-to-all with host split sizes: not
+            # graph-capturable; decode eagerly through the D dispatcher instead.
+            log.info("expert-parallel lockstep engine: CUDA-graph decode off (D uses its own all-to-all)")
+            cfg = cfg.replace(**{"device.cuda_graphs": False})
         topo = self.topology = topology
         self.world_size = topo.world_size
         self.is_leader = topo.is_replica_leader
         self.ordering = cfg.parallel.ordering
         self.colls = PhaseCollectives(topo, groups, backend=backend, recorder=recorder)
         self.colls.booking = False                   # warm-up passes and graph captures are not traced
-        self.dispatcher = dispatcher
+        self.dispatchers = dispatchers
         faults_skew = cfg.faults.get("phase_skew_ms", 0.0) if cfg.faults else 0.0
         self._d_device_delay_s, self._p_coll_delay_s = (
             (faults_skew / 1e3, 0.0) if (topo.dp_rank + topo.tp_rank) % 2 == 0 else (0.0, faults_skew / 1e3))
@@ -68,9 +73,9 @@ class LockstepEngine(Engine):
         def setup(eng: Engine) -> None:              # before graph capture: the graphs bind these hooks
             from .expert_parallel import ExpertParallel
             r = eng.runner
-            if dispatcher is not None:
-                r.ep = ExpertParallel(r.model, dispatcher, eng.device)
-            self.decode_hooks = DecodeHooks(self.colls, r.model)
+            if dispatchers is not None:
+                r.ep = ExpertParallel(r.model, dispatchers, eng.device)
+            self.decode_hooks = DecodeHooks(self.colls, r.model, r.ep, eng.decode_ctx)
             r.hooks = {Phase.PREFILL: PrefillHooks(self.colls, r.ep, eng.prefill_ctx).hooks(),
                        Phase.DECODE: self.decode_hooks.hooks()}
 
@@ -310,9 +315,7 @@ class LockstepEngine(Engine):
     def ownership_registry(self):
         """Every mutable object of this rank, registered to P, D or the shared set (SPEC 3.4)."""
         from ..comm.experts.ownership import SHARED, OwnershipRegistry
-        reg = OwnershipRegistry()
-        if self.dispatcher is not None:
-            reg.add_dispatcher(self.dispatcher)
+        reg = self.dispatchers.registry() if self.dispatchers is not None else OwnershipRegistry()
         for ctx in (self.prefill_ctx, self.decode_ctx):
             reg.register("engine_stream", f"{ctx.phase.value}.engine_stream", ctx.phase, ctx.stream)
         for name in self.colls.groups:

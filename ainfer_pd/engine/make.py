@@ -56,7 +56,7 @@ def check_engine_support(cfg: WorkerConfig) -> None:
 def make_engine(cfg: WorkerConfig, recorder: Recorder, *, rank: int = 0, rendezvous=None) -> Engine:
     """The engine for this rank: :class:`Engine` at world size 1 (unless
     :func:`lockstep_at_world_size_one`), else the lockstep engine with its process groups,
-    rendezvous and P's phase-owned expert dispatcher."""
+    rendezvous and the phase-owned expert dispatchers (P's and D's)."""
     g = cfg.parallel.world_size
     if g == 1 and not lockstep_at_world_size_one(cfg):
         if cfg.scheduler.policy == "mixed-chunked":
@@ -68,8 +68,9 @@ def make_engine(cfg: WorkerConfig, recorder: Recorder, *, rank: int = 0, rendezv
     import torch.distributed as dist
 
     from ..comm.backend import check_backend, data_backend_for, group_backend, local_cuda_index, warm_up_nccl
+    from ..comm.experts.base import PhaseDispatchers
     from ..comm.experts.torch_a2a import TorchAllToAllDispatcher
-    from ..comm.topology import EP_P, Topology, build_process_groups
+    from ..comm.topology import EP_D, EP_P, Topology, build_process_groups
     from ..launch import get_store
     from ..phase import Phase
     from ..turnstile.dist_rendezvous import detect_same_host, make_rendezvous
@@ -96,15 +97,18 @@ def make_engine(cfg: WorkerConfig, recorder: Recorder, *, rank: int = 0, rendezv
     rdv = rendezvous or make_rendezvous(pc, topo, same_host=same, group=groups["control"], store=store)
     mc, sc = cfg.model, cfg.scheduler
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dispatcher = TorchAllToAllDispatcher(Phase.PREFILL, groups[EP_P], topo.ep_rank, pc.expert_parallel,
-                                         mc.num_experts, max_tokens=sc.max_prefill_tokens, hidden=mc.hidden_size,
-                                         top_k=mc.top_k, dtype=mc.torch_dtype, device=dev, recorder=recorder)
+    common = dict(hidden=mc.hidden_size, top_k=mc.top_k, dtype=mc.torch_dtype, device=dev, recorder=recorder)
+    dispatchers = PhaseDispatchers(       # phase-owned: P's normal path, D's low-latency path (SPEC 3.4)
+        TorchAllToAllDispatcher(Phase.PREFILL, groups[EP_P], topo.ep_rank, pc.expert_parallel, mc.num_experts,
+                                max_tokens=sc.max_prefill_tokens, **common),
+        TorchAllToAllDispatcher(Phase.DECODE, groups[EP_D], topo.ep_rank, pc.expert_parallel, mc.num_experts,
+                                max_tokens=sc.max_decode_batch, **common))
     eng = LockstepEngine(cfg, recorder, rendezvous=rdv, topology=topo, groups=groups, backend=backend,
-                         dispatcher=dispatcher, store=store)
+                         dispatchers=dispatchers, store=store)
     if rendezvous is None:
         eng.owned_rendezvous = rdv
     eng.group_backends = {name: group_backend(pg) for name, pg in groups.items() if name != "world"}
     recorder.event("process_groups", backends=eng.group_backends, rendezvous=getattr(rdv, "kind", type(rdv).__name__),
                    topology=topo.describe(), registered=eng.colls.registry.describe(), ordering=pc.ordering,
-                   expert_dispatch="P: torch all-to-all; D: DP-attention gather / scatter")
+                   expert_dispatch="P: torch all-to-all (normal); D: its own torch all-to-all (low-latency)")
     return eng

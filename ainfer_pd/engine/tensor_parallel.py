@@ -1,4 +1,4 @@
-"""Attention tensor parallelism and the DP-attention expert path of the multi-rank engine.
+"""Attention tensor parallelism and D's expert path of the multi-rank engine.
 
 Inside one attention-DP replica of ATP ranks the attention is sharded by heads: QKV column
 parallel (each TP rank keeps a contiguous block of query heads and the KV heads of their GQA
@@ -11,20 +11,19 @@ partial sum over its heads; the TP group sums them:
 * D inside its iteration (:class:`DecodeHooks`), with D's own communicators.
 
 Experts are expert-parallel over every rank (rank ``r`` holds experts ``[r E/g, (r+1) E/g)``).
-P reaches them through its phase-owned dispatcher (the split at notification: receive counts,
-then the permit, then the data). D uses the DP-attention gather / scatter *around the experts*
-instead of an all-to-all, so its collectives have static shapes (the agreed padded batch) and can
-be captured in the CUDA graph with the rest of the iteration:
+Each phase reaches them through its own phase-owned dispatcher (SPEC 3.4; P's: the normal path,
+split at the notification; D's: the low-latency path, notify -> dispatch -> combine back to
+back), never through shared state. With ATP = 1 a rank sends its rows as they are. With ATP > 1
+the TP ranks of a replica hold the same rows after the attention reduce, so each sends only its
+share through D's dispatcher and the TP group gathers the shares back:
 
     o   = attention over this rank's heads                  [B, D]  (partial)
     o   = all_reduce(o, attn_tp.D)                          [B, D]
     xn  = ffn_norm(h + o)
-    X   = all_gather(xn, attn_dp.D)                         [d B, D]  every replica's rows
-    y   = experts of this rank over the rows of X routed to them, 0 elsewhere
-    y   = reduce_scatter(y, attn_dp.D)                      [B, D]  this replica's rows, summed over d
-    y   = all_reduce(y, attn_tp.D)                          [B, D]  summed over the other TP ranks' experts
+    y_s = D dispatcher (EP over every rank) on rows s       [B_s, D]  s = this TP rank's share
+    y   = all_reduce(y_s at rows s, 0 elsewhere; attn_tp.D) [B, D]  the TP all-gather of the shares
 
-Shape legend: B = padded decode rows per replica, d = ADP, D = hidden, k = top-k.
+Shape legend: B = padded decode rows per replica, B_s = this TP rank's share of them, D = hidden.
 """
 from __future__ import annotations
 
@@ -36,11 +35,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..comm.ordering import D_ADP_ALL_GATHER, D_ADP_REDUCE_SCATTER, D_ATP_ALL_REDUCE, P_ATP_ALL_REDUCE
+from ..comm.ordering import D_ATP_ALL_REDUCE, P_ATP_ALL_REDUCE
 from ..errors import TopologyError
-from .moe import Routing, experts_local, swiglu_grouped
+from .moe import Routing, routing_of
 
-__all__ = ["PhaseHooks", "DecodeHooks", "PrefillHooks", "shard_attention_", "local_experts"]
+__all__ = ["PhaseHooks", "DecodeHooks", "PrefillHooks", "shard_attention_", "tp_share"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,56 +92,35 @@ def shard_attention_(model: Any, tp_rank: int, atp: int) -> Any:
     return model
 
 
-# ====================================================================== experts of a shard
-def local_experts(model: Any, layer: int, x: Tensor, r: Routing) -> Tensor:
-    """This rank's experts' contribution to every row of ``x`` [N, D] -> [N, D]; a (row, slot)
-    routed to another rank's expert contributes 0. No host sync (graph-capturable)."""
-    lyr = model.layers[layer]
-    lo, hi = model.expert_range
-    idx, w = r.topk_idx, r.topk_weights                         # [N, k]
-    here = (idx >= lo) & (idx < hi)
-    El = hi - lo
-    if model.expert_kernel is not experts_local:
-        # another kernel (fused Triton): every (row, slot) through local expert 0 at weight 0 when
-        # it is not ours. Correct; wastes the other ranks' share of the expert rows.
-        loc = torch.where(here, idx - lo, torch.zeros_like(idx))
-        from .moe import routing_of
-        return model.expert_kernel(x, routing_of(loc, torch.where(here, w, torch.zeros_like(w)), El),
-                                   lyr.w13, lyr.w2)
-    N, k = idx.shape
-    flat = torch.where(here, idx - lo, torch.full_like(idx, El)).reshape(-1)       # [N k], El = not ours
-    order = torch.sort(flat, stable=True).indices
-    counts = torch.zeros(El + 1, dtype=torch.int64, device=x.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    offsets = torch.cumsum(counts[:El], 0).to(torch.int32)
-    xs = x.index_select(0, torch.div(order, k, rounding_mode="floor"))             # [N k, D] by expert
-    ys = swiglu_grouped(xs, lyr.w13, lyr.w2, offsets)                              # rows past ours: garbage
-    ys = torch.where((flat.index_select(0, order) < El).unsqueeze(-1), ys, torch.zeros_like(ys))
-    rows = torch.empty_like(ys)
-    rows[order] = ys                                                               # (row, slot) order
-    wk = torch.where(here, w, torch.zeros_like(w))
-    return (rows.view(N, k, -1) * wk.unsqueeze(-1)).sum(dim=1)
-
-
 # ====================================================================== phase hooks
-class DecodeHooks:
-    """D's collectives inside its iteration (module docstring). ``colls``: the rank's
-    :class:`~ainfer_pd.comm.collectives.PhaseCollectives`; ``model``: the (sharded) model."""
+def tp_share(rows: int, tp_rank: int, atp: int) -> slice:
+    """The rows [lo, hi) of ``rows`` that TP rank ``tp_rank`` of ``atp`` sends through its phase's
+    expert dispatcher (contiguous, sizes differ by at most one; pure)."""
+    base, extra = divmod(rows, atp)
+    lo = tp_rank * base + min(tp_rank, extra)
+    return slice(lo, lo + base + (1 if tp_rank < extra else 0))
 
-    def __init__(self, colls: Any, model: Any) -> None:
-        self.colls, self.model = colls, model
+
+class DecodeHooks:
+    """D's collectives and expert path inside its iteration (module docstring). ``colls``: the
+    rank's D-phase :class:`~ainfer_pd.comm.collectives.PhaseCollectives`; ``model``: the (sharded)
+    model; ``ep``: the :class:`~ainfer_pd.engine.expert_parallel.ExpertParallel` (D's dispatcher
+    chosen by ``ctx``, D's phase context)."""
+
+    def __init__(self, colls: Any, model: Any, ep: Any, ctx: Any) -> None:
+        self.colls, self.model, self.ep, self.ctx = colls, model, ep, ctx
         self.tp = colls.active(D_ATP_ALL_REDUCE)
-        self.dp = colls.active(D_ADP_ALL_GATHER)
+        self.tp_rank, self.atp = getattr(model, "tp_shard", (0, 1))
 
     def schedule(self) -> list:
-        """The collectives of one D iteration, in the order it runs them."""
+        """The attention collectives of one D iteration, in the order it runs them (D's expert
+        exchange is its dispatcher's, on its own communicator: not an attention collective)."""
         out = []
         for i in range(self.model.cfg.num_layers):
             if self.tp:
                 out.append(D_ATP_ALL_REDUCE)
-            if self.model.layers[i].is_moe:
-                out += [D_ADP_ALL_GATHER, D_ADP_REDUCE_SCATTER] if self.dp else []
-                out += [D_ATP_ALL_REDUCE] if self.tp else []
+                if self.model.layers[i].is_moe:
+                    out.append(D_ATP_ALL_REDUCE)
         return out
 
     def hooks(self) -> PhaseHooks:
@@ -152,14 +130,13 @@ class DecodeHooks:
         return self.colls.run(D_ATP_ALL_REDUCE, o)
 
     def experts(self, xn: Tensor, r: Routing, layer: int) -> Tensor:
-        colls = self.colls
-        if self.dp:
-            X = colls.run(D_ADP_ALL_GATHER, xn)                    # [d B, D]
-            y = local_experts(self.model, layer, X, self.model.route_rows(layer, X))
-            y = colls.run(D_ADP_REDUCE_SCATTER, y)                 # [B, D]
-        else:
-            y = local_experts(self.model, layer, xn, r)
-        return colls.run(D_ATP_ALL_REDUCE, y) if self.tp else y
+        if not self.tp:
+            return self.ep.run(self.ctx, xn, r, layer)
+        s = tp_share(int(xn.shape[0]), self.tp_rank, self.atp)
+        share = routing_of(r.topk_idx[s], r.topk_weights[s], self.model.cfg.num_experts)
+        y = torch.zeros_like(xn)
+        y[s] = self.ep.run(self.ctx, xn[s], share, layer)
+        return self.colls.run(D_ATP_ALL_REDUCE, y)              # every TP rank's share, on every TP rank
 
 
 class PrefillHooks:

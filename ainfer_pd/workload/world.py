@@ -42,7 +42,7 @@ def describe_groups(worker: Any) -> str:
         return f"rank {worker.rank}: single-rank Engine (no process groups)"
     groups = " ".join(f"{k}={v}" for k, v in backends.items())
     rdv = getattr(getattr(eng, "rdv", None), "kind", "?")
-    ep = "torch all-to-all" if getattr(eng, "dispatcher", None) is not None else "local"
+    ep = "torch all-to-all" if getattr(eng, "dispatchers", None) is not None else "local"
     topo = getattr(eng, "topology", None)
     where = f"; {topo.describe()}; ordering {eng.ordering}" if topo is not None else ""
     return (f"rank {worker.rank} process groups: {groups}; rendezvous {rdv}; expert dispatch {ep}; "
