@@ -26,7 +26,8 @@ def _tp_prefill_rank(rank: int, world_size: int, cfg_path: str) -> dict:
     mc = WorkerConfig.from_yaml(cfg_path).model
     topo = Topology(world_size=world_size, attn_dp=1, expert_parallel=1, rank=rank)   # ATP = world_size
     groups = build_process_groups(topo, "gloo", control_timeout_s=30, data_timeout_s=30)
-    colls = PhaseCollectives(topo, groups, backend="gloo", recorder=None)
+    from ainfer_pd.phase import Phase
+    colls = PhaseCollectives(topo, groups, phase=Phase.PREFILL, backend="gloo", recorder=None)
     model = build_model(mc)
     shard = shard_attention_(build_model(mc), topo.tp_rank, topo.atp)     # the engine's sharding, in place
     g = torch.Generator().manual_seed(7)
@@ -69,7 +70,8 @@ def _phase_colls_rank(rank: int, world_size: int) -> dict:
 
     topo = Topology(world_size=world_size, attn_dp=world_size, expert_parallel=1, rank=rank)   # ADP = 2, ATP = 1
     groups = build_process_groups(topo, "gloo", control_timeout_s=30, data_timeout_s=30)
-    colls = PhaseCollectives(topo, groups, backend="gloo", recorder=None)
+    from ainfer_pd.phase import Phase
+    colls = PhaseCollectives(topo, groups, phase=Phase.DECODE, backend="gloo", recorder=None)
     x = torch.full((2, 3), float(rank + 1))
     colls.enqueue_schedule([D_ADP_ALL_GATHER, D_ADP_REDUCE_SCATTER], stream="D", epoch=None, boundary=None)
     ag = colls.run(D_ADP_ALL_GATHER, x)
@@ -79,13 +81,21 @@ def _phase_colls_rank(rank: int, world_size: int) -> dict:
         colls.run(D_ADP_ALL_GATHER, x)
     except DistributedError as exc:
         wrong.append(str(exc))
-    colls.enqueue(P_ATP_ALL_REDUCE, stream="P")
-    try:                                    # the other phase's collective in its place
-        colls.run(D_ADP_ALL_GATHER, x)
+    try:                                    # the other phase's collective: not D's state
+        colls.enqueue(P_ATP_ALL_REDUCE, stream="P")
     except DistributedError as exc:
         wrong.append(str(exc))
+    try:
+        colls.run(P_ATP_ALL_REDUCE, x)
+    except DistributedError as exc:
+        wrong.append(str(exc))
+    from ainfer_pd.comm.experts.ownership import OwnershipRegistry
+    reg = OwnershipRegistry()
+    colls.register_owned(reg)
+    owners = {o.owner for o in reg.objects}
     return {"ag": ag.tolist(), "rs": rs.tolist(), "wrong": wrong, "active_p": colls.active(P_ATP_ALL_REDUCE),
-            "registered": colls.registry.describe(), "frontier": colls.frontier()}
+            "registered": colls.registry.describe(), "frontier": colls.frontier(),
+            "owners": [o.value for o in owners], "owned": sorted(o.name for o in reg.objects)}
 
 
 def test_phase_collectives_use_their_own_group_and_reject_the_other_phase():
@@ -95,6 +105,9 @@ def test_phase_collectives_use_their_own_group_and_reject_the_other_phase():
         assert x["ag"] == [[1.0] * 3] * 2 + [[2.0] * 3] * 2
         assert x["rs"] == full.chunk(2, 0)[r].tolist()
         assert not x["active_p"]              # ATP1: P's attention group has one rank, nothing issued
-        assert len(x["wrong"]) == 2 and all("without its host enqueue" in w for w in x["wrong"])
+        assert len(x["wrong"]) == 3 and "without its host enqueue" in x["wrong"][0]
+        assert all("D's phase-owned collective state" in w for w in x["wrong"][1:])     # P's kind refused
+        assert x["owners"] == ["D"] and "attn_dp.D.group" in x["owned"] and "D.attn_colls.completed" in x["owned"]
+        assert not any(n.startswith("attn_tp.P") for n in x["owned"])              # no P communicator here
         assert x["registered"] == []          # ATP1: nothing crosses, nothing registered
         assert x["frontier"]["completed"]["attn_dp.D"] == 2

@@ -3,9 +3,14 @@
 * P (eager): the full attention-TP **all-reduce** of every layer over its own communicator
   (``attn_tp.P``), launched as its own stream item (:meth:`PhaseCollectives.launch`) so the
   ordering can route it (:func:`~ainfer_pd.comm.ordering.collective_stream`).
-* D (inside its iteration, a graph replay on CUDA): its own attention-TP all-reduce
-  (``attn_tp.D``) and the DP-attention **all-gather / reduce-scatter** around the experts
-  (``attn_dp.D``), called from the D item (:class:`~ainfer_pd.engine.tensor_parallel.DecodeHooks`).
+* D (inside its iteration): its own attention-TP all-reduce (``attn_tp.D``; the engine's D item
+  also gathers its TP ranks' expert shares with it: :class:`~ainfer_pd.engine.tensor_parallel.DecodeHooks`)
+  and the DP-attention **all-gather / reduce-scatter** (``attn_dp.D``; the harness's crossed pair).
+
+The state is phase-owned (SPEC 3.4): one :class:`PhaseCollectives` per phase holds only that
+phase's communicators, counters, in-flight table and lock, and registers them to its phase in the
+ownership audit (:meth:`PhaseCollectives.register_owned`); :class:`RankCollectives` is the rank's
+pair, read together only by the watchdog (progress, frontier).
 
 Each collective has two halves. :meth:`enqueue` is the *host* half: it numbers the collective
 on its communicator, writes ``coll_enqueue`` (host order: the trace-check's device-order
@@ -14,8 +19,8 @@ half, on the stream thread: ``coll_launch`` when it joins its communicator's cur
 the CPU stand-in it holds a residency slot until every peer joined, as a spinning NCCL kernel
 holds SMs), the blocking call, ``coll_done`` and a ``work`` interval. A D iteration enqueues
 every collective of its schedule at its launch (:meth:`enqueue_schedule`) and runs them in that
-order. Groups of one rank issue nothing. The phase is always explicit: a kind whose phase or
-communicator is not the caller's is refused.
+order. Groups of one rank issue nothing. The phase is always explicit: a kind of the other phase
+is refused by name.
 """
 from __future__ import annotations
 
@@ -33,30 +38,40 @@ from .ordering import (D_ADP_ALL_GATHER, D_ADP_REDUCE_SCATTER, D_ATP_ALL_REDUCE,
                        ConflictRegistry)
 from .topology import ATTN_DP_D, ATTN_TP_D, ATTN_TP_P, Topology
 
-__all__ = ["PhaseCollectives", "KINDS"]
+__all__ = ["PhaseCollectives", "RankCollectives", "KINDS", "PHASE_COMMS"]
 
 KINDS = (P_ATP_ALL_REDUCE, D_ATP_ALL_REDUCE, D_ADP_ALL_GATHER, D_ADP_REDUCE_SCATTER)
+PHASE_COMMS: dict[Phase, tuple[str, ...]] = {Phase.PREFILL: (ATTN_TP_P,), Phase.DECODE: (ATTN_TP_D, ATTN_DP_D)}
+"""The communicators each phase owns."""
 
 
 class PhaseCollectives:
-    """The attention collectives of one rank.
+    """The attention collectives of one phase of one rank (its own communicators and counters).
 
-    ``groups``: :func:`~ainfer_pd.comm.topology.build_process_groups` (``attn_tp.P``, ``attn_tp.D``,
-    ``attn_dp.D``); ``backend``: their data backend (nccl: the tensor-native ops); ``registry``: the
-    conflicting pairs (default: from the topology); ``recorder``: trace and clock.
+    ``phase``: the owner; ``groups``: :func:`~ainfer_pd.comm.topology.build_process_groups` (this
+    keeps only its phase's: ``attn_tp.P``, or ``attn_tp.D`` and ``attn_dp.D``); ``backend``: their
+    data backend (nccl: the tensor-native ops); ``registry``: the conflicting pairs (default: from
+    the topology; immutable configuration, read by both phases); ``recorder``: trace and clock.
     """
 
-    def __init__(self, topology: Topology, groups: dict[str, Any], *, backend: str, recorder: Any,
+    def __init__(self, topology: Topology, groups: dict[str, Any], *, phase: Phase, backend: str, recorder: Any,
                  registry: ConflictRegistry | None = None) -> None:
-        missing = [n for n in (ATTN_TP_P, ATTN_TP_D, ATTN_DP_D) if n not in groups]
+        if not isinstance(phase, Phase):
+            raise TopologyError(f"PhaseCollectives needs an explicit Phase, got {phase!r}")
+        comms = PHASE_COMMS[phase]
+        missing = [n for n in comms if n not in groups]
         if missing:
             raise TopologyError(f"PhaseCollectives: process groups {missing} missing (build_process_groups)")
+        self.phase = phase
         self.topology = topology
-        self.groups = groups
+        self.groups = {n: groups[n] for n in comms}
         self.native = backend == "nccl"
         self.recorder = recorder
         self.registry = registry if registry is not None else ConflictRegistry.for_topology(topology)
-        self.members = {ATTN_TP_P: topology.tp_group, ATTN_TP_D: topology.tp_group, ATTN_DP_D: topology.dp_group}
+        self._sizes = {ATTN_TP_P: len(topology.tp_group), ATTN_TP_D: len(topology.tp_group),
+                       ATTN_DP_D: len(topology.dp_group)}
+        everyone = {ATTN_TP_P: topology.tp_group, ATTN_TP_D: topology.tp_group, ATTN_DP_D: topology.dp_group}
+        self.members = {c: everyone[c] for c in comms}
         self._lock = threading.Lock()
         self.enqueued = {c: 0 for c in self.members}
         self.joined = {c: 0 for c in self.members}
@@ -71,18 +86,35 @@ class PhaseCollectives:
 
     # ------------------------------------------------------------------ identity
     def size(self, comm: str) -> int:
-        return len(self.members[comm])
+        return self._sizes[comm]
 
     def active(self, kind: CollectiveKind) -> bool:
         """The collective exists on this topology (its group has more than one rank)."""
         return self.size(kind.comm) > 1
 
+    def _own(self, kind: CollectiveKind) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"unknown attention collective {kind.name}")
+        if kind.phase is not self.phase:
+            raise DistributedError(f"rank {self.topology.rank}: {kind.name} is a {kind.phase.value} collective; "
+                                   f"this is {self.phase.value}'s phase-owned collective state")
+
+    def register_owned(self, reg: Any) -> None:
+        """This phase's communicators, counters, in-flight table and lock, owned by its phase."""
+        ph, tag = self.phase, f"{self.phase.value}.attn_colls"
+        for name, pg in self.groups.items():
+            reg.register("process_group", f"{name}.group", ph, pg)
+        for name in ("enqueued", "joined", "completed"):
+            reg.register("counters", f"{tag}.{name}", ph, getattr(self, name))
+        reg.register("workspace", f"{tag}.inflight", ph, self.inflight)
+        reg.register("workspace", f"{tag}.pending", ph, self._pending)
+        reg.register("lock", f"{tag}.lock", ph, self._lock)
+
     # ------------------------------------------------------------------ host half
     def enqueue(self, kind: CollectiveKind, *, stream: str, epoch: int | None = None, boundary: int | None = None,
                 extra: dict | None = None) -> dict:
         """Number ``kind`` on its communicator in host order and trace ``coll_enqueue``."""
-        if kind not in KINDS:
-            raise ValueError(f"unknown attention collective {kind.name}")
+        self._own(kind)
         comm = kind.comm
         with self._lock:
             self.enqueued[comm] += 1
@@ -104,6 +136,7 @@ class PhaseCollectives:
     def run(self, kind: CollectiveKind, t: torch.Tensor) -> torch.Tensor:
         """Run the next enqueued collective of ``kind``'s communicator on ``t`` (stream thread).
         With :attr:`booking` off (warm-up passes, graph capture) only the operation runs."""
+        self._own(kind)
         if not self.booking:
             return self._op(kind, t)
         with self._lock:
@@ -212,6 +245,41 @@ class PhaseCollectives:
     def progress(self) -> int:
         with self._lock:
             return sum(self.completed.values())
+
+
+class RankCollectives:
+    """The rank's two phase-owned :class:`PhaseCollectives` (``P``, ``D``); the engine hands each
+    phase its own (:meth:`get`); only the watchdog reads both (progress, frontier)."""
+
+    def __init__(self, topology: Topology, groups: dict[str, Any], *, backend: str, recorder: Any,
+                 registry: ConflictRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else ConflictRegistry.for_topology(topology)
+        self.P = PhaseCollectives(topology, groups, phase=Phase.PREFILL, backend=backend, recorder=recorder,
+                                  registry=self.registry)
+        self.D = PhaseCollectives(topology, groups, phase=Phase.DECODE, backend=backend, recorder=recorder,
+                                  registry=self.registry)
+
+    def get(self, phase: Phase) -> PhaseCollectives:
+        return self.P if phase is Phase.PREFILL else self.D
+
+    def set_booking(self, on: bool) -> None:
+        self.P.booking = self.D.booking = on
+
+    def set_gate(self, gate: Callable[[], Any]) -> None:
+        self.P.gate = self.D.gate = gate
+
+    def register_owned(self, reg: Any) -> None:
+        self.P.register_owned(reg)
+        self.D.register_owned(reg)
+
+    def progress(self) -> int:
+        return self.P.progress() + self.D.progress()
+
+    def frontier(self) -> dict:
+        """Both phases' frontiers merged by communicator (their names are distinct)."""
+        p, d = self.P.frontier(), self.D.frontier()
+        return {k: {**p[k], **d[k]} for k in ("joined", "completed", "enqueued")} | {
+            "inflight": p["inflight"] + d["inflight"]}
 
 
 def _native(dist: Any, name: str, older: str) -> Callable:

@@ -26,7 +26,7 @@ import asyncio
 import itertools
 import logging
 
-from ..comm.collectives import PhaseCollectives
+from ..comm.collectives import RankCollectives
 from ..comm.ordering import P_ATP_ALL_REDUCE, collective_stream
 from ..comm.topology import ATTN_DP_D, ATTN_TP_D, REPLICA, Topology
 from ..comm.watchdog import Watchdog
@@ -63,8 +63,8 @@ class LockstepEngine(Engine):
         self.world_size = topo.world_size
         self.is_leader = topo.is_replica_leader
         self.ordering = cfg.parallel.ordering
-        self.colls = PhaseCollectives(topo, groups, backend=backend, recorder=recorder)
-        self.colls.booking = False                   # warm-up passes and graph captures are not traced
+        self.colls = RankCollectives(topo, groups, backend=backend, recorder=recorder)   # one per phase
+        self.colls.set_booking(False)                # warm-up passes and graph captures are not traced
         self.dispatchers = dispatchers
         faults_skew = cfg.faults.get("phase_skew_ms", 0.0) if cfg.faults else 0.0
         self._d_device_delay_s, self._p_coll_delay_s = (
@@ -75,14 +75,14 @@ class LockstepEngine(Engine):
             r = eng.runner
             if dispatchers is not None:
                 r.ep = ExpertParallel(r.model, dispatchers, eng.device)
-            self.decode_hooks = DecodeHooks(self.colls, r.model, r.ep, eng.decode_ctx)
-            r.hooks = {Phase.PREFILL: PrefillHooks(self.colls, r.ep, eng.prefill_ctx).hooks(),
+            self.decode_hooks = DecodeHooks(self.colls.D, r.model, r.ep, eng.decode_ctx)
+            r.hooks = {Phase.PREFILL: PrefillHooks(self.colls.P, r.ep, eng.prefill_ctx).hooks(),
                        Phase.DECODE: self.decode_hooks.hooks()}
 
         super().__init__(cfg, recorder, rendezvous=rendezvous, rank=topo.rank,
                          tp_shard=(topo.tp_rank, topo.atp) if topo.atp > 1 else None, setup=setup)
-        self.colls.booking = True
-        self.colls.gate = self.device.collective_slot
+        self.colls.set_booking(True)
+        self.colls.set_gate(self.device.collective_slot)
         self._p_tensor_parallel = topo.atp > 1
         self.rdv = self.rendezvous          # (wrapped by fault injection when configured)
         self.replica = None
@@ -277,8 +277,8 @@ class LockstepEngine(Engine):
         try:
             await self._decode_once(rows, rnd, t_ready)
         finally:
-            self.colls.complete_pending(ATTN_TP_D)       # a graph replay ran them without host callbacks
-            self.colls.complete_pending(ATTN_DP_D)
+            self.colls.D.complete_pending(ATTN_TP_D)     # a graph replay ran them without host callbacks
+            self.colls.D.complete_pending(ATTN_DP_D)
         self.num_d_iters += 1
         self._notify()
 
@@ -297,7 +297,7 @@ class LockstepEngine(Engine):
 
     def _before_d_launch(self, rnd) -> None:
         """D's collectives in host order, with the round that orders them (trace-check's G)."""
-        self.colls.enqueue_schedule(self.decode_hooks.schedule(), stream="D",
+        self.colls.D.enqueue_schedule(self.decode_hooks.schedule(), stream="D",
                                     epoch=rnd.epoch if rnd is not None else None,
                                     boundary=rnd.boundary if rnd is not None else None)
 
@@ -305,7 +305,7 @@ class LockstepEngine(Engine):
         """P's attention all-reduce of one layer, on the stream the ordering gives it (selective:
         a registered one on the D stream, behind the D launch of the round that granted it)."""
         stream = collective_stream(self.ordering, P_ATP_ALL_REDUCE, self.colls.registry)
-        return self.colls.launch(P_ATP_ALL_REDUCE, tensor, device=self.device, stream=stream, epoch=epoch,
+        return self.colls.P.launch(P_ATP_ALL_REDUCE, tensor, device=self.device, stream=stream, epoch=epoch,
                                  boundary=boundary, deps=(after,) if stream != "P" else (),
                                  delay_s=self._p_coll_delay_s, extra={"gated": gated})
 
@@ -318,10 +318,7 @@ class LockstepEngine(Engine):
         reg = self.dispatchers.registry() if self.dispatchers is not None else OwnershipRegistry()
         for ctx in (self.prefill_ctx, self.decode_ctx):
             reg.register("engine_stream", f"{ctx.phase.value}.engine_stream", ctx.phase, ctx.stream)
-        for name in self.colls.groups:
-            if name.endswith(".P") or name.endswith(".D"):
-                phase = Phase.PREFILL if name.endswith(".P") else Phase.DECODE
-                reg.register("process_group", f"{name}.group", phase, self.colls.groups[name])
+        self.colls.register_owned(reg)               # each phase's attention collectives: its own state
         reg.register("kv_storage", "kv_cache", SHARED, self.runner.kv_cache)
         for name, p in self.runner.model.named_parameters():
             reg.register("weights", name, SHARED, p)
