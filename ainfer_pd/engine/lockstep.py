@@ -283,13 +283,16 @@ class LockstepEngine(Engine):
         self._notify()
 
     async def _decode_plan(self, rows: list) -> BatchPlan:
-        """This replica's D batch, padded to the agreed rows, shared with the TP followers."""
+        """This replica's D batch; under ATP > 1 padded to the agreed rows (the followers' broadcast
+        has that size) and shared with the TP followers."""
         B, r = self._rows_agreed, self.runner
         if not self.is_leader:
             buf = await self.replica.share(None, decode_numel(B, self._table_width), "D batch")
             fb = unpack_decode(buf, B, self._table_width, self.device.torch_device, self.kv.block_size)
             return BatchPlan(fb, [], [], [])
         plan = r.build([], rows)
+        if self.replica is None:         # ATP = 1: D's dispatcher takes any row count (datapath's path)
+            return plan
         fb = pad_decode(plan.fb, B, r.scratch_slot, r.scratch_block)
         if self.replica is not None:
             await self.replica.share(pack_decode(fb, self._table_width), decode_numel(B, self._table_width), "D batch")
