@@ -119,12 +119,13 @@ class DecodeHooks:
         for i in range(self.model.cfg.num_layers):
             if self.tp:
                 out.append(D_ATP_ALL_REDUCE)
-                if self.model.layers[i].is_moe:
+                if self.model.layers[i].is_moe and self.ep is not None:
                     out.append(D_ATP_ALL_REDUCE)
         return out
 
     def hooks(self) -> PhaseHooks:
-        return PhaseHooks(attn_reduce=self.attn_reduce if self.tp else None, experts=self.experts)
+        return PhaseHooks(attn_reduce=self.attn_reduce if self.tp else None,
+                          experts=self.experts if self.ep is not None else None)    # None: every expert local
 
     def attn_reduce(self, o: Tensor) -> Tensor:
         return self.colls.run(D_ATP_ALL_REDUCE, o)
