@@ -64,6 +64,18 @@ def rows_of(results: dict[str, Any], *, decode_only: bool = False) -> list[dict[
     return rows
 
 
+def results_from_runs(path: Path) -> dict[str, Any]:
+    """What results.json would hold, from the per-run lines of runs.jsonl (a bench cut short)."""
+    from ainfer_pd.metrics.report import aggregate
+    summaries: dict[str, dict[str, list]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            d = json.loads(line)
+            summaries.setdefault(d["cell"], {}).setdefault(d["variant"], []).append(d["summary"])
+    return {"summaries": summaries, "trace": None,
+            "aggregates": {c: {v: aggregate(ss) for v, ss in per.items()} for c, per in summaries.items()}}
+
+
 def _med(rows: Iterable[dict[str, Any]], fig: str, **match: Any) -> float | None:
     for r in rows:
         if all(r.get(k) == v for k, v in match.items()):
@@ -150,11 +162,16 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     rc = subprocess.call(cmd)
     wall = time.perf_counter() - t0
-    res_file = bdir / "results.json"
-    if not res_file.exists():
+    res_file, runs_file = bdir / "results.json", bdir / "runs.jsonl"
+    if res_file.exists():
+        res = json.loads(res_file.read_text())
+    elif runs_file.exists() and runs_file.stat().st_size:
+        res = results_from_runs(runs_file)          # cut short: the runs that completed
+        print(f"bench ended early (rc {rc}): rows from the {sum(len(v) for c in res['summaries'].values() for v in c.values())}"
+              " runs it completed", file=sys.stderr)
+    else:
         print(f"bench wrote no results (rc {rc})", file=sys.stderr)
         return rc or 1
-    res = json.loads(res_file.read_text())
     part = {"commit": args.commit, "config": args.config, "machine": _machine(), "part": args.part,
             "command": " ".join(cmd), "rc": rc, "wall_s": round(wall, 1),
             "workload": {"conversations": args.conversations, "max_turns": args.max_turns,
