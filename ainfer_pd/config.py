@@ -22,7 +22,7 @@ from .errors import ConfigError, TopologyError
 POLICIES = ("normal", "global-complete", "global-enqueue", "fine-grained", "mixed-chunked")
 ORDERINGS = ("none", "global-implicit", "selective")
 EXPERT_BACKENDS = ("local", "torch", "deepep")
-SPANS = ("1", "2", "3", "4", "auto")
+SPANS = ("1", "2", "3", "4", "auto", "measured")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -250,19 +250,37 @@ class SchedulerConfig:
     """Decode rows per D iteration."""
     mixed_chunk_tokens: int = 512
     """mixed-chunked: tokens per step (decode rows + a prefill chunk)."""
+    priority: str = "fifo"
+    """fifo | critical-path: the order waiting prefill is admitted and decode rows are batched
+    (``ainfer_pd.sched.priority``): critical-path serves the trajectories with the most predicted
+    work left first, with aging and a first-token bound. Composes with every policy."""
+    priority_aging_s: float = 2.0
+    """critical-path: seconds of waiting worth one typical turn of work."""
+    ttft_bound_tokens: int = 16384
+    """critical-path: prefill tokens admitted ahead of a waiting turn before it goes first."""
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"scheduler.policy={self.policy!r}: unknown policy, expected one of {POLICIES}")
-        _positive(self, "max_prefill_tokens", "max_decode_batch", "mixed_chunk_tokens")
+        _positive(self, "max_prefill_tokens", "max_decode_batch", "mixed_chunk_tokens", "ttft_bound_tokens")
+        from .sched.priority import PRIORITIES
+        if self.priority not in PRIORITIES:
+            raise ConfigError(f"scheduler.priority={self.priority!r}: expected one of {PRIORITIES}")
+        if not self.priority_aging_s > 0:
+            raise ConfigError("scheduler.priority_aging_s must be > 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MuxConfig:
     span: str = "auto"
-    """Turnstile span K: "1".."4" or "auto" (load-selected among validated spans)."""
+    """Turnstile span K: "1".."4", "auto" (load-selected among validated spans) or "measured"
+    (from the measured P time per boundary and D iteration time, up to ``max_span``)."""
     auto_spans: tuple[int, ...] = (1, 2, 3, 4)
     """Spans the ``auto`` policy may choose among."""
+    measured_share: float = 1.0
+    """measured: P may cross as many boundaries per D round as fit in this share of one D iteration."""
+    max_span: int = 32
+    """measured: the largest span it may choose (<= 64)."""
     activation_threshold: int = 64
     """Multiplexing switches on when at least this many prefill tokens wait while D runs
     (below it a P epoch runs as under ``normal``: no rendezvous, no segmenting)."""
@@ -276,6 +294,10 @@ class MuxConfig:
             raise ConfigError("mux.auto_spans must be a non-empty list of spans in 1..4")
         if self.activation_threshold < 1:
             raise ConfigError("mux.activation_threshold must be >= 1")
+        if not 0 < self.measured_share <= 16:
+            raise ConfigError("mux.measured_share must be in (0, 16]")
+        if isinstance(self.max_span, bool) or not 1 <= self.max_span <= 64:
+            raise ConfigError("mux.max_span must be an integer in 1..64")
         if self.activation_cooldown_s < 0:
             raise ConfigError("mux.activation_cooldown_s must be >= 0")
 

@@ -293,6 +293,8 @@ class RolloutWorker:
             raise InvalidRequestError(f"invalid SamplingParams: seed {params.seed!r}: {exc}") from None
         if new:
             self.trajectories[traj.tid] = traj
+        if not traj.group:                # siblings (GRPO samples of one prompt) share their first prompt
+            traj.group = f"g{hash(tuple(context)) & 0xFFFFFFFFFFFF:x}"
         kv = kvm.trajectories.get(traj.tid)
         valid = kv.num_tokens if kv is not None else 0
         m = _common_prefix(traj.tokens[:valid], context)
@@ -363,6 +365,7 @@ class RolloutWorker:
             raise
         del self.trajectories[trajectory_id]
         self.engine.kv.release(trajectory_id)
+        self.engine.record_trajectory(traj.group or trajectory_id, traj.num_turns, len(traj.tokens))
 
     def find_prefix_trajectory(self, prompt_ids: Sequence[int], *, min_tokens: int | None = None) -> tuple[str, int] | None:
         """The idle retained trajectory sharing the longest KV-valid prefix with

@@ -28,6 +28,7 @@ from ..metrics.recorder import Recorder
 from ..phase import Phase, PhaseContext
 from ..request import TurnOutput
 from ..sched.planner import PendingPrefill, fits, plan_decode, plan_prefill
+from ..sched.priority import History, PriorityConfig, Work, order
 from ..sched.span import Activation, SpanInputs, make_span_policy
 from ..turnstile.rendezvous import LocalRendezvous
 from ..turnstile.turnstile import Turnstile
@@ -92,6 +93,10 @@ class Engine:
             torch.cuda.synchronize()
         self.waiting: deque[Turn] = deque()
         self.decoding: list[Turn] = []
+        sc = cfg.scheduler
+        self.priority = PriorityConfig(sc.priority, sc.priority_aging_s, sc.ttft_bound_tokens)
+        self.history = History()           # finished trajectories: the critical-path predictor
+        self._p_admitted_tokens = 0        # prefill tokens admitted so far (the first-token bound)
         self._changed = asyncio.Event()    # replaced on every notify: waiters re-check their predicate
         self._epoch = 0
         self._p_running = False          # a P epoch is being run
@@ -115,6 +120,7 @@ class Engine:
 
     # ================================================================== submission
     def submit(self, turn: Turn) -> None:
+        turn.p_mark = self._p_admitted_tokens
         # NOTE: a waiting turn does not pin its trajectory's KV: an idle prefix stays evictable
         # (or waiting turns could hold the whole cache and none be admitted); admission re-reads it.
         self.waiting.append(turn)
@@ -194,13 +200,30 @@ class Engine:
 
     # ------------------------------------------------------------------ P
     def _pending_view(self) -> list[PendingPrefill]:
+        """Admissible waiting turns in the order the priority policy serves them."""
+        turns = [t for t in self.waiting if not t.abort_requested and not self._behind_drain(t)]
+        turns = self._by_priority(turns, waiting=True)
         out = []
-        for t in self.waiting:
-            if t.abort_requested or self._behind_drain(t):
-                continue
+        for t in turns:
             need = 0 if t.lifetime else self.kv.admission_demand(t.tid, len(t.context) + t.params.max_new_tokens)
             out.append(PendingPrefill(t.request_id, t.remaining_prompt, bool(t.lifetime), need))
         return out
+
+    def _by_priority(self, turns: list[Turn], *, waiting: bool) -> list[Turn]:
+        """``turns`` (arrival order) in the order ``scheduler.priority`` serves them."""
+        if self.priority.policy == "fifo" or len(turns) < 2:
+            return turns
+        now = self.rec.now()
+        work = [Work(t.request_id, t.traj.group or t.tid, t.traj.num_turns - 1, len(t.context) + len(t.out_tokens),
+                     now - t.t_submit, (self._p_admitted_tokens - t.p_mark) if waiting else 0,
+                     bool(t.lifetime) if waiting else False) for t in turns]
+        by_id = {t.request_id: t for t in turns}
+        return [by_id[w.key] for w in order(work, self.history, self.priority)]
+
+    def record_trajectory(self, group: str, turns: int, tokens: int) -> None:
+        """A trajectory ended (released): what it took feeds the critical-path predictor."""
+        if turns > 0:
+            self.history.record(group, turns, tokens)
 
     @staticmethod
     def _behind_drain(t: Turn) -> bool:
@@ -235,6 +258,7 @@ class Engine:
                 continue
             t.num_cached = t.prefilled = keep
             t.lifetime = self.kv.reserve(t.tid, total, keep, now)
+            self._p_admitted_tokens += len(t.context) - keep
         return [(by_id[c.request_id], by_id[c.request_id].prefilled, c.num_tokens)
                 for c in chunks if by_id[c.request_id].lifetime]
 
@@ -441,7 +465,10 @@ class Engine:
             if not self._has_live_rows():
                 continue
             rnd = await self.turnstile.before_decode()
-            rows = [t for t in plan_decode(self.decoding, self.cfg.scheduler.max_decode_batch) if not t.abort_requested]
+            ready = self.decoding
+            if len(ready) > self.cfg.scheduler.max_decode_batch:
+                ready = self._by_priority(list(ready), waiting=False)
+            rows = [t for t in plan_decode(ready, self.cfg.scheduler.max_decode_batch) if not t.abort_requested]
             if not rows:
                 if rnd is not None:
                     await self.turnstile.after_decode(rnd)
