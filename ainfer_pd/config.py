@@ -23,6 +23,7 @@ POLICIES = ("normal", "global-complete", "global-enqueue", "fine-grained", "mixe
 ORDERINGS = ("none", "global-implicit", "selective")
 EXPERT_BACKENDS = ("local", "torch", "deepep")
 SPANS = ("1", "2", "3", "4", "auto", "measured")
+P_HOST_PACINGS = ("auto", "layer", "epoch")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -286,8 +287,15 @@ class MuxConfig:
     (below it a P epoch runs as under ``normal``: no rendezvous, no segmenting)."""
     activation_cooldown_s: float = 0.05
     """Multiplexing stays on this long after concurrent P disappears."""
+    p_host_pacing: str = "auto"
+    """When P's host waits for its device inside an epoch. ``layer``: after every attention
+    segment (the receive counts of expert parallelism need it); ``epoch``: only at the epoch's
+    end (its host enqueues ahead, the stream keeps the order); ``auto``: ``layer`` with expert
+    parallelism or on the CPU stand-in (it models the EP system's paced host), else ``epoch``."""
 
     def validate(self) -> None:
+        if self.p_host_pacing not in P_HOST_PACINGS:
+            raise ConfigError(f"mux.p_host_pacing={self.p_host_pacing!r}: expected one of {P_HOST_PACINGS}")
         if str(self.span) not in SPANS:
             raise ConfigError(f"mux.span={self.span!r}: expected one of {SPANS}")
         if not self.auto_spans or any(not 1 <= k <= 4 for k in self.auto_spans):

@@ -54,6 +54,25 @@ class _Box:
         self.notified: Any = None
 
 
+async def _segments_done(segs: list, last) -> Any:
+    """``last``'s result once it completed, raising the first failure of the P segments before it
+    (the stream runs on after a failed item, so a failure is only seen by looking)."""
+    try:
+        result = await last.done()
+    except BaseException:
+        _raise_first_failure(segs)
+        raise
+    _raise_first_failure(segs)
+    return result
+
+
+def _raise_first_failure(segs: list) -> None:
+    for w in segs:
+        f = w.enqueued()
+        if f.done() and not f.cancelled() and f.exception() is not None:
+            raise f.exception()
+
+
 class Engine:
     def __init__(self, cfg: WorkerConfig, recorder: Recorder, *, rendezvous=None, rank: int = 0) -> None:
         self.cfg = cfg
@@ -300,6 +319,16 @@ class Engine:
                 self._fail_turns([t for t, _, _ in work], err)
                 log.warning("P epoch %d failed, %d turns failed: %s", self._epoch, len(work), err)
 
+    def _p_paced_per_layer(self) -> bool:
+        """``mux.p_host_pacing`` resolved (see there). NOTE: receive counts exist only with expert
+        parallelism; without them a wait after every attention segment is a device bubble per layer
+        (P's host wakes, then launches the experts), so on CUDA P's host enqueues ahead and takes
+        its device time once, at the epoch's end. An injected counts delay needs the wait."""
+        mode = self.cfg.mux.p_host_pacing
+        if mode == "auto":
+            mode = "layer" if self.runner.ep is not None or self.device.kind == "cpu" else "epoch"
+        return mode == "layer" or bool(self.faults.slow_counts_ms)
+
     def _span_inputs(self) -> SpanInputs:
         """What the span policy sees (rank 0's answer is used on every rank)."""
         return SpanInputs(num_d_rows=len(self.decoding), max_d_rows=self.cfg.scheduler.max_decode_batch,
@@ -328,6 +357,8 @@ class Engine:
         box = _Box()
         faults_on = self.faults.active
         fine = mux and self.policy == "fine-grained"
+        counts = self._p_paced_per_layer()
+        t_permits = 0.0
         self._p_exclusive = exclusive
         self._p_running = True
         self.rec.event("p_epoch", epoch=epoch, tokens=plan.num_tokens, gated=mux, policy=self.policy)
@@ -349,7 +380,7 @@ class Engine:
                 if mux:
                     ep.publish(0)
                     await permit(0)
-                stream.submit(lambda: setattr(box, "st", runner.embed(plan)), label="P.embed")
+                segs = [stream.submit(lambda: setattr(box, "st", runner.embed(plan)), label="P.embed")]
                 for layer in range(L):
                     def attn(l=layer) -> None:
                         if faults_on:
@@ -357,23 +388,26 @@ class Engine:
                         box.st = runner.attn_route(l, box.st, plan)
                         box.notified = runner.notify(ctx, box.st)     # the expert notification
                     w = stream.submit(attn, label=f"P.attn{layer}")
+                    segs.append(w)
                     b = 2 * layer + 1                  # expert notification point
                     if fine:
                         ep.publish(b)
-                    t0 = self.rec.now()
-                    await w.done()                     # receive counts: P's device progress paces its host
-                    if box.notified is not None:
-                        await box.notified.wait(timeout=self.cfg.parallel.rendezvous_timeout_s)
-                    if self.faults.slow_counts_ms:
-                        await asyncio.sleep(self.faults.slow_counts_ms / 1e3)
-                    self.rec.event("p_counts", epoch=epoch, boundary=b)
-                    self.rec.sample("p_counts_wait_s", self.rec.now() - t0)
-                    waited += self.rec.now() - t0
-                    counts_waited += self.rec.now() - t0
+                    if counts:
+                        t0 = self.rec.now()
+                        await w.done()                 # receive counts: P's device progress paces its host
+                        if box.notified is not None:
+                            await box.notified.wait(timeout=self.cfg.parallel.rendezvous_timeout_s)
+                        if self.faults.slow_counts_ms:
+                            await asyncio.sleep(self.faults.slow_counts_ms / 1e3)
+                        self.rec.event("p_counts", epoch=epoch, boundary=b)
+                        self.rec.sample("p_counts_wait_s", self.rec.now() - t0)
+                        waited += self.rec.now() - t0
+                        counts_waited += self.rec.now() - t0
                     if fine:
                         await permit(b)
-                    stream.submit(lambda l=layer: setattr(box, "st", runner.experts(l, box.st, ctx, box.notified)),
-                                  label=f"P.experts{layer}")
+                    segs.append(stream.submit(
+                        lambda l=layer: setattr(box, "st", runner.experts(l, box.st, ctx, box.notified)),
+                        label=f"P.experts{layer}"))
                     if fine:
                         if b + 1 < 2 * L:
                             ep.publish(b + 1)          # layer end
@@ -382,17 +416,24 @@ class Engine:
                             ep.publish(b + 1, final=True)
                 logits_w = stream.submit(lambda: runner.head(box.st, plan), label="P.head")
                 self.rec.sample("p_enqueue_s", self.rec.now() - t_start - waited)
-                if plan.num_tokens:
+                if plan.num_tokens and counts:
                     p_time = self.rec.now() - t_start - (waited - counts_waited)
                     self._p_boundary_ema = self._ema(self._p_boundary_ema, p_time / (2 * L))
+                elif plan.num_tokens:
+                    t_permits = waited
                 if mux and self.policy == "global-enqueue":
                     ep.publish(1, final=True)
                 if self.policy == "global-complete" or not mux:
-                    logits = await logits_w.done()
+                    logits = await _segments_done(segs, logits_w)
                     if mux:
                         ep.publish(1, final=True)
             if mux and self.policy != "global-complete":
-                logits = await logits_w.done()
+                logits = await _segments_done(segs, logits_w)
+            if plan.num_tokens and not counts:
+                # P time per boundary without the permit waits: host enqueue and device run overlap,
+                # so this is the device-paced time (with D's work interleaved when multiplexed)
+                p_time = self.rec.now() - t_start - t_permits
+                self._p_boundary_ema = self._ema(self._p_boundary_ema, p_time / (2 * L))
         finally:
             for t, _, _ in work:
                 t.in_flight -= 1
