@@ -214,8 +214,8 @@ def _setup_replay(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", help="run this one policy")
     p.add_argument("--policies", default="normal,fine-grained",
                    help="comma-separated policies (default normal,fine-grained)")
-    p.add_argument("--priorities", default="fifo",
-                   help="scheduler.priority values, each run with every policy (e.g. fifo,critical-path)")
+    p.add_argument("--priorities", default="fifo,critical-path",
+                   help="scheduler.priority values, each run with every policy (default fifo,critical-path)")
     p.add_argument("--cell", choices=sorted(_cells()), help="wait-pressure cell (preset default)")
     p.add_argument("--repeats", type=int, default=1)
 

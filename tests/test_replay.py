@@ -207,6 +207,7 @@ def test_cli_replay_with_fake_worker(monkeypatch, capsys, tmp_path):
     out = capsys.readouterr().out
     assert rc == 0
     assert "normal" in out and "fine-grained" in out and "makespan" in out
+    assert "fine-grained+critical-path" in out          # the main job reports both priorities
     assert (tmp_path / "r" / "results.json").exists()
     rc = cli.main(["bench", "--policies", "normal,global-enqueue", "--cells", "P1,P2", "--repeats", "1",
                    "--conversations", "2", "--max-turns", "2", "--no-progress", "--workload", "p-heavy",
@@ -224,7 +225,7 @@ def test_cli_misc(capsys, tmp_path, monkeypatch):
     assert (tmp_path / "t.jsonl").exists() and "new_tokens" in capsys.readouterr().out
     # the multi-rank replay: two real rank processes (lockstep engine, EP=2) serve the conversations
     assert cli.main(["replay", "--world-size", "2", "--conversations", "2", "--max-turns", "2",
-                     "--policies", "fine-grained", "--no-progress"]) == 0
+                     "--policies", "fine-grained", "--priorities", "fifo", "--no-progress"]) == 0
     out = capsys.readouterr()
     assert "world size 2" in out.out and "fine-grained" in out.out
     monkeypatch.setitem(sys.modules, "ainfer_pd.selftest", None)
