@@ -255,7 +255,8 @@ class RolloutWorker:
     async def continue_(self, trajectory_id: str, observation_ids: Sequence[int],
                         params: SamplingParams | None = None) -> TurnOutput:
         """Append ``observation_ids`` to the trajectory's context and generate; only the
-        new suffix is prefilled when the trajectory's KV is retained."""
+        new suffix is prefilled when the trajectory's KV is retained. ``observation_ids`` may be
+        empty: after an aborted turn that resumes its generation (partial rollout)."""
         self._check_open()
         traj = self._get(trajectory_id)
         obs = self._check_tokens(observation_ids, "observation_ids")
@@ -303,8 +304,9 @@ class RolloutWorker:
         try:
             return await asyncio.shield(turn.future)
         except asyncio.CancelledError:
-            # NOTE: the caller went away: abort this request only, free its KV, re-raise.
-            self.engine.abort(turn)
+            # NOTE: the caller went away (it never sees the partial tokens): abort this request
+            # only, the trajectory keeps its context from before the turn, re-raise.
+            self.engine.abort(turn, commit=False)
             raise
 
     def _get(self, trajectory_id: str, *, releasing_ok: bool = False) -> Trajectory:
@@ -316,8 +318,11 @@ class RolloutWorker:
 
     async def abort(self, trajectory_id: str) -> bool:
         """Abort the trajectory's turn in flight, a turn still queued behind the drain of an
-        earlier aborted one included (its caller gets finish_reason "abort"). Returns whether
-        there was one."""
+        earlier aborted one included. Its caller gets finish_reason "abort" with the tokens and
+        logprobs produced so far (partial rollout); the trajectory's context becomes that turn's
+        prompt plus those tokens, and their KV is kept: ``continue_(tid, [], params)`` resumes
+        the generation without recomputing it (so does resubmitting prompt + partial tokens).
+        Returns whether there was a turn."""
         self._check_open()
         traj = self._get(trajectory_id, releasing_ok=True)
         if traj.turn is None:
@@ -326,7 +331,7 @@ class RolloutWorker:
         return True
 
     async def abort_all(self) -> int:
-        """Abort every turn in flight (queued ones included); returns how many."""
+        """Abort every turn in flight (queued ones included), as :meth:`abort`; returns how many."""
         self._check_open()
         n = 0
         for traj in list(self.trajectories.values()):

@@ -135,7 +135,8 @@ async def test_abort_returns_finish_reason_abort_and_frees_the_turn(worker):
     await asyncio.sleep(0.05)
     assert await worker.abort("t-abort")
     out = await task
-    assert out.finish_reason == "abort" and out.token_ids == []
+    # partial rollout (issue 15): the tokens produced before the abort come back with it
+    assert out.finish_reason == "abort" and len(out.token_ids) == len(out.logprobs) < 300
     again = await worker.generate(rand_ids(rng, 10), SamplingParams(max_new_tokens=3, **GREEDY), trajectory_id="t-abort")
     assert again.finish_reason == "length"
 

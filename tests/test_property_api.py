@@ -157,6 +157,7 @@ class Checked:
     context: list[int]
     params: SamplingParams
     tokens: list[int]
+    partial: bool = False      # an aborted turn: its tokens are a prefix of the recompute
 
 
 def _params_dict(p: SamplingParams) -> dict:
@@ -412,7 +413,19 @@ class WorkerMachine(RuleBasedStateMachine):
         out = value
         if out.finish_reason == "abort":
             self.check(call.abort_issued, f"{what} ended with 'abort' though nothing aborted it")
-            self.check(out.token_ids == [], f"aborted {what} returned tokens")
+            # partial rollout (issue 15): the tokens produced so far come back, and they become part
+            # of the trajectory's context (with the prompt); greedy / seeded ones are a prefix of a
+            # fault-free recompute
+            p = call.params
+            self.check(len(out.token_ids) == len(out.logprobs) < p.max_new_tokens + 1,
+                       f"aborted {what}: {len(out.token_ids)} tokens, {len(out.logprobs)} logprobs")
+            self.check(all(isinstance(t, int) and 0 <= t < VOCAB for t in out.token_ids), f"{what}: bad token ids")
+            if tr is not None:
+                tr.tokens = list(call.context) + list(out.token_ids)
+            overlapped = any(a <= call.t1 and call.t0 <= b for a, b in self.updates)
+            if out.token_ids and _is_deterministic(p) and not overlapped:
+                _count("checked_partial_turns")
+                self.checked.append(Checked(call.version, list(call.context), p, list(out.token_ids), partial=True))
             return
         self.check(not call.abort_true, f"abort({call.tid}) returned True but {what} ran to '{out.finish_reason}' "
                                         f"({len(out.token_ids)} tokens)")
@@ -888,7 +901,7 @@ async def recompute(checked: list[Checked], versions: dict[int, dict[str, torch.
             for c in (c for c in checked if c.version == v):
                 out = await ref.generate(c.context, c.params)
                 await ref.release(out.trajectory_id)
-                if out.token_ids != c.tokens:
+                if (out.token_ids[:len(c.tokens)] if c.partial else out.token_ids) != c.tokens:
                     bad.append((v, len(c.context), c.params, c.tokens, out.token_ids))
     return bad
 
@@ -983,7 +996,7 @@ def _rank_property(rank: int, world_size: int, examples: int, steps: int, soak: 
     live = [t for t in _threads_left(before, 2.0) if t.startswith(("ainfer-P", "ainfer-D", "ainfer-pd-rdzv"))]
     lt.stop()
     extra = _threads_left(before)
-    return error, exit_error, live, extra, [(c.version, c.context, c.params, c.tokens) for c in shared["checked"]]
+    return error, exit_error, live, extra, [(c.version, c.context, c.params, c.tokens, c.partial) for c in shared["checked"]]
 
 
 @pytest.mark.slow

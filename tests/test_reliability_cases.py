@@ -234,7 +234,10 @@ async def test_case03_abort_ends_a_turn_queued_behind_a_drain():
             out = await bounded(queued, "the queued continue_", 2.0)
             assert out.finish_reason == "abort" and out.token_ids == []
         await until(lambda: w.trajectories["A"].draining is None, "the drain")
-        assert w.trajectories["A"].turn is None and w.trajectories["A"].tokens == []
+        # issue 15 (partial rollout): an aborted turn commits its prompt and what it produced (here
+        # nothing) to the trajectory: the first turn's 60-token prompt, then the queued [5, 6, 7]
+        assert w.trajectories["A"].turn is None
+        assert w.trajectories["A"].tokens == rand_ids(random.Random(60), 60) + [5, 6, 7]
         await w.release("A")
         assert idle_and_clean(w) and w.engine.kv.num_free_blocks == w.engine.kv.alloc.num_blocks
 

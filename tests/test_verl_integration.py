@@ -317,7 +317,9 @@ async def test_sleep_wake_abort_resume_keep_other_trajectories(ray_cluster):
         await asyncio.sleep(0.5)
         res = await replica.abort_all_requests()
         out_c = await long
-        assert out_c.stop_reason == "aborted" and out_c.token_ids == [] and "c" in res["request_ids"]
+        # partial rollout: the aborted turn returns what it produced so far
+        assert out_c.stop_reason == "aborted" and 0 < len(out_c.token_ids) < 2000 and "c" in res["request_ids"]
+        assert len(out_c.log_probs) == len(out_c.token_ids)
         # while paused a new request parks; it runs after resume_generation
         parked = server.generate.remote([41, 42, 43], dict(req), "d")
         await asyncio.sleep(0.2)
@@ -385,5 +387,46 @@ async def test_replica_serves_actor_rollout_ref_model_path_and_syncs_transformer
         assert await gen_tokens() == base
         await adapter.update_weights(iter(named), global_steps=2)
         assert await gen_tokens() == expected
+    finally:
+        await kill(replica)
+
+
+@needs_verl
+async def test_fully_async_client_partial_rollout_resumes_without_recompute(ray_cluster):
+    """verl's FullyAsyncLLMServerClient: abort_all_requests mid-turn returns the partial tokens,
+    the client resends prompt + partial tokens after resume_generation, the server reuses their
+    KV (nothing of the partial turn is prefilled again) and the merged output equals an
+    uninterrupted greedy run."""
+    from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
+    from verl.workers.rollout.router import get_router_handle
+
+    replica = await launch_replica("fullyasync")
+    server = replica.server_handle
+    try:
+        prompt = [7, 3, 99, 41, 250, 12, 88, 17, 5, 64, 33, 2, 101, 77, 9]
+        req = {**GREEDY, "max_tokens": 600, "ignore_eos": True}
+        ref = await server.generate.remote(prompt, dict(req), "reference")
+        assert len(ref.token_ids) == 600
+        await replica.clear_kv_cache()
+        cfg = trainer_config(rollout_config())
+        client = FullyAsyncLLMServerClient(cfg, load_balancer_handle=get_router_handle(
+            servers={replica.server_address: server}))
+        task = asyncio.ensure_future(client.generate("episode-1", prompt_ids=prompt, sampling_params=dict(req)))
+        for _ in range(2000):
+            if (await server.metrics.remote())["server"]["inflight"]:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        res = await replica.abort_all_requests()
+        assert res["aborted_count"] == 1
+        await asyncio.sleep(0.3)
+        await replica.resume_generation()
+        out = await asyncio.wait_for(task, 120)
+        assert out.token_ids == ref.token_ids and len(out.log_probs) == 600
+        stats = (await server.metrics.remote())["server"]
+        k = stats["partial_tokens"]
+        assert stats["aborted"] == 1 and 0 < k < 600
+        # the resumed turn fed only the last partial token again
+        assert stats["cached_tokens"] == len(prompt) + k - 1
     finally:
         await kill(replica)

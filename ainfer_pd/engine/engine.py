@@ -115,17 +115,23 @@ class Engine:
         self.waiting.append(turn)
         self._notify()
 
-    def abort(self, turn: Turn, reason: str = "abort") -> None:
-        """Abort a turn: its caller gets finish_reason "abort" now; its KV is cleaned up
-        once no submitted device work touches it (a cancel waits for P work to drain).
-        Until then the trajectory is *draining*: its next turn is queued but not admitted."""
+    def abort(self, turn: Turn, reason: str = "abort", *, commit: bool = True) -> None:
+        """Abort a turn: its caller gets finish_reason "abort" now, with the tokens and logprobs
+        it produced so far (partial rollout). With ``commit`` (abort / abort_all / sleep) the
+        trajectory's context becomes the turn's prompt plus those tokens and the KV written for
+        them is kept, so ``continue_(tid, [])`` (or resubmitting prompt + partial tokens) resumes
+        without recomputing it; without (the caller was cancelled: it never sees the tokens) the
+        trajectory keeps its context from before the turn. The KV is cleaned up once no
+        submitted device work touches it (a cancel waits for P work to drain). Until then the
+        trajectory is *draining*: its next turn is queued but not admitted."""
         if turn.state in (TurnState.DONE, TurnState.ABORTED) or turn.abort_requested:
             return
         turn.abort_requested = True
+        turn.commit_on_abort = commit
         self._resolve(turn, "abort")
         if turn.traj.turn is turn:             # the trajectory is free for its next turn at once
             turn.traj.turn = None
-            turn.traj.tokens = turn.prev_tokens
+            turn.traj.tokens = turn.context + turn.out_tokens if commit else turn.prev_tokens
         if turn.in_flight == 0:
             self._cleanup_aborted(turn)
         else:
@@ -142,7 +148,10 @@ class Engine:
             self.decoding.remove(turn)
         turn.state = TurnState.ABORTED
         if turn.lifetime:
-            self.kv.abort_turn(turn.tid, turn.lifetime, turn.num_cached, self.rec.now())
+            # NOTE: what was marked written (completed passes of this lifetime) is valid KV of the
+            # committed context; a pass still in flight at the abort was never marked.
+            keep = turn.seq_len if turn.commit_on_abort else turn.num_cached
+            self.kv.abort_turn(turn.tid, turn.lifetime, keep, self.rec.now())
         # NOTE: a turn never admitted holds no reservation and pins nothing (a pin on its
         # trajectory's KV belongs to another lifetime: an earlier turn still draining).
         if turn.traj.turn is turn:
@@ -536,8 +545,7 @@ class Engine:
             return
         now = self.rec.now()
         ttft = (t.t_first - t.t_submit) if t.t_first is not None else now - t.t_submit
-        out = TurnOutput(trajectory_id=t.tid, token_ids=list(t.out_tokens) if reason != "abort" else [],
-                         logprobs=list(t.out_logprobs) if reason != "abort" else [],
+        out = TurnOutput(trajectory_id=t.tid, token_ids=list(t.out_tokens), logprobs=list(t.out_logprobs),
                          finish_reason=reason, num_prompt_tokens=len(t.context),
                          num_cached_tokens=t.num_cached, ttft_s=ttft, latency_s=now - t.t_submit,
                          request_id=t.request_id, turn_index=t.traj.num_turns - 1)
@@ -556,6 +564,7 @@ class Engine:
                 t.future.set_exception(err)
             self.num_failed += 1
             t.abort_requested = True
+            t.commit_on_abort = False        # a failed turn leaves its trajectory as it was
             t.in_flight = 0
             self._cleanup_aborted(t)
             self.num_aborted -= 1            # counted as failed, not aborted

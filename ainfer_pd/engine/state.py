@@ -46,6 +46,7 @@ class Turn:
     t_first: float | None = None
     in_flight: int = 0                  # submitted device work touching this turn's KV
     abort_requested: bool = False
+    commit_on_abort: bool = True        # an abort keeps the partial output in the trajectory (not a cancel)
     drained: asyncio.Event = field(default_factory=asyncio.Event)   # set once no device work touches it
 
     @property
