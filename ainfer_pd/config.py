@@ -219,9 +219,16 @@ class CacheConfig:
     """KV blocks per rank (0 = size from ``gpu_memory_fraction`` on CUDA)."""
     gpu_memory_fraction: float = 0.85
     """Fraction of free GPU memory the KV cache may take when ``num_blocks`` is 0."""
+    prefix_sharing: bool = True
+    """Content-addressed KV blocks shared by every request whose prefix is cached (GRPO siblings,
+    a new request id for the same context, a trajectory's own next turn); a turn waits for a
+    sibling that is writing its missing prefix. False: a block is reused only by the trajectory
+    that wrote it (its own next turns)."""
 
     def validate(self) -> None:
         _positive(self, "block_size")
+        if not isinstance(self.prefix_sharing, bool):
+            raise ConfigError("cache.prefix_sharing must be a bool")
         if self.num_blocks < 0:
             raise ConfigError("cache.num_blocks must be >= 0")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:

@@ -287,10 +287,8 @@ class RolloutWorker:
             raise InvalidRequestError(f"invalid SamplingParams: seed {params.seed!r}: {exc}") from None
         if new:
             self.trajectories[traj.tid] = traj
-        kv = kvm.trajectories.get(traj.tid)
-        valid = kv.num_tokens if kv is not None else 0
-        m = _common_prefix(traj.tokens[:valid], context)
-        num_cached = min(m, len(context) - 1)
+        # an estimate (the reuse is decided at admission, from what the cache holds then)
+        num_cached = kvm.cached_prefix(context, tid=traj.tid)
         loop = asyncio.get_running_loop()
         rid = f"req-{next(_request_ids)}"
         turn = Turn(request_id=rid, traj=traj, params=params, context=context, prev_tokens=list(traj.tokens),
@@ -369,12 +367,13 @@ class RolloutWorker:
         ids = _token_list(prompt_ids, "prompt_ids")
         best: tuple[str, int] | None = None
         floor = self.cfg.cache.block_size if min_tokens is None else min_tokens
+        kvm = self.engine.kv
+        cached = kvm.cached_prefix(ids, len(ids)) if kvm.sharing else None
         for tid, traj in self.trajectories.items():
             if traj.turn is not None:
                 continue
-            kv = self.engine.kv.trajectories.get(tid)
-            valid = kv.num_tokens if kv is not None else 0
-            m = _common_prefix(traj.tokens[:valid], ids)
+            valid = cached if cached is not None else kvm.cached_prefix(ids, len(ids), tid=tid)
+            m = min(_common_prefix(traj.tokens, ids), valid)
             if m >= floor and (best is None or m > best[1]):
                 best = (tid, m)
         return best
@@ -472,10 +471,7 @@ class RolloutWorker:
             for d in draining:
                 await d.drained.wait()
         # NOTE: no await from here on: nothing can be admitted between the check and the drop.
-        kvm = self.engine.kv
-        for tid, kv in list(kvm.trajectories.items()):
-            if not kv.pinned:
-                kvm.release(tid)
+        self.engine.kv.drop_cached()
         self._sleeping = True
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
@@ -487,17 +483,10 @@ class RolloutWorker:
         self._sleeping = False
 
     async def release_kv_cache(self) -> int:
-        """Drop the retained KV of every idle trajectory (they keep their tokens and recompute
-        on their next turn: correct either way). Returns the number of blocks freed."""
+        """Drop the cached KV that no turn in flight holds (idle trajectories keep their tokens
+        and recompute on their next turn: correct either way). Returns the number of blocks freed."""
         self._check_open()
-        kvm = self.engine.kv
-        freed = 0
-        for tid, traj in self.trajectories.items():
-            kv = kvm.trajectories.get(tid)
-            if traj.turn is None and traj.draining is None and kv is not None and not kv.pinned:
-                freed += len(kv.blocks)
-                kvm.release(tid)
-        return freed
+        return self.engine.kv.drop_cached()
 
     async def resume_kv_cache(self) -> None:
         """The KV pool stays allocated: the next turns simply fill it again."""

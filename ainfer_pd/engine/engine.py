@@ -32,6 +32,7 @@ from ..sched.span import Activation, SpanInputs, make_span_policy
 from ..turnstile.rendezvous import LocalRendezvous
 from ..turnstile.turnstile import Turnstile
 from .device import Device, make_device
+from . import prefix
 from .kv_cache import KVCacheManager
 from .runner import BatchPlan, ModelRunner
 from .sampler import SampleRow, sample
@@ -69,7 +70,7 @@ class Engine:
         if self.device.kind == "cpu":
             torch.set_num_threads(dc.cpu_threads_per_stream)
         num_blocks = cfg.cache.num_blocks or self._blocks_from_memory()
-        self.kv = KVCacheManager(num_blocks, cfg.cache.block_size)
+        self.kv = KVCacheManager(num_blocks, cfg.cache.block_size, sharing=cfg.cache.prefix_sharing)
         self.runner = ModelRunner(cfg, self.device.torch_device, self.kv)
         self.prefill_ctx = PhaseContext(Phase.PREFILL, self.device.stream("P"))
         self.decode_ctx = PhaseContext(Phase.DECODE, self.device.stream("D"))
@@ -97,6 +98,7 @@ class Engine:
         self._d_in_flight = False
         self._pending_cleanup: list[Turn] = []
         self.num_dropped_results = 0
+        self.num_prefill_tokens = 0      # prompt tokens computed by P passes
         self.num_finished = 0
         self.num_aborted = 0
         self.num_failed = 0
@@ -148,10 +150,9 @@ class Engine:
             self.decoding.remove(turn)
         turn.state = TurnState.ABORTED
         if turn.lifetime:
-            # NOTE: what was marked written (completed passes of this lifetime) is valid KV of the
-            # committed context; a pass still in flight at the abort was never marked.
-            keep = turn.seq_len if turn.commit_on_abort else turn.num_cached
-            self.kv.abort_turn(turn.tid, turn.lifetime, keep, self.rec.now())
+            # NOTE: what completed passes of this lifetime wrote (marked) stays cached, addressed by
+            # its tokens (a resubmission finds it); a pass still in flight at the abort was never marked.
+            self.kv.abort_turn(turn.tid, turn.lifetime, turn.seq_len, self.rec.now())
         # NOTE: a turn never admitted holds no reservation and pins nothing (a pin on its
         # trajectory's KV belongs to another lifetime: an earlier turn still draining).
         if turn.traj.turn is turn:
@@ -198,13 +199,9 @@ class Engine:
 
     # ------------------------------------------------------------------ P
     def _pending_view(self) -> list[PendingPrefill]:
-        out = []
-        for t in self.waiting:
-            if t.abort_requested or self._behind_drain(t):
-                continue
-            need = 0 if t.lifetime else self.kv.admission_demand(t.tid, len(t.context) + t.params.max_new_tokens)
-            out.append(PendingPrefill(t.request_id, t.remaining_prompt, bool(t.lifetime), need))
-        return out
+        # NOTE: a turn whose missing prefix a sibling is writing waits for it (prefix.pending_view)
+        return prefix.pending_view(self.kv, [t for t in self.waiting
+                                             if not (t.abort_requested or self._behind_drain(t))])
 
     @staticmethod
     def _behind_drain(t: Turn) -> bool:
@@ -217,30 +214,27 @@ class Engine:
     def _available_blocks(self) -> int:
         return self.kv.pool_blocks()
 
-    def _valid_prefix(self, t: Turn) -> int:
-        """Prompt tokens of ``t`` whose KV is still retained (an idle prefix may have been evicted)."""
-        kv = self.kv.trajectories.get(t.tid)
-        return min(t.num_cached, kv.num_tokens if kv is not None else 0)
-
     def _admit(self, chunks, admitted) -> list[tuple[Turn, int, int]]:
         """Reserve KV for newly admitted turns (FIFO), re-checking each with the same rule the
-        planner used (:func:`~ainfer_pd.sched.planner.fits`) on the live cache; the prefix a
-        turn keeps is re-read (an earlier admission may have evicted it: its demand does not
-        change). Returns the runnable chunks."""
+        planner used (:func:`~ainfer_pd.sched.planner.fits`) on the live cache; the cached prefix
+        a turn shares is re-read at its reservation (an earlier admission may have evicted part of
+        it, or shared more: the planned demand is never below the live one). Returns the runnable
+        chunks (a chunk never runs past its prompt)."""
         by_id = {t.request_id: t for t in self.waiting}
         now = self.rec.now()
         blocked = False
         for rid in admitted:
             t = by_id[rid]
-            keep = self._valid_prefix(t)
-            total = len(t.context) + t.params.max_new_tokens
-            if blocked or not fits(self.kv.admission_demand(t.tid, total), self.kv.pool_blocks()):
+            if blocked or not fits(prefix.demand(self.kv, t), self.kv.pool_blocks()):
                 blocked = True            # FIFO: nothing behind it either (cannot happen: same rule as the plan)
                 continue
-            t.num_cached = t.prefilled = keep
-            t.lifetime = self.kv.reserve(t.tid, total, keep, now)
-        return [(by_id[c.request_id], by_id[c.request_id].prefilled, c.num_tokens)
-                for c in chunks if by_id[c.request_id].lifetime]
+            prefix.reserve(self.kv, t, now)
+        work = []
+        for c in chunks:
+            t = by_id[c.request_id]
+            if t.lifetime:
+                work.append((t, t.prefilled, min(c.num_tokens, len(t.context) - t.prefilled)))
+        return work
 
     def _p_admissible(self) -> bool:
         pend = self._pending_view()
@@ -389,6 +383,7 @@ class Engine:
         """Promote completed prompts to D (lifetime-checked); advance partial chunks."""
         now = self.rec.now()
         for t, start, n in plan.prefill:
+            self.num_prefill_tokens += n                 # computed, whatever becomes of the turn
             if t.abort_requested or t.state is not TurnState.WAITING:
                 continue
             if not self.kv.is_current(t.tid, t.lifetime):
@@ -602,6 +597,10 @@ class Engine:
             "dropped_results": self.num_dropped_results,
             "kv_free_blocks": self.kv.num_free_blocks, "kv_total_blocks": self.kv.alloc.num_blocks,
             "kv_evictions": self.kv.num_evictions,
+            "kv_cached_blocks": self.kv.num_cached_blocks,
+            "prefix_prompt_tokens": self.kv.num_prompt_tokens,      # prompt tokens of every admitted turn
+            "prefix_reused_tokens": self.kv.num_reused_tokens,      # of those, served from cached KV
+            "prefill_tokens": self.num_prefill_tokens,              # prompt tokens computed
             "activation_switches": self.activation.switches,
             "d_wait_s_samples": list(self.rec.samples.get("d_wait_s", [])),
             "ttft_s_samples": list(self.rec.samples.get("ttft_s", [])),

@@ -27,6 +27,26 @@ class Trajectory:
     releasing: bool = False                            # RolloutWorker.release is waiting for the drain
 
 
+class SeqTokens:
+    """The token ids of a turn's sequence (its prompt, then what it generated), sliceable without
+    concatenating: the KV cache hashes the blocks a turn completes from it."""
+
+    __slots__ = ("turn",)
+
+    def __init__(self, turn: "Turn") -> None:
+        self.turn = turn
+
+    def __len__(self) -> int:
+        return len(self.turn.context) + len(self.turn.out_tokens)
+
+    def __getitem__(self, s: slice) -> list[int]:
+        ctx, out = self.turn.context, self.turn.out_tokens
+        start, stop, _ = s.indices(len(ctx) + len(out))
+        if stop <= len(ctx):
+            return ctx[start:stop]
+        return ctx[start:] + out[max(0, start - len(ctx)):stop - len(ctx)]
+
+
 @dataclass(eq=False, slots=True)
 class Turn:
     request_id: str
@@ -48,6 +68,7 @@ class Turn:
     abort_requested: bool = False
     commit_on_abort: bool = True        # an abort keeps the partial output in the trajectory (not a cancel)
     drained: asyncio.Event = field(default_factory=asyncio.Event)   # set once no device work touches it
+    prompt_hashes: list | None = None   # chained block hashes of the prompt (computed once, for the prefix cache)
 
     @property
     def tid(self) -> str:
