@@ -32,28 +32,38 @@ class Variant:
     policy: str
     span: str | None = None
     label: str = ""
+    priority: str | None = None           # scheduler.priority (None: the config's)
 
     @property
     def name(self) -> str:
         if self.label:
             return self.label
-        return self.policy if self.span is None else f"{self.policy}/K={self.span}"
+        base = self.policy if self.span is None else f"{self.policy}/K={self.span}"
+        return base if self.priority in (None, "fifo") else f"{base}+{self.priority}"
 
     def config(self, base: WorkerConfig) -> WorkerConfig:
         kw: dict[str, Any] = {"scheduler.policy": self.policy}
         if self.span is not None:
             kw["mux.span"] = str(self.span)
+        if self.priority is not None:
+            kw["scheduler.priority"] = self.priority
         return base.replace(**kw)
 
 
 def make_variants(policies: Sequence[str], *, span: str | None = None,
-                  spans: Sequence[str] | None = None) -> list[Variant]:
-    """Variants for ``policies`` (all with ``span`` when given) plus a fine-grained span sweep."""
+                  spans: Sequence[str] | None = None, priorities: Sequence[str] = ("fifo",)) -> list[Variant]:
+    """Variants for ``policies`` x ``priorities`` (fine-grained with ``span`` when given) plus a
+    fine-grained span sweep."""
+    from .sched.priority import PRIORITIES
     out: list[Variant] = []
-    for p in policies:
-        if p not in POLICIES:
-            raise ConfigError(f"unknown policy {p!r}: expected one of {', '.join(POLICIES)}")
-        out.append(Variant(p, span if (span is not None and p == "fine-grained") else None))
+    for pr in priorities:
+        if pr not in PRIORITIES:
+            raise ConfigError(f"unknown priority {pr!r}: expected one of {', '.join(PRIORITIES)}")
+    for pr in priorities:
+        for p in policies:
+            if p not in POLICIES:
+                raise ConfigError(f"unknown policy {p!r}: expected one of {', '.join(POLICIES)}")
+            out.append(Variant(p, span if (span is not None and p == "fine-grained") else None, priority=pr))
     for k in spans or ():
         if str(k) not in SPANS:
             raise ConfigError(f"unknown span {k!r}: expected one of {', '.join(SPANS)}")

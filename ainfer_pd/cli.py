@@ -179,7 +179,7 @@ def _run_comparison(args: argparse.Namespace, *, policies: list[str], cells: lis
         return ws
     cfg = load_config(args.config, getattr(args, "set", None), getattr(args, "model", None))
     trace = build_trace(args, cfg)
-    variants = bench.make_variants(policies, span=args.span, spans=spans)
+    variants = bench.make_variants(policies, span=args.span, spans=spans, priorities=_csv(args.priorities))
     time_scale = _opt(args, "time_scale")
     s = trace.summary()
     print(f"workload: {s['conversations']} conversations, {s['requests']} requests "
@@ -214,6 +214,8 @@ def _setup_replay(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", help="run this one policy")
     p.add_argument("--policies", default="normal,fine-grained",
                    help="comma-separated policies (default normal,fine-grained)")
+    p.add_argument("--priorities", default="fifo",
+                   help="scheduler.priority values, each run with every policy (e.g. fifo,critical-path)")
     p.add_argument("--cell", choices=sorted(_cells()), help="wait-pressure cell (preset default)")
     p.add_argument("--repeats", type=int, default=1)
 
@@ -230,6 +232,8 @@ def _setup_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default="normal,global-complete,global-enqueue,fine-grained,mixed-chunked",
                    help="comma-separated policies")
     p.add_argument("--cells", default="P1", help="comma-separated cells among P1,P2,P3,P4,trace (default P1)")
+    p.add_argument("--priorities", default="fifo",
+                   help="scheduler.priority values, each run with every policy (e.g. fifo,critical-path)")
     p.add_argument("--repeats", type=int, default=3, help="runs per (cell, policy); median and IQR reported")
     p.add_argument("--spans", help="fine-grained span sweep, e.g. 1,2,3,4,auto (adds fine-grained/K=.. variants)")
 

@@ -22,7 +22,7 @@ from .errors import ConfigError, TopologyError
 POLICIES = ("normal", "global-complete", "global-enqueue", "fine-grained", "mixed-chunked")
 ORDERINGS = ("none", "global-implicit", "selective")
 EXPERT_BACKENDS = ("local", "torch", "deepep")
-SPANS = ("1", "2", "3", "4", "auto")
+SPANS = ("1", "2", "3", "4", "auto", "measured")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -196,6 +196,12 @@ class ModelConfig:
     def is_moe_layer(self, i: int) -> bool:
         return i not in self.dense_layers
 
+    def rank_params(self, expert_parallel: int) -> int:
+        """Parameters one rank holds when the routed experts are spread over ``expert_parallel`` ranks."""
+        routed = (self.num_layers - len(self.dense_layers)) * self.num_experts * 3 * self.hidden_size \
+            * self.expert_intermediate
+        return self.num_params - routed + routed // max(1, expert_parallel)
+
     @property
     def num_params(self) -> int:
         h, L = self.hidden_size, self.num_layers
@@ -224,6 +230,10 @@ class CacheConfig:
     a new request id for the same context, a trajectory's own next turn); a turn waits for a
     sibling that is writing its missing prefix. False: a block is reused only by the trajectory
     that wrote it (its own next turns)."""
+    gpu_memory_utilization: float = 0.0
+    """When > 0 (and ``num_blocks`` is 0): the share of the device's *total* memory the whole
+    rollout may hold, weights of this rank included (verl's ``rollout.gpu_memory_utilization``);
+    the KV pool gets what is left after the weights and a 2 GiB activation / graph reserve."""
 
     def validate(self) -> None:
         _positive(self, "block_size")
@@ -233,6 +243,8 @@ class CacheConfig:
             raise ConfigError("cache.num_blocks must be >= 0")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ConfigError("cache.gpu_memory_fraction must be in (0, 1]")
+        if not 0.0 <= self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("cache.gpu_memory_utilization must be in [0, 1] (0 = use gpu_memory_fraction)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -245,19 +257,37 @@ class SchedulerConfig:
     """Decode rows per D iteration."""
     mixed_chunk_tokens: int = 512
     """mixed-chunked: tokens per step (decode rows + a prefill chunk)."""
+    priority: str = "fifo"
+    """fifo | critical-path: the order waiting prefill is admitted and decode rows are batched
+    (``ainfer_pd.sched.priority``): critical-path serves the trajectories with the most predicted
+    work left first, with aging and a first-token bound. Composes with every policy."""
+    priority_aging_s: float = 2.0
+    """critical-path: seconds of waiting worth one typical turn of work."""
+    ttft_bound_tokens: int = 16384
+    """critical-path: prefill tokens admitted ahead of a waiting turn before it goes first."""
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"scheduler.policy={self.policy!r}: unknown policy, expected one of {POLICIES}")
-        _positive(self, "max_prefill_tokens", "max_decode_batch", "mixed_chunk_tokens")
+        _positive(self, "max_prefill_tokens", "max_decode_batch", "mixed_chunk_tokens", "ttft_bound_tokens")
+        from .sched.priority import PRIORITIES
+        if self.priority not in PRIORITIES:
+            raise ConfigError(f"scheduler.priority={self.priority!r}: expected one of {PRIORITIES}")
+        if not self.priority_aging_s > 0:
+            raise ConfigError("scheduler.priority_aging_s must be > 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MuxConfig:
     span: str = "auto"
-    """Turnstile span K: "1".."4" or "auto" (load-selected among validated spans)."""
+    """Turnstile span K: "1".."4", "auto" (load-selected among validated spans) or "measured"
+    (from the measured P time per boundary and D iteration time, up to ``max_span``)."""
     auto_spans: tuple[int, ...] = (1, 2, 3, 4)
     """Spans the ``auto`` policy may choose among."""
+    measured_share: float = 1.0
+    """measured: P may cross as many boundaries per D round as fit in this share of one D iteration."""
+    max_span: int = 32
+    """measured: the largest span it may choose (<= 64)."""
     activation_threshold: int = 64
     """Multiplexing switches on when at least this many prefill tokens wait while D runs
     (below it a P epoch runs as under ``normal``: no rendezvous, no segmenting)."""
@@ -271,6 +301,10 @@ class MuxConfig:
             raise ConfigError("mux.auto_spans must be a non-empty list of spans in 1..4")
         if self.activation_threshold < 1:
             raise ConfigError("mux.activation_threshold must be >= 1")
+        if not 0 < self.measured_share <= 16:
+            raise ConfigError("mux.measured_share must be in (0, 16]")
+        if isinstance(self.max_span, bool) or not 1 <= self.max_span <= 64:
+            raise ConfigError("mux.max_span must be an integer in 1..64")
         if self.activation_cooldown_s < 0:
             raise ConfigError("mux.activation_cooldown_s must be >= 0")
 

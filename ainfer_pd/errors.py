@@ -202,3 +202,8 @@ class SamplingError(AInferPDError):
 class WrongEventLoopError(AInferPDError, RuntimeError):
     """The worker was used from an event loop (or thread) other than the one that entered
     ``async with RolloutWorker(...)``; a worker belongs to one loop for its whole life."""
+
+
+class WorkerAsleepError(AInferPDError):
+    """The worker gave its device memory back (``sleep(level >= 1)``, or weights dropped and not
+    yet synced): call ``wake_up`` (and sync the weights) first."""

@@ -63,6 +63,9 @@ class RolloutWorker:
         self._closed = False
         self._failure: BaseException | None = None
         self._sleeping = False
+        self._asleep = False             # device memory given back (sleep level >= 1)
+        self._weights_stale = False      # weights dropped at sleep and not yet synced
+        self._capture_owed = False       # decode graphs to recapture after the next complete sync
         self._weights_lock = asyncio.Lock()
         self.last_weight_sync = None
         """The :class:`~ainfer_pd.engine.weights.SyncReport` of the last applied weight sync."""
@@ -270,6 +273,10 @@ class RolloutWorker:
     async def _run_turn(self, traj: Trajectory, context: list[int], params: SamplingParams, *, new: bool) -> TurnOutput:
         # NOTE: every check first; nothing is registered or changed before they all passed, and
         # nothing awaits between the checks and the submission (no window for abort / exit).
+        if self._asleep or self._weights_stale:
+            from .errors import WorkerAsleepError
+            raise WorkerAsleepError("the worker is asleep (its KV pool or weights are off the device): "
+                                    "call wake_up()" + (" and sync the weights" if self._weights_stale else ""))
         if traj.turn is not None:
             raise TrajectoryBusyError(f"trajectory {traj.tid!r} already has a turn in flight")
         limit = self.cfg.model.max_context_len
@@ -287,6 +294,8 @@ class RolloutWorker:
             raise InvalidRequestError(f"invalid SamplingParams: seed {params.seed!r}: {exc}") from None
         if new:
             self.trajectories[traj.tid] = traj
+        if not traj.group:                # siblings (GRPO samples of one prompt) share their first prompt
+            traj.group = f"g{hash(tuple(context)) & 0xFFFFFFFFFFFF:x}"
         # an estimate (the reuse is decided at admission, from what the cache holds then)
         num_cached = kvm.cached_prefix(context, tid=traj.tid)
         loop = asyncio.get_running_loop()
@@ -359,6 +368,7 @@ class RolloutWorker:
             raise
         del self.trajectories[trajectory_id]
         self.engine.kv.release(trajectory_id)
+        self.engine.record_trajectory(traj.group or trajectory_id, traj.num_turns, len(traj.tokens))
 
     def find_prefix_trajectory(self, prompt_ids: Sequence[int], *, min_tokens: int | None = None) -> tuple[str, int] | None:
         """The idle retained trajectory sharing the longest KV-valid prefix with
@@ -409,26 +419,17 @@ class RolloutWorker:
         if isinstance(named_tensors, (str, bytes, torch.Tensor)) or not hasattr(named_tensors, "__iter__"):
             raise WeightUpdateError("update_weights takes (name, tensor) pairs or a mapping, "
                                     f"got {type(named_tensors).__name__}")
-        loop = asyncio.get_running_loop()
-        async with self._weights_lock:
-            holds = [s.hold("weights") for s in list(self.engine.device.streams.values())]
-            copy: asyncio.Future | None = None
-            try:
-                await asyncio.gather(*(asyncio.wrap_future(h.reached) for h in holds))
-                copy = loop.run_in_executor(None, self._apply_weights, named_tensors, partial)
-                return await asyncio.shield(copy)
-            except asyncio.CancelledError:
-                while copy is not None and not copy.done():
-                    try:
-                        await asyncio.wait([copy])
-                    except asyncio.CancelledError:   # cancelled again: the copy still must end first
-                        continue
-                raise
-            finally:
-                for h in holds:
-                    h.release()
-                if copy is not None and copy.done() and not copy.cancelled() and copy.exception() is None:
-                    self.engine.kv.invalidate()      # written (even if cancelled meanwhile): old KV is stale
+        if self.engine.residency.state.weights != "device":
+            from .errors import WorkerAsleepError
+            raise WorkerAsleepError("the weights are off the device (sleep level 2): wake_up(['weights']) first")
+        n = await self._with_streams_parked(lambda: self._apply_weights(named_tensors, partial),
+                                            on_done=self.engine.kv.invalidate)  # written: old KV is stale
+        if self._weights_stale and not partial:
+            self._weights_stale = False          # a complete sync refilled the dropped weights
+            if self._capture_owed and self.engine.residency.state.kv:
+                await self._recapture_graphs()
+            self._asleep = not self.engine.residency.state.kv
+        return n
 
     def _apply_weights(self, named_tensors: Any, partial: bool = False) -> int:
         """The copy thread of :meth:`update_weights` (every stream is parked). A lazy iterable
@@ -456,13 +457,23 @@ class RolloutWorker:
             torch.cuda.synchronize(dev.torch_device)
         return n
 
-    async def sleep(self) -> None:
-        """Abort everything in flight and drop all retained KV (trainer takes the GPU).
+    async def sleep(self, level: int = 0, *, keep_weights: bool = True) -> None:
+        """Abort everything in flight, drop all retained KV, and give device memory back.
+
+        ``level`` 0: the retained KV only (the pool stays allocated: later calls just work);
+        1: also the KV pool and the decode CUDA graphs; 2: also the weights, to pinned host
+        memory (``keep_weights``) or dropped (the next complete ``update_weights`` refills them,
+        as verl syncs right after ``wake_up(["weights"])``). After level >= 1, ``generate`` /
+        ``continue_`` raise :class:`WorkerAsleepError` until :meth:`wake_up`. Trajectories stay
+        registered with their tokens: their next turn recomputes.
+
         Turns started while it waits for aborted device work to drain are aborted too; the KV
         is dropped in one step once nothing is in flight or draining (issue 13, case 11: a turn
-        admitted during the wait used to lose its KV). Trajectories stay registered with their
-        tokens: their next turn recomputes. Calls after it work (the pool is never freed)."""
+        admitted during the wait used to lose its KV). The device memory is released in a thread
+        while every stream is parked (never on the event loop)."""
         self._check_open()
+        if level not in (0, 1, 2) or isinstance(level, bool):
+            raise InvalidRequestError(f"sleep level must be 0, 1 or 2, got {level!r}")
         while True:
             await self.abort_all()
             draining = [t.draining for t in self.trajectories.values() if t.draining is not None]
@@ -470,17 +481,81 @@ class RolloutWorker:
                 break
             for d in draining:
                 await d.drained.wait()
-        # NOTE: no await from here on: nothing can be admitted between the check and the drop.
+        # NOTE: no await from here on until the drop: nothing can be admitted in between.
         self.engine.kv.drop_cached()
+        if level >= 1:
+            self._asleep = True           # refuse new turns before the release awaits
+            res = self.engine.residency
+
+            def release() -> None:
+                res.release_kv()
+                if level >= 2:
+                    res.release_weights(keep_weights)
+            await self._with_streams_parked(release)
         self._sleeping = True
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        """Back from ``sleep``: weights and the KV pool were never freed on this engine, so
-        nothing is reloaded (``tags`` as verl passes them: "weights", "kv_cache")."""
+        """Back from ``sleep``: restore what ``tags`` name ("weights", "kv_cache"; both when
+        None, as verl passes them). Weights come back from pinned host memory (or, if they were
+        dropped, as uninitialised storage that the next complete weight sync must fill: turns
+        are refused until then); the KV pool is reallocated and the decode graphs recaptured
+        once both are on the device."""
         self._check_open()
         if tags is not None and (isinstance(tags, (str, bytes)) or not all(isinstance(t, str) for t in tags)):
             raise InvalidRequestError(f"wake_up tags must be a list of strings, got {tags!r}")
-        self._sleeping = False
+        from .engine.residency import KV_CACHE, TAGS, WEIGHTS
+        want = set(TAGS if tags is None else tags)
+        if want - set(TAGS):
+            raise InvalidRequestError(f"unknown wake_up tags {sorted(want - set(TAGS))}: expected some of {TAGS}")
+        res = self.engine.residency
+        recapture = {"needed": False}
+
+        def restore() -> None:
+            if WEIGHTS in want and not res.restore_weights():
+                self._weights_stale = True       # dropped at sleep: only a complete sync makes them valid
+            if KV_CACHE in want and res.restore_kv():
+                recapture["needed"] = True
+        await self._with_streams_parked(restore)
+        if res.state.kv and res.state.weights == "device" and (recapture["needed"] or self._capture_owed):
+            if self._weights_stale:
+                self._capture_owed = True        # captured after the sync: graphs bind the synced storage
+            else:
+                await self._recapture_graphs()
+        self._asleep = not (res.state.kv and res.state.weights == "device")
+        self._sleeping = self._asleep
+
+    async def _recapture_graphs(self) -> None:
+        eng = self.engine
+        w = eng.decode_ctx.stream.submit(eng.runner.capture_decode_graphs, eng.decode_ctx, label="D.capture")
+        await w.done()
+        self._capture_owed = False
+
+    async def _with_streams_parked(self, fn, on_done=None) -> Any:
+        """Run ``fn`` in a thread while every stream of the device is parked at a FIFO point
+        (:meth:`Stream.hold`: work submitted later waits there; work launched before it has
+        drained). One at a time. A cancelled call lets ``fn`` end before the streams move on,
+        then re-raises; ``on_done`` runs whenever ``fn`` completed without error, cancelled or not."""
+        loop = asyncio.get_running_loop()
+        async with self._weights_lock:
+            holds = [s.hold("parked") for s in list(self.engine.device.streams.values())]
+            job: asyncio.Future | None = None
+            try:
+                await asyncio.gather(*(asyncio.wrap_future(h.reached) for h in holds))
+                job = loop.run_in_executor(None, fn)
+                return await asyncio.shield(job)
+            except asyncio.CancelledError:
+                while job is not None and not job.done():
+                    try:
+                        await asyncio.wait([job])
+                    except asyncio.CancelledError:   # cancelled again: fn still must end first
+                        continue
+                raise
+            finally:
+                for h in holds:
+                    h.release()
+                if on_done is not None and job is not None and job.done() and not job.cancelled() \
+                        and job.exception() is None:
+                    on_done()
 
     async def release_kv_cache(self) -> int:
         """Drop the cached KV that no turn in flight holds (idle trajectories keep their tokens

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _gate_cases import dense_attention, paged_case, rel_err, uniform_decode  # noqa: E402
 
+from ainfer_pd.bench import _finite  # noqa: E402
 from ainfer_pd.config import WorkerConfig  # noqa: E402
 from ainfer_pd.engine.attention import (DecodeMeta, ForwardBatch, PrefillSeq, TorchAttention,  # noqa: E402
                                         paged_attention)
@@ -460,17 +461,6 @@ def bench(out: Path, args) -> None:
         fig("qwen3_p1_detail", extra)
         ok = all(f == 0 for f in fails.values())
     check("qwen3_p1_bench_completes", ok)
-
-
-def _finite(x):
-    """JSON without NaN / inf (written as null)."""
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
 
 
 def profiles(out: Path) -> None:

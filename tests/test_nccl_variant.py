@@ -317,14 +317,18 @@ def _torchrun(n: int, *args: str, timeout: int = 180) -> subprocess.CompletedPro
 @pytest.mark.timeout(300)
 def test_launcher_under_torchrun_reports_the_stall_and_exits(tmp_path):
     t0 = time.monotonic()
-    p = _torchrun(4, "--backend", "gloo", "--ordering", "none", "--out", str(tmp_path))
+    # the adversarial start makes the cycle certain (jitter alone completed all four ranks once in a
+    # full-suite run on the loaded 2-core VM)
+    crossed = ("--skew-mode", "crossed", "--skew-ms", "300")
+    p = _torchrun(4, "--backend", "gloo", "--ordering", "none", *crossed, "--out", str(tmp_path))
     assert time.monotonic() - t0 < 150
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "[none] STALLED: stalled on 4/4 ranks; wait cycle" in p.stdout
     assert "device-progress cycle: rank" in p.stdout and "RESULT: OK" in p.stdout
     assert all(f"[rank {r}] none: StallError" in p.stdout for r in range(4))
     # the same launch told to expect completion reports the stall as unexpected and fails
-    p = _torchrun(4, "--backend", "gloo", "--ordering", "none", "--expect", "complete", "--out", str(tmp_path / "x"))
+    p = _torchrun(4, "--backend", "gloo", "--ordering", "none", *crossed, "--expect", "complete",
+                  "--out", str(tmp_path / "x"))
     assert p.returncode != 0 and "RESULT: UNEXPECTED" in p.stdout, p.stdout[-3000:]
 
 

@@ -141,3 +141,26 @@ def test_activation_is_on_exactly_when_the_condition_held_within_the_cooldown(st
         prev = expect
         assert act.update(now, p, d) == expect
     assert act.switches == switches
+
+
+def test_measured_span_follows_the_measured_times_with_hysteresis():
+    from ainfer_pd.sched.span import MeasuredSpan, SpanInputs
+    m = MeasuredSpan(share=1.0, max_span=32)
+    assert m(SpanInputs()) == 2                                            # nothing measured yet: the start span
+    assert m(SpanInputs(d_iter_s=0.012, p_boundary_s=0.0025)) == 4         # 12 ms of D fits 4 boundaries of 2.5 ms
+    assert m(SpanInputs(d_iter_s=0.012, p_boundary_s=0.0027)) == 4         # 4.4 -> 4: inside the hysteresis
+    assert m(SpanInputs(d_iter_s=0.012, p_boundary_s=0.0004)) == 30        # a light P: many boundaries a round
+    assert m(SpanInputs(d_iter_s=0.012, p_boundary_s=0.00001)) == 30       # 32 (the cap) is within 25% of 30
+    assert MeasuredSpan(max_span=32)(SpanInputs(d_iter_s=0.012, p_boundary_s=0.00001)) == 32   # capped
+    assert m(SpanInputs(d_iter_s=0.001, p_boundary_s=0.05)) == 1           # at least one
+
+
+def test_measured_span_config_and_bounds():
+    from ainfer_pd.errors import ConfigError
+    from ainfer_pd.sched.span import MeasuredSpan, make_span_policy
+    from tests.conftest import tiny_cfg
+    pol = make_span_policy(tiny_cfg(**{"mux.span": "measured", "mux.max_span": 48}).mux)
+    assert isinstance(pol, MeasuredSpan) and pol.max_span == 48
+    for bad in ({"mux.max_span": 65}, {"mux.max_span": 0}, {"mux.measured_share": 0.0}):
+        with pytest.raises(ConfigError):
+            tiny_cfg(**{"mux.span": "measured", **bad})

@@ -70,6 +70,13 @@ class DecodeGraphs:
             self.pool = g.pool()
         self.graphs[(B, L)] = (g, s, out)
 
+    def release(self) -> None:
+        """Drop every graph, its static buffers and the shared memory pool (and the runner
+        reference: runner <-> graphs is a cycle the collector would otherwise have to find)."""
+        self.graphs.clear()
+        self.pool = None
+        self.runner = None
+
     def bucket(self, B: int, L: int) -> tuple[int, int] | None:
         i = bisect.bisect_left(self.batch_sizes, B)
         j = bisect.bisect_left(self.ctx_buckets, L)

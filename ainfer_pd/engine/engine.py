@@ -28,12 +28,14 @@ from ..metrics.recorder import Recorder
 from ..phase import Phase, PhaseContext
 from ..request import TurnOutput
 from ..sched.planner import PendingPrefill, fits, plan_decode, plan_prefill
+from ..sched.priority import History, PriorityConfig, Work, order
 from ..sched.span import Activation, SpanInputs, make_span_policy
 from ..turnstile.rendezvous import LocalRendezvous
 from ..turnstile.turnstile import Turnstile
 from .device import Device, make_device
 from . import prefix
 from .kv_cache import KVCacheManager
+from .residency import Residency, kv_blocks_for_budget
 from .runner import BatchPlan, ModelRunner
 from .sampler import SampleRow, sample
 from .state import Turn, TurnState
@@ -72,6 +74,7 @@ class Engine:
         num_blocks = cfg.cache.num_blocks or self._blocks_from_memory()
         self.kv = KVCacheManager(num_blocks, cfg.cache.block_size, sharing=cfg.cache.prefix_sharing)
         self.runner = ModelRunner(cfg, self.device.torch_device, self.kv)
+        self.residency = Residency(self.runner)
         self.prefill_ctx = PhaseContext(Phase.PREFILL, self.device.stream("P"))
         self.decode_ctx = PhaseContext(Phase.DECODE, self.device.stream("D"))
         span_policy = make_span_policy(cfg.mux) if self.policy == "fine-grained" else (lambda _inp: 1)
@@ -91,6 +94,10 @@ class Engine:
             torch.cuda.synchronize()
         self.waiting: deque[Turn] = deque()
         self.decoding: list[Turn] = []
+        sc = cfg.scheduler
+        self.priority = PriorityConfig(sc.priority, sc.priority_aging_s, sc.ttft_bound_tokens)
+        self.history = History()           # finished trajectories: the critical-path predictor
+        self._p_admitted_tokens = 0        # prefill tokens admitted so far (the first-token bound)
         self._changed = asyncio.Event()    # replaced on every notify: waiters re-check their predicate
         self._epoch = 0
         self._p_running = False          # a P epoch is being run
@@ -104,14 +111,18 @@ class Engine:
         self.num_failed = 0
 
     def _blocks_from_memory(self) -> int:  # pragma: no cover - CUDA only
-        mc = self.cfg.model
-        free, _ = torch.cuda.mem_get_info()
-        per_block = mc.num_layers * 2 * self.cfg.cache.block_size * mc.num_kv_heads * mc.head_dim * torch.finfo(mc.torch_dtype).bits // 8
-        weights = mc.num_params * torch.finfo(mc.torch_dtype).bits // 8
-        return max(16, int((free - weights) * self.cfg.cache.gpu_memory_fraction) // per_block)
+        mc, cc = self.cfg.model, self.cfg.cache
+        free, total = torch.cuda.mem_get_info()
+        nbytes = torch.finfo(mc.torch_dtype).bits // 8
+        per_block = mc.num_layers * 2 * cc.block_size * mc.num_kv_heads * mc.head_dim * nbytes
+        weights = mc.rank_params(self.cfg.parallel.expert_parallel) * nbytes      # this rank's experts only
+        if cc.gpu_memory_utilization > 0:
+            return kv_blocks_for_budget(total, cc.gpu_memory_utilization, weights, per_block, reserve_bytes=2 << 30)
+        return max(16, int((free - weights) * cc.gpu_memory_fraction) // per_block)
 
     # ================================================================== submission
     def submit(self, turn: Turn) -> None:
+        turn.p_mark = self._p_admitted_tokens
         # NOTE: a waiting turn does not pin its trajectory's KV: an idle prefix stays evictable
         # (or waiting turns could hold the whole cache and none be admitted); admission re-reads it.
         self.waiting.append(turn)
@@ -199,9 +210,26 @@ class Engine:
 
     # ------------------------------------------------------------------ P
     def _pending_view(self) -> list[PendingPrefill]:
-        # NOTE: a turn whose missing prefix a sibling is writing waits for it (prefix.pending_view)
-        return prefix.pending_view(self.kv, [t for t in self.waiting
-                                             if not (t.abort_requested or self._behind_drain(t))])
+        """Admissible waiting turns in the order the priority policy serves them.
+        NOTE: a turn whose missing prefix a sibling is writing waits for it (prefix.pending_view)."""
+        turns = [t for t in self.waiting if not (t.abort_requested or self._behind_drain(t))]
+        return prefix.pending_view(self.kv, self._by_priority(turns, waiting=True))
+
+    def _by_priority(self, turns: list[Turn], *, waiting: bool) -> list[Turn]:
+        """``turns`` (arrival order) in the order ``scheduler.priority`` serves them."""
+        if self.priority.policy == "fifo" or len(turns) < 2:
+            return turns
+        now = self.rec.now()
+        work = [Work(t.request_id, t.traj.group or t.tid, t.traj.num_turns - 1, len(t.context) + len(t.out_tokens),
+                     now - t.t_submit, (self._p_admitted_tokens - t.p_mark) if waiting else 0,
+                     bool(t.lifetime) if waiting else False) for t in turns]
+        by_id = {t.request_id: t for t in turns}
+        return [by_id[w.key] for w in order(work, self.history, self.priority)]
+
+    def record_trajectory(self, group: str, turns: int, tokens: int) -> None:
+        """A trajectory ended (released): what it took feeds the critical-path predictor."""
+        if turns > 0:
+            self.history.record(group, turns, tokens)
 
     @staticmethod
     def _behind_drain(t: Turn) -> bool:
@@ -229,6 +257,7 @@ class Engine:
                 blocked = True            # FIFO: nothing behind it either (cannot happen: same rule as the plan)
                 continue
             prefix.reserve(self.kv, t, now)
+            self._p_admitted_tokens += len(t.context) - t.prefilled
         work = []
         for c in chunks:
             t = by_id[c.request_id]
@@ -440,7 +469,10 @@ class Engine:
             if not self._has_live_rows():
                 continue
             rnd = await self.turnstile.before_decode()
-            rows = [t for t in plan_decode(self.decoding, self.cfg.scheduler.max_decode_batch) if not t.abort_requested]
+            ready = self.decoding
+            if len(ready) > self.cfg.scheduler.max_decode_batch:
+                ready = self._by_priority(list(ready), waiting=False)
+            rows = [t for t in plan_decode(ready, self.cfg.scheduler.max_decode_batch) if not t.abort_requested]
             if not rows:
                 if rnd is not None:
                     await self.turnstile.after_decode(rnd)

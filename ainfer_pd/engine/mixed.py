@@ -27,6 +27,8 @@ class MixedChunkedEngine(Engine):
         while True:
             await self._wait_for(lambda: self._has_live_rows() or self._p_admissible())
             running = [t for t in self.decoding if not t.abort_requested]
+            if len(running) > self.cfg.scheduler.max_decode_batch:
+                running = self._by_priority(running, waiting=False)
             sp = plan_step([t.request_id for t in running], self._pending_view(),
                            max_decode_rows=self.cfg.scheduler.max_decode_batch,
                            prefill_budget=self.cfg.scheduler.mixed_chunk_tokens,

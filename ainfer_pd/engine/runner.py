@@ -49,8 +49,7 @@ class ModelRunner:
         # written by padded graph rows and warm-up passes (its first slot), never allocated
         self.scratch_block = kv.alloc.num_blocks
         self.scratch_slot = self.scratch_block * kv.block_size
-        self.kv_cache = torch.zeros(mc.num_layers, 2, (kv.alloc.num_blocks + 1) * kv.block_size,
-                                    mc.num_kv_heads, mc.head_dim, dtype=mc.torch_dtype, device=device)
+        self.kv_cache = self.new_kv_cache()
         dc = cfg.device
         self.model.attn_backend = select_backend(dc.attention_backend, device, mc.head_dim)
         self.moe_backend = resolve_kernel_backend("moe_backend", dc.moe_backend, device)
@@ -61,6 +60,12 @@ class ModelRunner:
         self.graphs = None
         self.ep = None                 # ExpertParallel when experts are spread over ranks
         self.attn_reduce = None        # set by the attention-TP collectives
+
+    def new_kv_cache(self) -> Tensor:
+        """The KV pool, zeroed: ``[layers, 2, (num_blocks + 1) * block_size, Hk, hd]``."""
+        mc, kv = self.cfg.model, self.kv
+        return torch.zeros(mc.num_layers, 2, (kv.alloc.num_blocks + 1) * kv.block_size, mc.num_kv_heads,
+                           mc.head_dim, dtype=mc.torch_dtype, device=self.device)
 
     # ------------------------------------------------------------------ batches
     def build(self, prefill: list[tuple[Turn, int, int]], decode: list[Turn]) -> BatchPlan:

@@ -25,6 +25,7 @@ class Trajectory:
     draining: "Turn | None" = None                     # an aborted turn whose device work has not drained
     num_turns: int = 0
     releasing: bool = False                            # RolloutWorker.release is waiting for the drain
+    group: str = ""                                    # priority group: siblings of one first prompt share it
 
 
 class SeqTokens:
@@ -67,6 +68,7 @@ class Turn:
     in_flight: int = 0                  # submitted device work touching this turn's KV
     abort_requested: bool = False
     commit_on_abort: bool = True        # an abort keeps the partial output in the trajectory (not a cancel)
+    p_mark: int = 0                     # the engine's admitted prefill tokens when it was submitted
     drained: asyncio.Event = field(default_factory=asyncio.Event)   # set once no device work touches it
     prompt_hashes: list | None = None   # chained block hashes of the prompt (computed once, for the prefix cache)
 

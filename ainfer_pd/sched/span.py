@@ -106,6 +106,34 @@ class AutoSpan:
         return self.default
 
 
+class MeasuredSpan:
+    """The span from what was measured, not assumed: P may cross as many boundaries per D round
+    as its measured time per boundary fits into ``share`` of the measured D iteration time,
+    ``K = clamp(floor(share * d_iter_s / p_boundary_s), 1, max_span)``, so deep models (96
+    boundaries) are not throttled to a fixed handful a round. Hysteresis: the span moves only
+    when the answer differs from the current one by more than ``hysteresis`` of it (EMA inputs
+    jitter). Unknown times keep the current span (``start`` at first). Rank 0's answer is used
+    on every rank (the turnstile's rule), so the local state never splits the ranks."""
+
+    name = "measured"
+
+    def __init__(self, share: float = 1.0, max_span: int = 32, hysteresis: float = 0.25, start: int = DEFAULT_SPAN):
+        self.share, self.max_span, self.hysteresis = float(share), int(max_span), float(hysteresis)
+        self.current = max(1, min(start, self.max_span))
+
+    def target(self, inputs: SpanInputs) -> int | None:
+        d, p = inputs.d_iter_s, inputs.p_boundary_s
+        if d <= 0 or p <= 0:
+            return None
+        return max(1, min(self.max_span, int(self.share * d / p)))
+
+    def __call__(self, inputs: SpanInputs) -> int:
+        k = self.target(inputs)
+        if k is not None and abs(k - self.current) > self.hysteresis * self.current:
+            self.current = k
+        return self.current
+
+
 def fixed_span(k: int) -> FixedSpan:
     """The span policy that always answers ``k`` (validated: 1..4)."""
     return FixedSpan(_validate_span(k, "span"))
@@ -121,11 +149,13 @@ def auto_span(spans: tuple[int, ...] = (1, 2, 3, 4)) -> AutoSpan:
     return AutoSpan(tuple(sorted(set(spans))))
 
 
-def make_span_policy(mux_cfg) -> FixedSpan | AutoSpan:
-    """The span policy of a :class:`~ainfer_pd.config.MuxConfig` (``span``: "1".."4" or "auto")."""
+def make_span_policy(mux_cfg) -> FixedSpan | AutoSpan | MeasuredSpan:
+    """The span policy of a :class:`~ainfer_pd.config.MuxConfig` (``span``: "1".."4", "auto" or "measured")."""
     span = str(mux_cfg.span)
     if span == "auto":
         return auto_span(tuple(mux_cfg.auto_spans))
+    if span == "measured":
+        return MeasuredSpan(mux_cfg.measured_share, mux_cfg.max_span)
     try:
         k = int(span)
     except ValueError:

@@ -26,6 +26,29 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _softmax_step(qk, v, m_i, l_i, acc, IEEE: tl.constexpr):
+    """One online-softmax update (base 2) with the scores ``qk`` of a key tile (masked keys are
+    -inf) and its values ``v``; rows that have seen no key yet keep m = -inf and add nothing."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(qk - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _scores(q, k, scale_log2, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+    return tl.dot(q, tl.trans(k)) * scale_log2
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_tb"])
 def paged_decode_kernel(
     Q, K, V, TABLE, LENS, O, OP, LSE,
@@ -59,21 +82,9 @@ def paged_decode_kernel(
         blk = tl.load(TABLE + b * stride_tb + offs_n // PAGE, mask=nmask, other=0)
         slot = blk.to(tl.int64) * PAGE + offs_n % PAGE
         k = tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = tl.where(nmask[None, :], qk * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        qk = tl.where(nmask[None, :], _scores(q, k, scale_log2, IEEE), float("-inf"))
         v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(qk, v, m_i, l_i, acc, IEEE)
     safe_l = tl.where(l_i == 0.0, 1.0, l_i)
     if SINGLE:
         out = acc / safe_l[:, None]
@@ -146,20 +157,8 @@ def paged_prefill_kernel(
         blk = tl.load(tbl + offs_n // PAGE)
         slot = blk.to(tl.int64) * PAGE + offs_n % PAGE
         k = tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :])
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
-        else:
-            qk = tl.dot(q, tl.trans(k)) * scale_log2
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :])
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(_scores(q, k, scale_log2, IEEE), v, m_i, l_i, acc, IEEE)
     # the diagonal tiles: causal mask (key <= cached + row) and the end of the keys
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -167,23 +166,10 @@ def paged_prefill_kernel(
         blk = tl.load(tbl + offs_n // PAGE, mask=nmask, other=0)
         slot = blk.to(tl.int64) * PAGE + offs_n % PAGE
         k = tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
-        else:
-            qk = tl.dot(q, tl.trans(k)) * scale_log2
         vis = (offs_n[None, :] <= cached + offs_m[:, None]) & nmask[None, :]
-        qk = tl.where(vis, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)     # padded rows see no key
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(qk - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        qk = tl.where(vis, _scores(q, k, scale_log2, IEEE), float("-inf"))
         v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(qk, v, m_i, l_i, acc, IEEE)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(O + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=mmask[:, None])

@@ -74,28 +74,27 @@ def launch_gate_up(x: Tensor, w13: Tensor, act: Tensor, layout: tuple[Tensor, Te
                    g: GemmPlan) -> None:
     """act [N, I] = silu(x[tok] @ W13[e, :, :I]) * (x[tok] @ W13[e, :, I:]) for every pair."""
     from .kernels import moe_gate_up_kernel
-    sorted_ids, block_expert, num_post = layout
-    P, D, I = sorted_ids.numel(), x.shape[1], act.shape[1]
-    grid = (triton_cdiv(P, g.block_m) * triton_cdiv(I, g.block_n),)
-    moe_gate_up_kernel[grid](
-        x, w13, act, sorted_ids, block_expert, num_post, act.shape[0], P, D, I,
-        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
-        TOPK=top_k, BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
-        IEEE=x.dtype == torch.float32, num_warps=g.num_warps, num_stages=g.num_stages)
+    _launch(moe_gate_up_kernel, layout, g, act.shape[1], x, w13, act, num_k=x.shape[1], TOPK=top_k)
 
 
 def launch_down(act: Tensor, w2: Tensor, rows: Tensor, layout: tuple[Tensor, Tensor, Tensor], topw: Tensor,
                 g: GemmPlan) -> None:
     """rows [N, D] = topw[pair] * act[pair] @ W2[e] for every pair."""
     from .kernels import moe_down_kernel
+    _launch(moe_down_kernel, layout, g, rows.shape[1], act, w2, rows, num_k=act.shape[1], topw=topw)
+
+
+def _launch(kernel, layout, g: GemmPlan, ncols: int, a: Tensor, w: Tensor, out: Tensor, *, num_k: int,
+            topw: Tensor | None = None, **meta) -> None:
+    """One expert GEMM over the aligned row blocks: a [N or T, K] rows, w [E, K, ncols] -> out [N, ncols]."""
     sorted_ids, block_expert, num_post = layout
-    P, I, D = sorted_ids.numel(), act.shape[1], rows.shape[1]
-    grid = (triton_cdiv(P, g.block_m) * triton_cdiv(D, g.block_n),)
-    moe_down_kernel[grid](
-        act, w2, rows, sorted_ids, block_expert, num_post, topw, act.shape[0], P, I, D,
-        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), rows.stride(0),
-        BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
-        IEEE=act.dtype == torch.float32, num_warps=g.num_warps, num_stages=g.num_stages)
+    P = sorted_ids.numel()
+    grid = (triton_cdiv(P, g.block_m) * triton_cdiv(ncols, g.block_n),)
+    ptrs = (a, w, out, sorted_ids, block_expert, num_post) + ((topw,) if topw is not None else ())
+    kernel[grid](*ptrs, out.shape[0], P, num_k, ncols,
+                 a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
+                 BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
+                 IEEE=a.dtype == torch.float32, num_warps=g.num_warps, num_stages=g.num_stages, **meta)
 
 
 def fused_experts(x: Tensor, r: Routing, w13: Tensor, w2: Tensor, plan: MoEPlan | None = None) -> Tensor:

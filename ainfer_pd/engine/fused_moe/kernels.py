@@ -34,6 +34,19 @@ def _tile_ids(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+@triton.jit
+def _expert_block(SORTED, BLOCK_EXPERT, NUM_POST, num_pairs, P, NCOLS, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's row block and column tile: (in use, expert, pair ids, row mask, columns,
+    column mask). Blocks past NUM_POST hold only padding (the caller exits)."""
+    pid_m, pid_n = _tile_ids(tl.cdiv(P, BLOCK_M), tl.cdiv(NCOLS, BLOCK_N), GROUP_M)
+    active = pid_m * BLOCK_M < tl.load(NUM_POST)
+    e = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
+    pairs = tl.load(SORTED + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return active, e, pairs, pairs < num_pairs, offs_n, offs_n < NCOLS
+
+
 @triton.jit(do_not_specialize=["num_pairs", "P"])
 def moe_gate_up_kernel(
     X, W, ACT, SORTED, BLOCK_EXPERT, NUM_POST,
@@ -42,18 +55,11 @@ def moe_gate_up_kernel(
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, IEEE: tl.constexpr,
 ):
-    num_pid_m = tl.cdiv(P, BLOCK_M)
-    num_pid_n = tl.cdiv(I, BLOCK_N)
-    pid_m, pid_n = _tile_ids(num_pid_m, num_pid_n, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(NUM_POST):
+    active, e, pairs, rmask, offs_n, nmask = _expert_block(SORTED, BLOCK_EXPERT, NUM_POST, num_pairs, P, I,
+                                                           BLOCK_M, BLOCK_N, GROUP_M)
+    if not active:
         return
-    e = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(SORTED + offs_m)
-    rmask = pairs < num_pairs
     tok = (pairs // TOPK).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
     a_ptr = X + tok[:, None] * stride_xt + offs_k[None, :]
     g_ptr = W + e * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
@@ -87,18 +93,11 @@ def moe_down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, IEEE: tl.constexpr,
 ):
-    num_pid_m = tl.cdiv(P, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = _tile_ids(num_pid_m, num_pid_n, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(NUM_POST):
+    active, e, pairs, rmask, offs_n, nmask = _expert_block(SORTED, BLOCK_EXPERT, NUM_POST, num_pairs, P, N,
+                                                           BLOCK_M, BLOCK_N, GROUP_M)
+    if not active:
         return
-    e = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(SORTED + offs_m)
-    rmask = pairs < num_pairs
     prow = pairs.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptr = A + prow[:, None] * stride_an + offs_k[None, :]
     b_ptr = W + e * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn

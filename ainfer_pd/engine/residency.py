@@ -1,0 +1,153 @@
+"""What of the engine lives on the device, and giving it back while the trainer runs.
+
+verl's colocated mode (``hybrid_engine``) trains on the GPUs the rollout decodes on, so between
+rollouts the worker must hand its GPU memory back. Levels (as the issue and verl's vLLM adapter
+mean them):
+
+* level 0: drop the retained KV of idle trajectories (the pool stays allocated);
+* level 1: also free the KV pool and the decode CUDA graphs (their private memory pools);
+* level 2: also move the weights to pinned host memory (``keep_weights``) or drop them (the
+  next complete weight sync refills them: verl syncs right after ``wake_up(["weights"])``).
+
+``wake_up(tags)`` restores what the tags name ("weights", "kv_cache"; both when None). The
+weights come back into fresh device storage and the pool is reallocated, so captured graphs
+would point at freed memory: they are dropped at sleep and recaptured at wake (the cost is
+measured: ``benchmarks/sleep_wake_bench.py``). The parameter *objects* stay the same, so
+trainers holding references and the weight-sync name table keep working.
+
+Mechanism here; the policy of how many KV blocks fit a memory budget is :func:`kv_blocks_for_budget`.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("ainfer_pd.residency")
+
+WEIGHTS, KV_CACHE = "weights", "kv_cache"
+TAGS = (WEIGHTS, KV_CACHE)
+
+
+def kv_blocks_for_budget(total_bytes: int, utilization: float, weight_bytes: int, block_bytes: int,
+                         reserve_bytes: int) -> int:
+    """KV blocks that fit ``utilization`` of the device's memory next to the weights and a
+    reserve for activations, graph pools and the CUDA context (verl's ``gpu_memory_utilization``:
+    the rollout's whole share of the GPU, weights included). At least 16."""
+    budget = int(total_bytes * utilization) - weight_bytes - reserve_bytes
+    return max(16, budget // block_bytes)
+
+
+@dataclass
+class ResidencyState:
+    kv: bool = True            # the KV pool (and the decode graphs) are allocated
+    weights: str = "device"    # device | host | dropped
+
+
+class Residency:
+    """Moves one runner's weights, KV pool and decode graphs off and back onto its device."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.state = ResidencyState()
+        self._had_graphs = False
+        self._host: dict[int, torch.Tensor] = {}
+        self._shapes: dict[int, tuple[int, ...]] = {}
+        self._buffer: torch.Tensor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        seen, out = set(), []
+        for p in self.runner.model.parameters():          # tied embeddings: one Parameter, once
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
+
+    # ------------------------------------------------------------------ release
+    def release_kv(self) -> None:
+        """Free the KV pool and the decode graphs (the retained KV must already be dropped)."""
+        if not self.state.kv:
+            return
+        r = self.runner
+        self._had_graphs = self._had_graphs or r.graphs is not None
+        if r.graphs is not None:
+            r.graphs.release()
+        r.graphs = None
+        r.kv_cache = None
+        self.state.kv = False
+        self._collect()
+
+    def release_weights(self, keep: bool) -> None:
+        """Weights to pinned host memory (``keep``: one exact-size pinned buffer, each parameter a
+        view into it) or dropped (an empty placeholder each)."""
+        if self.state.weights != "device":
+            return
+        pin = self.device.type == "cuda"
+        params = self._params()
+        self._shapes = {id(p): tuple(p.shape) for p in params}
+        if keep:
+            offs, total = [], 0
+            for p in params:
+                offs.append(total)
+                total += -(-p.numel() * p.element_size() // 256) * 256
+            self._buffer = torch.empty(total, dtype=torch.uint8, device="cpu", pin_memory=pin)
+            for p, o in zip(params, offs):
+                n = p.numel() * p.element_size()
+                host = self._buffer[o:o + n].view(p.dtype).view(p.shape)
+                host.copy_(p.data, non_blocking=pin)
+                self._host[id(p)] = host
+        if pin:
+            torch.cuda.synchronize(self.device)
+        for p in params:
+            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+        self.state.weights = "host" if keep else "dropped"
+        self._collect()
+
+    # ------------------------------------------------------------------ restore
+    def restore_weights(self) -> bool:
+        """Back into fresh device storage; returns False when they were dropped (the storage is
+        allocated uninitialised: the next complete weight sync fills it)."""
+        if self.state.weights == "device":
+            return True
+        was = self.state.weights
+        pin = self.device.type == "cuda"
+        shapes = self._shapes
+        for p in self._params():
+            if was == "host":
+                p.data = self._host.pop(id(p)).to(self.device, non_blocking=pin)
+            else:
+                p.data = torch.empty(shapes[id(p)], dtype=p.dtype, device=self.device)
+        if pin:
+            torch.cuda.synchronize(self.device)
+        self._host.clear()
+        self._buffer = None
+        self.state.weights = "device"
+        return was == "host"
+
+    def restore_kv(self) -> bool:
+        """Reallocate the KV pool; returns whether decode graphs must be recaptured."""
+        if self.state.kv:
+            return False
+        r = self.runner
+        r.kv_cache = r.new_kv_cache()
+        self.state.kv = True
+        return self._had_graphs
+
+    # ------------------------------------------------------------------ helpers
+    def _collect(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def device_bytes(self) -> int:
+        """Bytes the caching allocator holds on this device (0 on CPU)."""
+        if self.device.type != "cuda":
+            return 0
+        return int(torch.cuda.memory_reserved(self.device))

@@ -1,0 +1,102 @@
+"""sleep / wake_up give device memory back and restore it (CPU: the same mechanism on host
+tensors; the H200 figures come from benchmarks/sleep_wake_bench.py): outputs after wake_up equal
+those before sleep, turns are refused while asleep, dropped weights come back by a complete sync."""
+import asyncio
+import random
+
+import pytest
+
+from ainfer_pd import RolloutWorker, SamplingParams
+from ainfer_pd.engine.residency import kv_blocks_for_budget
+from ainfer_pd.errors import InvalidRequestError, WorkerAsleepError
+from tests.conftest import rand_ids, tiny_cfg
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+async def _greedy(w, prompts):
+    outs = await asyncio.gather(*(w.generate(p, SamplingParams(max_new_tokens=5, **GREEDY)) for p in prompts))
+    for o in outs:
+        await w.release(o.trajectory_id)
+    return [o.token_ids for o in outs]
+
+
+def _param_elems(w) -> int:
+    return sum(p.numel() for p in w.model.parameters())
+
+
+@pytest.mark.parametrize("level,keep", [(1, True), (2, True)])
+async def test_sleep_frees_and_wake_restores_same_outputs(level, keep):
+    rng = random.Random(level)
+    prompts = [rand_ids(rng, 30 + 7 * i) for i in range(3)]
+    async with RolloutWorker(tiny_cfg(**{"cache.num_blocks": 128})) as w:
+        before = await _greedy(w, prompts)
+        elems = _param_elems(w)
+        await w.sleep(level, keep_weights=keep)
+        assert w.engine.runner.kv_cache is None                      # the pool is gone
+        assert (_param_elems(w) == 0) == (level == 2)                # level 2: the weights too
+        with pytest.raises(WorkerAsleepError):
+            await w.generate(prompts[0], SamplingParams(max_new_tokens=2))
+        if level == 2:
+            await w.wake_up(["weights"])                            # verl's order: weights, sync, then KV
+            assert _param_elems(w) == elems and w.engine.runner.kv_cache is None
+            with pytest.raises(WorkerAsleepError):
+                await w.generate(prompts[0], SamplingParams(max_new_tokens=2))
+            await w.wake_up(["kv_cache"])
+        else:
+            await w.wake_up()
+        assert await _greedy(w, prompts) == before
+        assert w.kv_leak_free()
+
+
+async def test_dropped_weights_come_back_by_a_complete_sync():
+    prompts = [rand_ids(random.Random(5), 40)]
+    async with RolloutWorker(tiny_cfg(**{"cache.num_blocks": 128})) as w:
+        before = await _greedy(w, prompts)
+        state = [(n, p.detach().clone()) for n, p in w.model.named_parameters()]
+        await w.sleep(2, keep_weights=False)
+        with pytest.raises(WorkerAsleepError):                       # storage is off the device
+            await w.update_weights(state)
+        await w.wake_up()
+        with pytest.raises(WorkerAsleepError):                       # storage back, values not yet
+            await w.generate(prompts[0], SamplingParams(max_new_tokens=2))
+        await w.update_weights(state[:3], partial=True)               # a subset does not make it valid
+        with pytest.raises(WorkerAsleepError):
+            await w.generate(prompts[0], SamplingParams(max_new_tokens=2))
+        await w.update_weights(state)
+        assert await _greedy(w, prompts) == before
+
+
+async def test_sleep_aborts_in_flight_turns_and_leaks_nothing():
+    async with RolloutWorker(tiny_cfg(**{"cache.num_blocks": 128})) as w:
+        t = asyncio.ensure_future(w.generate(rand_ids(random.Random(1), 60), SamplingParams(max_new_tokens=200, **GREEDY)))
+        await asyncio.sleep(0.05)
+        await w.sleep(1)
+        out = await asyncio.wait_for(t, 10)
+        assert out.finish_reason == "abort"
+        await w.wake_up()
+        assert w.engine.kv.num_free_blocks == w.engine.kv.alloc.num_blocks
+        for tid in list(w.trajectories):
+            await w.release(tid)
+        assert w.kv_leak_free()
+
+
+async def test_bad_levels_and_tags_are_typed():
+    async with RolloutWorker(tiny_cfg()) as w:
+        for bad in (3, -1, True, "1"):
+            with pytest.raises(InvalidRequestError):
+                await w.sleep(bad)
+        with pytest.raises(InvalidRequestError):
+            await w.wake_up(["weights", "optimizer"])
+        with pytest.raises(InvalidRequestError):
+            await w.wake_up("weights")
+        await w.sleep(0)                                                 # level 0 keeps the pool
+        assert w.engine.runner.kv_cache is not None
+        assert len(await _greedy(w, [[5, 6, 7]])) == 1
+
+
+def test_kv_blocks_for_budget():
+    GiB = 1 << 30
+    # 141 GiB card, 0.9 of it, 61 GiB of weights, 2 GiB reserve, 1.5 MiB blocks
+    assert kv_blocks_for_budget(141 * GiB, 0.9, 61 * GiB, 3 << 19, 2 * GiB) == int((0.9 * 141 - 63) * GiB) // (3 << 19)
+    assert kv_blocks_for_budget(80 * GiB, 0.5, 61 * GiB, 1 << 20, 2 * GiB) == 16       # never below 16
