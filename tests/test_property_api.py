@@ -438,6 +438,9 @@ class WorkerMachine(RuleBasedStateMachine):
         if out.finish_reason == "length" and p.ignore_eos and not p.stop_token_ids:
             self.check(len(out.token_ids) == p.max_new_tokens, f"{what}: 'length' after {len(out.token_ids)} tokens")
         self.check(out.num_prompt_tokens == len(call.context), f"{what}: num_prompt_tokens {out.num_prompt_tokens}")
+        self.check(0 <= out.num_cached_tokens < len(call.context), f"{what}: num_cached_tokens {out.num_cached_tokens}")
+        if out.num_cached_tokens and call.new:
+            _count("new_trajectories_sharing_a_cached_prefix")
         if tr is not None:
             tr.tokens = list(call.context) + list(out.token_ids)
         overlapped = any(a <= call.t1 and call.t0 <= b for a, b in self.updates)
@@ -742,6 +745,28 @@ class WorkerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), n=st.integers(0, 60), seed=st.integers(0, 2 ** 16), kw=_sampling_kwargs())
     def continue_list(self, data, n: int, seed: int, kw: dict) -> None:
         self.continue_turn(data=data, n=n, seed=seed, kw=kw, container="list")
+
+    @precondition(lambda self: any(tr.tokens or tr.call is not None for tr in self.trajs.values()))
+    @rule(data=st.data(), k=st.integers(1, 4), extra=st.integers(0, 20), seed=st.integers(0, 2 ** 16),
+          kw=_sampling_kwargs())
+    def generate_siblings(self, data, k: int, extra: int, seed: int, kw: dict) -> None:
+        """Prefix sharing (issue 15): ``k`` new trajectories (new request ids) on the context of an
+        existing one (idle: its tokens; busy: the prompt its turn in flight is writing), maybe
+        extended: GRPO siblings and verl's router, which sends a new id every turn. Their KV is
+        shared from the cache or from the sibling writing it; each is checked against a recompute."""
+        tid = data.draw(st.sampled_from(sorted(t for t, tr in self.trajs.items() if tr.tokens or tr.call)))
+        tr = self.trajs[tid]
+        base = list(tr.call.context) if tr.call is not None else list(tr.tokens)
+        params = self.make_params(kw)
+        if params is None or not base:
+            return
+        rng = random.Random(seed)
+        prompt = base + [rng.randrange(2, VOCAB) for _ in range(extra)]
+        _count("sibling_groups")
+        for _ in range(k):
+            sib = self.new_tid()
+            call = Call("generate", sib, prompt, params, self.expect_for(len(prompt), params), True, self.version)
+            self.launch(call, lambda sib=sib: self.w.generate(prompt, params, trajectory_id=sib))
 
     @precondition(lambda self: bool(self.calls))
     @rule(data=st.data())
