@@ -230,6 +230,11 @@ class CacheConfig:
     a new request id for the same context, a trajectory's own next turn); a turn waits for a
     sibling that is writing its missing prefix. False: a block is reused only by the trajectory
     that wrote it (its own next turns)."""
+    routed_experts: bool = False
+    """Routing replay (verl's ``enable_rollout_routing_replay``): keep every fed token's top-k
+    expert ids per MoE layer beside its KV (int16 ``[moe_layers, slots, top_k]``), so requests
+    with ``SamplingParams(return_routed_experts=True)`` get them in ``TurnOutput.routed_experts``.
+    Off: nothing allocated or recorded, and such requests are refused."""
     gpu_memory_utilization: float = 0.0
     """When > 0 (and ``num_blocks`` is 0): the share of the device's *total* memory the whole
     rollout may hold, weights of this rank included (verl's ``rollout.gpu_memory_utilization``);
@@ -239,6 +244,8 @@ class CacheConfig:
         _positive(self, "block_size")
         if not isinstance(self.prefix_sharing, bool):
             raise ConfigError("cache.prefix_sharing must be a bool")
+        if not isinstance(self.routed_experts, bool):
+            raise ConfigError("cache.routed_experts must be a bool")
         if self.num_blocks < 0:
             raise ConfigError("cache.num_blocks must be >= 0")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:

@@ -231,6 +231,9 @@ class RolloutWorker:
         for t in params.stop_token_ids:
             if t >= self.cfg.model.vocab_size:
                 raise InvalidRequestError(f"stop token {t} outside the vocabulary")
+        if params.return_routed_experts and not self.cfg.cache.routed_experts:
+            raise InvalidRequestError("return_routed_experts needs a worker started with cache.routed_experts: true "
+                                      "(the per-slot expert ids are kept beside the KV pool)")
         return params
 
     # ================================================================== API

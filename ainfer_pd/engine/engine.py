@@ -35,6 +35,7 @@ from ..turnstile.turnstile import Turnstile
 from .device import Device, make_device
 from . import prefix
 from .kv_cache import KVCacheManager
+from .routed_experts import of_turn
 from .residency import Residency, kv_blocks_for_budget
 from .runner import BatchPlan, ModelRunner
 from .sampler import SampleRow, sample
@@ -141,6 +142,7 @@ class Engine:
             return
         turn.abort_requested = True
         turn.commit_on_abort = commit
+        turn.routed_experts = of_turn(self.runner.routed, self.kv, turn)    # before its KV can go
         self._resolve(turn, "abort")
         if turn.traj.turn is turn:             # the trajectory is free for its next turn at once
             turn.traj.turn = None
@@ -560,6 +562,7 @@ class Engine:
             self.decoding.remove(t)
         t.state = TurnState.DONE
         t.traj.tokens = t.context + t.out_tokens
+        t.routed_experts = of_turn(self.runner.routed, self.kv, t)          # before its KV goes
         self.kv.finish_turn(t.tid, t.lifetime, t.seq_len - 1, self.rec.now())
         if t.traj.turn is t:
             t.traj.turn = None
@@ -575,7 +578,8 @@ class Engine:
         out = TurnOutput(trajectory_id=t.tid, token_ids=list(t.out_tokens), logprobs=list(t.out_logprobs),
                          finish_reason=reason, num_prompt_tokens=len(t.context),
                          num_cached_tokens=t.num_cached, ttft_s=ttft, latency_s=now - t.t_submit,
-                         request_id=t.request_id, turn_index=t.traj.num_turns - 1)
+                         request_id=t.request_id, turn_index=t.traj.num_turns - 1,
+                         routed_experts=t.routed_experts)
         t.future.set_result(out)
 
     async def _drain_stream(self, stream) -> None:

@@ -71,6 +71,7 @@ class Turn:
     p_mark: int = 0                     # the engine's admitted prefill tokens when it was submitted
     drained: asyncio.Event = field(default_factory=asyncio.Event)   # set once no device work touches it
     prompt_hashes: list | None = None   # chained block hashes of the prompt (computed once, for the prefix cache)
+    routed_experts: torch.Tensor | None = None   # gathered when the turn ends (routing replay)
 
     @property
     def tid(self) -> str:
