@@ -336,8 +336,11 @@ class KVCacheManager:
                 bad.append(f"{tid!r} holds a block twice")
             for b in kv.blocks:
                 held[b] = held.get(b, 0) + 1
-            for b in kv.private_blocks:      # shared by others only once complete (registered)
-                if self.alloc.ref[b] != 1 and b not in self.alloc.hash_of:
+            for j in range(kv.num_shared, len(kv.blocks)):   # shared by others only once complete
+                b = kv.blocks[j]
+                # NOTE: completeness, not registration: invalidate() unregisters a complete block
+                # that a sibling already shares (both sequences are stale from then on)
+                if self.alloc.ref[b] != 1 and (j + 1) * self.block_size > kv.num_tokens:
                     bad.append(f"{tid!r}: incomplete private block {b} has {self.alloc.ref[b]} references")
         bad += self.alloc.check(held)
         for h, n in self.writing.items():

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import importlib
 import logging
 import os
@@ -119,6 +120,14 @@ def build_worker_config(engine_kwargs: dict, model_path: Optional[str] = None):
     return cfg.replace(**overrides) if overrides else cfg
 
 
+def _routed(out: Any) -> Any:
+    """``TurnOutput.routed_experts`` as verl's ``TokenOutput`` carries it (vLLM / SGLang servers: a
+    numpy array ``[tokens, layers, top_k]`` over the whole sequence; verl's agent loop casts it to
+    int16 and its partial-rollout merge keeps the last ``len(token_ids)`` rows of a resumed turn)."""
+    re = getattr(out, "routed_experts", None)
+    return None if re is None else re.numpy()
+
+
 def _import(path: str):
     mod, _, name = path.replace(":", ".").rpartition(".")
     try:
@@ -143,6 +152,10 @@ class AInferPDServer:
         self._get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) \
             else (lambda k, d=None: getattr(config, k, d))
         self.free_cache_engine = bool(self._get("free_cache_engine", True))
+        # routing replay (verl's R3): the worker keeps every token's expert ids, every turn returns them
+        self.routing_replay = bool(self._get("enable_rollout_routing_replay", False))
+        if self.routing_replay:
+            self.worker_config = self.worker_config.replace(**{"cache.routed_experts": True})
         self.max_retained = int(self.engine_kwargs.get("max_retained_trajectories", 4096))
         self.cast_weight_dtype = bool(self.engine_kwargs.get("cast_weight_dtype", True))
         self.worker = None
@@ -281,6 +294,8 @@ class AInferPDServer:
             full = prompt_ids
             tid = self._find_reuse(full, session_id)
         sp = self._map(sampling_params, len(full))
+        if self.routing_replay:
+            sp = dataclasses.replace(sp, return_routed_experts=True)
 
         # a new trajectory gets its id here, so abort_request can abort it (and keep its partial output)
         fresh = f"verl-{uuid.uuid4().hex[:16]}"
@@ -315,7 +330,7 @@ class AInferPDServer:
             extra.update(num_cached_tokens=int(out.num_cached_tokens), num_prompt_tokens=int(out.num_prompt_tokens),
                          ainfer_pd_trajectory_id=new_tid)
             return TokenOutput(token_ids=list(out.token_ids), log_probs=log_probs, stop_reason="aborted",
-                               num_preempted=0, extra_fields=extra)
+                               routed_experts=_routed(out), num_preempted=0, extra_fields=extra)
         self._contexts[new_tid] = full + list(out.token_ids)
         self._contexts.move_to_end(new_tid)
         if session_id is not None:
@@ -328,6 +343,7 @@ class AInferPDServer:
         return TokenOutput(
             token_ids=list(out.token_ids),
             log_probs=log_probs,
+            routed_experts=_routed(out),
             stop_reason="completed",
             num_preempted=0,
             extra_fields=extra,
