@@ -230,6 +230,11 @@ class CacheConfig:
     a new request id for the same context, a trajectory's own next turn); a turn waits for a
     sibling that is writing its missing prefix. False: a block is reused only by the trajectory
     that wrote it (its own next turns)."""
+    prefix_wait_min_tokens: int = 0
+    """A waiting turn whose next missing prompt blocks a sibling is writing (GRPO samples submitted
+    together) waits for that sibling's pass, to share them, only when they hold at least this many
+    tokens; shorter ones it computes itself in the same epoch (waiting costs its TTFT one P epoch:
+    with short prompts on a small model that can cost more than the compute it saves). 0: always wait."""
     routed_experts: bool = False
     """Routing replay (verl's ``enable_rollout_routing_replay``): keep every fed token's top-k
     expert ids per MoE layer beside its KV (int16 ``[moe_layers, slots, top_k]``), so requests
@@ -244,6 +249,9 @@ class CacheConfig:
         _positive(self, "block_size")
         if not isinstance(self.prefix_sharing, bool):
             raise ConfigError("cache.prefix_sharing must be a bool")
+        if isinstance(self.prefix_wait_min_tokens, bool) or not isinstance(self.prefix_wait_min_tokens, int) \
+                or self.prefix_wait_min_tokens < 0:
+            raise ConfigError("cache.prefix_wait_min_tokens must be an integer >= 0")
         if not isinstance(self.routed_experts, bool):
             raise ConfigError("cache.routed_experts must be a bool")
         if self.num_blocks < 0:

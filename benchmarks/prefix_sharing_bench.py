@@ -41,8 +41,17 @@ def _commit() -> str:
         return "?"
 
 
+def _overrides(args) -> dict:
+    import yaml
+    out = {}
+    for item in args.set:
+        k, _, v = item.partition("=")
+        out[k] = yaml.safe_load(v)
+    return out
+
+
 async def grpo_run(args, sharing: bool) -> dict:
-    cfg = WorkerConfig.from_yaml(args.config).replace(**{"cache.prefix_sharing": sharing,
+    cfg = WorkerConfig.from_yaml(args.config).replace(**{**_overrides(args), "cache.prefix_sharing": sharing,
                                                          "scheduler.policy": args.policy})
     trace = make_trace(args.conversations, args.max_turns, token_scale=args.token_scale,
                        max_context=cfg.model.max_context_len, seed=args.seed).with_samples_per_prompt(args.samples_per_prompt)
@@ -55,9 +64,10 @@ async def grpo_run(args, sharing: bool) -> dict:
 
 async def live_rl_run(args, sharing: bool) -> dict:
     from trainer_examples.live_rl.run import PolicyRun, parse_args
+    sets = [x for kv in args.set for x in ("--set", kv)]
     la = parse_args(["--steps", str(args.steps), "--policy", args.policy, "--seed", str(args.seed),
                      "--config", str(args.config), "--set", f"cache.prefix_sharing={str(sharing).lower()}",
-                     "--quiet", "--no-plot"])
+                     *sets, "--quiet", "--no-plot"])
     async with PolicyRun(args.policy, la) as run:
         m0 = run.worker.metrics()                        # after the untimed warm-up rollout
         for step in range(args.steps):
@@ -85,6 +95,8 @@ def main() -> int:
     ap.add_argument("--cell", default="P1", help="grpo: wait-pressure cell")
     ap.add_argument("--time-scale", type=float, default=0.0, help="grpo: multiply the tool waits")
     ap.add_argument("--steps", type=int, default=3, help="live-rl: steps per run")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override for both runs, e.g. cache.prefix_wait_min_tokens=64")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     fn = grpo_run if args.workload == "grpo" else live_rl_run
@@ -100,7 +112,7 @@ def main() -> int:
     on, off = runs[True], runs[False]
     med = lambda rs, k: statistics.median(x[k] for x in rs)        # noqa: E731
     summary = {
-        "workload": args.workload, "policy": args.policy, "repeats": args.repeats, "commit": _commit(),
+        "workload": args.workload, "policy": args.policy, "set": args.set, "repeats": args.repeats, "commit": _commit(),
         "machine": f"{os.cpu_count()} CPUs, loadavg {os.getloadavg()[0]:.1f}",
         "prompt_tokens": med(on, "prompt_tokens"),
         "prefill_tokens_on": med(on, "prefill_tokens"), "prefill_tokens_off": med(off, "prefill_tokens"),

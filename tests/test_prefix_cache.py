@@ -280,3 +280,19 @@ async def test_eviction_under_pressure_with_shared_blocks_loses_nothing_and_leak
     for ctx, toks, aborted in checks:
         ref = recompute_greedy(model, cfg, ctx, 8)[0]
         assert (ref[:len(toks)] if aborted else ref) == toks
+
+
+async def test_siblings_below_the_wait_threshold_compute_their_prompt_in_the_same_epoch():
+    """cache.prefix_wait_min_tokens above the shared prompt: no sibling waits for another's pass
+    (each computes the prompt in the first epoch, nothing shared yet), outputs are unchanged; the
+    threshold is the only difference (the default run above waits and shares)."""
+    prompt = rand_ids(random.Random(21), 203)
+    params = [SamplingParams(max_new_tokens=6, temperature=1.0, seed=100 + i, ignore_eos=True) for i in range(4)]
+    cfg = tiny_cfg(**{"scheduler.policy": "fine-grained", "cache.prefix_wait_min_tokens": 193})
+    outs, m = await _siblings(cfg, prompt, 4, params)
+    ref, m0 = await _siblings(tiny_cfg(**{"scheduler.policy": "fine-grained"}), prompt, 4, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert [o.num_cached_tokens for o in outs] == [0] * 4 and m["prefill_tokens"] == 4 * len(prompt)
+    assert sorted(o.num_cached_tokens for o in ref) == [0, 192, 192, 192]
+    with pytest.raises(Exception, match="prefix_wait_min_tokens"):
+        tiny_cfg(**{"cache.prefix_wait_min_tokens": -1})

@@ -57,6 +57,12 @@ def best_tail(candidates: Iterable[tuple[int, tuple[int, ...]]], rest: Sequence[
     return best
 
 
+def worth_waiting(blocks_to_share: int, block_size: int, min_tokens: int) -> bool:
+    """Whether a turn waits for a sibling that is writing its next ``blocks_to_share`` prompt blocks
+    (sharing them once that pass completed) instead of computing them in the same epoch."""
+    return blocks_to_share > 0 and blocks_to_share * block_size >= min_tokens
+
+
 def release_order(blocks: Sequence[int]) -> list[int]:
     """Order in which a sequence's blocks join the LRU of unreferenced blocks: last block
     first, so under pressure a chain loses its tail before its head (a prefix stays useful;

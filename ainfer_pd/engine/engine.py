@@ -73,7 +73,8 @@ class Engine:
         if self.device.kind == "cpu":
             torch.set_num_threads(dc.cpu_threads_per_stream)
         num_blocks = cfg.cache.num_blocks or self._blocks_from_memory()
-        self.kv = KVCacheManager(num_blocks, cfg.cache.block_size, sharing=cfg.cache.prefix_sharing)
+        self.kv = KVCacheManager(num_blocks, cfg.cache.block_size, sharing=cfg.cache.prefix_sharing,
+                                 wait_min_tokens=cfg.cache.prefix_wait_min_tokens)
         self.runner = ModelRunner(cfg, self.device.torch_device, self.kv)
         self.residency = Residency(self.runner)
         self.prefill_ctx = PhaseContext(Phase.PREFILL, self.device.stream("P"))

@@ -87,12 +87,15 @@ class AdmissionView:
 class KVCacheManager:
     """The KV blocks of one rank: sequences, the prefix cache, admission accounting."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, sharing: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, sharing: bool = True, wait_min_tokens: int = 0) -> None:
         self.alloc = BlockPool(num_blocks, block_size)
         self.block_size = block_size
         self.sharing = sharing
         """False: a block is reused only by the trajectory that wrote it (its own next turns: the
         exact-continuation path); the chains are salted with the trajectory id."""
+        self.wait_min_tokens = wait_min_tokens
+        """A turn waits for a sibling writing its missing prompt blocks only when they hold at least
+        this many tokens (``cache.prefix_wait_min_tokens``; see :func:`.block_hash.worth_waiting`)."""
         self.trajectories: dict[str, TrajectoryKV] = {}
         self.writing: dict[bytes, int] = {}       # hash -> sequences that will complete that block
         self.num_prompt_tokens = 0                # prompt tokens of every reservation

@@ -7,6 +7,7 @@ feeds it a turn's prompt, with the prompt's block hashes computed once per turn.
 from __future__ import annotations
 
 from ..sched.planner import PendingPrefill
+from .block_hash import worth_waiting
 from .kv_cache import KVCacheManager
 from .state import SeqTokens, Turn
 
@@ -35,12 +36,23 @@ def pending_view(kv: KVCacheManager, turns) -> list[PendingPrefill]:
             continue
         hashes = prompt_hashes(kv, t)
         v = kv.admission_view(t.tid, total_tokens(t), t.context, hashes)
-        if v.waits or (v.next_hash is not None and v.next_hash in ahead):
+        if (v.waits or (v.next_hash is not None and v.next_hash in ahead)) and worth_waiting(
+                _written_by_others(hashes, v.next_hash, kv.writing, ahead), kv.block_size, kv.wait_min_tokens):
             continue
         if kv.sharing and v.next_hash is not None:
             ahead.update(hashes[hashes.index(v.next_hash):])
         out.append(PendingPrefill(t.request_id, len(t.context) - v.cached, False, v.demand))
     return out
+
+
+def _written_by_others(hashes: list, first: bytes, writing, ahead: set) -> int:
+    """Leading prompt blocks from ``first`` on that a sibling (admitted or ahead) will write."""
+    n = 0
+    for h in hashes[hashes.index(first):]:
+        if h not in writing and h not in ahead:
+            break
+        n += 1
+    return n
 
 
 def demand(kv: KVCacheManager, t: Turn) -> int:
