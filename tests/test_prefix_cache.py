@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from ainfer_pd import RolloutWorker, SamplingParams
 from ainfer_pd.engine.block_hash import ROOT, best_tail, block_hash, chain_hashes, release_order
+from ainfer_pd.engine import prefix
 from ainfer_pd.engine.kv_cache import KVCacheManager
 from ainfer_pd.engine.model import build_model
 from ainfer_pd.errors import CapacityError
@@ -243,11 +244,21 @@ async def test_eviction_under_pressure_with_shared_blocks_loses_nothing_and_leak
     prompts = [rand_ids(rng, rng.randrange(90, 150)) for _ in range(3)]
     checks: list[tuple[list[int], list[int], bool]] = []
     bad: list[str] = []
+    views: list[int] = []
     async with RolloutWorker(cfg) as w:
         async def audit_loop() -> None:
             while True:
                 if not w.engine.kv.check_no_leak():
                     bad.append(str(w.engine.kv.audit()))
+                # the engine's memoized view of the waiting turns equals one computed afresh
+                turns = [t for t in w.engine.waiting if not (t.abort_requested or w.engine._behind_drain(t))]
+                memo = prefix.pending_view(w.engine.kv, turns)
+                kept = [t.prefix_view for t in turns]
+                for t in turns:
+                    t.prefix_view = None
+                if prefix.pending_view(w.engine.kv, turns) != memo:
+                    bad.append(f"stale pending view at kv version {w.engine.kv.version}")
+                views.append(sum(m is not None and m[0] == w.engine.kv.version for m in kept))
                 await asyncio.sleep(0.002)
 
         async def member(g: int, i: int) -> None:
@@ -277,6 +288,7 @@ async def test_eviction_under_pressure_with_shared_blocks_loses_nothing_and_leak
         assert not bad, bad[:1]
         assert w.kv_leak_free() and w.engine.kv.num_free_blocks == 28
     assert m["kv_evictions"] > 0 and m["prefix_reused_tokens"] > 0
+    assert sum(views) > 0                          # memoized views were checked
     for ctx, toks, aborted in checks:
         ref = recompute_greedy(model, cfg, ctx, 8)[0]
         assert (ref[:len(toks)] if aborted else ref) == toks

@@ -82,6 +82,7 @@ class AdmissionView:
     waits: bool                     # an admitted turn is writing that block: GRPO siblings of one prompt
     # submitted together (admitting now would compute the block twice; waiting shares it once that
     # turn's pass completed)
+    num_shared: int = 0             # full prompt blocks it shares (the index of next_hash in its hashes)
 
 
 class KVCacheManager:
@@ -98,6 +99,12 @@ class KVCacheManager:
         this many tokens (``cache.prefix_wait_min_tokens``; see :func:`.block_hash.worth_waiting`)."""
         self.trajectories: dict[str, TrajectoryKV] = {}
         self.writing: dict[bytes, int] = {}       # hash -> sequences that will complete that block
+        self.version = 0
+        """Bumped by every change an :meth:`admission_view` of a waiting turn can see (reservations,
+        releases, invalidations, drops, a completed block that is a waiting turn's next missing one
+        (``wanted``) or leaves ``writing``): a view computed at the same version is still exact."""
+        self.wanted: set[bytes] = set()
+        """The first missing prompt block of each waiting turn (set by the engine's pending view)."""
         self.num_prompt_tokens = 0                # prompt tokens of every reservation
         self.num_reused_tokens = 0                # of those, served from the cache
 
@@ -173,7 +180,7 @@ class KVCacheManager:
         m, kept = self.match(tokens, hashes=hashes, tid=tid)
         outside = sum(1 for b in m.shared if self.alloc.ref[b] > 0)
         waits = m.next_hash is not None and m.next_hash in self.writing
-        return AdmissionView(max(0, need - outside), kept, m.next_hash, waits)
+        return AdmissionView(max(0, need - outside), kept, m.next_hash, waits, len(m.shared))
 
     def admission_demand(self, tid: str, total_tokens: int, tokens: Sequence[int] = (),
                          hashes: Sequence[bytes] | None = None) -> int:
@@ -220,6 +227,7 @@ class KVCacheManager:
         self.trajectories[tid] = kv
         self.num_prompt_tokens += len(tokens)
         self.num_reused_tokens += kept
+        self.version += 1
         return lifetime
 
     def mark_written(self, tid: str, lifetime: int, num_tokens: int) -> None:
@@ -235,9 +243,10 @@ class KVCacheManager:
             toks = tuple(kv.tokens[j * bs:(j + 1) * bs])
             h = block_hash(parent, toks)
             kv.hashes.append(h)
-            if not kv.stale:
-                self.alloc.register_full(kv.blocks[j], h, parent, toks)
-            self._done_writing(kv, h)
+            if not kv.stale and self.alloc.register_full(kv.blocks[j], h, parent, toks) and h in self.wanted:
+                self.version += 1
+            if self._done_writing(kv, h):
+                self.version += 1
 
     def is_current(self, tid: str, lifetime: int) -> bool:
         kv = self.trajectories.get(tid)
@@ -266,10 +275,12 @@ class KVCacheManager:
             kv.stale = True
             kv.writing = []
         self.writing.clear()
+        self.version += 1
         return self.alloc.unregister_all()
 
     def drop_cached(self) -> int:
         """Free every cached block (``sleep`` / ``release_kv_cache``). Returns how many."""
+        self.version += 1
         return self.alloc.drop_cached()
 
     def release(self, tid: str) -> None:
@@ -302,17 +313,20 @@ class KVCacheManager:
         return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
 
     # -------------------------------------------------------------- internals
-    def _done_writing(self, kv: TrajectoryKV, h: bytes) -> None:
-        if h in kv.writing:
-            kv.writing.remove(h)
-            n = self.writing.get(h, 0) - 1
-            if n > 0:
-                self.writing[h] = n
-            else:
-                self.writing.pop(h, None)
+    def _done_writing(self, kv: TrajectoryKV, h: bytes) -> bool:
+        if h not in kv.writing:
+            return False
+        kv.writing.remove(h)
+        n = self.writing.get(h, 0) - 1
+        if n > 0:
+            self.writing[h] = n
+        else:
+            self.writing.pop(h, None)
+        return True
 
     def _release_seq(self, tid: str, num_valid: int) -> None:
         kv = self.trajectories.pop(tid)
+        self.version += 1
         for h in list(kv.writing):
             self._done_writing(kv, h)
         bs = self.block_size

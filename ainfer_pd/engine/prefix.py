@@ -27,30 +27,61 @@ def pending_view(kv: KVCacheManager, turns) -> list[PendingPrefill]:
     """The planner's view of the waiting ``turns`` (FIFO), without those that should wait for a
     sibling writing the first block they miss: an admitted turn (``kv.writing``) or one ahead of
     them in this view, whose prompt blocks it will write (they share that block once the
-    sibling's pass completed, instead of computing it again in the same epoch)."""
+    sibling's pass completed, instead of computing it again in the same epoch; only when at least
+    ``kv.wait_min_tokens`` would be shared).
+
+    Each turn's :meth:`~KVCacheManager.admission_view` is kept on the turn and reused while
+    ``kv.version`` is unchanged (the D loop asks for this view every iteration; a view walks the
+    prompt's blocks). Chained hashes make one key per sibling group enough for the turns ahead:
+    two prompts whose first missing blocks have the same hash agree on every block before it."""
     out: list[PendingPrefill] = []
-    ahead: set = set()                  # prompt blocks the turns ahead in the view will write
+    ahead: dict = {}                    # first missing block of a turn ahead -> (its hashes, index)
+    wanted: set = set()
+    bs, min_tokens = kv.block_size, kv.wait_min_tokens
     for t in turns:
         if t.lifetime:
             out.append(PendingPrefill(t.request_id, t.remaining_prompt, True, 0))
             continue
         hashes = prompt_hashes(kv, t)
-        v = kv.admission_view(t.tid, total_tokens(t), t.context, hashes)
-        if (v.waits or (v.next_hash is not None and v.next_hash in ahead)) and worth_waiting(
-                _written_by_others(hashes, v.next_hash, kv.writing, ahead), kv.block_size, kv.wait_min_tokens):
-            continue
-        if kv.sharing and v.next_hash is not None:
-            ahead.update(hashes[hashes.index(v.next_hash):])
+        v = _view(kv, t, hashes)
+        h = v.next_hash
+        if h is not None:
+            wanted.add(h)
+        if kv.sharing and h is not None:
+            i = v.num_shared
+            front = ahead.get(h)
+            if v.waits or front is not None:
+                n = max(_run(hashes, i, kv.writing) if v.waits else 0,
+                        _common(hashes, i, *front) if front is not None else 0)
+                if worth_waiting(n, bs, min_tokens):
+                    continue
+            ahead.setdefault(h, (hashes, i))
         out.append(PendingPrefill(t.request_id, len(t.context) - v.cached, False, v.demand))
+    kv.wanted = wanted
     return out
 
 
-def _written_by_others(hashes: list, first: bytes, writing, ahead: set) -> int:
-    """Leading prompt blocks from ``first`` on that a sibling (admitted or ahead) will write."""
+def _view(kv: KVCacheManager, t: Turn, hashes: list):
+    memo = t.prefix_view
+    if memo is not None and memo[0] == kv.version:
+        return memo[1]
+    v = kv.admission_view(t.tid, total_tokens(t), t.context, hashes)
+    t.prefix_view = (kv.version, v)
+    return v
+
+
+def _run(hashes: list, i: int, writing) -> int:
+    """Blocks ``hashes[i:]`` that admitted siblings will write, from ``i`` on."""
     n = 0
-    for h in hashes[hashes.index(first):]:
-        if h not in writing and h not in ahead:
-            break
+    while i + n < len(hashes) and hashes[i + n] in writing:
+        n += 1
+    return n
+
+
+def _common(hashes: list, i: int, other: list, j: int) -> int:
+    """Blocks ``hashes[i:]`` shares with ``other[j:]`` (a turn ahead, which will write them)."""
+    n = 0
+    while i + n < len(hashes) and j + n < len(other) and hashes[i + n] == other[j + n]:
         n += 1
     return n
 

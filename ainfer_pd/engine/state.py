@@ -72,6 +72,7 @@ class Turn:
     drained: asyncio.Event = field(default_factory=asyncio.Event)   # set once no device work touches it
     prompt_hashes: list | None = None   # chained block hashes of the prompt (computed once, for the prefix cache)
     routed_experts: torch.Tensor | None = None   # gathered when the turn ends (routing replay)
+    prefix_view: tuple | None = None    # (kv version, AdmissionView): the prefix cache's view of it, memoized
 
     @property
     def tid(self) -> str:
