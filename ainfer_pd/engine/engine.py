@@ -33,7 +33,9 @@ from ..sched.span import Activation, SpanInputs, make_span_policy
 from ..turnstile.rendezvous import LocalRendezvous
 from ..turnstile.turnstile import Turnstile
 from .device import Device, make_device
+from . import prefix
 from .kv_cache import KVCacheManager
+from .routed_experts import of_turn
 from .residency import Residency, kv_blocks_for_budget
 from .runner import BatchPlan, ModelRunner
 from .sampler import SampleRow, sample
@@ -90,7 +92,8 @@ class Engine:
         if self.device.kind == "cpu":
             torch.set_num_threads(dc.cpu_threads_per_stream)
         num_blocks = cfg.cache.num_blocks or self._blocks_from_memory()
-        self.kv = KVCacheManager(num_blocks, cfg.cache.block_size)
+        self.kv = KVCacheManager(num_blocks, cfg.cache.block_size, sharing=cfg.cache.prefix_sharing,
+                                 wait_min_tokens=cfg.cache.prefix_wait_min_tokens)
         self.runner = ModelRunner(cfg, self.device.torch_device, self.kv)
         self.residency = Residency(self.runner)
         self.prefill_ctx = PhaseContext(Phase.PREFILL, self.device.stream("P"))
@@ -123,6 +126,7 @@ class Engine:
         self._d_in_flight = False
         self._pending_cleanup: list[Turn] = []
         self.num_dropped_results = 0
+        self.num_prefill_tokens = 0      # prompt tokens computed by P passes
         self.num_finished = 0
         self.num_aborted = 0
         self.num_failed = 0
@@ -145,17 +149,24 @@ class Engine:
         self.waiting.append(turn)
         self._notify()
 
-    def abort(self, turn: Turn, reason: str = "abort") -> None:
-        """Abort a turn: its caller gets finish_reason "abort" now; its KV is cleaned up
-        once no submitted device work touches it (a cancel waits for P work to drain).
-        Until then the trajectory is *draining*: its next turn is queued but not admitted."""
+    def abort(self, turn: Turn, reason: str = "abort", *, commit: bool = True) -> None:
+        """Abort a turn: its caller gets finish_reason "abort" now, with the tokens and logprobs
+        it produced so far (partial rollout). With ``commit`` (abort / abort_all / sleep) the
+        trajectory's context becomes the turn's prompt plus those tokens and the KV written for
+        them is kept, so ``continue_(tid, [])`` (or resubmitting prompt + partial tokens) resumes
+        without recomputing it; without (the caller was cancelled: it never sees the tokens) the
+        trajectory keeps its context from before the turn. The KV is cleaned up once no
+        submitted device work touches it (a cancel waits for P work to drain). Until then the
+        trajectory is *draining*: its next turn is queued but not admitted."""
         if turn.state in (TurnState.DONE, TurnState.ABORTED) or turn.abort_requested:
             return
         turn.abort_requested = True
+        turn.commit_on_abort = commit
+        turn.routed_experts = of_turn(self.runner.routed, self.kv, turn)    # before its KV can go
         self._resolve(turn, "abort")
         if turn.traj.turn is turn:             # the trajectory is free for its next turn at once
             turn.traj.turn = None
-            turn.traj.tokens = turn.prev_tokens
+            turn.traj.tokens = turn.context + turn.out_tokens if commit else turn.prev_tokens
         if turn.in_flight == 0:
             self._cleanup_aborted(turn)
         else:
@@ -172,7 +183,9 @@ class Engine:
             self.decoding.remove(turn)
         turn.state = TurnState.ABORTED
         if turn.lifetime:
-            self.kv.abort_turn(turn.tid, turn.lifetime, turn.num_cached, self.rec.now())
+            # NOTE: what completed passes of this lifetime wrote (marked) stays cached, addressed by
+            # its tokens (a resubmission finds it); a pass still in flight at the abort was never marked.
+            self.kv.abort_turn(turn.tid, turn.lifetime, turn.seq_len, self.rec.now())
         # NOTE: a turn never admitted holds no reservation and pins nothing (a pin on its
         # trajectory's KV belongs to another lifetime: an earlier turn still draining).
         if turn.traj.turn is turn:
@@ -219,14 +232,10 @@ class Engine:
 
     # ------------------------------------------------------------------ P
     def _pending_view(self) -> list[PendingPrefill]:
-        """Admissible waiting turns in the order the priority policy serves them."""
-        turns = [t for t in self.waiting if not t.abort_requested and not self._behind_drain(t)]
-        turns = self._by_priority(turns, waiting=True)
-        out = []
-        for t in turns:
-            need = 0 if t.lifetime else self.kv.admission_demand(t.tid, len(t.context) + t.params.max_new_tokens)
-            out.append(PendingPrefill(t.request_id, t.remaining_prompt, bool(t.lifetime), need))
-        return out
+        """Admissible waiting turns in the order the priority policy serves them.
+        NOTE: a turn whose missing prefix a sibling is writing waits for it (prefix.pending_view)."""
+        turns = [t for t in self.waiting if not (t.abort_requested or self._behind_drain(t))]
+        return prefix.pending_view(self.kv, self._by_priority(turns, waiting=True))
 
     def _by_priority(self, turns: list[Turn], *, waiting: bool) -> list[Turn]:
         """``turns`` (arrival order) in the order ``scheduler.priority`` serves them."""
@@ -255,31 +264,28 @@ class Engine:
     def _available_blocks(self) -> int:
         return self.kv.pool_blocks()
 
-    def _valid_prefix(self, t: Turn) -> int:
-        """Prompt tokens of ``t`` whose KV is still retained (an idle prefix may have been evicted)."""
-        kv = self.kv.trajectories.get(t.tid)
-        return min(t.num_cached, kv.num_tokens if kv is not None else 0)
-
     def _admit(self, chunks, admitted) -> list[tuple[Turn, int, int]]:
         """Reserve KV for newly admitted turns (FIFO), re-checking each with the same rule the
-        planner used (:func:`~ainfer_pd.sched.planner.fits`) on the live cache; the prefix a
-        turn keeps is re-read (an earlier admission may have evicted it: its demand does not
-        change). Returns the runnable chunks."""
+        planner used (:func:`~ainfer_pd.sched.planner.fits`) on the live cache; the cached prefix
+        a turn shares is re-read at its reservation (an earlier admission may have evicted part of
+        it, or shared more: the planned demand is never below the live one). Returns the runnable
+        chunks (a chunk never runs past its prompt)."""
         by_id = {t.request_id: t for t in self.waiting}
         now = self.rec.now()
         blocked = False
         for rid in admitted:
             t = by_id[rid]
-            keep = self._valid_prefix(t)
-            total = len(t.context) + t.params.max_new_tokens
-            if blocked or not fits(self.kv.admission_demand(t.tid, total), self.kv.pool_blocks()):
+            if blocked or not fits(prefix.demand(self.kv, t), self.kv.pool_blocks()):
                 blocked = True            # FIFO: nothing behind it either (cannot happen: same rule as the plan)
                 continue
-            t.num_cached = t.prefilled = keep
-            t.lifetime = self.kv.reserve(t.tid, total, keep, now)
-            self._p_admitted_tokens += len(t.context) - keep
-        return [(by_id[c.request_id], by_id[c.request_id].prefilled, c.num_tokens)
-                for c in chunks if by_id[c.request_id].lifetime]
+            prefix.reserve(self.kv, t, now)
+            self._p_admitted_tokens += len(t.context) - t.prefilled
+        work = []
+        for c in chunks:
+            t = by_id[c.request_id]
+            if t.lifetime:
+                work.append((t, t.prefilled, min(c.num_tokens, len(t.context) - t.prefilled)))
+        return work
 
     def _p_admissible(self) -> bool:
         pend = self._pending_view()
@@ -450,6 +456,7 @@ class Engine:
         """Promote completed prompts to D (lifetime-checked); advance partial chunks."""
         now = self.rec.now()
         for t, start, n in plan.prefill:
+            self.num_prefill_tokens += n                 # computed, whatever becomes of the turn
             if t.abort_requested or t.state is not TurnState.WAITING:
                 continue
             if not self.kv.is_current(t.tid, t.lifetime):
@@ -597,6 +604,7 @@ class Engine:
             self.decoding.remove(t)
         t.state = TurnState.DONE
         t.traj.tokens = t.context + t.out_tokens
+        t.routed_experts = of_turn(self.runner.routed, self.kv, t)          # before its KV goes
         self.kv.finish_turn(t.tid, t.lifetime, t.seq_len - 1, self.rec.now())
         if t.traj.turn is t:
             t.traj.turn = None
@@ -609,11 +617,11 @@ class Engine:
             return
         now = self.rec.now()
         ttft = (t.t_first - t.t_submit) if t.t_first is not None else now - t.t_submit
-        out = TurnOutput(trajectory_id=t.tid, token_ids=list(t.out_tokens) if reason != "abort" else [],
-                         logprobs=list(t.out_logprobs) if reason != "abort" else [],
+        out = TurnOutput(trajectory_id=t.tid, token_ids=list(t.out_tokens), logprobs=list(t.out_logprobs),
                          finish_reason=reason, num_prompt_tokens=len(t.context),
                          num_cached_tokens=t.num_cached, ttft_s=ttft, latency_s=now - t.t_submit,
-                         request_id=t.request_id, turn_index=t.traj.num_turns - 1)
+                         request_id=t.request_id, turn_index=t.traj.num_turns - 1,
+                         routed_experts=t.routed_experts)
         t.future.set_result(out)
 
     async def _drain_stream(self, stream) -> None:
@@ -629,6 +637,7 @@ class Engine:
                 t.future.set_exception(err)
             self.num_failed += 1
             t.abort_requested = True
+            t.commit_on_abort = False        # a failed turn leaves its trajectory as it was
             t.in_flight = 0
             self._cleanup_aborted(t)
             self.num_aborted -= 1            # counted as failed, not aborted
@@ -666,6 +675,10 @@ class Engine:
             "dropped_results": self.num_dropped_results,
             "kv_free_blocks": self.kv.num_free_blocks, "kv_total_blocks": self.kv.alloc.num_blocks,
             "kv_evictions": self.kv.num_evictions,
+            "kv_cached_blocks": self.kv.num_cached_blocks,
+            "prefix_prompt_tokens": self.kv.num_prompt_tokens,      # prompt tokens of every admitted turn
+            "prefix_reused_tokens": self.kv.num_reused_tokens,      # of those, served from cached KV
+            "prefill_tokens": self.num_prefill_tokens,              # prompt tokens computed
             "activation_switches": self.activation.switches,
             "d_wait_s_samples": list(self.rec.samples.get("d_wait_s", [])),
             "ttft_s_samples": list(self.rec.samples.get("ttft_s", [])),

@@ -101,6 +101,9 @@ class MoETransformer(nn.Module):
         self.lm_head = self.embed if c.tie_word_embeddings else nn.Parameter(torch.empty(c.vocab_size, c.hidden_size))
         self.attn_backend: AttentionBackend | None = None   # None: the torch reference path
         self.expert_kernel: Callable[[Tensor, Routing, Tensor, Tensor], Tensor] = experts_local
+        self.routing_sink = None
+        """:class:`~ainfer_pd.engine.routed_experts.RoutedExpertsCache` recording every fed token's
+        top-k expert ids (routing replay, ``cache.routed_experts``); None: nothing recorded."""
         self.load_report = None
         """What building the model read (:class:`ainfer_pd.hf.checkpoint.LoadReport`), if it loaded a checkpoint."""
 
@@ -173,6 +176,8 @@ class MoETransformer(nn.Module):
             o = attn_reduce(o)
         h, xn = kn.add_rms_norm(o, st.h, lyr.ffn_norm, c.rms_eps)
         routing = route(xn, lyr.router, self.router_spec, lyr.router_bias) if lyr.is_moe else None
+        if routing is not None and self.routing_sink is not None:
+            self.routing_sink.record(i, fb.write_slots, routing.topk_idx)
         return SegmentState(h=h, xn=xn, routing=routing)
 
     def experts(self, i: int, st: SegmentState, expert_fn: ExpertFn | None = None) -> SegmentState:

@@ -49,6 +49,12 @@ class ModelRunner:
         # written by padded graph rows and warm-up passes (its first slot), never allocated
         self.scratch_block = kv.alloc.num_blocks
         self.scratch_slot = self.scratch_block * kv.block_size
+        self.routed = None
+        """Per-slot expert ids (routing replay), allocated with the KV pool when ``cache.routed_experts``."""
+        if cfg.cache.routed_experts:
+            from .routed_experts import RoutedExpertsCache
+            self.routed = RoutedExpertsCache(mc, (kv.alloc.num_blocks + 1) * kv.block_size, device)
+            self.model.routing_sink = self.routed
         self.kv_cache = self.new_kv_cache()
         dc = cfg.device
         self.model.attn_backend = select_backend(dc.attention_backend, device, mc.head_dim)
@@ -62,8 +68,11 @@ class ModelRunner:
         self.attn_reduce = None        # set by the attention-TP collectives
 
     def new_kv_cache(self) -> Tensor:
-        """The KV pool, zeroed: ``[layers, 2, (num_blocks + 1) * block_size, Hk, hd]``."""
+        """The KV pool, zeroed: ``[layers, 2, (num_blocks + 1) * block_size, Hk, hd]`` (and the
+        routed-experts buffer beside it, when kept)."""
         mc, kv = self.cfg.model, self.kv
+        if self.routed is not None:
+            self.routed.allocate()
         return torch.zeros(mc.num_layers, 2, (kv.alloc.num_blocks + 1) * kv.block_size, mc.num_kv_heads,
                            mc.head_dim, dtype=mc.torch_dtype, device=self.device)
 

@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import importlib
 import logging
 import os
 import time
+import uuid
 from typing import Any, Iterable, Optional
 
 from ...errors import (AInferPDError, BackendUnavailableError, InvalidRequestError, TrajectoryBusyError,
@@ -118,6 +120,14 @@ def build_worker_config(engine_kwargs: dict, model_path: Optional[str] = None):
     return cfg.replace(**overrides) if overrides else cfg
 
 
+def _routed(out: Any) -> Any:
+    """``TurnOutput.routed_experts`` as verl's ``TokenOutput`` carries it (vLLM / SGLang servers: a
+    numpy array ``[tokens, layers, top_k]`` over the whole sequence; verl's agent loop casts it to
+    int16 and its partial-rollout merge keeps the last ``len(token_ids)`` rows of a resumed turn)."""
+    re = getattr(out, "routed_experts", None)
+    return None if re is None else re.numpy()
+
+
 def _import(path: str):
     mod, _, name = path.replace(":", ".").rpartition(".")
     try:
@@ -142,6 +152,10 @@ class AInferPDServer:
         self._get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) \
             else (lambda k, d=None: getattr(config, k, d))
         self.free_cache_engine = bool(self._get("free_cache_engine", True))
+        # routing replay (verl's R3): the worker keeps every token's expert ids, every turn returns them
+        self.routing_replay = bool(self._get("enable_rollout_routing_replay", False))
+        if self.routing_replay:
+            self.worker_config = self.worker_config.replace(**{"cache.routed_experts": True})
         self.max_retained = int(self.engine_kwargs.get("max_retained_trajectories", 4096))
         self.cast_weight_dtype = bool(self.engine_kwargs.get("cast_weight_dtype", True))
         self.worker = None
@@ -280,13 +294,16 @@ class AInferPDServer:
             full = prompt_ids
             tid = self._find_reuse(full, session_id)
         sp = self._map(sampling_params, len(full))
+        if self.routing_replay:
+            sp = dataclasses.replace(sp, return_routed_experts=True)
 
-        if tid is not None:
-            self._busy.add(tid)
-        self._inflight[request_id] = tid or ""
+        # a new trajectory gets its id here, so abort_request can abort it (and keep its partial output)
+        fresh = f"verl-{uuid.uuid4().hex[:16]}"
+        self._busy.add(tid or fresh)
+        self._inflight[request_id] = tid or fresh
         prior_ctx = self._contexts.get(tid) if tid else None
         try:
-            task = asyncio.ensure_future(self._run_turn(tid, obs, full, sp, request_id))
+            task = asyncio.ensure_future(self._run_turn(tid, full, sp, fresh))
             self._inflight_tasks[request_id] = task
             out = await task
         except asyncio.CancelledError:
@@ -294,16 +311,26 @@ class AInferPDServer:
         finally:
             self._inflight.pop(request_id, None)
             self._inflight_tasks.pop(request_id, None)
-            if tid is not None:
-                self._busy.discard(tid)
+            self._busy.discard(tid or fresh)
 
         new_tid = out.trajectory_id
+        log_probs = list(out.logprobs) if sp.logprobs and out.logprobs is not None else None
         if out.finish_reason == "abort":
-            # The turn was aborted: forget its KV, keep the prior context so a retry can
-            # re-prefill it (verl re-sends the prompt after an abort).
+            # Partial rollout: the worker returned the tokens produced so far and keeps their KV
+            # (the trajectory's context is now ``full`` + those tokens). verl's fully-async client
+            # resends the request with the partial tokens appended (a continued episode: the new
+            # observation + the partial tokens, relative to the context before this turn), so the
+            # context recorded here is a prefix of that resubmission and the next turn reuses
+            # everything (worker.generate(..., trajectory_id) keeps the longest common prefix).
             self.stats["aborted"] += 1
-            await self._release_quietly(new_tid, keep_context=prior_ctx)
-            return aborted(ainfer_pd_trajectory_id=new_tid if prior_ctx is not None else None)
+            self.stats["partial_tokens"] += len(out.token_ids)
+            self._contexts[new_tid] = prior_ctx if (obs is not None and prior_ctx is not None) else full
+            self._contexts.move_to_end(new_tid)
+            await self._evict()
+            extra.update(num_cached_tokens=int(out.num_cached_tokens), num_prompt_tokens=int(out.num_prompt_tokens),
+                         ainfer_pd_trajectory_id=new_tid)
+            return TokenOutput(token_ids=list(out.token_ids), log_probs=log_probs, stop_reason="aborted",
+                               routed_experts=_routed(out), num_preempted=0, extra_fields=extra)
         self._contexts[new_tid] = full + list(out.token_ids)
         self._contexts.move_to_end(new_tid)
         if session_id is not None:
@@ -315,28 +342,24 @@ class AInferPDServer:
                      ainfer_pd_trajectory_id=new_tid, ttft_s=float(out.ttft_s), latency_s=float(out.latency_s))
         return TokenOutput(
             token_ids=list(out.token_ids),
-            log_probs=list(out.logprobs) if sp.logprobs and out.logprobs is not None else None,
+            log_probs=log_probs,
+            routed_experts=_routed(out),
             stop_reason="completed",
             num_preempted=0,
             extra_fields=extra,
         )
 
-    async def _run_turn(self, tid, obs, full, sp, request_id):
-        if obs is not None:
-            try:
-                return await self.worker.continue_(tid, obs, sp)
-            except UnknownTrajectoryError:
-                # The worker evicted/released it: prefill the known context from scratch.
-                self.stats["reuse_lost"] += 1
-                self._contexts.pop(tid, None)
-                return await self.worker.generate(full, sp, trajectory_id=None)
+    async def _run_turn(self, tid, full, sp, fresh: str):
+        # NOTE: a continued turn runs as generate(full context, trajectory_id): the worker keeps the
+        # longest prefix it holds (after an aborted turn its context already has the observation
+        # and the partial tokens, which the resubmission sends again).
         if tid is not None:
             try:
                 return await self.worker.generate(full, sp, trajectory_id=tid)
             except UnknownTrajectoryError:
                 self.stats["reuse_lost"] += 1
                 self._contexts.pop(tid, None)
-        return await self.worker.generate(full, sp, trajectory_id=None)
+        return await self.worker.generate(full, sp, trajectory_id=fresh)
 
     async def _release_quietly(self, tid: Optional[str], keep_context: Optional[list[int]] = None) -> None:
         if not tid:
@@ -371,9 +394,10 @@ class AInferPDServer:
         if request_id not in self._inflight:
             return {"aborted": False, "request_id": request_id, "error": "request not found"}
         tid = self._inflight[request_id]
-        if tid and hasattr(self.worker, "abort"):
+        try:
+            # the turn ends "aborted" with its partial output (kept for a resubmission)
             await self.worker.abort(tid)
-        else:
+        except UnknownTrajectoryError:      # not submitted to the worker yet: nothing produced
             task = self._inflight_tasks.get(request_id)
             if task is not None:
                 task.cancel()
