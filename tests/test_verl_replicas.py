@@ -1,0 +1,292 @@
+"""verl replicas as verl runs them (issue 15, items 5-6 on CPU): sleep levels by rollout mode, verl's
+memory share, multi-rank replicas launched through verl's replica classes, torch.profiler traces
+and a Prometheus scrape. Real verl classes, real Ray actors, real gloo processes."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from ainfer_pd.errors import ConfigError
+from ainfer_pd.integrations.verl import residency_plan as rp
+from ainfer_pd.integrations.verl.settings import build_worker_config
+from tests.test_verl_integration import (GREEDY, HAVE_VERL, TINY, _register_test_parts, _tokenizer, kill,
+                                         needs_verl, ray_cluster, rollout_config, trainer_config)
+
+ROOT = Path(__file__).resolve().parents[1]
+TWO = str(ROOT / "configs" / "tiny-2rank-cpu.yaml")
+PROMPT = [5, 17, 33, 2, 99, 41, 7, 8, 250, 12]
+REQ = {**GREEDY, "max_tokens": 8, "ignore_eos": True}
+__all__ = ["ray_cluster"]     # the module-scoped Ray fixture, shared
+
+
+# ---------------------------------------------------------------------------- pure policy
+def test_sleep_plan_follows_verl_rollout_modes():
+    if HAVE_VERL:
+        from verl.workers.rollout.replica import RolloutMode
+        hybrid, colocated, standalone = RolloutMode.HYBRID, RolloutMode.COLOCATED, RolloutMode.STANDALONE
+    else:
+        hybrid, colocated, standalone = "hybrid", "colocated", "standalone"
+    assert rp.sleep_plan(hybrid, free_cache_engine=True) == rp.SleepPlan(2, False)      # vLLM level 2: dropped
+    assert rp.sleep_plan(colocated, free_cache_engine=True) == rp.SleepPlan(1, False)
+    assert rp.sleep_plan(standalone, free_cache_engine=True) is None
+    assert rp.sleep_plan(hybrid, free_cache_engine=False) is None
+    assert rp.sleep_plan(hybrid, free_cache_engine=True, node_rank=1) is None
+    assert rp.sleep_plan(hybrid, free_cache_engine=True, level=1, keep_weights=True) == rp.SleepPlan(1, True)
+    with pytest.raises(ConfigError):
+        rp.sleep_plan(hybrid, free_cache_engine=True, level=3)
+    with pytest.raises(ConfigError):
+        rp.sleep_plan("disaggregated", free_cache_engine=True)
+    assert rp.wake_tags(hybrid, ["weights"]) == ["weights"]
+    assert rp.wake_tags(hybrid, None) == ["weights", "kv_cache"]
+    assert rp.wake_tags(colocated, ["kv_cache"]) == ["weights", "kv_cache"]
+    assert rp.wake_tags(standalone, None) is None
+    assert rp.frees_kv_pool(standalone, free_cache_engine=True) and rp.frees_kv_pool(hybrid, free_cache_engine=True)
+    assert not rp.frees_kv_pool(colocated, free_cache_engine=True)
+    assert not rp.frees_kv_pool(hybrid, free_cache_engine=False)
+
+
+@needs_verl
+def test_rollout_gpu_memory_utilization_becomes_the_cache_budget():
+    rc = rollout_config()
+    rc.gpu_memory_utilization = 0.37
+    cuda = build_worker_config({"config": str(ROOT / "configs" / "tiny-cuda.yaml")}, None, rc)
+    assert cuda.cache.gpu_memory_utilization == 0.37 and cuda.cache.num_blocks == 0     # sized from the budget
+    cpu = build_worker_config({"config": TINY}, None, rc)
+    assert cpu.cache.gpu_memory_utilization == 0.37 and cpu.cache.num_blocks == 4096   # CPU: the YAML's pool
+    pinned = build_worker_config({"config": str(ROOT / "configs" / "tiny-cuda.yaml"),
+                                  "overrides": {"cache.num_blocks": 64, "cache.gpu_memory_utilization": 0.5}}, None, rc)
+    assert (pinned.cache.num_blocks, pinned.cache.gpu_memory_utilization) == (64, 0.5)
+    rc.gpu_memory_utilization = 1.5
+    with pytest.raises(ConfigError):
+        build_worker_config({"config": TINY}, None, rc)
+
+
+# ---------------------------------------------------------------------------- helpers
+def _reference(cfg_path: str, new_weights=None, prompts=(PROMPT,)):
+    """Greedy tokens of a fresh world-size-1 worker (own Ray process) and its weights."""
+    import ray
+
+    @ray.remote
+    def run(path, weights):
+        from ainfer_pd import RolloutWorker, SamplingParams, WorkerConfig
+
+        async def go():
+            async with RolloutWorker(WorkerConfig.from_yaml(path)) as w:
+                names = {n: p.detach().clone() for n, p in w.model.named_parameters()}
+                if weights is not None:
+                    await w.update_weights(weights.items())
+                outs = [(await w.generate(p, SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)))
+                        .token_ids for p in prompts]
+                return names, outs
+        return asyncio.run(go())
+    return ray.get(run.remote(cfg_path, new_weights))
+
+
+async def _launch(suffix: str, mode: str = "HYBRID", **engine):
+    import verl  # noqa: F401  (loads the verl.plugins entry point)
+    from verl.workers.rollout.replica import RolloutMode, get_rollout_replica_class
+    cls = get_rollout_replica_class("ainfer_pd")
+    rc = rollout_config(**engine)
+    replica = cls(replica_rank=0, config=rc, model_config={}, gpus_per_node=1, name_suffix=suffix)
+    await replica.init_local(getattr(RolloutMode, mode))
+    return replica, rc
+
+
+async def _tokens(server, prompt=PROMPT):
+    return (await server.generate.remote(prompt, dict(REQ), uuid.uuid4().hex)).token_ids
+
+
+def _scrape(host: str, port: int) -> dict:
+    """GET /metrics (a real HTTP request) parsed by prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=30) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    out: dict = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = (fam.type, s.value)
+    return out
+
+
+def _trace_ops(path: str) -> set:
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    return {e.get("name", "") for e in events if e.get("ph") == "X"}
+
+
+# ---------------------------------------------------------------------------- one rank
+@needs_verl
+async def test_hybrid_and_colocated_sleep_levels_profile_and_metrics(ray_cluster, tmp_path):
+    """HYBRID: verl's sleep() drops the weights (level 2), turns are refused until verl's sequence
+    resume(["weights"]) -> full sync -> resume(["kv_cache"]) restores the outputs; release_kv_cache
+    frees the KV pool around a sync. COLOCATED: level 1, weights stay, wake_up restores. The same
+    replica writes a torch.profiler trace and serves /metrics with http off."""
+    from verl.workers.rollout.base import get_rollout_class
+
+    names, (base,) = _reference(TINY)
+    replica, rc = await _launch("hyb", metrics_port=0, profile_dir=str(tmp_path / "prof"))
+    server = replica.server_handle
+    try:
+        adapter = get_rollout_class("ainfer_pd", "async")(config=rc, model_config={}, device_mesh=None,
+                                                           replica_rank=0, server_handle=server)
+        await server.start_profile.remote(profile_step=3)
+        assert await _tokens(server) == base
+        (trace,) = await server.stop_profile.remote()
+        assert os.path.basename(trace) == "ainfer_pd_rank0_step3.pt.trace.json" and os.path.getsize(trace) > 0
+        ops = _trace_ops(trace)
+        assert {"aten::mm", "aten::softmax"} & ops or any(o.startswith("aten::") for o in ops), sorted(ops)[:20]
+        assert any(o in ops for o in ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm"))
+
+        host, port = await server.get_metrics_address.remote()
+        assert (await server.get_server_address.remote())[1] == 0            # the generation API stays off
+        r0, rep = (("rank", "0"),), (("replica", "0"),)
+        long = server.generate.remote([31, 32, 33, 34] * 10, {**GREEDY, "max_tokens": 400, "ignore_eos": True}, "l")
+        for _ in range(200):                                      # scrape while a turn decodes
+            m = await asyncio.to_thread(_scrape, host, port)
+            if m[("ainfer_pd_queue_decoding", r0)][1] == 1.0:
+                break
+            await asyncio.sleep(0.02)
+        assert m[("ainfer_pd_queue_decoding", r0)] == ("gauge", 1.0) and m[("ainfer_pd_queue_waiting", r0)][1] == 0
+        assert m[("ainfer_pd_server_inflight_requests", rep)][1] == 1.0
+        used, free = m[("ainfer_pd_kv_used_blocks", r0)][1], m[("ainfer_pd_kv_free_blocks", r0)][1]
+        assert used + free == m[("ainfer_pd_kv_total_blocks", r0)][1] == 4096 and used >= 3   # 40 prompt tokens
+        assert len((await long).token_ids) == 400
+        m = await asyncio.to_thread(_scrape, host, port)
+        assert m[("ainfer_pd_server_turns_total", rep)] == ("counter", 2.0)
+        assert m[("ainfer_pd_server_output_tokens_total", rep)][1] == 408.0
+        assert m[("ainfer_pd_finished_total", r0)] == ("counter", 2.0)
+        assert m[("ainfer_pd_queue_decoding", r0)][1] == 0 and m[("ainfer_pd_rendezvous_total", r0)][1] == 0
+
+        await replica.sleep()                                     # verl: level 2 in hybrid mode
+        assert (await server.metrics.remote())["server"]["sleeps_level2"] == 1
+        with pytest.raises(Exception, match="asleep"):
+            await _tokens(server)
+        await adapter.resume(tags=["weights"])
+        with pytest.raises(Exception, match="asleep"):             # dropped weights: values not back yet
+            await _tokens(server)
+        await adapter.update_weights(iter(names.items()), global_steps=1)
+        await adapter.resume(tags=["kv_cache"])
+        assert await _tokens(server) == base
+
+        await replica.release_kv_cache()                          # checkpoint engine: pool freed for the sync
+        with pytest.raises(Exception, match="asleep"):
+            await _tokens(server)
+        await replica.resume_kv_cache()
+        assert await _tokens(server) == base
+    finally:
+        await kill(replica)
+
+    replica, _ = await _launch("coloc", mode="COLOCATED")
+    server = replica.server_handle
+    try:
+        assert await _tokens(server) == base
+        await replica.sleep()
+        assert (await server.metrics.remote())["server"]["sleeps_level1"] == 1
+        with pytest.raises(Exception, match="asleep"):
+            await _tokens(server)
+        await replica.wake_up()                                   # no sync: the weights never left
+        assert await _tokens(server) == base
+    finally:
+        await kill(replica)
+
+
+# ---------------------------------------------------------------------------- two ranks
+@needs_verl
+async def test_two_rank_replica_serves_the_agent_loop_syncs_and_profiles_every_rank(ray_cluster, tmp_path):
+    """A 2-rank (ADP2 / EP2) replica through verl's replica class: rank 1 is a real gloo process;
+    greedy outputs equal a world-size-1 worker's, before and after a weight sync (each rank keeps
+    its own experts of it); the ainfer_pd_tool_agent loop runs a 3-turn episode with KV reuse; the
+    profile and the metrics cover both ranks."""
+    import hydra
+    from omegaconf import OmegaConf
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap, _agent_loop_registry
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+    from verl.workers.rollout.base import get_rollout_class
+    from verl.workers.rollout.llm_server import LLMServerClient
+    from verl.workers.rollout.router import get_router_handle
+
+    names, (base,) = _reference(TINY)
+    gen = torch.Generator().manual_seed(3)
+    new = {n: t + 0.5 * torch.randn(t.shape, generator=gen, dtype=t.dtype) for n, t in names.items()}
+    _, (expected,) = _reference(TINY, new)
+    assert expected != base
+    replica, rc = await _launch("two", config=TWO, metrics_port=0, profile_dir=str(tmp_path / "prof"))
+    server = replica.server_handle
+    try:
+        pids = await server.get_rank_pids.remote()
+        assert list(pids) == [1] and pids[1] != os.getpid()
+        await server.start_profile.remote()
+        assert await _tokens(server) == base
+        traces = await server.stop_profile.remote()
+        assert [os.path.basename(t).split("_")[2] for t in traces] == ["rank0", "rank1"]
+        assert all(any(o.startswith("aten::") for o in _trace_ops(t)) for t in traces)
+        host, port = await server.get_metrics_address.remote()
+        m = await asyncio.to_thread(_scrape, host, port)
+        assert m[("ainfer_pd_server_replica_ranks", (("replica", "0"),))][1] == 2.0
+        for r in ("0", "1"):                                      # both ranks stepped in lockstep
+            assert m[("ainfer_pd_step_rendezvous_total", (("rank", r),))][1] > 0
+            assert m[("ainfer_pd_num_epochs_total", (("rank", r),))][1] >= 1
+            assert ("ainfer_pd_rendezvous_total", (("rank", r),)) in m
+
+        # the agent loop (verl's LLMServerClient + router) against the 2-rank replica
+        tool = _register_test_parts()
+        rc.multi_turn.format = "ainfer_pd_test"
+        rc.multi_turn.max_assistant_turns = 3
+        rc.multi_turn.max_tool_response_length = 256
+        cfg = trainer_config(rc)
+        client = LLMServerClient(cfg, load_balancer_handle=get_router_handle(
+            servers={replica.server_address: server}))
+        loop = hydra.utils.instantiate(
+            _agent_loop_registry["ainfer_pd_tool_agent"], trainer_config=DictConfigWrap(cfg), server_manager=client,
+            tokenizer=_tokenizer(), processor=None, hf_model_type=None, dataset_cls=RLHFDataset,
+            data_config=DictConfigWrap(OmegaConf.create({})), tools=ToolListWrap([tool]))
+        out = await loop.run({**GREEDY, "max_tokens": 6},
+                             raw_prompt=[{"role": "user", "content": "t20 t21 t22 t23 t24 t25 t26 t27 t28"}])
+        cached = out.extra_fields["ainfer_pd_cached_tokens"]
+        assert len(cached) == 3 and cached[0] == 0 and all(c > 0 for c in cached[1:]), cached
+
+        adapter = get_rollout_class("ainfer_pd", "async")(config=rc, model_config={}, device_mesh=None,
+                                                           replica_rank=0, server_handle=server)
+        adapter.bucket_bytes = 64 << 10
+        await adapter.update_weights(iter(new.items()), global_steps=5)
+        assert await _tokens(server) == expected                   # both ranks' experts were synced
+        # verl's hybrid sequence on both ranks: sleep (weights dropped), weights, sync, KV
+        await replica.sleep()
+        await adapter.resume(tags=["weights"])
+        await adapter.update_weights(iter(names.items()), global_steps=6)
+        await adapter.resume(tags=["kv_cache"])
+        assert await _tokens(server) == base
+    finally:
+        await kill(replica)
+
+
+@needs_verl
+async def test_a_dead_rank_fails_the_replica_with_a_typed_error_naming_it(ray_cluster):
+    replica, _ = await _launch("dead", config=TWO, overrides={"parallel.rendezvous_timeout_s": 10.0})
+    server = replica.server_handle
+    try:
+        assert len(await _tokens(server)) == 8
+        pid = (await server.get_rank_pids.remote())[1]
+        long = server.generate.remote([31, 32, 33, 34], {**GREEDY, "max_tokens": 3000, "ignore_eos": True}, "long")
+        await asyncio.sleep(0.5)
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)                                # the follower this test's replica started
+        with pytest.raises(Exception, match=r"RankFailedError.*replica rank 1 of 2 died \(signal 9\)"):
+            await long                                              # the turn in flight
+        with pytest.raises(Exception, match=r"RankFailedError.*replica rank 1"):
+            await _tokens(server)                                   # and every later request
+        assert time.monotonic() - t0 < 8.0                          # noticed at once, not at a timeout
+    finally:
+        t0 = time.monotonic()
+        await kill(replica)
+        assert time.monotonic() - t0 < 30.0
