@@ -18,7 +18,7 @@ import torch
 from ainfer_pd.errors import ConfigError
 from ainfer_pd.integrations.verl import residency_plan as rp
 from ainfer_pd.integrations.verl.settings import build_worker_config
-from tests.test_verl_integration import (GREEDY, HAVE_VERL, TINY, _register_test_parts, _tokenizer, kill,
+from tests.test_verl_integration import (GREEDY, HAVE_VERL, TINY, _register_test_parts, kill,
                                          needs_verl, ray_cluster, rollout_config, trainer_config)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,12 +91,12 @@ def _reference(cfg_path: str, new_weights=None, prompts=(PROMPT,)):
     return ray.get(run.remote(cfg_path, new_weights))
 
 
-async def _launch(suffix: str, mode: str = "HYBRID", **engine):
+async def _launch(suffix: str, mode: str = "HYBRID", model_config=None, **engine):
     import verl  # noqa: F401  (loads the verl.plugins entry point)
     from verl.workers.rollout.replica import RolloutMode, get_rollout_replica_class
     cls = get_rollout_replica_class("ainfer_pd")
     rc = rollout_config(**engine)
-    replica = cls(replica_rank=0, config=rc, model_config={}, gpus_per_node=1, name_suffix=suffix)
+    replica = cls(replica_rank=0, config=rc, model_config=model_config or {}, gpus_per_node=1, name_suffix=suffix)
     await replica.init_local(getattr(RolloutMode, mode))
     return replica, rc
 
@@ -201,28 +201,52 @@ async def test_hybrid_and_colocated_sleep_levels_profile_and_metrics(ray_cluster
 
 
 # ---------------------------------------------------------------------------- two ranks
+def _small_tokenizer():
+    """A word-level tokenizer inside the tiny Hugging Face model's 256-token vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {f"t{i}": i for i in range(200)}
+    vocab.update({"user": 200, "assistant": 201, "tool": 202, "system": 203})
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0", pad_token="t0", eos_token="t1")
+    tok.chat_template = ("{% for m in messages %}t2 {{ m['role'] }} {{ m['content'] }} t3 {% endfor %}"
+                         "{% if add_generation_prompt %}t2 assistant {% endif %}")
+    return tok
+
+
 @needs_verl
-async def test_two_rank_replica_serves_the_agent_loop_syncs_and_profiles_every_rank(ray_cluster, tmp_path):
-    """A 2-rank (ADP2 / EP2) replica through verl's replica class: rank 1 is a real gloo process;
-    greedy outputs equal a world-size-1 worker's, before and after a weight sync (each rank keeps
-    its own experts of it); the ainfer_pd_tool_agent loop runs a 3-turn episode with KV reuse; the
-    profile and the metrics cover both ranks."""
+async def test_two_rank_replica_serves_the_agent_loop_syncs_and_profiles_every_rank(ray_cluster, tmp_path,
+                                                                                    hf_model_dir):
+    """A 2-rank (ADP2 / EP2) replica of verl's actor_rollout_ref.model (a Hugging Face directory)
+    through verl's replica class: rank 1 is a real gloo process; greedy outputs equal transformers'
+    own forward, before and after a weight sync of the trainer's named_parameters() (each rank
+    keeps its own experts of it) and after verl's hybrid sleep / weights / sync / KV sequence; the
+    ainfer_pd_tool_agent loop runs a 3-turn episode with KV reuse; profile and metrics cover both ranks."""
     import hydra
     from omegaconf import OmegaConf
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap, _agent_loop_registry
     from verl.utils.dataset.rl_dataset import RLHFDataset
+    from verl.workers.config import HFModelConfig
     from verl.workers.rollout.base import get_rollout_class
     from verl.workers.rollout.llm_server import LLMServerClient
     from verl.workers.rollout.router import get_router_handle
 
-    names, (base,) = _reference(TINY)
-    gen = torch.Generator().manual_seed(3)
-    new = {n: t + 0.5 * torch.randn(t.shape, generator=gen, dtype=t.dtype) for n, t in names.items()}
-    _, (expected,) = _reference(TINY, new)
+    from tests import _hf_models
+    path = hf_model_dir("qwen3_moe")
+    ref = _hf_models.make("qwen3_moe", seed=0)
+    base = _hf_models.hf_greedy(ref, PROMPT, 8)[0]
+    original = [(n, p.detach().clone()) for n, p in ref.named_parameters()]
+    _hf_models.randomize(ref, seed=77)
+    expected = _hf_models.hf_greedy(ref, PROMPT, 8)[0]
     assert expected != base
-    replica, rc = await _launch("two", config=TWO, metrics_port=0, profile_dir=str(tmp_path / "prof"))
+    model_config = HFModelConfig(path=str(path), load_tokenizer=False)
+    replica, rc = await _launch("two", model_config=model_config, config=TWO, metrics_port=0,
+                                profile_dir=str(tmp_path / "prof"), overrides={"cache.num_blocks": 256})
     server = replica.server_handle
     try:
+        wc = await server.get_worker_config.remote()
+        assert wc["parallel"]["world_size"] == 2 and wc["model"]["architecture"] == "qwen3_moe"
         pids = await server.get_rank_pids.remote()
         assert list(pids) == [1] and pids[1] != os.getpid()
         await server.start_profile.remote()
@@ -248,22 +272,25 @@ async def test_two_rank_replica_serves_the_agent_loop_syncs_and_profiles_every_r
             servers={replica.server_address: server}))
         loop = hydra.utils.instantiate(
             _agent_loop_registry["ainfer_pd_tool_agent"], trainer_config=DictConfigWrap(cfg), server_manager=client,
-            tokenizer=_tokenizer(), processor=None, hf_model_type=None, dataset_cls=RLHFDataset,
+            tokenizer=_small_tokenizer(), processor=None, hf_model_type=None, dataset_cls=RLHFDataset,
             data_config=DictConfigWrap(OmegaConf.create({})), tools=ToolListWrap([tool]))
         out = await loop.run({**GREEDY, "max_tokens": 6},
                              raw_prompt=[{"role": "user", "content": "t20 t21 t22 t23 t24 t25 t26 t27 t28"}])
         cached = out.extra_fields["ainfer_pd_cached_tokens"]
         assert len(cached) == 3 and cached[0] == 0 and all(c > 0 for c in cached[1:]), cached
 
-        adapter = get_rollout_class("ainfer_pd", "async")(config=rc, model_config={}, device_mesh=None,
+        adapter = get_rollout_class("ainfer_pd", "async")(config=rc, model_config=model_config, device_mesh=None,
                                                            replica_rank=0, server_handle=server)
-        adapter.bucket_bytes = 64 << 10
-        await adapter.update_weights(iter(new.items()), global_steps=5)
+        adapter.bucket_bytes = 32 << 10
+        await adapter.update_weights(iter([(n, p.detach().clone()) for n, p in ref.named_parameters()]),
+                                     global_steps=5)
         assert await _tokens(server) == expected                   # both ranks' experts were synced
-        # verl's hybrid sequence on both ranks: sleep (weights dropped), weights, sync, KV
+        # verl's hybrid sequence on both ranks: sleep (level 2, weights dropped), weights, sync, KV
         await replica.sleep()
+        with pytest.raises(Exception, match="asleep"):
+            await _tokens(server)
         await adapter.resume(tags=["weights"])
-        await adapter.update_weights(iter(names.items()), global_steps=6)
+        await adapter.update_weights(iter(original), global_steps=6)
         await adapter.resume(tags=["kv_cache"])
         assert await _tokens(server) == base
     finally:
