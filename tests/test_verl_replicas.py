@@ -71,24 +71,12 @@ def test_rollout_gpu_memory_utilization_becomes_the_cache_budget():
 
 
 # ---------------------------------------------------------------------------- helpers
-def _reference(cfg_path: str, new_weights=None, prompts=(PROMPT,)):
-    """Greedy tokens of a fresh world-size-1 worker (own Ray process) and its weights."""
-    import ray
-
-    @ray.remote
-    def run(path, weights):
-        from ainfer_pd import RolloutWorker, SamplingParams, WorkerConfig
-
-        async def go():
-            async with RolloutWorker(WorkerConfig.from_yaml(path)) as w:
-                names = {n: p.detach().clone() for n, p in w.model.named_parameters()}
-                if weights is not None:
-                    await w.update_weights(weights.items())
-                outs = [(await w.generate(p, SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)))
-                        .token_ids for p in prompts]
-                return names, outs
-        return asyncio.run(go())
-    return ray.get(run.remote(cfg_path, new_weights))
+def _trainer_weights(cfg_path: str) -> list:
+    """The weights the served model starts from (the seeded init of ``cfg_path``), as a trainer's
+    (name, tensor) list."""
+    from ainfer_pd.config import WorkerConfig
+    from ainfer_pd.engine.model import build_model
+    return [(n, p.detach().clone()) for n, p in build_model(WorkerConfig.from_yaml(cfg_path).model).named_parameters()]
 
 
 async def _launch(suffix: str, mode: str = "HYBRID", model_config=None, **engine):
@@ -133,14 +121,14 @@ async def test_hybrid_and_colocated_sleep_levels_profile_and_metrics(ray_cluster
     replica writes a torch.profiler trace and serves /metrics with http off."""
     from verl.workers.rollout.base import get_rollout_class
 
-    names, (base,) = _reference(TINY)
+    names = _trainer_weights(TINY)
     replica, rc = await _launch("hyb", metrics_port=0, profile_dir=str(tmp_path / "prof"))
     server = replica.server_handle
     try:
         adapter = get_rollout_class("ainfer_pd", "async")(config=rc, model_config={}, device_mesh=None,
                                                            replica_rank=0, server_handle=server)
         await server.start_profile.remote(profile_step=3)
-        assert await _tokens(server) == base
+        base = await _tokens(server)                              # the outputs before any sleep
         (trace,) = await server.stop_profile.remote()
         assert os.path.basename(trace) == "ainfer_pd_rank0_step3.pt.trace.json" and os.path.getsize(trace) > 0
         ops = _trace_ops(trace)
@@ -174,7 +162,7 @@ async def test_hybrid_and_colocated_sleep_levels_profile_and_metrics(ray_cluster
         await adapter.resume(tags=["weights"])
         with pytest.raises(Exception, match="asleep"):             # dropped weights: values not back yet
             await _tokens(server)
-        await adapter.update_weights(iter(names.items()), global_steps=1)
+        await adapter.update_weights(iter(names), global_steps=1)
         await adapter.resume(tags=["kv_cache"])
         assert await _tokens(server) == base
 
@@ -216,7 +204,7 @@ def _small_tokenizer():
 
 
 @needs_verl
-async def test_two_rank_replica_serves_the_agent_loop_syncs_and_profiles_every_rank(ray_cluster, tmp_path,
+async def test_two_rank_replica_serves_agent_loop_syncs_profiles_and_fails_typed_when_a_rank_dies(ray_cluster, tmp_path,
                                                                                     hf_model_dir):
     """A 2-rank (ADP2 / EP2) replica of verl's actor_rollout_ref.model (a Hugging Face directory)
     through verl's replica class: rank 1 is a real gloo process; greedy outputs equal transformers'
@@ -293,27 +281,18 @@ async def test_two_rank_replica_serves_the_agent_loop_syncs_and_profiles_every_r
         await adapter.update_weights(iter(original), global_steps=6)
         await adapter.resume(tags=["kv_cache"])
         assert await _tokens(server) == base
-    finally:
-        await kill(replica)
 
-
-@needs_verl
-async def test_a_dead_rank_fails_the_replica_with_a_typed_error_naming_it(ray_cluster):
-    replica, _ = await _launch("dead", config=TWO, overrides={"parallel.rendezvous_timeout_s": 10.0})
-    server = replica.server_handle
-    try:
-        assert len(await _tokens(server)) == 8
-        pid = (await server.get_rank_pids.remote())[1]
+        # a rank that dies: the turn in flight and every later request get a typed error naming it, at once
         long = server.generate.remote([31, 32, 33, 34], {**GREEDY, "max_tokens": 3000, "ignore_eos": True}, "long")
         await asyncio.sleep(0.5)
         t0 = time.monotonic()
-        os.kill(pid, signal.SIGKILL)                                # the follower this test's replica started
+        os.kill(pids[1], signal.SIGKILL)                            # the follower this test's replica started
         with pytest.raises(Exception, match=r"RankFailedError.*replica rank 1 of 2 died \(signal 9\)"):
-            await long                                              # the turn in flight
+            await long
         with pytest.raises(Exception, match=r"RankFailedError.*replica rank 1"):
-            await _tokens(server)                                   # and every later request
+            await _tokens(server)
         assert time.monotonic() - t0 < 8.0                          # noticed at once, not at a timeout
     finally:
         t0 = time.monotonic()
         await kill(replica)
-        assert time.monotonic() - t0 < 30.0
+        assert time.monotonic() - t0 < 30.0                         # and the replica still shuts down
