@@ -102,21 +102,27 @@ async def one(ranks: int, args) -> tuple[float, float, int]:
     try:
         cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": rc, "model": {}}, "data": {}})
         client = LLMServerClient(cfg, load_balancer_handle=get_router_handle(servers={replica.server_address: server}))
-        loop = hydra.utils.instantiate(
-            _agent_loop_registry["ainfer_pd_tool_agent"], trainer_config=DictConfigWrap(cfg), server_manager=client,
-            tokenizer=tokenizer(), processor=None, hf_model_type=None, dataset_cls=RLHFDataset,
-            data_config=DictConfigWrap(OmegaConf.create({})), tools=ToolListWrap([tool()]))
+        tok, tl = tokenizer(), tool()
+
+        def new_loop():                      # one agent loop per episode (as verl's workers run them)
+            return hydra.utils.instantiate(
+                _agent_loop_registry["ainfer_pd_tool_agent"], trainer_config=DictConfigWrap(cfg),
+                server_manager=client, tokenizer=tok, processor=None, hf_model_type=None, dataset_cls=RLHFDataset,
+                data_config=DictConfigWrap(OmegaConf.create({})), tools=ToolListWrap([tl]))
         sp = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "logprobs": True, "max_tokens": args.max_tokens,
               "ignore_eos": True}
         # warm-up turn (first-call costs: Ray method resolution, the router)
         await server.generate.remote([3, 4, 5, 6], dict(sp, max_tokens=2), "warm")
         t1 = time.perf_counter()
         outs = await asyncio.gather(*[
-            loop.run(dict(sp), raw_prompt=[{"role": "user", "content": " ".join(f"t{20 + (i * 7 + j) % 400}"
+            new_loop().run(dict(sp), raw_prompt=[{"role": "user", "content": " ".join(f"t{20 + (i * 7 + j) % 400}"
                                                                                for j in range(48))}])
             for i in range(args.episodes)])
         rollout = time.perf_counter() - t1
         tokens = sum(int(sum(o.response_mask)) for o in outs)
+        ranks_ms = (await server.metrics.remote())["server"].get("rank_start_ms")
+        if ranks_ms is not None:
+            print(f"  (inside the actor: ranks started and joined in {ranks_ms / 1000:.2f} s)", flush=True)
     finally:
         await replica.shutdown()
         for s in replica.servers:

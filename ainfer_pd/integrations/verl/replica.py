@@ -11,7 +11,7 @@ verl picks it with ``actor_rollout_ref.rollout.name=ainfer_pd``.
 * :meth:`AInferPDReplica.init_local`: no placement at all (CPU tests, one-host debugging).
 
 The ainfer-pd config comes from ``rollout.engine_kwargs.ainfer_pd`` (see
-:data:`.server.ENGINE_KWARGS`); the model from verl's ``actor_rollout_ref.model.path`` when
+:data:`.settings.ENGINE_KWARGS`); the model from verl's ``actor_rollout_ref.model.path`` when
 that is a Hugging Face directory (its ``config.json`` and safetensors: the trainer's model, whose
 weight syncs then arrive in its own names). The server hosts rank 0's :class:`RolloutWorker`; with
 ``parallel.world_size`` g > 1 it starts ranks 1..g-1 as its own child processes, one per GPU it
