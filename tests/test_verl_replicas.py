@@ -296,3 +296,48 @@ async def test_two_rank_replica_serves_agent_loop_syncs_profiles_and_fails_typed
         t0 = time.monotonic()
         await kill(replica)
         assert time.monotonic() - t0 < 30.0                         # and the replica still shuts down
+
+
+# ---------------------------------------------------------------------------- the endpoint alone
+async def test_metrics_endpoint_serves_get_metrics_only_and_survives_a_failing_collect():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from ainfer_pd.metrics.prometheus import MetricsEndpoint, render, worker_families
+    fail = {"now": False}
+
+    async def collect():
+        if fail["now"]:
+            raise RuntimeError("boom")
+        return render(worker_families({"finished": 3, "kv_free_blocks": 10, "kv_total_blocks": 16, "policy": "x",
+                                       "ttft_s_samples": [0.1], "busy_fraction": 0.5, "step_sync_s_count": 7},
+                                      rank=1, waiting=2, decoding=4))
+    ep = MetricsEndpoint(collect)
+    port = await ep.start()
+
+    async def get(request: bytes) -> tuple[str, str]:
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(request)
+        await w.drain()
+        data = await r.read()
+        w.close()
+        head, _, body = data.decode().partition("\r\n\r\n")
+        return head.split("\r\n")[0], body
+    try:
+        status, body = await get(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert status == "HTTP/1.1 200 OK"
+        got = {(s.name, s.labels["rank"]): (f.type, s.value)
+               for f in text_string_to_metric_families(body) for s in f.samples}
+        assert got[("ainfer_pd_finished_total", "1")] == ("counter", 3.0)
+        assert got[("ainfer_pd_kv_used_blocks", "1")] == ("gauge", 6.0)
+        assert got[("ainfer_pd_queue_waiting", "1")][1] == 2.0 and got[("ainfer_pd_queue_decoding", "1")][1] == 4.0
+        assert got[("ainfer_pd_step_rendezvous_total", "1")][1] == 7.0 and got[("ainfer_pd_rendezvous_total", "1")][1] == 0
+        assert not any("policy" in n or "samples" in n for n, _ in got)       # strings and lists are not metrics
+        assert (await get(b"GET /other HTTP/1.1\r\n\r\n"))[0].startswith("HTTP/1.1 404")
+        assert (await get(b"POST /metrics HTTP/1.1\r\n\r\n"))[0].startswith("HTTP/1.1 405")
+        fail["now"] = True
+        assert (await get(b"GET /metrics HTTP/1.1\r\n\r\n"))[0].startswith("HTTP/1.1 500")
+        fail["now"] = False
+        assert (await get(b"GET /metrics HTTP/1.1\r\n\r\n"))[0] == "HTTP/1.1 200 OK"
+        assert ep.scrapes == 2
+    finally:
+        await ep.close()

@@ -53,7 +53,7 @@ class Observability:
         s = self.server
         labels = {"replica": str(s.replica_rank)}
         samples = numeric_samples(dict(s.stats), "ainfer_pd_server", labels,
-                                  counters=[k for k in s.stats])
+                                  counters=[k for k in s.stats if k != "rank_start_ms"])
         samples += numeric_samples({"retained_trajectories": len(s._contexts), "inflight_requests": len(s._inflight),
                                     "replica_ranks": s.worker_config.parallel.world_size,
                                     "rank_failed": s.ranks is not None and s.ranks.failure is not None},

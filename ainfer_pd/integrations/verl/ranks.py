@@ -41,6 +41,12 @@ def join_ranks(rank: int, world_size: int, port: int, timeout_s: float):
                             timeout_s=timeout_s, local_rank=rank)
 
 
+def leave_ranks() -> None:
+    """Leave the replica's world (after the worker closed), so this process can start another."""
+    from ...launch import destroy_distributed
+    destroy_distributed()
+
+
 def _free_port() -> int:
     from ...launch import find_free_port
     return find_free_port()
@@ -300,5 +306,10 @@ class ReplicaRanks:
                 pass
         for c in self.conns.values():
             c.close()
+        if self.failure is None:
+            try:
+                await asyncio.to_thread(leave_ranks)
+            except Exception as exc:  # noqa: BLE001 - leaving must not mask the close
+                logger.warning("ainfer_pd: leaving the replica's process group failed: %r", exc)
         if error is not None and self.failure is None:
             raise error
