@@ -13,13 +13,12 @@ import uuid
 from pathlib import Path
 
 import pytest
-import torch
 
 from ainfer_pd.errors import ConfigError
 from ainfer_pd.integrations.verl import residency_plan as rp
 from ainfer_pd.integrations.verl.settings import build_worker_config
 from tests.test_verl_integration import (GREEDY, HAVE_VERL, TINY, _register_test_parts, kill,
-                                         needs_verl, ray_cluster, rollout_config, trainer_config)
+                                         needs_verl, ray_cluster, rollout_config, trainer_config)  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 TWO = str(ROOT / "configs" / "tiny-2rank-cpu.yaml")

@@ -28,39 +28,29 @@ No socket is opened unless ``http: true`` in the engine kwargs (then a small tok
 HTTP endpoint binds to ``127.0.0.1``, ``host`` overrides it: :mod:`.http_api`) or a
 ``metrics_port`` is set (Prometheus text at ``/metrics``: :mod:`.observability`).
 
-Sleep / wake follow verl's rollout mode (:mod:`.residency_plan`); a config with
-``parallel.world_size > 1`` starts one rank per GPU of the replica (:mod:`.ranks`), rank 0 in
-this process serving every request. Configuration: :mod:`.settings`; weight buckets are checked
-by :mod:`.weight_staging`.
+Sleep / wake follow verl's rollout mode (:mod:`.control`, :mod:`.residency_plan`); with
+``parallel.world_size > 1`` this process is rank 0 of the replica's ranks (:mod:`.ranks`).
+Configuration: :mod:`.settings`; weight sync: :mod:`.weight_staging`.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
-import importlib
 import logging
 import time
 import uuid
 from typing import Any, Optional
 
-from ...errors import (BackendUnavailableError, InvalidRequestError, TrajectoryBusyError,
+from ...errors import (InvalidRequestError, TrajectoryBusyError,
                        UnknownTrajectoryError)
 from .control import ResidencyControl
 from .observability import Observability
 from .sampling import to_sampling_params
 from .settings import (ENGINE_KWARGS, build_worker_config, default_config_path, engine_kwargs_of,  # noqa: F401
-                       model_path_of)
+                       import_worker_class, model_path_of)
 from .weight_staging import WeightSync
 
 logger = logging.getLogger(__name__)
-
-
-def _import(path: str):
-    mod, _, name = path.replace(":", ".").rpartition(".")
-    try:
-        return getattr(importlib.import_module(mod), name)
-    except (ImportError, AttributeError) as exc:
-        raise BackendUnavailableError(f"cannot import worker class {path!r}: {exc}") from None
 
 
 class AInferPDServer(ResidencyControl, WeightSync):
@@ -110,7 +100,7 @@ class AInferPDServer(ResidencyControl, WeightSync):
         async with self._launch_lock:
             if self.worker is not None:
                 return
-            cls = _import(self.engine_kwargs.get("worker_cls") or "ainfer_pd.RolloutWorker")
+            cls = import_worker_class(self.engine_kwargs.get("worker_cls") or "ainfer_pd.RolloutWorker")
             if self.worker_config.parallel.world_size > 1:
                 from .ranks import ReplicaRanks
                 self.ranks, worker = await ReplicaRanks.start(

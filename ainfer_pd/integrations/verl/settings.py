@@ -6,11 +6,12 @@ Pure functions of their inputs (no worker, no Ray); the server and the replica b
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from typing import Any, Optional
 
-from ...errors import ConfigError
+from ...errors import BackendUnavailableError, ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -120,3 +121,12 @@ def build_worker_config(engine_kwargs: dict, model_path: Optional[str] = None, r
         logger.info("ainfer_pd: verl's memory share -> %s", mem)
     merged = {**mem, **overrides}
     return cfg.replace(**merged) if merged else cfg
+
+
+def import_worker_class(path: str):
+    """``engine_kwargs.ainfer_pd.worker_cls`` ("pkg.mod.Class" or "pkg.mod:Class")."""
+    mod, _, name = path.replace(":", ".").rpartition(".")
+    try:
+        return getattr(importlib.import_module(mod), name)
+    except (ImportError, AttributeError) as exc:
+        raise BackendUnavailableError(f"cannot import worker class {path!r}: {exc}") from None
