@@ -307,7 +307,7 @@ async def test_update_weights_verl_generator_format(ray_cluster):
 @needs_verl
 async def test_sleep_wake_abort_resume_keep_other_trajectories(ray_cluster):
     import ray
-    replica = await launch_replica("control")
+    replica = await launch_replica("control", sleep_keep_weights=True)   # level 2, weights to host memory
     server = replica.server_handle
     try:
         req = {**GREEDY, "max_tokens": 6}
