@@ -2,6 +2,7 @@
 # The policy ladder of record on one H200 (issue 16), in parts of under 10 minutes each:
 #
 #   bash benchmarks/h200_ladder.sh COMMIT PART     # PART: p1 | trace | p1-short | trace-short | spans | decode-only
+#   (p1-short / trace-short: SHORT_POLICIES run with fifo, CP_POLICIES with critical-path)
 #
 # Each part writes $OUT/ladder_PART.json (default docs/results/ladder); then, here:
 #   python benchmarks/ladder.py merge docs/results/ladder/ladder_*.json --out docs/results/ladder/latest.json
@@ -28,9 +29,9 @@ case "$PART" in
   p1-short|trace-short)   # the four-policy fifo ladder plus critical-path for normal and fine-grained
             cell=$([ "$PART" = p1-short ] && echo P1 || echo trace)
             python benchmarks/ladder.py run "${common[@]}" --part "$PART-fifo" --cells $cell \
-              --policies normal,global-enqueue,fine-grained,mixed-chunked --priorities fifo
+              --policies ${SHORT_POLICIES:-normal,global-enqueue,fine-grained,mixed-chunked} --priorities fifo
             python benchmarks/ladder.py run "${common[@]}" --part "$PART-cp" --cells $cell --no-warmup \
-              --policies normal,fine-grained --priorities critical-path ;;
+              --policies ${CP_POLICIES:-normal,fine-grained} --priorities critical-path ;;
   spans)    python benchmarks/ladder.py run "${common[@]}" --cells P1 --policies "${POLICIES:-normal}" \
               --priorities fifo --spans 1,2,3,4,auto ;;
   decode-only) python benchmarks/ladder.py run "${common[@]}" --cells P1 --policies normal,fine-grained \
