@@ -35,11 +35,13 @@ class _Recorder:
 
 
 def reference(model, mc, seq: list[int], device) -> torch.Tensor:
-    T = len(seq)
-    kv = torch.zeros(mc.num_layers, 2, T, mc.num_kv_heads, mc.head_dim, dtype=mc.torch_dtype, device=device)
+    T, bs = len(seq), 16
+    S = -(-T // bs) * bs                   # whole blocks: the paged prefill kernel reads them by block id
+    kv = torch.zeros(mc.num_layers, 2, S, mc.num_kv_heads, mc.head_dim, dtype=mc.torch_dtype, device=device)
     slots = torch.arange(T, device=device)
     fb = ForwardBatch(torch.tensor(seq, device=device), torch.arange(T, device=device), slots,
-                      [PrefillSeq(0, T, T, slots.cpu())], None, torch.tensor([T - 1], device=device))
+                      [PrefillSeq(0, T, T, slots.cpu())], None, torch.tensor([T - 1], device=device),
+                      block_size=bs)
     rec, keep = _Recorder(), model.routing_sink
     model.routing_sink = rec
     try:
