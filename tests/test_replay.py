@@ -269,3 +269,16 @@ async def test_real_worker_tiny_replay():
         assert s["makespan_s"] > 0 and s["requests_per_s"] > 0
         outs[policy] = res.outputs
     assert outs["normal"] == outs["fine-grained"]
+
+
+def test_a_ranks_share_of_a_trace_draws_the_same_token_ids_as_the_whole_trace():
+    # the multi-rank replay gives each rank every world_size-th conversation: their prompts must be
+    # the ones world size 1 replays, or the greedy tokens of the two cannot be compared
+    from ainfer_pd.workload.replay import conversation_token_ids, turn_params
+    from ainfer_pd.workload.trace import Trace, make_trace
+    for trace in (make_trace(6, 3, token_scale=0.02, seed=1), make_trace(3, 2, token_scale=0.02, seed=1).with_samples_per_prompt(2)):
+        share = Trace(conversations=trace.conversations[1::2], meta=dict(trace.meta))
+        for j, ci in enumerate(range(1, len(trace.conversations), 2)):
+            assert conversation_token_ids(share, j, seed=3, vocab_size=100) == \
+                conversation_token_ids(trace, ci, seed=3, vocab_size=100)
+            assert turn_params(share, j, 0, 4, seed=3) == turn_params(trace, ci, 0, 4, seed=3)

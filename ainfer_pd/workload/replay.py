@@ -128,15 +128,18 @@ def _jsonable(x: Any) -> Any:
 
 
 def conversation_token_ids(trace: Trace, conv_index: int, *, seed: int, vocab_size: int) -> list[list[int]]:
-    """The seeded token ids appended before each turn of one conversation (ids in ``[2, vocab)``)."""
+    """The seeded token ids appended before each turn of one conversation (ids in ``[2, vocab)``),
+    seeded by the conversation's id, not its index (a rank replaying its share of a trace draws
+    the same ids as world size 1)."""
     if vocab_size < 3:
         raise InvalidRequestError("vocab_size must be >= 3")
     conv = trace.conversations[conv_index]
-    rng = np.random.default_rng([seed, conv_index])
+    cid = conv.conv_id
+    rng = np.random.default_rng([seed, cid])
     ids = [rng.integers(2, vocab_size, size=t.new_tokens).tolist() for t in conv.turns]
     n = trace.samples_per_prompt
     if n > 1:          # GRPO: the group's first prompt (its first member's draw)
-        first = np.random.default_rng([seed, conv_index - conv_index % n])
+        first = np.random.default_rng([seed, cid - cid % n])
         ids[0] = first.integers(2, vocab_size, size=conv.turns[0].new_tokens).tolist()
     return ids
 
@@ -147,7 +150,8 @@ def turn_params(trace: Trace, conv_index: int, turn: int, gen_tokens: int, *, se
     seed per (conversation, turn): the members of a group diverge after their shared prompt, and
     a rerun gives the same tokens."""
     if trace.samples_per_prompt > 1:
-        s = int(np.random.default_rng([seed, conv_index, turn, 7]).integers(0, 2 ** 63))
+        cid = trace.conversations[conv_index].conv_id
+        s = int(np.random.default_rng([seed, cid, turn, 7]).integers(0, 2 ** 63))
         return SamplingParams(max_new_tokens=gen_tokens, temperature=1.0, seed=s, ignore_eos=True)
     return SamplingParams(max_new_tokens=gen_tokens, temperature=0.0, ignore_eos=True)
 
