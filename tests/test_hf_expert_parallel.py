@@ -38,6 +38,21 @@ def _trainer_weights():
     return [(n, p.detach().clone()) for n, p in t.named_parameters()]
 
 
+async def _cut(name: str, world_size: int) -> None:
+    """Every rank reaches this point before any goes on (the trainer's clean cut: verl drains every
+    rank's requests before it syncs, and syncs every rank before new rollouts). Without it one rank
+    syncs its experts while a peer still decodes with the old ones, and each uses the other's
+    experts: a mix of weights that no single-rank run produces."""
+    if world_size == 1:
+        return
+    from ainfer_pd.launch import get_store
+    store = get_store()
+    store.add(name, 1)
+    async with asyncio.timeout(60):
+        while int(store.add(name, 0)) < world_size:
+            await asyncio.sleep(0.01)
+
+
 async def _run(path, plans, world_size: int, rank: int = 0):
     par = {} if world_size == 1 else {"world_size": world_size, "attn_dp": world_size, "expert_parallel": world_size,
                                       "expert_backend": "torch", "rendezvous_timeout_s": 60.0}
@@ -47,6 +62,7 @@ async def _run(path, plans, world_size: int, rank: int = 0):
         rep = w.model.load_report
         read, skipped = list(rep.tensors_read), list(rep.tensors_skipped)
         first = await _drive(w, mine)
+        await _cut("hf_ep/drained", world_size)      # every rank's first pass is done
 
         def buckets():                         # the trainer streams every expert to every rank
             named = _trainer_weights()
@@ -56,6 +72,7 @@ async def _run(path, plans, world_size: int, rank: int = 0):
         packed = w.last_weight_sync
         await w.update_weights(_hf_models.per_expert(buckets()))      # the same, in checkpoint names
         sync = w.last_weight_sync
+        await _cut("hf_ep/synced", world_size)       # every rank holds the new experts
         assert not packed.skipped and any(n.endswith("mlp.experts.gate_up_proj") for n in packed.applied)
         second = await _drive(w, mine)
         held = w.model.expert_range
