@@ -79,6 +79,9 @@ def _add_workload_args(p: argparse.ArgumentParser, *, preset: str) -> None:
     g.add_argument("--token-scale", type=float, help="multiply every token count (clamped to >= 1)")
     g.add_argument("--max-context", type=int, help="truncate conversations to this context (default: the model's)")
     g.add_argument("--time-scale", type=float, help="multiply every tool wait (on top of the cell factor)")
+    g.add_argument("--samples-per-prompt", type=int, default=1, metavar="N",
+                   help="GRPO-shaped: each conversation becomes N sharing one first prompt, sampled with "
+                        "their own seeds (prefix sharing: cache.prefix_sharing)")
     g.add_argument("--seed", type=int, default=0, help="trace and prompt seed (same for every policy)")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value (YAML value), e.g. --set device.high_priority_stream=P; repeatable")
@@ -159,6 +162,9 @@ def build_trace(args: argparse.Namespace, cfg: Any):
     else:
         trace = tr.make_trace(convs, _opt(args, "max_turns"), token_scale=_opt(args, "token_scale"),
                               max_context=max_ctx, seed=args.seed)
+    n = getattr(args, "samples_per_prompt", 1) or 1
+    if n > 1:
+        trace = trace.with_samples_per_prompt(n)
     if args.save_trace:
         trace.save_jsonl(args.save_trace)
     return trace
@@ -223,8 +229,8 @@ def _setup_replay(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", help="run this one policy")
     p.add_argument("--policies", default="normal,fine-grained",
                    help="comma-separated policies (default normal,fine-grained)")
-    p.add_argument("--priorities", default="fifo",
-                   help="scheduler.priority values, each run with every policy (e.g. fifo,critical-path)")
+    p.add_argument("--priorities", default="fifo,critical-path",
+                   help="scheduler.priority values, each run with every policy (default fifo,critical-path)")
     p.add_argument("--cell", choices=sorted(_cells()), help="wait-pressure cell (preset default)")
     p.add_argument("--repeats", type=int, default=1)
 

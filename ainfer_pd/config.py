@@ -23,6 +23,7 @@ POLICIES = ("normal", "global-complete", "global-enqueue", "fine-grained", "mixe
 from .comm.ordering import ORDERINGS  # noqa: E402  (its one home)
 EXPERT_BACKENDS = ("local", "torch", "deepep")
 SPANS = ("1", "2", "3", "4", "auto", "measured")
+P_HOST_PACINGS = ("auto", "layer", "epoch")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -225,6 +226,21 @@ class CacheConfig:
     """KV blocks per rank (0 = size from ``gpu_memory_fraction`` on CUDA)."""
     gpu_memory_fraction: float = 0.85
     """Fraction of free GPU memory the KV cache may take when ``num_blocks`` is 0."""
+    prefix_sharing: bool = True
+    """Content-addressed KV blocks shared by every request whose prefix is cached (GRPO siblings,
+    a new request id for the same context, a trajectory's own next turn); a turn waits for a
+    sibling that is writing its missing prefix. False: a block is reused only by the trajectory
+    that wrote it (its own next turns)."""
+    prefix_wait_min_tokens: int = 0
+    """A waiting turn whose next missing prompt blocks a sibling is writing (GRPO samples submitted
+    together) waits for that sibling's pass, to share them, only when they hold at least this many
+    tokens; shorter ones it computes itself in the same epoch (waiting costs its TTFT one P epoch:
+    with short prompts on a small model that can cost more than the compute it saves). 0: always wait."""
+    routed_experts: bool = False
+    """Routing replay (verl's ``enable_rollout_routing_replay``): keep every fed token's top-k
+    expert ids per MoE layer beside its KV (int16 ``[moe_layers, slots, top_k]``), so requests
+    with ``SamplingParams(return_routed_experts=True)`` get them in ``TurnOutput.routed_experts``.
+    Off: nothing allocated or recorded, and such requests are refused."""
     gpu_memory_utilization: float = 0.0
     """When > 0 (and ``num_blocks`` is 0): the share of the device's *total* memory the whole
     rollout may hold, weights of this rank included (verl's ``rollout.gpu_memory_utilization``);
@@ -232,6 +248,13 @@ class CacheConfig:
 
     def validate(self) -> None:
         _positive(self, "block_size")
+        if not isinstance(self.prefix_sharing, bool):
+            raise ConfigError("cache.prefix_sharing must be a bool")
+        if isinstance(self.prefix_wait_min_tokens, bool) or not isinstance(self.prefix_wait_min_tokens, int) \
+                or self.prefix_wait_min_tokens < 0:
+            raise ConfigError("cache.prefix_wait_min_tokens must be an integer >= 0")
+        if not isinstance(self.routed_experts, bool):
+            raise ConfigError("cache.routed_experts must be a bool")
         if self.num_blocks < 0:
             raise ConfigError("cache.num_blocks must be >= 0")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
@@ -286,8 +309,15 @@ class MuxConfig:
     (below it a P epoch runs as under ``normal``: no rendezvous, no segmenting)."""
     activation_cooldown_s: float = 0.05
     """Multiplexing stays on this long after concurrent P disappears."""
+    p_host_pacing: str = "auto"
+    """When P's host waits for its device inside an epoch. ``layer``: after every attention
+    segment (the receive counts of expert parallelism need it); ``epoch``: only at the epoch's
+    end (its host enqueues ahead, the stream keeps the order); ``auto``: ``layer`` with expert
+    parallelism or on the CPU stand-in (it models the EP system's paced host), else ``epoch``."""
 
     def validate(self) -> None:
+        if self.p_host_pacing not in P_HOST_PACINGS:
+            raise ConfigError(f"mux.p_host_pacing={self.p_host_pacing!r}: expected one of {P_HOST_PACINGS}")
         if str(self.span) not in SPANS:
             raise ConfigError(f"mux.span={self.span!r}: expected one of {SPANS}")
         if not self.auto_spans or any(not 1 <= k <= 4 for k in self.auto_spans):

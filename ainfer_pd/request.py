@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from .errors import InvalidRequestError
 
@@ -37,6 +37,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = True
     """Return the log-probability of each sampled token."""
+    return_routed_experts: bool = False
+    """Routing replay: fill ``TurnOutput.routed_experts`` (needs a worker started with
+    ``cache.routed_experts: true``; refused with InvalidRequestError otherwise)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", _token_tuple(self.stop_token_ids))
@@ -75,7 +78,7 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise bad(f"stop_token_ids must be non-negative integers, got {t!r}")
-        for name in ("ignore_eos", "logprobs"):
+        for name in ("ignore_eos", "logprobs", "return_routed_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -116,3 +119,9 @@ class TurnOutput:
     request_id: str = ""
     turn_index: int = 0
     metrics: dict = field(default_factory=dict)
+    routed_experts: Any = None
+    """With ``SamplingParams(return_routed_experts=True)``: the top-k expert ids of every token a
+    forward pass fed, an int16 CPU tensor ``[len(prompt) + len(token_ids) - 1, moe_layers, top_k]``
+    (row p = position p of prompt + token_ids; the last generated token was never fed; an aborted
+    turn has the rows its completed passes computed). Layers: the MoE layers in order (dense
+    layers have no router). None when not asked for. See :mod:`ainfer_pd.engine.routed_experts`."""

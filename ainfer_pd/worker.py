@@ -231,6 +231,9 @@ class RolloutWorker:
         for t in params.stop_token_ids:
             if t >= self.cfg.model.vocab_size:
                 raise InvalidRequestError(f"stop token {t} outside the vocabulary")
+        if params.return_routed_experts and not self.cfg.cache.routed_experts:
+            raise InvalidRequestError("return_routed_experts needs a worker started with cache.routed_experts: true "
+                                      "(the per-slot expert ids are kept beside the KV pool)")
         return params
 
     # ================================================================== API
@@ -258,7 +261,8 @@ class RolloutWorker:
     async def continue_(self, trajectory_id: str, observation_ids: Sequence[int],
                         params: SamplingParams | None = None) -> TurnOutput:
         """Append ``observation_ids`` to the trajectory's context and generate; only the
-        new suffix is prefilled when the trajectory's KV is retained."""
+        new suffix is prefilled when the trajectory's KV is retained. ``observation_ids`` may be
+        empty: after an aborted turn that resumes its generation (partial rollout)."""
         self._check_open()
         traj = self._get(trajectory_id)
         obs = self._check_tokens(observation_ids, "observation_ids")
@@ -296,10 +300,8 @@ class RolloutWorker:
             self.trajectories[traj.tid] = traj
         if not traj.group:                # siblings (GRPO samples of one prompt) share their first prompt
             traj.group = f"g{hash(tuple(context)) & 0xFFFFFFFFFFFF:x}"
-        kv = kvm.trajectories.get(traj.tid)
-        valid = kv.num_tokens if kv is not None else 0
-        m = _common_prefix(traj.tokens[:valid], context)
-        num_cached = min(m, len(context) - 1)
+        # an estimate (the reuse is decided at admission, from what the cache holds then)
+        num_cached = kvm.cached_prefix(context, tid=traj.tid)
         loop = asyncio.get_running_loop()
         rid = f"req-{next(_request_ids)}"
         turn = Turn(request_id=rid, traj=traj, params=params, context=context, prev_tokens=list(traj.tokens),
@@ -313,8 +315,9 @@ class RolloutWorker:
         try:
             return await asyncio.shield(turn.future)
         except asyncio.CancelledError:
-            # NOTE: the caller went away: abort this request only, free its KV, re-raise.
-            self.engine.abort(turn)
+            # NOTE: the caller went away (it never sees the partial tokens): abort this request
+            # only, the trajectory keeps its context from before the turn, re-raise.
+            self.engine.abort(turn, commit=False)
             raise
 
     def _get(self, trajectory_id: str, *, releasing_ok: bool = False) -> Trajectory:
@@ -326,8 +329,11 @@ class RolloutWorker:
 
     async def abort(self, trajectory_id: str) -> bool:
         """Abort the trajectory's turn in flight, a turn still queued behind the drain of an
-        earlier aborted one included (its caller gets finish_reason "abort"). Returns whether
-        there was one."""
+        earlier aborted one included. Its caller gets finish_reason "abort" with the tokens and
+        logprobs produced so far (partial rollout); the trajectory's context becomes that turn's
+        prompt plus those tokens, and their KV is kept: ``continue_(tid, [], params)`` resumes
+        the generation without recomputing it (so does resubmitting prompt + partial tokens).
+        Returns whether there was a turn."""
         self._check_open()
         traj = self._get(trajectory_id, releasing_ok=True)
         if traj.turn is None:
@@ -336,7 +342,7 @@ class RolloutWorker:
         return True
 
     async def abort_all(self) -> int:
-        """Abort every turn in flight (queued ones included); returns how many."""
+        """Abort every turn in flight (queued ones included), as :meth:`abort`; returns how many."""
         self._check_open()
         n = 0
         for traj in list(self.trajectories.values()):
@@ -375,12 +381,13 @@ class RolloutWorker:
         ids = _token_list(prompt_ids, "prompt_ids")
         best: tuple[str, int] | None = None
         floor = self.cfg.cache.block_size if min_tokens is None else min_tokens
+        kvm = self.engine.kv
+        cached = kvm.cached_prefix(ids, len(ids)) if kvm.sharing else None
         for tid, traj in self.trajectories.items():
             if traj.turn is not None:
                 continue
-            kv = self.engine.kv.trajectories.get(tid)
-            valid = kv.num_tokens if kv is not None else 0
-            m = _common_prefix(traj.tokens[:valid], ids)
+            valid = cached if cached is not None else kvm.cached_prefix(ids, len(ids), tid=tid)
+            m = min(_common_prefix(traj.tokens, ids), valid)
             if m >= floor and (best is None or m > best[1]):
                 best = (tid, m)
         return best
@@ -479,10 +486,7 @@ class RolloutWorker:
             for d in draining:
                 await d.drained.wait()
         # NOTE: no await from here on until the drop: nothing can be admitted in between.
-        kvm = self.engine.kv
-        for tid, kv in list(kvm.trajectories.items()):
-            if not kv.pinned:
-                kvm.release(tid)
+        self.engine.kv.drop_cached()
         if level >= 1:
             self._asleep = True           # refuse new turns before the release awaits
             res = self.engine.residency
@@ -558,17 +562,10 @@ class RolloutWorker:
                     on_done()
 
     async def release_kv_cache(self) -> int:
-        """Drop the retained KV of every idle trajectory (they keep their tokens and recompute
-        on their next turn: correct either way). Returns the number of blocks freed."""
+        """Drop the cached KV that no turn in flight holds (idle trajectories keep their tokens
+        and recompute on their next turn: correct either way). Returns the number of blocks freed."""
         self._check_open()
-        kvm = self.engine.kv
-        freed = 0
-        for tid, traj in self.trajectories.items():
-            kv = kvm.trajectories.get(tid)
-            if traj.turn is None and traj.draining is None and kv is not None and not kv.pinned:
-                freed += len(kv.blocks)
-                kvm.release(tid)
-        return freed
+        return self.engine.kv.drop_cached()
 
     async def resume_kv_cache(self) -> None:
         """The KV pool stays allocated: the next turns simply fill it again."""

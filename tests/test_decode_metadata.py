@@ -17,7 +17,7 @@ def test_block_table_resolves_to_the_per_row_slots():
     tids = [f"t{i}" for i in range(7)]
     lens = [rng.randrange(1, 300) for _ in tids]
     for t, n in zip(tids, lens):                      # interleaved reservations: scattered blocks
-        kv.reserve(t, n + rng.randrange(0, 40), 0, 0.0)
+        kv.reserve(t, n + rng.randrange(0, 40))
     nb = -(-max(lens) // 16)
     meta = DecodeMeta(None, torch.tensor(lens), block_table=kv.block_table(tids, nb), block_size=16)
     meta.resolve()

@@ -58,28 +58,30 @@ async def test_multi_turn_kv_reuse_matches_full_recompute(worker, cfg):
             context = context + out.token_ids
 
 
-async def test_generate_with_full_context_reuses_the_retained_prefix(worker):
+async def test_generate_with_full_context_reuses_the_retained_prefix(worker, cfg):
+    model = build_model(cfg.model)
     rng = random.Random(1)
     p = rand_ids(rng, 50)
     a = await worker.generate(p, SamplingParams(max_new_tokens=5, **GREEDY))
     obs = rand_ids(rng, 7)
     full = p + a.token_ids + obs
     b = await worker.generate(full, SamplingParams(max_new_tokens=5, **GREEDY), trajectory_id=a.trajectory_id)
+    # a new trajectory (a new request id) with the same context shares the cached KV too (issue 15)
     fresh = await worker.generate(full, SamplingParams(max_new_tokens=5, **GREEDY))
     assert b.num_cached_tokens == len(p) + len(a.token_ids) - 1
-    assert fresh.num_cached_tokens == 0
-    assert b.token_ids == fresh.token_ids
+    assert fresh.num_cached_tokens == len(full) - 1
+    assert b.token_ids == fresh.token_ids == recompute_greedy(model, cfg, full, 5)[0]
 
 
-async def test_a_diverging_context_truncates_the_reused_prefix(worker):
+async def test_a_diverging_context_truncates_the_reused_prefix(worker, cfg):
+    model = build_model(cfg.model)
     rng = random.Random(2)
     p = rand_ids(rng, 64)
     a = await worker.generate(p, SamplingParams(max_new_tokens=4, **GREEDY))
     edited = p[:20] + rand_ids(rng, 30)
     b = await worker.generate(edited, SamplingParams(max_new_tokens=4, **GREEDY), trajectory_id=a.trajectory_id)
-    fresh = await worker.generate(edited, SamplingParams(max_new_tokens=4, **GREEDY))
     assert b.num_cached_tokens == 20
-    assert b.token_ids == fresh.token_ids
+    assert b.token_ids == recompute_greedy(model, cfg, edited, 4)[0]
 
 
 async def test_sixty_four_trajectories_with_tool_waits_complete_and_match_solo_runs():
@@ -135,7 +137,8 @@ async def test_abort_returns_finish_reason_abort_and_frees_the_turn(worker):
     await asyncio.sleep(0.05)
     assert await worker.abort("t-abort")
     out = await task
-    assert out.finish_reason == "abort" and out.token_ids == []
+    # partial rollout (issue 15): the tokens produced before the abort come back with it
+    assert out.finish_reason == "abort" and len(out.token_ids) == len(out.logprobs) < 300
     again = await worker.generate(rand_ids(rng, 10), SamplingParams(max_new_tokens=3, **GREEDY), trajectory_id="t-abort")
     assert again.finish_reason == "length"
 
@@ -149,7 +152,8 @@ async def test_lru_eviction_recomputes_and_gives_the_same_tokens():
         assert w.engine.kv.num_evictions > 0
         obs = rand_ids(rng, 5)
         cont = await w.continue_(firsts[0].trajectory_id, obs, SamplingParams(max_new_tokens=4, **GREEDY))
-        assert cont.num_cached_tokens == 0                # it was evicted: recomputed
+        # its blocks were the least recently used: the tail was evicted first, the rest recomputed
+        assert cont.num_cached_tokens < len(prompts[0]) + 3 and cont.num_cached_tokens % 16 == 0
         ref = await w.generate(prompts[0] + firsts[0].token_ids + obs, SamplingParams(max_new_tokens=4, **GREEDY))
         assert cont.token_ids == ref.token_ids
         for tid in list(w.trajectories):
@@ -219,12 +223,12 @@ async def test_waiting_turns_never_hold_the_cache_hostage():
     rng = random.Random(11)
     async with RolloutWorker(cfg) as w:
         firsts = [await w.generate(rand_ids(rng, 70), SamplingParams(max_new_tokens=4, **GREEDY)) for _ in range(8)]
-        assert w.engine.kv.num_free_blocks == 0
+        assert w.engine.kv.alloc.num_free == 0 and w.engine.kv.num_cached_blocks == 40   # all cached, none held
         conts = await asyncio.wait_for(asyncio.gather(*[
             w.continue_(o.trajectory_id, rand_ids(rng, 20), SamplingParams(max_new_tokens=4, **GREEDY)) for o in firsts]),
             timeout=60)
         assert all(len(c.token_ids) == 4 for c in conts)
-        assert any(c.num_cached_tokens == 0 for c in conts)       # some prefixes were evicted and recomputed
+        assert any(c.num_cached_tokens < 73 for c in conts)       # some prefixes were (partly) evicted and recomputed
         for tid in list(w.trajectories):
             await w.release(tid)
         assert w.kv_leak_free() and w.engine.kv.num_free_blocks == 40

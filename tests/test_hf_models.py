@@ -116,7 +116,7 @@ def test_cli_replay_and_bench_run_a_hugging_face_directory(hf_model_dir, capsys)
     from ainfer_pd import cli
     d = str(hf_model_dir("qwen2_moe"))
     small = ["--conversations", "2", "--max-turns", "2", "--token-scale", "0.02", "--time-scale", "0.001",
-             "--no-progress", "--model", d]
+             "--no-progress", "--priorities", "fifo", "--model", d]
     assert cli.main(["replay", *small]) == 0
     out = capsys.readouterr()
     assert "normal" in out.out and "fine-grained" in out.out and "qwen2_moe" in out.err

@@ -157,6 +157,7 @@ class Checked:
     context: list[int]
     params: SamplingParams
     tokens: list[int]
+    partial: bool = False      # an aborted turn: its tokens are a prefix of the recompute
 
 
 def _params_dict(p: SamplingParams) -> dict:
@@ -412,7 +413,19 @@ class WorkerMachine(RuleBasedStateMachine):
         out = value
         if out.finish_reason == "abort":
             self.check(call.abort_issued, f"{what} ended with 'abort' though nothing aborted it")
-            self.check(out.token_ids == [], f"aborted {what} returned tokens")
+            # partial rollout (issue 15): the tokens produced so far come back, and they become part
+            # of the trajectory's context (with the prompt); greedy / seeded ones are a prefix of a
+            # fault-free recompute
+            p = call.params
+            self.check(len(out.token_ids) == len(out.logprobs) < p.max_new_tokens + 1,
+                       f"aborted {what}: {len(out.token_ids)} tokens, {len(out.logprobs)} logprobs")
+            self.check(all(isinstance(t, int) and 0 <= t < VOCAB for t in out.token_ids), f"{what}: bad token ids")
+            if tr is not None:
+                tr.tokens = list(call.context) + list(out.token_ids)
+            overlapped = any(a <= call.t1 and call.t0 <= b for a, b in self.updates)
+            if out.token_ids and _is_deterministic(p) and not overlapped:
+                _count("checked_partial_turns")
+                self.checked.append(Checked(call.version, list(call.context), p, list(out.token_ids), partial=True))
             return
         self.check(not call.abort_true, f"abort({call.tid}) returned True but {what} ran to '{out.finish_reason}' "
                                         f"({len(out.token_ids)} tokens)")
@@ -425,6 +438,9 @@ class WorkerMachine(RuleBasedStateMachine):
         if out.finish_reason == "length" and p.ignore_eos and not p.stop_token_ids:
             self.check(len(out.token_ids) == p.max_new_tokens, f"{what}: 'length' after {len(out.token_ids)} tokens")
         self.check(out.num_prompt_tokens == len(call.context), f"{what}: num_prompt_tokens {out.num_prompt_tokens}")
+        self.check(0 <= out.num_cached_tokens < len(call.context), f"{what}: num_cached_tokens {out.num_cached_tokens}")
+        if out.num_cached_tokens and call.new:
+            _count("new_trajectories_sharing_a_cached_prefix")
         if tr is not None:
             tr.tokens = list(call.context) + list(out.token_ids)
         overlapped = any(a <= call.t1 and call.t0 <= b for a, b in self.updates)
@@ -730,6 +746,28 @@ class WorkerMachine(RuleBasedStateMachine):
     def continue_list(self, data, n: int, seed: int, kw: dict) -> None:
         self.continue_turn(data=data, n=n, seed=seed, kw=kw, container="list")
 
+    @precondition(lambda self: any(tr.tokens or tr.call is not None for tr in self.trajs.values()))
+    @rule(data=st.data(), k=st.integers(1, 4), extra=st.integers(0, 20), seed=st.integers(0, 2 ** 16),
+          kw=_sampling_kwargs())
+    def generate_siblings(self, data, k: int, extra: int, seed: int, kw: dict) -> None:
+        """Prefix sharing (issue 15): ``k`` new trajectories (new request ids) on the context of an
+        existing one (idle: its tokens; busy: the prompt its turn in flight is writing), maybe
+        extended: GRPO siblings and verl's router, which sends a new id every turn. Their KV is
+        shared from the cache or from the sibling writing it; each is checked against a recompute."""
+        tid = data.draw(st.sampled_from(sorted(t for t, tr in self.trajs.items() if tr.tokens or tr.call)))
+        tr = self.trajs[tid]
+        base = list(tr.call.context) if tr.call is not None else list(tr.tokens)
+        params = self.make_params(kw)
+        if params is None or not base:
+            return
+        rng = random.Random(seed)
+        prompt = base + [rng.randrange(2, VOCAB) for _ in range(extra)]
+        _count("sibling_groups")
+        for _ in range(k):
+            sib = self.new_tid()
+            call = Call("generate", sib, prompt, params, self.expect_for(len(prompt), params), True, self.version)
+            self.launch(call, lambda sib=sib: self.w.generate(prompt, params, trajectory_id=sib))
+
     @precondition(lambda self: bool(self.calls))
     @rule(data=st.data())
     def collect_another(self, data) -> None:
@@ -888,7 +926,7 @@ async def recompute(checked: list[Checked], versions: dict[int, dict[str, torch.
             for c in (c for c in checked if c.version == v):
                 out = await ref.generate(c.context, c.params)
                 await ref.release(out.trajectory_id)
-                if out.token_ids != c.tokens:
+                if (out.token_ids[:len(c.tokens)] if c.partial else out.token_ids) != c.tokens:
                     bad.append((v, len(c.context), c.params, c.tokens, out.token_ids))
     return bad
 
@@ -983,7 +1021,7 @@ def _rank_property(rank: int, world_size: int, examples: int, steps: int, soak: 
     live = [t for t in _threads_left(before, 2.0) if t.startswith(("ainfer-P", "ainfer-D", "ainfer-pd-rdzv"))]
     lt.stop()
     extra = _threads_left(before)
-    return error, exit_error, live, extra, [(c.version, c.context, c.params, c.tokens) for c in shared["checked"]]
+    return error, exit_error, live, extra, [(c.version, c.context, c.params, c.tokens, c.partial) for c in shared["checked"]]
 
 
 @pytest.mark.slow

@@ -98,7 +98,9 @@ async def test_case01_a_prompt_that_fits_only_by_reusing_the_trajectorys_own_blo
     async with RolloutWorker(cfg) as w:
         a = await bounded(w.generate(rand_ids(rng, 150), SamplingParams(max_new_tokens=8, **GREEDY), trajectory_id="A"),
                           "first turn")
-        assert len(w.engine.kv.trajectories["A"].blocks) == 10 and w.engine.kv.num_free_blocks == 2
+        # idle: A holds no block, its 10 blocks are cached content (evictable), 2 are free
+        kv = w.engine.kv
+        assert "A" not in kv.trajectories and kv.num_cached_blocks == 10 and kv.alloc.num_free == 2
         prompt = rand_ids(rng, 150)               # 10 blocks: only with A's own 10
         behind = asyncio.ensure_future(w.generate(rand_ids(rng, 10), SamplingParams(max_new_tokens=2, **GREEDY)))
         out = await bounded(w.generate(prompt, SamplingParams(max_new_tokens=8, **GREEDY), trajectory_id="A"),
@@ -112,38 +114,51 @@ async def test_case01_a_prompt_that_fits_only_by_reusing_the_trajectorys_own_blo
         assert idle_and_clean(w) and w.engine.kv.num_free_blocks == 12
 
 
-_kv_states = st.lists(st.tuples(st.integers(0, 6), st.booleans(), st.integers(0, 96)), min_size=0, max_size=5)
+_FAMILIES = [[(7 * f + 3 * i) % 500 + 2 for i in range(200)] for f in range(3)]
+_seq = st.tuples(st.integers(0, 2), st.integers(1, 120), st.integers(0, 3), st.booleans(), st.integers(0, 200))
+_kv_states = st.lists(_seq, min_size=0, max_size=6)
 
 
-@settings(max_examples=150, deadline=None, derandomize=True, database=None,
+def _tokens(family: int, n: int, fork: int) -> list[int]:
+    """Prompts of three families; ``fork`` > 0 changes the token at 16 * fork (siblings that share
+    a prefix of ``fork`` blocks, then diverge)."""
+    t = list(_FAMILIES[family][:n])
+    if fork and 16 * fork < n:
+        t[16 * fork] = 1
+    return t
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
-@given(state=_kv_states, own=st.integers(-1, 4), total=st.integers(1, 200), keep=st.integers(0, 200))
-def test_case01_the_planner_and_the_reservation_apply_one_admission_rule(state, own, total, keep):
-    """For any cache state: ``fits(admission_demand, pool_blocks)`` (what the planner and the
-    engine's admission both ask) holds exactly when ``reserve`` succeeds."""
+@given(state=_kv_states, last=_seq)
+def test_case01_the_planner_and_the_reservation_apply_one_admission_rule(state, last):
+    """For any cache state, shared prefixes included (issue 15): ``fits(admission_demand,
+    pool_blocks)`` (what the planner and the engine's admission both ask) holds exactly when
+    ``reserve`` succeeds; accounting stays consistent."""
     kv = KVCacheManager(num_blocks=16, block_size=16)
-    for i, (nblocks, pinned, tokens) in enumerate(state):
-        tid = f"t{i}"
-        if nblocks > kv.num_free_blocks:
+    for i, (fam, n, fork, pinned, extra) in enumerate(state):
+        toks = _tokens(fam, n, fork)
+        total = n + extra
+        if not fits(kv.admission_demand(f"t{i}", total, toks), kv.pool_blocks()):
             continue
-        kv.reserve(tid, nblocks * 16, 0, now=float(i))
-        kv.mark_written(tid, kv.trajectories[tid].lifetime, min(tokens, nblocks * 16))
+        kv.reserve(f"t{i}", total, toks, now=float(i))
+        lt = kv.trajectories[f"t{i}"].lifetime
+        kv.mark_written(f"t{i}", lt, n)
         if not pinned:
-            kv.finish_turn(tid, kv.trajectories[tid].lifetime, min(tokens, nblocks * 16), now=float(i))
-    tid = f"t{own}" if 0 <= own < len(state) and f"t{own}" in kv.trajectories else "new"
-    keep = min(keep, total)
-    if tid in kv.trajectories and kv.trajectories[tid].pinned:
-        return                                   # a trajectory with a turn in flight takes no second one
-    demand, pool = kv.admission_demand(tid, total), kv.pool_blocks()
-    planned, _ = plan_prefill([PendingPrefill("r", total, False, demand)], 10_000, pool)
+            kv.finish_turn(f"t{i}", lt, n, now=float(i))
+        assert kv.check_no_leak(), kv.audit()
+    fam, n, fork, _, extra = last
+    toks, total = _tokens(fam, n, fork), n + extra
+    demand, pool = kv.admission_demand("new", total, toks), kv.pool_blocks()
+    planned, _ = plan_prefill([PendingPrefill("r", n, False, demand)], 10_000, pool)
     assert bool(planned) == fits(demand, pool)
     try:
-        kv.reserve(tid, total, keep, now=100.0)
+        kv.reserve("new", total, toks, now=100.0)
         reserved = True
     except CapacityError:
         reserved = False
-    assert reserved == fits(demand, pool), (state, tid, total, keep, demand, pool)
-    assert kv.check_no_leak()
+    assert reserved == fits(demand, pool), (state, last, demand, pool)
+    assert kv.check_no_leak(), kv.audit()
 
 
 # ====================================================================== case 2
@@ -234,7 +249,10 @@ async def test_case03_abort_ends_a_turn_queued_behind_a_drain():
             out = await bounded(queued, "the queued continue_", 2.0)
             assert out.finish_reason == "abort" and out.token_ids == []
         await until(lambda: w.trajectories["A"].draining is None, "the drain")
-        assert w.trajectories["A"].turn is None and w.trajectories["A"].tokens == []
+        # issue 15 (partial rollout): an aborted turn commits its prompt and what it produced (here
+        # nothing) to the trajectory: the first turn's 60-token prompt, then the queued [5, 6, 7]
+        assert w.trajectories["A"].turn is None
+        assert w.trajectories["A"].tokens == rand_ids(random.Random(60), 60) + [5, 6, 7]
         await w.release("A")
         assert idle_and_clean(w) and w.engine.kv.num_free_blocks == w.engine.kv.alloc.num_blocks
 
@@ -551,7 +569,7 @@ async def test_decide_retained_kv_does_not_survive_update_weights(cfg):
         assert b.num_cached_tokens == 0
         assert b.token_ids == recompute_greedy(new, cfg, prompt + a.token_ids + obs, 5)[0]
         assert (await bounded(running, "the turn in flight")).finish_reason == "length"
-        assert not w.engine.kv.trajectories["busy"].blocks
+        assert "busy" not in w.engine.kv.trajectories     # its stale KV was not cached
         c = await w.continue_("busy", [5], SamplingParams(max_new_tokens=2, **GREEDY))
         assert c.num_cached_tokens == 0
         for tid in list(w.trajectories):

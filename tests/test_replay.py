@@ -207,6 +207,7 @@ def test_cli_replay_with_fake_worker(monkeypatch, capsys, tmp_path):
     out = capsys.readouterr().out
     assert rc == 0
     assert "normal" in out and "fine-grained" in out and "makespan" in out
+    assert "fine-grained+critical-path" in out          # the main job reports both priorities
     assert (tmp_path / "r" / "results.json").exists()
     rc = cli.main(["bench", "--policies", "normal,global-enqueue", "--cells", "P1,P2", "--repeats", "1",
                    "--conversations", "2", "--max-turns", "2", "--no-progress", "--workload", "p-heavy",
@@ -224,7 +225,7 @@ def test_cli_misc(capsys, tmp_path, monkeypatch):
     assert (tmp_path / "t.jsonl").exists() and "new_tokens" in capsys.readouterr().out
     # the multi-rank replay: two real rank processes (lockstep engine, EP=2) serve the conversations
     assert cli.main(["replay", "--world-size", "2", "--conversations", "2", "--max-turns", "2",
-                     "--policies", "fine-grained", "--no-progress"]) == 0
+                     "--policies", "fine-grained", "--priorities", "fifo", "--no-progress"]) == 0
     out = capsys.readouterr()
     assert "world size 2" in out.out and "fine-grained" in out.out
     monkeypatch.setitem(sys.modules, "ainfer_pd.selftest", None)
@@ -268,3 +269,16 @@ async def test_real_worker_tiny_replay():
         assert s["makespan_s"] > 0 and s["requests_per_s"] > 0
         outs[policy] = res.outputs
     assert outs["normal"] == outs["fine-grained"]
+
+
+def test_a_ranks_share_of_a_trace_draws_the_same_token_ids_as_the_whole_trace():
+    # the multi-rank replay gives each rank every world_size-th conversation: their prompts must be
+    # the ones world size 1 replays, or the greedy tokens of the two cannot be compared
+    from ainfer_pd.workload.replay import conversation_token_ids, turn_params
+    from ainfer_pd.workload.trace import Trace, make_trace
+    for trace in (make_trace(6, 3, token_scale=0.02, seed=1), make_trace(3, 2, token_scale=0.02, seed=1).with_samples_per_prompt(2)):
+        share = Trace(conversations=trace.conversations[1::2], meta=dict(trace.meta))
+        for j, ci in enumerate(range(1, len(trace.conversations), 2)):
+            assert conversation_token_ids(share, j, seed=3, vocab_size=100) == \
+                conversation_token_ids(trace, ci, seed=3, vocab_size=100)
+            assert turn_params(share, j, 0, 4, seed=3) == turn_params(trace, ci, 0, 4, seed=3)

@@ -110,3 +110,32 @@ def test_decode_only_and_p_heavy():
     assert a["new_tokens"].min() > 5 * a["gen_tokens"].max()    # P-heavy
     assert a["tool_wait_s"].max() < 0.05
     assert set(PAPER_PERCENTILES) >= {"new_tokens", "gen_tokens", "retained_context", "tool_wait_s"}
+
+
+def test_grpo_shaped_trace_groups_share_their_first_prompt_only():
+    from ainfer_pd.workload.replay import conversation_token_ids, turn_params
+    base = make_trace(3, 3, token_scale=0.05, seed=4)
+    t = base.with_samples_per_prompt(4)
+    assert t.samples_per_prompt == 4 and len(t.conversations) == 12 and base.samples_per_prompt == 1
+    assert [c.conv_id for c in t.conversations] == list(range(12))
+    assert all(t.conversations[4 * g + j].turns == base.conversations[g].turns for g in range(3) for j in range(4))
+    ids = [conversation_token_ids(t, i, seed=0, vocab_size=512) for i in range(12)]
+    for g in range(3):
+        group = ids[4 * g:4 * g + 4]
+        assert all(m[0] == group[0][0] for m in group)                   # one first prompt
+        assert len({tuple(m[1]) for m in group}) == 4                    # own observations
+    assert ids[0][0] != ids[4][0]
+    p = [turn_params(t, i, 0, 8, seed=0) for i in range(4)]
+    assert all(x.temperature == 1.0 and x.ignore_eos for x in p) and len({x.seed for x in p}) == 4
+    assert turn_params(base, 0, 0, 8, seed=0).greedy                  # ungrouped traces stay greedy
+    with pytest.raises(InvalidRequestError):
+        base.with_samples_per_prompt(0)
+    with pytest.raises(InvalidRequestError):
+        t.with_samples_per_prompt(2)
+
+
+def test_grpo_shaped_trace_survives_jsonl(tmp_path):
+    t = make_trace(2, 2, token_scale=0.05, seed=1).with_samples_per_prompt(3)
+    t.save_jsonl(tmp_path / "g.jsonl")
+    back = Trace.load_jsonl(tmp_path / "g.jsonl")
+    assert back.samples_per_prompt == 3 and len(back.conversations) == 6

@@ -62,11 +62,12 @@ def ray_cluster():
     ray.shutdown()
 
 
-def rollout_config(**engine):
+def rollout_config(routing_replay: bool = False, **engine):
     from omegaconf import OmegaConf
     from verl.workers.config import RolloutConfig
     rc = RolloutConfig(name="ainfer_pd", tensor_model_parallel_size=1, n_gpus_per_node=1, nnodes=1,
                        prompt_length=256, response_length=64, free_cache_engine=True,
+                       enable_rollout_routing_replay=routing_replay,
                        engine_kwargs={"ainfer_pd": {"config": TINY, **engine}})
     def strip(x):   # structured configs carry empty ``_target_`` fields; verl's YAML configs carry real ones
         if isinstance(x, dict):
@@ -82,11 +83,12 @@ def trainer_config(rc):
     return OmegaConf.create({"actor_rollout_ref": {"rollout": rc, "model": {}}, "data": {}})
 
 
-async def launch_replica(suffix: str, model_config=None, **engine):
+async def launch_replica(suffix: str, model_config=None, routing_replay: bool = False, **engine):
     import verl  # noqa: F401  (loads the verl.plugins entry point)
     from verl.workers.rollout.replica import RolloutMode, get_rollout_replica_class
     cls = get_rollout_replica_class("ainfer_pd")
-    replica = cls(replica_rank=0, config=rollout_config(**engine), model_config=model_config or {}, gpus_per_node=1,
+    replica = cls(replica_rank=0, config=rollout_config(routing_replay, **engine), model_config=model_config or {},
+                  gpus_per_node=1,
                   name_suffix=suffix)
     await replica.init_local(RolloutMode.HYBRID)
     return replica
@@ -305,7 +307,7 @@ async def test_update_weights_verl_generator_format(ray_cluster):
 @needs_verl
 async def test_sleep_wake_abort_resume_keep_other_trajectories(ray_cluster):
     import ray
-    replica = await launch_replica("control")
+    replica = await launch_replica("control", sleep_keep_weights=True)   # level 2, weights to host memory
     server = replica.server_handle
     try:
         req = {**GREEDY, "max_tokens": 6}
@@ -317,7 +319,9 @@ async def test_sleep_wake_abort_resume_keep_other_trajectories(ray_cluster):
         await asyncio.sleep(0.5)
         res = await replica.abort_all_requests()
         out_c = await long
-        assert out_c.stop_reason == "aborted" and out_c.token_ids == [] and "c" in res["request_ids"]
+        # partial rollout: the aborted turn returns what it produced so far
+        assert out_c.stop_reason == "aborted" and 0 < len(out_c.token_ids) < 2000 and "c" in res["request_ids"]
+        assert len(out_c.log_probs) == len(out_c.token_ids)
         # while paused a new request parks; it runs after resume_generation
         parked = server.generate.remote([41, 42, 43], dict(req), "d")
         await asyncio.sleep(0.2)
@@ -385,5 +389,60 @@ async def test_replica_serves_actor_rollout_ref_model_path_and_syncs_transformer
         assert await gen_tokens() == base
         await adapter.update_weights(iter(named), global_steps=2)
         assert await gen_tokens() == expected
+    finally:
+        await kill(replica)
+
+
+@needs_verl
+async def test_fully_async_client_partial_rollout_resumes_without_recompute(ray_cluster):
+    """verl's FullyAsyncLLMServerClient: abort_all_requests mid-turn returns the partial tokens,
+    the client resends prompt + partial tokens after resume_generation, the server reuses their
+    KV (nothing of the partial turn is prefilled again) and the merged output equals an
+    uninterrupted greedy run; with routing replay on (verl's ``enable_rollout_routing_replay``), the
+    client's merge of the two TokenOutputs' ``routed_experts`` equals the uninterrupted run's, which
+    equals the router's top-k of a full recompute."""
+    import numpy as np
+    from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
+    from verl.workers.rollout.router import get_router_handle
+
+    replica = await launch_replica("fullyasync", routing_replay=True)
+    server = replica.server_handle
+    try:
+        prompt = [7, 3, 99, 41, 250, 12, 88, 17, 5, 64, 33, 2, 101, 77, 9]
+        req = {**GREEDY, "max_tokens": 600, "ignore_eos": True}
+        ref = await server.generate.remote(prompt, dict(req), "reference")
+        assert len(ref.token_ids) == 600
+        await replica.clear_kv_cache()
+        cfg = trainer_config(rollout_config(routing_replay=True))
+        client = FullyAsyncLLMServerClient(cfg, load_balancer_handle=get_router_handle(
+            servers={replica.server_address: server}))
+        task = asyncio.ensure_future(client.generate("episode-1", prompt_ids=prompt, sampling_params=dict(req)))
+        for _ in range(2000):
+            if (await server.metrics.remote())["server"]["inflight"]:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        res = await replica.abort_all_requests()
+        assert res["aborted_count"] == 1
+        await asyncio.sleep(0.3)
+        await replica.resume_generation()
+        out = await asyncio.wait_for(task, 120)
+        assert out.token_ids == ref.token_ids and len(out.log_probs) == 600
+        stats = (await server.metrics.remote())["server"]
+        k = stats["partial_tokens"]
+        assert stats["aborted"] == 1 and 0 < k < 600
+        # the resumed turn fed only the last partial token again
+        assert stats["cached_tokens"] == len(prompt) + k - 1
+        # routing replay: [every fed token, MoE layers, top_k], merged contiguously across the resume
+        from ainfer_pd import WorkerConfig
+        from ainfer_pd.engine.model import build_model
+        from tests.test_routing_replay import _same, reference_routing
+        wc = WorkerConfig.from_yaml(TINY)
+        assert isinstance(ref.routed_experts, np.ndarray)
+        assert ref.routed_experts.shape == (len(prompt) + 599, wc.model.num_layers, wc.model.top_k)
+        assert np.array_equal(out.routed_experts, ref.routed_experts)
+        seq = prompt + list(ref.token_ids)
+        want = reference_routing(build_model(wc.model), wc, seq)[:len(seq) - 1]
+        assert _same(torch.tensor(ref.routed_experts), want)
     finally:
         await kill(replica)

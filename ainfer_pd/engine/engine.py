@@ -33,7 +33,9 @@ from ..sched.span import Activation, SpanInputs, make_span_policy
 from ..turnstile.rendezvous import LocalRendezvous
 from ..turnstile.turnstile import Turnstile
 from .device import Device, make_device
+from . import prefix
 from .kv_cache import KVCacheManager
+from .routed_experts import of_turn
 from .residency import Residency, kv_blocks_for_budget
 from .runner import BatchPlan, ModelRunner
 from .sampler import SampleRow, sample
@@ -59,6 +61,25 @@ P_ITEM = {"phase": "P", "kind": "compute"}
 D_ITEM = {"phase": "D", "kind": "iter"}
 
 
+async def _segments_done(segs: list, last) -> Any:
+    """``last``'s result once it completed, raising the first failure of the P segments before it
+    (the stream runs on after a failed item, so a failure is only seen by looking)."""
+    try:
+        result = await last.done()
+    except BaseException:
+        _raise_first_failure(segs)
+        raise
+    _raise_first_failure(segs)
+    return result
+
+
+def _raise_first_failure(segs: list) -> None:
+    for w in segs:
+        f = w.enqueued()
+        if f.done() and not f.cancelled() and f.exception() is not None:
+            raise f.exception()
+
+
 class Engine:
     def __init__(self, cfg: WorkerConfig, recorder: Recorder, *, rendezvous=None, rank: int = 0,
                  tp_shard: tuple[int, int] | None = None, setup: Callable[["Engine"], None] | None = None) -> None:
@@ -81,7 +102,8 @@ class Engine:
         if self.device.kind == "cpu":
             torch.set_num_threads(dc.cpu_threads_per_stream)
         num_blocks = cfg.cache.num_blocks or self._blocks_from_memory()
-        self.kv = KVCacheManager(num_blocks, cfg.cache.block_size)
+        self.kv = KVCacheManager(num_blocks, cfg.cache.block_size, sharing=cfg.cache.prefix_sharing,
+                                 wait_min_tokens=cfg.cache.prefix_wait_min_tokens)
         self.runner = ModelRunner(cfg, self.device.torch_device, self.kv, tp_shard=tp_shard)
         self.residency = Residency(self.runner)
         self.prefill_ctx = PhaseContext(Phase.PREFILL, self.device.stream("P"))
@@ -117,6 +139,7 @@ class Engine:
         self._d_in_flight = False
         self._pending_cleanup: list[Turn] = []
         self.num_dropped_results = 0
+        self.num_prefill_tokens = 0      # prompt tokens computed by P passes
         self.num_finished = 0
         self.num_aborted = 0
         self.num_failed = 0
@@ -142,17 +165,24 @@ class Engine:
         self.waiting.append(turn)
         self._notify()
 
-    def abort(self, turn: Turn, reason: str = "abort") -> None:
-        """Abort a turn: its caller gets finish_reason "abort" now; its KV is cleaned up
-        once no submitted device work touches it (a cancel waits for P work to drain).
-        Until then the trajectory is *draining*: its next turn is queued but not admitted."""
+    def abort(self, turn: Turn, reason: str = "abort", *, commit: bool = True) -> None:
+        """Abort a turn: its caller gets finish_reason "abort" now, with the tokens and logprobs
+        it produced so far (partial rollout). With ``commit`` (abort / abort_all / sleep) the
+        trajectory's context becomes the turn's prompt plus those tokens and the KV written for
+        them is kept, so ``continue_(tid, [])`` (or resubmitting prompt + partial tokens) resumes
+        without recomputing it; without (the caller was cancelled: it never sees the tokens) the
+        trajectory keeps its context from before the turn. The KV is cleaned up once no
+        submitted device work touches it (a cancel waits for P work to drain). Until then the
+        trajectory is *draining*: its next turn is queued but not admitted."""
         if turn.state in (TurnState.DONE, TurnState.ABORTED) or turn.abort_requested:
             return
         turn.abort_requested = True
+        turn.commit_on_abort = commit
+        turn.routed_experts = of_turn(self.runner.routed, self.kv, turn)    # before its KV can go
         self._resolve(turn, "abort")
         if turn.traj.turn is turn:             # the trajectory is free for its next turn at once
             turn.traj.turn = None
-            turn.traj.tokens = turn.prev_tokens
+            turn.traj.tokens = turn.context + turn.out_tokens if commit else turn.prev_tokens
         if turn.in_flight == 0:
             self._cleanup_aborted(turn)
         else:
@@ -169,7 +199,9 @@ class Engine:
             self.decoding.remove(turn)
         turn.state = TurnState.ABORTED
         if turn.lifetime:
-            self.kv.abort_turn(turn.tid, turn.lifetime, turn.num_cached, self.rec.now())
+            # NOTE: what completed passes of this lifetime wrote (marked) stays cached, addressed by
+            # its tokens (a resubmission finds it); a pass still in flight at the abort was never marked.
+            self.kv.abort_turn(turn.tid, turn.lifetime, turn.seq_len, self.rec.now())
         # NOTE: a turn never admitted holds no reservation and pins nothing (a pin on its
         # trajectory's KV belongs to another lifetime: an earlier turn still draining).
         if turn.traj.turn is turn:
@@ -216,14 +248,10 @@ class Engine:
 
     # ------------------------------------------------------------------ P
     def _pending_view(self) -> list[PendingPrefill]:
-        """Admissible waiting turns in the order the priority policy serves them."""
-        turns = [t for t in self.waiting if not t.abort_requested and not self._behind_drain(t)]
-        turns = self._by_priority(turns, waiting=True)
-        out = []
-        for t in turns:
-            need = 0 if t.lifetime else self.kv.admission_demand(t.tid, len(t.context) + t.params.max_new_tokens)
-            out.append(PendingPrefill(t.request_id, t.remaining_prompt, bool(t.lifetime), need))
-        return out
+        """Admissible waiting turns in the order the priority policy serves them.
+        NOTE: a turn whose missing prefix a sibling is writing waits for it (prefix.pending_view)."""
+        turns = [t for t in self.waiting if not (t.abort_requested or self._behind_drain(t))]
+        return prefix.pending_view(self.kv, self._by_priority(turns, waiting=True))
 
     def _by_priority(self, turns: list[Turn], *, waiting: bool) -> list[Turn]:
         """``turns`` (arrival order) in the order ``scheduler.priority`` serves them."""
@@ -252,31 +280,28 @@ class Engine:
     def _available_blocks(self) -> int:
         return self.kv.pool_blocks()
 
-    def _valid_prefix(self, t: Turn) -> int:
-        """Prompt tokens of ``t`` whose KV is still retained (an idle prefix may have been evicted)."""
-        kv = self.kv.trajectories.get(t.tid)
-        return min(t.num_cached, kv.num_tokens if kv is not None else 0)
-
     def _admit(self, chunks, admitted) -> list[tuple[Turn, int, int]]:
         """Reserve KV for newly admitted turns (FIFO), re-checking each with the same rule the
-        planner used (:func:`~ainfer_pd.sched.planner.fits`) on the live cache; the prefix a
-        turn keeps is re-read (an earlier admission may have evicted it: its demand does not
-        change). Returns the runnable chunks."""
+        planner used (:func:`~ainfer_pd.sched.planner.fits`) on the live cache; the cached prefix
+        a turn shares is re-read at its reservation (an earlier admission may have evicted part of
+        it, or shared more: the planned demand is never below the live one). Returns the runnable
+        chunks (a chunk never runs past its prompt)."""
         by_id = {t.request_id: t for t in self.waiting}
         now = self.rec.now()
         blocked = False
         for rid in admitted:
             t = by_id[rid]
-            keep = self._valid_prefix(t)
-            total = len(t.context) + t.params.max_new_tokens
-            if blocked or not fits(self.kv.admission_demand(t.tid, total), self.kv.pool_blocks()):
+            if blocked or not fits(prefix.demand(self.kv, t), self.kv.pool_blocks()):
                 blocked = True            # FIFO: nothing behind it either (cannot happen: same rule as the plan)
                 continue
-            t.num_cached = t.prefilled = keep
-            t.lifetime = self.kv.reserve(t.tid, total, keep, now)
-            self._p_admitted_tokens += len(t.context) - keep
-        return [(by_id[c.request_id], by_id[c.request_id].prefilled, c.num_tokens)
-                for c in chunks if by_id[c.request_id].lifetime]
+            prefix.reserve(self.kv, t, now)
+            self._p_admitted_tokens += len(t.context) - t.prefilled
+        work = []
+        for c in chunks:
+            t = by_id[c.request_id]
+            if t.lifetime:
+                work.append((t, t.prefilled, min(c.num_tokens, len(t.context) - t.prefilled)))
+        return work
 
     def _p_admissible(self) -> bool:
         pend = self._pending_view()
@@ -315,6 +340,16 @@ class Engine:
                 self._fail_turns([t for t, _, _ in work], err)
                 log.warning("P epoch %d failed, %d turns failed: %s", self._epoch, len(work), err)
 
+    def _p_paced_per_layer(self) -> bool:
+        """``mux.p_host_pacing`` resolved (see there). NOTE: receive counts exist only with expert
+        parallelism; without them a wait after every attention segment is a device bubble per layer
+        (P's host wakes, then launches the experts), so on CUDA P's host enqueues ahead and takes
+        its device time once, at the epoch's end. An injected counts delay needs the wait."""
+        mode = self.cfg.mux.p_host_pacing
+        if mode == "auto":
+            mode = "layer" if self.runner.ep is not None or self.device.kind == "cpu" else "epoch"
+        return mode == "layer" or bool(self.faults.slow_counts_ms)
+
     def _span_inputs(self) -> SpanInputs:
         """What the span policy sees (rank 0's answer is used on every rank)."""
         return SpanInputs(num_d_rows=len(self.decoding), max_d_rows=self.cfg.scheduler.max_decode_batch,
@@ -343,6 +378,8 @@ class Engine:
         runner, L = self.runner, self.runner.num_layers
         box = _Box()
         mux, fine = mode.gated, mode.per_layer
+        counts = self._p_paced_per_layer()
+        t_permits = 0.0
         self._p_exclusive = mode.exclusive
         self._p_running = True
         self.rec.event("p_epoch", epoch=epoch, tokens=plan.num_tokens, gated=mux, policy=self.policy)
@@ -366,26 +403,28 @@ class Engine:
                 if mux:
                     ep.publish(0)
                     await permit(0)
-                stream.submit(lambda: setattr(box, "st", runner.embed(plan)), label="P.embed", attrs=P_ITEM)
+                segs = [stream.submit(lambda: setattr(box, "st", runner.embed(plan)), label="P.embed", attrs=P_ITEM)]
                 for layer in range(L):
-                    w = self._enqueue_attention(layer, box, plan, epoch, seg_b, gated=mux)
+                    w = self._enqueue_attention(layer, box, plan, epoch, seg_b, gated=mux, segs=segs)
                     b = 2 * layer + 1                  # expert notification point
                     if fine:
                         ep.publish(b)
-                    t0 = self.rec.now()
-                    await w.done()                     # receive counts: P's device progress paces its host
-                    if box.notified is not None:
-                        await box.notified.wait(timeout=self.cfg.parallel.rendezvous_timeout_s)
-                    if self.faults.slow_counts_ms:
-                        await asyncio.sleep(self.faults.slow_counts_ms / 1e3)
-                    self.rec.event("p_counts", epoch=epoch, boundary=b)
-                    self.rec.sample("p_counts_wait_s", self.rec.now() - t0)
-                    waited += self.rec.now() - t0
-                    counts_waited += self.rec.now() - t0
+                    if counts:
+                        t0 = self.rec.now()
+                        await w.done()                 # receive counts: P's device progress paces its host
+                        if box.notified is not None:
+                            await box.notified.wait(timeout=self.cfg.parallel.rendezvous_timeout_s)
+                        if self.faults.slow_counts_ms:
+                            await asyncio.sleep(self.faults.slow_counts_ms / 1e3)
+                        self.rec.event("p_counts", epoch=epoch, boundary=b)
+                        self.rec.sample("p_counts_wait_s", self.rec.now() - t0)
+                        waited += self.rec.now() - t0
+                        counts_waited += self.rec.now() - t0
                     if fine:
                         await permit(b)
-                    stream.submit(lambda l=layer: setattr(box, "st", runner.experts(l, box.st, ctx, box.notified)),
-                                  label=f"P.experts{layer}", attrs=P_ITEM)
+                    segs.append(stream.submit(
+                        lambda l=layer: setattr(box, "st", runner.experts(l, box.st, ctx, box.notified)),
+                        label=f"P.experts{layer}", attrs=P_ITEM))
                     if fine:
                         if b + 1 < 2 * L:
                             ep.publish(b + 1)          # layer end
@@ -394,17 +433,24 @@ class Engine:
                             ep.publish(b + 1, final=True)
                 logits_w = stream.submit(lambda: runner.head(box.st, plan), label="P.head", attrs=P_ITEM)
                 self.rec.sample("p_enqueue_s", self.rec.now() - t_start - waited)
-                if plan.num_tokens:
+                if plan.num_tokens and counts:
                     p_time = self.rec.now() - t_start - (waited - counts_waited)
                     self._p_boundary_ema = self._ema(self._p_boundary_ema, p_time / (2 * L))
+                elif plan.num_tokens:
+                    t_permits = waited
                 if mode.final == "enqueue":
                     ep.publish(1, final=True)
                 if mode.final == "complete" or not mux:
-                    logits = await logits_w.done()
+                    logits = await _segments_done(segs, logits_w)
                     if mux:
                         ep.publish(1, final=True)
             if mux and mode.final != "complete":
-                logits = await logits_w.done()
+                logits = await _segments_done(segs, logits_w)
+            if plan.num_tokens and not counts:
+                # P time per boundary without the permit waits: host enqueue and device run overlap,
+                # so this is the device-paced time (with D's work interleaved when multiplexed)
+                p_time = self.rec.now() - t_start - t_permits
+                self._p_boundary_ema = self._ema(self._p_boundary_ema, p_time / (2 * L))
         finally:
             for t, _, _ in work:
                 t.in_flight -= 1
@@ -418,11 +464,12 @@ class Engine:
         self._finish_prefill(plan, logits)
 
     def _enqueue_attention(self, layer: int, box: _Box, plan: BatchPlan, epoch: int, boundary: int, *,
-                           gated: bool):
+                           gated: bool, segs: list):
         """Enqueue layer ``layer``'s attention and router (the expert notification) on the P
         stream; returns the item whose completion means the receive counts are on their way.
         Under attention TP the partial output is all-reduced by its own item in between
-        (:meth:`_p_all_reduce`: routed by the ordering; ``boundary`` = its segment)."""
+        (:meth:`_p_all_reduce`: routed by the ordering; ``boundary`` = its segment). Every item
+        enqueued is appended to ``segs`` (the epoch's segments: a failed one fails the epoch)."""
         ctx, runner = self.prefill_ctx, self.runner
         faults_on = self.faults.active
 
@@ -438,16 +485,22 @@ class Engine:
             box.o = runner.attention(layer, box.st, plan)
 
         if not self._p_tensor_parallel:
-            return ctx.stream.submit(attn, label=f"P.attn{layer}", attrs=P_ITEM)
+            w = ctx.stream.submit(attn, label=f"P.attn{layer}", attrs=P_ITEM)
+            segs.append(w)
+            return w
         wa = ctx.stream.submit(attention, label=f"P.attn{layer}", attrs=P_ITEM)
+        segs.append(wa)
         ar = self._p_all_reduce(lambda: box.o, after=wa, epoch=epoch, boundary=boundary, gated=gated)
+        segs.append(ar)
 
         def route() -> None:
-            box.st = runner.after_attention(layer, box.st, ar.enqueued().result())
+            box.st = runner.after_attention(layer, box.st, ar.enqueued().result(), plan)
             box.notified = runner.notify(ctx, box.st)
 
-        return ctx.stream.submit(route, label=f"P.route{layer}", attrs=P_ITEM,
-                                 deps=(ar,) if ar.stream is not ctx.stream else ())
+        w = ctx.stream.submit(route, label=f"P.route{layer}", attrs=P_ITEM,
+                              deps=(ar,) if ar.stream is not ctx.stream else ())
+        segs.append(w)
+        return w
 
     _p_tensor_parallel = False
     """This rank holds a shard of the attention heads: P all-reduces every layer's output."""
@@ -459,6 +512,7 @@ class Engine:
         """Promote completed prompts to D (lifetime-checked); advance partial chunks."""
         now = self.rec.now()
         for t, start, n in plan.prefill:
+            self.num_prefill_tokens += n                 # computed, whatever becomes of the turn
             if t.abort_requested or t.state is not TurnState.WAITING:
                 continue
             if not self.kv.is_current(t.tid, t.lifetime):
@@ -621,6 +675,7 @@ class Engine:
             self.decoding.remove(t)
         t.state = TurnState.DONE
         t.traj.tokens = t.context + t.out_tokens
+        t.routed_experts = of_turn(self.runner.routed, self.kv, t)          # before its KV goes
         self.kv.finish_turn(t.tid, t.lifetime, t.seq_len - 1, self.rec.now())
         if t.traj.turn is t:
             t.traj.turn = None
@@ -633,11 +688,11 @@ class Engine:
             return
         now = self.rec.now()
         ttft = (t.t_first - t.t_submit) if t.t_first is not None else now - t.t_submit
-        out = TurnOutput(trajectory_id=t.tid, token_ids=list(t.out_tokens) if reason != "abort" else [],
-                         logprobs=list(t.out_logprobs) if reason != "abort" else [],
+        out = TurnOutput(trajectory_id=t.tid, token_ids=list(t.out_tokens), logprobs=list(t.out_logprobs),
                          finish_reason=reason, num_prompt_tokens=len(t.context),
                          num_cached_tokens=t.num_cached, ttft_s=ttft, latency_s=now - t.t_submit,
-                         request_id=t.request_id, turn_index=t.traj.num_turns - 1)
+                         request_id=t.request_id, turn_index=t.traj.num_turns - 1,
+                         routed_experts=t.routed_experts)
         t.future.set_result(out)
 
     async def _drain_stream(self, stream) -> None:
@@ -653,6 +708,7 @@ class Engine:
                 t.future.set_exception(err)
             self.num_failed += 1
             t.abort_requested = True
+            t.commit_on_abort = False        # a failed turn leaves its trajectory as it was
             t.in_flight = 0
             self._cleanup_aborted(t)
             self.num_aborted -= 1            # counted as failed, not aborted
@@ -690,6 +746,10 @@ class Engine:
             "dropped_results": self.num_dropped_results,
             "kv_free_blocks": self.kv.num_free_blocks, "kv_total_blocks": self.kv.alloc.num_blocks,
             "kv_evictions": self.kv.num_evictions,
+            "kv_cached_blocks": self.kv.num_cached_blocks,
+            "prefix_prompt_tokens": self.kv.num_prompt_tokens,      # prompt tokens of every admitted turn
+            "prefix_reused_tokens": self.kv.num_reused_tokens,      # of those, served from cached KV
+            "prefill_tokens": self.num_prefill_tokens,              # prompt tokens computed
             "activation_switches": self.activation.switches,
             "d_wait_s_samples": list(self.rec.samples.get("d_wait_s", [])),
             "ttft_s_samples": list(self.rec.samples.get("ttft_s", [])),

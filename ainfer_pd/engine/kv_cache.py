@@ -1,56 +1,37 @@
-"""Paged KV blocks with lifetimes; per-trajectory retention and LRU eviction.
+"""Paged KV with content-addressed prefix sharing, lifetimes and LRU eviction.
 
-Mechanism only: ``can_*`` checks, then ``allocate`` / ``free`` (no exceptions for
-control flow). Every block records the lifetime id of the reservation that owns it,
-so a result of an old lifetime can never be written into a block that was reused.
+Mechanism only: ``can_*`` / query methods, then ``reserve`` / ``mark_written`` / ``finish_turn``
+(no exceptions for control flow); the addresses and choices are :mod:`.block_hash`, the blocks
+:mod:`.block_pool`.
+
+* A *sequence* (one turn of a trajectory, keyed by the trajectory id) holds blocks from its
+  admission until its turn ends: the shared prefix it found (full blocks registered under
+  the chained hash of their tokens: read-only, reference-counted), then its private blocks,
+  which only it writes. An idle trajectory holds nothing: its KV stays in the cache as
+  content, found again by its tokens - by its own next turn, by a new request id for the
+  same context, by GRPO siblings of the same prompt.
+* A full block becomes shareable only once its KV is completely written (``mark_written``,
+  called after the pass that wrote it completed); the last, incomplete block of an ended
+  sequence is kept as an adoptable *tail*: one later sequence continuing those tokens takes it
+  over and writes the rest (the exact continuation of a trajectory loses nothing).
+* Unreferenced blocks with content are evicted least recently released first (a chain's tail
+  before its head); a referenced block is never evicted.
+* Lifetimes: every private block carries the lifetime id of its sequence's reservation, so a
+  result of an old lifetime is never promoted and never marks a reused block written; a block
+  returns to the pool only after the engine knows no device work touches it (an abort waits
+  for its submitted work to drain).
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import torch
 
 from ..errors import CapacityError, LifetimeError
-
-
-class BlockAllocator:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))   # pop() gives low ids first
-        self.owner = [0] * num_blocks                                  # lifetime id, 0 = free
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
-
-    def allocate(self, n: int, lifetime: int) -> list[int]:
-        assert self.can_allocate(n), "allocate() without can_allocate()"
-        out = [self._free.pop() for _ in range(n)]
-        for b in out:
-            self.owner[b] = lifetime
-        return out
-
-    def retag(self, blocks: list[int], lifetime: int) -> None:
-        for b in blocks:
-            self.owner[b] = lifetime
-
-    def free(self, blocks: list[int]) -> None:
-        for b in blocks:
-            assert self.owner[b] != 0, f"double free of block {b}"
-            self.owner[b] = 0
-            self._free.append(b)
-
-    def check_owner(self, blocks: list[int], lifetime: int) -> bool:
-        return all(self.owner[b] == lifetime for b in blocks)
-
+from .block_hash import ROOT, best_tail, block_hash, chain_hashes, release_order
+from .block_pool import BlockPool
 
 _lifetimes = itertools.count(1)
 
@@ -61,128 +42,252 @@ def new_lifetime() -> int:
 
 @dataclass(slots=True)
 class TrajectoryKV:
-    """The retained KV of one trajectory."""
+    """The blocks one trajectory's turn in flight holds (a *sequence*)."""
 
     blocks: list[int] = field(default_factory=list)
     num_tokens: int = 0          # tokens whose KV is computed and valid
-    lifetime: int = 0            # lifetime of the current reservation (0 = none)
+    lifetime: int = 0            # lifetime of the reservation
     last_used: float = 0.0
-    pinned: bool = False         # a turn is in flight: never evicted
-    stale: bool = False          # computed (partly) with old weights: dropped when the turn ends
+    pinned: bool = True          # held by a turn in flight (always, while the entry exists)
+    stale: bool = False          # computed (partly) with old weights: shares nothing, cached never
+    num_shared: int = 0          # leading blocks found in the cache (read-only, owned by nobody)
+    hashes: list[bytes] = field(default_factory=list)   # chained hashes of the complete blocks
+    tokens: Any = ()             # the sequence's token ids (sliceable; grows while it decodes)
+    root: bytes = ROOT           # parent hash of its first block (salted by the trajectory without sharing)
+    writing: list[bytes] = field(default_factory=list)  # hashes of prompt blocks it will complete
+
+    @property
+    def private_blocks(self) -> list[int]:
+        return self.blocks[self.num_shared:]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """What the cache holds of a token sequence (a query: nothing is taken)."""
+
+    shared: tuple[int, ...]          # full blocks to share, in order
+    hashes: tuple[bytes, ...]        # their chained hashes
+    tail: int | None                 # an unreferenced block to adopt after them
+    tail_tokens: int                 # tokens of ``tail`` that are kept
+    next_hash: bytes | None          # hash of the first full block not found (within the limit)
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionView:
+    """What admitting one turn means for the cache now."""
+
+    demand: int                     # blocks its reservation takes out of the pool (admission_demand)
+    cached: int                     # prompt tokens it would reuse
+    next_hash: bytes | None         # the first full prompt block it misses (None: none within the limit)
+    waits: bool                     # an admitted turn is writing that block: GRPO siblings of one prompt
+    # submitted together (admitting now would compute the block twice; waiting shares it once that
+    # turn's pass completed)
+    num_shared: int = 0             # full prompt blocks it shares (the index of next_hash in its hashes)
 
 
 class KVCacheManager:
-    """Blocks of every trajectory on this rank; eviction of idle ones (LRU)."""
+    """The KV blocks of one rank: sequences, the prefix cache, admission accounting."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.alloc = BlockAllocator(num_blocks, block_size)
+    def __init__(self, num_blocks: int, block_size: int, *, sharing: bool = True, wait_min_tokens: int = 0) -> None:
+        self.alloc = BlockPool(num_blocks, block_size)
         self.block_size = block_size
+        self.sharing = sharing
+        """False: a block is reused only by the trajectory that wrote it (its own next turns: the
+        exact-continuation path); the chains are salted with the trajectory id."""
+        self.wait_min_tokens = wait_min_tokens
+        """A turn waits for a sibling writing its missing prompt blocks only when they hold at least
+        this many tokens (``cache.prefix_wait_min_tokens``; see :func:`.block_hash.worth_waiting`)."""
         self.trajectories: dict[str, TrajectoryKV] = {}
-        self.num_evictions = 0
+        self.writing: dict[bytes, int] = {}       # hash -> sequences that will complete that block
+        self.version = 0
+        """Bumped by every change an :meth:`admission_view` of a waiting turn can see (reservations,
+        releases, invalidations, drops, a completed block that is a waiting turn's next missing one
+        (``wanted``) or leaves ``writing``): a view computed at the same version is still exact."""
+        self.wanted: set[bytes] = set()
+        """The first missing prompt block of each waiting turn (set by the engine's pending view)."""
+        self.num_prompt_tokens = 0                # prompt tokens of every reservation
+        self.num_reused_tokens = 0                # of those, served from the cache
 
     # -------------------------------------------------------------- queries
     @property
     def num_free_blocks(self) -> int:
-        return self.alloc.num_free
+        """Blocks no sequence holds (free or cached content)."""
+        return self.alloc.num_unreferenced
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.alloc.num_cached
+
+    @property
+    def num_evictions(self) -> int:
+        """Cached blocks whose content was evicted to make room."""
+        return self.alloc.num_evictions
 
     def evictable_blocks(self, exclude: str | None = None) -> int:
-        return sum(len(t.blocks) for tid, t in self.trajectories.items() if not t.pinned and tid != exclude)
+        return self.alloc.num_cached
 
     def pool_blocks(self) -> int:
-        """Blocks an admission can draw on: the free ones plus every idle (unpinned)
-        trajectory's, the admitted trajectory's own included."""
-        return self.alloc.num_free + self.evictable_blocks()
+        """Blocks an admission can draw on: free ones plus every unreferenced cached one."""
+        return self.alloc.num_unreferenced
 
-    def admission_demand(self, tid: str, total_tokens: int) -> int:
-        """Blocks that :meth:`reserve` of ``total_tokens`` for ``tid`` takes out of
-        :meth:`pool_blocks`: every block of the turn, less the trajectory's own blocks that are
-        outside the pool (pinned). It does not depend on how much of the trajectory's retained
-        prefix is kept: kept blocks are in the pool and stay in use, the rest is truncated into
-        the free list and drawn again. :func:`ainfer_pd.sched.planner.fits` compares the two."""
-        kv = self.trajectories.get(tid)
-        outside = len(kv.blocks) if kv is not None and kv.pinned else 0
-        return max(0, self.alloc.blocks_for(total_tokens) - outside)
+    def root(self, tid: str) -> bytes:
+        return ROOT if self.sharing else ROOT + tid.encode()
+
+    def prompt_hashes(self, tokens: Sequence[int], limit: int | None = None, tid: str = "") -> list[bytes]:
+        """Chained hashes of the full blocks of ``tokens`` within ``limit`` tokens (default all
+        but the last token: it is always fed again for its logits)."""
+        limit = len(tokens) - 1 if limit is None else limit
+        return chain_hashes(tokens, self.block_size, max(0, limit), self.root(tid))
+
+    def match(self, tokens: Sequence[int], limit: int | None = None,
+              hashes: Sequence[bytes] | None = None, tid: str = "") -> tuple[PrefixMatch, int]:
+        """The longest prefix of ``tokens`` (at most ``limit`` tokens, default ``len - 1``) whose
+        KV is cached: shared full blocks, then maybe an adoptable tail. ``hashes`` are
+        :meth:`prompt_hashes` of the same tokens and limit (computed when not given).
+        Returns (the match, tokens covered)."""
+        bs = self.block_size
+        limit = len(tokens) - 1 if limit is None else min(limit, len(tokens))
+        if hashes is None:
+            hashes = self.prompt_hashes(tokens, limit, tid)
+        shared: list[int] = []
+        for h in hashes:
+            b = self.alloc.lookup(h)
+            if b is None:
+                break
+            shared.append(b)
+        n = len(shared)
+        parent = hashes[n - 1] if n else self.root(tid)
+        next_hash = hashes[n] if n < len(hashes) else None
+        tail, kept = None, 0
+        rest = tokens[n * bs:min(limit, (n + 1) * bs)]
+        if len(rest):
+            hit = best_tail(self.alloc.candidates(parent), rest)
+            if hit is not None:
+                tail, kept = hit
+        return PrefixMatch(tuple(shared), tuple(hashes[:n]), tail, kept, next_hash), n * bs + kept
+
+    def cached_prefix(self, tokens: Sequence[int], limit: int | None = None, tid: str = "") -> int:
+        """Tokens of ``tokens`` whose KV is cached (see :meth:`match`)."""
+        return self.match(tokens, limit, tid=tid)[1] if len(tokens) else 0
+
+    def admission_view(self, tid: str, total_tokens: int, tokens: Sequence[int] = (),
+                       hashes: Sequence[bytes] | None = None) -> AdmissionView:
+        """What admitting a turn of ``tid`` (prompt ``tokens``, ``total_tokens`` with its output)
+        means now, from one :meth:`match` (see :class:`AdmissionView`)."""
+        need = self.alloc.blocks_for(total_tokens)
+        if not len(tokens):
+            return AdmissionView(need, 0, None, False)
+        m, kept = self.match(tokens, hashes=hashes, tid=tid)
+        outside = sum(1 for b in m.shared if self.alloc.ref[b] > 0)
+        waits = m.next_hash is not None and m.next_hash in self.writing
+        return AdmissionView(max(0, need - outside), kept, m.next_hash, waits, len(m.shared))
+
+    def admission_demand(self, tid: str, total_tokens: int, tokens: Sequence[int] = (),
+                         hashes: Sequence[bytes] | None = None) -> int:
+        """Blocks that :meth:`reserve` of ``total_tokens`` for ``tid`` (prompt ``tokens``) takes
+        out of :meth:`pool_blocks`: every block of the turn, less the shared blocks it reuses that
+        are referenced already (outside the pool; an unreferenced cached block it reuses leaves
+        the pool like a new one). :func:`ainfer_pd.sched.planner.fits` compares the two."""
+        return self.admission_view(tid, total_tokens, tokens, hashes).demand
 
     # -------------------------------------------------------------- mechanism
-    def reserve(self, tid: str, total_tokens: int, keep_tokens: int, now: float) -> int:
-        """Reserve blocks so ``tid`` can hold ``total_tokens``, keeping its first
-        ``keep_tokens`` of valid KV; evicts LRU idle trajectories if needed.
-        Returns the new lifetime id, which now tags every block of ``tid``."""
-        kv = self.trajectories.setdefault(tid, TrajectoryKV())
-        keep = min(keep_tokens, kv.num_tokens)
-        self._truncate(kv, keep)
-        need = self.alloc.blocks_for(total_tokens) - len(kv.blocks)
-        if need > self.alloc.num_free:
-            self._evict_lru(need - self.alloc.num_free, exclude=tid)
-        if need > self.alloc.num_free:
+    def reserve(self, tid: str, total_tokens: int, tokens: Sequence[int] = (), now: float = 0.0, *,
+                hashes: Sequence[bytes] | None = None) -> int:
+        """Reserve blocks so ``tid`` can hold ``total_tokens``, sharing the cached prefix of its
+        prompt ``tokens`` (a sliceable sequence that may grow as the turn decodes: the blocks it
+        completes are hashed from it). Evicts unreferenced cached blocks (LRU) if needed.
+        Returns the new lifetime; ``trajectories[tid].num_tokens`` is the reused prefix."""
+        old = self.trajectories.get(tid)
+        if old is not None:            # a turn of tid still holds blocks (the engine never admits then)
+            raise LifetimeError(f"{tid!r} already holds a reservation (lifetime {old.lifetime})")
+        root = self.root(tid)
+        if len(tokens) and hashes is None:
+            hashes = self.prompt_hashes(tokens, tid=tid)
+        m, kept = self.match(tokens, hashes=hashes, tid=tid) if len(tokens) else (PrefixMatch((), (), None, 0, None), 0)
+        reuse = len(m.shared) + (m.tail is not None)
+        need = self.alloc.blocks_for(total_tokens) - reuse
+        in_pool = sum(1 for b in m.shared if self.alloc.ref[b] == 0) + (m.tail is not None)
+        if need > self.alloc.num_unreferenced - in_pool:
             raise CapacityError(f"KV cache cannot hold {total_tokens} tokens for {tid!r} "
-                                f"({self.alloc.num_free} blocks free after evicting every idle trajectory)")
+                                f"({self.alloc.num_unreferenced} blocks free or evictable)")
         lifetime = new_lifetime()
-        if need > 0:
-            kv.blocks.extend(self.alloc.allocate(need, lifetime))
-        self.alloc.retag(kv.blocks, lifetime)
-        kv.lifetime = lifetime
-        kv.pinned = True
-        kv.last_used = now
+        for b in m.shared:
+            self.alloc.take(b)
+        blocks = list(m.shared)
+        if m.tail is not None:
+            self.alloc.adopt(m.tail, lifetime)
+            blocks.append(m.tail)
+        blocks += self.alloc.allocate(max(0, need), lifetime)
+        kv = TrajectoryKV(blocks=blocks, num_tokens=kept, lifetime=lifetime, last_used=now,
+                          num_shared=len(m.shared), hashes=list(m.hashes), tokens=tokens, root=root)
+        # the prompt's full blocks this sequence will complete: siblings wait for them (admission_view)
+        kv.writing = list(hashes[len(m.shared):]) if self.sharing and len(tokens) else []
+        for h in kv.writing:
+            self.writing[h] = self.writing.get(h, 0) + 1
+        self.trajectories[tid] = kv
+        self.num_prompt_tokens += len(tokens)
+        self.num_reused_tokens += kept
+        self.version += 1
         return lifetime
 
-    def finish_turn(self, tid: str, lifetime: int, num_valid_tokens: int, now: float) -> None:
-        """The turn of ``lifetime`` ended: keep ``num_valid_tokens`` of KV, free the rest
-        (all of it when the weights changed during the turn: see :meth:`invalidate`)."""
-        kv = self.trajectories.get(tid)
-        if kv is None or kv.lifetime != lifetime:
-            return
-        if kv.stale:
-            num_valid_tokens, kv.stale = 0, False
-        kv.num_tokens = num_valid_tokens
-        self._truncate(kv, num_valid_tokens)
-        kv.pinned = False
-        kv.last_used = now
-
-    def abort_turn(self, tid: str, lifetime: int, num_valid_tokens: int, now: float) -> None:
-        """Drop the reservation of an aborted turn; the prefix KV that was valid before stays."""
-        kv = self.trajectories.get(tid)
-        if kv is None or kv.lifetime != lifetime:
-            return
-        if kv.stale:
-            num_valid_tokens, kv.stale = 0, False
-        kv.num_tokens = min(kv.num_tokens, num_valid_tokens)
-        self._truncate(kv, kv.num_tokens)
-        kv.lifetime = new_lifetime()          # any late result of the old lifetime is now stale
-        self.alloc.retag(kv.blocks, kv.lifetime)
-        kv.pinned = False
-        kv.last_used = now
-
     def mark_written(self, tid: str, lifetime: int, num_tokens: int) -> None:
-        """A forward pass of ``lifetime`` wrote KV up to ``num_tokens``; refuses stale lifetimes."""
+        """A forward pass of ``lifetime`` wrote KV up to ``num_tokens`` (it completed); refuses
+        stale lifetimes. Blocks it completed become shareable under their chained hash."""
         kv = self.trajectories.get(tid)
-        if kv is None or kv.lifetime != lifetime or not self.alloc.check_owner(kv.blocks, lifetime):
+        if kv is None or kv.lifetime != lifetime or not self.alloc.check_owner(kv.private_blocks, lifetime):
             raise LifetimeError(f"stale result for {tid!r}: lifetime {lifetime} no longer owns its blocks")
         kv.num_tokens = max(kv.num_tokens, num_tokens)
+        bs = self.block_size
+        for j in range(len(kv.hashes), min(kv.num_tokens // bs, len(kv.blocks))):
+            parent = kv.hashes[-1] if kv.hashes else kv.root
+            toks = tuple(kv.tokens[j * bs:(j + 1) * bs])
+            h = block_hash(parent, toks)
+            kv.hashes.append(h)
+            if not kv.stale and self.alloc.register_full(kv.blocks[j], h, parent, toks) and h in self.wanted:
+                self.version += 1
+            if self._done_writing(kv, h):
+                self.version += 1
 
     def is_current(self, tid: str, lifetime: int) -> bool:
         kv = self.trajectories.get(tid)
-        return kv is not None and kv.lifetime == lifetime and self.alloc.check_owner(kv.blocks, lifetime)
+        return kv is not None and kv.lifetime == lifetime and self.alloc.check_owner(kv.private_blocks, lifetime)
+
+    def finish_turn(self, tid: str, lifetime: int, num_valid_tokens: int, now: float) -> None:
+        """The turn of ``lifetime`` ended: its blocks go back to the pool, keeping as cached
+        content the first ``num_valid_tokens`` (at most what was written; nothing when the
+        weights changed during the turn, see :meth:`invalidate`)."""
+        kv = self.trajectories.get(tid)
+        if kv is None or kv.lifetime != lifetime:
+            return
+        self._release_seq(tid, min(num_valid_tokens, kv.num_tokens))
+
+    def abort_turn(self, tid: str, lifetime: int, num_valid_tokens: int, now: float) -> None:
+        """The aborted turn of ``lifetime`` drained: as :meth:`finish_turn` (what it wrote stays
+        cached: a resubmission of its tokens finds it); any late result of it is stale."""
+        self.finish_turn(tid, lifetime, num_valid_tokens, now)
 
     def invalidate(self) -> int:
-        """The weights changed: retained KV no longer matches them. Frees every idle
-        trajectory's blocks now (its next turn recomputes); a pinned one (a turn in flight,
-        which reads the new weights from its next stream item on) is marked stale and keeps
-        nothing when that turn ends. Returns the number of blocks freed now."""
-        freed = 0
+        """The weights changed: cached KV no longer matches them. Every content address is
+        forgotten (cached blocks are freed now, so the next turns recompute); a sequence in
+        flight (reading the new weights from its next stream item on) is marked stale: it
+        shares nothing further and leaves nothing cached. Returns the blocks freed now."""
         for kv in self.trajectories.values():
-            if kv.pinned:
-                kv.stale = True
-            elif kv.blocks:
-                freed += len(kv.blocks)
-                self._truncate(kv, 0)
-                kv.lifetime = new_lifetime()
-        return freed
+            kv.stale = True
+            kv.writing = []
+        self.writing.clear()
+        self.version += 1
+        return self.alloc.unregister_all()
+
+    def drop_cached(self) -> int:
+        """Free every cached block (``sleep`` / ``release_kv_cache``). Returns how many."""
+        self.version += 1
+        return self.alloc.drop_cached()
 
     def release(self, tid: str) -> None:
-        kv = self.trajectories.pop(tid, None)
-        if kv is not None and kv.blocks:
-            self.alloc.free(kv.blocks)
+        """Drop the sequence of ``tid`` if it still holds blocks (its written KV stays cached)."""
+        kv = self.trajectories.get(tid)
+        if kv is not None:
+            self._release_seq(tid, kv.num_tokens)
 
     def slot_of(self, tid: str, pos: int) -> int:
         """Cache slot of position ``pos`` of ``tid`` (host int, no tensor)."""
@@ -208,28 +313,55 @@ class KVCacheManager:
         return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
 
     # -------------------------------------------------------------- internals
-    def _truncate(self, kv: TrajectoryKV, num_tokens: int) -> None:
-        keep = self.alloc.blocks_for(num_tokens)
-        if len(kv.blocks) > keep:
-            self.alloc.free(kv.blocks[keep:])
-            del kv.blocks[keep:]
-        kv.num_tokens = min(kv.num_tokens, num_tokens)
+    def _done_writing(self, kv: TrajectoryKV, h: bytes) -> bool:
+        if h not in kv.writing:
+            return False
+        kv.writing.remove(h)
+        n = self.writing.get(h, 0) - 1
+        if n > 0:
+            self.writing[h] = n
+        else:
+            self.writing.pop(h, None)
+        return True
 
-    def _evict_lru(self, need: int, exclude: str) -> None:
-        idle = sorted((t.last_used, tid) for tid, t in self.trajectories.items()
-                      if not t.pinned and tid != exclude and t.blocks)
-        for _, tid in idle:
-            if need <= 0:
-                break
-            kv = self.trajectories[tid]
-            need -= len(kv.blocks)
-            self.alloc.free(kv.blocks)
-            kv.blocks = []
-            kv.num_tokens = 0
-            kv.lifetime = new_lifetime()
-            self.num_evictions += 1
+    def _release_seq(self, tid: str, num_valid: int) -> None:
+        kv = self.trajectories.pop(tid)
+        self.version += 1
+        for h in list(kv.writing):
+            self._done_writing(kv, h)
+        bs = self.block_size
+        last, rem = divmod(num_valid, bs)
+        for j in release_order(range(len(kv.blocks))):
+            b = kv.blocks[j]
+            partial = None
+            if j == last and rem and not kv.stale and j >= kv.num_shared and j <= len(kv.hashes):
+                # the incomplete last block: adoptable by the next sequence continuing these tokens
+                partial = (kv.hashes[j - 1] if j else kv.root, tuple(kv.tokens[j * bs:j * bs + rem]))
+            self.alloc.release(b, partial)
 
     def check_no_leak(self) -> bool:
-        """Every non-free block belongs to exactly one trajectory."""
-        owned = [b for t in self.trajectories.values() for b in t.blocks]
-        return len(owned) == len(set(owned)) and len(owned) + self.alloc.num_free == self.alloc.num_blocks
+        """Block accounting is consistent: every block is free, cached or held, and held exactly
+        as often as the sequences reference it."""
+        return not self.audit()
+
+    def audit(self) -> list[str]:
+        """The inconsistencies :meth:`check_no_leak` looks for ([] when none)."""
+        held: dict[int, int] = {}
+        bad = []
+        for tid, kv in self.trajectories.items():
+            if len(set(kv.blocks)) != len(kv.blocks):
+                bad.append(f"{tid!r} holds a block twice")
+            for b in kv.blocks:
+                held[b] = held.get(b, 0) + 1
+            for j in range(kv.num_shared, len(kv.blocks)):   # shared by others only once complete
+                b = kv.blocks[j]
+                # NOTE: completeness, not registration: invalidate() unregisters a complete block
+                # that a sibling already shares (both sequences are stale from then on)
+                if self.alloc.ref[b] != 1 and (j + 1) * self.block_size > kv.num_tokens:
+                    bad.append(f"{tid!r}: incomplete private block {b} has {self.alloc.ref[b]} references")
+        bad += self.alloc.check(held)
+        for h, n in self.writing.items():
+            if n != sum(kv.writing.count(h) for kv in self.trajectories.values()):
+                bad.append("writer announcements are inconsistent")
+                break
+        return bad

@@ -101,6 +101,9 @@ class MoETransformer(nn.Module):
         self.lm_head = self.embed if c.tie_word_embeddings else nn.Parameter(torch.empty(c.vocab_size, c.hidden_size))
         self.attn_backend: AttentionBackend | None = None   # None: the torch reference path
         self.expert_kernel: Callable[[Tensor, Routing, Tensor, Tensor], Tensor] = experts_local
+        self.routing_sink = None
+        """:class:`~ainfer_pd.engine.routed_experts.RoutedExpertsCache` recording every fed token's
+        top-k expert ids (routing replay, ``cache.routed_experts``); None: nothing recorded."""
         self.load_report = None
         """What building the model read (:class:`ainfer_pd.hf.checkpoint.LoadReport`), if it loaded a checkpoint."""
 
@@ -168,12 +171,17 @@ class MoETransformer(nn.Module):
         o = attend(q, kv, fb, self.attn_backend)                           # [T, H, hd]
         return F.linear(o.reshape(T, H * hd), lyr.wo, lyr.bo)              # [T, D]
 
-    def after_attention(self, i: int, st: SegmentState, o: Tensor) -> SegmentState:
+    def after_attention(self, i: int, st: SegmentState, o: Tensor, write_slots: Tensor) -> SegmentState:
         """Residual add of the (reduced) attention output, FFN norm, then the router of layer i's
-        MoE (None for a dense layer): its ``counts`` are what an expert exchange notifies to peers."""
+        MoE (None for a dense layer): its ``counts`` are what an expert exchange notifies to peers.
+        With a ``routing_sink`` (routing replay) the router's choice of each row is recorded at its
+        KV slot (``write_slots`` [T], the pass's)."""
         c, lyr = self.cfg, self.layers[i]
         h, xn = self.kernels.add_rms_norm(o, st.h, lyr.ffn_norm, c.rms_eps)
-        return SegmentState(h=h, xn=xn, routing=self.route_rows(i, xn) if lyr.is_moe else None)
+        routing = self.route_rows(i, xn) if lyr.is_moe else None
+        if routing is not None and self.routing_sink is not None:
+            self.routing_sink.record(i, write_slots, routing.topk_idx)
+        return SegmentState(h=h, xn=xn, routing=routing)
 
     def route_rows(self, i: int, xn: Tensor) -> Routing:
         """The router of layer i's MoE over any rows xn [N, D] (e.g. every replica's, gathered)."""
@@ -186,7 +194,7 @@ class MoETransformer(nn.Module):
         o = self.attention(i, st, fb, kv)
         if attn_reduce is not None:
             o = attn_reduce(o)
-        return self.after_attention(i, st, o)
+        return self.after_attention(i, st, o, fb.write_slots)
 
     def experts(self, i: int, st: SegmentState, expert_fn: ExpertFn | None = None) -> SegmentState:
         """Routed experts (local, or through an expert-parallel backend) plus the shared expert;

@@ -80,6 +80,8 @@ class Residency:
             r.graphs.release()
         r.graphs = None
         r.kv_cache = None
+        if r.routed is not None:          # routing replay's per-slot ids go with the KV pool
+            r.routed.release()
         self.state.kv = False
         self._collect()
 

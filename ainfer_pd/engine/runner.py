@@ -55,6 +55,12 @@ class ModelRunner:
         # Hk = this rank's KV heads (the model's: a TP shard holds num_kv_heads / ATP).
         self.scratch_block = kv.alloc.num_blocks
         self.scratch_slot = self.scratch_block * kv.block_size
+        self.routed = None
+        """Per-slot expert ids (routing replay), allocated with the KV pool when ``cache.routed_experts``."""
+        if cfg.cache.routed_experts:
+            from .routed_experts import RoutedExpertsCache
+            self.routed = RoutedExpertsCache(mc, (kv.alloc.num_blocks + 1) * kv.block_size, device)
+            self.model.routing_sink = self.routed
         self.kv_cache = self.new_kv_cache()
         dc = cfg.device
         self.model.attn_backend = select_backend(dc.attention_backend, device, mc.head_dim)
@@ -71,8 +77,11 @@ class ModelRunner:
 
     def new_kv_cache(self) -> Tensor:
         """The KV pool, zeroed: ``[layers, 2, (num_blocks + 1) * block_size, Hk, hd]`` (Hk: this rank's
-        KV heads, the model's own: a TP shard holds num_kv_heads / ATP)."""
+        KV heads, the model's own: a TP shard holds num_kv_heads / ATP), and the routed-experts
+        buffer beside it, when kept."""
         mc, kv = self.cfg.model, self.kv
+        if self.routed is not None:
+            self.routed.allocate()
         return torch.zeros(mc.num_layers, 2, (kv.alloc.num_blocks + 1) * kv.block_size, self.model.cfg.num_kv_heads,
                            mc.head_dim, dtype=mc.torch_dtype, device=self.device)
 
@@ -135,8 +144,8 @@ class ModelRunner:
         """The attention output over this rank's heads (a partial sum under TP) [T, D]."""
         return self.model.attention(layer, st, plan.fb, self.kv_cache[layer])
 
-    def after_attention(self, layer: int, st: SegmentState, o: Tensor) -> SegmentState:
-        return self.model.after_attention(layer, st, o)
+    def after_attention(self, layer: int, st: SegmentState, o: Tensor, plan: BatchPlan) -> SegmentState:
+        return self.model.after_attention(layer, st, o, plan.fb.write_slots)
 
     def notify(self, ctx: PhaseContext, st: SegmentState):
         """Start the expert exchange of this layer (peers learn the shape); None without EP

@@ -28,6 +28,26 @@ class Trajectory:
     group: str = ""                                    # priority group: siblings of one first prompt share it
 
 
+class SeqTokens:
+    """The token ids of a turn's sequence (its prompt, then what it generated), sliceable without
+    concatenating: the KV cache hashes the blocks a turn completes from it."""
+
+    __slots__ = ("turn",)
+
+    def __init__(self, turn: "Turn") -> None:
+        self.turn = turn
+
+    def __len__(self) -> int:
+        return len(self.turn.context) + len(self.turn.out_tokens)
+
+    def __getitem__(self, s: slice) -> list[int]:
+        ctx, out = self.turn.context, self.turn.out_tokens
+        start, stop, _ = s.indices(len(ctx) + len(out))
+        if stop <= len(ctx):
+            return ctx[start:stop]
+        return ctx[start:] + out[max(0, start - len(ctx)):stop - len(ctx)]
+
+
 @dataclass(eq=False, slots=True)
 class Turn:
     request_id: str
@@ -47,8 +67,12 @@ class Turn:
     t_first: float | None = None
     in_flight: int = 0                  # submitted device work touching this turn's KV
     abort_requested: bool = False
+    commit_on_abort: bool = True        # an abort keeps the partial output in the trajectory (not a cancel)
     p_mark: int = 0                     # the engine's admitted prefill tokens when it was submitted
     drained: asyncio.Event = field(default_factory=asyncio.Event)   # set once no device work touches it
+    prompt_hashes: list | None = None   # chained block hashes of the prompt (computed once, for the prefix cache)
+    routed_experts: torch.Tensor | None = None   # gathered when the turn ends (routing replay)
+    prefix_view: tuple | None = None    # (kv version, AdmissionView): the prefix cache's view of it, memoized
 
     @property
     def tid(self) -> str:

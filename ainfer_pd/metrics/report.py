@@ -109,6 +109,8 @@ def summarize(result: Any, *, chain_s: float | None = None) -> dict[str, float]:
         "input_tokens": float(sum(r.num_prompt_tokens for r in ok)),
         "output_tokens": float(sum(r.num_output_tokens for r in ok)),
         "cached_tokens": float(sum(r.num_cached_tokens for r in ok)),
+        "prefill_tokens": _num(m, "prefill_tokens"),          # prompt tokens P computed (issue 15)
+        "prefix_reused_tokens": _num(m, "prefix_reused_tokens"),
         "failures": failures,
         "worker_failures": _num(m, "failures", default=0.0),
         "d_wait_mean_s": _num(m, "d_wait_s_mean"),

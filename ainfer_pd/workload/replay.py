@@ -8,7 +8,9 @@ time until the last trajectory finishes.
 
 Prompt and observation ids are random (seeded per conversation, ids in ``[2, vocab)``)
 and sampling is greedy with ``ignore_eos``, so each turn generates exactly the trace's
-token count and the outputs can be compared across policies.
+token count and the outputs can be compared across policies. A GRPO-shaped trace
+(:meth:`Trace.with_samples_per_prompt`) gives each group of ``n`` conversations one first
+prompt and samples each member with its own seed (see :func:`turn_params`).
 """
 from __future__ import annotations
 
@@ -127,12 +129,31 @@ def _jsonable(x: Any) -> Any:
 
 def conversation_token_ids(trace: Trace, conv_index: int, *, seed: int, vocab_size: int) -> list[list[int]]:
     """The seeded token ids appended before each turn of one conversation (ids in ``[2, vocab)``),
-    seeded by the conversation's id (a rank replaying its share of a trace draws the same ids)."""
+    seeded by the conversation's id, not its index (a rank replaying its share of a trace draws
+    the same ids as world size 1)."""
     if vocab_size < 3:
         raise InvalidRequestError("vocab_size must be >= 3")
     conv = trace.conversations[conv_index]
-    rng = np.random.default_rng([seed, conv.conv_id])
-    return [rng.integers(2, vocab_size, size=t.new_tokens).tolist() for t in conv.turns]
+    cid = conv.conv_id
+    rng = np.random.default_rng([seed, cid])
+    ids = [rng.integers(2, vocab_size, size=t.new_tokens).tolist() for t in conv.turns]
+    n = trace.samples_per_prompt
+    if n > 1:          # GRPO: the group's first prompt (its first member's draw)
+        first = np.random.default_rng([seed, cid - cid % n])
+        ids[0] = first.integers(2, vocab_size, size=conv.turns[0].new_tokens).tolist()
+    return ids
+
+
+def turn_params(trace: Trace, conv_index: int, turn: int, gen_tokens: int, *, seed: int) -> SamplingParams:
+    """Greedy with ``ignore_eos`` (exactly ``gen_tokens`` tokens, comparable across runs); in a
+    GRPO-shaped trace (``samples_per_prompt`` > 1) seeded sampling at temperature 1 instead, one
+    seed per (conversation, turn): the members of a group diverge after their shared prompt, and
+    a rerun gives the same tokens."""
+    if trace.samples_per_prompt > 1:
+        cid = trace.conversations[conv_index].conv_id
+        s = int(np.random.default_rng([seed, cid, turn, 7]).integers(0, 2 ** 63))
+        return SamplingParams(max_new_tokens=gen_tokens, temperature=1.0, seed=s, ignore_eos=True)
+    return SamplingParams(max_new_tokens=gen_tokens, temperature=0.0, ignore_eos=True)
 
 
 def _vocab_of(worker: Any) -> int | None:
@@ -191,7 +212,7 @@ async def replay(worker: Any, trace: Trace, *, cell: str = "P1", seed: int = 0, 
                 if wait > 0:
                     await asyncio.sleep(wait)
                     tr.total_wait_s += wait
-                params = SamplingParams(max_new_tokens=turn.gen_tokens, temperature=0.0, ignore_eos=True)
+                params = turn_params(trace, ci, ti, turn.gen_tokens, seed=seed)
                 rec = RequestRecord(conversation=conv.conv_id, turn=ti, submit_s=now(), wait_s=wait,
                                     new_tokens=turn.new_tokens, gen_tokens=turn.gen_tokens)
                 records.append(rec)

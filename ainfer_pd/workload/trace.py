@@ -243,6 +243,25 @@ class Trace:
             meta["max_context"] = max_context
         return Trace(conversations=convs, meta=meta)
 
+    @property
+    def samples_per_prompt(self) -> int:
+        """Conversations per group sharing one first prompt (GRPO's n; 1 = independent prompts)."""
+        return int(self.meta.get("samples_per_prompt", 1))
+
+    def with_samples_per_prompt(self, n: int) -> "Trace":
+        """GRPO-shaped: every conversation becomes a group of ``n`` consecutive ones (ids
+        renumbered) with the same turn counts; the replay gives a group the same first-prompt
+        ids and every member its own seeded sampling and observations, so the members share
+        exactly their first prompt."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InvalidRequestError(f"samples_per_prompt must be a positive integer, got {n!r}")
+        if self.samples_per_prompt != 1:
+            raise InvalidRequestError("the trace already has groups (samples_per_prompt "
+                                      f"{self.samples_per_prompt})")
+        convs = [Conversation(turns=list(c.turns), conv_id=i * n + j)
+                 for i, c in enumerate(self.conversations) for j in range(n)]
+        return Trace(conversations=convs, meta={**self.meta, "samples_per_prompt": n})
+
     def head(self, num_conversations: int) -> "Trace":
         return Trace(conversations=list(self.conversations[:num_conversations]), meta=dict(self.meta))
 

@@ -11,11 +11,12 @@ verl picks it with ``actor_rollout_ref.rollout.name=ainfer_pd``.
 * :meth:`AInferPDReplica.init_local`: no placement at all (CPU tests, one-host debugging).
 
 The ainfer-pd config comes from ``rollout.engine_kwargs.ainfer_pd`` (see
-:data:`.server.ENGINE_KWARGS`); the model from verl's ``actor_rollout_ref.model.path`` when
+:data:`.settings.ENGINE_KWARGS`); the model from verl's ``actor_rollout_ref.model.path`` when
 that is a Hugging Face directory (its ``config.json`` and safetensors: the trainer's model, whose
-weight syncs then arrive in its own names). The server hosts the whole :class:`RolloutWorker`; its
-``parallel.world_size`` should equal verl's ``tensor_model_parallel_size *
-data_parallel_size`` (GPUs per replica), which is checked with a warning.
+weight syncs then arrive in its own names). The server hosts rank 0's :class:`RolloutWorker`; with
+``parallel.world_size`` g > 1 it starts ranks 1..g-1 as its own child processes, one per GPU it
+sees (:mod:`.ranks`). g should equal verl's ``tensor_model_parallel_size * data_parallel_size *
+pipeline_model_parallel_size`` (GPUs per replica), which is checked with a warning.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ import logging
 import ray
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 
-from .server import AInferPDServer, build_worker_config, engine_kwargs_of, model_path_of
+from .server import AInferPDServer
+from .settings import build_worker_config, engine_kwargs_of, model_path_of
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +39,7 @@ class AInferPDReplica(RolloutReplica):
                          name_suffix)
         self.server_class = ray.remote(AInferPDServer)
         self.model_path = model_path_of(model_config)      # actor_rollout_ref.model.path (local copy)
-        self.worker_config = build_worker_config(engine_kwargs_of(self.config), self.model_path)
+        self.worker_config = build_worker_config(engine_kwargs_of(self.config), self.model_path, self.config)
         g = self.worker_config.parallel.world_size
         if g != self.world_size:
             logger.warning("ainfer_pd: parallel.world_size=%d but verl allots %d GPUs per replica "

@@ -24,109 +24,45 @@ Retained trajectories are bounded (``max_retained_trajectories``, LRU over idle 
 and all released by :meth:`clear_kv_cache` (called by verl after every weight update:
 KV computed under old weights is never reused under new ones).
 
-No socket is opened unless ``http: true`` in the engine kwargs; then a small
-token-in/token-out HTTP endpoint binds to ``127.0.0.1`` (``host`` overrides it).
+No socket is opened unless ``http: true`` in the engine kwargs (then a small token-in/token-out
+HTTP endpoint binds to ``127.0.0.1``, ``host`` overrides it: :mod:`.http_api`) or a
+``metrics_port`` is set (Prometheus text at ``/metrics``: :mod:`.observability`).
+
+Sleep / wake follow verl's rollout mode (:mod:`.control`, :mod:`.residency_plan`); with
+``parallel.world_size > 1`` this process is rank 0 of the replica's ranks (:mod:`.ranks`).
+Configuration: :mod:`.settings`; weight sync: :mod:`.weight_staging`.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
-import importlib
+import dataclasses
 import logging
-import os
 import time
-from typing import Any, Iterable, Optional
+import uuid
+from typing import Any, Optional
 
-from ...errors import (AInferPDError, BackendUnavailableError, InvalidRequestError, TrajectoryBusyError,
-                       UnknownTrajectoryError, WeightUpdateError)
+from ...errors import (InvalidRequestError, TrajectoryBusyError,
+                       UnknownTrajectoryError)
+from .control import ResidencyControl
+from .observability import Observability
 from .sampling import to_sampling_params
+from .settings import (ENGINE_KWARGS, build_worker_config, default_config_path, engine_kwargs_of,  # noqa: F401
+                       import_worker_class, model_path_of)
+from .weight_staging import WeightSync
 
 logger = logging.getLogger(__name__)
 
-#: Keys of ``rollout.engine_kwargs.ainfer_pd`` (everything else is rejected).
-ENGINE_KWARGS = {
-    "config": "path of an ainfer-pd WorkerConfig YAML (default: the packaged configs/tiny-cpu.yaml); its model "
-              "section is replaced by actor_rollout_ref.model.path when that is a Hugging Face directory",
-    "overrides": "dotted WorkerConfig overrides, e.g. {'scheduler.policy': 'fine-grained'}",
-    "worker_cls": "import path of the worker class (default ainfer_pd.RolloutWorker)",
-    "max_retained_trajectories": "idle trajectories kept for KV reuse (LRU), default 4096",
-    "cast_weight_dtype": "cast incoming floating weights to the model's dtype (default true)",
-    "http": "also serve a token-in/token-out HTTP endpoint (default false)",
-    "host": "HTTP bind address (default 127.0.0.1)",
-}
+
+def _routed(out: Any) -> Any:
+    """``TurnOutput.routed_experts`` as verl's ``TokenOutput`` carries it (vLLM / SGLang servers: a
+    numpy array ``[tokens, layers, top_k]`` over the whole sequence; verl's agent loop casts it to
+    int16 and its partial-rollout merge keeps the last ``len(token_ids)`` rows of a resumed turn)."""
+    re = getattr(out, "routed_experts", None)
+    return None if re is None else re.numpy()
 
 
-def _to_plain(obj: Any) -> Any:
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-        if isinstance(obj, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(obj, resolve=True)
-    except ImportError:  # pragma: no cover
-        pass
-    if isinstance(obj, dict):
-        return {k: _to_plain(v) for k, v in obj.items()}
-    return obj
-
-
-def engine_kwargs_of(rollout_config: Any) -> dict:
-    """``rollout.engine_kwargs.ainfer_pd`` as a plain dict, unknown keys rejected."""
-    ek = getattr(rollout_config, "engine_kwargs", None) if not isinstance(rollout_config, dict) \
-        else rollout_config.get("engine_kwargs")
-    ek = _to_plain(ek) or {}
-    mine = dict(ek.get("ainfer_pd") or {})
-    unknown = sorted(set(mine) - set(ENGINE_KWARGS))
-    if unknown:
-        from ...errors import ConfigError
-        raise ConfigError(f"unknown rollout.engine_kwargs.ainfer_pd key(s) {unknown}; known: {sorted(ENGINE_KWARGS)}")
-    return mine
-
-
-def default_config_path() -> str:
-    here = os.path.dirname(os.path.abspath(__file__))
-    return os.path.normpath(os.path.join(here, "..", "..", "..", "configs", "tiny-cpu.yaml"))
-
-
-def model_path_of(model_config: Any) -> Optional[str]:
-    """The Hugging Face directory of verl's ``actor_rollout_ref.model`` (``HFModelConfig``:
-    ``local_path``, the local copy verl made, else ``path``); None when there is none (no
-    model section, or a path that is not a local directory with ``config.json``)."""
-    mc = _to_plain(model_config)
-    get = (lambda k: mc.get(k)) if isinstance(mc, dict) else (lambda k: getattr(mc, k, None))
-    for key in ("local_path", "path"):
-        p = get(key)
-        if isinstance(p, str) and p and os.path.isfile(os.path.join(os.path.expanduser(p), "config.json")):
-            return os.path.expanduser(p)
-    return None
-
-
-def build_worker_config(engine_kwargs: dict, model_path: Optional[str] = None):
-    """The worker config: the ainfer-pd YAML; with ``model_path`` (verl's model directory) the
-    model section is that directory's ``config.json`` (architecture, shapes, dtype, weights);
-    then the dotted ``overrides`` (e.g. ``{"model.dtype": "float32"}``)."""
-    from ...config import WorkerConfig
-    path = engine_kwargs.get("config") or default_config_path()
-    if not os.path.isabs(path) and not os.path.exists(path):
-        # Ray actors may not share the driver's cwd: also try the ainfer-pd checkout root.
-        alt = os.path.join(os.path.dirname(os.path.dirname(default_config_path())), path)
-        path = alt if os.path.exists(alt) else path
-    cfg = WorkerConfig.from_yaml(path)
-    if model_path:
-        data = cfg.to_dict()
-        data["model"] = {"path": model_path}
-        cfg = WorkerConfig.from_dict(data)
-    overrides = engine_kwargs.get("overrides") or {}
-    return cfg.replace(**overrides) if overrides else cfg
-
-
-def _import(path: str):
-    mod, _, name = path.replace(":", ".").rpartition(".")
-    try:
-        return getattr(importlib.import_module(mod), name)
-    except (ImportError, AttributeError) as exc:
-        raise BackendUnavailableError(f"cannot import worker class {path!r}: {exc}") from None
-
-
-class AInferPDServer:
+class AInferPDServer(ResidencyControl, WeightSync):
     """Plain class; the replica wraps it with ``ray.remote``. One asyncio loop (Ray's)."""
 
     def __init__(self, config: Any, replica_rank: int = 0, node_rank: int = 0,
@@ -138,13 +74,18 @@ class AInferPDServer:
         self.config = config
         self.engine_kwargs = engine_kwargs_of(config)
         self.model_path = model_path
-        self.worker_config = build_worker_config(self.engine_kwargs, model_path)
+        self.worker_config = build_worker_config(self.engine_kwargs, model_path, config)
         self._get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) \
             else (lambda k, d=None: getattr(config, k, d))
         self.free_cache_engine = bool(self._get("free_cache_engine", True))
+        # routing replay (verl's R3): the worker keeps every token's expert ids, every turn returns them
+        self.routing_replay = bool(self._get("enable_rollout_routing_replay", False))
+        if self.routing_replay:
+            self.worker_config = self.worker_config.replace(**{"cache.routed_experts": True})
         self.max_retained = int(self.engine_kwargs.get("max_retained_trajectories", 4096))
         self.cast_weight_dtype = bool(self.engine_kwargs.get("cast_weight_dtype", True))
         self.worker = None
+        self.ranks = None                             # ReplicaRanks of a multi-rank replica
         self.global_steps: Optional[int] = None
         # KV-reuse bookkeeping (token contexts are cheap host lists)
         self._contexts: "collections.OrderedDict[str, list[int]]" = collections.OrderedDict()
@@ -160,33 +101,61 @@ class AInferPDServer:
         self._staged: Optional[list] = None
         self._warned_keys: set[str] = set()
         self._http = None
+        self._http_task: Optional[asyncio.Task] = None
         self._host = str(self.engine_kwargs.get("host", "127.0.0.1"))
         self._port = 0
         self.stats = collections.Counter()
+        self.obs = Observability(self)
+        self._launch_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ lifecycle
     async def launch_server(self, *args, **kwargs) -> None:
-        if self.worker is not None:
-            return
-        cls = _import(self.engine_kwargs.get("worker_cls") or "ainfer_pd.RolloutWorker")
-        worker = cls(self.worker_config)
-        await worker.__aenter__()
-        self.worker = worker
-        if self.engine_kwargs.get("http", False):
-            await self._start_http()
+        async with self._launch_lock:
+            if self.worker is not None:
+                return
+            cls = import_worker_class(self.engine_kwargs.get("worker_cls") or "ainfer_pd.RolloutWorker")
+            if self.worker_config.parallel.world_size > 1:
+                from .ranks import ReplicaRanks
+                self.ranks, worker = await ReplicaRanks.start(
+                    self.worker_config, lambda: cls(self.worker_config),
+                    timeout_s=float(self.engine_kwargs.get("rank_timeout_s", 300.0)))
+                self.ranks.on_failure(lambda err: worker.engine.fail_all(err))
+                self.stats["rank_start_ms"] = int(self.ranks.started_s * 1000)
+            else:
+                worker = cls(self.worker_config)
+                await worker.__aenter__()
+            self.worker = worker
+            if self.engine_kwargs.get("http", False):
+                from .http_api import start_http
+                self._http, self._port, self._http_task = await start_http(self, self._host)
+            await self.obs.start_metrics(self._host)
 
     async def shutdown(self) -> None:
+        await self.obs.close()
         if self._http is not None:
             self._http.should_exit = True
+            await self._http_task
+            self._http = None
         if self.worker is not None:
             w, self.worker = self.worker, None
-            await w.__aexit__(None, None, None)
+            if self.ranks is not None:
+                await self.ranks.close(w)
+            else:
+                await w.__aexit__(None, None, None)
 
     def get_server_address(self) -> tuple[str, int]:
         return self._host, self._port
 
+    def get_metrics_address(self) -> Optional[tuple[str, int]]:
+        """``(host, port)`` of the Prometheus endpoint, None when it is off."""
+        return self.obs.metrics_address
+
     def get_worker_config(self) -> dict:
         return self.worker_config.to_dict()
+
+    def get_rank_pids(self) -> dict[int, int]:
+        """Process ids of the replica's follower ranks (rank 0 is this process)."""
+        return self.ranks.pids if self.ranks is not None else {}
 
     # ------------------------------------------------------------------ generate
     def _ctx_len(self) -> int:
@@ -253,6 +222,8 @@ class AInferPDServer:
             raise InvalidRequestError("ainfer-pd serves text-only MoE models: image/video/audio data is not supported")
         if self.worker is None:
             await self.launch_server()
+        if self.ranks is not None:
+            self.ranks.check()                    # a dead rank: its typed error, not a hang
         prompt_ids = [int(t) for t in (prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else prompt_ids)]
         extra: dict[str, Any] = {"global_steps": self.global_steps}
 
@@ -280,13 +251,16 @@ class AInferPDServer:
             full = prompt_ids
             tid = self._find_reuse(full, session_id)
         sp = self._map(sampling_params, len(full))
+        if self.routing_replay:
+            sp = dataclasses.replace(sp, return_routed_experts=True)
 
-        if tid is not None:
-            self._busy.add(tid)
-        self._inflight[request_id] = tid or ""
+        # a new trajectory gets its id here, so abort_request can abort it (and keep its partial output)
+        fresh = f"verl-{uuid.uuid4().hex[:16]}"
+        self._busy.add(tid or fresh)
+        self._inflight[request_id] = tid or fresh
         prior_ctx = self._contexts.get(tid) if tid else None
         try:
-            task = asyncio.ensure_future(self._run_turn(tid, obs, full, sp, request_id))
+            task = asyncio.ensure_future(self._run_turn(tid, full, sp, fresh))
             self._inflight_tasks[request_id] = task
             out = await task
         except asyncio.CancelledError:
@@ -294,49 +268,56 @@ class AInferPDServer:
         finally:
             self._inflight.pop(request_id, None)
             self._inflight_tasks.pop(request_id, None)
-            if tid is not None:
-                self._busy.discard(tid)
+            self._busy.discard(tid or fresh)
 
         new_tid = out.trajectory_id
+        log_probs = list(out.logprobs) if sp.logprobs and out.logprobs is not None else None
         if out.finish_reason == "abort":
-            # The turn was aborted: forget its KV, keep the prior context so a retry can
-            # re-prefill it (verl re-sends the prompt after an abort).
+            # Partial rollout: the worker returned the tokens produced so far and keeps their KV
+            # (the trajectory's context is now ``full`` + those tokens). verl's fully-async client
+            # resends the request with the partial tokens appended (a continued episode: the new
+            # observation + the partial tokens, relative to the context before this turn), so the
+            # context recorded here is a prefix of that resubmission and the next turn reuses
+            # everything (worker.generate(..., trajectory_id) keeps the longest common prefix).
             self.stats["aborted"] += 1
-            await self._release_quietly(new_tid, keep_context=prior_ctx)
-            return aborted(ainfer_pd_trajectory_id=new_tid if prior_ctx is not None else None)
+            self.stats["partial_tokens"] += len(out.token_ids)
+            self._contexts[new_tid] = prior_ctx if (obs is not None and prior_ctx is not None) else full
+            self._contexts.move_to_end(new_tid)
+            await self._evict()
+            extra.update(num_cached_tokens=int(out.num_cached_tokens), num_prompt_tokens=int(out.num_prompt_tokens),
+                         ainfer_pd_trajectory_id=new_tid)
+            return TokenOutput(token_ids=list(out.token_ids), log_probs=log_probs, stop_reason="aborted",
+                               routed_experts=_routed(out), num_preempted=0, extra_fields=extra)
         self._contexts[new_tid] = full + list(out.token_ids)
         self._contexts.move_to_end(new_tid)
         if session_id is not None:
             self._sessions[session_id] = new_tid
         await self._evict()
         self.stats["turns"] += 1
+        self.stats["output_tokens"] += len(out.token_ids)
         self.stats["cached_tokens"] += out.num_cached_tokens
         extra.update(num_cached_tokens=int(out.num_cached_tokens), num_prompt_tokens=int(out.num_prompt_tokens),
                      ainfer_pd_trajectory_id=new_tid, ttft_s=float(out.ttft_s), latency_s=float(out.latency_s))
         return TokenOutput(
             token_ids=list(out.token_ids),
-            log_probs=list(out.logprobs) if sp.logprobs and out.logprobs is not None else None,
+            log_probs=log_probs,
+            routed_experts=_routed(out),
             stop_reason="completed",
             num_preempted=0,
             extra_fields=extra,
         )
 
-    async def _run_turn(self, tid, obs, full, sp, request_id):
-        if obs is not None:
-            try:
-                return await self.worker.continue_(tid, obs, sp)
-            except UnknownTrajectoryError:
-                # The worker evicted/released it: prefill the known context from scratch.
-                self.stats["reuse_lost"] += 1
-                self._contexts.pop(tid, None)
-                return await self.worker.generate(full, sp, trajectory_id=None)
+    async def _run_turn(self, tid, full, sp, fresh: str):
+        # NOTE: a continued turn runs as generate(full context, trajectory_id): the worker keeps the
+        # longest prefix it holds (after an aborted turn its context already has the observation
+        # and the partial tokens, which the resubmission sends again).
         if tid is not None:
             try:
                 return await self.worker.generate(full, sp, trajectory_id=tid)
             except UnknownTrajectoryError:
                 self.stats["reuse_lost"] += 1
                 self._contexts.pop(tid, None)
-        return await self.worker.generate(full, sp, trajectory_id=None)
+        return await self.worker.generate(full, sp, trajectory_id=fresh)
 
     async def _release_quietly(self, tid: Optional[str], keep_context: Optional[list[int]] = None) -> None:
         if not tid:
@@ -371,9 +352,10 @@ class AInferPDServer:
         if request_id not in self._inflight:
             return {"aborted": False, "request_id": request_id, "error": "request not found"}
         tid = self._inflight[request_id]
-        if tid and hasattr(self.worker, "abort"):
+        try:
+            # the turn ends "aborted" with its partial output (kept for a resubmission)
             await self.worker.abort(tid)
-        else:
+        except UnknownTrajectoryError:      # not submitted to the worker yet: nothing produced
             task = self._inflight_tasks.get(request_id)
             if task is not None:
                 task.cancel()
@@ -412,35 +394,6 @@ class AInferPDServer:
         while self._inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
 
-    async def wake_up(self, tags: Optional[list[str]] = None) -> None:
-        if self.node_rank != 0 or self.rollout_mode == "standalone":
-            return
-        fn = getattr(self.worker, "wake_up", None)
-        if fn is None:
-            logger.warning("ainfer_pd: worker has no wake_up(); nothing was offloaded, nothing to restore")
-            return
-        await (fn(tags=tags) if tags is not None and _accepts(fn, "tags") else fn())
-
-    async def sleep(self) -> None:
-        if self.node_rank != 0 or not self.free_cache_engine or self.rollout_mode == "standalone":
-            return
-        await self.wait_for_requests_to_drain()
-        fn = getattr(self.worker, "sleep", None)
-        if fn is None:
-            logger.warning("ainfer_pd: worker has no sleep(); GPU memory stays allocated while training")
-            return
-        await fn()
-
-    async def release_kv_cache(self) -> None:
-        fn = getattr(self.worker, "release_kv_cache", None)
-        if fn is not None:
-            await fn()
-
-    async def resume_kv_cache(self) -> None:
-        fn = getattr(self.worker, "resume_kv_cache", None)
-        if fn is not None:
-            await fn()
-
     async def clear_kv_cache(self) -> None:
         """Release every idle retained trajectory (after a weight update)."""
         for tid in [t for t in self._contexts if t not in self._busy]:
@@ -450,119 +403,19 @@ class AInferPDServer:
     async def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = global_steps
 
-    async def start_profile(self, **kwargs) -> None:
-        return None
+    async def start_profile(self, **kwargs) -> str:
+        """A ``torch.profiler`` session on every rank (:mod:`.profiling`); returns the trace directory."""
+        return await self.obs.start_profile(**kwargs)
 
-    async def stop_profile(self) -> None:
-        return None
+    async def stop_profile(self) -> list[str]:
+        """Ends the session; the trace files written (rank order)."""
+        return await self.obs.stop_profile()
 
     def metrics(self) -> dict:
         m = dict(self.worker.metrics()) if self.worker is not None else {}
         m["server"] = dict(self.stats, retained=len(self._contexts), inflight=len(self._inflight))
         return m
 
-    # ------------------------------------------------------------------ weights
-    def _names(self):
-        """The served model's name table (checkpoint, transformers and engine names), if any."""
-        model = getattr(self.worker, "model", None)
-        if model is None or not hasattr(model, "expert_range"):
-            return None
-        from ...hf.names import name_table
-        return name_table(model)
-
-    def _prepare(self, named: Iterable[tuple[str, Any]]) -> list:
-        """Validate names/shapes (and cast dtypes) against the model as each bucket arrives, before
-        anything is copied (the worker checks the whole sync again, completeness included)."""
-        import torch
-        table = self._names()
-        out = []
-        for name, t in named:
-            if not isinstance(t, torch.Tensor):
-                raise WeightUpdateError(f"weight {name!r}: expected a torch.Tensor, got {type(t).__name__}")
-            if table is not None:
-                target = table.lookup(name)
-                if target is None:
-                    close = [n for n in table.hf if n.split(".")[-1] == name.split(".")[-1]][:3]
-                    raise WeightUpdateError(f"unknown weight name {name!r} (a {table.model.cfg.architecture} model"
-                                            + (f"; similar: {close}" if close else "") + ")")
-                if tuple(t.shape) != target.shape:
-                    raise WeightUpdateError(f"weight {name!r}: shape {tuple(t.shape)} != model shape {target.shape}")
-                dtype = table.params[target.param].dtype if target.param is not None else t.dtype
-                if t.dtype != dtype:
-                    if self.cast_weight_dtype and t.is_floating_point() and dtype.is_floating_point:
-                        t = t.to(dtype)
-                    else:
-                        raise WeightUpdateError(f"weight {name!r}: dtype {t.dtype} != model dtype {dtype}")
-            out.append((name, t))
-        return out
-
-    def begin_weight_update(self) -> None:
-        self._staged = []
-
-    def stage_weights(self, named_tensors: list) -> int:
-        """Validate and stage one bucket; nothing is applied before :meth:`commit_weight_update`."""
-        if self._staged is None:
-            self._staged = []
-        self._staged.extend(self._prepare(named_tensors))
-        return len(self._staged)
-
-    async def commit_weight_update(self, global_steps: Optional[int] = None) -> int:
-        staged, self._staged = self._staged or [], None
-        if not staged:
-            return 0
-        await self.wait_for_requests_to_drain()
-        await self.worker.update_weights(staged)
-        await self.clear_kv_cache()
-        if global_steps is not None:
-            self.global_steps = global_steps
-        return len(staged)
-
-    def abort_weight_update(self) -> None:
-        self._staged = None
-
-    async def update_weights(self, named_tensors: list, global_steps: Optional[int] = None) -> int:
-        """One-shot update (all-or-nothing): ``[(name, tensor), ...]``."""
-        self.begin_weight_update()
-        try:
-            self.stage_weights(named_tensors)
-        except AInferPDError:
-            self.abort_weight_update()
-            raise
-        return await self.commit_weight_update(global_steps)
-
-    # ------------------------------------------------------------------ optional HTTP
-    async def _start_http(self) -> None:
-        import socket
-
-        import uvicorn
-        from fastapi import FastAPI
-
-        app = FastAPI()
-        server = self
-
-        @app.get("/health")
-        async def health() -> dict:
-            return {"ok": server.worker is not None}
-
-        @app.post("/generate")
-        async def http_generate(body: dict) -> dict:
-            out = await server.generate(body["prompt_ids"], body.get("sampling_params", {}),
-                                        body.get("request_id", f"http-{time.monotonic_ns()}"),
-                                        session_id=body.get("session_id"))
-            return out.model_dump()
-
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self._host, 0))
-        self._port = sock.getsockname()[1]
-        cfg = uvicorn.Config(app, log_level="warning")
-        self._http = uvicorn.Server(cfg)
-        asyncio.ensure_future(self._http.serve(sockets=[sock]))
-
-
-def _accepts(fn, name: str) -> bool:
-    import inspect
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
+    async def metrics_text(self) -> str:
+        """Every rank's metrics and the server's counters in the Prometheus text format."""
+        return await self.obs.collect()

@@ -1,0 +1,97 @@
+"""The engine's side of the prefix cache: what a waiting turn would reuse, demand and reserve.
+
+The admission rule itself stays in one place (:func:`ainfer_pd.sched.planner.fits` over
+:meth:`KVCacheManager.admission_demand` / :meth:`KVCacheManager.pool_blocks`); this module only
+feeds it a turn's prompt, with the prompt's block hashes computed once per turn.
+"""
+from __future__ import annotations
+
+from ..sched.planner import PendingPrefill
+from .block_hash import worth_waiting
+from .kv_cache import KVCacheManager
+from .state import SeqTokens, Turn
+
+
+def prompt_hashes(kv: KVCacheManager, t: Turn) -> list:
+    """The chained hashes of ``t``'s prompt blocks (cached on the turn: its prompt never changes)."""
+    if t.prompt_hashes is None:
+        t.prompt_hashes = kv.prompt_hashes(t.context, tid=t.tid)
+    return t.prompt_hashes
+
+
+def total_tokens(t: Turn) -> int:
+    return len(t.context) + t.params.max_new_tokens
+
+
+def pending_view(kv: KVCacheManager, turns) -> list[PendingPrefill]:
+    """The planner's view of the waiting ``turns`` (FIFO), without those that should wait for a
+    sibling writing the first block they miss: an admitted turn (``kv.writing``) or one ahead of
+    them in this view, whose prompt blocks it will write (they share that block once the
+    sibling's pass completed, instead of computing it again in the same epoch; only when at least
+    ``kv.wait_min_tokens`` would be shared).
+
+    Each turn's :meth:`~KVCacheManager.admission_view` is kept on the turn and reused while
+    ``kv.version`` is unchanged (the D loop asks for this view every iteration; a view walks the
+    prompt's blocks). Chained hashes make one key per sibling group enough for the turns ahead:
+    two prompts whose first missing blocks have the same hash agree on every block before it."""
+    out: list[PendingPrefill] = []
+    ahead: dict = {}                    # first missing block of a turn ahead -> (its hashes, index)
+    wanted: set = set()
+    bs, min_tokens = kv.block_size, kv.wait_min_tokens
+    for t in turns:
+        if t.lifetime:
+            out.append(PendingPrefill(t.request_id, t.remaining_prompt, True, 0))
+            continue
+        hashes = prompt_hashes(kv, t)
+        v = _view(kv, t, hashes)
+        h = v.next_hash
+        if h is not None:
+            wanted.add(h)
+        if kv.sharing and h is not None:
+            i = v.num_shared
+            front = ahead.get(h)
+            if v.waits or front is not None:
+                n = max(_run(hashes, i, kv.writing) if v.waits else 0,
+                        _common(hashes, i, *front) if front is not None else 0)
+                if worth_waiting(n, bs, min_tokens):
+                    continue
+            ahead.setdefault(h, (hashes, i))
+        out.append(PendingPrefill(t.request_id, len(t.context) - v.cached, False, v.demand))
+    kv.wanted = wanted
+    return out
+
+
+def _view(kv: KVCacheManager, t: Turn, hashes: list):
+    memo = t.prefix_view
+    if memo is not None and memo[0] == kv.version:
+        return memo[1]
+    v = kv.admission_view(t.tid, total_tokens(t), t.context, hashes)
+    t.prefix_view = (kv.version, v)
+    return v
+
+
+def _run(hashes: list, i: int, writing) -> int:
+    """Blocks ``hashes[i:]`` that admitted siblings will write, from ``i`` on."""
+    n = 0
+    while i + n < len(hashes) and hashes[i + n] in writing:
+        n += 1
+    return n
+
+
+def _common(hashes: list, i: int, other: list, j: int) -> int:
+    """Blocks ``hashes[i:]`` shares with ``other[j:]`` (a turn ahead, which will write them)."""
+    n = 0
+    while i + n < len(hashes) and j + n < len(other) and hashes[i + n] == other[j + n]:
+        n += 1
+    return n
+
+
+def demand(kv: KVCacheManager, t: Turn) -> int:
+    return kv.admission_demand(t.tid, total_tokens(t), t.context, prompt_hashes(kv, t))
+
+
+def reserve(kv: KVCacheManager, t: Turn, now: float) -> None:
+    """Admit ``t``: reserve its blocks sharing its cached prefix; ``t.num_cached`` and
+    ``t.prefilled`` become the tokens reused (only the rest is prefilled)."""
+    t.lifetime = kv.reserve(t.tid, total_tokens(t), SeqTokens(t), now, hashes=prompt_hashes(kv, t))
+    t.num_cached = t.prefilled = kv.trajectories[t.tid].num_tokens

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The policy ladder of record on one H200 (issue 16), in parts of under 10 minutes each:
+#
+#   bash benchmarks/h200_ladder.sh COMMIT PART     # PART: p1 | trace | p1-short | trace-short | spans | decode-only
+#   (p1-short / trace-short: SHORT_POLICIES run with fifo, CP_POLICIES with critical-path)
+#
+# Each part writes $OUT/ladder_PART.json (default docs/results/ladder); then, here:
+#   python benchmarks/ladder.py merge docs/results/ladder/ladder_*.json --out docs/results/ladder/latest.json
+# Workload (the issue's minimum): 64 conversations x 4 turns at token scale 1 on the Qwen3-30B-A3B
+# shape, bf16, CUDA graphs, the measured span. Environment overrides: REPEATS, POLICIES,
+# PRIORITIES, CONV, TURNS, TOKEN_SCALE, CONFIG.
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+COMMIT=${1:?commit}; PART=${2:?part}
+O=${OUT:-docs/results/ladder}; mkdir -p "$O"
+CONFIG=${CONFIG:-configs/qwen3-30b-a3b-shape.yaml}
+ALL=normal,global-complete,global-enqueue,fine-grained,mixed-chunked
+common=(--commit "$COMMIT" --part "$PART" --out "$O" --config "$CONFIG"
+        --conversations "${CONV:-64}" --max-turns "${TURNS:-4}" --token-scale "${TOKEN_SCALE:-1}"
+        --repeats "${REPEATS:-3}" --set mux.span=measured --set device.graph_max_context=8192)
+# graph_max_context 8192: the trace's contexts reach 7.5K; above the largest graph bucket decode runs
+# eagerly (host-bound: 51 ms an iteration at B~17 against ~15 ms replayed, H200 pilot)
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
+case "$PART" in
+  p1|trace) cell=$([ "$PART" = p1 ] && echo P1 || echo trace)
+            python benchmarks/ladder.py run "${common[@]}" --cells $cell --policies "${POLICIES:-$ALL}" \
+              --priorities "${PRIORITIES:-fifo,critical-path}" ;;
+  p1-short|trace-short)   # the four-policy fifo ladder plus critical-path for normal and fine-grained
+            cell=$([ "$PART" = p1-short ] && echo P1 || echo trace)
+            python benchmarks/ladder.py run "${common[@]}" --part "$PART-fifo" --cells $cell \
+              --policies ${SHORT_POLICIES:-normal,global-enqueue,fine-grained,mixed-chunked} --priorities fifo
+            python benchmarks/ladder.py run "${common[@]}" --part "$PART-cp" --cells $cell --no-warmup \
+              --policies ${CP_POLICIES:-normal,fine-grained} --priorities critical-path ;;
+  spans)    python benchmarks/ladder.py run "${common[@]}" --cells P1 --policies "${POLICIES:-normal}" \
+              --priorities fifo --spans 1,2,3,4,auto ;;
+  decode-only) python benchmarks/ladder.py run "${common[@]}" --cells P1 --policies normal,fine-grained \
+              --priorities fifo --decode-only ;;
+  *) echo "unknown part $PART" >&2; exit 2 ;;
+esac

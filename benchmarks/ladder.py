@@ -1,0 +1,257 @@
+"""The policy ladder of record (issue 16): every policy x priority on one trace, repeated, as rows.
+
+Runs ``ainfer-pd bench`` (fresh worker per run, same trace and seed for every variant) and turns
+its ``results.json`` into the rows of ``docs/results/ladder/latest.json``::
+
+    {"commit": ..., "config": ..., "machine": ..., "workload": {...},
+     "rows": [{"cell", "policy", "priority", "span", "makespan_s", "p99_ttft_s", "mean_d_wait_ms",
+               "bound_ratio", "rendezvous"}],      # each figure {"median": x, "iqr": y, "n": repeats}
+     "targets": [{"name", "value", "target", "met"}]}
+
+    python benchmarks/ladder.py run --commit HASH --part NAME --out DIR [--cells P1,trace] \
+        [--policies ...] [--priorities fifo,critical-path] [--repeats 3] [--spans 1,2,3,4,auto] \
+        [--decode-only] [--conversations 64 --max-turns 4 --token-scale 1] [--set KEY=VALUE ...]
+    python benchmarks/ladder.py merge PART.json [PART.json ...] --out docs/results/ladder/latest.json
+
+``run`` writes ``DIR/ladder_NAME.json`` (one part); ``merge`` joins parts (their rows, workloads
+and commits) and evaluates the targets over the joined rows. The targets are the issue's: pure
+functions of the rows (``targets``), so a part that lacks a row leaves that target unjudged.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+FIGURES = {"makespan_s": "makespan_s", "p99_ttft_s": "ttft_p99_s", "mean_d_wait_ms": "d_wait_mean_s",
+           "bound_ratio": "bound_ratio", "rendezvous": "rendezvous"}
+"""Row figure -> summary metric of :func:`ainfer_pd.metrics.report.summarize`."""
+
+
+def parse_variant(name: str) -> tuple[str, str, str | None]:
+    """``fine-grained/K=2+critical-path`` -> (policy, priority, span)."""
+    base, _, prio = name.partition("+")
+    policy, _, span = base.partition("/K=")
+    return policy, prio or "fifo", span or None
+
+
+def _figure(agg: dict[str, Any], metric: str, scale: float = 1.0) -> dict[str, Any]:
+    m = agg.get(metric) or {}
+    med, iqr = m.get("median"), m.get("iqr")
+    ok = isinstance(med, (int, float)) and math.isfinite(med)
+    return {"median": med * scale if ok else None,
+            "iqr": iqr * scale if ok and isinstance(iqr, (int, float)) and math.isfinite(iqr) else None,
+            "n": int(m.get("n", 0) or 0)}
+
+
+def rows_of(results: dict[str, Any], *, decode_only: bool = False) -> list[dict[str, Any]]:
+    """The ladder rows of one ``ainfer-pd bench`` results.json."""
+    rows = []
+    for cell, per_variant in results["aggregates"].items():
+        for name, agg in per_variant.items():
+            policy, prio, span = parse_variant(name)
+            row: dict[str, Any] = {"cell": ("decode-only/" if decode_only else "") + cell, "policy": policy,
+                                   "priority": prio, "span": span}
+            for fig, metric in FIGURES.items():
+                row[fig] = _figure(agg, metric, 1e3 if fig == "mean_d_wait_ms" else 1.0)
+            row["output_mismatches"] = results.get("output_mismatches", {}).get(cell, {}).get(name)
+            rows.append(row)
+    return rows
+
+
+def results_from_runs(path: Path) -> dict[str, Any]:
+    """What results.json would hold, from the per-run lines of runs.jsonl (a bench cut short)."""
+    from ainfer_pd.metrics.report import aggregate
+    summaries: dict[str, dict[str, list]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            d = json.loads(line)
+            summaries.setdefault(d["cell"], {}).setdefault(d["variant"], []).append(d["summary"])
+    return {"summaries": summaries, "trace": None,
+            "aggregates": {c: {v: aggregate(ss) for v, ss in per.items()} for c, per in summaries.items()}}
+
+
+def _med(rows: Iterable[dict[str, Any]], fig: str, **match: Any) -> float | None:
+    for r in rows:
+        if all(r.get(k) == v for k, v in match.items()):
+            v = r[fig]["median"]
+            return v if isinstance(v, (int, float)) else None
+    return None
+
+
+def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's targets over ``rows``; one entry per (cell, target) whose rows exist."""
+    out: list[dict[str, Any]] = []
+
+    def add(name: str, value: float | None, target: float, le: bool = True) -> None:
+        if value is None:
+            return
+        out.append({"name": name, "value": round(value, 4), "target": target,
+                    "met": bool(value <= target if le else value >= target)})
+
+    plain = [r for r in rows if r["span"] is None]
+    for cell in sorted({r["cell"] for r in plain if not r["cell"].startswith("decode-only/")}):
+        c = [r for r in plain if r["cell"] == cell]
+        normal = _med(c, "makespan_s", policy="normal", priority="fifo")
+        mixed = _med(c, "makespan_s", policy="mixed-chunked", priority="fifo")
+        enq = min((v for p in ("fifo", "critical-path")
+                   if (v := _med(c, "makespan_s", policy="global-enqueue", priority=p)) is not None), default=None)
+        fg = [(v, p) for p in ("fifo", "critical-path")
+              if (v := _med(c, "makespan_s", policy="fine-grained", priority=p)) is not None]
+        if not fg:
+            continue
+        best, prio = min(fg)
+        if normal:
+            add(f"{cell}: fine-grained ({prio}) / normal-fifo makespan", best / normal, 0.80)
+            ttft_n = _med(c, "p99_ttft_s", policy="normal", priority="fifo")
+            ttft_f = _med(c, "p99_ttft_s", policy="fine-grained", priority=prio)
+            if ttft_n and ttft_f is not None:
+                add(f"{cell}: fine-grained ({prio}) / normal-fifo p99 TTFT", ttft_f / ttft_n, 1.05)
+        if mixed:
+            add(f"{cell}: fine-grained ({prio}) / mixed-chunked-fifo makespan", best / mixed, 0.90)
+        if enq:
+            add(f"{cell}: fine-grained ({prio}) faster than global-enqueue by", 1 - best / enq, 0.15, le=False)
+        add(f"{cell}: fine-grained ({prio}) makespan / optimistic bound",
+            _med(c, "bound_ratio", policy="fine-grained", priority=prio), 1.3)
+    spans = [r for r in rows if r["span"] is not None and r["policy"] == "fine-grained"]
+    for cell in sorted({r["cell"] for r in spans}):
+        fixed = [r["makespan_s"]["median"] for r in spans if r["cell"] == cell and r["span"] in "1234"
+                 and r["makespan_s"]["median"] is not None]
+        auto = _med(spans, "makespan_s", cell=cell, span="auto")
+        if fixed and auto is not None:
+            add(f"{cell}: span auto / best fixed span makespan", auto / min(fixed), 1.01)
+    for r in rows:
+        if r["cell"].startswith("decode-only/") and r["policy"] == "fine-grained":
+            n = _med(rows, "makespan_s", cell=r["cell"], policy="normal", priority=r["priority"])
+            if n and r["makespan_s"]["median"] is not None:
+                add(f"{r['cell']}: fine-grained / normal makespan (decode only)", r["makespan_s"]["median"] / n, 1.01)
+                add(f"{r['cell']}: fine-grained rendezvous (decode only)", r["rendezvous"]["median"], 0.0)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    bdir = Path(args.work) / args.part
+    cmd = [sys.executable, "-m", "ainfer_pd.cli", "bench", "--config", args.config,
+           "--cells", args.cells, "--policies", args.policies, "--priorities", args.priorities,
+           "--repeats", str(args.repeats), "--conversations", str(args.conversations),
+           "--max-turns", str(args.max_turns), "--token-scale", str(args.token_scale),
+           "--seed", str(args.seed), "--out", str(bdir), "--no-progress"]
+    if args.time_scale is not None:
+        cmd += ["--time-scale", str(args.time_scale)]
+    if args.spans:
+        cmd += ["--spans", args.spans]
+    if args.decode_only:
+        cmd += ["--workload", "decode-only"]
+    for kv in args.set:
+        cmd += ["--set", kv]
+    if args.warmup:                      # Triton's compile cache (on disk) filled before the timed runs
+        warm = cmd[:cmd.index("--repeats")] + ["--repeats", "1", "--conversations", "4", "--max-turns", "2",
+                                               "--token-scale", str(args.token_scale), "--seed", "99",
+                                               "--out", str(bdir) + "-warmup", "--no-progress"]
+        warm = [a if a != args.cells else args.cells.split(",")[0] for a in warm]
+        print("+ (warm-up)", " ".join(warm), flush=True)
+        subprocess.call(warm, stdout=subprocess.DEVNULL)
+    print("+", " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    rc = subprocess.call(cmd)
+    wall = time.perf_counter() - t0
+    res_file, runs_file = bdir / "results.json", bdir / "runs.jsonl"
+    if res_file.exists():
+        res = json.loads(res_file.read_text())
+    elif runs_file.exists() and runs_file.stat().st_size:
+        res = results_from_runs(runs_file)          # cut short: the runs that completed
+        print(f"bench ended early (rc {rc}): rows from the {sum(len(v) for c in res['summaries'].values() for v in c.values())}"
+              " runs it completed", file=sys.stderr)
+    else:
+        print(f"bench wrote no results (rc {rc})", file=sys.stderr)
+        return rc or 1
+    part = {"commit": args.commit, "config": args.config, "machine": _machine(), "part": args.part,
+            "command": " ".join(cmd), "rc": rc, "wall_s": round(wall, 1),
+            "workload": {"conversations": args.conversations, "max_turns": args.max_turns,
+                         "token_scale": args.token_scale, "seed": args.seed, "sets": args.set,
+                         "decode_only": args.decode_only, "trace": res.get("trace")},
+            "rows": rows_of(res, decode_only=args.decode_only)}
+    part["targets"] = targets(part["rows"])
+    (out / f"ladder_{args.part}.json").write_text(json.dumps(part, indent=1))
+    _print(part)
+    return rc
+
+
+def merge(args: argparse.Namespace) -> int:
+    parts = [json.loads(Path(p).read_text()) for p in args.parts]
+    rows = [r for p in parts for r in p["rows"]]
+    commits = sorted({p["commit"] for p in parts})
+    doc = {"commit": commits[0] if len(commits) == 1 else commits, "config": sorted({p["config"] for p in parts}),
+           "machine": parts[0]["machine"] if parts else None,
+           "parts": [{k: p[k] for k in ("part", "command", "rc", "wall_s", "workload")} for p in parts],
+           "rows": rows, "targets": targets(rows)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1))
+    _print(doc)
+    return 0
+
+
+def _machine() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20).stdout.strip() or "cpu"
+    except (OSError, subprocess.SubprocessError):
+        return "cpu"
+
+
+def _fmt(f: dict[str, Any]) -> str:
+    if f["median"] is None:
+        return "-"
+    return f"{f['median']:.3f}" + (f" ±{f['iqr']:.3f}" if f["iqr"] else "")
+
+
+def _print(doc: dict[str, Any]) -> None:
+    print(f"{'cell':<16}{'policy':<17}{'priority':<14}{'span':<6}{'makespan s':<18}{'p99 TTFT s':<18}"
+          f"{'D wait ms':<16}{'/bound':<14}rdv")
+    for r in doc["rows"]:
+        print(f"{r['cell']:<16}{r['policy']:<17}{r['priority']:<14}{r['span'] or '-':<6}{_fmt(r['makespan_s']):<18}"
+              f"{_fmt(r['p99_ttft_s']):<18}{_fmt(r['mean_d_wait_ms']):<16}{_fmt(r['bound_ratio']):<14}"
+              f"{_fmt(r['rendezvous'])}")
+    for t in doc["targets"]:
+        print(f"{'MET ' if t['met'] else 'MISS'} {t['name']}: {t['value']} (target {t['target']})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--commit", default="unknown")
+    r.add_argument("--part", default="p1")
+    r.add_argument("--out", default="docs/results/ladder")
+    r.add_argument("--work", default="/tmp/ladder", help="bench output (plots, runs.jsonl) stays here")
+    r.add_argument("--config", default="configs/qwen3-30b-a3b-shape.yaml")
+    r.add_argument("--cells", default="P1")
+    r.add_argument("--policies", default="normal,global-complete,global-enqueue,fine-grained,mixed-chunked")
+    r.add_argument("--priorities", default="fifo,critical-path")
+    r.add_argument("--repeats", type=int, default=3)
+    r.add_argument("--spans")
+    r.add_argument("--decode-only", action="store_true")
+    r.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip the short untimed run that fills Triton's compile cache first")
+    r.add_argument("--conversations", type=int, default=64)
+    r.add_argument("--max-turns", type=int, default=4)
+    r.add_argument("--token-scale", type=float, default=1.0)
+    r.add_argument("--time-scale", type=float)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    m = sub.add_parser("merge")
+    m.add_argument("parts", nargs="+")
+    m.add_argument("--out", default="docs/results/ladder/latest.json")
+    args = ap.parse_args(argv)
+    return run(args) if args.cmd == "run" else merge(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
