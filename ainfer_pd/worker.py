@@ -26,6 +26,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from .config import WorkerConfig
+from .engine.block_hash import common_prefix
 from .engine.make import make_engine
 from .engine.sampler import make_generator
 from .engine.state import Trajectory, Turn
@@ -387,7 +388,7 @@ class RolloutWorker:
             if traj.turn is not None:
                 continue
             valid = cached if cached is not None else kvm.cached_prefix(ids, len(ids), tid=tid)
-            m = min(_common_prefix(traj.tokens, ids), valid)
+            m = min(common_prefix(traj.tokens, ids), valid)
             if m >= floor and (best is None or m > best[1]):
                 best = (tid, m)
         return best
@@ -620,14 +621,6 @@ def _token_list(ids: Any, what: str) -> list[int]:
             raise InvalidRequestError(f"{what} contains a non-integer token {t!r}")
         out.append(int(t))
     return out
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _first_typed(exc: BaseException) -> AInferPDError | None:

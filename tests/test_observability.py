@@ -9,8 +9,8 @@ from ainfer_pd.metrics.export import JsonFormatter, configure_logging, prometheu
 async def test_metrics_export_in_prometheus_text_format(worker):
     out = await worker.generate([5, 6, 7, 8], SamplingParams(max_new_tokens=3, temperature=0.0))
     text = worker.metrics_text()
-    assert '# TYPE ainfer_pd_finished counter' in text
-    assert 'ainfer_pd_finished{rank="0"} 1.0' in text
+    assert '# TYPE ainfer_pd_finished_total counter' in text
+    assert 'ainfer_pd_finished_total{rank="0"} 1.0' in text
     for line in text.splitlines():
         if not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
@@ -22,7 +22,7 @@ async def test_metrics_export_in_prometheus_text_format(worker):
 def test_prometheus_text_skips_lists_and_non_finite_values():
     text = prometheus_text({"a": 1, "b": float("nan"), "c": [1, 2], "d_s_sum": 2.5}, rank=3)
     assert 'ainfer_pd_a{rank="3"} 1.0' in text and "ainfer_pd_b" not in text and "ainfer_pd_c" not in text
-    assert "# TYPE ainfer_pd_d_s_sum counter" in text
+    assert "# TYPE ainfer_pd_d_s_sum_total counter" in text
 
 
 def test_structured_log_records_carry_rank_epoch_and_boundary():

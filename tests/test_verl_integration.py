@@ -166,11 +166,12 @@ async def test_llm_server_manager_and_client_prefix_reuse(ray_cluster):
 
 
 # ---- a tiny word-level tokenizer with a chat template, and a scripted tool parser
-def _tokenizer():
+def _tokenizer(words: int = 508):
+    """Word-level: ``t0 .. t{words-1}`` then the four role words (ids ``words .. words+3``)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    vocab = {f"t{i}": i for i in range(508)}
-    vocab.update({"user": 508, "assistant": 509, "tool": 510, "system": 511})
+    vocab = {f"t{i}": i for i in range(words)}
+    vocab.update({"user": words, "assistant": words + 1, "tool": words + 2, "system": words + 3})
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0", pad_token="t0", eos_token="t1")

@@ -17,7 +17,7 @@ import pytest
 from ainfer_pd.errors import ConfigError
 from ainfer_pd.integrations.verl import residency_plan as rp
 from ainfer_pd.integrations.verl.settings import build_worker_config
-from tests.test_verl_integration import (GREEDY, HAVE_VERL, TINY, _register_test_parts, kill,
+from tests.test_verl_integration import (GREEDY, HAVE_VERL, TINY, _register_test_parts, _tokenizer, kill,
                                          needs_verl, ray_cluster, rollout_config, trainer_config)  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,16 +190,7 @@ async def test_hybrid_and_colocated_sleep_levels_profile_and_metrics(ray_cluster
 # ---------------------------------------------------------------------------- two ranks
 def _small_tokenizer():
     """A word-level tokenizer inside the tiny Hugging Face model's 256-token vocabulary."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {f"t{i}": i for i in range(200)}
-    vocab.update({"user": 200, "assistant": 201, "tool": 202, "system": 203})
-    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0", pad_token="t0", eos_token="t1")
-    tok.chat_template = ("{% for m in messages %}t2 {{ m['role'] }} {{ m['content'] }} t3 {% endfor %}"
-                         "{% if add_generation_prompt %}t2 assistant {% endif %}")
-    return tok
+    return _tokenizer(200)
 
 
 @needs_verl

@@ -10,29 +10,16 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
-import math
-import re
 from typing import Any, Mapping
 
 LOG_CONTEXT: contextvars.ContextVar[dict] = contextvars.ContextVar("ainfer_pd_log_context", default={})
 
-_NAME = re.compile(r"[^a-zA-Z0-9_]")
-
 
 def prometheus_text(metrics: Mapping[str, Any], *, rank: int = 0, prefix: str = "ainfer_pd") -> str:
-    lines: list[str] = []
-    for key in sorted(metrics):
-        v = metrics[key]
-        if isinstance(v, bool):
-            v = int(v)
-        if not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)):
-            continue
-        name = f"{prefix}_{_NAME.sub('_', key)}"
-        kind = "counter" if key.endswith(("_count", "_sum")) or key in ("rendezvous", "finished", "aborted",
-                                                                       "failures", "dropped_results") else "gauge"
-        lines.append(f"# TYPE {name} {kind}")
-        lines.append(f'{name}{{rank="{rank}"}} {float(v)!r}')
-    return "\n".join(lines) + "\n"
+    """The numeric entries of ``metrics`` in the text exposition format, labelled with ``rank``
+    (the same families as the server's ``/metrics``: :mod:`ainfer_pd.metrics.prometheus`)."""
+    from .prometheus import numeric_samples, render
+    return render(numeric_samples(metrics, prefix, {"rank": str(rank)}))
 
 
 def set_log_context(**fields: Any) -> None:
