@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The policy ladder of record on one H200 (issue 16), in parts of under 10 minutes each:
 #
-#   bash benchmarks/h200_ladder.sh COMMIT PART     # PART: p1 | trace | p1-short | trace-short | spans | decode-only
-#   (p1-short / trace-short: SHORT_POLICIES run with fifo, CP_POLICIES with critical-path)
+#   bash benchmarks/h200_ladder.sh COMMIT PART     # PART: p1 | trace | p1-short | trace-short | spans | decode-only | lever
+#   (p1-short / trace-short: SHORT_POLICIES run with fifo, CP_POLICIES with critical-path;
+#    lever: LEVER_POLICIES (default fine-grained+critical-path) with LEVER=KEY=VALUE on top, rows labelled by it)
 #
 # Each part writes $OUT/ladder_PART.json (default docs/results/ladder); then, here:
 #   python benchmarks/ladder.py merge docs/results/ladder/ladder_*.json --out docs/results/ladder/latest.json
@@ -36,5 +37,8 @@ case "$PART" in
               --priorities fifo --spans 1,2,3,4,auto ;;
   decode-only) python benchmarks/ladder.py run "${common[@]}" --cells P1 --policies normal,fine-grained \
               --priorities fifo --decode-only ;;
+  lever)    python benchmarks/ladder.py run "${common[@]}" --cells P1 --policies "${LEVER_POLICIES:-fine-grained}" \
+              --priorities "${PRIORITIES:-critical-path}" --set "${LEVER:?LEVER=KEY=VALUE}" --variant "$LEVER" \
+              --part "lever-${LEVER//[^A-Za-z0-9]/_}" ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;
 esac

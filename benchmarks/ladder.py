@@ -49,14 +49,15 @@ def _figure(agg: dict[str, Any], metric: str, scale: float = 1.0) -> dict[str, A
             "n": int(m.get("n", 0) or 0)}
 
 
-def rows_of(results: dict[str, Any], *, decode_only: bool = False) -> list[dict[str, Any]]:
-    """The ladder rows of one ``ainfer-pd bench`` results.json."""
+def rows_of(results: dict[str, Any], *, decode_only: bool = False, variant: str | None = None) -> list[dict[str, Any]]:
+    """The ladder rows of one ``ainfer-pd bench`` results.json; ``variant`` labels rows run with a
+    lever set on top of the ladder's settings (e.g. a stream priority): the targets skip them."""
     rows = []
     for cell, per_variant in results["aggregates"].items():
         for name, agg in per_variant.items():
             policy, prio, span = parse_variant(name)
             row: dict[str, Any] = {"cell": ("decode-only/" if decode_only else "") + cell, "policy": policy,
-                                   "priority": prio, "span": span}
+                                   "priority": prio, "span": span, "variant": variant}
             for fig, metric in FIGURES.items():
                 row[fig] = _figure(agg, metric, 1e3 if fig == "mean_d_wait_ms" else 1.0)
             row["output_mismatches"] = results.get("output_mismatches", {}).get(cell, {}).get(name)
@@ -94,6 +95,7 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append({"name": name, "value": round(value, 4), "target": target,
                     "met": bool(value <= target if le else value >= target)})
 
+    rows = [r for r in rows if r.get("variant") is None]
     plain = [r for r in rows if r["span"] is None]
     for cell in sorted({r["cell"] for r in plain if not r["cell"].startswith("decode-only/")}):
         c = [r for r in plain if r["cell"] == cell]
@@ -177,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
             "workload": {"conversations": args.conversations, "max_turns": args.max_turns,
                          "token_scale": args.token_scale, "seed": args.seed, "sets": args.set,
                          "decode_only": args.decode_only, "trace": res.get("trace")},
-            "rows": rows_of(res, decode_only=args.decode_only)}
+            "variant": args.variant, "rows": rows_of(res, decode_only=args.decode_only, variant=args.variant)}
     part["targets"] = targets(part["rows"])
     (out / f"ladder_{args.part}.json").write_text(json.dumps(part, indent=1))
     _print(part)
@@ -216,7 +218,8 @@ def _print(doc: dict[str, Any]) -> None:
     print(f"{'cell':<16}{'policy':<17}{'priority':<14}{'span':<6}{'makespan s':<18}{'p99 TTFT s':<18}"
           f"{'D wait ms':<16}{'/bound':<14}rdv")
     for r in doc["rows"]:
-        print(f"{r['cell']:<16}{r['policy']:<17}{r['priority']:<14}{r['span'] or '-':<6}{_fmt(r['makespan_s']):<18}"
+        cell = r["cell"] + (f"[{r['variant']}]" if r.get("variant") else "")
+        print(f"{cell:<16}{r['policy']:<17}{r['priority']:<14}{r['span'] or '-':<6}{_fmt(r['makespan_s']):<18}"
               f"{_fmt(r['p99_ttft_s']):<18}{_fmt(r['mean_d_wait_ms']):<16}{_fmt(r['bound_ratio']):<14}"
               f"{_fmt(r['rendezvous'])}")
     for t in doc["targets"]:
@@ -246,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--time-scale", type=float)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    r.add_argument("--variant", help="label of the rows (a lever set with --set on top of the ladder's); "
+                                     "labelled rows are reported, not judged by the targets")
     m = sub.add_parser("merge")
     m.add_argument("parts", nargs="+")
     m.add_argument("--out", default="docs/results/ladder/latest.json")
