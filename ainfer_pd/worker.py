@@ -105,6 +105,28 @@ class RolloutWorker:
             return exc
         return WorkerClosedError(f"engine failed: {exc!r}")
 
+    async def _await_peers_closing(self, window_s: float) -> WorkerClosedError | None:
+        """Wait for the engine task to end once every rank is closing; None when it ended, or the
+        error naming the ranks still serving when its lockstep steps stopped advancing for a
+        whole ``window_s``."""
+        assert self._engine_task is not None
+        steps = getattr(self.engine, "num_steps", None)
+        while True:
+            try:
+                async with asyncio.timeout(window_s):
+                    await asyncio.shield(self._engine_task)
+                return None
+            except TimeoutError:
+                now = getattr(self.engine, "num_steps", None)
+                if now is None or now == steps:
+                    busy = getattr(self.engine, "not_closing", ())
+                    who = f"; ranks not yet closing: {list(busy)}" if busy else ""
+                    return WorkerClosedError(f"rank {self.rank}: peers did not close: no lockstep step "
+                                             f"for {window_s:.0f} s (2x the rendezvous timeout){who}")
+                log.info("rank %d: closing, waiting for ranks %s to finish their work (%d steps)",
+                         self.rank, list(getattr(self.engine, "not_closing", ())), now - (steps or 0))
+                steps = now
+
     async def __aexit__(self, et, exc, tb) -> None:
         """Abort what is in flight, stop the loops, join the stream threads. The user's own
         exception (``et``) propagates unchanged; without one, an engine failure or a peer that
@@ -118,13 +140,12 @@ class RolloutWorker:
         try:
             if (self._engine_task is not None and not self._engine_task.done() and et is None
                     and hasattr(self.engine, "closing")):
-                # lockstep ranks leave together: keep stepping until every rank is closing and idle
+                # lockstep ranks leave together: keep stepping until every rank is closing and idle.
+                # A rank with no work of its own (a TP follower) waits here as long as its peers
+                # still serve theirs: every lockstep step is a rendezvous of all ranks (a dead peer
+                # fails it within the rendezvous timeout), so the wait fails only when the steps stop.
                 self.engine.closing = True
-                try:
-                    async with asyncio.timeout(self.cfg.parallel.rendezvous_timeout_s * 2):
-                        await asyncio.shield(self._engine_task)
-                except TimeoutError:
-                    close_error = WorkerClosedError("peers did not close within 2x the rendezvous timeout")
+                close_error = await self._await_peers_closing(self.cfg.parallel.rendezvous_timeout_s * 2)
             if self._engine_task is not None and not self._engine_task.done():
                 self._engine_task.cancel()
             assert self._tg is not None

@@ -100,3 +100,38 @@ def test_lockstep_step_loop_waits_instead_of_spinning_during_an_exclusive_epoch(
     steps, dt = run_ranks(_steps_during_exclusive_epochs, 1, timeout_s=150)[0]
     assert dt > 0.2                               # three epochs of 4 layers x 20 ms each, at least
     assert steps / dt < 3000, f"{steps} steps in {dt:.2f} s: the step loop spins"
+
+
+# ---------------------------------------------------------------- a rank with no work waits for its peers
+async def _one_rank_serves(rank: int, world_size: int):
+    import time
+
+    # rendezvous timeout 1 s: the close wait's window is 2 s, rank 0 serves for ~4 s after rank 1 closes
+    cfg = tiny_cfg(**{"parallel.world_size": world_size, "parallel.attn_dp": world_size,
+                      "parallel.expert_parallel": world_size, "parallel.expert_backend": "torch",
+                      "parallel.rendezvous_timeout_s": 1.0, "scheduler.policy": "fine-grained"})
+    rng = random.Random(3)
+    t0 = time.perf_counter()
+    toks = None
+    async with RolloutWorker(cfg) as w:
+        if rank == 0:                                       # rank 1 (an idle replica) closes at once
+            o = await w.generate(rand_ids(rng, 40), SamplingParams(max_new_tokens=8, **GREEDY))
+            toks = [o.token_ids]
+            for _ in range(2):
+                await asyncio.sleep(1.5)                    # a tool call: the world is idle meanwhile
+                o = await w.continue_(o.trajectory_id, rand_ids(rng, 12), SamplingParams(max_new_tokens=8, **GREEDY))
+                toks.append(o.token_ids)
+    return toks, time.perf_counter() - t0                   # after leaving: rank 1 waited for rank 0
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_without_work_waits_for_its_peers_beyond_the_rendezvous_timeout():
+    """A rank whose client is done keeps stepping while a peer still serves (every step is a
+    rendezvous of all ranks, so a dead peer still fails it): it used to give up after 2x the
+    rendezvous timeout and take the serving rank down with it (found in the crossed replay, where
+    the TP followers have no requests of their own)."""
+    res = run_ranks(_one_rank_serves, 2, timeout_s=150)
+    toks, served_s = res[0]
+    _, waited_s = res[1]
+    assert [len(t) for t in toks] == [8, 8, 8]
+    assert served_s > 3.0 and waited_s > 2.0 * 1.0          # rank 1 waited past its old limit, and did not fail

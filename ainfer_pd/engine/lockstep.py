@@ -96,6 +96,7 @@ class LockstepEngine(Engine):
         self.num_d_iters = 0
         self._announced = 0           # decode rows this rank announced at the current step
         self._rows_agreed = 0         # the padded rows of every replica's D batch at this step
+        self.not_closing: tuple[int, ...] = ()    # ranks whose client was still serving at the last step
         self.closing = False          # this rank's client is done; stop once every rank is
         self.owned_rendezvous = None  # the control rendezvous make_engine created (closed by aclose)
         self.watchdog = Watchdog(rank=topo.rank, world_size=topo.world_size, stall_s=cfg.parallel.stall_timeout_s,
@@ -202,7 +203,8 @@ class LockstepEngine(Engine):
             mux_on = self.activation.update(states[0][3] / 1000.0, total_p, total_d)
             if not any_running:
                 self._exclusive_epoch = False         # agreed: every rank finished the last epoch
-            if all(s[4] for s in states) and not (total_d or total_p or any_running):
+            self.not_closing = tuple(r for r, s in enumerate(states) if not s[4])
+            if not self.not_closing and not (total_d or total_p or any_running):
                 log.info("rank %d: every rank is closing and idle after %d steps", self.rank, self.num_steps)
                 return                                  # the same step on every rank
             if total_p and not any_running:
