@@ -232,3 +232,23 @@ async def test_waiting_turns_never_hold_the_cache_hostage():
         for tid in list(w.trajectories):
             await w.release(tid)
         assert w.kv_leak_free() and w.engine.kv.num_free_blocks == 40
+
+
+def test_the_model_segments_pass_every_safe_boundary_once_in_order():
+    model = build_model(tiny_cfg(**{"model.num_layers": 3}).model)
+    segs = model.segments
+    assert [s.label for s in segs] == ["embed", "attn0", "experts0", "attn1", "experts1", "attn2", "experts2", "head"]
+    assert [s.boundary for s in segs if s.boundary is not None] == list(range(model.num_boundaries))
+    # the expert notification points (odd) come right before each layer's experts
+    assert [(s.kind, s.layer) for s in segs if s.boundary and s.boundary % 2] == [("experts", i) for i in range(3)]
+
+
+@pytest.mark.parametrize("policy", ["normal", "fine-grained"])
+async def test_a_p_epoch_runs_the_model_segments_in_order_on_the_p_stream(policy):
+    cfg = tiny_cfg(**{"scheduler.policy": policy})
+    async with RolloutWorker(cfg) as w:
+        out = await w.generate(rand_ids(random.Random(1), 50), SamplingParams(max_new_tokens=2, **GREEDY))
+        await w.release(out.trajectory_id)
+        p_items = [name for (name, stream, _, _, _) in w.recorder.intervals if stream == "P"]
+        assert p_items == ["P." + s.label for s in w.engine.runner.model.segments]     # one epoch
+        assert w.metrics()["num_epochs"] == 1

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from ainfer_pd import AInferPDError, RolloutWorker, SamplingParams
 from ainfer_pd.engine import engine as engine_mod
+from ainfer_pd.engine import turns as turns_mod
 from ainfer_pd.engine.kv_cache import KVCacheManager
 from ainfer_pd.engine.model import build_model
 from ainfer_pd.engine.sampler import SampleRow, sample
@@ -330,7 +331,7 @@ async def test_case05_one_request_whose_distribution_is_nan_fails_alone(policy, 
     cfg = tiny_cfg(**{"scheduler.policy": policy})
     poison: set[str] = set()
     steps = {"n": 0}
-    real = engine_mod.sample
+    real = turns_mod.sample
 
     def poisoned(logits, rows):
         logits = logits.clone()
@@ -341,7 +342,7 @@ async def test_case05_one_request_whose_distribution_is_nan_fails_alone(policy, 
                     logits[i] = math.nan
         return real(logits, rows)
 
-    monkeypatch.setattr(engine_mod, "sample", poisoned)
+    monkeypatch.setattr(turns_mod, "sample", poisoned)
     rng = random.Random(5)
     async with RolloutWorker(cfg) as w:
         prompts = [rand_ids(rng, 30) for _ in range(3)]

@@ -147,7 +147,7 @@ class LockstepEngine(Engine):
                              f"this rank failed with {type(exc).__name__}: {exc}", ranks=tuple(lost))
 
     def _progress_key(self) -> tuple:
-        return (sum(s.num_done for s in self.device.streams.values()), self.colls.progress(), self.num_finished)
+        return (sum(s.num_done for s in self.device.streams.values()), self.colls.progress(), self.book.num_finished)
 
     def _device_busy(self) -> bool:
         return any(s.num_pending for s in self.device.streams.values())
@@ -155,7 +155,7 @@ class LockstepEngine(Engine):
     def _frontier(self) -> dict:
         st = self.device.streams
         return {"d_done": self.num_d_iters, "p_done": st["P"].num_done if "P" in st else 0,
-                "requests_done": self.num_finished, "epoch": self._epoch, "colls": self.colls.frontier(),
+                "requests_done": self.book.num_finished, "epoch": self._epoch, "colls": self.colls.frontier(),
                 "pending": {n: s.num_pending for n, s in st.items()}}
 
     async def aclose(self) -> None:
@@ -172,11 +172,12 @@ class LockstepEngine(Engine):
     def _local_p_tokens(self) -> int:
         if self._p_running or not self.is_leader:
             return 0
-        chunks, _ = plan_prefill(self._pending_view(), self.cfg.scheduler.max_prefill_tokens, self._available_blocks())
+        book = self.book
+        chunks, _ = plan_prefill(book.pending_view(), self.cfg.scheduler.max_prefill_tokens, book.available_blocks())
         return sum(c.num_tokens for c in chunks)
 
     def _live_rows(self) -> list:
-        return [t for t in self.decoding if not t.abort_requested]
+        return [t for t in self.book.decoding if not t.abort_requested]
 
     # ------------------------------------------------------------------ the step loop
     async def _step_loop(self) -> None:
@@ -261,9 +262,9 @@ class LockstepEngine(Engine):
 
     async def _epoch_batch(self) -> tuple[list, BatchPlan]:
         if self.is_leader:
-            chunks, admitted = plan_prefill(self._pending_view(), self.cfg.scheduler.max_prefill_tokens,
-                                            self._available_blocks())
-            work = self._admit(chunks, admitted)
+            chunks, admitted = plan_prefill(self.book.pending_view(), self.cfg.scheduler.max_prefill_tokens,
+                                            self.book.available_blocks())
+            work = self.book.admit(chunks, admitted)
             plan = self.runner.build(work, [])
             if self.replica is not None:
                 await self.replica.share(pack_prefill(plan.fb), None, "P batch")

@@ -24,16 +24,17 @@ class MixedChunkedEngine(Engine):
     async def _mixed_loop(self) -> None:
         """Outside reference (vLLM/SGLang-style): each step is one batch of every
         decode row plus a prefill chunk under a shared token budget."""
+        book = self.book
         while True:
-            await self._wait_for(lambda: self._has_live_rows() or self._p_admissible())
-            running = [t for t in self.decoding if not t.abort_requested]
+            await self._wait_for(lambda: book.has_live_rows() or book.p_admissible())
+            running = [t for t in book.decoding if not t.abort_requested]
             if len(running) > self.cfg.scheduler.max_decode_batch:
-                running = self._by_priority(running, waiting=False)
-            sp = plan_step([t.request_id for t in running], self._pending_view(),
+                running = book.by_priority(running, waiting=False)
+            sp = plan_step([t.request_id for t in running], book.pending_view(),
                            max_decode_rows=self.cfg.scheduler.max_decode_batch,
                            prefill_budget=self.cfg.scheduler.mixed_chunk_tokens,
-                           available_blocks=self._available_blocks(), mixed=True)
-            work = self._admit(sp.prefill, sp.admitted)
+                           available_blocks=book.available_blocks(), mixed=True)
+            work = book.admit(sp.prefill, sp.admitted)
             rows = running[:len(sp.decode)]
             if not work and not rows:
                 # NOTE: nothing runnable (cannot happen while plan and admission share `fits`):
@@ -57,8 +58,8 @@ class MixedChunkedEngine(Engine):
             n_p = len([1 for t in plan.logit_turns if t.state is TurnState.WAITING])
             p_plan = BatchPlan(plan.fb, plan.prefill, [], plan.logit_turns[:n_p])
             d_plan = BatchPlan(plan.fb, [], plan.decode, plan.logit_turns[n_p:])
-            self._finish_decode(d_plan, logits[n_p:])
-            self._finish_prefill(p_plan, logits[:n_p])
-            self._drain_cleanups()
+            book.finish_decode(d_plan, logits[n_p:])
+            book.finish_prefill(p_plan, logits[:n_p])
+            book.drain_cleanups()
             self._notify()
 

@@ -2,8 +2,10 @@
 
 A forward pass is ``embed`` -> for every layer ``attn_route`` (attention, then the
 router: the *notification* point of the expert exchange) and ``experts`` (routed +
-shared experts) -> ``head``. Prefill runs the segments one at a time so it can stop
-at any safe boundary and resume; decode runs them back to back (or as one CUDA graph).
+shared experts) -> ``head``: the model's :attr:`~MoETransformer.segments`, plain data built
+once per model. Both walks iterate that one sequence: :meth:`MoETransformer.forward_batch`
+runs the segments back to back (decode, mixed batches, or as one CUDA graph) and a P epoch
+(:mod:`.p_walk`) enqueues them one at a time so it can stop at every safe boundary.
 
 Shape legend: T = tokens, D = hidden, H/Hk = query/KV heads, hd = head dim,
 E = routed experts, k = top-k, V = vocabulary.
@@ -75,6 +77,34 @@ class DecoderLayer(nn.Module):
                 self.shared_gate = nn.Parameter(torch.empty(1, D))
 
 
+EMBED, ATTENTION, EXPERTS, HEAD = "embed", "attention", "experts", "head"
+"""The kinds of segment."""
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One segment of a forward pass. ``boundary``: the safe boundary a walk passes right before
+    it (None: none between it and the segment before). Numbering (:attr:`MoETransformer.num_boundaries`):
+    0 the entry (before ``embed``), per layer l ``2l + 1`` the expert notification point (after
+    its attention and router, before its ``experts``) and ``2l + 2`` the layer end (before the next
+    layer's attention; the last, ``2L``, before ``head``)."""
+
+    kind: str                 # EMBED | ATTENTION | EXPERTS | HEAD
+    layer: int                # the decoder layer (-1 for embed and head)
+    boundary: int | None
+    label: str                # "embed", "attn<l>", "experts<l>", "head" (a stream item's name)
+
+
+def layer_segments(num_layers: int) -> tuple[Segment, ...]:
+    """The segments of a forward pass through ``num_layers`` layers, with their boundaries."""
+    segs = [Segment(EMBED, -1, 0, "embed")]
+    for i in range(num_layers):
+        segs.append(Segment(ATTENTION, i, 2 * i if i else None, f"attn{i}"))
+        segs.append(Segment(EXPERTS, i, 2 * i + 1, f"experts{i}"))
+    segs.append(Segment(HEAD, -1, 2 * num_layers, "head"))
+    return tuple(segs)
+
+
 @dataclass(slots=True)
 class SegmentState:
     """What flows between segments of one forward pass."""
@@ -96,6 +126,8 @@ class MoETransformer(nn.Module):
         self.router_spec = RouterSpec.of(c)
         self.embed = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(c, i, self.expert_range) for i in range(c.num_layers))
+        self.segments: tuple[Segment, ...] = layer_segments(c.num_layers)
+        """Every forward pass walks these (built once: a walk allocates nothing per segment)."""
         self.final_norm = nn.Parameter(torch.ones(c.hidden_size))
         # tied: the same Parameter under both names (named_parameters() lists it once, as "embed")
         self.lm_head = self.embed if c.tie_word_embeddings else nn.Parameter(torch.empty(c.vocab_size, c.hidden_size))
@@ -226,17 +258,24 @@ class MoETransformer(nn.Module):
     # ------------------------------------------------------------------ whole pass
     def forward_batch(self, fb: ForwardBatch, kv_cache: Tensor, expert_fn: ExpertFn | None = None,
                       attn_reduce: Callable[[Tensor], Tensor] | None = None) -> Tensor:
-        """All segments back to back: kv_cache [num_layers, 2, S, Hk, hd] -> logits [R, V]."""
-        st = self.embed_tokens(fb)
-        for i in range(self.cfg.num_layers):
-            st = self.attn_route(i, st, fb, kv_cache[i], attn_reduce)
-            st = self.experts(i, st, expert_fn)
-        return self.head(st, fb.logits_rows)
+        """All :attr:`segments` back to back: kv_cache [num_layers, 2, S, Hk, hd] -> logits [R, V]."""
+        st = None
+        for seg in self.segments:
+            kind, i = seg.kind, seg.layer
+            if kind == ATTENTION:
+                st = self.attn_route(i, st, fb, kv_cache[i], attn_reduce)
+            elif kind == EXPERTS:
+                st = self.experts(i, st, expert_fn)
+            elif kind == EMBED:
+                st = self.embed_tokens(fb)
+            else:
+                return self.head(st, fb.logits_rows)
+        raise AssertionError("the segments end with the head")
 
     @property
     def num_boundaries(self) -> int:
         """Safe boundaries of one prefill pass: 0 (entry), then per layer the expert
-        notification point and the layer end."""
+        notification point and the layer end (the :attr:`Segment.boundary` numbering)."""
         return 1 + 2 * self.cfg.num_layers
 
 

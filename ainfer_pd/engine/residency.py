@@ -15,7 +15,8 @@ would point at freed memory: they are dropped at sleep and recaptured at wake (t
 measured: ``benchmarks/sleep_wake_bench.py``). The parameter *objects* stay the same, so
 trainers holding references and the weight-sync name table keep working.
 
-Mechanism here; the policy of how many KV blocks fit a memory budget is :func:`kv_blocks_for_budget`.
+Mechanism here; the policy of how many KV blocks fit a memory budget is :func:`kv_blocks_for_budget`
+(:func:`kv_blocks_from_memory` applies it to the device).
 """
 from __future__ import annotations
 
@@ -38,6 +39,20 @@ def kv_blocks_for_budget(total_bytes: int, utilization: float, weight_bytes: int
     the rollout's whole share of the GPU, weights included). At least 16."""
     budget = int(total_bytes * utilization) - weight_bytes - reserve_bytes
     return max(16, budget // block_bytes)
+
+
+def kv_blocks_from_memory(cfg) -> int:  # pragma: no cover - CUDA only
+    """KV blocks for ``cfg`` (a :class:`~ainfer_pd.config.WorkerConfig` without ``cache.num_blocks``)
+    on the current CUDA device: :func:`kv_blocks_for_budget` under ``cache.gpu_memory_utilization``,
+    else ``cache.gpu_memory_fraction`` of the memory free now after this rank's weights."""
+    mc, cc = cfg.model, cfg.cache
+    free, total = torch.cuda.mem_get_info()
+    nbytes = torch.finfo(mc.torch_dtype).bits // 8
+    per_block = mc.num_layers * 2 * cc.block_size * mc.num_kv_heads * mc.head_dim * nbytes
+    weights = mc.rank_params(cfg.parallel.expert_parallel) * nbytes      # this rank's experts only
+    if cc.gpu_memory_utilization > 0:
+        return kv_blocks_for_budget(total, cc.gpu_memory_utilization, weights, per_block, reserve_bytes=2 << 30)
+    return max(16, int((free - weights) * cc.gpu_memory_fraction) // per_block)
 
 
 @dataclass

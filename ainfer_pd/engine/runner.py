@@ -237,6 +237,16 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self, sizes, ctxs, self.scratch_slot, ctx)
         self.graphs.capture_all()
         return len(self.graphs.graphs)
+
+    def release_cuda(self) -> None:  # pragma: no cover - CUDA only
+        """Give the device memory back (no work in flight): graphs, the KV pool, the weights' storage."""
+        self.graphs = None
+        self.kv_cache = None
+        for p in self.model.parameters():
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
     @property
     def num_layers(self) -> int:
         return self.cfg.model.num_layers

@@ -1,0 +1,182 @@
+"""The walk of one P epoch over the model's segments, onto the P stream.
+
+The segments and their safe boundaries are the model's (:attr:`~.model.MoETransformer.segments`,
+the sequence :meth:`~.model.MoETransformer.forward_batch` runs back to back). The walk enqueues
+each segment on the P stream and adds only what is P's own, at the boundary before it:
+
+* the entry (boundary 0, before ``embed``): a gated epoch publishes it and waits for its permit;
+* an expert notification point (``2l + 1``, before layer l's ``experts``): per-layer gating
+  publishes it, receive-count pacing waits for the layer's attention and router to complete
+  (P's device progress paces its host), then per-layer gating waits for the permit;
+* a layer end (``2l + 2``): per-layer gating publishes it and waits for the permit; the last
+  one (before ``head``) is published as the epoch's final boundary.
+
+Under attention tensor parallelism a layer's attention is three stream items: the attention
+over this rank's heads, its all-reduce (routed by the ordering: the engine's hook) and the
+router. The engine's :meth:`~.engine.Engine._run_epoch` owns the epoch around the walk (the
+turnstile epoch, timing, completion, the tokens).
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable
+
+from ..metrics.export import set_log_context
+from ..sched.epoch_mode import EpochMode
+from .model import ATTENTION, EMBED, EXPERTS, HEAD, Segment
+
+P_ITEM = {"phase": "P", "kind": "compute"}
+
+PSegments = tuple[tuple[Segment, str], ...]
+"""Each segment with the label of its P stream item ("P.attn3")."""
+
+
+def p_segments(segments: tuple[Segment, ...]) -> PSegments:
+    """The P walk's view of a model's segments (built once per engine)."""
+    return tuple((s, "P." + s.label) for s in segments)
+
+
+class EpochWalk:
+    """One P epoch's walk. The walk also carries the segment state between the items of the
+    FIFO P stream (``st``, ``notified``, ``o``: written by one item, read by the next).
+
+    ``ep``: the turnstile's :class:`~ainfer_pd.turnstile.turnstile.EpochHandle` of the epoch;
+    ``all_reduce(tensor, after=, epoch=, boundary=, gated=)``: enqueue a layer's attention
+    all-reduce (attention TP; None: this rank holds every head)."""
+
+    __slots__ = ("epoch", "plan", "ep", "runner", "ctx", "rec", "faults", "faults_on", "timeout_s", "all_reduce",
+                 "gated", "st", "notified", "o", "items", "head", "waited", "counts_waited", "seg_b")
+
+    def __init__(self, epoch: int, plan, ep, *, runner, ctx, rec, faults, timeout_s: float,
+                 all_reduce: Callable[..., Any] | None = None) -> None:
+        self.epoch, self.plan, self.ep = epoch, plan, ep
+        self.runner, self.ctx, self.rec, self.faults = runner, ctx, rec, faults
+        self.faults_on = faults.active
+        self.timeout_s = timeout_s
+        self.all_reduce = all_reduce
+        self.gated = False
+        self.st: Any = None
+        self.notified: Any = None
+        self.o: Any = None
+        self.items: list = []          # every item enqueued before the head: a failed one fails the epoch
+        self.head = None               # the head's item (the logits)
+        self.waited = 0.0              # host seconds spent at boundaries (permits and receive counts)
+        self.counts_waited = 0.0       # of those, for receive counts
+        self.seg_b = 0                 # the boundary P last passed: its communication's segment
+
+    async def enqueue(self, segments: PSegments, mode: EpochMode, counts: bool) -> None:
+        """Enqueue every segment, passing each boundary as ``mode`` says; ``counts``: wait for the
+        receive counts at every expert notification point."""
+        self.gated = gated = mode.gated
+        fine = mode.per_layer
+        ep, stream, items = self.ep, self.ctx.stream, self.items
+        last = None                    # the latest attention's last item: done = its counts are on their way
+        for seg, label in segments:
+            kind, b = seg.kind, seg.boundary
+            if b is not None:
+                if kind == EMBED:                      # the entry
+                    if gated:
+                        ep.publish(b)
+                        await self._permit(b)
+                elif kind == HEAD:                     # the last layer end
+                    if fine:
+                        ep.publish(b, final=True)
+                else:                                  # a notification point or a layer end
+                    if fine:
+                        ep.publish(b)
+                    if counts and kind == EXPERTS:
+                        await self._counts(last, b)
+                    if fine:
+                        await self._permit(b)
+            if kind == ATTENTION:
+                last = self._attention(seg.layer, label)
+            elif kind == EXPERTS:
+                items.append(stream.submit(self._experts, seg.layer, label=label, attrs=P_ITEM))
+            elif kind == EMBED:
+                items.append(stream.submit(self._embed, label=label, attrs=P_ITEM))
+            else:
+                self.head = stream.submit(self._head, label=label, attrs=P_ITEM)
+
+    async def done(self) -> Any:
+        """The head's result once it completed, raising the first failure of the items before it
+        (the stream runs on after a failed item, so a failure is only seen by looking)."""
+        try:
+            result = await self.head.done()
+        except BaseException:
+            self._raise_first_failure()
+            raise
+        self._raise_first_failure()
+        return result
+
+    def _raise_first_failure(self) -> None:
+        for w in self.items:
+            f = w.enqueued()
+            if f.done() and not f.cancelled() and f.exception() is not None:
+                raise f.exception()
+
+    # ------------------------------------------------------------------ boundaries (event loop)
+    async def _permit(self, b: int) -> None:
+        rec = self.rec
+        t0 = rec.now()
+        await self.ep.permit(b)
+        self.waited += rec.now() - t0
+        self.seg_b = b
+        rec.event("p_permit", epoch=self.epoch, boundary=b)
+        set_log_context(epoch=self.epoch, boundary=b)
+
+    async def _counts(self, last, b: int) -> None:
+        """Receive counts: P's device progress paces its host."""
+        rec = self.rec
+        t0 = rec.now()
+        await last.done()
+        if self.notified is not None:
+            await self.notified.wait(timeout=self.timeout_s)
+        if self.faults.slow_counts_ms:
+            await asyncio.sleep(self.faults.slow_counts_ms / 1e3)
+        rec.event("p_counts", epoch=self.epoch, boundary=b)
+        rec.sample("p_counts_wait_s", rec.now() - t0)
+        self.waited += rec.now() - t0
+        self.counts_waited += rec.now() - t0
+
+    def _attention(self, layer: int, label: str):
+        """Enqueue layer ``layer``'s attention and router (the expert notification); returns the
+        item whose completion means the receive counts are on their way. Under attention TP the
+        partial output is all-reduced by its own item in between (``seg_b``: its segment)."""
+        ctx = self.ctx
+        if self.all_reduce is None:
+            w = ctx.stream.submit(self._attn_route, layer, label=label, attrs=P_ITEM)
+            self.items.append(w)
+            return w
+        wa = ctx.stream.submit(self._attention_only, layer, label=label, attrs=P_ITEM)
+        self.items.append(wa)
+        ar = self.all_reduce(lambda: self.o, after=wa, epoch=self.epoch, boundary=self.seg_b, gated=self.gated)
+        self.items.append(ar)
+        w = ctx.stream.submit(self._route, layer, ar, label=f"P.route{layer}", attrs=P_ITEM,
+                              deps=(ar,) if ar.stream is not ctx.stream else ())
+        self.items.append(w)
+        return w
+
+    # ------------------------------------------------------------------ segments (on the P stream)
+    def _embed(self) -> None:
+        self.st = self.runner.embed(self.plan)
+
+    def _attn_route(self, layer: int) -> None:
+        if self.faults_on:
+            self.faults.on_p_segment(self.epoch, layer)
+        self.st = self.runner.attn_route(layer, self.st, self.plan)
+        self.notified = self.runner.notify(self.ctx, self.st)      # the expert notification
+
+    def _attention_only(self, layer: int) -> None:
+        if self.faults_on:
+            self.faults.on_p_segment(self.epoch, layer)
+        self.o = self.runner.attention(layer, self.st, self.plan)
+
+    def _route(self, layer: int, ar) -> None:
+        self.st = self.runner.after_attention(layer, self.st, ar.enqueued().result(), self.plan)
+        self.notified = self.runner.notify(self.ctx, self.st)
+
+    def _experts(self, layer: int) -> None:
+        self.st = self.runner.experts(layer, self.st, self.ctx, self.notified)
+
+    def _head(self) -> Any:
+        return self.runner.head(self.st, self.plan)

@@ -1,0 +1,336 @@
+"""The turn bookkeeping of one rank's engine: queues, admission, tokens and endings (synchronous).
+
+:class:`TurnBook` holds the turns an engine serves (``waiting`` for prefill, ``decoding``) and
+everything that happens to them between device passes, without an event loop or a device:
+submission, the admissible view the planner sees and the KV reservation of what it admits
+(:meth:`TurnBook.admit`), the tokens a pass's logits give (:meth:`TurnBook.finish_prefill`,
+:meth:`TurnBook.finish_decode`), and every ending (stop / length, abort and its drain, failure)
+with its :class:`~ainfer_pd.request.TurnOutput`. The engine's loops (:mod:`.engine`) decide
+when device work runs and call in here before and after it; whatever they wait on that
+changes here is reported through ``notify``.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any, Callable
+
+import torch
+
+from ..config import WorkerConfig
+from ..errors import SamplingError
+from ..metrics.recorder import Recorder
+from ..request import TurnOutput
+from ..sched.planner import PendingPrefill, fits, plan_prefill
+from ..sched.priority import History, PriorityConfig, Work, order
+from . import prefix
+from .kv_cache import KVCacheManager
+from .routed_experts import of_turn
+from .runner import BatchPlan
+from .sampler import SampleRow, sample
+from .state import Turn, TurnState
+
+log = logging.getLogger("ainfer_pd.engine")
+
+
+class TurnBook:
+    """The turns of one rank and what happens to them between device passes.
+
+    ``routed``: the routed-experts cache (routing replay) a turn's expert ids are gathered from
+    as it ends, or None; ``notify()``: called whenever the queues, the KV pool or a turn's
+    state changed in a way the engine's loops may be waiting on."""
+
+    def __init__(self, cfg: WorkerConfig, recorder: Recorder, kv: KVCacheManager, *, routed=None,
+                 notify: Callable[[], None] = lambda: None) -> None:
+        self.cfg = cfg
+        self.rec = recorder
+        self.kv = kv
+        self.routed = routed
+        self.notify = notify
+        self.waiting: deque[Turn] = deque()
+        self.decoding: list[Turn] = []
+        sc = cfg.scheduler
+        self.priority = PriorityConfig(sc.priority, sc.priority_aging_s, sc.ttft_bound_tokens)
+        self.history = History()           # finished trajectories: the critical-path predictor
+        self.num_p_admitted_tokens = 0     # prefill tokens admitted so far (the first-token bound)
+        self.pending_cleanup: list[Turn] = []
+        """Aborted turns whose device work has not drained (cleaned up by :meth:`drain_cleanups`)."""
+        self.num_dropped_results = 0
+        self.num_prefill_tokens = 0        # prompt tokens computed by P passes
+        self.num_finished = 0
+        self.num_aborted = 0
+        self.num_failed = 0
+
+    # ================================================================== submission and aborts
+    def submit(self, turn: Turn) -> None:
+        turn.p_mark = self.num_p_admitted_tokens
+        # NOTE: a waiting turn does not pin its trajectory's KV: an idle prefix stays evictable
+        # (or waiting turns could hold the whole cache and none be admitted); admission re-reads it.
+        self.waiting.append(turn)
+        self.notify()
+
+    def abort(self, turn: Turn, reason: str = "abort", *, commit: bool = True) -> None:
+        """Abort a turn: its caller gets finish_reason "abort" now, with the tokens and logprobs
+        it produced so far (partial rollout). With ``commit`` (abort / abort_all / sleep) the
+        trajectory's context becomes the turn's prompt plus those tokens and the KV written for
+        them is kept, so ``continue_(tid, [])`` (or resubmitting prompt + partial tokens) resumes
+        without recomputing it; without (the caller was cancelled: it never sees the tokens) the
+        trajectory keeps its context from before the turn. The KV is cleaned up once no
+        submitted device work touches it (a cancel waits for P work to drain). Until then the
+        trajectory is *draining*: its next turn is queued but not admitted."""
+        if turn.state in (TurnState.DONE, TurnState.ABORTED) or turn.abort_requested:
+            return
+        turn.abort_requested = True
+        turn.commit_on_abort = commit
+        turn.routed_experts = of_turn(self.routed, self.kv, turn)    # before its KV can go
+        self.resolve(turn, "abort")
+        if turn.traj.turn is turn:             # the trajectory is free for its next turn at once
+            turn.traj.turn = None
+            turn.traj.tokens = turn.context + turn.out_tokens if commit else turn.prev_tokens
+        if turn.in_flight == 0:
+            self._cleanup_aborted(turn)
+        else:
+            # NOTE: only a turn with device work pending drains; a queued turn never submitted
+            # any, and must not hide the drain of the turn it waits for.
+            turn.traj.draining = turn
+            self.pending_cleanup.append(turn)
+        self.notify()
+
+    def _cleanup_aborted(self, turn: Turn) -> None:
+        if turn in self.waiting:
+            self.waiting.remove(turn)
+        if turn in self.decoding:
+            self.decoding.remove(turn)
+        turn.state = TurnState.ABORTED
+        if turn.lifetime:
+            # NOTE: what completed passes of this lifetime wrote (marked) stays cached, addressed by
+            # its tokens (a resubmission finds it); a pass still in flight at the abort was never marked.
+            self.kv.abort_turn(turn.tid, turn.lifetime, turn.seq_len, self.rec.now())
+        # NOTE: a turn never admitted holds no reservation and pins nothing (a pin on its
+        # trajectory's KV belongs to another lifetime: an earlier turn still draining).
+        if turn.traj.turn is turn:
+            turn.traj.turn = None
+            turn.traj.tokens = turn.prev_tokens
+        if turn.traj.draining is turn:
+            turn.traj.draining = None
+        turn.drained.set()
+        self.num_aborted += 1
+
+    def drain_cleanups(self) -> None:
+        """Clean up every aborted turn whose device work has drained since."""
+        still = []
+        for t in self.pending_cleanup:
+            if t.in_flight == 0:
+                self._cleanup_aborted(t)
+            else:
+                still.append(t)
+        self.pending_cleanup = still
+
+    # ================================================================== admission
+    def pending_view(self) -> list[PendingPrefill]:
+        """Admissible waiting turns in the order the priority policy serves them.
+        NOTE: a turn whose missing prefix a sibling is writing waits for it (prefix.pending_view)."""
+        turns = [t for t in self.waiting if not (t.abort_requested or self.behind_drain(t))]
+        return prefix.pending_view(self.kv, self.by_priority(turns, waiting=True))
+
+    def by_priority(self, turns: list[Turn], *, waiting: bool) -> list[Turn]:
+        """``turns`` (arrival order) in the order ``scheduler.priority`` serves them."""
+        if self.priority.policy == "fifo" or len(turns) < 2:
+            return turns
+        now = self.rec.now()
+        work = [Work(t.request_id, t.traj.group or t.tid, t.traj.num_turns - 1, len(t.context) + len(t.out_tokens),
+                     now - t.t_submit, (self.num_p_admitted_tokens - t.p_mark) if waiting else 0,
+                     bool(t.lifetime) if waiting else False) for t in turns]
+        by_id = {t.request_id: t for t in turns}
+        return [by_id[w.key] for w in order(work, self.history, self.priority)]
+
+    def record_trajectory(self, group: str, turns: int, tokens: int) -> None:
+        """A trajectory ended (released): what it took feeds the critical-path predictor."""
+        if turns > 0:
+            self.history.record(group, turns, tokens)
+
+    @staticmethod
+    def behind_drain(t: Turn) -> bool:
+        """``t`` waits for its trajectory's aborted turn to drain (device work still touches
+        the KV it would reuse): queued, not admissible yet; abort / release / sleep / exit end
+        it like any waiting turn (issue 13, cases 3 and 4)."""
+        d = t.traj.draining
+        return d is not None and d is not t
+
+    def available_blocks(self) -> int:
+        return self.kv.pool_blocks()
+
+    def p_admissible(self) -> bool:
+        """Some waiting turn would be admitted by a P epoch planned now."""
+        pend = self.pending_view()
+        if not pend:
+            return False
+        chunks, _ = plan_prefill(pend, self.cfg.scheduler.max_prefill_tokens, self.available_blocks())
+        return bool(chunks)
+
+    def admit(self, chunks, admitted) -> list[tuple[Turn, int, int]]:
+        """Reserve KV for newly admitted turns (FIFO), re-checking each with the same rule the
+        planner used (:func:`~ainfer_pd.sched.planner.fits`) on the live cache; the cached prefix
+        a turn shares is re-read at its reservation (an earlier admission may have evicted part of
+        it, or shared more: the planned demand is never below the live one). Returns the runnable
+        chunks (turn, start, tokens): a chunk never runs past its prompt."""
+        by_id = {t.request_id: t for t in self.waiting}
+        now = self.rec.now()
+        blocked = False
+        for rid in admitted:
+            t = by_id[rid]
+            if blocked or not fits(prefix.demand(self.kv, t), self.kv.pool_blocks()):
+                blocked = True            # FIFO: nothing behind it either (cannot happen: same rule as the plan)
+                continue
+            prefix.reserve(self.kv, t, now)
+            self.num_p_admitted_tokens += len(t.context) - t.prefilled
+        work = []
+        for c in chunks:
+            t = by_id[c.request_id]
+            if t.lifetime:
+                work.append((t, t.prefilled, min(c.num_tokens, len(t.context) - t.prefilled)))
+        return work
+
+    def has_live_rows(self) -> bool:
+        return any(not t.abort_requested for t in self.decoding)
+
+    # ================================================================== results of a pass
+    def finish_prefill(self, plan: BatchPlan, logits: torch.Tensor) -> None:
+        """Promote completed prompts to D (lifetime-checked); advance partial chunks."""
+        now = self.rec.now()
+        for t, start, n in plan.prefill:
+            self.num_prefill_tokens += n                 # computed, whatever becomes of the turn
+            if t.abort_requested or t.state is not TurnState.WAITING:
+                continue
+            if not self.kv.is_current(t.tid, t.lifetime):
+                self.num_dropped_results += 1
+                continue
+            t.prefilled = start + n
+            self.kv.mark_written(t.tid, t.lifetime, t.prefilled)
+        keep = [i for i, t in enumerate(plan.logit_turns) if not t.abort_requested and t.state is TurnState.WAITING
+                and self.kv.is_current(t.tid, t.lifetime)]
+        if keep:
+            turns = [plan.logit_turns[i] for i in keep]
+            toks, lps, bad = sample(logits[keep], [self._sample_row(t) for t in turns])
+            self._fail_unsampled(turns, bad)
+            for i, (t, tok, lp) in enumerate(zip(turns, toks, lps)):
+                if i in bad:
+                    continue
+                self.waiting.remove(t)
+                t.t_first = now
+                self.rec.sample("ttft_s", now - t.t_submit)
+                t.state = TurnState.DECODING
+                self._append_token(t, tok, lp)
+        self.notify()
+
+    def finish_decode(self, plan: BatchPlan, logits: torch.Tensor) -> None:
+        """Append each live decode row's sampled token (its KV for the fed token is written)."""
+        live = [i for i, t in enumerate(plan.logit_turns) if not t.abort_requested and t.state is TurnState.DECODING]
+        if not live:
+            return
+        turns = [plan.logit_turns[i] for i in live]
+        for t in turns:
+            self.kv.mark_written(t.tid, t.lifetime, t.seq_len)
+        toks, lps, bad = sample(logits[live], [self._sample_row(t) for t in turns])
+        self._fail_unsampled(turns, bad)
+        for i, (t, tok, lp) in enumerate(zip(turns, toks, lps)):
+            if i not in bad:
+                self._append_token(t, tok, lp)
+
+    def _fail_unsampled(self, turns: list[Turn], bad: dict[int, str]) -> None:
+        """Rows the sampler could not sample end alone with SamplingError (their device work
+        has completed); the rest of the batch goes on."""
+        for i, why in bad.items():
+            t = turns[i]
+            log.warning("request %s failed in sampling: %s", t.request_id, why)
+            self.fail_turns([t], SamplingError(f"request {t.request_id} ({t.tid!r}): {why} "
+                                               f"(sampling params {t.params})"))
+
+    @staticmethod
+    def _sample_row(t: Turn) -> SampleRow:
+        hist = (t.context + t.out_tokens) if t.params.repetition_penalty != 1.0 else None
+        return SampleRow(t.params, t.generator, hist)
+
+    def _append_token(self, t: Turn, tok: int, lp: float) -> None:
+        t.out_tokens.append(tok)
+        t.out_logprobs.append(lp)
+        p = t.params
+        reason = None
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok == self.cfg.model.eos_token_id):
+            reason = "stop"
+        elif len(t.out_tokens) >= p.max_new_tokens or t.seq_len >= self.cfg.model.max_context_len:
+            reason = "length"
+        if reason is None:
+            if t.state is TurnState.DECODING and t not in self.decoding:
+                self.decoding.append(t)
+            return
+        if t in self.decoding:
+            self.decoding.remove(t)
+        t.state = TurnState.DONE
+        t.traj.tokens = t.context + t.out_tokens
+        t.routed_experts = of_turn(self.routed, self.kv, t)          # before its KV goes
+        self.kv.finish_turn(t.tid, t.lifetime, t.seq_len - 1, self.rec.now())
+        if t.traj.turn is t:
+            t.traj.turn = None
+        self.num_finished += 1
+        self.rec.sample("request_latency_s", self.rec.now() - t.t_submit)
+        self.resolve(t, reason)
+
+    # ================================================================== endings
+    def resolve(self, t: Turn, reason: str) -> None:
+        """Give ``t``'s caller its :class:`TurnOutput` (once: a later call changes nothing)."""
+        if t.future.done():
+            return
+        now = self.rec.now()
+        ttft = (t.t_first - t.t_submit) if t.t_first is not None else now - t.t_submit
+        out = TurnOutput(trajectory_id=t.tid, token_ids=list(t.out_tokens), logprobs=list(t.out_logprobs),
+                         finish_reason=reason, num_prompt_tokens=len(t.context),
+                         num_cached_tokens=t.num_cached, ttft_s=ttft, latency_s=now - t.t_submit,
+                         request_id=t.request_id, turn_index=t.traj.num_turns - 1,
+                         routed_experts=t.routed_experts)
+        t.future.set_result(out)
+
+    def fail_turns(self, turns: list[Turn], err: BaseException) -> None:
+        """End ``turns`` with ``err`` (typed) and free their KV (their device work has drained)."""
+        for t in turns:
+            if t.state in (TurnState.DONE, TurnState.ABORTED):
+                continue
+            if not t.future.done():
+                t.future.set_exception(err)
+            self.num_failed += 1
+            t.abort_requested = True
+            t.commit_on_abort = False        # a failed turn leaves its trajectory as it was
+            t.in_flight = 0
+            self._cleanup_aborted(t)
+            self.num_aborted -= 1            # counted as failed, not aborted
+        self.notify()
+
+    def close(self) -> None:
+        """No device work is in flight any more (the loops stopped, the streams were joined):
+        every turn still known ends with "abort" and every pending cleanup runs, so no caller,
+        drain waiter or KV pin is left behind."""
+        for t in self.pending_cleanup:
+            t.in_flight = 0
+        self.drain_cleanups()
+        for t in list(self.waiting) + list(self.decoding):
+            t.in_flight = 0
+            self.abort(t, "shutdown")
+
+    def fail_all(self, exc: BaseException) -> None:
+        """Every turn in flight ends with ``exc`` (typed)."""
+        self.fail_turns(list(self.waiting) + list(self.decoding), exc)
+
+    # ================================================================== introspection
+    def metrics(self) -> dict[str, Any]:
+        """The turns' and the KV cache's counters."""
+        kv = self.kv
+        return {
+            "finished": self.num_finished, "aborted": self.num_aborted, "failures": self.num_failed,
+            "dropped_results": self.num_dropped_results,
+            "kv_free_blocks": kv.num_free_blocks, "kv_total_blocks": kv.alloc.num_blocks,
+            "kv_evictions": kv.num_evictions,
+            "kv_cached_blocks": kv.num_cached_blocks,
+            "prefix_prompt_tokens": kv.num_prompt_tokens,      # prompt tokens of every admitted turn
+            "prefix_reused_tokens": kv.num_reused_tokens,      # of those, served from cached KV
+            "prefill_tokens": self.num_prefill_tokens,         # prompt tokens computed
+        }
