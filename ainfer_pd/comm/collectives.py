@@ -5,7 +5,7 @@
   ordering can route it (:func:`~ainfer_pd.comm.ordering.collective_stream`).
 * D (inside its iteration): its own attention-TP all-reduce (``attn_tp.D``; the engine's D item
   also gathers its TP ranks' expert shares with it: :class:`~ainfer_pd.engine.tensor_parallel.DecodeHooks`)
-  and the DP-attention **all-gather / reduce-scatter** (``attn_dp.D``; the harness's crossed pair).
+  and the DP-attention **all-gather / reduce-scatter** (``attn_dp.D``; with P's all-reduce the crossed pair of SPEC 2).
 
 The state is phase-owned (SPEC 3.4): one :class:`PhaseCollectives` per phase holds only that
 phase's communicators, counters, in-flight table and lock, and registers them to its phase in the
