@@ -42,7 +42,9 @@ from benchmarks.nccl_harness.cuda_device import (
     DepCudaDevice,
     ResidencyGate,
 )
-from benchmarks.nccl_harness.harness import HarnessSpec, data_backend, expected_rounds, run_harness
+from benchmarks.nccl_harness.harness import data_backend
+from benchmarks.nccl_harness.ranks import run_harness
+from benchmarks.nccl_harness.spec import HarnessSpec, expected_rounds
 from benchmarks.nccl_harness.launcher import build_parser, build_specs, expectation
 from tests._dist_util import run_ranks
 from tests.conftest import rand_ids, tiny_cfg

@@ -1,8 +1,8 @@
-"""One rank of the NCCL-layer harness: real processes, real collectives, the real turnstile.
+"""One run of the NCCL-layer harness on one rank: real processes, real collectives, the real turnstile.
 
 One process per rank (spawned by :func:`ainfer_pd.launch.spawn`, or started by ``torchrun``:
-``python -m benchmarks.nccl_harness``, see :mod:`.launcher`) runs an asyncio loop with a device,
-the library's phase-owned attention collectives over separate communicators per phase
+``python -m benchmarks.nccl_harness``, see :mod:`.launcher` and :mod:`.ranks`) runs an asyncio
+loop with a device, the library's phase-owned attention collectives over separate communicators per phase
 (:class:`~ainfer_pd.comm.collectives.RankCollectives`; ``backend``: gloo or NCCL), the real
 :class:`~ainfer_pd.turnstile.Turnstile` over the real distributed rendezvous (gloo / shared
 memory), and a synthetic per-replica schedule. Devices:
@@ -44,42 +44,24 @@ Every rank writes ``rank{r}.jsonl`` (control trace) into ``run_dir``; rank 0 wri
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 import random
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ainfer_pd.comm.backend import group_backend
-from ainfer_pd.comm.ordering import D_ADP_ALL_GATHER, P_ATP_ALL_REDUCE, CollectiveKind, ConflictRegistry
-from ainfer_pd.comm.ordering import collective_stream as engine_stream
+from ainfer_pd.comm.ordering import D_ADP_ALL_GATHER, P_ATP_ALL_REDUCE, CollectiveKind
 from ainfer_pd.comm.topology import ATTN_DP_D, ATTN_TP_D, ATTN_TP_P
-from ainfer_pd.errors import (
-    ConfigError,
-    PeerLostError,
-    RankFailedError,
-    RendezvousTimeout,
-    StallError,
-    TopologyError,
-)
+from ainfer_pd.errors import PeerLostError, RendezvousTimeout, StallError, TopologyError
 
-from .spec import SKEW_MODES, HarnessSpec, expected_rounds, registry_for
+from .spec import HarnessSpec, collective_stream, expected_rounds, overlap_stats, registry_for
 
-__all__ = ["HarnessOutcome", "HarnessSpec", "SKEW_MODES", "collective_stream", "data_backend", "expected_rounds",
-           "harness_rank", "make_device", "overlap_stats", "run_harness", "summarize_error"]
-
-
-def collective_stream(ordering: str, kind: CollectiveKind, registry: ConflictRegistry) -> str:
-    """The engine's stream policy (:func:`ainfer_pd.comm.ordering.collective_stream`), except that
-    ``global-implicit`` puts every collective of both phases on the harness's own collective
-    stream ``C`` (compute stays on P and D: the turnstile order alone is measured)."""
-    return "C" if ordering == "global-implicit" else engine_stream(ordering, kind, registry)
+__all__ = ["RankRun", "data_backend", "make_device"]
 
 
 def data_backend(groups: dict[str, Any], device: Any) -> str:
@@ -124,7 +106,9 @@ def make_device(spec: HarnessSpec, recorder: Any) -> Any:
 
 
 # ====================================================================== one rank
-class _Run:
+class RankRun:
+    """One run of ``spec`` on this rank over its process groups (``store``: the launch's store)."""
+
     def __init__(self, rank: int, topo: Any, groups: dict, spec: HarnessSpec, store: Any, index: int = 0) -> None:
         from ainfer_pd.config import ParallelConfig
         from ainfer_pd.metrics.recorder import Recorder
@@ -476,127 +460,3 @@ class _Run:
                 pass
         self.dev.shutdown()
         return out
-
-
-def overlap_stats(intervals: list[tuple[str, str, bool, float, float]]) -> dict:
-    """Overlap time (s) of registered P collectives with D registered collectives (must be 0
-    under selective ordering), and of other P work (P compute) with any D work."""
-    from ainfer_pd.metrics.tracecheck import overlap_seconds as total
-
-    p_reg = [(a, b) for k, ph, reg, a, b in intervals if ph == "P" and k == "coll" and reg]
-    d_reg = [(a, b) for k, ph, reg, a, b in intervals if ph == "D" and k == "coll" and reg]
-    p_other = [(a, b) for k, ph, reg, a, b in intervals if ph == "P" and not (k == "coll" and reg)]
-    d_all = [(a, b) for k, ph, reg, a, b in intervals if ph == "D"]
-    return {"registered_pair_overlap_s": total(p_reg, d_reg), "registered_p_vs_any_d_s": total(p_reg, d_all),
-            "other_p_vs_d_overlap_s": total(p_other, d_all),
-            "p_busy_s": sum(b - a for k, ph, _, a, b in intervals if ph == "P"),
-            "d_busy_s": sum(b - a for k, ph, _, a, b in intervals if ph == "D")}
-
-
-async def _rank_main(rank: int, world_size: int, specs: list[HarnessSpec], *, results: list | None = None,
-                     session: dict | None = None) -> list[dict]:
-    """Run ``specs`` in order on this rank over one set of process groups.
-
-    ``results`` (optional) receives each run's result as soon as it completed (what ran before a
-    failure survives it); ``session`` receives ``topo`` and ``groups``. With NCCL the rank uses
-    ``cuda:LOCAL_RANK``, creates its communicators in one global order before any run, and
-    aborts them (bounded) when a run fails, so a stalled kernel cannot keep the process alive.
-    """
-    from ainfer_pd.comm.topology import Topology, build_process_groups
-    from ainfer_pd.launch import get_store
-
-    if not specs:
-        return []
-    s0 = specs[0]
-    for s in specs:
-        s.validate()
-        if (s.world_size, s.attn_dp, s.backend) != (s0.world_size, s0.attn_dp, s0.backend):
-            raise ConfigError("all specs of one harness launch must share the topology and the backend")
-    if world_size != s0.world_size:
-        raise ConfigError(f"{world_size} ranks were started for a world size {s0.world_size} spec")
-    topo = Topology(world_size=world_size, attn_dp=s0.attn_dp, expert_parallel=1, rank=rank)
-    cuda_index = None
-    if s0.backend == "nccl":
-        from ainfer_pd.comm.backend import local_cuda_index
-        cuda_index = local_cuda_index()
-        torch.cuda.set_device(cuda_index)
-    groups = build_process_groups(topo, s0.backend, control_timeout_s=max(s.rendezvous_timeout_s for s in specs),
-                                  data_timeout_s=max(s.coll_timeout_s for s in specs))
-    if session is not None:
-        session.update(topo=topo, groups=groups, cuda_index=cuda_index)
-    store = get_store()
-    out = results if results is not None else []
-    try:
-        if cuda_index is not None:
-            from ainfer_pd.comm.backend import warm_up_nccl
-            await asyncio.to_thread(warm_up_nccl, groups, cuda_index)
-        for index, s in enumerate(specs):
-            if s.run_dir:
-                Path(s.run_dir).mkdir(parents=True, exist_ok=True)
-                if rank == 0:
-                    meta = {"spec": dataclasses.asdict(s), "world_size": world_size, "topology": topo.describe(),
-                            "crossed": topo.crossed, "backend": s.backend,
-                            "registered_pairs": registry_for(topo, s).describe()}
-                    (Path(s.run_dir) / "meta.json").write_text(json.dumps(meta, indent=1))
-            run = _Run(rank, topo, groups, s, store, index)
-            out.append(await run.run())
-    except BaseException:
-        if cuda_index is not None:
-            from ainfer_pd.comm.backend import abort_nccl
-            await asyncio.to_thread(abort_nccl, groups, 5.0)
-        raise
-    return out
-
-
-def harness_rank(rank: int, world_size: int, specs: list[HarnessSpec]) -> list[dict]:
-    """Entry point of one rank (spawned): runs ``specs`` in order over one set of groups (the
-    data backend of ``specs``; the default group the spawner created is gloo)."""
-    return asyncio.run(_rank_main(rank, world_size, list(specs)))
-
-
-# ====================================================================== parent side
-@dataclass
-class HarnessOutcome:
-    """Per-rank outcome of one launch: ``results[r]`` is a list of per-run dicts or an exception."""
-
-    results: list[Any]
-    wall_s: float
-    specs: list[HarnessSpec] = field(default_factory=list)
-
-    @property
-    def errors(self) -> dict[int, BaseException]:
-        return {r: v for r, v in enumerate(self.results) if isinstance(v, BaseException)}
-
-    @property
-    def completed(self) -> bool:
-        return not self.errors
-
-    def runs(self, i: int = 0) -> list[dict]:
-        """The i-th run's result dict of every rank (only when every rank completed)."""
-        return [v[i] for v in self.results]
-
-    def stalled(self) -> bool:
-        return bool(self.errors) and any(isinstance(e, StallError) for e in self.errors.values())
-
-
-def run_harness(specs: HarnessSpec | list[HarnessSpec], *, timeout_s: float = 120.0,
-                fail_grace_s: float | None = None) -> HarnessOutcome:
-    """Spawn ``world_size`` ranks running ``specs`` (one launch); never hangs (stragglers are
-    killed at ``timeout_s``)."""
-    from ainfer_pd.launch import spawn
-
-    specs = [specs] if isinstance(specs, HarnessSpec) else list(specs)
-    s0 = specs[0]
-    grace = fail_grace_s if fail_grace_s is not None else max(s.rendezvous_timeout_s for s in specs) + 8.0
-    t0 = time.perf_counter()
-    try:
-        results = spawn(harness_rank, s0.world_size, (specs,), timeout_s, return_exceptions=True,
-                        fail_grace_s=grace)
-    except RankFailedError as exc:
-        results = exc.results or [exc] * s0.world_size
-    return HarnessOutcome(results=list(results), wall_s=time.perf_counter() - t0, specs=specs)
-
-
-def summarize_error(exc: BaseException) -> str:
-    first = str(exc).split("\n", 1)[0]
-    return f"{type(exc).__name__}: {first[:300]}"

@@ -36,7 +36,7 @@ from ainfer_pd.comm.backend import check_backend, data_backend_for
 from ainfer_pd.comm.ordering import ORDERINGS
 from ainfer_pd.errors import AInferPDError, ConfigError, PeerLostError, StallError
 
-from .harness import _rank_main, summarize_error
+from .ranks import rank_main, summarize_error
 from .spec import SKEW_MODES, HarnessSpec, expected_rounds, registry_for
 
 __all__ = ["build_parser", "build_specs", "cli_rank", "expectation", "main", "rank_summary", "report"]
@@ -167,7 +167,7 @@ def _run_rank(rank: int, world_size: int, specs: list[HarnessSpec]) -> tuple[lis
     results: list[dict] = []
     error = None
     try:
-        asyncio.run(_rank_main(rank, world_size, specs, results=results))
+        asyncio.run(rank_main(rank, world_size, specs, results=results))
     except Exception as exc:  # noqa: BLE001 - the outcome is data here: reported, compared with the expectation
         error = exc
     return rank_summary(rank, specs, results, error), error

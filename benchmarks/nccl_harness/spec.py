@@ -1,15 +1,18 @@
-"""What one harness run is (:class:`HarnessSpec`, picklable, identical on every rank) and the
-turnstile rounds a completed run must show (:func:`expected_rounds`)."""
+"""What one harness run is (:class:`HarnessSpec`, picklable, identical on every rank) and its pure
+rules: the conflicting pairs (:func:`registry_for`), the stream of each collective
+(:func:`collective_stream`), the turnstile rounds a completed run must show
+(:func:`expected_rounds`) and its overlap figures (:func:`overlap_stats`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
 from ainfer_pd.comm.backend import check_backend
-from ainfer_pd.comm.ordering import ConflictRegistry, check_ordering
+from ainfer_pd.comm.ordering import CollectiveKind, ConflictRegistry, check_ordering
+from ainfer_pd.comm.ordering import collective_stream as engine_stream
 from ainfer_pd.errors import ConfigError, TopologyError
 
-__all__ = ["SKEW_MODES", "HarnessSpec", "expected_rounds", "registry_for"]
+__all__ = ["SKEW_MODES", "HarnessSpec", "collective_stream", "expected_rounds", "overlap_stats", "registry_for"]
 
 SKEW_MODES = ("random", "fixed", "crossed")
 
@@ -99,3 +102,25 @@ def expected_rounds(spec: HarnessSpec) -> int | None:
 def registry_for(topo: Any, spec: HarnessSpec) -> ConflictRegistry:
     """The conflicting pairs of this run (``register_pairs``: also where nothing crosses)."""
     return ConflictRegistry.for_topology(topo, force=spec.register_pairs)
+
+
+def collective_stream(ordering: str, kind: CollectiveKind, registry: ConflictRegistry) -> str:
+    """The engine's stream policy (:func:`ainfer_pd.comm.ordering.collective_stream`), except that
+    ``global-implicit`` puts every collective of both phases on the harness's own collective
+    stream ``C`` (compute stays on P and D: the turnstile order alone is measured)."""
+    return "C" if ordering == "global-implicit" else engine_stream(ordering, kind, registry)
+
+
+def overlap_stats(intervals: list[tuple[str, str, bool, float, float]]) -> dict:
+    """Overlap time (s) of registered P collectives with D registered collectives (must be 0
+    under selective ordering), and of other P work (P compute) with any D work."""
+    from ainfer_pd.metrics.tracecheck import overlap_seconds as total
+
+    p_reg = [(a, b) for k, ph, reg, a, b in intervals if ph == "P" and k == "coll" and reg]
+    d_reg = [(a, b) for k, ph, reg, a, b in intervals if ph == "D" and k == "coll" and reg]
+    p_other = [(a, b) for k, ph, reg, a, b in intervals if ph == "P" and not (k == "coll" and reg)]
+    d_all = [(a, b) for k, ph, reg, a, b in intervals if ph == "D"]
+    return {"registered_pair_overlap_s": total(p_reg, d_reg), "registered_p_vs_any_d_s": total(p_reg, d_all),
+            "other_p_vs_d_overlap_s": total(p_other, d_all),
+            "p_busy_s": sum(b - a for k, ph, _, a, b in intervals if ph == "P"),
+            "d_busy_s": sum(b - a for k, ph, _, a, b in intervals if ph == "D")}
