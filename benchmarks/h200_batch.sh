@@ -17,7 +17,7 @@ o = torch.ops.aten._scaled_dot_product_flash_attention(q, k, k, 0.0, is_causal=T
 r = F.scaled_dot_product_attention(q.float(), k.float(), k.float(), attn_mask=causal_lower_right(300, 900))
 print("flash lower-right check: max |diff| vs fp32 reference", (o.float() - r).abs().max().item())
 PY
-{ timeout 90 torchrun --standalone --nproc-per-node 1 -m ainfer_pd.multirank.harness --backend nccl \
+{ timeout 90 torchrun --standalone --nproc-per-node 1 -m benchmarks.nccl_harness --backend nccl \
     --ordering none,selective,global-implicit --register-pairs --rendezvous gloo --out /tmp/nccl-ws1; echo "harness rc $?"
   python -m ainfer_pd.cli trace-check /tmp/nccl-ws1/selective; python -m ainfer_pd.cli trace-check /tmp/nccl-ws1/global-implicit
   timeout 90 torchrun --standalone --nproc-per-node 1 -m ainfer_pd.cli replay --config configs/tiny-cuda.yaml \

@@ -16,8 +16,8 @@ from ainfer_pd.comm.topology import CONTROL, Topology
 from ainfer_pd.config import ParallelConfig
 from ainfer_pd.errors import DistributedError, RankFailedError, RendezvousMismatch, RendezvousTimeout
 from ainfer_pd.launch import get_store
-from ainfer_pd.turnstile.dist_rendezvous import (GlooRendezvous, Rendezvous, ShmRendezvous,
-                                                 SingleRankRendezvous, make_rendezvous, require_agreement)
+from ainfer_pd.turnstile.dist_rendezvous import (GlooRendezvous, LocalRendezvous, Rendezvous, ShmRendezvous,
+                                                 assert_agree, make_rendezvous)
 
 try:
     from tests._dist_util import rendezvous_threads, run_ranks, shm_entries
@@ -59,7 +59,7 @@ async def _rounds(rdv, rank: int, world_size: int, n: int) -> None:
         res = await rdv.arrive(tag, payload, epoch=7, boundary=b)
         assert len(res) == world_size
         if i % 2 == 0:
-            assert require_agreement(res, tag=tag, epoch=7, boundary=b) == (7, b, b + 3)
+            assert assert_agree(res, tag, 7, b) == (7, b, b + 3)
         else:
             assert res == [(7, b, b + 3, r) for r in range(world_size)]
 
@@ -67,7 +67,7 @@ async def _rounds(rdv, rank: int, world_size: int, n: int) -> None:
 async def _mismatch_detected(rdv, rank: int) -> bool:
     res = await rdv.arrive("rdv1", (9, 1, 1 + (rank == 1)), epoch=9, boundary=1)
     try:
-        require_agreement(res, tag="rdv1", epoch=9, boundary=1)
+        assert_agree(res, "rdv1", 9, 1)
     except RendezvousMismatch as exc:
         return "ranks [1]" in str(exc) or "ranks [0]" in str(exc)
     return False
@@ -335,7 +335,7 @@ async def test_shm_cancelled_arrive_keeps_sequence():
 
 
 async def test_payload_validation_and_single_rank():
-    s = SingleRankRendezvous(1.0, max_payload=3)
+    s = LocalRendezvous(1.0, max_payload=3)
     assert await s.arrive("x", (1, -2, 2 ** 62), epoch=None, boundary=None) == [(1, -2, 2 ** 62)]
     assert await s.arrive("x", ()) == [()]
     for bad in ((1, 2, 3, 4), (1.5,), (True,), (2 ** 63,)):
@@ -344,9 +344,12 @@ async def test_payload_validation_and_single_rank():
     await s.close()
     cfg = ParallelConfig(world_size=1)
     assert make_rendezvous(cfg, Topology.from_config(cfg, 0), same_host=True).kind == "single"
+    assert s.arrivals == 2                      # the refused arrivals did not count
+    with pytest.raises(DistributedError, match="closed"):
+        await s.arrive("x", (1,))
     with pytest.raises(RendezvousMismatch, match=r"ranks \[1\]"):
-        require_agreement([(1, 2), (1, 3)], tag="t", epoch=1, boundary=2)
-    assert require_agreement([(1, 2)] * 3) == (1, 2)
+        assert_agree([(1, 2), (1, 3)], "t", 1, 2)
+    assert assert_agree([(1, 2)] * 3, "t", None, None) == (1, 2)
 
 
 def test_shm_setup_without_peer_times_out():

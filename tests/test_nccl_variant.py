@@ -1,8 +1,9 @@
-"""The NCCL (CUDA) variant of the multi-rank harness and the data-backend choice, on a CPU host.
+"""The NCCL-layer harness (``benchmarks/nccl_harness``) and the data-backend choice, on a CPU host.
 
 What runs here: backend selection and argument validation (typed errors), the clean refusal of
 the CUDA path without CUDA, the residency gate and completion poller with fake events, the whole
-CUDA item path (``DepCudaDevice`` + ``cuda_collective_item``) over real gloo processes with the
+CUDA item path (``DepCudaDevice`` + ``cuda_collective_item`` over the library's phase collectives)
+over real gloo processes with the
 ``torch.cuda`` calls it makes replaced by CPU stand-ins (no GPU semantics: it catches plumbing
 errors and checks the stall / fix logic of that path), the launcher under torchrun, and one
 lockstep engine rank at world size 1 with its process groups. The real NCCL runs need GPUs
@@ -36,13 +37,15 @@ from ainfer_pd.comm.backend import (
     device_for_backend,
     local_cuda_index,
 )
-from ainfer_pd.multirank.cuda_device import (
+from benchmarks.nccl_harness.cuda_device import (
     CompletionPoller,
     DepCudaDevice,
     ResidencyGate,
 )
-from ainfer_pd.multirank.harness import HarnessSpec, expected_rounds, run_harness
-from ainfer_pd.multirank.launcher import build_parser, build_specs, expectation
+from benchmarks.nccl_harness.harness import data_backend
+from benchmarks.nccl_harness.ranks import run_harness
+from benchmarks.nccl_harness.spec import HarnessSpec, expected_rounds
+from benchmarks.nccl_harness.launcher import build_parser, build_specs, expectation
 from tests._dist_util import run_ranks
 from tests.conftest import rand_ids, tiny_cfg
 
@@ -81,7 +84,7 @@ def test_cuda_path_imports_and_refuses_cleanly_without_cuda():
     o = run_harness(HarnessSpec(backend="nccl", world_size=1, attn_dp=1), timeout_s=60)
     assert isinstance(o.errors[0], BackendUnavailableError), o.results
     # and so does the command line, before starting any rank
-    p = subprocess.run([sys.executable, "-m", "ainfer_pd.multirank.harness", "--backend", "nccl", "--world-size", "2"],
+    p = subprocess.run([sys.executable, "-m", "benchmarks.nccl_harness", "--backend", "nccl", "--world-size", "2"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert p.returncode == 2 and "BackendUnavailableError" in p.stderr, (p.returncode, p.stderr[-2000:])
 
@@ -241,11 +244,12 @@ class _FakeStream:
 
 def _install_fake_cuda() -> None:
     """Replace the torch.cuda calls of the CUDA harness path by CPU stand-ins; the data groups are
-    gloo underneath but report "nccl" to the collectives (native ops exist on gloo too)."""
+    gloo underneath but report "nccl" to the harness (the collectives then use the native ops,
+    which exist on gloo too)."""
     import torch.distributed as dist
 
     from ainfer_pd.comm import topology
-    from ainfer_pd.multirank import collectives
+    from benchmarks.nccl_harness import harness
     cuda = torch.cuda
     cuda.is_available = lambda: True
     cuda.device_count = lambda: 8
@@ -259,14 +263,14 @@ def _install_fake_cuda() -> None:
     cuda.get_device_properties = lambda i: types.SimpleNamespace(clock_rate=1_000_000)
     dist.is_nccl_available = lambda: True
     DepCudaDevice.torch_device = property(lambda self: torch.device("cpu"))
-    collectives.group_backend = lambda pg: "nccl"
+    harness.group_backend = lambda pg: "nccl"
     real_build = topology.build_process_groups
     topology.build_process_groups = lambda topo, backend="gloo", **kw: real_build(topo, "gloo", **kw)
 
 
 def _fake_cuda_rank(rank: int, world_size: int, specs: list[HarnessSpec]) -> list[dict]:
     _install_fake_cuda()
-    from ainfer_pd.multirank.launcher import cli_rank
+    from benchmarks.nccl_harness.launcher import cli_rank
     return cli_rank(rank, world_size, specs)
 
 
@@ -308,7 +312,7 @@ def test_cuda_item_path_stalls_under_isolation_and_selective_fixes_it(tmp_path):
 # ====================================================================== launcher under torchrun (gloo)
 def _torchrun(n: int, *args: str, timeout: int = 180) -> subprocess.CompletedProcess:
     torchrun = Path(sys.executable).parent / "torchrun"
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node", str(n), "-m", "ainfer_pd.multirank.harness", *args]
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", str(n), "-m", "benchmarks.nccl_harness", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
@@ -365,7 +369,6 @@ async def _one_rank(rank: int, world_size: int, prompts):
     from ainfer_pd import RolloutWorker
     from ainfer_pd.comm.topology import build_process_groups
     from ainfer_pd.engine.lockstep import LockstepEngine
-    from ainfer_pd.multirank.collectives import PhaseCollectives
     from ainfer_pd.workload.world import describe_groups, multirank_config
     cfg = multirank_config(tiny_cfg(**{"scheduler.policy": "fine-grained"}), 1)
     assert cfg.parallel.expert_backend == "torch"
@@ -381,12 +384,13 @@ async def _one_rank(rank: int, world_size: int, prompts):
         refused = None
     except BackendUnavailableError as exc:
         refused = str(exc)
-    # the collectives refuse a device that does not match their groups' backend
+    # the NCCL harness refuses a device that does not match its groups' backend
     from ainfer_pd.comm.topology import Topology
     topo = Topology(1, 1, 1, 0)
     groups = build_process_groups(topo, "gloo")
+    assert data_backend(groups, types.SimpleNamespace(kind="cpu")) == "gloo"
     try:
-        PhaseCollectives(topo, groups, device=types.SimpleNamespace(kind="cuda", recorder=None))
+        data_backend(groups, types.SimpleNamespace(kind="cuda"))
         mismatch = None
     except TopologyError as exc:
         mismatch = str(exc)

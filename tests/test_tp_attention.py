@@ -89,11 +89,21 @@ def _phase_colls_rank(rank: int, world_size: int) -> dict:
         colls.run(P_ATP_ALL_REDUCE, x)
     except DistributedError as exc:
         wrong.append(str(exc))
+    # the device half by hand, as a device whose completion comes later does it (the NCCL
+    # harness's CUDA item): take, mark_started, apply, mark_completed
+    info = colls.enqueue(D_ADP_ALL_GATHER, stream="D", epoch=3, boundary=1)
+    taken = colls.take(D_ADP_ALL_GATHER) is info
+    t0 = colls.mark_started(info)
+    by_hand = colls.apply(D_ADP_ALL_GATHER, x)
+    colls.mark_completed(info, t0, t0 + 1.0)
+    halves = {"taken": taken, "ag": by_hand.tolist(), "state": info["state"], "span": info["t1"] - info["t0"],
+              "failure": str(colls.failure(dict(info), RuntimeError("peer gone")))}
     from ainfer_pd.comm.experts.ownership import OwnershipRegistry
     reg = OwnershipRegistry()
     colls.register_owned(reg)
     owners = {o.owner for o in reg.objects}
     return {"ag": ag.tolist(), "rs": rs.tolist(), "wrong": wrong, "active_p": colls.active(P_ATP_ALL_REDUCE),
+            "halves": halves,
             "registered": colls.registry.describe(), "frontier": colls.frontier(),
             "owners": [o.value for o in owners], "owned": sorted(o.name for o in reg.objects)}
 
@@ -110,4 +120,7 @@ def test_phase_collectives_use_their_own_group_and_reject_the_other_phase():
         assert x["owners"] == ["D"] and "attn_dp.D.group" in x["owned"] and "D.attn_colls.completed" in x["owned"]
         assert not any(n.startswith("attn_tp.P") for n in x["owned"])              # no P communicator here
         assert x["registered"] == []          # ATP1: nothing crosses, nothing registered
-        assert x["frontier"]["completed"]["attn_dp.D"] == 2
+        h = x["halves"]
+        assert h["taken"] and h["ag"] == x["ag"] and h["state"] == "done" and h["span"] == 1.0
+        assert "D:all_gather@attn_dp.D #3 over group (0, 1) failed (epoch 3, boundary 1): peer gone" in h["failure"]
+        assert x["frontier"]["completed"]["attn_dp.D"] == 3

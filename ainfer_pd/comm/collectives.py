@@ -5,7 +5,7 @@
   ordering can route it (:func:`~ainfer_pd.comm.ordering.collective_stream`).
 * D (inside its iteration): its own attention-TP all-reduce (``attn_tp.D``; the engine's D item
   also gathers its TP ranks' expert shares with it: :class:`~ainfer_pd.engine.tensor_parallel.DecodeHooks`)
-  and the DP-attention **all-gather / reduce-scatter** (``attn_dp.D``; the harness's crossed pair).
+  and the DP-attention **all-gather / reduce-scatter** (``attn_dp.D``; with P's all-reduce the crossed pair of SPEC 2).
 
 The state is phase-owned (SPEC 3.4): one :class:`PhaseCollectives` per phase holds only that
 phase's communicators, counters, in-flight table and lock, and registers them to its phase in the
@@ -138,24 +138,37 @@ class PhaseCollectives:
         With :attr:`booking` off (warm-up passes, graph capture) only the operation runs."""
         self._own(kind)
         if not self.booking:
-            return self._op(kind, t)
+            return self.apply(kind, t)
+        info = self.take(kind)
+        with self.gate():                           # resident until every peer joined
+            t0 = self.mark_started(info)
+            try:
+                out = self.apply(kind, t)
+            except Exception as exc:  # transport failure: name the collective and the group
+                raise self.failure(info, exc) from exc
+        self.mark_completed(info, t0, self._now())
+        return out
+
+    def take(self, kind: CollectiveKind) -> dict:
+        """The device half begins: the next enqueued collective of ``kind``'s communicator (its
+        in-flight record); :class:`DistributedError` when it was not enqueued first. :meth:`run`
+        is ``take``, :meth:`mark_started`, :meth:`apply`, :meth:`mark_completed`; a device whose
+        completion comes later (CUDA events) calls them itself."""
+        self._own(kind)
         with self._lock:
             q = self._pending[kind.comm]
             info = q.popleft() if q else None
         if info is None or info["kind"] != kind:
             raise DistributedError(f"rank {self.topology.rank}: {kind.name} ran without its host enqueue "
                                    f"(next enqueued: {info and info['name']})")
-        with self.gate():                           # resident until every peer joined
-            t0 = self._started(info)
-            try:
-                out = self._op(kind, t)
-            except Exception as exc:  # transport failure: name the collective and the group
-                info["state"] = "failed"
-                raise DistributedError(
-                    f"rank {self.topology.rank}: {info['name']} #{info['seq']} over group {tuple(info['group'])} "
-                    f"failed (epoch {info['epoch']}, boundary {info['boundary']}): {exc}") from exc
-        self._completed(info, t0, self._now())
-        return out
+        return info
+
+    def failure(self, info: dict, exc: BaseException) -> DistributedError:
+        """Mark ``info`` failed; the error naming the collective, its group, epoch and boundary."""
+        info["state"] = "failed"
+        return DistributedError(
+            f"rank {self.topology.rank}: {info['name']} #{info['seq']} over group {tuple(info['group'])} "
+            f"failed (epoch {info['epoch']}, boundary {info['boundary']}): {exc}")
 
     def launch(self, kind: CollectiveKind, tensor: Callable[[], torch.Tensor], *, device: Any, stream: str,
                epoch: int | None, boundary: int | None, deps: tuple = (), delay_s: float = 0.0,
@@ -175,10 +188,11 @@ class PhaseCollectives:
             for c in comms:
                 self._pending[c].clear()
         for info in infos:
-            self._started(info)
-            self._completed(info, now, now)
+            self.mark_started(info)
+            self.mark_completed(info, now, now)
 
-    def _op(self, kind: CollectiveKind, t: torch.Tensor) -> torch.Tensor:
+    def apply(self, kind: CollectiveKind, t: torch.Tensor) -> torch.Tensor:
+        """The collective operation itself on ``t`` (no bookkeeping)."""
         import torch.distributed as dist
         pg, members = self.groups[kind.comm], self.members[kind.comm]
         n = len(members)
@@ -216,7 +230,8 @@ class PhaseCollectives:
                                    "gated") if k in info}
         self.recorder.event(name, coll=info["name"], cseq=info["seq"], **ev, **more)
 
-    def _started(self, info: dict) -> float:
+    def mark_started(self, info: dict) -> float:
+        """``info`` joined its communicator's current call (``coll_launch``); returns its start."""
         with self._lock:
             self.joined[info["comm"]] += 1
             info["state"] = "running"
@@ -224,7 +239,10 @@ class PhaseCollectives:
         self._event("coll_launch", info)
         return t0
 
-    def _completed(self, info: dict, t0: float, t1: float) -> None:
+    def mark_completed(self, info: dict, t0: float, t1: float) -> None:
+        """``info`` completed over ``[t0, t1]`` (recorder seconds; kept in the record): ``coll_done``
+        and its ``work`` interval."""
+        info["t0"], info["t1"] = t0, t1
         with self._lock:
             self.completed[info["comm"]] += 1
             self.inflight.pop((info["comm"], info["seq"]), None)

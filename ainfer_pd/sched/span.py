@@ -16,7 +16,12 @@ from typing import Callable
 from ..errors import ConfigError
 
 MIN_SPAN = 1
-MAX_SPAN = 4
+MAX_SPAN = 64
+"""The spans the turnstile accepts (:func:`ainfer_pd.turnstile.controller.check_span`; this is
+their one home). Its order holds for any span; the cap bounds how long D may wait for P's next
+entry point. The ``measured`` policy may go up to it on deep models (48 layers: 96 boundaries)."""
+FIXED_SPANS = (1, 2, 3, 4)
+"""The spans the paper validated: the fixed and ``auto`` policies choose among these."""
 DEFAULT_SPAN = 2
 
 
@@ -49,12 +54,13 @@ class SpanInputs:
 
 
 SpanPolicy = Callable[[SpanInputs], int]
-"""A callable ``(SpanInputs) -> K`` with ``K`` a validated span (1..4)."""
+"""A callable ``(SpanInputs) -> K`` with ``K`` a span the turnstile accepts (MIN_SPAN..MAX_SPAN)."""
 
 
 def _validate_span(k: object, what: str) -> int:
-    if isinstance(k, bool) or not isinstance(k, int) or not MIN_SPAN <= k <= MAX_SPAN:
-        raise ConfigError(f"{what}={k!r}: a span must be an integer in {MIN_SPAN}..{MAX_SPAN}")
+    """``k`` if it is one of :data:`FIXED_SPANS` (a fixed or ``auto`` span), else :class:`ConfigError`."""
+    if isinstance(k, bool) or not isinstance(k, int) or k not in FIXED_SPANS:
+        raise ConfigError(f"{what}={k!r}: a span must be an integer in {FIXED_SPANS[0]}..{FIXED_SPANS[-1]}")
     return k
 
 
@@ -84,7 +90,7 @@ class AutoSpan:
        (a P backlog with few D rows: fewer rendezvous, less P enqueue overhead);
     4. otherwise the default span: the allowed span closest to 2 (ties -> the smaller).
     """
-    spans: tuple[int, ...] = (1, 2, 3, 4)
+    spans: tuple[int, ...] = FIXED_SPANS
     high_occupancy: float = 0.75
     low_pressure: float = 0.5
     high_pressure: float = 1.0
@@ -119,13 +125,13 @@ class MeasuredSpan:
 
     def __init__(self, share: float = 1.0, max_span: int = 32, hysteresis: float = 0.25, start: int = DEFAULT_SPAN):
         self.share, self.max_span, self.hysteresis = float(share), int(max_span), float(hysteresis)
-        self.current = max(1, min(start, self.max_span))
+        self.current = max(MIN_SPAN, min(start, self.max_span))
 
     def target(self, inputs: SpanInputs) -> int | None:
         d, p = inputs.d_iter_s, inputs.p_boundary_s
         if d <= 0 or p <= 0:
             return None
-        return max(1, min(self.max_span, int(self.share * d / p)))
+        return max(MIN_SPAN, min(self.max_span, int(self.share * d / p)))
 
     def __call__(self, inputs: SpanInputs) -> int:
         k = self.target(inputs)
@@ -139,7 +145,7 @@ def fixed_span(k: int) -> FixedSpan:
     return FixedSpan(_validate_span(k, "span"))
 
 
-def auto_span(spans: tuple[int, ...] = (1, 2, 3, 4)) -> AutoSpan:
+def auto_span(spans: tuple[int, ...] = FIXED_SPANS) -> AutoSpan:
     """The load-selected span policy choosing among ``spans`` (each validated: 1..4)."""
     spans = tuple(spans)
     if not spans:

@@ -21,12 +21,7 @@ import math
 from ..errors import (EndpointNotReachedError, EpochActiveError, InvalidSpanError,
                       MissingProducerError, NonMonotonicBoundaryError, PermitExceededError,
                       StaleEpochError, TurnstileError)
-
-MIN_SPAN = 1
-MAX_SPAN = 64
-"""The turnstile's order holds for any span; the cap bounds how long D may wait for P's next
-entry point. The paper validated 1..4 (fixed and ``auto`` spans stay there); the ``measured``
-span policy may go further on deep models (48 layers: 96 boundaries)."""
+from ..sched.span import MAX_SPAN, MIN_SPAN  # the span bounds' one home (the paper's 1..4: FIXED_SPANS)
 
 
 class TaskState(enum.Enum):

@@ -1,14 +1,16 @@
-"""The rendezvous interface of the turnstile and its single-process implementation.
+"""The rendezvous interface of the turnstile, its agreement check and its world-size-1 rendezvous.
 
 A rendezvous is an all-rank CPU meeting point: every rank arrives with a small tuple
 of ints and gets back every rank's tuple (index = rank). The distributed
-implementations (gloo, same-host shared memory) live in ``dist_rendezvous.py``.
+implementations (gloo, same-host shared memory) and the choice between them are in
+``dist_rendezvous.py``; the row checks every implementation shares in ``rendezvous_base.py``.
 """
 from __future__ import annotations
 
 from typing import Protocol, Sequence, runtime_checkable
 
-from ..errors import DistributedError, RendezvousMismatch
+from ..errors import RendezvousMismatch
+from .rendezvous_base import MAX_PAYLOAD, RendezvousBase
 
 Payload = tuple[int, ...]
 
@@ -31,22 +33,26 @@ class Rendezvous(Protocol):
         ...
 
 
-class LocalRendezvous:
-    """World size 1: returns ``[payload]`` at once (it still counts as a rendezvous)."""
+class LocalRendezvous(RendezvousBase):
+    """World size 1: every rendezvous completes at once, with the checks of the distributed ones
+    (payload size and int64 range, closed / broken object), so a one-rank run refuses what a
+    multi-rank run would. ``kind`` "single"; :attr:`arrivals` counts the rendezvous."""
 
-    def __init__(self) -> None:
-        self.rank = 0
-        self.world_size = 1
-        self.arrivals = 0
-        self._closed = False
+    kind = "single"
+
+    def __init__(self, timeout_s: float = 30.0, *, max_payload: int = MAX_PAYLOAD) -> None:
+        super().__init__(0, 1, timeout_s, max_payload)
+
+    @property
+    def arrivals(self) -> int:
+        return self.rounds
 
     async def arrive(self, tag: str, payload: Payload, *, epoch: int | None = None,
                      boundary: int | None = None) -> list[Payload]:
-        if self._closed:
-            raise DistributedError(f"rendezvous {tag!r} at epoch {epoch} boundary {boundary}: "
-                                   "the rendezvous is closed")
-        self.arrivals += 1
-        return [tuple(payload)]
+        seq, row, _ = self._next_round(tag, payload, epoch, boundary)
+        out = self._decode([row], seq, tag, epoch, boundary)
+        self.rounds += 1
+        return out
 
     async def close(self) -> None:
         self._closed = True

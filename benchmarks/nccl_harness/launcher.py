@@ -1,11 +1,11 @@
-"""``python -m ainfer_pd.multirank.harness``: the crossed-order stall and its fix from the
+"""``python -m benchmarks.nccl_harness``: the crossed-order stall and its fix from the
 command line, on CPU ranks (gloo) or on GPUs (NCCL, one process per GPU).
 
 Two ways to start the ranks, same flags:
 
-* ``torchrun --standalone --nproc-per-node N -m ainfer_pd.multirank.harness --backend nccl ...``:
+* ``torchrun --standalone --nproc-per-node N -m benchmarks.nccl_harness --backend nccl ...``:
   this process is one rank (``cuda:LOCAL_RANK`` with NCCL; the world size comes from torchrun);
-* ``python -m ainfer_pd.multirank.harness --world-size N ...``: starts N local rank processes
+* ``python -m benchmarks.nccl_harness --world-size N ...``: starts N local rank processes
   (:func:`ainfer_pd.launch.spawn`, gloo default group; ``--backend nccl`` needs N GPUs).
 
 ``--ordering`` takes a comma list; the runs share one set of process groups and run in order.
@@ -32,17 +32,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import AInferPDError, ConfigError, PeerLostError, StallError
-from ..comm.backend import check_backend, data_backend_for
-from .harness import (
-    SKEW_MODES,
-    HarnessSpec,
-    _rank_main,
-    expected_rounds,
-    registry_for,
-    summarize_error,
-)
-from ..comm.ordering import ORDERINGS
+from ainfer_pd.comm.backend import check_backend, data_backend_for
+from ainfer_pd.comm.ordering import ORDERINGS
+from ainfer_pd.errors import AInferPDError, ConfigError, PeerLostError, StallError
+
+from .ranks import rank_main, summarize_error
+from .spec import SKEW_MODES, HarnessSpec, expected_rounds, registry_for
 
 __all__ = ["build_parser", "build_specs", "cli_rank", "expectation", "main", "rank_summary", "report"]
 
@@ -52,7 +47,7 @@ MESSAGE_CHARS = 8000
 
 # ====================================================================== specs
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ainfer_pd.multirank.harness",
+    p = argparse.ArgumentParser(prog="python -m benchmarks.nccl_harness",
                                 description="Crossed-order hazard (SPEC 2) and selective ordering (SPEC 3.3) "
                                             "on real ranks: gloo (CPU stand-in) or NCCL (one GPU per rank).")
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
@@ -87,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stall-s", type=float, default=2.0, help="watchdog: no progress for this long -> StallError")
     p.add_argument("--rendezvous-timeout-s", type=float, default=10.0)
     p.add_argument("--coll-timeout-s", type=float, default=60.0, help="process-group timeout of the data groups")
-    p.add_argument("--out", default=None, help="traces, frontiers and summary.json (default runs/multirank/<name>)")
+    p.add_argument("--out", default=None, help="traces, frontiers and summary.json (default runs/nccl_harness/<name>)")
     p.add_argument("--expect", choices=("auto", "stall", "complete", "any"), default="auto")
     p.add_argument("--no-trace-check", action="store_true", help="skip trace-check of completed runs")
     p.add_argument("--deadline-s", type=float, default=300.0,
@@ -108,7 +103,7 @@ def build_specs(args: argparse.Namespace, world_size: int, backend: str) -> list
     if not orderings:
         raise ConfigError("--ordering is empty")
     d = args.attn_dp if args.attn_dp is not None else default_attn_dp(world_size)
-    out = Path(args.out) if args.out else Path("runs/multirank") / f"{backend}-g{world_size}-d{d}"
+    out = Path(args.out) if args.out else Path("runs/nccl_harness") / f"{backend}-g{world_size}-d{d}"
     specs = []
     for i, o in enumerate(orderings):
         s = HarnessSpec(world_size=world_size, attn_dp=d, ordering=o, backend=backend,
@@ -134,7 +129,7 @@ def expectation(spec: HarnessSpec, expect: str = "auto") -> str:
     """``stall``, ``complete`` or ``any`` for this run."""
     if expect != "auto":
         return expect
-    from ..comm.topology import Topology
+    from ainfer_pd.comm.topology import Topology
     crossed = Topology(spec.world_size, spec.attn_dp, 1, 0).crossed
     if spec.ordering == "none" and crossed:
         if spec.residency_slots < 1:
@@ -172,7 +167,7 @@ def _run_rank(rank: int, world_size: int, specs: list[HarnessSpec]) -> tuple[lis
     results: list[dict] = []
     error = None
     try:
-        asyncio.run(_rank_main(rank, world_size, specs, results=results))
+        asyncio.run(rank_main(rank, world_size, specs, results=results))
     except Exception as exc:  # noqa: BLE001 - the outcome is data here: reported, compared with the expectation
         error = exc
     return rank_summary(rank, specs, results, error), error
@@ -239,12 +234,12 @@ def _verdict(spec: HarnessSpec, rows: list[dict], expect: str, check: dict | Non
 def report(specs: list[HarnessSpec], per_rank: list[list[dict]], *, expect: str = "auto",
            trace_check: bool = True) -> tuple[bool, str, list[dict]]:
     """Compare every run with its expectation; returns (ok, text, JSON rows)."""
-    from ..comm.topology import Topology
-    from ..metrics.tracecheck import check_run_dir
+    from ainfer_pd.comm.topology import Topology
+    from ainfer_pd.metrics.tracecheck import check_run_dir
 
     s0 = specs[0]
     topo = Topology(s0.world_size, s0.attn_dp, 1, 0)
-    head = (f"== ainfer-pd multirank harness: backend {s0.backend} "
+    head = (f"== ainfer-pd NCCL harness: backend {s0.backend} "
             f"({'cuda:LOCAL_RANK per rank' if s0.backend == 'nccl' else 'CPU stand-in'}), {topo.describe().split(';')[0]}, "
             f"residency slots {s0.residency_slots}, registered pairs: "
             f"{', '.join(registry_for(topo, s0).describe()) or 'none'}")
@@ -297,7 +292,7 @@ def _exit(code: int) -> None:
 
 
 def _torchrun_main(args: argparse.Namespace, backend: str) -> int:
-    from ..launch import get_store, init_distributed
+    from ainfer_pd.launch import get_store, init_distributed
 
     ctx = init_distributed(timeout_s=max(60.0, args.rendezvous_timeout_s))
     rank, ws = ctx.rank, ctx.world_size
@@ -335,15 +330,15 @@ def _torchrun_main(args: argparse.Namespace, backend: str) -> int:
 
 
 def _spawn_main(args: argparse.Namespace, backend: str) -> int:
-    from ..errors import RankFailedError
-    from ..launch import spawn
+    from ainfer_pd.errors import RankFailedError
+    from ainfer_pd.launch import spawn
 
     ws = args.world_size or 1
     specs = build_specs(args, ws, backend)
     if backend == "nccl":
         import torch
         if torch.cuda.device_count() < ws:
-            from ..errors import BackendUnavailableError
+            from ainfer_pd.errors import BackendUnavailableError
             raise BackendUnavailableError(f"--world-size {ws} with nccl needs {ws} GPUs, "
                                           f"{torch.cuda.device_count()} visible")
     env = {}
@@ -369,7 +364,7 @@ def _spawn_main(args: argparse.Namespace, backend: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..launch import is_torchrun
+    from ainfer_pd.launch import is_torchrun
 
     args = build_parser().parse_args(argv)
     if args.cuda_max_connections is not None:
@@ -380,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         check_backend(backend)            # typed refusal (e.g. nccl without CUDA) before any rank starts
         code = _torchrun_main(args, backend) if torchrun else _spawn_main(args, backend)
     except AInferPDError as exc:
-        print(f"ainfer-pd multirank harness: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        print(f"ainfer-pd NCCL harness: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         code = 2
     if torchrun:
         _exit(code)

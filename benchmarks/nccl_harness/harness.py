@@ -1,13 +1,15 @@
-"""Multi-rank ordering harness: real processes, real collectives, the real turnstile.
+"""One run of the NCCL-layer harness on one rank: real processes, real collectives, the real turnstile.
 
 One process per rank (spawned by :func:`ainfer_pd.launch.spawn`, or started by ``torchrun``:
-``python -m ainfer_pd.multirank.harness``, see :mod:`.launcher`) runs an asyncio loop with a
-device, the phase-identified attention collectives over separate communicators per phase
-(``backend``: gloo or NCCL), the real :class:`~ainfer_pd.turnstile.Turnstile` over the real
-distributed rendezvous (gloo / shared memory), and a per-replica schedule. Devices:
+``python -m benchmarks.nccl_harness``, see :mod:`.launcher` and :mod:`.ranks`) runs an asyncio
+loop with a device, the library's phase-owned attention collectives over separate communicators per phase
+(:class:`~ainfer_pd.comm.collectives.RankCollectives`; ``backend``: gloo or NCCL), the real
+:class:`~ainfer_pd.turnstile.Turnstile` over the real distributed rendezvous (gloo / shared
+memory), and a synthetic per-replica schedule. Devices:
 
-* ``backend="gloo"``: the CPU stand-in (:class:`DepCpuDevice`: P stream, D stream, a collective
-  stream for ``global-implicit``, ``residency_slots`` shared by all streams);
+* ``backend="gloo"``: the library's CPU stand-in (:class:`~ainfer_pd.engine.device.CpuDevice`:
+  P stream, D stream, a collective stream ``C`` for ``global-implicit``, ``residency_slots``
+  shared by all streams, cross-stream dependencies waited for outside the slots);
 * ``backend="nccl"``: ``cuda:LOCAL_RANK`` with real CUDA streams and NCCL communicators
   (:class:`~.cuda_device.DepCudaDevice`; ``residency_slots`` is the residency gate of the
   collectives, 0 = none).
@@ -42,130 +44,38 @@ Every rank writes ``rank{r}.jsonl`` (control trace) into ``run_dir``; rank 0 wri
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 import random
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..errors import (
-    ConfigError,
-    PeerLostError,
-    RankFailedError,
-    RendezvousTimeout,
-    StallError,
-    TopologyError,
-)
-from ..phase import Phase
-from ..comm.backend import check_backend
-from ..comm.ordering import (
-    D_ADP_ALL_GATHER,
-    P_ATP_ALL_REDUCE,
-    ConflictRegistry,
-    check_ordering,
-)
+from ainfer_pd.comm.backend import group_backend
+from ainfer_pd.comm.ordering import D_ADP_ALL_GATHER, P_ATP_ALL_REDUCE, CollectiveKind
+from ainfer_pd.comm.topology import ATTN_DP_D, ATTN_TP_D, ATTN_TP_P
+from ainfer_pd.errors import PeerLostError, RendezvousTimeout, StallError, TopologyError
+
+from .spec import HarnessSpec, collective_stream, expected_rounds, overlap_stats, registry_for
+
+__all__ = ["RankRun", "data_backend", "make_device"]
 
 
-def collective_stream(ordering: str, kind, registry: ConflictRegistry) -> str:
-    """The harness's own streams: global-implicit puts every collective on stream C."""
-    if ordering == "global-implicit":
-        return "C"
-    if ordering == "selective" and kind.phase is Phase.PREFILL and registry.is_registered(kind):
-        return "D"
-    return kind.phase.value
-
-__all__ = ["HarnessOutcome", "HarnessSpec", "expected_rounds", "harness_rank", "run_harness"]
-
-
-SKEW_MODES = ("random", "fixed", "crossed")
-
-
-@dataclass(frozen=True)
-class HarnessSpec:
-    """One harness run (picklable; identical on every rank)."""
-
-    world_size: int = 4
-    attn_dp: int = 2
-    ordering: str = "selective"
-    residency_slots: int = 1
-    epochs: int = 2
-    segments: int = 3
-    d_iters: int = 10
-    """D iterations at least (the D loop also runs until every P epoch is served)."""
-    span: int = 1
-    matmul: int = 48
-    """Compute = ``reps`` matmuls of [m, m] x [m, m] (float32)."""
-    p_reps: int = 3
-    d_reps: int = 1
-    rows: int = 8
-    """Rows of the collective tensors (x ``matmul`` columns)."""
-    seed: int = 0
-    backend: str = "gloo"
-    """Data backend of the attention collectives: gloo (CPU stand-in) | nccl (cuda:LOCAL_RANK)."""
-    register_pairs: bool = False
-    """Register the conflicting pairs even where the groups do not cross (one rank, ATP1, ADP1):
-    exercises the selective route and the trace-check of the D -> P order."""
-    rendezvous: str = "auto"
-    """auto (make_rendezvous: shm on one host, single-rank at world size 1) | gloo (GlooRendezvous
-    over the gloo control group, also at world size 1)."""
-    skew_ms: float = 0.0
-    skew_mode: str = "random"
-    """random: uniform(0, skew_ms) before every launch; fixed: odd ranks sleep skew_ms;
-    crossed: the adversarial start - ranks with even ``dp_rank + tp_rank`` delay their first D
-    launch by skew_ms, the others their first P launch, so neighbours in every group reach
-    their first collectives in opposite phase orders (with ``none`` and one residency slot the
-    SPEC 2 cycle forms deterministically, whatever the host's timing)."""
-    jitter_ms: float = 1.0
-    """Natural launch jitter: uniform(0, jitter_ms) before every launch."""
-    phase_offset_ms: float = 3.0
-    """Replicas out of phase: even replicas start P this late, odd replicas start D this late."""
-    epoch_gap_ms: float = 2.0
-    """``none``: host pause between P epochs."""
-    p_delay_ms: float = 0.0
-    kill_rank: int | None = None
-    kill_after_d: int = 4
-    stall_s: float = 2.0
-    rendezvous_timeout_s: float = 5.0
-    coll_timeout_s: float = 30.0
-    fast_rendezvous: bool = True
-    run_dir: str | None = None
-    tag: str = "run"
-
-    def validate(self, *, need_runtime: bool = True) -> None:
-        """:class:`ConfigError` for bad values; with ``need_runtime`` also
-        :class:`BackendUnavailableError` when this host cannot run ``backend``."""
-        check_ordering(self.ordering)
-        check_backend(self.backend, need_runtime=need_runtime)
-        if self.skew_mode not in SKEW_MODES:
-            raise ConfigError(f"skew_mode must be {'|'.join(SKEW_MODES)}, got {self.skew_mode!r}")
-        if self.rendezvous not in ("auto", "gloo"):
-            raise ConfigError(f"rendezvous must be auto|gloo, got {self.rendezvous!r}")
-        min_slots = 0 if self.backend == "nccl" else 1
-        if self.residency_slots < min_slots:
-            raise ConfigError(f"residency_slots must be >= {min_slots} with backend {self.backend} "
-                              f"(0 = no residency gate, CUDA only), got {self.residency_slots}")
-        if self.segments < 1 or self.epochs < 0 or self.d_iters < 0 or self.span < 1:
-            raise ConfigError("segments and span must be >= 1, epochs and d_iters >= 0")
-        if self.stall_s <= 0 or self.rendezvous_timeout_s <= 0 or self.coll_timeout_s <= 0:
-            raise ConfigError("stall_s, rendezvous_timeout_s and coll_timeout_s must be > 0")
-        if self.world_size < 1 or self.attn_dp < 1 or self.world_size % self.attn_dp:
-            raise TopologyError(f"world_size={self.world_size} must be a positive multiple of attn_dp={self.attn_dp}")
-
-
-def expected_rounds(spec: HarnessSpec) -> int | None:
-    """Turnstile rounds of a completed run: every epoch of S segments with span K passes
-    boundaries 0, K, 2K, .. and its final boundary S (one D round each)."""
-    if spec.ordering == "none":
-        return 0
-    k, s = spec.span, spec.segments
-    per_epoch = len(range(0, s, k)) + 1
-    return spec.epochs * per_epoch
+def data_backend(groups: dict[str, Any], device: Any) -> str:
+    """The one data backend of this rank's attention groups, checked against the device:
+    :class:`TopologyError` for mixed groups or for gloo groups on a CUDA device (and back)."""
+    names = (ATTN_TP_P, ATTN_TP_D, ATTN_DP_D)
+    backends = {n: group_backend(groups[n]) for n in names if n in groups}
+    if len(set(backends.values())) != 1:
+        raise TopologyError(f"attention groups with different data backends {backends} (one per rank)")
+    backend = next(iter(backends.values()))
+    if (device.kind == "cuda") != (backend == "nccl"):
+        raise TopologyError(f"{backend} groups on a {device.kind} device "
+                            f"(nccl needs the CUDA device, gloo the CPU stand-in)")
+    return backend
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, reps: int, delay_s: float) -> torch.Tensor:
@@ -183,29 +93,30 @@ def _mm(a: torch.Tensor, b: torch.Tensor, reps: int, delay_s: float) -> torch.Te
 
 
 def make_device(spec: HarnessSpec, recorder: Any) -> Any:
-    """The harness device of this rank: the CPU stand-in (gloo) or ``cuda:LOCAL_RANK`` (nccl)."""
+    """The harness device of this rank: the library's CPU stand-in (gloo: every item holds one of
+    ``residency_slots``, cross-stream dependencies wait outside them) or ``cuda:LOCAL_RANK`` with
+    the harness's residency gate (nccl)."""
     if spec.backend == "nccl":
-        from ..comm.backend import local_cuda_index
+        from ainfer_pd.comm.backend import local_cuda_index
+
         from .cuda_device import DepCudaDevice
         return DepCudaDevice(recorder, local_cuda_index(), residency_slots=spec.residency_slots)
-    from .collectives import DepCpuDevice
-    return DepCpuDevice(recorder, residency_slots=spec.residency_slots)
-
-
-def registry_for(topo: Any, spec: HarnessSpec) -> ConflictRegistry:
-    return ConflictRegistry.for_topology(topo, force=spec.register_pairs)
+    from ainfer_pd.engine.device import CpuDevice
+    return CpuDevice(recorder, residency_slots=spec.residency_slots)
 
 
 # ====================================================================== one rank
-class _Run:
+class RankRun:
+    """One run of ``spec`` on this rank over its process groups (``store``: the launch's store)."""
+
     def __init__(self, rank: int, topo: Any, groups: dict, spec: HarnessSpec, store: Any, index: int = 0) -> None:
-        from ..config import ParallelConfig
-        from ..metrics.recorder import Recorder
-        from ..sched.span import fixed_span
-        from ..turnstile.dist_rendezvous import GlooRendezvous, make_rendezvous
-        from ..turnstile.turnstile import Turnstile
-        from .collectives import PhaseCollectives
-        from ..comm.watchdog import Watchdog
+        from ainfer_pd.config import ParallelConfig
+        from ainfer_pd.metrics.recorder import Recorder
+        from ainfer_pd.sched.span import fixed_span
+        from ainfer_pd.turnstile.dist_rendezvous import GlooRendezvous, make_rendezvous
+        from ainfer_pd.comm.collectives import RankCollectives
+        from ainfer_pd.comm.watchdog import Watchdog
+        from ainfer_pd.turnstile.turnstile import Turnstile
 
         self.rank, self.topo, self.spec, self.store = rank, topo, spec, store
         self.run_dir = Path(spec.run_dir) if spec.run_dir else None
@@ -213,8 +124,9 @@ class _Run:
         self.rec = Recorder(rank=rank, trace_path=trace)
         self.dev = make_device(spec, self.rec)
         self.cuda = self.dev.kind == "cuda"
-        self.colls = PhaseCollectives(topo, groups, device=self.dev, recorder=self.rec,
-                                      registry=registry_for(topo, spec))
+        # the library's phase-owned collectives (one per phase, their own communicators)
+        self.colls = RankCollectives(topo, groups, backend=data_backend(groups, self.dev), recorder=self.rec,
+                                     registry=registry_for(topo, spec))
         self.registry = self.colls.registry
         self.turnstile = None
         self.rdv = None
@@ -236,7 +148,6 @@ class _Run:
         self.delayed_ack_rounds = 0
         self.p_outstanding: list = []
         self.intervals: list[tuple[str, str, bool, float, float]] = []   # (kind, phase, registered, t0, t1)
-        self.colls.on_complete.append(self._coll_done)
         rep = topo.dp_rank
         self.replica = rep
         off = spec.phase_offset_ms / 1e3
@@ -265,7 +176,7 @@ class _Run:
         self.intervals.append(("coll", info["phase"], bool(info["registered"]), info["t0"], info["t1"]))
 
     def _progress(self) -> tuple:
-        c = self.colls.completed
+        c = self.colls.frontier()["completed"]
         return (self.d_done, self.p_done, tuple(sorted(c.items())))
 
     def _probe(self) -> dict:
@@ -291,7 +202,6 @@ class _Run:
     def _compute(self, phase: str, label: str, deps: list, reps: int, delay_s: float):
         """Compute on the phase's stream; its interval goes to the trace (CPU: timed by the
         item itself; CUDA: from its CUDA events, once it completed)."""
-        from .collectives import with_deps
         rec, ivs, cuda = self.rec, self.intervals, self.cuda
         a, b = self.a, self.b
 
@@ -306,7 +216,7 @@ class _Run:
                 interval(t0, rec.now())
             return out
 
-        work = self.dev.stream(phase).submit(with_deps(compute, deps), label=label)
+        work = self.dev.stream(phase).submit(compute, label=label, deps=tuple(deps))
         if cuda:
             self.dev.on_done(work, interval)
         return work
@@ -323,9 +233,7 @@ class _Run:
         if ep is not None:
             await ep.permit(j)
             await self._skew("P")
-        stream = collective_stream(s.ordering, P_ATP_ALL_REDUCE, self.registry)
-        ar = self.colls.launch(Phase.PREFILL, "all_reduce", self.x.clone, stream=stream, epoch=e, boundary=j,
-                               deps=[comp])
+        ar = self._collective(P_ATP_ALL_REDUCE, [comp], epoch=e, boundary=j)
         self.p_outstanding.append(ar)
         if ep is not None:
             ep.publish(j + 1, final=(j + 1 == s.segments))
@@ -333,13 +241,31 @@ class _Run:
 
     def _d_launch(self, i: int, rnd: Any) -> Any:
         dcomp = self._compute("D", f"Dcomp i{i}", [], self.spec.d_reps, 0.0)
-        stream = collective_stream(self.spec.ordering, D_ADP_ALL_GATHER, self.registry)
         epoch = rnd.epoch if rnd is not None else None
         boundary = rnd.boundary if rnd is not None else None
-        dag = self.colls.launch(Phase.DECODE, "all_gather", self.x.clone, stream=stream, epoch=epoch,
-                                boundary=boundary, deps=[dcomp], extra={"iter": i})
-        self.rec.event("d_launch", iter=i, epoch=epoch, boundary=boundary, stream=stream)
+        dag = self._collective(D_ADP_ALL_GATHER, [dcomp], epoch=epoch, boundary=boundary, extra={"iter": i})
+        self.rec.event("d_launch", iter=i, epoch=epoch, boundary=boundary, stream=dag.stream.name)
         return dag
+
+    def _collective(self, kind: CollectiveKind, deps: list, *, epoch: int | None, boundary: int | None,
+                    extra: dict | None = None) -> Any:
+        """``kind`` on its stream (:func:`collective_stream`) after ``deps``: the host half now
+        (``coll_enqueue``: the library's :meth:`~ainfer_pd.comm.collectives.PhaseCollectives.enqueue`),
+        the device half as a stream item. CPU: :meth:`~ainfer_pd.comm.collectives.PhaseCollectives.run`
+        (the blocking call holds the item's residency slot until every peer joined). CUDA:
+        :func:`~.cuda_device.cuda_collective_item` (completion from its end event)."""
+        pc = self.colls.get(kind.phase)
+        stream = collective_stream(self.spec.ordering, kind, self.registry)
+        info = pc.enqueue(kind, stream=stream, epoch=epoch, boundary=boundary, extra=extra)
+        if self.cuda:
+            from .cuda_device import cuda_collective_item
+            item = cuda_collective_item(pc, info, self.x.clone, self.dev, self._coll_done)
+        else:
+            def item() -> torch.Tensor:
+                out = pc.run(kind, self.x.clone())
+                self._coll_done(info)
+                return out
+        return self.dev.stream(stream).submit(item, label=f"{kind.name}#{info['seq']}", deps=tuple(deps))
 
     def _maybe_kill(self) -> None:
         s = self.spec
@@ -468,8 +394,9 @@ class _Run:
         finally:
             self.wd.stop()
             self._cancel_all(main)
-            if not finished:
+            if not finished and self.cuda:
                 self.dev.close()          # CUDA: stream threads blocked in the gate give up
+                # (CPU: a blocking gloo call cannot be interrupted; the process exits)
             self.rec.event("run_end", d_done=self.d_done, p_done=self.p_done)
             self.rec.close()
 
@@ -523,7 +450,7 @@ class _Run:
                "backend": s.backend, "device": str(self.dev.torch_device), "device_kind": self.dev.kind,
                "overlap": None}
         # every completion callback (CUDA: poller thread) has run before the overlap is computed
-        if not await asyncio.to_thread(self.dev.quiesce, 10.0):
+        if self.cuda and not await asyncio.to_thread(self.dev.quiesce, 10.0):
             out["quiesce_timeout"] = True
         out["overlap"] = overlap_stats(self.intervals)
         if self.rdv is not None:
@@ -533,137 +460,3 @@ class _Run:
                 pass
         self.dev.shutdown()
         return out
-
-
-def overlap_stats(intervals: list[tuple[str, str, bool, float, float]]) -> dict:
-    """Overlap time (s) of registered P collectives with D registered collectives (must be 0
-    under selective ordering), and of other P work (P compute) with any D work."""
-    from ..metrics.tracecheck import overlap_seconds as total
-
-    p_reg = [(a, b) for k, ph, reg, a, b in intervals if ph == "P" and k == "coll" and reg]
-    d_reg = [(a, b) for k, ph, reg, a, b in intervals if ph == "D" and k == "coll" and reg]
-    p_other = [(a, b) for k, ph, reg, a, b in intervals if ph == "P" and not (k == "coll" and reg)]
-    d_all = [(a, b) for k, ph, reg, a, b in intervals if ph == "D"]
-    return {"registered_pair_overlap_s": total(p_reg, d_reg), "registered_p_vs_any_d_s": total(p_reg, d_all),
-            "other_p_vs_d_overlap_s": total(p_other, d_all),
-            "p_busy_s": sum(b - a for k, ph, _, a, b in intervals if ph == "P"),
-            "d_busy_s": sum(b - a for k, ph, _, a, b in intervals if ph == "D")}
-
-
-async def _rank_main(rank: int, world_size: int, specs: list[HarnessSpec], *, results: list | None = None,
-                     session: dict | None = None) -> list[dict]:
-    """Run ``specs`` in order on this rank over one set of process groups.
-
-    ``results`` (optional) receives each run's result as soon as it completed (what ran before a
-    failure survives it); ``session`` receives ``topo`` and ``groups``. With NCCL the rank uses
-    ``cuda:LOCAL_RANK``, creates its communicators in one global order before any run, and
-    aborts them (bounded) when a run fails, so a stalled kernel cannot keep the process alive.
-    """
-    from ..comm.topology import ATTN_DP_D, ATTN_TP_P, Topology, build_process_groups
-    from ..launch import get_store
-
-    if not specs:
-        return []
-    s0 = specs[0]
-    for s in specs:
-        s.validate()
-        if (s.world_size, s.attn_dp, s.backend) != (s0.world_size, s0.attn_dp, s0.backend):
-            raise ConfigError("all specs of one harness launch must share the topology and the backend")
-    if world_size != s0.world_size:
-        raise ConfigError(f"{world_size} ranks were started for a world size {s0.world_size} spec")
-    topo = Topology(world_size=world_size, attn_dp=s0.attn_dp, expert_parallel=1, rank=rank)
-    cuda_index = None
-    if s0.backend == "nccl":
-        from ..comm.backend import local_cuda_index
-        cuda_index = local_cuda_index()
-        torch.cuda.set_device(cuda_index)
-    groups = build_process_groups(topo, s0.backend, control_timeout_s=max(s.rendezvous_timeout_s for s in specs),
-                                  data_timeout_s=max(s.coll_timeout_s for s in specs))
-    if session is not None:
-        session.update(topo=topo, groups=groups, cuda_index=cuda_index)
-    store = get_store()
-    out = results if results is not None else []
-    try:
-        if cuda_index is not None:
-            from .cuda_device import warm_up_nccl
-            await asyncio.to_thread(warm_up_nccl, groups, (ATTN_TP_P, ATTN_DP_D), cuda_index)
-        for index, s in enumerate(specs):
-            if s.run_dir:
-                Path(s.run_dir).mkdir(parents=True, exist_ok=True)
-                if rank == 0:
-                    meta = {"spec": dataclasses.asdict(s), "world_size": world_size, "topology": topo.describe(),
-                            "crossed": topo.crossed, "backend": s.backend,
-                            "registered_pairs": registry_for(topo, s).describe()}
-                    (Path(s.run_dir) / "meta.json").write_text(json.dumps(meta, indent=1))
-            run = _Run(rank, topo, groups, s, store, index)
-            out.append(await run.run())
-    except BaseException:
-        if cuda_index is not None:
-            from .cuda_device import abort_nccl
-            await asyncio.to_thread(abort_nccl, groups, 5.0)
-        raise
-    return out
-
-
-def harness_rank(rank: int, world_size: int, specs: list[HarnessSpec]) -> list[dict]:
-    """Entry point of one rank (spawned): runs ``specs`` in order over one set of groups (the
-    data backend of ``specs``; the default group the spawner created is gloo)."""
-    return asyncio.run(_rank_main(rank, world_size, list(specs)))
-
-
-# ====================================================================== parent side
-@dataclass
-class HarnessOutcome:
-    """Per-rank outcome of one launch: ``results[r]`` is a list of per-run dicts or an exception."""
-
-    results: list[Any]
-    wall_s: float
-    specs: list[HarnessSpec] = field(default_factory=list)
-
-    @property
-    def errors(self) -> dict[int, BaseException]:
-        return {r: v for r, v in enumerate(self.results) if isinstance(v, BaseException)}
-
-    @property
-    def completed(self) -> bool:
-        return not self.errors
-
-    def runs(self, i: int = 0) -> list[dict]:
-        """The i-th run's result dict of every rank (only when every rank completed)."""
-        return [v[i] for v in self.results]
-
-    def stalled(self) -> bool:
-        return bool(self.errors) and any(isinstance(e, StallError) for e in self.errors.values())
-
-
-def run_harness(specs: HarnessSpec | list[HarnessSpec], *, timeout_s: float = 120.0,
-                fail_grace_s: float | None = None) -> HarnessOutcome:
-    """Spawn ``world_size`` ranks running ``specs`` (one launch); never hangs (stragglers are
-    killed at ``timeout_s``)."""
-    from ..launch import spawn
-
-    specs = [specs] if isinstance(specs, HarnessSpec) else list(specs)
-    s0 = specs[0]
-    grace = fail_grace_s if fail_grace_s is not None else max(s.rendezvous_timeout_s for s in specs) + 8.0
-    t0 = time.perf_counter()
-    try:
-        results = spawn(harness_rank, s0.world_size, (specs,), timeout_s, return_exceptions=True,
-                        fail_grace_s=grace)
-    except RankFailedError as exc:
-        results = exc.results or [exc] * s0.world_size
-    return HarnessOutcome(results=list(results), wall_s=time.perf_counter() - t0, specs=specs)
-
-
-def summarize_error(exc: BaseException) -> str:
-    first = str(exc).split("\n", 1)[0]
-    return f"{type(exc).__name__}: {first[:300]}"
-
-
-__all__ += ["overlap_stats", "summarize_error"]
-
-
-if __name__ == "__main__":  # pragma: no cover - command line (python -m / torchrun -m)
-    import sys
-
-    from ainfer_pd.multirank.launcher import main
-    sys.exit(main())

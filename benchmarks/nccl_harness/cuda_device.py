@@ -18,14 +18,16 @@ gate off (pure hardware behaviour; the outcome of the crossed run then depends o
 * :class:`ResidencyGate`: the slots (held by CUDA end events; polled, never blocks the loop).
 * :class:`CompletionPoller`: one daemon thread per device that turns CUDA events into
   completion callbacks (collective bookkeeping, work intervals for the trace).
-* :class:`DepCudaDevice`: :class:`~ainfer_pd.engine.device.CudaDevice` plus cross-stream
-  dependencies (``cudaStreamWaitEvent``), the gate, the poller and :meth:`close` (releases
-  every stream thread blocked in the gate after a stall).
-* :func:`cuda_collective_item`: the stream item of one phase collective on CUDA.
-* :func:`warm_up_nccl`: creates the NCCL communicators in one global order before any
-  out-of-phase traffic (lazy creation inside racing stream threads could itself deadlock).
-* :func:`abort_nccl`: ``ncclCommAbort`` of the data groups after a stall (bounded; the
-  spinning kernels exit), so the process can exit.
+* :class:`DepCudaDevice`: :class:`~ainfer_pd.engine.device.CudaDevice` (its items' ``deps``
+  are device-side waits, ``cudaStreamWaitEvent``) plus the gate, the poller and :meth:`close`
+  (releases every stream thread blocked in the gate after a stall).
+* :func:`cuda_collective_item`: the stream item of one phase collective on CUDA, built from the
+  library's :class:`~ainfer_pd.comm.collectives.PhaseCollectives` halves; only the completion
+  differs from :meth:`~ainfer_pd.comm.collectives.PhaseCollectives.run` (the end event, not the
+  host call's return: an NCCL call returns once enqueued).
+
+The NCCL communicators are created in one order before any run and aborted after a stall by the
+library (:func:`ainfer_pd.comm.backend.warm_up_nccl`, :func:`~ainfer_pd.comm.backend.abort_nccl`).
 
 Importable without CUDA; :class:`DepCudaDevice` raises :class:`BackendUnavailableError` on a
 host without CUDA.
@@ -35,27 +37,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..engine.device import CudaDevice, Stream, Work
-from ..errors import DistributedError
-from ..phase import Phase
-from ..comm.backend import group_backend, require_cuda
+from ainfer_pd.comm.backend import require_cuda
+from ainfer_pd.engine.device import CudaDevice, Work
+from ainfer_pd.errors import DistributedError
 
-__all__ = [
-    "CompletionPoller",
-    "DepCudaDevice",
-    "ResidencyGate",
-    "abort_nccl",
-    "cuda_collective_item",
-    "device_sleep",
-    "warm_up_nccl",
-]
+__all__ = ["CompletionPoller", "DepCudaDevice", "ResidencyGate", "cuda_collective_item", "device_sleep"]
 
-log = logging.getLogger("ainfer_pd.multirank.cuda")
+log = logging.getLogger("benchmarks.nccl_harness.cuda")
 
 
 class _Slot:
@@ -185,8 +178,8 @@ def device_sleep(seconds: float, index: int) -> None:
 
 
 class DepCudaDevice(CudaDevice):
-    """CUDA streams (one per phase, plus ``C``), cross-stream dependencies as device-side waits,
-    the residency gate for collectives and a completion poller."""
+    """CUDA streams (one per phase, plus ``C``; the library's device: cross-stream dependencies
+    are device-side waits), the residency gate for collectives and a completion poller."""
 
     kind = "cuda"
 
@@ -200,18 +193,6 @@ class DepCudaDevice(CudaDevice):
         self.residency_slots = residency_slots
         self.gate = ResidencyGate(residency_slots, self.closed, poll_s) if residency_slots > 0 else None
         self.poller = CompletionPoller(name=f"ainfer-pd-cuda-poller-{index}")
-
-    # ------------------------------------------------------------------ stream items
-    def _execute(self, stream: Stream, work: Work, fn: Callable, args: tuple) -> Any:
-        from .collectives import _WithDeps
-        if isinstance(fn, _WithDeps) and fn.deps:
-            torch.cuda.set_device(self.index)
-            cs = self.cuda_stream(stream.name)
-            for d in fn.deps:
-                d.enqueued().result()            # launched (re-raises a failed dependency)
-                if d._event is not None:
-                    cs.wait_event(d._event)      # device-side wait: a waiting stream holds no SMs
-        return super()._execute(stream, work, fn, args)
 
     def host_time(self, event: Any) -> float:
         """Recorder seconds of a completed timing event."""
@@ -251,29 +232,35 @@ class DepCudaDevice(CudaDevice):
         super().shutdown()
 
 
-def cuda_collective_item(colls: Any, info: dict, phase: Phase, fn: Callable, make: Callable,
-                         delay_s: float) -> Callable[[], torch.Tensor]:
-    """The stream item of one phase collective on a :class:`DepCudaDevice` (runs on the
-    stream's launcher thread under ``torch.cuda.stream``). With a gate: wait until the stream
-    reached it, take a residency slot, enqueue the NCCL call between two timing events, bind
-    the slot to the end event. The bookkeeping (``coll_done``, intervals, progress) runs on the
-    poller thread when the end event fired."""
-    dev = colls.device
+def cuda_collective_item(colls: Any, info: dict, make: Callable[[], torch.Tensor], dev: DepCudaDevice,
+                         on_done: Callable[[dict], None]) -> Callable[[], torch.Tensor]:
+    """The stream item of the collective ``info`` (enqueued on ``colls``, a
+    :class:`~ainfer_pd.comm.collectives.PhaseCollectives`) on ``dev``; it runs on the stream's
+    launcher thread under ``torch.cuda.stream``. With a gate: wait until the stream reached it,
+    take a residency slot, enqueue the NCCL call between two timing events, bind the slot to the
+    end event. ``mark_completed`` (``coll_done``, the ``work`` interval, progress) and
+    ``on_done(info)`` run on the poller thread when the end event fired."""
+    kind = info["kind"]
     what = f"{info['name']} #{info['seq']}"
+
+    def done(start: Any, end: Any) -> None:
+        colls.mark_completed(info, dev.host_time(start), dev.host_time(end))
+        on_done(info)
 
     def run() -> torch.Tensor:
         stream = torch.cuda.current_stream(dev.index)
         slot = None
         try:
+            if colls.take(kind) is not info:
+                raise DistributedError(f"{what} ran out of its communicator's host order")
             if dev.gate is not None:
                 dev.wait_reached(stream, what)
                 slot = dev.gate.acquire(what)
             t = make()
             start = torch.cuda.Event(enable_timing=True)
             start.record(stream)
-            colls._started(info)
-            out = fn(phase, t)
-            device_sleep(delay_s, dev.index)          # delayed completion (fault knob): keeps the slot
+            colls.mark_started(info)
+            out = colls.apply(kind, t)
             end = torch.cuda.Event(enable_timing=True)
             end.record(stream)
         except DistributedError:
@@ -284,57 +271,10 @@ def cuda_collective_item(colls: Any, info: dict, phase: Phase, fn: Callable, mak
         except Exception as exc:
             if slot is not None:
                 dev.gate.release(slot)
-            raise colls._failure(info, exc) from exc
+            raise colls.failure(info, exc) from exc
         if slot is not None:
             dev.gate.bind(slot, end)
-        dev.poller.add(end, lambda: colls._completed(info, dev.host_time(start), dev.host_time(end)))
+        dev.poller.add(end, lambda: done(start, end))
         return out
 
     return run
-
-
-# ====================================================================== communicators
-def warm_up_nccl(groups: dict[str, Any], names: Iterable[str], index: int) -> list[str]:
-    """One tiny all-reduce on each NCCL group of ``names`` (in that order, the same on every
-    rank), then synchronize: every communicator exists before out-of-phase traffic starts.
-    Returns the names warmed up."""
-    import torch.distributed as dist
-
-    todo = [n for n in names if groups.get(n) is not None and group_backend(groups[n]) == "nccl"]
-    if not todo:
-        return []
-    torch.cuda.set_device(index)                 # the current device is per thread
-    t = torch.zeros(1, device=torch.device("cuda", index))
-    for name in todo:
-        dist.all_reduce(t, group=groups[name])
-    torch.cuda.synchronize(index)
-    return todo
-
-
-def abort_nccl(groups: dict[str, Any], timeout_s: float = 10.0) -> bool:
-    """Abort the NCCL communicators among ``groups`` (``ProcessGroup.abort``: ncclCommAbort,
-    kernels spinning on a peer exit) on a daemon thread; True if that finished within
-    ``timeout_s``. Best effort: the caller exits the process either way."""
-    pgs = []
-    for pg in groups.values():
-        try:
-            nccl = group_backend(pg) == "nccl"
-        except (RuntimeError, ValueError) as exc:   # a group destroyed already: nothing to abort
-            log.debug("abort_nccl: skipping a group: %s", exc)
-            continue
-        if nccl and all(pg is not q for q in pgs):
-            pgs.append(pg)
-    if not pgs:
-        return True
-
-    def work() -> None:
-        for pg in pgs:
-            try:
-                pg.abort()
-            except Exception as exc:  # noqa: BLE001 - best effort
-                log.warning("NCCL abort failed: %s", exc)
-
-    th = threading.Thread(target=work, name="ainfer-pd-nccl-abort", daemon=True)
-    th.start()
-    th.join(timeout_s)
-    return not th.is_alive()
