@@ -11,17 +11,18 @@ raises :class:`~ainfer_pd.errors.WrongEventLoopError`. An exception raised by yo
 inside ``async with`` comes out unchanged (the worker's TaskGroup never wraps it); a failure
 of the engine itself ends every turn in flight with a typed error and is raised, typed, when
 the block is left.
+
+The weight, sleep / wake and KV-pool control calls are :mod:`.worker_control` (a mixin of
+the worker); the input checks are :mod:`.worker_input`.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-import numbers
 import threading
 import uuid
-from collections.abc import Mapping
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -30,18 +31,19 @@ from .engine.block_hash import common_prefix
 from .engine.make import make_engine
 from .engine.sampler import make_generator
 from .engine.state import Trajectory, Turn
-from .engine.weights import WeightStage
 from .errors import (AInferPDError, CapacityError, ContextLengthError, InvalidRequestError,
-                     TrajectoryBusyError, UnknownTrajectoryError, WeightUpdateError, WorkerClosedError,
+                     TrajectoryBusyError, UnknownTrajectoryError, WorkerClosedError,
                      WrongEventLoopError)
 from .metrics.recorder import Recorder
 from .request import SamplingParams, TurnOutput
+from .worker_control import WorkerControl
+from .worker_input import check_params, check_tokens, token_list
 
 log = logging.getLogger("ainfer_pd.worker")
 _request_ids = itertools.count(1)
 
 
-class RolloutWorker:
+class RolloutWorker(WorkerControl):
     def __init__(self, cfg: WorkerConfig, *, rank: int = 0, rendezvous=None) -> None:
         if not isinstance(cfg, WorkerConfig):
             raise InvalidRequestError("RolloutWorker needs a WorkerConfig")
@@ -63,13 +65,7 @@ class RolloutWorker:
         self._thread: int | None = None
         self._closed = False
         self._failure: BaseException | None = None
-        self._sleeping = False
-        self._asleep = False             # device memory given back (sleep level >= 1)
-        self._weights_stale = False      # weights dropped at sleep and not yet synced
-        self._capture_owed = False       # decode graphs to recapture after the next complete sync
-        self._weights_lock = asyncio.Lock()
-        self.last_weight_sync = None
-        """The :class:`~ainfer_pd.engine.weights.SyncReport` of the last applied weight sync."""
+        self._init_control()
 
     @property
     def model(self) -> torch.nn.Module:
@@ -226,49 +222,18 @@ class RolloutWorker:
         if running is not self._loop:
             raise WrongEventLoopError("the worker belongs to another event loop of this thread")
 
-    # ================================================================== validation
-    def _check_tokens(self, ids: Any, what: str) -> list[int]:
-        """Token ids as a list of ints. Accepted: a list, tuple or range of integers (Python or
-        numpy integers), a 1-D integer torch tensor, a 1-D integer numpy array. Rejected
-        (InvalidRequestError): str, bytes, dict / mappings, sets, iterators and generators,
-        bools, floats, tensors / arrays that are not 1-D integer ones, ids outside the vocabulary."""
-        ids = _token_list(ids, what)
-        V = self.cfg.model.vocab_size
-        for t in ids:
-            if not 0 <= t < V:
-                raise InvalidRequestError(f"{what} contains token id {t} outside the vocabulary [0, {V})")
-        return ids
-
-    def _check_params(self, params: SamplingParams | None) -> SamplingParams:
-        if params is None:
-            return SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("sampling params must be a SamplingParams")
-        try:
-            params.validate()      # frozen, but a caller may have bypassed __post_init__
-        except AInferPDError:
-            raise
-        except Exception as exc:   # a field of a type validate() cannot even compare
-            raise InvalidRequestError(f"invalid SamplingParams: {exc!r}") from None
-        for t in params.stop_token_ids:
-            if t >= self.cfg.model.vocab_size:
-                raise InvalidRequestError(f"stop token {t} outside the vocabulary")
-        if params.return_routed_experts and not self.cfg.cache.routed_experts:
-            raise InvalidRequestError("return_routed_experts needs a worker started with cache.routed_experts: true "
-                                      "(the per-slot expert ids are kept beside the KV pool)")
-        return params
-
     # ================================================================== API
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
                        trajectory_id: str | None = None) -> TurnOutput:
         """Generate one turn. With ``trajectory_id`` naming a retained trajectory whose
         tokens are a prefix of ``prompt_ids``, that prefix's KV is reused (a prompt that does
-        not extend them replaces the trajectory's context). Token ids: see :meth:`_check_tokens`."""
+        not extend them replaces the trajectory's context). Token ids: see :func:`~ainfer_pd.worker_input.token_list`."""
         self._check_open()
-        ids = self._check_tokens(prompt_ids, "prompt_ids")
+        ids = check_tokens(prompt_ids, "prompt_ids", self.cfg.model.vocab_size)
         if not ids:
             raise InvalidRequestError("prompt_ids is empty")
-        params = self._check_params(params)
+        params = check_params(params, vocab_size=self.cfg.model.vocab_size,
+                              routed_experts=self.cfg.cache.routed_experts)
         if trajectory_id is None:
             trajectory_id = f"traj-{uuid.uuid4().hex[:12]}"
         if not isinstance(trajectory_id, str) or not trajectory_id:
@@ -287,8 +252,9 @@ class RolloutWorker:
         empty: after an aborted turn that resumes its generation (partial rollout)."""
         self._check_open()
         traj = self._get(trajectory_id)
-        obs = self._check_tokens(observation_ids, "observation_ids")
-        params = self._check_params(params)
+        obs = check_tokens(observation_ids, "observation_ids", self.cfg.model.vocab_size)
+        params = check_params(params, vocab_size=self.cfg.model.vocab_size,
+                              routed_experts=self.cfg.cache.routed_experts)
         if traj.turn is not None:
             raise TrajectoryBusyError(f"trajectory {trajectory_id!r} already has a turn in flight")
         if not traj.tokens and not obs:
@@ -400,7 +366,7 @@ class RolloutWorker:
         """The idle retained trajectory sharing the longest KV-valid prefix with
         ``prompt_ids`` (for trainers that resend the whole context each turn)."""
         self._check_thread()
-        ids = _token_list(prompt_ids, "prompt_ids")
+        ids = token_list(prompt_ids, "prompt_ids")
         best: tuple[str, int] | None = None
         floor = self.cfg.cache.block_size if min_tokens is None else min_tokens
         kvm = self.engine.kv
@@ -413,186 +379,6 @@ class RolloutWorker:
             if m >= floor and (best is None or m > best[1]):
                 best = (tid, m)
         return best
-
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], *,
-                             partial: bool = False) -> int:
-        """In-place copy of (name, tensor) pairs (or a ``{name: tensor}`` mapping such as a
-        ``state_dict()``); all-or-nothing (names, shapes, dtypes and finiteness are checked, and
-        the sync must be complete, before anything is written; anything malformed raises
-        WeightUpdateError). Names: the checkpoint's safetensors names, the installed transformers'
-        ``named_parameters()`` names and layouts (packed ``mlp.experts.gate_up_proj`` ...), or this
-        engine's own names, in any order; ``named_tensors`` may be a generator over several buckets.
-        ``partial=True`` updates a subset. With expert parallelism this rank keeps only its own
-        experts' tensors (the others are shape-checked, never read). Any floating dtype and any
-        device is accepted and converted to the parameter's (e.g. a trainer's float32 master
-        weights into a bf16 worker); meta and sparse tensors are refused. The parameters keep their
-        storage, so captured CUDA graphs replay with the new values. Returns the number of tensors
-        written (this rank); what the sync did is in ``last_weight_sync``.
-
-        Retained KV does not survive a weight change (it was computed with the old weights):
-        the idle trajectories' KV is dropped once the copy is done and their next turn
-        recomputes its context; a turn in flight reads the new weights from its next stream
-        item on (a mix of both: the verl server drains requests first for a clean cut) and
-        keeps no KV when it ends.
-
-        Never blocks the event loop: every stream of the device is parked at a FIFO point
-        (:meth:`Stream.hold`: work submitted later waits there), work launched before it is
-        awaited (CUDA: a device synchronize, in the copy thread), then the checks and copies
-        run in a thread. One update at a time. Cancelled, it lets a copy already started
-        finish (or reject) before the streams move again - never half-written weights - and
-        re-raises."""
-        self._check_open()
-        if isinstance(named_tensors, (str, bytes, torch.Tensor)) or not hasattr(named_tensors, "__iter__"):
-            raise WeightUpdateError("update_weights takes (name, tensor) pairs or a mapping, "
-                                    f"got {type(named_tensors).__name__}")
-        if self.engine.residency.state.weights != "device":
-            from .errors import WorkerAsleepError
-            raise WorkerAsleepError("the weights are off the device (sleep level 2): wake_up(['weights']) first")
-        n = await self._with_streams_parked(lambda: self._apply_weights(named_tensors, partial),
-                                            on_done=self.engine.kv.invalidate)  # written: old KV is stale
-        if self._weights_stale and not partial:
-            self._weights_stale = False          # a complete sync refilled the dropped weights
-            if self._capture_owed and self.engine.residency.state.kv:
-                await self._recapture_graphs()
-            self._asleep = not self.engine.residency.state.kv
-        return n
-
-    def _apply_weights(self, named_tensors: Any, partial: bool = False) -> int:
-        """The copy thread of :meth:`update_weights` (every stream is parked). A lazy iterable
-        (verl's generator) is consumed here, off the loop: the whole sync is staged and checked
-        before anything is copied."""
-        dev = self.engine.device
-        try:
-            stage = WeightStage(self.model, partial=partial).add_all(named_tensors)
-        except AInferPDError:
-            raise
-        except Exception as exc:       # a malformed input no check names: nothing was written
-            raise WeightUpdateError(f"weight update rejected: {exc!r}") from exc
-        if dev.kind == "cuda":
-            # launched kernels (graph replays, unawaited P segments) may still read the weights
-            # on the P/D streams, which do not order with the stream the copies run on
-            torch.cuda.synchronize(dev.torch_device)
-        try:
-            n = stage.apply()
-        except AInferPDError:
-            raise
-        except Exception as exc:       # a copy failing after every check passed: report it typed
-            raise WeightUpdateError(f"weight update failed while copying: {exc!r}") from exc
-        self.last_weight_sync = stage.report
-        if dev.kind == "cuda":
-            torch.cuda.synchronize(dev.torch_device)
-        return n
-
-    async def sleep(self, level: int = 0, *, keep_weights: bool = True) -> None:
-        """Abort everything in flight, drop all retained KV, and give device memory back.
-
-        ``level`` 0: the retained KV only (the pool stays allocated: later calls just work);
-        1: also the KV pool and the decode CUDA graphs; 2: also the weights, to pinned host
-        memory (``keep_weights``) or dropped (the next complete ``update_weights`` refills them,
-        as verl syncs right after ``wake_up(["weights"])``). After level >= 1, ``generate`` /
-        ``continue_`` raise :class:`WorkerAsleepError` until :meth:`wake_up`. Trajectories stay
-        registered with their tokens: their next turn recomputes.
-
-        Turns started while it waits for aborted device work to drain are aborted too; the KV
-        is dropped in one step once nothing is in flight or draining (issue 13, case 11: a turn
-        admitted during the wait used to lose its KV). The device memory is released in a thread
-        while every stream is parked (never on the event loop)."""
-        self._check_open()
-        if level not in (0, 1, 2) or isinstance(level, bool):
-            raise InvalidRequestError(f"sleep level must be 0, 1 or 2, got {level!r}")
-        while True:
-            await self.abort_all()
-            draining = [t.draining for t in self.trajectories.values() if t.draining is not None]
-            if not draining:
-                break
-            for d in draining:
-                await d.drained.wait()
-        # NOTE: no await from here on until the drop: nothing can be admitted in between.
-        self.engine.kv.drop_cached()
-        if level >= 1:
-            self._asleep = True           # refuse new turns before the release awaits
-            res = self.engine.residency
-
-            def release() -> None:
-                res.release_kv()
-                if level >= 2:
-                    res.release_weights(keep_weights)
-            await self._with_streams_parked(release)
-        self._sleeping = True
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        """Back from ``sleep``: restore what ``tags`` name ("weights", "kv_cache"; both when
-        None, as verl passes them). Weights come back from pinned host memory (or, if they were
-        dropped, as uninitialised storage that the next complete weight sync must fill: turns
-        are refused until then); the KV pool is reallocated and the decode graphs recaptured
-        once both are on the device."""
-        self._check_open()
-        if tags is not None and (isinstance(tags, (str, bytes)) or not all(isinstance(t, str) for t in tags)):
-            raise InvalidRequestError(f"wake_up tags must be a list of strings, got {tags!r}")
-        from .engine.residency import KV_CACHE, TAGS, WEIGHTS
-        want = set(TAGS if tags is None else tags)
-        if want - set(TAGS):
-            raise InvalidRequestError(f"unknown wake_up tags {sorted(want - set(TAGS))}: expected some of {TAGS}")
-        res = self.engine.residency
-        recapture = {"needed": False}
-
-        def restore() -> None:
-            if WEIGHTS in want and not res.restore_weights():
-                self._weights_stale = True       # dropped at sleep: only a complete sync makes them valid
-            if KV_CACHE in want and res.restore_kv():
-                recapture["needed"] = True
-        await self._with_streams_parked(restore)
-        if res.state.kv and res.state.weights == "device" and (recapture["needed"] or self._capture_owed):
-            if self._weights_stale:
-                self._capture_owed = True        # captured after the sync: graphs bind the synced storage
-            else:
-                await self._recapture_graphs()
-        self._asleep = not (res.state.kv and res.state.weights == "device")
-        self._sleeping = self._asleep
-
-    async def _recapture_graphs(self) -> None:
-        eng = self.engine
-        w = eng.decode_ctx.stream.submit(eng.runner.capture_decode_graphs, eng.decode_ctx, label="D.capture")
-        await w.done()
-        self._capture_owed = False
-
-    async def _with_streams_parked(self, fn, on_done=None) -> Any:
-        """Run ``fn`` in a thread while every stream of the device is parked at a FIFO point
-        (:meth:`Stream.hold`: work submitted later waits there; work launched before it has
-        drained). One at a time. A cancelled call lets ``fn`` end before the streams move on,
-        then re-raises; ``on_done`` runs whenever ``fn`` completed without error, cancelled or not."""
-        loop = asyncio.get_running_loop()
-        async with self._weights_lock:
-            holds = [s.hold("parked") for s in list(self.engine.device.streams.values())]
-            job: asyncio.Future | None = None
-            try:
-                await asyncio.gather(*(asyncio.wrap_future(h.reached) for h in holds))
-                job = loop.run_in_executor(None, fn)
-                return await asyncio.shield(job)
-            except asyncio.CancelledError:
-                while job is not None and not job.done():
-                    try:
-                        await asyncio.wait([job])
-                    except asyncio.CancelledError:   # cancelled again: fn still must end first
-                        continue
-                raise
-            finally:
-                for h in holds:
-                    h.release()
-                if on_done is not None and job is not None and job.done() and not job.cancelled() \
-                        and job.exception() is None:
-                    on_done()
-
-    async def release_kv_cache(self) -> int:
-        """Drop the cached KV that no turn in flight holds (idle trajectories keep their tokens
-        and recompute on their next turn: correct either way). Returns the number of blocks freed."""
-        self._check_open()
-        return self.engine.kv.drop_cached()
-
-    async def resume_kv_cache(self) -> None:
-        """The KV pool stays allocated: the next turns simply fill it again."""
-        self._check_open()
-
     def metrics(self) -> dict[str, Any]:
         self._check_thread()
         m = self.engine.metrics()
@@ -621,28 +407,6 @@ class RolloutWorker:
         """Block accounting is consistent (and nothing is pinned when idle)."""
         self._check_thread()
         return self.engine.kv.check_no_leak()
-
-
-def _token_list(ids: Any, what: str) -> list[int]:
-    """See :meth:`RolloutWorker._check_tokens` (the vocabulary check is the caller's)."""
-    if isinstance(ids, torch.Tensor):
-        if ids.dim() != 1 or ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
-            raise InvalidRequestError(f"{what} must be a 1-D integer tensor, got {ids.dim()}-D {ids.dtype}")
-        return [int(t) for t in ids.tolist()]
-    if type(ids).__module__ == "numpy" and hasattr(ids, "dtype") and hasattr(ids, "ndim"):
-        if ids.ndim != 1 or ids.dtype.kind not in "iu":
-            raise InvalidRequestError(f"{what} must be a 1-D integer array, got {ids.ndim}-D {ids.dtype}")
-        return [int(t) for t in ids.tolist()]
-    if isinstance(ids, (str, bytes, bytearray, memoryview, Mapping)) or not isinstance(ids, Sequence):
-        raise InvalidRequestError(f"{what} must be a sequence of token ids (list, tuple, 1-D integer "
-                                  f"tensor or array), got {type(ids).__name__}")
-    out = []
-    for t in ids:
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or type(t).__module__ == "torch":
-            raise InvalidRequestError(f"{what} contains a non-integer token {t!r}")
-        out.append(int(t))
-    return out
-
 
 def _first_typed(exc: BaseException) -> AInferPDError | None:
     if isinstance(exc, AInferPDError):

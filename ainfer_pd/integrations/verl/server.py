@@ -6,23 +6,8 @@ token out); ``RolloutReplica`` fans the control methods out to it (``wake_up``,
 ``release_kv_cache``, ``resume_kv_cache``, ``set_global_steps``, ...); the
 ``BaseRollout`` adapter (:mod:`.rollout`) streams weights into it.
 
-KV reuse across turns. The worker keeps the KV cache of every *retained trajectory*.
-A request reuses one in three ways, best first:
-
-1. ``ainfer_pd_continue=True, ainfer_pd_trajectory_id=tid``: ``prompt_ids`` holds only the
-   new observation tokens -> ``worker.continue_(tid, obs)`` (the ``ainfer_pd_tool_agent``
-   loop sends this).
-2. ``session_id=...`` (explicit session hint): the trajectory last used by that session
-   is reused when the request's prompt extends its context.
-3. prefix match: verl's own ``ToolAgentLoop`` re-sends the whole context under a fresh
-   request id every turn; a retained, idle trajectory whose *whole* context is a prefix
-   of the prompt is reused (``worker.find_prefix_trajectory`` when the worker has it,
-   else this server's own index). Partial matches are not taken, so GRPO siblings that
-   share a prompt never steal each other's trajectory.
-
-Retained trajectories are bounded (``max_retained_trajectories``, LRU over idle ones)
-and all released by :meth:`clear_kv_cache` (called by verl after every weight update:
-KV computed under old weights is never reused under new ones).
+KV reuse across turns (``ainfer_pd_continue``, ``session_id``, prefix match) and the bound on
+retained trajectories: :mod:`.reuse`.
 
 No socket is opened unless ``http: true`` in the engine kwargs (then a small token-in/token-out
 HTTP endpoint binds to ``127.0.0.1``, ``host`` overrides it: :mod:`.http_api`) or a
@@ -46,6 +31,7 @@ from ...errors import (InvalidRequestError, TrajectoryBusyError,
                        UnknownTrajectoryError)
 from .control import ResidencyControl
 from .observability import Observability
+from .reuse import TrajectoryReuse
 from .sampling import to_sampling_params
 from .settings import (ENGINE_KWARGS, build_worker_config, default_config_path, engine_kwargs_of,  # noqa: F401
                        import_worker_class, model_path_of)
@@ -62,7 +48,7 @@ def _routed(out: Any) -> Any:
     return None if re is None else re.numpy()
 
 
-class AInferPDServer(ResidencyControl, WeightSync):
+class AInferPDServer(ResidencyControl, WeightSync, TrajectoryReuse):
     """Plain class; the replica wraps it with ``ray.remote``. One asyncio loop (Ray's)."""
 
     def __init__(self, config: Any, replica_rank: int = 0, node_rank: int = 0,
@@ -172,34 +158,6 @@ class AInferPDServer(ResidencyControl, WeightSync):
                 self._warned_keys.add(k)
                 logger.info("ainfer_pd: sampling_params key %r is ignored by this backend", k)
         return mapped.params
-
-    def _find_reuse(self, prompt_ids: list[int], session_id: Optional[str]) -> Optional[str]:
-        """An idle retained trajectory whose whole context is a prefix of ``prompt_ids``."""
-        def extends(tid: Optional[str]) -> bool:
-            ctx = self._contexts.get(tid) if tid else None
-            return (ctx is not None and tid not in self._busy and len(ctx) <= len(prompt_ids)
-                    and prompt_ids[:len(ctx)] == ctx)
-
-        if session_id is not None and extends(self._sessions.get(session_id)):
-            self.stats["reuse_session"] += 1
-            return self._sessions[session_id]
-        finder = getattr(self.worker, "find_prefix_trajectory", None)
-        if finder is not None:
-            hit = finder(prompt_ids)
-            if hit is not None:
-                tid, n = hit
-                if extends(tid) and n >= len(self._contexts[tid]):
-                    self.stats["reuse_prefix_worker"] += 1
-                    return tid
-        # Fallback (worker without find_prefix_trajectory): this server's own index.
-        best, best_len = None, 0
-        for tid, ctx in self._contexts.items():
-            if len(ctx) > best_len and extends(tid):
-                best, best_len = tid, len(ctx)
-        if best is not None:
-            self.stats["reuse_prefix_server"] += 1
-        return best
-
     async def generate(
         self,
         prompt_ids: list[int],
@@ -318,36 +276,6 @@ class AInferPDServer(ResidencyControl, WeightSync):
                 self.stats["reuse_lost"] += 1
                 self._contexts.pop(tid, None)
         return await self.worker.generate(full, sp, trajectory_id=fresh)
-
-    async def _release_quietly(self, tid: Optional[str], keep_context: Optional[list[int]] = None) -> None:
-        if not tid:
-            return
-        try:
-            await self.worker.release(tid)
-        except (UnknownTrajectoryError, TrajectoryBusyError):
-            pass
-        if keep_context is not None:
-            self._contexts[tid] = keep_context
-        else:
-            self._contexts.pop(tid, None)
-            for s in [s for s, t in self._sessions.items() if t == tid]:
-                del self._sessions[s]
-
-    async def _evict(self) -> None:
-        while len(self._contexts) > self.max_retained:
-            victim = next((t for t in self._contexts if t not in self._busy), None)
-            if victim is None:
-                return
-            await self._release_quietly(victim)
-            self.stats["evicted"] += 1
-
-    async def release_trajectory(self, trajectory_id: str) -> bool:
-        """End of an episode: free its KV now instead of waiting for LRU eviction."""
-        known = trajectory_id in self._contexts
-        if trajectory_id not in self._busy:
-            await self._release_quietly(trajectory_id)
-        return known
-
     async def abort_request(self, request_id: str, reset_prefix_cache: bool = False) -> dict[str, Any]:
         if request_id not in self._inflight:
             return {"aborted": False, "request_id": request_id, "error": "request not found"}
@@ -393,13 +321,6 @@ class AInferPDServer(ResidencyControl, WeightSync):
         deadline = time.monotonic() + timeout_s
         while self._inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
-
-    async def clear_kv_cache(self) -> None:
-        """Release every idle retained trajectory (after a weight update)."""
-        for tid in [t for t in self._contexts if t not in self._busy]:
-            await self._release_quietly(tid)
-        self._sessions.clear()
-
     async def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = global_steps
 

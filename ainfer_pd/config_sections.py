@@ -1,0 +1,228 @@
+"""The runtime sections of the config: KV cache, scheduler, multiplexing (turnstile),
+parallelism and device. The model section is :mod:`.config_model`; the whole config,
+its loading and cross-section checks are :mod:`ainfer_pd.config`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .comm.ordering import ORDERINGS  # (its one home)
+from .config_checks import check_positive
+from .errors import ConfigError, TopologyError
+
+POLICIES = ("normal", "global-complete", "global-enqueue", "fine-grained", "mixed-chunked")
+EXPERT_BACKENDS = ("local", "torch", "deepep")
+SPANS = ("1", "2", "3", "4", "auto", "measured")
+P_HOST_PACINGS = ("auto", "layer", "epoch")
+KERNEL_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_blocks: int = 2048
+    """KV blocks per rank (0 = size from ``gpu_memory_fraction`` on CUDA)."""
+    gpu_memory_fraction: float = 0.85
+    """Fraction of free GPU memory the KV cache may take when ``num_blocks`` is 0."""
+    prefix_sharing: bool = True
+    """Content-addressed KV blocks shared by every request whose prefix is cached (GRPO siblings,
+    a new request id for the same context, a trajectory's own next turn); a turn waits for a
+    sibling that is writing its missing prefix. False: a block is reused only by the trajectory
+    that wrote it (its own next turns)."""
+    prefix_wait_min_tokens: int = 0
+    """A waiting turn whose next missing prompt blocks a sibling is writing (GRPO samples submitted
+    together) waits for that sibling's pass, to share them, only when they hold at least this many
+    tokens; shorter ones it computes itself in the same epoch (waiting costs its TTFT one P epoch:
+    with short prompts on a small model that can cost more than the compute it saves). 0: always wait."""
+    routed_experts: bool = False
+    """Routing replay (verl's ``enable_rollout_routing_replay``): keep every fed token's top-k
+    expert ids per MoE layer beside its KV (int16 ``[moe_layers, slots, top_k]``), so requests
+    with ``SamplingParams(return_routed_experts=True)`` get them in ``TurnOutput.routed_experts``.
+    Off: nothing allocated or recorded, and such requests are refused."""
+    gpu_memory_utilization: float = 0.0
+    """When > 0 (and ``num_blocks`` is 0): the share of the device's *total* memory the whole
+    rollout may hold, weights of this rank included (verl's ``rollout.gpu_memory_utilization``);
+    the KV pool gets what is left after the weights and a 2 GiB activation / graph reserve."""
+
+    def validate(self) -> None:
+        check_positive(self, "block_size")
+        if not isinstance(self.prefix_sharing, bool):
+            raise ConfigError("cache.prefix_sharing must be a bool")
+        if isinstance(self.prefix_wait_min_tokens, bool) or not isinstance(self.prefix_wait_min_tokens, int) \
+                or self.prefix_wait_min_tokens < 0:
+            raise ConfigError("cache.prefix_wait_min_tokens must be an integer >= 0")
+        if not isinstance(self.routed_experts, bool):
+            raise ConfigError("cache.routed_experts must be a bool")
+        if self.num_blocks < 0:
+            raise ConfigError("cache.num_blocks must be >= 0")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ConfigError("cache.gpu_memory_fraction must be in (0, 1]")
+        if not 0.0 <= self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("cache.gpu_memory_utilization must be in [0, 1] (0 = use gpu_memory_fraction)")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SchedulerConfig:
+    policy: str = "normal"
+    """One of normal | global-complete | global-enqueue | fine-grained | mixed-chunked."""
+    max_prefill_tokens: int = 2048
+    """Token budget of one P epoch (new tokens over all admitted requests)."""
+    max_decode_batch: int = 64
+    """Decode rows per D iteration."""
+    mixed_chunk_tokens: int = 512
+    """mixed-chunked: tokens per step (decode rows + a prefill chunk)."""
+    priority: str = "fifo"
+    """fifo | critical-path: the order waiting prefill is admitted and decode rows are batched
+    (``ainfer_pd.sched.priority``): critical-path serves the trajectories with the most predicted
+    work left first, with aging and a first-token bound. Composes with every policy."""
+    priority_aging_s: float = 2.0
+    """critical-path: seconds of waiting worth one typical turn of work."""
+    ttft_bound_tokens: int = 16384
+    """critical-path: prefill tokens admitted ahead of a waiting turn before it goes first."""
+
+    def validate(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"scheduler.policy={self.policy!r}: unknown policy, expected one of {POLICIES}")
+        check_positive(self, "max_prefill_tokens", "max_decode_batch", "mixed_chunk_tokens", "ttft_bound_tokens")
+        from .sched.priority import PRIORITIES
+        if self.priority not in PRIORITIES:
+            raise ConfigError(f"scheduler.priority={self.priority!r}: expected one of {PRIORITIES}")
+        if not self.priority_aging_s > 0:
+            raise ConfigError("scheduler.priority_aging_s must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MuxConfig:
+    span: str = "auto"
+    """Turnstile span K: "1".."4", "auto" (load-selected among validated spans) or "measured"
+    (from the measured P time per boundary and D iteration time, up to ``max_span``)."""
+    auto_spans: tuple[int, ...] = (1, 2, 3, 4)
+    """Spans the ``auto`` policy may choose among."""
+    measured_share: float = 1.0
+    """measured: P may cross as many boundaries per D round as fit in this share of one D iteration."""
+    max_span: int = 32
+    """measured: the largest span it may choose (<= 64)."""
+    activation_threshold: int = 64
+    """Multiplexing switches on when at least this many prefill tokens wait while D runs
+    (below it a P epoch runs as under ``normal``: no rendezvous, no segmenting)."""
+    activation_cooldown_s: float = 0.05
+    """Multiplexing stays on this long after concurrent P disappears."""
+    p_host_pacing: str = "auto"
+    """When P's host waits for its device inside an epoch. ``layer``: after every attention
+    segment (the receive counts of expert parallelism need it); ``epoch``: only at the epoch's
+    end (its host enqueues ahead, the stream keeps the order); ``auto``: ``layer`` with expert
+    parallelism or on the CPU stand-in (it models the EP system's paced host), else ``epoch``."""
+
+    def validate(self) -> None:
+        if self.p_host_pacing not in P_HOST_PACINGS:
+            raise ConfigError(f"mux.p_host_pacing={self.p_host_pacing!r}: expected one of {P_HOST_PACINGS}")
+        if str(self.span) not in SPANS:
+            raise ConfigError(f"mux.span={self.span!r}: expected one of {SPANS}")
+        if not self.auto_spans or any(not 1 <= k <= 4 for k in self.auto_spans):
+            raise ConfigError("mux.auto_spans must be a non-empty list of spans in 1..4")
+        if self.activation_threshold < 1:
+            raise ConfigError("mux.activation_threshold must be >= 1")
+        if not 0 < self.measured_share <= 16:
+            raise ConfigError("mux.measured_share must be in (0, 16]")
+        if isinstance(self.max_span, bool) or not 1 <= self.max_span <= 64:
+            raise ConfigError("mux.max_span must be an integer in 1..64")
+        if self.activation_cooldown_s < 0:
+            raise ConfigError("mux.activation_cooldown_s must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelConfig:
+    world_size: int = 1
+    """g: ranks (one process each)."""
+    attn_dp: int = 1
+    """d: attention data-parallel replicas; ATP = g / d."""
+    expert_parallel: int = 1
+    """e: expert-parallel width; ETP = g / e."""
+    ordering: str = "selective"
+    """none (communicator isolation only) | global-implicit | selective (SPEC 3.3)."""
+    expert_backend: str = "local"
+    """local (no EP) | torch (torch.distributed all-to-all) | deepep."""
+    rendezvous_timeout_s: float = 30.0
+    """Deadline of every distributed wait."""
+    stall_timeout_s: float = 20.0
+    """Multi-rank watchdog: device work pending and no progress (collectives, D iterations, P
+    segments, completed requests) for this long -> StallError naming the cross-rank frontier."""
+    fast_rendezvous: bool = True
+    """Use the same-host shared-memory rendezvous when every rank is on one host."""
+
+    def validate(self) -> None:
+        check_positive(self, "world_size", "attn_dp", "expert_parallel")
+        g, d, e = self.world_size, self.attn_dp, self.expert_parallel
+        if g % d:
+            raise TopologyError(f"world_size={g} is not divisible by attn_dp={d}")
+        if g % e:
+            raise TopologyError(f"world_size={g} is not divisible by expert_parallel={e}")
+        if self.ordering not in ORDERINGS:
+            raise ConfigError(f"parallel.ordering={self.ordering!r}: expected one of {ORDERINGS}")
+        if self.expert_backend not in EXPERT_BACKENDS:
+            raise ConfigError(f"parallel.expert_backend={self.expert_backend!r}: expected one of {EXPERT_BACKENDS}")
+        if self.rendezvous_timeout_s <= 0 or self.stall_timeout_s <= 0:
+            raise ConfigError("parallel.rendezvous_timeout_s and parallel.stall_timeout_s must be > 0")
+
+    @property
+    def atp(self) -> int:
+        return self.world_size // self.attn_dp
+
+    @property
+    def etp(self) -> int:
+        return self.world_size // self.expert_parallel
+
+    @property
+    def crossed(self) -> bool:
+        """ATP and ADP groups intersect (both > 1): the SPEC section 2 hazard exists."""
+        return self.atp > 1 and self.attn_dp > 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceConfig:
+    device: str = "auto"
+    """cpu | cuda | auto (cuda when available)."""
+    cpu_threads_per_stream: int = 1
+    """CPU stand-in: torch intra-op threads used by each stream's executor."""
+    residency_slots: int = 2
+    """CPU stand-in: work items (kernels) a device runs at once across its streams."""
+    collective_slots: int = 0
+    """CPU stand-in: attention collectives resident on a device at once (0 = no limit). A resident
+    collective holds its slot until every peer joined, as a spinning NCCL kernel holds SMs; with one
+    slot, collectives of crossed groups launched in opposite orders on two ranks stall for real."""
+    cuda_graphs: bool = True
+    """CUDA: decode by graph replay of batch-size buckets."""
+    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    graph_max_context: int = 8192
+    """CUDA: context length the captured decode graphs cover (longer rows run eager)."""
+    high_priority_stream: str = "none"
+    """CUDA: none | P | D. The named phase's stream gets the device's highest stream priority,
+    so its kernels are scheduled first when both phases have work queued (P: first-token
+    latency; D: decode iteration time). Equal priority by default."""
+    attention_backend: str = "auto"
+    """auto | torch | triton. ``triton``: paged kernels reading K/V in place through the block
+    tables (decode split-KV, one varlen launch per P segment); ``torch``: the reference path
+    (gather + SDPA). auto = triton on CUDA, torch on CPU."""
+    moe_backend: str = "auto"
+    """auto | torch | triton. ``triton``: the fused MoE kernels (block-aligned expert layout on
+    the device, SwiGLU fused into the first GEMM); ``torch``: the reference grouped GEMM with
+    gather / scatter. auto = triton on CUDA, torch on CPU."""
+    warmup_prefill: bool = True
+    """CUDA: at start, run P passes of 16 .. max_prefill_tokens tokens (first turn and
+    continuation) on the P stream, so first-use kernel loading and GEMM selection do not land
+    inside a measured P epoch."""
+
+    def validate(self) -> None:
+        if self.device not in ("cpu", "cuda", "auto"):
+            raise ConfigError(f"device.device={self.device!r}: expected cpu | cuda | auto")
+        if self.high_priority_stream not in ("none", "P", "D"):
+            raise ConfigError(f"device.high_priority_stream={self.high_priority_stream!r}: expected none | P | D")
+        check_positive(self, "cpu_threads_per_stream", "residency_slots", "graph_max_context")
+        if isinstance(self.collective_slots, bool) or not isinstance(self.collective_slots, int) or self.collective_slots < 0:
+            raise ConfigError(f"device.collective_slots must be an integer >= 0, got {self.collective_slots!r}")
+        for key in ("attention_backend", "moe_backend"):
+            if getattr(self, key) not in KERNEL_BACKENDS:
+                raise ConfigError(f"device.{key}={getattr(self, key)!r}: expected one of {KERNEL_BACKENDS}")
+        if not self.graph_batch_sizes or sorted(self.graph_batch_sizes) != list(self.graph_batch_sizes):
+            raise ConfigError("device.graph_batch_sizes must be a non-empty ascending list")
