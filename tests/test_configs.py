@@ -99,3 +99,14 @@ def test_every_named_config_is_built_or_refused_naming_the_missing_piece(name):
     # the same topology with the missing piece supplied is built (the crossed path of tiny-crossed-cpu)
     fix = {"parallel.expert_backend": "torch", "parallel.expert_parallel": cfg.parallel.world_size}
     check_engine_support(cfg.replace(**fix))
+
+
+def test_routing_replay_under_attention_tp_is_refused_by_name():
+    from ainfer_pd.engine.make import check_engine_support
+    from ainfer_pd.errors import NotBuiltError
+    cfg = WorkerConfig.from_yaml(CONFIGS / "tiny-crossed-cpu.yaml")
+    check_engine_support(cfg)
+    with pytest.raises(NotBuiltError) as ei:
+        check_engine_support(cfg.replace(**{"cache.routed_experts": True}))
+    assert "routing replay under attention tensor parallelism" in ei.value.missing
+    check_engine_support(cfg.replace(**{"cache.routed_experts": True, "parallel.attn_dp": 4}))   # ATP 1: built

@@ -3,9 +3,10 @@
 * P (eager): the full attention-TP **all-reduce** of every layer over its own communicator
   (``attn_tp.P``), launched as its own stream item (:meth:`PhaseCollectives.launch`) so the
   ordering can route it (:func:`~ainfer_pd.comm.ordering.collective_stream`).
-* D (inside its iteration): its own attention-TP all-reduce (``attn_tp.D``; the engine's D item
-  also gathers its TP ranks' expert shares with it: :class:`~ainfer_pd.engine.tensor_parallel.DecodeHooks`)
-  and the DP-attention **all-gather / reduce-scatter** (``attn_dp.D``; with P's all-reduce the crossed pair of SPEC 2).
+* D (inside its iteration): its own attention-TP **reduce-scatter / all-gather** around the
+  experts (``attn_tp.D``: :class:`~ainfer_pd.engine.tensor_parallel.DecodeHooks`) and the
+  DP-attention **all-gather / reduce-scatter** (``attn_dp.D``; with P's all-reduce the crossed
+  pair of SPEC 2; issued by the expert-tensor-parallel path, not built yet).
 
 The state is phase-owned (SPEC 3.4): one :class:`PhaseCollectives` per phase holds only that
 phase's communicators, counters, in-flight table and lock, and registers them to its phase in the
@@ -34,13 +35,13 @@ import torch
 
 from ..errors import DistributedError, TopologyError
 from ..phase import Phase
-from .ordering import (D_ADP_ALL_GATHER, D_ADP_REDUCE_SCATTER, D_ATP_ALL_REDUCE, P_ATP_ALL_REDUCE, CollectiveKind,
+from .ordering import (D_ADP_ALL_GATHER, D_ADP_REDUCE_SCATTER, D_ATP_ALL_GATHER, D_ATP_REDUCE_SCATTER, P_ATP_ALL_REDUCE, CollectiveKind,
                        ConflictRegistry)
 from .topology import ATTN_DP_D, ATTN_TP_D, ATTN_TP_P, Topology
 
 __all__ = ["PhaseCollectives", "RankCollectives", "KINDS", "PHASE_COMMS"]
 
-KINDS = (P_ATP_ALL_REDUCE, D_ATP_ALL_REDUCE, D_ADP_ALL_GATHER, D_ADP_REDUCE_SCATTER)
+KINDS = (P_ATP_ALL_REDUCE, D_ATP_REDUCE_SCATTER, D_ATP_ALL_GATHER, D_ADP_ALL_GATHER, D_ADP_REDUCE_SCATTER)
 PHASE_COMMS: dict[Phase, tuple[str, ...]] = {Phase.PREFILL: (ATTN_TP_P,), Phase.DECODE: (ATTN_TP_D, ATTN_DP_D)}
 """The communicators each phase owns."""
 

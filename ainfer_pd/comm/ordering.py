@@ -3,16 +3,18 @@
 The one home of :data:`ORDERINGS` and of the collective kinds the engine issues:
 
 * P (eager): ``P:all_reduce@attn_tp.P``, the full attention-TP all-reduce of every layer;
-* D (in its iteration, a graph replay on CUDA): ``D:all_reduce@attn_tp.D`` (its own attention-TP
-  reduce), ``D:all_gather@attn_dp.D`` / ``D:reduce_scatter@attn_dp.D`` (the DP-attention gather /
-  scatter around the experts).
+* D (in its iteration, a graph replay on CUDA): ``D:reduce_scatter@attn_tp.D`` /
+  ``D:all_gather@attn_tp.D`` around the experts (its own attention-TP reduce: each TP rank keeps
+  its share of the rows through the experts, then the shares are gathered: the bytes of one
+  all-reduce), and ``D:all_gather@attn_dp.D`` / ``D:reduce_scatter@attn_dp.D`` (the DP-attention
+  gather / scatter across replicas: the expert-tensor-parallel path, not built yet).
 
 A *conflicting pair* is a P and a D collective on different communicators that share at least
 two ranks: if two ranks launch them in opposite device order, a device-progress cycle can close.
 SPEC 2's crossed pair (P attention-TP all-reduce x D DP-attention collectives, ATP > 1 and
 ADP > 1: the groups intersect, neither contains the other) closes a cycle through four ranks;
-D's own attention-TP all-reduce shares every rank with P's (ATP > 1) and closes one through
-two. Only registered pairs are serialised by the device-order edge; every other P work item
+D's own attention-TP reduce-scatter / all-gather share every rank with P's all-reduce (ATP > 1)
+and close one through two. Only registered pairs are serialised by the device-order edge; every other P work item
 keeps its own stream and overlaps D. Expert exchanges are never registered: they run on their
 own communication budget (phase-owned DeepEP-style state, SPEC 3.4).
 
@@ -33,7 +35,7 @@ from ..errors import ConfigError
 from ..phase import Phase
 from .topology import ATTN_DP_D, ATTN_TP_D, ATTN_TP_P, Topology, groups_cross
 
-__all__ = ["CollectiveKind", "P_ATP_ALL_REDUCE", "D_ATP_ALL_REDUCE", "D_ADP_ALL_GATHER", "D_ADP_REDUCE_SCATTER",
+__all__ = ["CollectiveKind", "P_ATP_ALL_REDUCE", "D_ATP_REDUCE_SCATTER", "D_ATP_ALL_GATHER", "D_ADP_ALL_GATHER", "D_ADP_REDUCE_SCATTER",
            "ConflictRegistry", "ORDERINGS", "P_STREAM", "D_STREAM", "collective_stream", "check_ordering"]
 
 ORDERINGS = ("none", "global-implicit", "selective")
@@ -54,7 +56,8 @@ class CollectiveKind:
 
 
 P_ATP_ALL_REDUCE = CollectiveKind(Phase.PREFILL, "all_reduce", ATTN_TP_P)
-D_ATP_ALL_REDUCE = CollectiveKind(Phase.DECODE, "all_reduce", ATTN_TP_D)
+D_ATP_REDUCE_SCATTER = CollectiveKind(Phase.DECODE, "reduce_scatter", ATTN_TP_D)
+D_ATP_ALL_GATHER = CollectiveKind(Phase.DECODE, "all_gather", ATTN_TP_D)
 D_ADP_ALL_GATHER = CollectiveKind(Phase.DECODE, "all_gather", ATTN_DP_D)
 D_ADP_REDUCE_SCATTER = CollectiveKind(Phase.DECODE, "reduce_scatter", ATTN_DP_D)
 
@@ -87,15 +90,16 @@ class ConflictRegistry:
     def for_topology(cls, topology: Topology, *, force: bool = False) -> ConflictRegistry:
         """The pairs of ``topology``: (P ATP all-reduce x D DP-attention all-gather /
         reduce-scatter) when the attention-TP and DP-attention groups cross (ATP > 1 and
-        ADP > 1); (P ATP all-reduce x D ATP all-reduce) whenever ATP > 1 (the same ranks on two
-        communicators). ``force`` registers every pair (exercises the selective route where
+        ADP > 1); (P ATP all-reduce x D ATP reduce-scatter / all-gather) whenever ATP > 1 (the
+        same ranks on two communicators). ``force`` registers every pair (exercises the selective route where
         nothing conflicts, e.g. one rank)."""
         reg = cls()
         if force or (topology.crossed and groups_cross(topology.all_tp_groups(), topology.all_dp_groups())):
             reg.register(P_ATP_ALL_REDUCE, D_ADP_ALL_GATHER)
             reg.register(P_ATP_ALL_REDUCE, D_ADP_REDUCE_SCATTER)
         if force or topology.atp > 1:
-            reg.register(P_ATP_ALL_REDUCE, D_ATP_ALL_REDUCE)
+            reg.register(P_ATP_ALL_REDUCE, D_ATP_REDUCE_SCATTER)
+            reg.register(P_ATP_ALL_REDUCE, D_ATP_ALL_GATHER)
         return reg
 
 

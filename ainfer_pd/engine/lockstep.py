@@ -229,13 +229,15 @@ class LockstepEngine(Engine):
 
     def _padded_rows(self, rows: int) -> int:
         """Every replica's D batch size: the largest announced, up to the graph bucket (on CUDA
-        the replay and the eager path then gather the same shapes everywhere)."""
+        the replay and the eager path then gather the same shapes everywhere), a multiple of ATP
+        (D's attention reduce-scatter gives each TP rank an equal share)."""
+        atp = self.topology.atp
         g = self.runner.graphs
         if g is not None:
-            fit = [b for b in g.batch_sizes if b >= rows]
+            fit = [b for b in g.batch_sizes if b >= rows and b % atp == 0]
             if fit:
                 return fit[0]
-        return rows
+        return -(-rows // atp) * atp
 
     async def _start_epoch(self, has_d: bool, mux_on: bool) -> None:
         self._epoch += 1

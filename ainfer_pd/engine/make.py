@@ -48,6 +48,11 @@ def check_engine_support(cfg: WorkerConfig) -> None:
             "parallel.expert_backend=deepep: the DeepEP dispatchers (ainfer_pd.comm.experts.deepep) are not wired "
             "into the lockstep engine, which builds P's torch all-to-all; use parallel.expert_backend: torch",
             missing="DeepEP expert dispatch in the lockstep engine")
+    if cfg.cache.routed_experts and g // pc.attn_dp > 1:
+        raise NotBuiltError(
+            f"cache.routed_experts with attention TP {g // pc.attn_dp}: D's reduce-scatter leaves each TP rank the "
+            "routing of its own share of the rows, and the ids are not gathered to the replica's leader",
+            missing="routing replay under attention tensor parallelism (a gather of the routed ids)")
     if cfg.scheduler.policy == "mixed-chunked":
         raise NotBuiltError("scheduler.policy=mixed-chunked is the single-rank reference loop; use world_size 1",
                             missing="a multi-rank mixed-chunked loop")

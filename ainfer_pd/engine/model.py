@@ -126,6 +126,8 @@ class MoETransformer(nn.Module):
         self.router_spec = RouterSpec.of(c)
         self.embed = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(c, i, self.expert_range) for i in range(c.num_layers))
+        self.tp_shard: tuple[int, int] = (0, 1)
+        """(TP rank, ATP) of the attention heads this model holds (:func:`.tensor_parallel.shard_attention_`)."""
         self.segments: tuple[Segment, ...] = layer_segments(c.num_layers)
         """Every forward pass walks these (built once: a walk allocates nothing per segment)."""
         self.final_norm = nn.Parameter(torch.ones(c.hidden_size))
@@ -207,9 +209,16 @@ class MoETransformer(nn.Module):
         """Residual add of the (reduced) attention output, FFN norm, then the router of layer i's
         MoE (None for a dense layer): its ``counts`` are what an expert exchange notifies to peers.
         With a ``routing_sink`` (routing replay) the router's choice of each row is recorded at its
-        KV slot (``write_slots`` [T], the pass's)."""
+        KV slot (``write_slots`` [T], the pass's). When the reduce was a reduce-scatter (``o`` has
+        fewer rows than the pass: attention TP in D, :mod:`.tensor_parallel`), the rest of the layer
+        runs on this TP rank's share of the rows, ``[r n, (r + 1) n)`` for ``n`` rows of ``o``."""
         c, lyr = self.cfg, self.layers[i]
-        h, xn = self.kernels.add_rms_norm(o, st.h, lyr.ffn_norm, c.rms_eps)
+        h = st.h
+        if o.shape[0] != h.shape[0]:
+            n = o.shape[0]
+            lo = self.tp_shard[0] * n
+            h, write_slots = h[lo:lo + n], write_slots[lo:lo + n]
+        h, xn = self.kernels.add_rms_norm(o, h, lyr.ffn_norm, c.rms_eps)
         routing = self.route_rows(i, xn) if lyr.is_moe else None
         if routing is not None and self.routing_sink is not None:
             self.routing_sink.record(i, write_slots, routing.topk_idx)
@@ -257,8 +266,11 @@ class MoETransformer(nn.Module):
 
     # ------------------------------------------------------------------ whole pass
     def forward_batch(self, fb: ForwardBatch, kv_cache: Tensor, expert_fn: ExpertFn | None = None,
-                      attn_reduce: Callable[[Tensor], Tensor] | None = None) -> Tensor:
-        """All :attr:`segments` back to back: kv_cache [num_layers, 2, S, Hk, hd] -> logits [R, V]."""
+                      attn_reduce: Callable[[Tensor], Tensor] | None = None,
+                      gather: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+        """All :attr:`segments` back to back: kv_cache [num_layers, 2, S, Hk, hd] -> logits [R, V].
+        ``gather``: after each layer, the rows of every TP rank from this rank's share (when
+        ``attn_reduce`` is a reduce-scatter)."""
         st = None
         for seg in self.segments:
             kind, i = seg.kind, seg.layer
@@ -266,6 +278,8 @@ class MoETransformer(nn.Module):
                 st = self.attn_route(i, st, fb, kv_cache[i], attn_reduce)
             elif kind == EXPERTS:
                 st = self.experts(i, st, expert_fn)
+                if gather is not None:
+                    st.h = gather(st.h)
             elif kind == EMBED:
                 st = self.embed_tokens(fb)
             else:

@@ -169,7 +169,7 @@ class ModelRunner:
 
     def forward_fb(self, fb: ForwardBatch, ctx: PhaseContext) -> Tensor:
         h = self.hooks[ctx.phase]
-        return self.model.forward_batch(fb, self.kv_cache, h.experts, h.attn_reduce)
+        return self.model.forward_batch(fb, self.kv_cache, h.experts, h.attn_reduce, h.gather)
 
     def decode(self, plan: BatchPlan, ctx: PhaseContext) -> Tensor:
         """One D iteration: CUDA-graph replay when a bucket fits, else eager."""

@@ -14,16 +14,20 @@ Experts are expert-parallel over every rank (rank ``r`` holds experts ``[r E/g, 
 Each phase reaches them through its own phase-owned dispatcher (SPEC 3.4; P's: the normal path,
 split at the notification; D's: the low-latency path, notify -> dispatch -> combine back to
 back), never through shared state. With ATP = 1 a rank sends its rows as they are. With ATP > 1
-the TP ranks of a replica hold the same rows after the attention reduce, so each sends only its
-share through D's dispatcher and the TP group gathers the shares back:
+D's attention reduce is a reduce-scatter: each TP rank of a replica keeps only its share of the
+rows from the residual add through the experts (its share goes through D's dispatcher), and the
+layer ends with the all-gather of the shares (as SGLang's attention-TP path around DeepEP; the
+bytes of one all-reduce, where an all-reduce before and one after the experts moved twice that):
 
     o   = attention over this rank's heads                  [B, D]  (partial)
-    o   = all_reduce(o, attn_tp.D)                          [B, D]
-    xn  = ffn_norm(h + o)
-    y_s = D dispatcher (EP over every rank) on rows s       [B_s, D]  s = this TP rank's share
-    y   = all_reduce(y_s at rows s, 0 elsewhere; attn_tp.D) [B, D]  the TP all-gather of the shares
+    o_s = reduce_scatter(o, attn_tp.D)                      [B_s, D] s = this TP rank's share
+    xn  = ffn_norm(h[s] + o_s); routing of the share
+    y_s = D dispatcher (EP over every rank) on rows s       [B_s, D]
+    h   = all_gather(h[s] + o_s + y_s, attn_tp.D)           [B, D]  every TP rank's share
 
-Shape legend: B = padded decode rows per replica, B_s = this TP rank's share of them, D = hidden.
+Shape legend: B = padded decode rows per replica (a multiple of ATP: equal shares), B_s = B / ATP,
+D = hidden. P keeps its full attention-TP all-reduce (eager, its own item between the attention
+and the router).
 """
 from __future__ import annotations
 
@@ -35,20 +39,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..comm.ordering import D_ATP_ALL_REDUCE, P_ATP_ALL_REDUCE
+from ..comm.ordering import D_ATP_ALL_GATHER, D_ATP_REDUCE_SCATTER, P_ATP_ALL_REDUCE
 from ..errors import TopologyError
-from .moe import Routing, routing_of
+from .moe import Routing
 
-__all__ = ["PhaseHooks", "DecodeHooks", "PrefillHooks", "shard_attention_", "tp_share"]
+__all__ = ["PhaseHooks", "DecodeHooks", "PrefillHooks", "shard_attention_"]
 
 
 @dataclass(frozen=True, slots=True)
 class PhaseHooks:
     """What a phase's forward pass calls between segments: ``attn_reduce(o)`` after the
-    attention, ``experts(x, routing, layer)`` for the routed experts (None: local)."""
+    attention (it may return this rank's share of the rows: a reduce-scatter), ``experts(x,
+    routing, layer)`` for the routed experts (None: local), ``gather(h)`` at the layer end when
+    ``attn_reduce`` left a share (the all-gather of the shares; None: the rows are whole)."""
 
     attn_reduce: Callable[[Tensor], Tensor] | None = None
     experts: Callable[[Tensor, Routing, int], Tensor] | None = None
+    gather: Callable[[Tensor], Tensor] | None = None
 
 
 LOCAL = PhaseHooks()
@@ -93,14 +100,6 @@ def shard_attention_(model: Any, tp_rank: int, atp: int) -> Any:
 
 
 # ====================================================================== phase hooks
-def tp_share(rows: int, tp_rank: int, atp: int) -> slice:
-    """The rows [lo, hi) of ``rows`` that TP rank ``tp_rank`` of ``atp`` sends through its phase's
-    expert dispatcher (contiguous, sizes differ by at most one; pure)."""
-    base, extra = divmod(rows, atp)
-    lo = tp_rank * base + min(tp_rank, extra)
-    return slice(lo, lo + base + (1 if tp_rank < extra else 0))
-
-
 class DecodeHooks:
     """D's collectives and expert path inside its iteration (module docstring). ``colls``: the
     rank's D-phase :class:`~ainfer_pd.comm.collectives.PhaseCollectives`; ``model``: the (sharded)
@@ -109,35 +108,30 @@ class DecodeHooks:
 
     def __init__(self, colls: Any, model: Any, ep: Any, ctx: Any) -> None:
         self.colls, self.model, self.ep, self.ctx = colls, model, ep, ctx
-        self.tp = colls.active(D_ATP_ALL_REDUCE)
+        self.tp = colls.active(D_ATP_REDUCE_SCATTER)
         self.tp_rank, self.atp = getattr(model, "tp_shard", (0, 1))
 
     def schedule(self) -> list:
         """The attention collectives of one D iteration, in the order it runs them (D's expert
         exchange is its dispatcher's, on its own communicator: not an attention collective)."""
-        out = []
-        for i in range(self.model.cfg.num_layers):
-            if self.tp:
-                out.append(D_ATP_ALL_REDUCE)
-                if self.model.layers[i].is_moe and self.ep is not None:
-                    out.append(D_ATP_ALL_REDUCE)
-        return out
+        return [D_ATP_REDUCE_SCATTER, D_ATP_ALL_GATHER] * self.model.cfg.num_layers if self.tp else []
 
     def hooks(self) -> PhaseHooks:
         return PhaseHooks(attn_reduce=self.attn_reduce if self.tp else None,
-                          experts=self.experts if self.ep is not None else None)    # None: every expert local
+                          experts=self.experts if self.ep is not None else None,    # None: every expert local
+                          gather=self.gather if self.tp else None)
 
     def attn_reduce(self, o: Tensor) -> Tensor:
-        return self.colls.run(D_ATP_ALL_REDUCE, o)
+        """[B, D] partial sums over this rank's heads -> [B / ATP, D], this rank's rows, summed."""
+        return self.colls.run(D_ATP_REDUCE_SCATTER, o)
 
     def experts(self, xn: Tensor, r: Routing, layer: int) -> Tensor:
-        if not self.tp:
-            return self.ep.run(self.ctx, xn, r, layer)
-        s = tp_share(int(xn.shape[0]), self.tp_rank, self.atp)
-        share = routing_of(r.topk_idx[s], r.topk_weights[s], self.model.cfg.num_experts)
-        y = torch.zeros_like(xn)
-        y[s] = self.ep.run(self.ctx, xn[s], share, layer)
-        return self.colls.run(D_ATP_ALL_REDUCE, y)              # every TP rank's share, on every TP rank
+        """This rank's rows (its share under ATP > 1) through D's dispatcher."""
+        return self.ep.run(self.ctx, xn, r, layer)
+
+    def gather(self, h: Tensor) -> Tensor:
+        """[B / ATP, D] this rank's rows -> [B, D], every TP rank's, in TP-rank order."""
+        return self.colls.run(D_ATP_ALL_GATHER, h)
 
 
 class PrefillHooks:
