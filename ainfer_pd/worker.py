@@ -298,7 +298,7 @@ class RolloutWorker(WorkerControl):
         traj.turn = turn
         traj.num_turns += 1
         # NOTE: a trajectory whose aborted turn still drains gets this turn queued behind the
-        # drain inside the engine (Engine._behind_drain): it is the trajectory's turn from now on.
+        # drain inside the engine (TurnBook.behind_drain): it is the trajectory's turn from now on.
         self.engine.submit(turn)
         try:
             return await asyncio.shield(turn.future)
