@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from .comm.ordering import ORDERINGS  # (its one home)
 from .config_checks import check_positive
 from .errors import ConfigError, TopologyError
+from .sched.span import FIXED_SPANS, MAX_SPAN, MIN_SPAN  # (their one home)
 
 POLICIES = ("normal", "global-complete", "global-enqueue", "fine-grained", "mixed-chunked")
 EXPERT_BACKENDS = ("local", "torch", "deepep")
-SPANS = ("1", "2", "3", "4", "auto", "measured")
+SPANS = (*(str(k) for k in FIXED_SPANS), "auto", "measured")
 P_HOST_PACINGS = ("auto", "layer", "epoch")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 
@@ -102,7 +103,7 @@ class MuxConfig:
     measured_share: float = 1.0
     """measured: P may cross as many boundaries per D round as fit in this share of one D iteration."""
     max_span: int = 32
-    """measured: the largest span it may choose (<= 64)."""
+    """measured: the largest span it may choose (<= sched.span.MAX_SPAN)."""
     activation_threshold: int = 64
     """Multiplexing switches on when at least this many prefill tokens wait while D runs
     (below it a P epoch runs as under ``normal``: no rendezvous, no segmenting)."""
@@ -119,14 +120,14 @@ class MuxConfig:
             raise ConfigError(f"mux.p_host_pacing={self.p_host_pacing!r}: expected one of {P_HOST_PACINGS}")
         if str(self.span) not in SPANS:
             raise ConfigError(f"mux.span={self.span!r}: expected one of {SPANS}")
-        if not self.auto_spans or any(not 1 <= k <= 4 for k in self.auto_spans):
-            raise ConfigError("mux.auto_spans must be a non-empty list of spans in 1..4")
+        if not self.auto_spans or any(k not in FIXED_SPANS for k in self.auto_spans):
+            raise ConfigError(f"mux.auto_spans must be a non-empty list of spans in {FIXED_SPANS}")
         if self.activation_threshold < 1:
             raise ConfigError("mux.activation_threshold must be >= 1")
         if not 0 < self.measured_share <= 16:
             raise ConfigError("mux.measured_share must be in (0, 16]")
-        if isinstance(self.max_span, bool) or not 1 <= self.max_span <= 64:
-            raise ConfigError("mux.max_span must be an integer in 1..64")
+        if isinstance(self.max_span, bool) or not MIN_SPAN <= self.max_span <= MAX_SPAN:
+            raise ConfigError(f"mux.max_span must be an integer in {MIN_SPAN}..{MAX_SPAN}")
         if self.activation_cooldown_s < 0:
             raise ConfigError("mux.activation_cooldown_s must be >= 0")
 
