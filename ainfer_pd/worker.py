@@ -102,26 +102,26 @@ class RolloutWorker(WorkerControl):
         return WorkerClosedError(f"engine failed: {exc!r}")
 
     async def _await_peers_closing(self, window_s: float) -> WorkerClosedError | None:
-        """Wait for the engine task to end once every rank is closing; None when it ended, or the
-        error naming the ranks still serving when its lockstep steps stopped advancing for a
+        """Wait for the lockstep engine's task to end once every rank is closing; None when it
+        ended, or the error naming the ranks still serving when its steps stopped advancing for a
         whole ``window_s``."""
         assert self._engine_task is not None
-        steps = getattr(self.engine, "num_steps", None)
+        eng = self.engine
+        steps = eng.num_steps
         while True:
             try:
                 async with asyncio.timeout(window_s):
                     await asyncio.shield(self._engine_task)
                 return None
             except TimeoutError:
-                now = getattr(self.engine, "num_steps", None)
-                if now is None or now == steps:
-                    busy = getattr(self.engine, "not_closing", ())
-                    who = f"; ranks not yet closing: {list(busy)}" if busy else ""
+                busy = list(eng.not_closing)
+                if eng.num_steps == steps:
+                    who = f"; ranks not yet closing: {busy}" if busy else ""
                     return WorkerClosedError(f"rank {self.rank}: peers did not close: no lockstep step "
                                              f"for {window_s:.0f} s (2x the rendezvous timeout){who}")
                 log.info("rank %d: closing, waiting for ranks %s to finish their work (%d steps)",
-                         self.rank, list(getattr(self.engine, "not_closing", ())), now - (steps or 0))
-                steps = now
+                         self.rank, busy, eng.num_steps - steps)
+                steps = eng.num_steps
 
     async def __aexit__(self, et, exc, tb) -> None:
         """Abort what is in flight, stop the loops, join the stream threads. The user's own
