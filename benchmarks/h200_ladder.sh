@@ -9,7 +9,7 @@
 #   python benchmarks/ladder.py merge docs/results/ladder/ladder_*.json --out docs/results/ladder/latest.json
 # Workload (the issue's minimum): 64 conversations x 4 turns at token scale 1 on the Qwen3-30B-A3B
 # shape, bf16, CUDA graphs, the measured span. Environment overrides: REPEATS, POLICIES,
-# PRIORITIES, CONV, TURNS, TOKEN_SCALE, CONFIG.
+# PRIORITIES, CONV, TURNS, TOKEN_SCALE, CONFIG, WORK (where bench writes runs.jsonl; default /tmp/ladder).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -19,7 +19,7 @@ CONFIG=${CONFIG:-configs/qwen3-30b-a3b-shape.yaml}
 ALL=normal,global-complete,global-enqueue,fine-grained,mixed-chunked
 common=(--commit "$COMMIT" --part "$PART" --out "$O" --config "$CONFIG"
         --conversations "${CONV:-64}" --max-turns "${TURNS:-4}" --token-scale "${TOKEN_SCALE:-1}"
-        --repeats "${REPEATS:-3}" --set mux.span=measured --set device.graph_max_context=8192)
+        --repeats "${REPEATS:-3}" --work "${WORK:-/tmp/ladder}" --set mux.span=measured --set device.graph_max_context=8192)
 # graph_max_context 8192: the trace's contexts reach 7.5K; above the largest graph bucket decode runs
 # eagerly (host-bound: 51 ms an iteration at B~17 against ~15 ms replayed, H200 pilot)
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
@@ -33,8 +33,8 @@ case "$PART" in
               --policies ${SHORT_POLICIES:-normal,global-enqueue,fine-grained,mixed-chunked} --priorities fifo
             python benchmarks/ladder.py run "${common[@]}" --part "$PART-cp" --cells $cell --no-warmup \
               --policies ${CP_POLICIES:-normal,fine-grained} --priorities critical-path ;;
-  spans)    python benchmarks/ladder.py run "${common[@]}" --cells P1 --policies "${POLICIES:-normal}" \
-              --priorities fifo --spans 1,2,3,4,auto ;;
+  spans)    python benchmarks/ladder.py run "${common[@]}" --cells P1 --policies "${POLICIES:-fine-grained}" \
+              --priorities "${PRIORITIES:-critical-path}" --spans 1,2,3,4,auto ;;
   decode-only) python benchmarks/ladder.py run "${common[@]}" --cells P1 --policies normal,fine-grained \
               --priorities fifo --decode-only ;;
   lever)    python benchmarks/ladder.py run "${common[@]}" --cells P1 --policies "${LEVER_POLICIES:-fine-grained}" \
