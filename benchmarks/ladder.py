@@ -12,6 +12,11 @@ its ``results.json`` into the rows of ``docs/results/ladder/latest.json``::
         [--policies ...] [--priorities fifo,critical-path] [--repeats 3] [--spans 1,2,3,4,auto] \
         [--decode-only] [--conversations 64 --max-turns 4 --token-scale 1] [--set KEY=VALUE ...]
     python benchmarks/ladder.py merge PART.json [PART.json ...] --out docs/results/ladder/latest.json
+    python benchmarks/ladder.py from-log LADDER.log --commit HASH --part NAME --out DIR
+
+``from-log`` rebuilds a part when a bench was cut before ``run`` wrote it: from its runs.jsonl (every
+figure), or from the per-run lines it printed (makespan, p99 TTFT and D wait only; the bound and
+the rendezvous stay unknown).
 
 ``run`` writes ``DIR/ladder_NAME.json`` (one part); ``merge`` joins parts (their rows, workloads
 and commits) and evaluates the targets over the joined rows. The targets are the issue's: pure
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -75,6 +81,46 @@ def results_from_runs(path: Path) -> dict[str, Any]:
             summaries.setdefault(d["cell"], {}).setdefault(d["variant"], []).append(d["summary"])
     return {"summaries": summaries, "trace": None,
             "aggregates": {c: {v: aggregate(ss) for v, ss in per.items()} for c, per in summaries.items()}}
+
+
+RUN_LINE = re.compile(r"^\[\d+/\d+\] (?P<cell>\S+) (?P<variant>\S+) #\d+: makespan (?P<makespan>[\d.]+) s, "
+                      r"[\d.]+ req/s, p99 TTFT (?P<ttft>[\d.]+) s, D wait (?P<dwait>[\d.]+) ms")
+
+
+def results_from_log(text: str) -> dict[str, Any]:
+    """What results.json would hold, from a bench log's per-run lines after its last timed command
+    (the warm-up's lines before it are skipped)."""
+    from ainfer_pd.metrics.report import aggregate
+    lines = text.splitlines()
+    starts = [i for i, ln in enumerate(lines) if ln.startswith("+ ") and "warm-up" not in ln]
+    summaries: dict[str, dict[str, list]] = {}
+    for ln in lines[(starts[-1] if starts else 0):]:
+        m = RUN_LINE.match(ln)
+        if m:
+            summaries.setdefault(m["cell"], {}).setdefault(m["variant"], []).append(
+                {"makespan_s": float(m["makespan"]), "ttft_p99_s": float(m["ttft"]),
+                 "d_wait_mean_s": float(m["dwait"]) / 1e3})
+    return {"summaries": summaries, "trace": None,
+            "aggregates": {c: {v: aggregate(ss) for v, ss in per.items()} for c, per in summaries.items()}}
+
+
+def from_log(args: argparse.Namespace) -> int:
+    text = Path(args.log).read_text()
+    res = results_from_runs(Path(args.log)) if args.log.endswith(".jsonl") else results_from_log(text)
+    if not res["summaries"]:
+        print(f"{args.log}: no per-run lines", file=sys.stderr)
+        return 1
+    cmd = None if args.log.endswith(".jsonl") else next(
+        (ln[2:] for ln in reversed(text.splitlines()) if ln.startswith("+ ") and "warm-up" not in ln), None)
+    part = {"commit": args.commit, "config": args.config, "machine": args.machine, "part": args.part,
+            "command": cmd, "rc": None, "wall_s": None, "source": f"per-run lines of {args.log}",
+            "workload": None, "variant": None, "rows": rows_of(res)}
+    part["targets"] = targets(part["rows"])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"ladder_{args.part}.json").write_text(json.dumps(part, indent=1))
+    _print(part)
+    return 0
 
 
 def _med(rows: Iterable[dict[str, Any]], fig: str, **match: Any) -> float | None:
@@ -254,8 +300,15 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("merge")
     m.add_argument("parts", nargs="+")
     m.add_argument("--out", default="docs/results/ladder/latest.json")
+    g = sub.add_parser("from-log")
+    g.add_argument("log")
+    g.add_argument("--commit", required=True)
+    g.add_argument("--part", required=True)
+    g.add_argument("--out", default="docs/results/ladder")
+    g.add_argument("--config", default="configs/qwen3-30b-a3b-shape.yaml")
+    g.add_argument("--machine", default="NVIDIA H200")
     args = ap.parse_args(argv)
-    return run(args) if args.cmd == "run" else merge(args)
+    return {"run": run, "merge": merge, "from-log": from_log}[args.cmd](args)
 
 
 if __name__ == "__main__":
