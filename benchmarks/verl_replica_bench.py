@@ -42,43 +42,13 @@ def rollout_config(cfg_path: str, turns: int):
 
 
 def tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {f"t{i}": i for i in range(508)}
-    vocab.update({"user": 508, "assistant": 509, "tool": 510, "system": 511})
-    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0", pad_token="t0", eos_token="t1")
-    tok.chat_template = ("{% for m in messages %}t2 {{ m['role'] }} {{ m['content'] }} t3 {% endfor %}"
-                         "{% if add_generation_prompt %}t2 assistant {% endif %}")
-    return tok
+    from ainfer_pd.integrations.verl.scripted import word_tokenizer
+    return word_tokenizer()
 
 
 def tool():
-    from verl.experimental.agent_loop.tool_parser import FunctionCall, ToolParser
-    from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
-
-    if "ainfer_pd_bench" not in ToolParser._registry:
-        @ToolParser.register("ainfer_pd_bench")
-        class Scripted(ToolParser):
-            async def extract_tool_calls(self, responses_ids, tools=None):
-                return "t5", [FunctionCall(name="lookup", arguments='{"key": "t9"}')]
-
-    class Lookup:
-        name = "lookup"
-        tool_schema = OpenAIFunctionToolSchema.model_validate({"type": "function", "function": {
-            "name": "lookup", "description": "look a key up",
-            "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}})
-
-        async def create(self, create_kwargs=None):
-            return "i", None
-
-        async def execute(self, instance_id, args, **kw):
-            return ToolResponse(text=f"{args['key']} t10 t11 t12"), 0.0, {}
-
-        async def release(self, instance_id):
-            return None
-    return Lookup()
+    from ainfer_pd.integrations.verl.scripted import scripted_tool
+    return scripted_tool("ainfer_pd_bench")
 
 
 async def one(ranks: int, args) -> tuple[float, float, int]:

@@ -165,48 +165,15 @@ async def test_llm_server_manager_and_client_prefix_reuse(ray_cluster):
             await kill(r)
 
 
-# ---- a tiny word-level tokenizer with a chat template, and a scripted tool parser
+# ---- the scripted tokenizer and tool (ainfer_pd.integrations.verl.scripted)
 def _tokenizer(words: int = 508):
-    """Word-level: ``t0 .. t{words-1}`` then the four role words (ids ``words .. words+3``)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {f"t{i}": i for i in range(words)}
-    vocab.update({"user": words, "assistant": words + 1, "tool": words + 2, "system": words + 3})
-    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0", pad_token="t0", eos_token="t1")
-    tok.chat_template = ("{% for m in messages %}t2 {{ m['role'] }} {{ m['content'] }} t3 {% endfor %}"
-                         "{% if add_generation_prompt %}t2 assistant {% endif %}")
-    return tok
+    from ainfer_pd.integrations.verl.scripted import word_tokenizer
+    return word_tokenizer(words)
 
 
 def _register_test_parts():
-    from verl.experimental.agent_loop.tool_parser import FunctionCall, ToolParser
-    from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
-
-    if "ainfer_pd_test" not in ToolParser._registry:
-        @ToolParser.register("ainfer_pd_test")
-        class ScriptedParser(ToolParser):                 # the random tiny model "calls" a tool every turn
-            async def extract_tool_calls(self, responses_ids, tools=None):
-                return "t5", [FunctionCall(name="lookup", arguments='{"key": "t9"}')]
-
-    class LookupTool:
-        name = "lookup"
-        tool_schema = OpenAIFunctionToolSchema.model_validate({"type": "function", "function": {
-            "name": "lookup", "description": "look a key up",
-            "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}})
-
-        async def create(self, create_kwargs=None):
-            return "i", None
-
-        async def execute(self, instance_id, args, **kw):
-            await asyncio.sleep(0.01)                      # simulated tool latency
-            return ToolResponse(text=f"{args['key']} t10 t11 t12"), 0.0, {}
-
-        async def release(self, instance_id):
-            return None
-
-    return LookupTool()
+    from ainfer_pd.integrations.verl.scripted import scripted_tool
+    return scripted_tool("ainfer_pd_test", latency_s=0.01)      # the random tiny model "calls" a tool every turn
 
 
 @needs_verl
