@@ -53,7 +53,7 @@ class Variant:
 def make_variants(policies: Sequence[str], *, span: str | None = None,
                   spans: Sequence[str] | None = None, priorities: Sequence[str] = ("fifo",)) -> list[Variant]:
     """Variants for ``policies`` x ``priorities`` (fine-grained with ``span`` when given) plus a
-    fine-grained span sweep."""
+    fine-grained span sweep (each span x ``priorities``)."""
     from .sched.priority import PRIORITIES
     out: list[Variant] = []
     for pr in priorities:
@@ -67,9 +67,10 @@ def make_variants(policies: Sequence[str], *, span: str | None = None,
     for k in spans or ():
         if str(k) not in SPANS:
             raise ConfigError(f"unknown span {k!r}: expected one of {', '.join(SPANS)}")
-        v = Variant("fine-grained", str(k))
-        if v.name not in {x.name for x in out}:
-            out.append(v)
+        for pr in priorities:                        # the sweep runs under every requested priority
+            v = Variant("fine-grained", str(k), priority=pr)
+            if v.name not in {x.name for x in out}:
+                out.append(v)
     names = [v.name for v in out]
     if len(set(names)) != len(names):
         raise ConfigError(f"duplicate variants: {names}")

@@ -9,7 +9,9 @@
 #   python benchmarks/ladder.py merge docs/results/ladder/ladder_*.json --out docs/results/ladder/latest.json
 # Workload (the issue's minimum): 64 conversations x 4 turns at token scale 1 on the Qwen3-30B-A3B
 # shape, bf16, CUDA graphs, the measured span. Environment overrides: REPEATS, POLICIES,
-# PRIORITIES, CONV, TURNS, TOKEN_SCALE, CONFIG, WORK (where bench writes runs.jsonl; default /tmp/ladder).
+# PRIORITIES, SPANS, CONV, TURNS, TOKEN_SCALE, CONFIG, WORK (where bench writes runs.jsonl; default
+# /tmp/ladder), SUFFIX (appended to the part's name, so two parts of one call do not overwrite).
+# What latest.json still lacks, packed into device calls: python benchmarks/ladder.py plan
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -17,7 +19,7 @@ COMMIT=${1:?commit}; PART=${2:?part}
 O=${OUT:-docs/results/ladder}; mkdir -p "$O"
 CONFIG=${CONFIG:-configs/qwen3-30b-a3b-shape.yaml}
 ALL=normal,global-complete,global-enqueue,fine-grained,mixed-chunked
-common=(--commit "$COMMIT" --part "$PART" --out "$O" --config "$CONFIG"
+common=(--commit "$COMMIT" --part "$PART${SUFFIX:+-$SUFFIX}" --out "$O" --config "$CONFIG"
         --conversations "${CONV:-64}" --max-turns "${TURNS:-4}" --token-scale "${TOKEN_SCALE:-1}"
         --repeats "${REPEATS:-3}" --work "${WORK:-/tmp/ladder}" --set mux.span=measured --set device.graph_max_context=8192)
 # graph_max_context 8192: the trace's contexts reach 7.5K; above the largest graph bucket decode runs
@@ -33,8 +35,9 @@ case "$PART" in
               --policies ${SHORT_POLICIES:-normal,global-enqueue,fine-grained,mixed-chunked} --priorities fifo
             python benchmarks/ladder.py run "${common[@]}" --part "$PART-cp" --cells $cell --no-warmup \
               --policies ${CP_POLICIES:-normal,fine-grained} --priorities critical-path ;;
-  spans)    python benchmarks/ladder.py run "${common[@]}" --cells P1 --policies "${POLICIES:-fine-grained}" \
-              --priorities "${PRIORITIES:-critical-path}" --spans 1,2,3,4,auto ;;
+  spans)    # fine-grained at each span (its mux.span=measured point is the ladder's plain fine-grained row)
+            python benchmarks/ladder.py run "${common[@]}" --cells P1 --policies "${POLICIES:-}" \
+              --priorities "${PRIORITIES:-critical-path}" --spans "${SPANS:-1,2,3,4,auto}" ;;
   decode-only) python benchmarks/ladder.py run "${common[@]}" --cells P1 --policies normal,fine-grained \
               --priorities fifo --decode-only ;;
   lever)    python benchmarks/ladder.py run "${common[@]}" --cells P1 --policies "${LEVER_POLICIES:-fine-grained}" \

@@ -13,6 +13,12 @@ its ``results.json`` into the rows of ``docs/results/ladder/latest.json``::
         [--decode-only] [--conversations 64 --max-turns 4 --token-scale 1] [--set KEY=VALUE ...]
     python benchmarks/ladder.py merge PART.json [PART.json ...] --out docs/results/ladder/latest.json
     python benchmarks/ladder.py from-log LADDER.log --commit HASH --part NAME --out DIR
+    python benchmarks/ladder.py plan [--latest docs/results/ladder/latest.json] [--budget-s 520] [--run-s 60] [--span-run-s 120]
+
+``plan`` lists the issue's rows (cells P1 and trace x five policies x two priorities, 3 repeats,
+and the span sweep) that ``latest.json`` lacks, and packs them into device calls of ``h200_ladder.sh``
+that fit ``budget-s`` each at ``run-s`` per run (the H200's P1 / trace runs: 55-60 s with the fresh
+worker's start-up).
 
 ``from-log`` rebuilds a part when a bench was cut before ``run`` wrote it: from its runs.jsonl (every
 figure), or from the per-run lines it printed (makespan, p99 TTFT and D wait only; the bound and
@@ -123,6 +129,79 @@ def from_log(args: argparse.Namespace) -> int:
     return 0
 
 
+CELLS = ("P1", "trace")
+POLICIES = ("normal", "global-complete", "global-enqueue", "fine-grained", "mixed-chunked")
+PRIORITIES = ("fifo", "critical-path")
+SPANS = ("1", "2", "3", "4", "auto")
+"""The span sweep; its ``measured`` point is the plain fine-grained row (the ladder sets mux.span=measured)."""
+WARMUP_S = 40.0
+"""The untimed warm-up run of each ``ladder.py run`` (Triton compile cache) and the process start."""
+
+
+def missing_runs(rows: list[dict[str, Any]], repeats: int = 3) -> list[tuple[str, str, str, str | None, int]]:
+    """(cell, policy, priority, span, runs still owed) of every issue row with fewer than ``repeats``
+    makespan repeats in ``rows`` (labelled lever rows do not count). The span sweep is fine-grained
+    critical-path on P1."""
+    have: dict[tuple, int] = {}
+    for r in rows:
+        if r.get("variant") is None:
+            key = (r["cell"], r["policy"], r["priority"], r["span"])
+            have[key] = max(have.get(key, 0), int(r["makespan_s"].get("n") or 0))
+    want = [(c, p, q, None) for c in CELLS for p in POLICIES for q in PRIORITIES]
+    want += [("P1", "fine-grained", "critical-path", k) for k in SPANS]
+    return [(*k, repeats - have.get(k, 0)) for k in want if have.get(k, 0) < repeats]
+
+
+def plan_calls(missing: list[tuple[str, str, str, str | None, int]], *, budget_s: float = 520.0,
+               run_s: float = 60.0, span_run_s: float = 120.0) -> list[list[dict[str, Any]]]:
+    """Pack the owed runs into device calls of at most ``budget_s``: each call a list of
+    ``h200_ladder.sh`` parts ``{"part", "env", "runs", "est_s"}``, one part per (cell, priority,
+    repeats) with the policies (or spans) that share them. A part that does not fit a call is split
+    by policy; every part pays one warm-up. ``span_run_s``: a fixed span of 1-4 on 96 boundaries
+    throttles P to a few boundaries per D round (session 1: 233 s against normal's 213 s at K=2),
+    so those runs are estimated longer."""
+    groups: dict[tuple, list[str]] = {}
+    for cell, policy, prio, span, owed in missing:
+        kind = "spans" if span is not None else cell.lower()
+        groups.setdefault((kind, prio, owed), []).append(span if span is not None else policy)
+    parts = []
+    for (kind, prio, owed), names in groups.items():
+        each = span_run_s if kind == "spans" else run_s
+        per_part = max(1, int((budget_s - WARMUP_S) // (each * owed)))    # names one part can hold
+        for i in range(0, len(names), per_part):
+            chunk = names[i:i + per_part]
+            env = {"REPEATS": str(owed), "PRIORITIES": prio}
+            env["SPANS" if kind == "spans" else "POLICIES"] = ",".join(chunk)
+            env["SUFFIX"] = f"{prio}-{i // per_part}"
+            runs = owed * len(chunk)
+            parts.append({"part": "spans" if kind == "spans" else kind, "env": env, "runs": runs,
+                          "est_s": WARMUP_S + each * runs})
+    calls: list[list[dict[str, Any]]] = []
+    for part in sorted(parts, key=lambda p: -p["est_s"]):          # first fit, largest first
+        for call in calls:
+            if sum(p["est_s"] for p in call) + part["est_s"] <= budget_s:
+                call.append(part)
+                break
+        else:
+            calls.append([part])
+    return calls
+
+
+def plan(args: argparse.Namespace) -> int:
+    doc = json.loads(Path(args.latest).read_text())
+    owed = missing_runs(doc["rows"], args.repeats)
+    calls = plan_calls(owed, budget_s=args.budget_s, run_s=args.run_s, span_run_s=args.span_run_s)
+    total = sum(p["runs"] for c in calls for p in c)
+    print(f"{len(owed)} rows owed, {total} runs, {len(calls)} device calls of <= {args.budget_s:.0f} s "
+          f"(~{sum(p['est_s'] for c in calls for p in c) / 60:.0f} device-minutes):")
+    for i, call in enumerate(calls, 1):
+        print(f"call {i} (~{sum(p['est_s'] for p in call):.0f} s):")
+        for p in call:
+            env = " ".join(f"{k}={v}" for k, v in p["env"].items())
+            print(f"  {env} bash benchmarks/h200_ladder.sh COMMIT {p['part']}")
+    return 0
+
+
 def _med(rows: Iterable[dict[str, Any]], fig: str, **match: Any) -> float | None:
     for r in rows:
         if all(r.get(k) == v for k, v in match.items()):
@@ -173,6 +252,11 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         auto = _med(spans, "makespan_s", cell=cell, span="auto")
         if fixed and auto is not None:
             add(f"{cell}: span auto / best fixed span makespan", auto / min(fixed), 1.01)
+        # the ladder's own span is mux.span=measured (h200_ladder.sh): its plain fine-grained row
+        prio = next(r["priority"] for r in spans if r["cell"] == cell)
+        measured = _med(plain, "makespan_s", cell=cell, policy="fine-grained", priority=prio)
+        if fixed and measured is not None:
+            add(f"{cell}: span measured ({prio}) / best fixed span makespan", measured / min(fixed), 1.01)
     for r in rows:
         if r["cell"].startswith("decode-only/") and r["policy"] == "fine-grained":
             n = _med(rows, "makespan_s", cell=r["cell"], policy="normal", priority=r["priority"])
@@ -300,6 +384,12 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("merge")
     m.add_argument("parts", nargs="+")
     m.add_argument("--out", default="docs/results/ladder/latest.json")
+    pl = sub.add_parser("plan")
+    pl.add_argument("--latest", default="docs/results/ladder/latest.json")
+    pl.add_argument("--budget-s", type=float, default=520.0)
+    pl.add_argument("--run-s", type=float, default=60.0)
+    pl.add_argument("--span-run-s", type=float, default=120.0)
+    pl.add_argument("--repeats", type=int, default=3)
     g = sub.add_parser("from-log")
     g.add_argument("log")
     g.add_argument("--commit", required=True)
@@ -308,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--config", default="configs/qwen3-30b-a3b-shape.yaml")
     g.add_argument("--machine", default="NVIDIA H200")
     args = ap.parse_args(argv)
-    return {"run": run, "merge": merge, "from-log": from_log}[args.cmd](args)
+    return {"run": run, "merge": merge, "from-log": from_log, "plan": plan}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,84 @@
+"""The ladder of record's tooling (benchmarks/ladder.py): rows owed, device-call packing, rebuilding
+a cut part from its log or runs.jsonl, and the span sweep's variants."""
+import json
+
+from benchmarks import ladder
+
+
+def _row(cell, policy, priority, span=None, n=3, makespan=40.0, variant=None):
+    fig = {"median": makespan, "iqr": 0.1, "n": n}
+    return {"cell": cell, "policy": policy, "priority": priority, "span": span, "variant": variant,
+            "makespan_s": fig, "p99_ttft_s": fig, "mean_d_wait_ms": fig, "bound_ratio": fig, "rendezvous": fig}
+
+
+def test_missing_runs_counts_what_each_issue_row_still_owes():
+    rows = [_row("P1", "normal", "fifo"), _row("P1", "fine-grained", "fifo", n=2),
+            _row("P1", "fine-grained", "critical-path", variant="lever"),       # a lever row does not count
+            _row("P1", "fine-grained", "critical-path", span="2", n=3)]
+    owed = {(c, p, q, s): k for c, p, q, s, k in ladder.missing_runs(rows)}
+    assert ("P1", "normal", "fifo", None) not in owed
+    assert owed[("P1", "fine-grained", "fifo", None)] == 1
+    assert owed[("P1", "fine-grained", "critical-path", None)] == 3
+    assert ("P1", "fine-grained", "critical-path", "2") not in owed
+    assert owed[("P1", "fine-grained", "critical-path", "auto")] == 3
+    assert len(owed) == 2 * 5 * 2 - 1 + len(ladder.SPANS) - 1
+
+
+def test_plan_calls_fit_the_budget_and_cover_every_owed_run():
+    rows = [_row("P1", "normal", "fifo")]
+    owed = ladder.missing_runs(rows)
+    calls = ladder.plan_calls(owed, budget_s=520, run_s=60)
+    assert all(sum(p["est_s"] for p in c) <= 520 for c in calls)
+    assert sum(p["runs"] for c in calls for p in c) == sum(k for *_, k in owed)
+    covered = set()
+    for c in calls:
+        for p in c:
+            names = p["env"].get("POLICIES") or p["env"]["SPANS"]
+            for n in names.split(","):
+                covered.add((p["part"], p["env"]["PRIORITIES"], n))
+    assert ("p1", "critical-path", "normal") in covered and ("trace", "fifo", "mixed-chunked") in covered
+    assert ("spans", "critical-path", "auto") in covered
+    suffixes = [(p["part"], p["env"]["SUFFIX"]) for c in calls for p in c]
+    assert len(set(suffixes)) == len(suffixes)          # no two parts overwrite one another's file
+
+
+def test_a_cut_part_is_rebuilt_from_its_printed_per_run_lines(tmp_path):
+    log = tmp_path / "ladder.log"
+    log.write_text("\n".join([
+        "+ (warm-up) python -m ainfer_pd.cli bench --repeats 1",
+        "[1/1] P1 normal #1: makespan 9.0 s, 0.89 req/s, p99 TTFT 0.1 s, D wait 0.6 ms, failures 0",
+        "+ python -m ainfer_pd.cli bench --cells P1 --policies normal,fine-grained --repeats 2",
+        "[1/4] P1 normal #1: makespan 50.0 s, 5.0 req/s, p99 TTFT 2.0 s, D wait 5.0 ms, failures 0",
+        "    D iters 2505: build 1.12 ms",
+        "[2/4] P1 fine-grained+critical-path #1: makespan 44.0 s, 5.5 req/s, p99 TTFT 2.4 s, D wait 1.5 ms, failures 0",
+        "[3/4] P1 normal #2: makespan 52.0 s, 4.8 req/s, p99 TTFT 2.2 s, D wait 5.4 ms, failures 0",
+        "[4/4] P1 fine-grained+critical-path #2: makespan 46.0 s, 5.3 req/s, p99 TTFT 2.6 s, D wait 1.7 ms, failures 0",
+    ]))
+    assert ladder.main(["from-log", str(log), "--commit", "abc", "--part", "cut", "--out", str(tmp_path)]) == 0
+    part = json.loads((tmp_path / "ladder_cut.json").read_text())
+    rows = {(r["policy"], r["priority"]): r for r in part["rows"]}
+    assert rows[("normal", "fifo")]["makespan_s"] == {"median": 51.0, "iqr": 1.0, "n": 2}   # the warm-up is skipped
+    assert abs(rows[("fine-grained", "critical-path")]["mean_d_wait_ms"]["median"] - 1.6) < 1e-9
+    assert rows[("normal", "fifo")]["bound_ratio"]["median"] is None                      # not printed
+    assert part["command"].startswith("python -m ainfer_pd.cli bench --cells P1")
+    names = {t["name"] for t in part["targets"]}
+    assert "P1: fine-grained (critical-path) / normal-fifo makespan" in names
+
+
+def test_the_span_sweep_runs_under_every_requested_priority():
+    from ainfer_pd import bench
+    vs = bench.make_variants(["fine-grained"], spans=["1", "measured"], priorities=["critical-path"])
+    assert [v.name for v in vs] == ["fine-grained+critical-path", "fine-grained/K=1+critical-path",
+                                    "fine-grained/K=measured+critical-path"]
+    assert [ladder.parse_variant(v.name) for v in vs][1:] == [("fine-grained", "critical-path", "1"),
+                                                              ("fine-grained", "critical-path", "measured")]
+
+
+def test_the_span_targets_judge_auto_and_the_ladder_s_measured_span_against_the_best_fixed_span():
+    rows = [_row("P1", "fine-grained", "critical-path", span=k, makespan=m)
+            for k, m in (("1", 50.0), ("2", 46.0), ("3", 47.0), ("4", 48.0), ("auto", 47.0))]
+    rows.append(_row("P1", "fine-grained", "critical-path", makespan=44.0))          # mux.span=measured
+    t = {x["name"]: x for x in ladder.targets(rows)}
+    assert t["P1: span auto / best fixed span makespan"]["value"] == round(47.0 / 46.0, 4)
+    assert not t["P1: span auto / best fixed span makespan"]["met"]
+    assert t["P1: span measured (critical-path) / best fixed span makespan"]["met"]
