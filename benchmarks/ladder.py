@@ -318,11 +318,12 @@ def run(args: argparse.Namespace) -> int:
 
 def merge(args: argparse.Namespace) -> int:
     parts = [json.loads(Path(p).read_text()) for p in args.parts]
-    rows = [r for p in parts for r in p["rows"]]
+    rows = [{**r, "commit": p["commit"]} for p in parts for r in p["rows"]]   # each row keeps its part's commit
     commits = sorted({p["commit"] for p in parts})
     doc = {"commit": commits[0] if len(commits) == 1 else commits, "config": sorted({p["config"] for p in parts}),
            "machine": parts[0]["machine"] if parts else None,
-           "parts": [{k: p[k] for k in ("part", "command", "rc", "wall_s", "workload")} for p in parts],
+           "parts": [{k: p.get(k) for k in ("part", "commit", "command", "rc", "wall_s", "workload", "source")}
+                     for p in parts],
            "rows": rows, "targets": targets(rows)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1))

@@ -82,3 +82,16 @@ def test_the_span_targets_judge_auto_and_the_ladder_s_measured_span_against_the_
     assert t["P1: span auto / best fixed span makespan"]["value"] == round(47.0 / 46.0, 4)
     assert not t["P1: span auto / best fixed span makespan"]["met"]
     assert t["P1: span measured (critical-path) / best fixed span makespan"]["met"]
+
+
+def test_merge_keeps_each_row_s_commit(tmp_path):
+    a = {"commit": "aaa", "config": "c", "machine": "m", "part": "p1", "command": "x", "rc": 0, "wall_s": 1,
+         "workload": None, "rows": [_row("P1", "normal", "fifo")]}
+    b = {**a, "commit": "bbb", "part": "p1-b", "rows": [_row("P1", "fine-grained", "critical-path", makespan=30.0)]}
+    for d in (a, b):
+        (tmp_path / f"{d['part']}.json").write_text(json.dumps(d))
+    out = tmp_path / "latest.json"
+    assert ladder.main(["merge", str(tmp_path / "p1.json"), str(tmp_path / "p1-b.json"), "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["commit"] == ["aaa", "bbb"] and [r["commit"] for r in doc["rows"]] == ["aaa", "bbb"]
+    assert [p["commit"] for p in doc["parts"]] == ["aaa", "bbb"]
