@@ -40,6 +40,10 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
+from ainfer_pd.config import POLICIES                 # (their one homes)
+from ainfer_pd.sched.priority import PRIORITIES
+from ainfer_pd.sched.span import FIXED_SPANS
+
 FIGURES = {"makespan_s": "makespan_s", "p99_ttft_s": "ttft_p99_s", "mean_d_wait_ms": "d_wait_mean_s",
            "bound_ratio": "bound_ratio", "rendezvous": "rendezvous"}
 """Row figure -> summary metric of :func:`ainfer_pd.metrics.report.summarize`."""
@@ -77,16 +81,21 @@ def rows_of(results: dict[str, Any], *, decode_only: bool = False, variant: str 
     return rows
 
 
+def _results(summaries: dict[str, dict[str, list]]) -> dict[str, Any]:
+    """What results.json would hold for per-run ``summaries`` (cell -> variant -> [summary])."""
+    from ainfer_pd.metrics.report import aggregate
+    return {"summaries": summaries, "trace": None,
+            "aggregates": {c: {v: aggregate(ss) for v, ss in per.items()} for c, per in summaries.items()}}
+
+
 def results_from_runs(path: Path) -> dict[str, Any]:
     """What results.json would hold, from the per-run lines of runs.jsonl (a bench cut short)."""
-    from ainfer_pd.metrics.report import aggregate
     summaries: dict[str, dict[str, list]] = {}
     for line in path.read_text().splitlines():
         if line.strip():
             d = json.loads(line)
             summaries.setdefault(d["cell"], {}).setdefault(d["variant"], []).append(d["summary"])
-    return {"summaries": summaries, "trace": None,
-            "aggregates": {c: {v: aggregate(ss) for v, ss in per.items()} for c, per in summaries.items()}}
+    return _results(summaries)
 
 
 RUN_LINE = re.compile(r"^\[\d+/\d+\] (?P<cell>\S+) (?P<variant>\S+) #\d+: makespan (?P<makespan>[\d.]+) s, "
@@ -96,7 +105,6 @@ RUN_LINE = re.compile(r"^\[\d+/\d+\] (?P<cell>\S+) (?P<variant>\S+) #\d+: makesp
 def results_from_log(text: str) -> dict[str, Any]:
     """What results.json would hold, from a bench log's per-run lines after its last timed command
     (the warm-up's lines before it are skipped)."""
-    from ainfer_pd.metrics.report import aggregate
     lines = text.splitlines()
     starts = [i for i, ln in enumerate(lines) if ln.startswith("+ ") and "warm-up" not in ln]
     summaries: dict[str, dict[str, list]] = {}
@@ -106,20 +114,21 @@ def results_from_log(text: str) -> dict[str, Any]:
             summaries.setdefault(m["cell"], {}).setdefault(m["variant"], []).append(
                 {"makespan_s": float(m["makespan"]), "ttft_p99_s": float(m["ttft"]),
                  "d_wait_mean_s": float(m["dwait"]) / 1e3})
-    return {"summaries": summaries, "trace": None,
-            "aggregates": {c: {v: aggregate(ss) for v, ss in per.items()} for c, per in summaries.items()}}
+    return _results(summaries)
 
 
 def from_log(args: argparse.Namespace) -> int:
-    text = Path(args.log).read_text()
-    res = results_from_runs(Path(args.log)) if args.log.endswith(".jsonl") else results_from_log(text)
+    if args.log.endswith(".jsonl"):
+        res, cmd, source = results_from_runs(Path(args.log)), None, f"runs of {args.log}"
+    else:
+        text = Path(args.log).read_text()
+        res, source = results_from_log(text), f"printed per-run lines of {args.log}"
+        cmd = next((ln[2:] for ln in reversed(text.splitlines()) if ln.startswith("+ ") and "warm-up" not in ln), None)
     if not res["summaries"]:
         print(f"{args.log}: no per-run lines", file=sys.stderr)
         return 1
-    cmd = None if args.log.endswith(".jsonl") else next(
-        (ln[2:] for ln in reversed(text.splitlines()) if ln.startswith("+ ") and "warm-up" not in ln), None)
     part = {"commit": args.commit, "config": args.config, "machine": args.machine, "part": args.part,
-            "command": cmd, "rc": None, "wall_s": None, "source": f"per-run lines of {args.log}",
+            "command": cmd, "rc": None, "wall_s": None, "source": source,
             "workload": None, "variant": None, "rows": rows_of(res)}
     part["targets"] = targets(part["rows"])
     out = Path(args.out)
@@ -130,9 +139,7 @@ def from_log(args: argparse.Namespace) -> int:
 
 
 CELLS = ("P1", "trace")
-POLICIES = ("normal", "global-complete", "global-enqueue", "fine-grained", "mixed-chunked")
-PRIORITIES = ("fifo", "critical-path")
-SPANS = ("1", "2", "3", "4", "auto")
+SPANS = (*(str(k) for k in FIXED_SPANS), "auto")
 """The span sweep; its ``measured`` point is the plain fine-grained row (the ladder sets mux.span=measured)."""
 WARMUP_S = 40.0
 """The untimed warm-up run of each ``ladder.py run`` (Triton compile cache) and the process start."""
@@ -164,7 +171,7 @@ def plan_calls(missing: list[tuple[str, str, str, str | None, int]], *, budget_s
     for cell, policy, prio, span, owed in missing:
         kind = "spans" if span is not None else cell.lower()
         groups.setdefault((kind, prio, owed), []).append(span if span is not None else policy)
-    parts = []
+    parts: list[dict[str, Any]] = []
     for (kind, prio, owed), names in groups.items():
         each = span_run_s if kind == "spans" else run_s
         per_part = max(1, int((budget_s - WARMUP_S) // (each * owed)))    # names one part can hold
@@ -172,7 +179,7 @@ def plan_calls(missing: list[tuple[str, str, str, str | None, int]], *, budget_s
             chunk = names[i:i + per_part]
             env = {"REPEATS": str(owed), "PRIORITIES": prio}
             env["SPANS" if kind == "spans" else "POLICIES"] = ",".join(chunk)
-            env["SUFFIX"] = f"{prio}-{i // per_part}"
+            env["SUFFIX"] = f"{prio}-{len(parts)}"      # unique: two parts of a call never share a file
             runs = owed * len(chunk)
             parts.append({"part": "spans" if kind == "spans" else kind, "env": env, "runs": runs,
                           "est_s": WARMUP_S + each * runs})
@@ -367,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--work", default="/tmp/ladder", help="bench output (plots, runs.jsonl) stays here")
     r.add_argument("--config", default="configs/qwen3-30b-a3b-shape.yaml")
     r.add_argument("--cells", default="P1")
-    r.add_argument("--policies", default="normal,global-complete,global-enqueue,fine-grained,mixed-chunked")
+    r.add_argument("--policies", default=",".join(POLICIES))
     r.add_argument("--priorities", default="fifo,critical-path")
     r.add_argument("--repeats", type=int, default=3)
     r.add_argument("--spans")

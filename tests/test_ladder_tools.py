@@ -42,6 +42,13 @@ def test_plan_calls_fit_the_budget_and_cover_every_owed_run():
     assert len(set(suffixes)) == len(suffixes)          # no two parts overwrite one another's file
 
 
+def test_parts_of_one_priority_with_different_repeats_owed_do_not_share_a_file():
+    rows = [_row("P1", "normal", "critical-path", n=2), _row("P1", "global-complete", "critical-path", n=1)]
+    calls = ladder.plan_calls(ladder.missing_runs(rows), budget_s=520, run_s=60)
+    names = [(p["part"], p["env"]["SUFFIX"]) for c in calls for p in c]
+    assert len(set(names)) == len(names)
+
+
 def test_a_cut_part_is_rebuilt_from_its_printed_per_run_lines(tmp_path):
     log = tmp_path / "ladder.log"
     log.write_text("\n".join([
