@@ -41,16 +41,6 @@ def rollout_config(cfg_path: str, turns: int):
     return OmegaConf.create(d)
 
 
-def tokenizer():
-    from ainfer_pd.integrations.verl.scripted import word_tokenizer
-    return word_tokenizer()
-
-
-def tool():
-    from ainfer_pd.integrations.verl.scripted import scripted_tool
-    return scripted_tool("ainfer_pd_bench")
-
-
 async def one(ranks: int, args) -> tuple[float, float, int]:
     import hydra
     import ray
@@ -62,6 +52,8 @@ async def one(ranks: int, args) -> tuple[float, float, int]:
     from verl.workers.rollout.replica import RolloutMode, get_rollout_replica_class
     from verl.workers.rollout.router import get_router_handle
 
+    from ainfer_pd.integrations.verl.scripted import scripted_tool, word_tokenizer
+
     rc = rollout_config(CONFIGS[ranks], args.turns)
     cls = get_rollout_replica_class("ainfer_pd")
     replica = cls(replica_rank=0, config=rc, model_config={}, gpus_per_node=1, name_suffix=f"bench{time.time_ns()}")
@@ -72,7 +64,7 @@ async def one(ranks: int, args) -> tuple[float, float, int]:
     try:
         cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": rc, "model": {}}, "data": {}})
         client = LLMServerClient(cfg, load_balancer_handle=get_router_handle(servers={replica.server_address: server}))
-        tok, tl = tokenizer(), tool()
+        tok, tl = word_tokenizer(), scripted_tool("ainfer_pd_bench")
 
         def new_loop():                      # one agent loop per episode (as verl's workers run them)
             return hydra.utils.instantiate(
