@@ -29,7 +29,7 @@ import torch
 from .config import WorkerConfig
 from .engine.block_hash import common_prefix
 from .engine.make import make_engine
-from .engine.sampler import make_generator
+from .engine.sampler import sample_seed
 from .engine.state import Trajectory, Turn
 from .errors import (AInferPDError, CapacityError, ContextLengthError, InvalidRequestError,
                      TrajectoryBusyError, UnknownTrajectoryError, WorkerClosedError,
@@ -280,10 +280,7 @@ class RolloutWorker(WorkerControl):
         if need > kvm.alloc.num_blocks:
             raise CapacityError(f"a turn of {len(context) + params.max_new_tokens} tokens needs {need} KV blocks; "
                                 f"the cache has {kvm.alloc.num_blocks}")
-        try:
-            generator = make_generator(params, fallback_seed=hash((traj.tid, traj.num_turns)) & 0x7FFFFFFF)
-        except (ValueError, RuntimeError, OverflowError) as exc:     # validate() keeps seeds in range
-            raise InvalidRequestError(f"invalid SamplingParams: seed {params.seed!r}: {exc}") from None
+        seed = sample_seed(params, fallback_seed=hash((traj.tid, traj.num_turns)) & 0x7FFFFFFF)
         if new:
             self.trajectories[traj.tid] = traj
         if not traj.group:                # siblings (GRPO samples of one prompt) share their first prompt
@@ -294,7 +291,7 @@ class RolloutWorker(WorkerControl):
         rid = f"req-{next(_request_ids)}"
         turn = Turn(request_id=rid, traj=traj, params=params, context=context, prev_tokens=list(traj.tokens),
                     num_cached=num_cached, prefilled=num_cached, future=loop.create_future(), t_submit=self.recorder.now(),
-                    generator=generator)
+                    seed=seed)
         traj.turn = turn
         traj.num_turns += 1
         # NOTE: a trajectory whose aborted turn still drains gets this turn queued behind the

@@ -311,11 +311,11 @@ def test_case05_the_sampler_isolates_a_row_that_is_not_a_distribution():
     logits = torch.randn(4, V, generator=g)
     logits[1] = math.nan
     logits[2, 3] = math.inf
-    rows = [SampleRow(SamplingParams(temperature=0.0), None)] * 4
+    rows = [SampleRow(SamplingParams(temperature=0.0))] * 4
     toks, lps, bad = sample(logits, rows)                       # the vectorised greedy path
     assert set(bad) == {1, 2} and toks[0] == int(logits[0].argmax()) and toks[3] == int(logits[3].argmax())
     sampled = SamplingParams(temperature=MIN_TEMPERATURE, top_k=5, top_p=0.9, seed=3)
-    rows = [SampleRow(sampled, torch.Generator().manual_seed(3)) for _ in range(4)]
+    rows = [SampleRow(sampled, seed=3) for _ in range(4)]
     toks, lps, bad = sample(logits * 50.0, rows)               # per row, at the temperature floor
     assert set(bad) == {1, 2} and all(math.isfinite(lps[i]) for i in (0, 3))
     assert toks[0] == int(logits[0].argmax())                   # T at the floor: the mode

@@ -1,15 +1,23 @@
-"""Sampling: greedy, temperature, top-k, top-p, repetition penalty, per-request seed.
+"""Sampling on the logits' device: greedy, temperature, top-k, top-p, repetition penalty, seeds.
 
-``sample(logits, rows)`` takes float32 logits [R, V] and one ``SampleRow`` per row;
-returns token ids, their log-probabilities (host lists) and the rows that could not be
-sampled. A row with a seed draws from its own generator, so its tokens do not depend on
-what else is in the batch.
+``sample(logits, rows)`` takes logits [R, V] (on the device that computed them) and one
+``SampleRow`` per row; returns token ids, their log-probabilities (host lists) and the rows that
+could not be sampled. The whole batch is a handful of vectorised passes over [R, V] and one
+device-to-host copy of 3R numbers: no per-row host loop, no [R, V] copy to the host (before, every
+sampled row went through the CPU one at a time, with its own ``torch.Generator``).
 
-NOTE: one row never fails another. ``SamplingParams.validate`` keeps every accepted request
-away from overflow (temperature floor, repetition-penalty range), and each row is still
-checked here: a row whose distribution is not a distribution (NaN, +inf, no finite mass:
-e.g. non-finite logits from the model) is reported in ``bad`` with the reason, its token is
-a placeholder, and only that request fails (the engine ends it with ``SamplingError``).
+Randomness is counter-based: a row draws one uniform number from a hash of (its seed, the index of
+the token it draws in its turn) and takes the token where the cumulative distribution (float64)
+crosses it (inverse CDF). So a seeded request's tokens depend on nothing else in the batch, on no
+sampler state, and are the same on every rank and device.
+
+NOTE: one row never fails another. ``SamplingParams.validate`` keeps every accepted request away
+from overflow (temperature floor, repetition-penalty range), and each row is still checked here: a
+row whose distribution is not a distribution (NaN, +inf, no finite mass: e.g. non-finite logits
+from the model) is reported in ``bad`` with the reason, its token is a placeholder, and only that
+request fails (the engine ends it with ``SamplingError``).
+
+Shape legend: R = rows, V = vocabulary.
 """
 from __future__ import annotations
 
@@ -20,87 +28,111 @@ from torch import Tensor
 
 from ..request import SamplingParams
 
+_M64 = (1 << 64) - 1
+
 
 @dataclass(slots=True)
 class SampleRow:
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int = 0                         # the request's seed, or the worker's fallback for it
+    step: int = 0                         # index of the token drawn in this turn (the noise counter)
     history: list[int] | None = None      # tokens seen (for the repetition penalty)
 
 
-def make_generator(params: SamplingParams, fallback_seed: int) -> torch.Generator | None:
-    if params.greedy:
-        return None
-    return torch.Generator(device="cpu").manual_seed(params.seed if params.seed is not None else fallback_seed)
+def sample_seed(params: SamplingParams, fallback_seed: int) -> int:
+    """The seed a request samples with: its own, else ``fallback_seed`` (0 <= seed < 2**64)."""
+    return (params.seed if params.seed is not None else fallback_seed) & _M64
 
 
-def _penalize(row: Tensor, history: list[int], penalty: float) -> Tensor:
-    if penalty == 1.0 or not history:
-        return row
-    idx = torch.tensor(sorted(set(history)), dtype=torch.int64, device=row.device)
-    vals = row.index_select(0, idx)
-    row = row.clone()
-    row.index_copy_(0, idx, torch.where(vals > 0, vals / penalty, vals * penalty))
-    return row
+def uniform(seed: int, step: int) -> float:
+    """A uniform number in (0, 1) from (seed, step): splitmix64 of the pair, 53 bits."""
+    z = (seed * 0x9E3779B97F4A7C15 + (step + 1) * 0xD1B54A32D192ED69) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    z ^= z >> 31
+    return ((z >> 11) + 0.5) / float(1 << 53)
 
 
-def _bad_distribution(lp: Tensor) -> str | None:
-    """Why the log-probabilities ``lp`` [V] are not a distribution (None if they are)."""
-    if bool(torch.isnan(lp).any()):
-        return "NaN in the sampling distribution"
-    if bool(torch.isposinf(lp).any()):
-        return "+inf in the sampling distribution"
-    if not bool(torch.isfinite(lp).any()):
-        return "no token has finite probability"
-    return None
+def _penalize(x: Tensor, rows: list[SampleRow]) -> Tensor:
+    """x [R, V] with each row's repetition penalty applied to the tokens of its history."""
+    idx = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0 and r.history]
+    if not idx:
+        return x
+    hist = [sorted(set(rows[i].history)) for i in idx]
+    width = max(len(h) for h in hist)
+    pad = torch.tensor([h + [h[0]] * (width - len(h)) for h in hist], dtype=torch.int64).to(x.device)
+    sel = torch.tensor(idx, dtype=torch.int64).to(x.device)
+    pen = torch.tensor([rows[i].params.repetition_penalty for i in idx], dtype=x.dtype).to(x.device)[:, None]
+    sub = x.index_select(0, sel)
+    vals = sub.gather(1, pad)
+    sub.scatter_(1, pad, torch.where(vals > 0, vals / pen, vals * pen))   # duplicates write one value
+    x = x.clone()
+    x.index_copy_(0, sel, sub)
+    return x
+
+
+def _top_k(x: Tensor, rows: list[SampleRow]) -> Tensor:
+    V = x.shape[1]
+    ks = [r.params.top_k if 0 < r.params.top_k < V and not r.params.greedy else 0 for r in rows]
+    if not any(ks):
+        return x
+    kmax = max(ks)
+    kth_idx = torch.tensor([max(k, 1) - 1 for k in ks], dtype=torch.int64).to(x.device)[:, None]
+    kth = torch.topk(x, kmax, dim=-1).values.gather(1, kth_idx)
+    on = torch.tensor([k > 0 for k in ks]).to(x.device)[:, None]
+    return x.masked_fill(on & (x < kth), float("-inf"))
+
+
+def _top_p(x: Tensor, rows: list[SampleRow]) -> Tensor:
+    """Keep the smallest prefix (by probability) reaching each row's top_p."""
+    idx = [i for i, r in enumerate(rows) if r.params.top_p < 1.0 and not r.params.greedy]
+    if not idx:
+        return x
+    sel = torch.tensor(idx, dtype=torch.int64).to(x.device)
+    tp = torch.tensor([rows[i].params.top_p for i in idx], dtype=torch.float32).to(x.device)[:, None]
+    sub = x.index_select(0, sel)
+    srt, order = torch.sort(sub, dim=-1, descending=True)
+    p = torch.softmax(srt, -1)
+    drop = (p.cumsum(-1) - p) > tp
+    sub = sub.scatter(1, order, srt.masked_fill(drop, float("-inf")))
+    x = x.clone()
+    x.index_copy_(0, sel, sub)
+    return x
 
 
 def sample(logits: Tensor, rows: list[SampleRow]) -> tuple[list[int], list[float], dict[int, str]]:
-    """logits [R, V] float32 -> (token ids, logprobs, bad rows: index -> reason)."""
-    logits = logits.float()
-    plain_greedy = all(r.params.greedy and r.params.repetition_penalty == 1.0 for r in rows)
+    """logits [R, V] -> (token ids, logprobs, bad rows: index -> reason), on the logits' device."""
+    x = logits.float()
+    R, V = x.shape
+    dev = x.device
+    if R == 0:
+        return [], [], {}
+    x = _penalize(x, rows)
+    greedy = [r.params.greedy for r in rows]
+    if not all(greedy):
+        temp = torch.tensor([1.0 if g else r.params.temperature for g, r in zip(greedy, rows)],
+                            dtype=torch.float32).to(dev)[:, None]
+        x = _top_p(_top_k(x / temp, rows), rows)
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    tok = x.argmax(dim=-1)
+    if not all(greedy):
+        u = torch.tensor([0.5 if g else uniform(r.seed, r.step) for g, r in zip(greedy, rows)],
+                         dtype=torch.float64).to(dev)[:, None]
+        cdf = torch.exp((x - lse).double()).cumsum(-1)                  # float64: exact enough over V
+        drawn = torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1).clamp_(max=V - 1)
+        tok = torch.where(torch.tensor(greedy).to(dev), tok, drawn)
+    chosen = (x.gather(1, tok[:, None]) - lse).squeeze(1)                 # its log-probability
+    nan = torch.isnan(x).any(-1)
+    posinf = torch.isposinf(x).any(-1)
+    nofinite = ~torch.isfinite(x).any(-1)
+    flags = nan | posinf | nofinite | ~torch.isfinite(chosen)
+    out = torch.stack([tok.double(), chosen.double(), flags.double(), nan.double(), posinf.double(),
+                       nofinite.double()]).cpu()                          # the one device -> host copy
+    toks = [int(t) for t in out[0].tolist()]
+    lps = out[1].tolist()
     bad: dict[int, str] = {}
-    if plain_greedy:
-        lp = torch.log_softmax(logits, dim=-1)
-        tok = lp.argmax(dim=-1)
-        chosen = lp.gather(1, tok.unsqueeze(1)).squeeze(1)
-        ok = torch.isfinite(chosen) & ~torch.isnan(lp).any(dim=-1)
-        if not bool(ok.all()):
-            for i in (~ok).nonzero().flatten().tolist():
-                bad[i] = _bad_distribution(lp[i]) or "non-finite log-probability"
-        return tok.tolist(), chosen.tolist(), bad
-    logits = logits.cpu()
-    toks: list[int] = []
-    lps: list[float] = []
-    for i, r in enumerate(rows):
-        p = r.params
-        row = _penalize(logits[i], r.history or [], p.repetition_penalty)
-        if p.greedy:
-            lp = torch.log_softmax(row, -1)
-            why = _bad_distribution(lp)
-            t = int(lp.argmax()) if why is None else 0
-            if why is not None:
-                bad[i] = why
-            toks.append(t)
-            lps.append(float(lp[t]))
-            continue
-        row = row / p.temperature
-        if p.top_k > 0 and p.top_k < row.numel():
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(row, descending=True)
-            cum = torch.softmax(sorted_logits, -1).cumsum(-1)
-            drop = cum - torch.softmax(sorted_logits, -1) > p.top_p     # keep the smallest prefix reaching top_p
-            row = row.index_fill(0, order[drop], float("-inf"))
-        lp = torch.log_softmax(row, -1)
-        why = _bad_distribution(lp)
-        if why is not None:           # this request only: never reaches multinomial
-            bad[i] = why
-            toks.append(0)
-            lps.append(float("nan"))
-            continue
-        t = int(torch.multinomial(lp.exp(), 1, generator=r.generator))
-        toks.append(t)
-        lps.append(float(lp[t]))
+    for i in torch.nonzero(out[2]).flatten().tolist():
+        bad[i] = ("NaN in the sampling distribution" if out[3, i] else "+inf in the sampling distribution"
+                  if out[4, i] else "no token has finite probability" if out[5, i] else "non-finite log-probability")
+        toks[i], lps[i] = 0, float("nan")
     return toks, lps, bad

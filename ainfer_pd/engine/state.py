@@ -58,7 +58,7 @@ class Turn:
     num_cached: int                     # prompt tokens served from retained KV
     future: asyncio.Future
     t_submit: float
-    generator: torch.Generator | None = None
+    seed: int = 0                       # the sampling seed (engine.sampler: counter-based noise)
     state: TurnState = TurnState.WAITING
     lifetime: int = 0                   # KV reservation lifetime (0 = not admitted)
     prefilled: int = 0                  # prompt tokens whose KV is computed

@@ -249,7 +249,7 @@ class TurnBook:
     @staticmethod
     def _sample_row(t: Turn) -> SampleRow:
         hist = (t.context + t.out_tokens) if t.params.repetition_penalty != 1.0 else None
-        return SampleRow(t.params, t.generator, hist)
+        return SampleRow(t.params, t.seed, len(t.out_tokens), hist)
 
     def _append_token(self, t: Turn, tok: int, lp: float) -> None:
         t.out_tokens.append(tok)
