@@ -21,6 +21,7 @@ Shape legend: R = rows, V = vocabulary.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -109,30 +110,34 @@ def sample(logits: Tensor, rows: list[SampleRow]) -> tuple[list[int], list[float
         return [], [], {}
     x = _penalize(x, rows)
     greedy = [r.params.greedy for r in rows]
-    if not all(greedy):
-        temp = torch.tensor([1.0 if g else r.params.temperature for g, r in zip(greedy, rows)],
-                            dtype=torch.float32).to(dev)[:, None]
-        x = _top_p(_top_k(x / temp, rows), rows)
-    lse = torch.logsumexp(x, dim=-1, keepdim=True)
-    tok = x.argmax(dim=-1)
-    if not all(greedy):
-        u = torch.tensor([0.5 if g else uniform(r.seed, r.step) for g, r in zip(greedy, rows)],
-                         dtype=torch.float64).to(dev)[:, None]
-        cdf = torch.exp((x - lse).double()).cumsum(-1)                  # float64: exact enough over V
-        drawn = torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1).clamp_(max=V - 1)
-        tok = torch.where(torch.tensor(greedy).to(dev), tok, drawn)
-    chosen = (x.gather(1, tok[:, None]) - lse).squeeze(1)                 # its log-probability
-    nan = torch.isnan(x).any(-1)
-    posinf = torch.isposinf(x).any(-1)
-    nofinite = ~torch.isfinite(x).any(-1)
-    flags = nan | posinf | nofinite | ~torch.isfinite(chosen)
-    out = torch.stack([tok.double(), chosen.double(), flags.double(), nan.double(), posinf.double(),
-                       nofinite.double()]).cpu()                          # the one device -> host copy
+    sampled = not all(greedy)
+    if sampled:
+        per_row = torch.tensor([[1.0 if g else r.params.temperature for g, r in zip(greedy, rows)],
+                                [0.5 if g else uniform(r.seed, r.step) for g, r in zip(greedy, rows)],
+                                greedy], dtype=torch.float64).to(dev)              # one host -> device copy
+        x = _top_p(_top_k(x / per_row[0, :, None].float(), rows), rows)
+    lp = torch.log_softmax(x, dim=-1)                                   # log-probabilities [R, V]
+    tok = lp.argmax(dim=-1)
+    if sampled:
+        cdf = lp.double().exp_().cumsum_(-1)                            # float64: exact enough over V
+        drawn = torch.searchsorted(cdf, per_row[1, :, None] * cdf[:, -1:]).squeeze(1).clamp_(max=V - 1)
+        tok = torch.where(per_row[2] > 0, tok, drawn)
+    chosen = lp.gather(1, tok[:, None]).squeeze(1)
+    out = torch.stack([tok.double(), chosen.double()]).cpu()           # the one device -> host copy
     toks = [int(t) for t in out[0].tolist()]
     lps = out[1].tolist()
-    bad: dict[int, str] = {}
-    for i in torch.nonzero(out[2]).flatten().tolist():
-        bad[i] = ("NaN in the sampling distribution" if out[3, i] else "+inf in the sampling distribution"
-                  if out[4, i] else "no token has finite probability" if out[5, i] else "non-finite log-probability")
+    # a NaN or +inf logit, or no finite one, makes the row's log-softmax NaN at every token
+    bad = {i: _why_not_a_distribution(x[i]) for i, v in enumerate(lps) if not math.isfinite(v)}
+    for i in bad:
         toks[i], lps[i] = 0, float("nan")
     return toks, lps, bad
+
+
+def _why_not_a_distribution(row: Tensor) -> str:
+    if bool(torch.isnan(row).any()):
+        return "NaN in the sampling distribution"
+    if bool(torch.isposinf(row).any()):
+        return "+inf in the sampling distribution"
+    if not bool(torch.isfinite(row).any()):
+        return "no token has finite probability"
+    return "non-finite log-probability"
