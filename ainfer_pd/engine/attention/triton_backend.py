@@ -111,9 +111,9 @@ class TritonAttention:
             num_warps=plan.num_warps, num_stages=plan.num_stages)
         if plan.num_splits > 1:
             decode_merge_kernel[(B, H)](
-                op, lse, out, plan.num_splits, op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1),
-                out.stride(0), out.stride(1),
-                HEAD_DIM=hd, SPLITS_PAD=_pow2(plan.num_splits), num_warps=4)
+                op, lse, out, d.ctx_lens, plan.num_splits, op.stride(0), op.stride(1), op.stride(2), lse.stride(0),
+                lse.stride(1), out.stride(0), out.stride(1),
+                HEAD_DIM=hd, SPLITS_PAD=_pow2(plan.num_splits), SPLIT_KEYS=plan.split_keys, num_warps=4)
         return out
 
     # ------------------------------------------------------------------ prefill

@@ -66,6 +66,8 @@ def paged_decode_kernel(
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     ctx = tl.load(LENS + b).to(tl.int32)
+    if (sp > 0) & (sp * SPLIT_KEYS >= ctx):
+        return                          # past the row's keys: the merge reads only the row's splits
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kvh * GROUP + offs_g
@@ -98,21 +100,25 @@ def paged_decode_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def decode_merge_kernel(
-    OP, LSE, O, num_splits,
+    OP, LSE, O, LENS, num_splits,
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_KEYS: tl.constexpr,
 ):
-    """Combine the NS partial outputs of one (row, head): weights 2^(lse_s - max lse)."""
+    """Combine the partial outputs of one (row, head) over the row's own splits (split 0 always,
+    then one per SPLIT_KEYS keys): weights 2^(lse_s - max lse). Splits past the row's keys were
+    neither written nor read (before: all num_splits of the bucket, each written empty)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
+    ctx = tl.load(LENS + b).to(tl.int32)
+    ns = tl.minimum(tl.maximum(1, tl.cdiv(ctx, SPLIT_KEYS)), num_splits)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    smask = offs_s < num_splits
+    smask = offs_s < ns
     lse = tl.load(LSE + b * stride_lb + h * stride_lh + offs_s, mask=smask, other=float("-inf"))
     m = tl.max(lse, 0)
-    w = tl.exp2(lse - m)                                   # empty splits: lse = -inf -> 0
+    w = tl.exp2(lse - m)                                   # an empty split 0: lse = -inf -> 0
     w = tl.where(smask, w, 0.0)
     o = tl.load(OP + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
                 mask=smask[:, None], other=0.0)
