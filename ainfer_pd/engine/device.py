@@ -2,7 +2,10 @@
 
 * :class:`CudaDevice` - real CUDA streams. Each stream has one launcher thread that
   enqueues kernels under ``torch.cuda.stream(s)`` (so launches never block the event
-  loop) and records CUDA events; completion is awaited by polling ``event.query()``.
+  loop) and records CUDA events; completion is awaited on a waiter thread blocked in the
+  event's synchronize, which wakes the loop at once (before: polling ``event.query()`` every
+  0.2 ms, which the loop's millisecond timers made ~1 ms: a D iteration of one row at 5K
+  context took 6.3 ms from launch to completion for 5.0 ms of graph).
 * :class:`CpuDevice` - a **CPU stand-in** for a GPU, named as such. Each stream is a
   FIFO executor thread; ``submit`` only enqueues. A device-wide *residency* semaphore
   of N slots is held by every running item, the way kernels hold SMs; a collective
@@ -56,8 +59,8 @@ class Work:
         """Wait for completion without blocking the event loop; returns fn's result."""
         result = await asyncio.wrap_future(self._future)
         if self._event is not None:
-            while not self._event.query():
-                await asyncio.sleep(0.0002)
+            if not self._event.query():
+                await self.stream.device.wait_event(self._event)
             self.stream.device._note_completed(self)
         return result
 
@@ -165,6 +168,9 @@ class Device:
 
     def _note_completed(self, work: Work) -> None:  # pragma: no cover - CUDA only
         pass
+
+    async def wait_event(self, event) -> None:  # pragma: no cover - CUDA only
+        raise NotImplementedError
 
     @contextlib.contextmanager
     def comm_budget(self):
@@ -276,6 +282,16 @@ class CudaDevice(Device):
         self._ref_event.record()
         torch.cuda.synchronize()
         self._ref_host = recorder.now()
+        # one waiter per item in flight (P and D each have at most a few); synchronize releases the GIL
+        self._waiters = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="ainfer-cuda-wait")
+
+    async def wait_event(self, event) -> None:
+        """Until ``event`` has completed, without blocking the loop (a waiter thread blocks)."""
+        await asyncio.get_running_loop().run_in_executor(self._waiters, event.synchronize)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._waiters.shutdown(wait=True)
 
     @property
     def torch_device(self) -> torch.device:
