@@ -325,13 +325,23 @@ def run(args: argparse.Namespace) -> int:
 
 def merge(args: argparse.Namespace) -> int:
     parts = [json.loads(Path(p).read_text()) for p in args.parts]
-    rows = [{**r, "commit": p["commit"]} for p in parts for r in p["rows"]]   # each row keeps its part's commit
+    # each row keeps its part's commit; a later part's row of the same (cell, policy, priority,
+    # span, variant) supersedes an earlier one (a re-measure after a data-path change)
+    by_key: dict[tuple, dict[str, Any]] = {}
+    superseded = []
+    for p in parts:
+        for r in p["rows"]:
+            key = tuple(r.get(k) for k in ("cell", "policy", "priority", "span", "variant"))
+            if key in by_key:
+                superseded.append({**by_key.pop(key), "superseded_by": p["commit"]})
+            by_key[key] = {**r, "commit": p["commit"]}
+    rows = list(by_key.values())
     commits = sorted({p["commit"] for p in parts})
     doc = {"commit": commits[0] if len(commits) == 1 else commits, "config": sorted({p["config"] for p in parts}),
            "machine": parts[0]["machine"] if parts else None,
            "parts": [{k: p.get(k) for k in ("part", "commit", "command", "rc", "wall_s", "workload", "source")}
                      for p in parts],
-           "rows": rows, "targets": targets(rows)}
+           "rows": rows, "targets": targets(rows), "superseded": superseded}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1))
     _print(doc)

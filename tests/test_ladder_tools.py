@@ -102,3 +102,18 @@ def test_merge_keeps_each_row_s_commit(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["commit"] == ["aaa", "bbb"] and [r["commit"] for r in doc["rows"]] == ["aaa", "bbb"]
     assert [p["commit"] for p in doc["parts"]] == ["aaa", "bbb"]
+
+
+def test_merge_a_later_part_supersedes_the_same_row(tmp_path):
+    a = {"commit": "aaa", "config": "c", "machine": "m", "part": "old", "command": "x", "rc": 0, "wall_s": 1,
+         "workload": None, "rows": [_row("trace", "normal", "fifo", makespan=53.0), _row("P1", "normal", "fifo")]}
+    b = {**a, "commit": "bbb", "part": "new", "rows": [_row("trace", "normal", "fifo", makespan=51.0)]}
+    for d in (a, b):
+        (tmp_path / f"{d['part']}.json").write_text(json.dumps(d))
+    out = tmp_path / "latest.json"
+    assert ladder.main(["merge", str(tmp_path / "old.json"), str(tmp_path / "new.json"), "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    trace = [r for r in doc["rows"] if r["cell"] == "trace"]
+    assert len(trace) == 1 and trace[0]["commit"] == "bbb" and trace[0]["makespan_s"]["median"] == 51.0
+    assert [r["cell"] for r in doc["rows"]].count("P1") == 1
+    assert [(r["commit"], r["superseded_by"]) for r in doc["superseded"]] == [("aaa", "bbb")]
