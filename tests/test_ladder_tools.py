@@ -91,28 +91,27 @@ def test_the_span_targets_judge_auto_and_the_ladder_s_measured_span_against_the_
     assert t["P1: span measured (critical-path) / best fixed span makespan"]["met"]
 
 
-def test_merge_keeps_each_row_s_commit(tmp_path):
-    a = {"commit": "aaa", "config": "c", "machine": "m", "part": "p1", "command": "x", "rc": 0, "wall_s": 1,
-         "workload": None, "rows": [_row("P1", "normal", "fifo")]}
-    b = {**a, "commit": "bbb", "part": "p1-b", "rows": [_row("P1", "fine-grained", "critical-path", makespan=30.0)]}
+def _merged(tmp_path, rows_a: list, rows_b: list) -> dict:
+    """``ladder.py merge`` of part a (commit aaa) then part b (commit bbb); the merged document."""
+    a = {"commit": "aaa", "config": "c", "machine": "m", "part": "a", "command": "x", "rc": 0, "wall_s": 1,
+         "workload": None, "rows": rows_a}
+    b = {**a, "commit": "bbb", "part": "b", "rows": rows_b}
     for d in (a, b):
         (tmp_path / f"{d['part']}.json").write_text(json.dumps(d))
     out = tmp_path / "latest.json"
-    assert ladder.main(["merge", str(tmp_path / "p1.json"), str(tmp_path / "p1-b.json"), "--out", str(out)]) == 0
-    doc = json.loads(out.read_text())
+    assert ladder.main(["merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_merge_keeps_each_row_s_commit(tmp_path):
+    doc = _merged(tmp_path, [_row("P1", "normal", "fifo")], [_row("P1", "fine-grained", "critical-path", makespan=30.0)])
     assert doc["commit"] == ["aaa", "bbb"] and [r["commit"] for r in doc["rows"]] == ["aaa", "bbb"]
     assert [p["commit"] for p in doc["parts"]] == ["aaa", "bbb"]
 
 
 def test_merge_a_later_part_supersedes_the_same_row(tmp_path):
-    a = {"commit": "aaa", "config": "c", "machine": "m", "part": "old", "command": "x", "rc": 0, "wall_s": 1,
-         "workload": None, "rows": [_row("trace", "normal", "fifo", makespan=53.0), _row("P1", "normal", "fifo")]}
-    b = {**a, "commit": "bbb", "part": "new", "rows": [_row("trace", "normal", "fifo", makespan=51.0)]}
-    for d in (a, b):
-        (tmp_path / f"{d['part']}.json").write_text(json.dumps(d))
-    out = tmp_path / "latest.json"
-    assert ladder.main(["merge", str(tmp_path / "old.json"), str(tmp_path / "new.json"), "--out", str(out)]) == 0
-    doc = json.loads(out.read_text())
+    doc = _merged(tmp_path, [_row("trace", "normal", "fifo", makespan=53.0), _row("P1", "normal", "fifo")],
+                  [_row("trace", "normal", "fifo", makespan=51.0)])
     trace = [r for r in doc["rows"] if r["cell"] == "trace"]
     assert len(trace) == 1 and trace[0]["commit"] == "bbb" and trace[0]["makespan_s"]["median"] == 51.0
     assert [r["cell"] for r in doc["rows"]].count("P1") == 1
