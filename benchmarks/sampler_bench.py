@@ -40,7 +40,7 @@ def main() -> None:
         cells = []
         for B in (int(b) for b in a.batches.split(",")):
             logits = torch.randn(B, a.vocab, device=dev) * 3
-            hist = list(range(0, 4000, 7))
+            hist = list(range(0, min(4000, a.vocab), 7))
             rows = [SampleRow(p, sample_seed(p, i), 0, hist if p.repetition_penalty != 1.0 else None) for i in range(B)]
             ts = []
             for step in range(a.reps + 2):
