@@ -5,7 +5,8 @@ This bench runs B greedy requests of ``--ctx`` prompt tokens and ``--tokens`` ne
 real worker (policy normal, CUDA graphs), and prints per B:
 
 * ``tok_ms``: the decode wall time per generated token of a request (its latency minus its first
-  token, over its tokens after the first), median over the B requests;
+  token, over its tokens after the first), median over the B requests (their prompts were
+  prefilled before: see :func:`one`);
 * the engine's own split of a D iteration: ``iter`` (launch to completion, as the host sees it),
   ``build`` (the batch on the host), ``post`` (sampling and bookkeeping), ``wait`` (ready to launch);
 * ``graph_ms``: the replay of the bucket's captured graph alone, back to back (device time);
@@ -51,20 +52,25 @@ def graph_ms(runner, B: int, L: int, reps: int = 50) -> float:
 
 
 async def one(w: RolloutWorker, B: int, ctx: int, tokens: int) -> dict:
-    """B requests of ``ctx`` random prompt tokens decoding ``tokens`` each, all submitted at once."""
+    """B trajectories of ``ctx`` random prompt tokens are prefilled first (one token each, not
+    measured); then all B continue with one observation token and decode ``tokens`` each,
+    submitted at once: the measured D iterations have a single small P epoch (B tokens) beside
+    them, not the B long prompts."""
     rng = random.Random(B)
     V = w.cfg.model.vocab_size
+    first = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
     sp = SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True)
     runner = w.engine.runner
+    pre = await asyncio.gather(*(w.generate([rng.randrange(2, V) for _ in range(ctx)], first) for _ in range(B)))
     m0 = w.metrics()
     replays0 = runner.graphs.num_replays if runner.graphs is not None else 0
-    outs = await asyncio.gather(*(w.generate([rng.randrange(2, V) for _ in range(ctx)], sp) for _ in range(B)))
+    outs = await asyncio.gather(*(w.continue_(o.trajectory_id, [rng.randrange(2, V)], sp) for o in pre))
     m = w.metrics()
     replays = (runner.graphs.num_replays if runner.graphs is not None else 0) - replays0
     for o in outs:
         await w.release(o.trajectory_id)
     tok_ms = statistics.median((o.latency_s - o.ttft_s) / max(1, len(o.token_ids) - 1) * 1e3 for o in outs)
-    g_ms = graph_ms(runner, B, ctx + tokens)
+    g_ms = graph_ms(runner, B, ctx + 2 + tokens)
     split = {k: round(_mean_ms(m, m0, f"d_{k}_s"), 3) for k in ("iter", "build", "post", "wait")}
     return {"B": B, "ctx": ctx, "tokens": tokens, "tok_ms": round(tok_ms, 3), **{f"{k}_ms": v for k, v in split.items()},
             "graph_ms": round(g_ms, 3), "host_share": round(1 - g_ms / tok_ms, 3),
