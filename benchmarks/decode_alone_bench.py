@@ -22,12 +22,16 @@ import json
 import random
 import statistics
 import sys
-import time
+from pathlib import Path
 
 import torch
 
-from ainfer_pd import RolloutWorker, SamplingParams, WorkerConfig
-from ainfer_pd.cli import load_config
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _cuda_timing import cuda_time_s  # noqa: E402
+
+from ainfer_pd import RolloutWorker, SamplingParams  # noqa: E402
+from ainfer_pd.cli import load_config  # noqa: E402
 
 
 def _mean_ms(m: dict, m0: dict, key: str) -> float:
@@ -37,18 +41,12 @@ def _mean_ms(m: dict, m0: dict, key: str) -> float:
 
 
 def graph_ms(runner, B: int, L: int, reps: int = 50) -> float:
+    """Device ms of one replay of the graph bucket that fits (B, L), back to back; NaN if none."""
     graphs = runner.graphs
     key = None if graphs is None else graphs.bucket(B, L)
     if key is None or key not in graphs.graphs:
         return float("nan")
-    g = graphs.graphs[key][0]
-    g.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        g.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps * 1e3
+    return cuda_time_s(graphs.graphs[key][0].replay, reps) * 1e3
 
 
 async def one(w: RolloutWorker, B: int, ctx: int, tokens: int) -> dict:

@@ -60,8 +60,7 @@ def main() -> None:
                 print(f"  {t:9.1f} us {e.count:5d} x {t / max(1, e.count):7.2f} us  {e.key[:110]}", flush=True)
             if a.out:
                 Path(a.out).mkdir(parents=True, exist_ok=True)
-                (Path(a.out) / f"decode_profile_b{B}.txt").write_text(prof.key_averages().table(
-                    sort_by=key.replace("self_", "self_"), row_limit=60))
+                (Path(a.out) / f"decode_profile_b{B}.txt").write_text(ev.table(sort_by=key, row_limit=60))
 
 
 if __name__ == "__main__":
