@@ -109,8 +109,8 @@ class MuxConfig:
     (below it a P epoch runs as under ``normal``: no rendezvous, no segmenting)."""
     activation_cooldown_s: float = 0.05
     """Multiplexing stays on this long after concurrent P disappears."""
-    activation_cost: str = "off"
-    """off | measured. ``measured``: an epoch the activation lets through runs gated only while
+    activation_cost: str = "none"
+    """none | measured. ``measured``: an epoch the activation lets through runs gated only while
     the decode rows it frees outnumber the waiting turns times P's measured slowdown beside D,
     less one (``sched.span.multiplexing_pays``); else exclusively, as under normal (a burst of
     first turns against a few rows: their first tokens are not stretched for little D gain)."""

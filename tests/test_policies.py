@@ -87,9 +87,9 @@ def test_epoch_mode_is_a_pure_table_of_the_policies():
         epoch_mode("fastest", True, True)
 
 
-@pytest.mark.parametrize("cost", ["off", "measured"])
+@pytest.mark.parametrize("cost", ["none", "measured"])
 def test_activation_cost_runs_a_burst_of_first_turns_beside_few_rows_exclusively(cost):
-    """Two rows decode; a burst of 12 first turns arrives. off: every epoch beside the rows is
+    """Two rows decode; a burst of 12 first turns arrives. none: every epoch beside the rows is
     gated. measured (initial slowdown 2): 2 rows < 12 turns x (2 - 1), so the burst's epochs are
     declined and run exclusively; the greedy outputs do not change."""
     from ainfer_pd import SamplingParams
@@ -114,7 +114,7 @@ def test_activation_cost_runs_a_burst_of_first_turns_beside_few_rows_exclusively
     outs, m = asyncio.run(run())
     ref, _ = asyncio.run(_reference_outputs())
     assert outs == ref
-    if cost == "off":
+    if cost == "none":
         assert m.get("activation_declined", 0) == 0 and m.get("rendezvous", 0) > 0
     else:
         assert m["activation_declined"] > 0

@@ -192,3 +192,14 @@ def test_the_slowdown_meter_is_gated_over_exclusive_time_per_token():
     assert m.value == 1.0
     with pytest.raises(ConfigError):
         SlowdownMeter(initial=0.5)
+
+
+def test_activation_cost_is_a_checked_config_choice():
+    from ainfer_pd.cli import load_config
+    from ainfer_pd.errors import ConfigError
+    assert load_config("configs/tiny-cpu.yaml").mux.activation_cost == "none"
+    assert load_config("configs/tiny-cpu.yaml", ["mux.activation_cost=measured"]).mux.activation_cost == "measured"
+    assert load_config("configs/tiny-cpu.yaml", ["mux.activation_cost=none"]).mux.activation_cost == "none"
+    for bad in ("mux.activation_cost=off", "mux.activation_cost=always"):   # off: YAML's false
+        with pytest.raises(ConfigError, match="activation_cost"):
+            load_config("configs/tiny-cpu.yaml", [bad])

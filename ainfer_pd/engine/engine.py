@@ -216,9 +216,9 @@ class Engine:
         return on and self._mux_pays(rows, len(self.book.waiting), self.slowdown.value)
 
     def _mux_pays(self, rows: int, turns: int, slowdown: float) -> bool:
-        """``mux.activation_cost``: off -> True; measured -> :func:`multiplexing_pays` (every rank
+        """``mux.activation_cost``: none -> True; measured -> :func:`multiplexing_pays` (every rank
         passes the same agreed inputs); an epoch it declines runs exclusively."""
-        if self.cfg.mux.activation_cost == "off":
+        if self.cfg.mux.activation_cost == "none":
             return True
         pays = multiplexing_pays(rows, turns, slowdown)
         if not pays:

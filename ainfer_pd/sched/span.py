@@ -240,9 +240,10 @@ def make_activation(mux_cfg) -> Activation:
 
 
 # ---------------------------------------------------------------- the cost of gating one epoch
-ACTIVATION_COSTS = ("off", "measured")
-"""``mux.activation_cost``: ``off`` gates every epoch the activation lets through; ``measured``
-gates one only while :func:`multiplexing_pays` at P's measured slowdown."""
+ACTIVATION_COSTS = ("none", "measured")
+"""``mux.activation_cost``: ``none`` gates every epoch the activation lets through; ``measured``
+gates one only while :func:`multiplexing_pays` at P's measured slowdown. (``none``, not ``off``:
+YAML reads a bare ``off`` as false.)"""
 
 
 def multiplexing_pays(num_d_rows: int, num_turns: int, slowdown: float) -> bool:
