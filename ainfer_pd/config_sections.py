@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from .comm.ordering import ORDERINGS  # (its one home)
 from .config_checks import check_positive
 from .errors import ConfigError, TopologyError
-from .sched.span import FIXED_SPANS, MAX_SPAN, MIN_SPAN  # (their one home)
+from .sched.span import ACTIVATION_COSTS, FIXED_SPANS, MAX_SPAN, MIN_SPAN  # (their one home)
 
 POLICIES = ("normal", "global-complete", "global-enqueue", "fine-grained", "mixed-chunked")
 EXPERT_BACKENDS = ("local", "torch", "deepep")
@@ -109,6 +109,11 @@ class MuxConfig:
     (below it a P epoch runs as under ``normal``: no rendezvous, no segmenting)."""
     activation_cooldown_s: float = 0.05
     """Multiplexing stays on this long after concurrent P disappears."""
+    activation_cost: str = "none"
+    """none | measured. ``measured``: an epoch the activation lets through runs gated only while
+    the decode rows it frees outnumber the waiting turns times P's measured slowdown beside D,
+    less one (``sched.span.multiplexing_pays``); else exclusively, as under normal (a burst of
+    first turns against a few rows: their first tokens are not stretched for little D gain)."""
     p_host_pacing: str = "auto"
     """When P's host waits for its device inside an epoch. ``layer``: after every attention
     segment (the receive counts of expert parallelism need it); ``epoch``: only at the epoch's
@@ -130,6 +135,8 @@ class MuxConfig:
             raise ConfigError(f"mux.max_span must be an integer in {MIN_SPAN}..{MAX_SPAN}")
         if self.activation_cooldown_s < 0:
             raise ConfigError("mux.activation_cooldown_s must be >= 0")
+        if self.activation_cost not in ACTIVATION_COSTS:
+            raise ConfigError(f"mux.activation_cost={self.activation_cost!r}: expected one of {ACTIVATION_COSTS}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -35,7 +35,7 @@ from ainfer_pd.config import WorkerConfig  # noqa: E402
 from ainfer_pd.engine.attention import (DecodeMeta, ForwardBatch, PrefillSeq, TorchAttention,  # noqa: E402
                                         paged_attention)
 from ainfer_pd.engine.attention.triton_backend import TritonAttention  # noqa: E402
-from ainfer_pd.engine.fused_moe import fused_experts  # noqa: E402
+from ainfer_pd.engine.fused_moe import fused_experts, fused_softmax_route  # noqa: E402
 from ainfer_pd.engine.kv_cache import KVCacheManager  # noqa: E402
 from ainfer_pd.engine.moe import Routing, experts_local, route  # noqa: E402
 from ainfer_pd.engine.runner import ModelRunner  # noqa: E402
@@ -201,6 +201,14 @@ def kernel_checks() -> None:
             e = rel_err(out, d)
             bound = tol if dtype == torch.float32 else min(tol, 2 * e_ref + 1e-3)
             check(f"moe_T{T}_{dn}", e <= bound, f"rel err {e:.2e} (torch path {e_ref:.2e}, bound {bound:.1e})")
+            # the fused softmax router against the torch router (bf16 logits can tie exactly: the
+            # fused kernel takes the lowest expert id, torch.topk any of them)
+            fr = fused_softmax_route(x, rw, k)
+            same = float((fr.topk_idx == r.topk_idx).all(dim=1).float().mean())
+            werr = float((fr.topk_weights.float() - r.topk_weights.float()).abs().max())
+            fp32 = dtype == torch.float32
+            ok = same >= (1.0 if fp32 else 0.99) and werr <= (1e-5 if fp32 else 1e-2) and int(fr.counts.sum()) == T * k
+            check(f"router_T{T}_{dn}", ok, f"same top-k for {same:.3f} of tokens, weights max err {werr:.1e}")
         del w13, w2
     torch.cuda.empty_cache()
 

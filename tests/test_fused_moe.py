@@ -68,3 +68,34 @@ def test_fused_is_batch_invariant():
     full = fused_experts(x, route(x, rw, k), w13, w2)
     part = fused_experts(x[5:9], route(x[5:9], rw, k), w13, w2)
     assert torch.equal(full[5:9], part)
+
+
+@pytest.mark.parametrize("T,E,k,norm", [(1, 128, 8, True), (37, 128, 8, True), (5, 60, 4, False), (9, 16, 1, True),
+                                        (0, 8, 2, True)])
+def test_fused_softmax_router_equals_the_torch_router(T, E, k, norm):
+    """The one-launch softmax top-k (``fused_softmax_route``) against ``engine.routing.route``:
+    the same experts in the same (descending) order, the same weights and receive counts."""
+    from ainfer_pd.engine.fused_moe import fused_softmax_route
+    from ainfer_pd.engine.routing import RouterSpec
+    from ainfer_pd.engine.routing import route as torch_route
+    D = 64
+    g = torch.Generator().manual_seed(T * 31 + E)
+    x = torch.randn(T, D, generator=g)
+    rw = torch.randn(E, D, generator=g)
+    ref = torch_route(x, rw, RouterSpec("softmax", k, norm_topk_prob=norm))
+    got = fused_softmax_route(x, rw, k, norm)
+    assert torch.equal(got.topk_idx, ref.topk_idx)
+    assert torch.allclose(got.topk_weights, ref.topk_weights, rtol=1e-5, atol=1e-7)
+    assert torch.equal(got.counts, ref.counts) and got.counts.dtype == torch.int64
+    if T:
+        assert torch.equal(got.order, ref.order)
+
+
+def test_fused_softmax_router_breaks_exact_ties_by_the_lowest_expert_id():
+    from ainfer_pd.engine.fused_moe import fused_softmax_route
+    E, D = 16, 8
+    rw = torch.zeros(E, D)
+    rw[3] = rw[9] = rw[12] = 1.0                  # experts 3, 9 and 12 score exactly alike
+    got = fused_softmax_route(torch.ones(2, D), rw, 2)
+    assert got.topk_idx.tolist() == [[3, 9], [3, 9]]
+    assert torch.allclose(got.topk_weights, torch.full((2, 2), 0.5))

@@ -38,16 +38,16 @@ async def _drive(worker, plans):
     return [t.result() for t in tasks]
 
 
-async def _rank_main(rank, world_size, policy, plans):
+async def _rank_main(rank, world_size, policy, plans, extra=None):
     cfg = tiny_cfg(**{"parallel.world_size": world_size, "parallel.attn_dp": world_size,
                       "parallel.expert_parallel": world_size, "parallel.expert_backend": "torch",
-                      "parallel.rendezvous_timeout_s": 60.0, "scheduler.policy": policy})
+                      "parallel.rendezvous_timeout_s": 60.0, "scheduler.policy": policy, **(extra or {})})
     mine = plans[rank::world_size]
     async with RolloutWorker(cfg) as w:
         outs = await _drive(w, mine)
         m = w.metrics()
         leak_free = w.kv_leak_free() and w.engine.kv.num_free_blocks == cfg.cache.num_blocks
-    return outs, leak_free, m.get("rendezvous", 0), m["num_epochs"]
+    return outs, leak_free, m.get("rendezvous", 0), m["num_epochs"], m.get("activation_declined", 0)
 
 
 async def _single(plans, policy):
@@ -55,14 +55,19 @@ async def _single(plans, policy):
         return await _drive(w, plans)
 
 
-@pytest.mark.parametrize("world_size,policy", [(2, "fine-grained"), (4, "fine-grained"), (2, "normal"),
-                                               (2, "global-enqueue")])
-def test_expert_parallel_greedy_outputs_equal_the_single_rank_run(world_size, policy):
+@pytest.mark.parametrize("world_size,policy,extra", [
+    (2, "fine-grained", None), (4, "fine-grained", None), (2, "normal", None), (2, "global-enqueue", None),
+    (2, "fine-grained", {"mux.activation_cost": "measured", "mux.activation_threshold": 1})],
+    ids=["2-fine-grained", "4-fine-grained", "2-normal", "2-global-enqueue", "2-fine-grained-cost-measured"])
+def test_expert_parallel_greedy_outputs_equal_the_single_rank_run(world_size, policy, extra):
     plans = _plans(8, seed=11)
     ref = asyncio.run(_single(plans, "normal"))
-    res = run_ranks(_rank_main, world_size, policy, plans, timeout_s=240)
+    res = run_ranks(_rank_main, world_size, policy, plans, extra, timeout_s=240)
     got = [None] * len(plans)
-    for r, (outs, leak_free, rdv, epochs) in enumerate(res):
+    declined = [r[4] for r in res]
+    assert len(set(declined)) == 1          # every rank declines the same epochs (agreed inputs)
+    assert (declined[0] > 0) == bool(extra)  # the first turns' burst beside few rows is declined
+    for r, (outs, leak_free, rdv, epochs, _) in enumerate(res):
         assert leak_free
         assert epochs > 0
         for j, o in enumerate(outs):

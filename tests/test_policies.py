@@ -1,5 +1,6 @@
 """The policy ladder on the tiny model: D wait order, makespan, identical outputs, activation."""
 import asyncio
+import random
 import time
 
 import pytest
@@ -60,6 +61,8 @@ def test_decode_only_workload_adds_no_rendezvous_and_no_segmenting(tmp_path):
     events = (tmp_path / "rank0.jsonl").read_text()
     assert '"ev": "publish"' not in events and '"ev": "p_permit"' not in events
     assert '"gated": true' not in events
+    # D iterations with no P epoch beside them: the optimistic bound's chain counts one per token
+    assert 0 < m["d_iter_alone_s"] <= m["d_iter_s_mean"] and m["d_iter_alone_s_count"] <= m["d_iter_s_count"]
 
 
 # ---------------------------------------------------------------- policies as data (issue 14)
@@ -82,3 +85,48 @@ def test_epoch_mode_is_a_pure_table_of_the_policies():
         assert not m.gated and not m.exclusive
     with pytest.raises(ConfigError):
         epoch_mode("fastest", True, True)
+
+
+@pytest.mark.parametrize("cost", ["none", "measured"])
+def test_activation_cost_runs_a_burst_of_first_turns_beside_few_rows_exclusively(cost):
+    """Two rows decode; a burst of 12 first turns arrives. none: every epoch beside the rows is
+    gated. measured (initial slowdown 2): 2 rows < 12 turns x (2 - 1), so the burst's epochs are
+    declined and run exclusively; the greedy outputs do not change."""
+    from ainfer_pd import SamplingParams
+    from tests.conftest import rand_ids
+
+    async def run():
+        cfg = tiny_cfg(**{"scheduler.policy": "fine-grained", "mux.activation_threshold": 1,
+                          "mux.activation_cost": cost, "scheduler.max_prefill_tokens": 256})
+        rng = random.Random(4)
+        async with RolloutWorker(cfg) as w:
+            sp = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
+            longs = [asyncio.create_task(w.generate(rand_ids(rng, 16), sp)) for _ in range(2)]
+            while len(w.engine.book.decoding) < 2:
+                await asyncio.sleep(0.005)
+            burst = [asyncio.create_task(w.generate(rand_ids(rng, 120), SamplingParams(max_new_tokens=4, temperature=0.0)))
+                     for _ in range(12)]
+            outs = [o.token_ids for o in await asyncio.gather(*longs, *burst)]
+            m = w.metrics()
+            assert w.kv_leak_free()
+        return outs, m
+
+    outs, m = asyncio.run(run())
+    ref, _ = asyncio.run(_reference_outputs())
+    assert outs == ref
+    if cost == "none":
+        assert m.get("activation_declined", 0) == 0 and m.get("rendezvous", 0) > 0
+    else:
+        assert m["activation_declined"] > 0
+
+
+async def _reference_outputs():
+    from ainfer_pd import SamplingParams
+    from tests.conftest import rand_ids
+    rng = random.Random(4)
+    async with RolloutWorker(tiny_cfg(**{"scheduler.policy": "normal"})) as w:
+        sp = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
+        prompts = [rand_ids(rng, 16) for _ in range(2)] + [rand_ids(rng, 120) for _ in range(12)]
+        outs = [(await w.generate(p, sp if i < 2 else SamplingParams(max_new_tokens=4, temperature=0.0))).token_ids
+                for i, p in enumerate(prompts)]
+    return outs, None

@@ -164,3 +164,42 @@ def test_measured_span_config_and_bounds():
     for bad in ({"mux.max_span": 65}, {"mux.max_span": 0}, {"mux.measured_share": 0.0}):
         with pytest.raises(ConfigError):
             tiny_cfg(**{"mux.span": "measured", **bad})
+
+
+# ---------------------------------------------------------------- mux.activation_cost (pure)
+def test_multiplexing_pays_when_the_rows_freed_outnumber_the_turns_it_delays():
+    from ainfer_pd.sched.span import multiplexing_pays
+    assert multiplexing_pays(64, 4, 2.0)            # a few continuations beside a full batch
+    assert not multiplexing_pays(2, 40, 2.0)        # a burst of first turns beside two rows
+    assert not multiplexing_pays(10, 10, 2.0) and multiplexing_pays(11, 10, 2.0)   # the edge
+    assert multiplexing_pays(1, 1000, 1.0)          # P not slowed at all: gating always pays
+    assert not multiplexing_pays(0, 1, 1.0)         # no rows: nothing to free
+    assert multiplexing_pays(5, 100, 0.5)           # a slowdown below 1 counts as 1
+
+
+def test_the_slowdown_meter_is_gated_over_exclusive_time_per_token():
+    from ainfer_pd.errors import ConfigError
+    from ainfer_pd.sched.span import SlowdownMeter
+    m = SlowdownMeter(initial=2.0, alpha=1.0)
+    assert m.value == 2.0
+    m.observe(False, 0.1, 1000)                     # exclusive: 0.1 ms a token
+    assert m.value == 2.0                           # until a gated epoch is seen too
+    m.observe(True, 0.3, 1000)                      # gated: 0.3 ms a token
+    assert m.value == pytest.approx(3.0)
+    m.observe(True, 0.05, 1000)                     # faster than exclusive: clamped to 1
+    assert m.value == 1.0
+    m.observe(True, 1.0, 0)                         # an epoch without tokens is ignored
+    assert m.value == 1.0
+    with pytest.raises(ConfigError):
+        SlowdownMeter(initial=0.5)
+
+
+def test_activation_cost_is_a_checked_config_choice():
+    from ainfer_pd.cli import load_config
+    from ainfer_pd.errors import ConfigError
+    assert load_config("configs/tiny-cpu.yaml").mux.activation_cost == "none"
+    assert load_config("configs/tiny-cpu.yaml", ["mux.activation_cost=measured"]).mux.activation_cost == "measured"
+    assert load_config("configs/tiny-cpu.yaml", ["mux.activation_cost=none"]).mux.activation_cost == "none"
+    for bad in ("mux.activation_cost=off", "mux.activation_cost=always"):   # off: YAML's false
+        with pytest.raises(ConfigError, match="activation_cost"):
+            load_config("configs/tiny-cpu.yaml", [bad])

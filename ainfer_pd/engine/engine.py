@@ -26,10 +26,11 @@ from ..config import WorkerConfig
 from ..errors import AInferPDError, EpochFailedError
 from ..faults import Faults, FaultyRendezvous
 from ..metrics.recorder import Recorder
+from ..metrics.report import percentile
 from ..phase import Phase, PhaseContext
 from ..sched.epoch_mode import EpochMode, epoch_mode, policy_traits
 from ..sched.planner import plan_decode, plan_prefill
-from ..sched.span import Activation, SpanInputs, make_span_policy
+from ..sched.span import Activation, SlowdownMeter, SpanInputs, make_span_policy, multiplexing_pays
 from ..turnstile.rendezvous import LocalRendezvous
 from ..turnstile.turnstile import Turnstile
 from .device import Device, make_device
@@ -84,6 +85,7 @@ class Engine:
         self._p_boundary_ema = 0.0      # seconds of P per safe boundary
         self.activation = Activation(threshold=cfg.mux.activation_threshold,
                                      cooldown_s=cfg.mux.activation_cooldown_s)
+        self.slowdown = SlowdownMeter()     # P's gated over exclusive time per token (mux.activation_cost)
         if self.device.kind == "cuda" and dc.cuda_graphs:
             # captured on the D stream's own thread so the graphs bind D-owned state
             self.decode_ctx.stream.submit(self.runner.capture_decode_graphs, self.decode_ctx,
@@ -208,7 +210,20 @@ class Engine:
 
     def _mux_active(self, work) -> bool:
         tokens = sum(n for _, _, n in work) + sum(t.remaining_prompt for t in self.book.waiting)
-        return self.activation.update(self.rec.now(), tokens, len(self.book.decoding))
+        rows = len(self.book.decoding)
+        on = self.activation.update(self.rec.now(), tokens, rows)
+        # the epoch's turns are still in `waiting` (they leave it when their first token comes)
+        return on and self._mux_pays(rows, len(self.book.waiting), self.slowdown.value)
+
+    def _mux_pays(self, rows: int, turns: int, slowdown: float) -> bool:
+        """``mux.activation_cost``: none -> True; measured -> :func:`multiplexing_pays` (every rank
+        passes the same agreed inputs); an epoch it declines runs exclusively."""
+        if self.cfg.mux.activation_cost == "none":
+            return True
+        pays = multiplexing_pays(rows, turns, slowdown)
+        if not pays:
+            self.rec.count("activation_declined")
+        return pays
 
     async def _run_epoch(self, epoch: int, work: list[tuple[Turn, int, int]], mode: EpochMode, *,
                          d_enqueued: bool, entered: asyncio.Event | None = None, plan: BatchPlan | None = None) -> None:
@@ -264,6 +279,7 @@ class Engine:
             self._notify()
         self.rec.event("p_epoch_done", epoch=epoch)
         self.rec.sample("p_epoch_s", self.rec.now() - t_start)
+        self.slowdown.observe(mux, self.rec.now() - t_start, plan.num_tokens)
         self.rec.sample("p_epoch_tokens", plan.num_tokens)
         self.book.finish_prefill(plan, logits)
 
@@ -352,6 +368,8 @@ class Engine:
         t_done = self.rec.now()
         self._d_iter_ema = self._ema(self._d_iter_ema, t_done - t_launch)
         self.rec.sample("d_iter_s", t_done - t_launch)
+        if not self._p_running:
+            self.rec.sample("d_iter_alone_s", t_done - t_launch)       # no P epoch beside it
         self.book.finish_decode(plan, logits)
         self.book.drain_cleanups()
         self.rec.sample("d_post_s", self.rec.now() - t_done)
@@ -392,9 +410,13 @@ class Engine:
         m.update(self.book.metrics())
         m.update({
             "activation_switches": self.activation.switches,
+            "p_gated_slowdown": self.slowdown.value,
             "d_wait_s_samples": list(self.rec.samples.get("d_wait_s", [])),
             "ttft_s_samples": list(self.rec.samples.get("ttft_s", [])),
         })
+        alone = self.rec.samples.get("d_iter_alone_s")
+        if alone:      # the optimistic bound's chain (metrics.report.chain_lower_bound): a fast D iteration alone
+            m["d_iter_alone_s"] = percentile(alone, 10)
         return m
 
     def shutdown(self) -> None:
@@ -403,3 +425,4 @@ class Engine:
         self.device.shutdown()
         if self.device.kind == "cuda":
             self.runner.release_cuda()
+

@@ -135,6 +135,9 @@ class MoETransformer(nn.Module):
         self.lm_head = self.embed if c.tie_word_embeddings else nn.Parameter(torch.empty(c.vocab_size, c.hidden_size))
         self.attn_backend: AttentionBackend | None = None   # None: the torch reference path
         self.expert_kernel: Callable[[Tensor, Routing, Tensor, Tensor], Tensor] = experts_local
+        self.route_kernel: Callable[[Tensor, Tensor, int, bool], Routing] | None = None
+        """A fused softmax router (``fused_moe.fused_softmax_route``, set with the Triton MoE
+        backend); None: ``engine.routing.route``."""
         self.routing_sink = None
         """:class:`~ainfer_pd.engine.routed_experts.RoutedExpertsCache` recording every fed token's
         top-k expert ids (routing replay, ``cache.routed_experts``); None: nothing recorded."""
@@ -227,7 +230,10 @@ class MoETransformer(nn.Module):
     def route_rows(self, i: int, xn: Tensor) -> Routing:
         """The router of layer i's MoE over any rows xn [N, D] (e.g. every replica's, gathered)."""
         lyr = self.layers[i]
-        return route(xn, lyr.router, self.router_spec, lyr.router_bias)
+        spec = self.router_spec
+        if self.route_kernel is not None and spec.kind == "softmax" and spec.scaling == 1.0:
+            return self.route_kernel(xn, lyr.router, spec.top_k, spec.norm_topk_prob)
+        return route(xn, lyr.router, spec, lyr.router_bias)
 
     def attn_route(self, i: int, st: SegmentState, fb: ForwardBatch, kv: Tensor,
                    attn_reduce: Callable[[Tensor], Tensor] | None = None) -> SegmentState:

@@ -66,8 +66,9 @@ class ModelRunner:
         self.model.attn_backend = select_backend(dc.attention_backend, device, mc.head_dim)
         self.moe_backend = resolve_kernel_backend("moe_backend", dc.moe_backend, device)
         if self.moe_backend == "triton":
-            from .fused_moe import fused_experts
+            from .fused_moe import fused_experts, fused_softmax_route
             self.model.expert_kernel = fused_experts
+            self.model.route_kernel = fused_softmax_route
         log.info("attention backend %s, MoE backend %s", self.model.attn_backend.name, self.moe_backend)
         self.graphs = None
         self.ep = None                 # P's ExpertParallel when experts are spread over ranks

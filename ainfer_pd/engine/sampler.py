@@ -3,7 +3,7 @@
 ``sample(logits, rows)`` takes logits [R, V] (on the device that computed them) and one
 ``SampleRow`` per row; returns token ids, their log-probabilities (host lists) and the rows that
 could not be sampled. The whole batch is a handful of vectorised passes over [R, V] and one
-device-to-host copy of 3R numbers: no per-row host loop, no [R, V] copy to the host (before, every
+device-to-host copy of 2R numbers: no per-row host loop, no [R, V] copy to the host (before, every
 sampled row went through the CPU one at a time, with its own ``torch.Generator``).
 
 Randomness is counter-based: a row draws one uniform number from a hash of (its seed, the index of
@@ -54,6 +54,14 @@ def uniform(seed: int, step: int) -> float:
     return ((z >> 11) + 0.5) / float(1 << 53)
 
 
+def _on_rows(x: Tensor, idx: list[int], fn) -> Tensor:
+    """x [R, V] with rows ``idx`` replaced by ``fn(x[idx])`` (the other rows as they are)."""
+    sel = torch.tensor(idx, dtype=torch.int64).to(x.device)
+    x = x.clone()
+    x.index_copy_(0, sel, fn(x.index_select(0, sel)))
+    return x
+
+
 def _penalize(x: Tensor, rows: list[SampleRow]) -> Tensor:
     """x [R, V] with each row's repetition penalty applied to the tokens of its history."""
     idx = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0 and r.history]
@@ -62,14 +70,12 @@ def _penalize(x: Tensor, rows: list[SampleRow]) -> Tensor:
     hist = [sorted(set(rows[i].history)) for i in idx]
     width = max(len(h) for h in hist)
     pad = torch.tensor([h + [h[0]] * (width - len(h)) for h in hist], dtype=torch.int64).to(x.device)
-    sel = torch.tensor(idx, dtype=torch.int64).to(x.device)
     pen = torch.tensor([rows[i].params.repetition_penalty for i in idx], dtype=x.dtype).to(x.device)[:, None]
-    sub = x.index_select(0, sel)
-    vals = sub.gather(1, pad)
-    sub.scatter_(1, pad, torch.where(vals > 0, vals / pen, vals * pen))   # duplicates write one value
-    x = x.clone()
-    x.index_copy_(0, sel, sub)
-    return x
+
+    def penalize(sub: Tensor) -> Tensor:
+        vals = sub.gather(1, pad)
+        return sub.scatter_(1, pad, torch.where(vals > 0, vals / pen, vals * pen))   # duplicates write one value
+    return _on_rows(x, idx, penalize)
 
 
 def _top_k(x: Tensor, rows: list[SampleRow]) -> Tensor:
@@ -89,16 +95,14 @@ def _top_p(x: Tensor, rows: list[SampleRow]) -> Tensor:
     idx = [i for i, r in enumerate(rows) if r.params.top_p < 1.0 and not r.params.greedy]
     if not idx:
         return x
-    sel = torch.tensor(idx, dtype=torch.int64).to(x.device)
     tp = torch.tensor([rows[i].params.top_p for i in idx], dtype=torch.float32).to(x.device)[:, None]
-    sub = x.index_select(0, sel)
-    srt, order = torch.sort(sub, dim=-1, descending=True)
-    p = torch.softmax(srt, -1)
-    drop = (p.cumsum(-1) - p) > tp
-    sub = sub.scatter(1, order, srt.masked_fill(drop, float("-inf")))
-    x = x.clone()
-    x.index_copy_(0, sel, sub)
-    return x
+
+    def nucleus(sub: Tensor) -> Tensor:
+        srt, order = torch.sort(sub, dim=-1, descending=True)
+        p = torch.softmax(srt, -1)
+        drop = (p.cumsum(-1) - p) > tp
+        return sub.scatter(1, order, srt.masked_fill(drop, float("-inf")))
+    return _on_rows(x, idx, nucleus)
 
 
 def sample(logits: Tensor, rows: list[SampleRow]) -> tuple[list[int], list[float], dict[int, str]]:

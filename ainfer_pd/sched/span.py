@@ -237,3 +237,47 @@ class Activation:
 def make_activation(mux_cfg) -> Activation:
     """The :class:`Activation` of a :class:`~ainfer_pd.config.MuxConfig`."""
     return Activation(mux_cfg.activation_threshold, mux_cfg.activation_cooldown_s)
+
+
+# ---------------------------------------------------------------- the cost of gating one epoch
+ACTIVATION_COSTS = ("none", "measured")
+"""``mux.activation_cost``: ``none`` gates every epoch the activation lets through; ``measured``
+gates one only while :func:`multiplexing_pays` at P's measured slowdown. (``none``, not ``off``:
+YAML reads a bare ``off`` as false.)"""
+
+
+def multiplexing_pays(num_d_rows: int, num_turns: int, slowdown: float) -> bool:
+    """Whether a P epoch should run gated beside D rather than exclusively (as under normal).
+
+    An epoch of length E run exclusively holds every decode row for E; run gated, D goes on
+    but the epoch takes ``slowdown`` x E, so each turn waiting for P (this epoch's and those
+    queued behind it) gets its first token (slowdown - 1) x E later. Gating pays when the rows
+    it frees outnumber the turns it delays by that factor:
+    ``num_d_rows > num_turns * (slowdown - 1)``. A burst of first turns beside a few rows runs
+    exclusively; a few continuations beside a full batch run gated.
+    """
+    return num_d_rows > num_turns * max(0.0, slowdown - 1.0)
+
+
+class SlowdownMeter:
+    """P's measured slowdown beside D: the EMA of a gated epoch's time per token over the EMA of
+    an exclusive one's (>= 1). ``initial`` until both kinds have been seen."""
+
+    def __init__(self, initial: float = 2.0, alpha: float = 0.3) -> None:
+        if not initial >= 1.0 or not 0.0 < alpha <= 1.0:
+            raise ConfigError(f"slowdown meter: initial must be >= 1 and alpha in (0, 1], got {initial}, {alpha}")
+        self.initial = float(initial)
+        self.alpha = float(alpha)
+        self._per_token = {True: 0.0, False: 0.0}      # gated -> EMA of seconds per token
+
+    def observe(self, gated: bool, seconds: float, tokens: int) -> None:
+        if tokens <= 0 or not seconds > 0.0:
+            return
+        x = seconds / tokens
+        old = self._per_token[gated]
+        self._per_token[gated] = x if old == 0.0 else (1 - self.alpha) * old + self.alpha * x
+
+    @property
+    def value(self) -> float:
+        g, e = self._per_token[True], self._per_token[False]
+        return max(1.0, g / e) if g > 0.0 and e > 0.0 else self.initial

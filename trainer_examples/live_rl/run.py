@@ -161,7 +161,8 @@ class PolicyRun:
             "master_dtype": str(MASTER_DTYPE), "train_compute_dtype": str(self.compute_dtype),
             "env": asdict(self.env.cfg),
             "worker": {k: m.get(k) for k in ("finished", "aborted", "failures", "num_epochs", "p_work_s_sum",
-                                              "d_work_s_sum", "kv_evictions", "activation_switches")},
+                                              "d_work_s_sum", "kv_evictions", "activation_switches",
+                                              "activation_declined", "p_gated_slowdown")},
             "decode_graphs": None if graphs is None else {"captured": len(graphs.graphs), "replays": graphs.num_replays},
             "kv_leak_free": self.worker.kv_leak_free(),
         }

@@ -16,8 +16,8 @@ from torch import Tensor
 from ..moe import Routing
 from .plan import GemmPlan, MoEPlan, moe_plan
 
-__all__ = ["GemmPlan", "MoEPlan", "align_blocks", "align_blocks_triton", "fused_experts", "launch_down",
-           "launch_gate_up", "moe_plan"]
+__all__ = ["GemmPlan", "MoEPlan", "align_blocks", "align_blocks_triton", "fused_experts", "fused_softmax_route",
+           "launch_down", "launch_gate_up", "moe_plan"]
 
 
 def align_blocks(r: Routing, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -114,6 +114,24 @@ def fused_experts(x: Tensor, r: Routing, w13: Tensor, w2: Tensor, plan: MoEPlan 
     rows = torch.empty(N, D, dtype=x.dtype, device=x.device)
     launch_down(act, w2, rows, layout, r.topk_weights.reshape(-1).contiguous(), plan.down)
     return rows.view(T, k, D).sum(dim=1)          # fp32 accumulation, one rounding
+
+
+def fused_softmax_route(x: Tensor, router_w: Tensor, top_k: int, norm_topk_prob: bool = True) -> Routing:
+    """The softmax router (``engine.routing``, kind ``softmax``) in two launches after the router
+    GEMM: x [T, D], router_w [E, D] -> Routing (counts included). Same choice as the torch path
+    up to float32 rounding of the softmax; exact ties go to the lowest expert id."""
+    from .kernels import softmax_topk_kernel
+    T = x.shape[0]
+    E = router_w.shape[0]
+    logits = torch.nn.functional.linear(x, router_w)                  # [T, E] in the model dtype
+    topk_w = torch.empty(T, top_k, dtype=x.dtype, device=x.device)
+    topk_idx = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
+    counts = torch.zeros(E, dtype=torch.int64, device=x.device)
+    if T:
+        softmax_topk_kernel[(T,)](logits, topk_w, topk_idx, counts, E, logits.stride(0), K=top_k,
+                                  K_PAD=max(2, 1 << (top_k - 1).bit_length()), E_PAD=max(16, 1 << (E - 1).bit_length()),
+                                  NORM=norm_topk_prob, num_warps=1 if E <= 256 else 4)
+    return Routing(topk_idx, topk_w, None, counts)
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -154,3 +154,34 @@ def moe_scatter_kernel(TOPK_IDX, SORTED, CURSOR, num_pairs, BLOCK: tl.constexpr)
     e = tl.load(TOPK_IDX + offs, mask=m, other=0)
     dest = tl.atomic_add(CURSOR + e, 1, mask=m)
     tl.store(SORTED + dest, offs, mask=m)
+
+
+@triton.jit(do_not_specialize=["E"])
+def softmax_topk_kernel(LOGITS, TOPK_W, TOPK_IDX, COUNTS, E, stride_l,
+                        K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, NORM: tl.constexpr):
+    """One token: softmax (float32) over its E router logits, the top K by repeated max (ties:
+    the lowest expert id first; descending, as ``torch.topk``), weights renormalised over the K
+    when NORM, and one count per chosen expert (atomic). Replaces the softmax, top-k (select
+    and sort), sum, divide, cast and scatter-add launches of the torch router."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E_PAD)
+    emask = offs < E
+    x = tl.load(LOGITS + t * stride_l + offs, mask=emask, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = tl.where(emask, p, 0.0)
+    p = p / tl.sum(p, 0)
+    kk = tl.arange(0, K_PAD)
+    wv = tl.zeros([K_PAD], tl.float32)
+    iv = tl.zeros([K_PAD], tl.int64)
+    for j in tl.static_range(K):
+        best = tl.max(p, 0)
+        idx = tl.min(tl.where((p == best) & emask, offs, E_PAD), 0)
+        wv = tl.where(kk == j, best, wv)
+        iv = tl.where(kk == j, idx.to(tl.int64), iv)
+        tl.atomic_add(COUNTS + idx, 1)
+        p = tl.where(offs == idx, -1.0, p)
+    if NORM:
+        wv = wv / tl.sum(wv, 0)
+    kmask = kk < K
+    tl.store(TOPK_W + t * K + kk, wv.to(TOPK_W.dtype.element_ty), mask=kmask)
+    tl.store(TOPK_IDX + t * K + kk, iv, mask=kmask)
