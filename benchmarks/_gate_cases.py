@@ -82,3 +82,24 @@ def uniform_decode(B, L, H, Hk, hd, dtype, device, bs=16, seed=0):
     fb = ForwardBatch(torch.zeros(B, dtype=torch.int64, device=device), torch.zeros(B, dtype=torch.int64, device=device),
                       torch.zeros(B, dtype=torch.int64, device=device), [], meta, None, block_size=bs)
     return fb, q, kc, vc
+
+
+def topk_choice_error(idx: torch.Tensor, weights: torch.Tensor, probs: torch.Tensor, norm: bool) -> tuple[float, float]:
+    """A top-k router's choice against the exact router probabilities, up to ties.
+
+    idx / weights [T, k] are the choice under test; probs [T, E] the reference probabilities (float64
+    softmax of the same logits). Returns (the largest gap between the probabilities the choice took
+    and the reference top-k, both sorted descending; the largest error of the weights against the
+    probabilities taken, renormalised when norm). Both are 0 for any exact top-k: two experts whose
+    logits tie may be taken in either order, which an index-by-index comparison would count as a
+    different choice (torch.topk on CUDA breaks ties arbitrarily). inf when an expert repeats in a row."""
+    if idx.numel() == 0:
+        return 0.0, 0.0
+    srt = idx.sort(dim=-1).values
+    if (srt[:, 1:] == srt[:, :-1]).any():
+        return math.inf, math.inf
+    took = probs.double().gather(1, idx)
+    ref = probs.double().topk(idx.shape[1], dim=-1).values
+    gap = float((took.sort(dim=-1, descending=True).values - ref).abs().max())
+    want = took / took.sum(dim=-1, keepdim=True) if norm else took
+    return gap, float((weights.double() - want).abs().max())

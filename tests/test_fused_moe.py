@@ -99,3 +99,19 @@ def test_fused_softmax_router_breaks_exact_ties_by_the_lowest_expert_id():
     got = fused_softmax_route(torch.ones(2, D), rw, 2)
     assert got.topk_idx.tolist() == [[3, 9], [3, 9]]
     assert torch.allclose(got.topk_weights, torch.full((2, 2), 0.5))
+
+
+def test_gate_router_check_accepts_either_expert_of_a_tie_and_refuses_a_wrong_choice():
+    """The gate's router check (benchmarks/_gate_cases.topk_choice_error) compares a choice by the
+    probabilities it took: both orders of an exact tie pass, a non-top-k expert or a repeat fails."""
+    from benchmarks._gate_cases import topk_choice_error
+    probs = torch.tensor([[0.1, 0.4, 0.1, 0.4], [0.7, 0.2, 0.05, 0.05]], dtype=torch.float64)
+    w = torch.tensor([[0.5, 0.5], [0.7 / 0.9, 0.2 / 0.9]])
+    for idx in ([[1, 3], [0, 1]], [[3, 1], [0, 1]]):
+        gap, werr = topk_choice_error(torch.tensor(idx), w, probs, norm=True)
+        assert gap == 0.0 and werr < 1e-7
+    gap, _ = topk_choice_error(torch.tensor([[1, 2], [0, 1]]), w, probs, norm=True)
+    assert gap > 0.29
+    _, werr = topk_choice_error(torch.tensor([[1, 3], [0, 1]]), w.flip(-1), probs, norm=True)
+    assert werr > 0.5
+    assert topk_choice_error(torch.tensor([[1, 1], [0, 1]]), w, probs, norm=True)[0] == float("inf")
