@@ -9,6 +9,7 @@ import asyncio
 import random
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -18,7 +19,7 @@ from ainfer_pd.engine.block_hash import ROOT, best_tail, block_hash, chain_hashe
 from ainfer_pd.engine import prefix
 from ainfer_pd.engine.kv_cache import KVCacheManager
 from ainfer_pd.engine.model import build_model
-from ainfer_pd.errors import CapacityError
+from ainfer_pd.errors import CapacityError, LifetimeError
 from ainfer_pd.sched.planner import fits
 from tests.conftest import rand_ids, tiny_cfg
 from tests.test_engine_core import recompute_greedy
@@ -308,3 +309,32 @@ async def test_siblings_below_the_wait_threshold_compute_their_prompt_in_the_sam
     assert sorted(o.num_cached_tokens for o in ref) == [0, 192, 192, 192]
     with pytest.raises(Exception, match="prefix_wait_min_tokens"):
         tiny_cfg(**{"cache.prefix_wait_min_tokens": -1})
+
+
+# ====================================================================== host-path bookkeeping
+def test_an_ownership_check_is_skipped_only_while_no_block_lost_its_writer():
+    """``is_current`` / ``mark_written`` skip the block-by-block check while the pool's count of
+    ownership losses has not moved; a block of the sequence let go of is still caught."""
+    kv = KVCacheManager(NB, BS)
+    la, lb = kv.reserve("a", 12), kv.reserve("b", 8)
+    kv.mark_written("a", la, 4)
+    assert kv.is_current("a", la) and kv.trajectories["a"].owner_checked == (la, kv.alloc.ownership_losses)
+    kv.finish_turn("b", lb, 0, 0.0)                       # another sequence lets go: re-checked, still current
+    assert kv.is_current("a", la)
+    kv.alloc.release(kv.trajectories["a"].blocks[-1])     # a's own block loses its writer
+    assert not kv.is_current("a", la)
+    with pytest.raises(LifetimeError):
+        kv.mark_written("a", la, 8)
+
+
+def test_block_tables_equal_the_blocks_padded_with_block_zero():
+    kv = KVCacheManager(64, BS)
+    rng = random.Random(3)
+    tids = [f"t{i}" for i in range(5)]
+    for t in tids:
+        kv.reserve(t, rng.randrange(1, 40))
+    for nb in (1, 3, 10, 16):
+        table = kv.block_table(tids, nb)
+        ref = [(kv.trajectories[t].blocks[:nb] + [0] * nb)[:nb] for t in tids]
+        assert table.dtype == torch.int64 and table.tolist() == ref
+    assert kv.block_table([], 4).shape == (0, 4) and kv.block_table(tids, 0).shape == (5, 0)

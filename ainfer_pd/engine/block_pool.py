@@ -27,6 +27,7 @@ class BlockPool:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))   # pop() gives low ids first
         self.ref = [0] * num_blocks
         self.owner = [0] * num_blocks
+        self.ownership_losses = 0        # blocks whose writer let go (release), ever: see check_owner
         self.lru: OrderedDict[int, None] = OrderedDict()              # cached blocks, oldest first
         self.by_hash: dict[bytes, int] = {}                           # full blocks
         self.hash_of: dict[int, bytes] = {}
@@ -62,6 +63,9 @@ class BlockPool:
         return [(b, self.content[b][1]) for b in self.children.get(parent, ()) if self.ref[b] == 0]
 
     def check_owner(self, blocks: list[int], lifetime: int) -> bool:
+        """Every block of ``blocks`` is written by ``lifetime``. A held block changes owner only
+        through :meth:`release` (allocate / adopt take unreferenced blocks), which counts in
+        ``ownership_losses``: a caller may skip a re-check while that count has not moved."""
         return all(self.owner[b] == lifetime for b in blocks)
 
     # -------------------------------------------------------------- mechanism
@@ -117,6 +121,8 @@ class BlockPool:
         self.ref[b] -= 1
         if self.ref[b]:
             return
+        if self.owner[b]:
+            self.ownership_losses += 1
         self.owner[b] = 0
         if partial is not None and b not in self.content:
             parent, toks = partial

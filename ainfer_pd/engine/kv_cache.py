@@ -24,6 +24,7 @@ Mechanism only: ``can_*`` / query methods, then ``reserve`` / ``mark_written`` /
 from __future__ import annotations
 
 import itertools
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -55,6 +56,8 @@ class TrajectoryKV:
     tokens: Any = ()             # the sequence's token ids (sliceable; grows while it decodes)
     root: bytes = ROOT           # parent hash of its first block (salted by the trajectory without sharing)
     writing: list[bytes] = field(default_factory=list)  # hashes of prompt blocks it will complete
+    block_arr: Any = None        # ``blocks`` as array('q') (blocks are fixed at reservation): block tables
+    owner_checked: tuple = ()    # (lifetime, pool's ownership_losses) of the last full ownership check
 
     @property
     def private_blocks(self) -> list[int]:
@@ -219,7 +222,8 @@ class KVCacheManager:
             blocks.append(m.tail)
         blocks += self.alloc.allocate(max(0, need), lifetime)
         kv = TrajectoryKV(blocks=blocks, num_tokens=kept, lifetime=lifetime, last_used=now,
-                          num_shared=len(m.shared), hashes=list(m.hashes), tokens=tokens, root=root)
+                          num_shared=len(m.shared), hashes=list(m.hashes), tokens=tokens, root=root,
+                          block_arr=array("q", blocks))
         # the prompt's full blocks this sequence will complete: siblings wait for them (admission_view)
         kv.writing = list(hashes[len(m.shared):]) if self.sharing and len(tokens) else []
         for h in kv.writing:
@@ -234,7 +238,7 @@ class KVCacheManager:
         """A forward pass of ``lifetime`` wrote KV up to ``num_tokens`` (it completed); refuses
         stale lifetimes. Blocks it completed become shareable under their chained hash."""
         kv = self.trajectories.get(tid)
-        if kv is None or kv.lifetime != lifetime or not self.alloc.check_owner(kv.private_blocks, lifetime):
+        if kv is None or kv.lifetime != lifetime or not self._owns(kv, lifetime):
             raise LifetimeError(f"stale result for {tid!r}: lifetime {lifetime} no longer owns its blocks")
         kv.num_tokens = max(kv.num_tokens, num_tokens)
         bs = self.block_size
@@ -250,7 +254,19 @@ class KVCacheManager:
 
     def is_current(self, tid: str, lifetime: int) -> bool:
         kv = self.trajectories.get(tid)
-        return kv is not None and kv.lifetime == lifetime and self.alloc.check_owner(kv.private_blocks, lifetime)
+        return kv is not None and kv.lifetime == lifetime and self._owns(kv, lifetime)
+
+    def _owns(self, kv: TrajectoryKV, lifetime: int) -> bool:
+        """``lifetime`` still writes every private block of ``kv``. Checked block by block only
+        when some block of the pool lost its writer since the last check (before: on every decode
+        token of every row, O(blocks): 470 a row at 7.5K context)."""
+        memo = (lifetime, self.alloc.ownership_losses)
+        if kv.owner_checked == memo:
+            return True
+        if not self.alloc.check_owner(kv.private_blocks, lifetime):
+            return False
+        kv.owner_checked = memo
+        return True
 
     def finish_turn(self, tid: str, lifetime: int, num_valid_tokens: int, now: float) -> None:
         """The turn of ``lifetime`` ended: its blocks go back to the pool, keeping as cached
@@ -296,11 +312,14 @@ class KVCacheManager:
 
     def block_table(self, tids: list[str], num_blocks: int) -> torch.Tensor:
         """[len(tids), num_blocks] int64: each row's first blocks, padded with block 0 (masked keys)."""
-        rows = []
-        for tid in tids:
-            blocks = self.trajectories[tid].blocks[:num_blocks]
-            rows.append(blocks + [0] * (num_blocks - len(blocks)))
-        return torch.tensor(rows, dtype=torch.int64).reshape(len(tids), num_blocks)
+        if not tids or num_blocks <= 0:
+            return torch.zeros(len(tids), max(0, num_blocks), dtype=torch.int64)
+        out = array("q", bytes(8 * len(tids) * num_blocks))
+        for i, tid in enumerate(tids):
+            arr = self.trajectories[tid].block_arr
+            n = min(len(arr), num_blocks)
+            out[i * num_blocks:i * num_blocks + n] = arr[:n]          # slices of arrays: memcpy
+        return torch.frombuffer(out, dtype=torch.int64).view(len(tids), num_blocks)
 
     def block_ids(self, tid: str, num_tokens: int) -> torch.Tensor:
         """Host int64 ids of the blocks holding the first ``num_tokens`` positions of ``tid``."""
