@@ -217,15 +217,25 @@ def _med(rows: Iterable[dict[str, Any]], fig: str, **match: Any) -> float | None
     return None
 
 
+def _find(rows: Iterable[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
+    return next((r for r in rows if all(r.get(k) == v for k, v in match.items())), None)
+
+
 def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The issue's targets over ``rows``; one entry per (cell, target) whose rows exist."""
     out: list[dict[str, Any]] = []
 
-    def add(name: str, value: float | None, target: float, le: bool = True) -> None:
+    def add(name: str, value: float | None, target: float, le: bool = True, of: Iterable[dict] = ()) -> None:
+        """One target; ``of``: the rows a ratio compares. Rows measured at different commits (a
+        merge of parts) are not compared: the entry says so and is neither met nor missed."""
         if value is None:
             return
-        out.append({"name": name, "value": round(value, 4), "target": target,
-                    "met": bool(value <= target if le else value >= target)})
+        commits = sorted({r["commit"] for r in of if r is not None and r.get("commit")})
+        t = {"name": name, "value": round(value, 4), "target": target,
+             "met": bool(value <= target if le else value >= target)}
+        if len(commits) > 1:
+            t.update(met=None, commits=commits)
+        out.append(t)
 
     rows = [r for r in rows if r.get("variant") is None]
     plain = [r for r in rows if r["span"] is None]
@@ -240,35 +250,45 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not fg:
             continue
         best, prio = min(fg)
+        fg_row = _find(c, policy="fine-grained", priority=prio)
+        n_row = _find(c, policy="normal", priority="fifo")
         if normal:
-            add(f"{cell}: fine-grained ({prio}) / normal-fifo makespan", best / normal, 0.80)
+            add(f"{cell}: fine-grained ({prio}) / normal-fifo makespan", best / normal, 0.80, of=(fg_row, n_row))
             ttft_n = _med(c, "p99_ttft_s", policy="normal", priority="fifo")
             ttft_f = _med(c, "p99_ttft_s", policy="fine-grained", priority=prio)
             if ttft_n and ttft_f is not None:
-                add(f"{cell}: fine-grained ({prio}) / normal-fifo p99 TTFT", ttft_f / ttft_n, 1.05)
+                add(f"{cell}: fine-grained ({prio}) / normal-fifo p99 TTFT", ttft_f / ttft_n, 1.05, of=(fg_row, n_row))
         if mixed:
-            add(f"{cell}: fine-grained ({prio}) / mixed-chunked-fifo makespan", best / mixed, 0.90)
+            add(f"{cell}: fine-grained ({prio}) / mixed-chunked-fifo makespan", best / mixed, 0.90,
+                of=(fg_row, _find(c, policy="mixed-chunked", priority="fifo")))
         if enq:
-            add(f"{cell}: fine-grained ({prio}) faster than global-enqueue by", 1 - best / enq, 0.15, le=False)
+            enq_row = min((r for r in c if r["policy"] == "global-enqueue" and _med([r], "makespan_s") is not None),
+                          key=lambda r: r["makespan_s"]["median"])
+            add(f"{cell}: fine-grained ({prio}) faster than global-enqueue by", 1 - best / enq, 0.15, le=False,
+                of=(fg_row, enq_row))
         add(f"{cell}: fine-grained ({prio}) makespan / optimistic bound",
             _med(c, "bound_ratio", policy="fine-grained", priority=prio), 1.3)
     spans = [r for r in rows if r["span"] is not None and r["policy"] == "fine-grained"]
     for cell in sorted({r["cell"] for r in spans}):
-        fixed = [r["makespan_s"]["median"] for r in spans if r["cell"] == cell and r["span"] in "1234"
-                 and r["makespan_s"]["median"] is not None]
+        fixed_rows = [r for r in spans if r["cell"] == cell and r["span"] in "1234"
+                      and r["makespan_s"]["median"] is not None]
+        fixed = [r["makespan_s"]["median"] for r in fixed_rows]
         auto = _med(spans, "makespan_s", cell=cell, span="auto")
         if fixed and auto is not None:
-            add(f"{cell}: span auto / best fixed span makespan", auto / min(fixed), 1.01)
+            add(f"{cell}: span auto / best fixed span makespan", auto / min(fixed), 1.01,
+                of=[*fixed_rows, _find(spans, cell=cell, span="auto")])
         # the ladder's own span is mux.span=measured (h200_ladder.sh): its plain fine-grained row
         prio = next(r["priority"] for r in spans if r["cell"] == cell)
         measured = _med(plain, "makespan_s", cell=cell, policy="fine-grained", priority=prio)
         if fixed and measured is not None:
-            add(f"{cell}: span measured ({prio}) / best fixed span makespan", measured / min(fixed), 1.01)
+            add(f"{cell}: span measured ({prio}) / best fixed span makespan", measured / min(fixed), 1.01,
+                of=[*fixed_rows, _find(plain, cell=cell, policy="fine-grained", priority=prio)])
     for r in rows:
         if r["cell"].startswith("decode-only/") and r["policy"] == "fine-grained":
             n = _med(rows, "makespan_s", cell=r["cell"], policy="normal", priority=r["priority"])
             if n and r["makespan_s"]["median"] is not None:
-                add(f"{r['cell']}: fine-grained / normal makespan (decode only)", r["makespan_s"]["median"] / n, 1.01)
+                add(f"{r['cell']}: fine-grained / normal makespan (decode only)", r["makespan_s"]["median"] / n, 1.01,
+                    of=(r, _find(rows, cell=r["cell"], policy="normal", priority=r["priority"])))
                 add(f"{r['cell']}: fine-grained rendezvous (decode only)", r["rendezvous"]["median"], 0.0)
     return out
 
@@ -371,7 +391,9 @@ def _print(doc: dict[str, Any]) -> None:
               f"{_fmt(r['p99_ttft_s']):<18}{_fmt(r['mean_d_wait_ms']):<16}{_fmt(r['bound_ratio']):<14}"
               f"{_fmt(r['rendezvous'])}")
     for t in doc["targets"]:
-        print(f"{'MET ' if t['met'] else 'MISS'} {t['name']}: {t['value']} (target {t['target']})")
+        verdict = "N/A " if t["met"] is None else "MET " if t["met"] else "MISS"
+        across = f"; not compared: rows of commits {', '.join(c[:7] for c in t['commits'])}" if t["met"] is None else ""
+        print(f"{verdict} {t['name']}: {t['value']} (target {t['target']}{across})")
 
 
 def main(argv: list[str] | None = None) -> int:

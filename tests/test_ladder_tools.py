@@ -116,3 +116,16 @@ def test_merge_a_later_part_supersedes_the_same_row(tmp_path):
     assert len(trace) == 1 and trace[0]["commit"] == "bbb" and trace[0]["makespan_s"]["median"] == 51.0
     assert [r["cell"] for r in doc["rows"]].count("P1") == 1
     assert [(r["commit"], r["superseded_by"]) for r in doc["superseded"]] == [("aaa", "bbb")]
+
+
+def test_merged_targets_do_not_compare_rows_of_different_commits(tmp_path):
+    """A merge of parts holds rows of several commits: a ratio across two of them says nothing of
+    either data path, so it is reported with its commits and neither met nor missed."""
+    doc = _merged(tmp_path, [_row("trace", "mixed-chunked", "fifo", makespan=47.0)],
+                  [_row("trace", "normal", "fifo", makespan=48.0),
+                   _row("trace", "fine-grained", "critical-path", makespan=41.0)])
+    t = {x["name"]: x for x in doc["targets"]}
+    same = t["trace: fine-grained (critical-path) / normal-fifo makespan"]
+    assert same["met"] is False and "commits" not in same
+    across = t["trace: fine-grained (critical-path) / mixed-chunked-fifo makespan"]
+    assert across["met"] is None and across["commits"] == ["aaa", "bbb"] and across["value"] == round(41 / 47, 4)
