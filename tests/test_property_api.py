@@ -576,7 +576,7 @@ class WorkerMachine(RuleBasedStateMachine):
         call = self.trajs[data.draw(st.sampled_from(self.busy()))].call
         time.sleep(ms / 1000)
         call.cancel_issued = True
-        self.lt.loop.call_soon_threadsafe(call.task.cancel)
+        self.lt.loop.call_soon_threadsafe(lambda: call.task.cancel())   # on the loop: after the launch (FIFO)
 
     def abort(self, data, ms: int, tid: str | None = None) -> None:
         tid = tid or data.draw(st.sampled_from(sorted(self.trajs)))
@@ -806,7 +806,7 @@ class WorkerMachine(RuleBasedStateMachine):
         call = self.trajs[d_tid].call
         if kind == "cancel":
             call.cancel_issued = True
-            self.lt.loop.call_soon_threadsafe(call.task.cancel)
+            self.lt.loop.call_soon_threadsafe(lambda: call.task.cancel())   # on the loop: after the launch (FIFO)
         elif kind == "abort":
             self.abort(data=None, ms=0, tid=d_tid)
         elif kind == "release":
