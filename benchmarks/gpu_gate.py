@@ -286,6 +286,7 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
     fig(f"{tag}_model_build_s", round(time.time() - t0, 1), f"({mc0.num_params / 1e9:.1f} B params)")
     mc = cfg.model
     dctx, pctx = PhaseContext(Phase.DECODE, None), PhaseContext(Phase.PREFILL, None)
+    (out / "profiles.txt").write_text("")
     attn_b, exp_b, eh_b = weight_bytes(mc)
     kv_tok = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 2
     with torch.inference_mode():
@@ -479,11 +480,13 @@ def bench(out: Path, args) -> None:
 
 
 def profiles(out: Path) -> None:
-    """Top CUDA kernels of an eager Qwen3-shape decode step (B 64, ctx 2K) and a 4K prefill (diagnosis)."""
+    """Top CUDA kernels of an eager Qwen3-shape decode step (B 64, ctx 2K) and a 4K prefill (diagnosis),
+    all in one ``profiles.txt`` (a device run returns only a few files)."""
     from torch.profiler import ProfilerActivity, profile
     cfg = model_cfg("configs/qwen3-30b-a3b-shape.yaml", 64 * 2048 // 16 + 1024)
     runner = ModelRunner(cfg, DEV, KVCacheManager(cfg.cache.num_blocks, 16))
     dctx, pctx = PhaseContext(Phase.DECODE, None), PhaseContext(Phase.PREFILL, None)
+    (out / "profiles.txt").write_text("")
     with torch.inference_mode():
         for name, fb, ctx in (("decode_b64_ctx2048", decode_fb(runner, 64, 2048), dctx),
                               ("prefill_4096", prefill_fb(runner, 4096, 0), pctx),
@@ -497,7 +500,8 @@ def profiles(out: Path) -> None:
                 runner.forward_fb(fb, ctx)
                 torch.cuda.synchronize()
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14)
-            (out / f"profile_{name}.txt").write_text(table)
+            with (out / "profiles.txt").open("a") as f:
+                f.write(f"== profile {name}\n{table}\n")
             print(f"== profile {name}\n{table}", flush=True)
     release(runner)
 
