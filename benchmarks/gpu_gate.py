@@ -286,7 +286,6 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
     fig(f"{tag}_model_build_s", round(time.time() - t0, 1), f"({mc0.num_params / 1e9:.1f} B params)")
     mc = cfg.model
     dctx, pctx = PhaseContext(Phase.DECODE, None), PhaseContext(Phase.PREFILL, None)
-    (out / "profiles.txt").write_text("")
     attn_b, exp_b, eh_b = weight_bytes(mc)
     kv_tok = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 2
     with torch.inference_mode():
