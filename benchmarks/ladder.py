@@ -243,8 +243,11 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         c = [r for r in plain if r["cell"] == cell]
         normal = _med(c, "makespan_s", policy="normal", priority="fifo")
         mixed = _med(c, "makespan_s", policy="mixed-chunked", priority="fifo")
-        enq = min((v for p in ("fifo", "critical-path")
-                   if (v := _med(c, "makespan_s", policy="global-enqueue", priority=p)) is not None), default=None)
+        enq_row = min((r for p in ("fifo", "critical-path")
+                       if (r := _find(c, policy="global-enqueue", priority=p)) is not None
+                       and _med([r], "makespan_s") is not None),
+                      key=lambda r: r["makespan_s"]["median"], default=None)
+        enq = enq_row["makespan_s"]["median"] if enq_row is not None else None
         fg = [(v, p) for p in ("fifo", "critical-path")
               if (v := _med(c, "makespan_s", policy="fine-grained", priority=p)) is not None]
         if not fg:
@@ -262,8 +265,6 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             add(f"{cell}: fine-grained ({prio}) / mixed-chunked-fifo makespan", best / mixed, 0.90,
                 of=(fg_row, _find(c, policy="mixed-chunked", priority="fifo")))
         if enq:
-            enq_row = min((r for r in c if r["policy"] == "global-enqueue" and _med([r], "makespan_s") is not None),
-                          key=lambda r: r["makespan_s"]["median"])
             add(f"{cell}: fine-grained ({prio}) faster than global-enqueue by", 1 - best / enq, 0.15, le=False,
                 of=(fg_row, enq_row))
         add(f"{cell}: fine-grained ({prio}) makespan / optimistic bound",
