@@ -65,6 +65,22 @@ def test_decode_only_workload_adds_no_rendezvous_and_no_segmenting(tmp_path):
     assert 0 < m["d_iter_alone_s"] <= m["d_iter_s_mean"] and m["d_iter_alone_s_count"] <= m["d_iter_s_count"]
 
 
+
+def test_the_d_iteration_split_adds_up_to_launch_to_done():
+    """pickup + to start + device + resume is launch -> done, iteration by iteration (the sums
+    agree), every part but the CPU's to-start is positive, and the breakdown line shows them."""
+    from ainfer_pd.metrics.report import breakdown
+    trace = decode_only_trace(4, gen_tokens=12, prompt_tokens=8, turns=1)
+    _, m, _ = asyncio.run(_run("fine-grained", trace))
+    n = m["d_iter_s_count"]
+    assert n > 0 and all(m[f"{k}_count"] == n for k in ("d_pickup_s", "d_to_start_s", "d_device_s", "d_resume_s"))
+    parts = sum(m[f"{k}_sum"] for k in ("d_pickup_s", "d_to_start_s", "d_device_s", "d_resume_s"))
+    assert parts == pytest.approx(m["d_iter_s_sum"], rel=1e-9, abs=1e-9)
+    assert m["d_to_start_s_sum"] == 0.0                  # CPU: the item starts when its launcher does
+    assert m["d_device_s_sum"] > 0 and m["d_pickup_s_sum"] >= 0 and m["d_resume_s_sum"] >= 0
+    assert m["d_launch_call_s_sum"] == pytest.approx(m["d_device_s_sum"])  # CPU: the launch call is the work
+    assert "(pickup " in breakdown(m) and "resume " in breakdown(m)
+
 # ---------------------------------------------------------------- policies as data (issue 14)
 def test_epoch_mode_is_a_pure_table_of_the_policies():
     from ainfer_pd.errors import ConfigError

@@ -368,11 +368,28 @@ class Engine:
         t_done = self.rec.now()
         self._d_iter_ema = self._ema(self._d_iter_ema, t_done - t_launch)
         self.rec.sample("d_iter_s", t_done - t_launch)
+        self._split_d_iter(w, t_launch, t_done)
         if not self._p_running:
             self.rec.sample("d_iter_alone_s", t_done - t_launch)       # no P epoch beside it
         self.book.finish_decode(plan, logits)
         self.book.drain_cleanups()
         self.rec.sample("d_post_s", self.rec.now() - t_done)
+
+    def _split_d_iter(self, w, t_launch: float, t_done: float) -> None:
+        """Where launch -> done went, in four parts that add up to it: ``d_pickup_s`` (submitted ->
+        the launcher began), ``d_to_start_s`` (-> the device began; CUDA: the start event's time
+        on the host clock, so it can read slightly negative), ``d_device_s`` (the device interval)
+        and ``d_resume_s`` (device end -> this coroutine resumed: the waiter's wake-up and the
+        event loop's lag). Also ``d_launch_call_s``, the host launch call itself."""
+        if w.interval is None or w.t_started is None:
+            return
+        a, b = w.interval
+        rec = self.rec
+        rec.sample("d_pickup_s", w.t_started - t_launch)
+        rec.sample("d_to_start_s", a - w.t_started)
+        rec.sample("d_device_s", b - a)
+        rec.sample("d_resume_s", t_done - b)
+        rec.sample("d_launch_call_s", w.t_launched - w.t_started)
 
     async def _decode_plan(self, rows: list[Turn]) -> BatchPlan:
         """The D batch of ``rows`` (a lockstep rank pads it and shares it with its TP followers)."""
