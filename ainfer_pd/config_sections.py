@@ -81,6 +81,11 @@ class SchedulerConfig:
     """critical-path: seconds of waiting worth one typical turn of work."""
     ttft_bound_tokens: int = 16384
     """critical-path: prefill tokens admitted ahead of a waiting turn before it goes first."""
+    overlap_decode: bool = False
+    """Overlapped D loop (one rank; not mixed-chunked): D iteration n+1 is launched before the host
+    has read iteration n's tokens, which feed it on the device; the host reads and books n while
+    n+1 runs (``engine.d_overlap``). A row that ended at n (a stop token) runs once more in n+1,
+    unused. Rows with a repetition penalty make the loop wait for n first."""
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -91,6 +96,9 @@ class SchedulerConfig:
             raise ConfigError(f"scheduler.priority={self.priority!r}: expected one of {PRIORITIES}")
         if not self.priority_aging_s > 0:
             raise ConfigError("scheduler.priority_aging_s must be > 0")
+        if self.overlap_decode and self.policy == "mixed-chunked":
+            raise ConfigError("scheduler.overlap_decode runs the D loop of the P/D policies; mixed-chunked has "
+                              "one loop of its own")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
