@@ -317,21 +317,28 @@ class Engine:
         if self.cfg.scheduler.overlap_decode:
             await self._overlapped_decode_loop()
             return
-        book = self.book
         while True:
             await self._await_decode_rows()
-            t_ready = self.rec.now()
-            await self._wait_for(lambda: self._d_may_run() or not book.has_live_rows())
-            if not book.has_live_rows():
+            opened = await self._open_d_round()
+            if opened is None:
                 continue
-            rnd = await self.turnstile.before_decode()
-            rows = self._d_rows()
+            t_ready, rnd, rows = opened
             if not rows:
                 if rnd is not None:
                     await self.turnstile.after_decode(rnd)
                 continue
             await self._decode_once(rows, rnd, t_ready)
             self._notify()
+
+    async def _open_d_round(self):
+        """Once D may run: (ready time, the turnstile round (None when no gated epoch is
+        active), the rows of the next iteration); None when no live row is left meanwhile."""
+        t_ready = self.rec.now()
+        await self._wait_for(lambda: self._d_may_run() or not self.book.has_live_rows())
+        if not self.book.has_live_rows():
+            return None
+        rnd = await self.turnstile.before_decode()
+        return t_ready, rnd, self._d_rows()
 
     def _d_rows(self) -> list[Turn]:
         """The rows of the next D iteration (by priority when more are ready than fit)."""
@@ -428,12 +435,10 @@ class Engine:
                 elif not (book.has_live_rows() and self._d_may_run()):
                     prev = await self._read_d(prev)
                     continue
-                t_ready = self.rec.now()
-                await self._wait_for(lambda: self._d_may_run() or not book.has_live_rows())
-                if not book.has_live_rows():
+                opened = await self._open_d_round()
+                if opened is None:
                     continue
-                rnd = await self.turnstile.before_decode()
-                rows = self._d_rows()
+                t_ready, rnd, rows = opened
                 if prev is not None and needs_host_history(rows):
                     prev = await self._read_d(prev)
                     rows = self._d_rows()
