@@ -129,3 +129,52 @@ def test_overlap_decode_is_refused_where_it_does_not_run():
         tiny_cfg(**{"scheduler.policy": "mixed-chunked", "scheduler.overlap_decode": True})
     with pytest.raises(ConfigError, match="true/false"):
         tiny_cfg(**{"scheduler.overlap_decode": "yes"})
+
+
+@pytest.mark.parametrize("policy", ("normal", "fine-grained"))
+def test_a_row_whose_distribution_turns_nan_fails_alone_overlapped(policy, monkeypatch):
+    """Overlapped, the sampling runs on the D stream (d_overlap.sample_on_device): a row whose
+    logits turn NaN mid-decode ends alone with SamplingError, the greedy rows batched with it
+    finish with the plain loop's tokens, and nothing leaks."""
+    import math
+
+    from ainfer_pd.engine import d_overlap
+    from ainfer_pd.errors import SamplingError
+    real = d_overlap.sample_on_device
+    steps = {"n": 0}
+
+    def poisoned(logits, rows, **kw):
+        logits = logits.clone()
+        for i, r in enumerate(rows):
+            if r.params.seed == 4242:
+                steps["n"] += 1
+                if steps["n"] > 3:
+                    logits[i] = math.nan
+        return real(logits, rows, **kw)
+
+    monkeypatch.setattr(d_overlap, "sample_on_device", poisoned)
+    prompts = [[3 + i, 9, 27 + i, 4] for i in range(3)]
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+
+    async def main(overlap: bool):
+        cfg = tiny_cfg(**{"scheduler.policy": policy, "scheduler.overlap_decode": overlap, "model.num_layers": 2})
+        async with RolloutWorker(cfg) as w:
+            bad = asyncio.ensure_future(w.generate([5, 6, 7], SamplingParams(max_new_tokens=12, temperature=0.7,
+                                                                             seed=4242, ignore_eos=True)))
+            good = await asyncio.gather(*(w.generate(p, greedy) for p in prompts))
+            err = None
+            try:
+                await bad
+            except SamplingError as exc:
+                err = exc
+            for tid in list(w.trajectories):
+                await w.release(tid)
+            m = w.metrics()
+            assert w.kv_leak_free() and m["failures"] == (1 if overlap else 0) and m["aborted"] == 0
+            if overlap:      # it failed with its next pass in flight: its KV went back after that pass
+                assert m["d_rows_unused"] >= 1
+        return [o.token_ids for o in good], err
+
+    over, err = asyncio.run(main(True))
+    plain, _ = asyncio.run(main(False))          # the plain loop does not sample through d_overlap
+    assert isinstance(err, SamplingError) and over == plain

@@ -97,7 +97,8 @@ class TurnBook:
             self.pending_cleanup.append(turn)
         self.notify()
 
-    def _cleanup_aborted(self, turn: Turn) -> None:
+    def _cleanup_aborted(self, turn: Turn, *, failed: bool = False) -> None:
+        """``failed``: the turn ended with an error (counted in ``failures``, not ``aborted``)."""
         if turn in self.waiting:
             self.waiting.remove(turn)
         if turn in self.decoding:
@@ -115,7 +116,8 @@ class TurnBook:
         if turn.traj.draining is turn:
             turn.traj.draining = None
         turn.drained.set()
-        self.num_aborted += 1
+        if not failed:
+            self.num_aborted += 1
 
     def drain_cleanups(self) -> None:
         """Clean up every aborted turn whose device work has drained since, and give back the KV
@@ -123,7 +125,8 @@ class TurnBook:
         still = []
         for t in self.pending_cleanup:
             if t.in_flight == 0:
-                self._cleanup_aborted(t)
+                f = t.future
+                self._cleanup_aborted(t, failed=f.done() and not f.cancelled() and f.exception() is not None)
             else:
                 still.append(t)
         self.pending_cleanup = still
@@ -266,7 +269,7 @@ class TurnBook:
             t = turns[i]
             log.warning("request %s failed in sampling: %s", t.request_id, why)
             self.fail_turns([t], SamplingError(f"request {t.request_id} ({t.tid!r}): {why} "
-                                               f"(sampling params {t.params})"))
+                                               f"(sampling params {t.params})"), drained=False)
 
     @staticmethod
     def sample_row(t: Turn, ahead: int = 0) -> SampleRow:
@@ -321,8 +324,10 @@ class TurnBook:
                          routed_experts=t.routed_experts)
         t.future.set_result(out)
 
-    def fail_turns(self, turns: list[Turn], err: BaseException) -> None:
-        """End ``turns`` with ``err`` (typed) and free their KV (their device work has drained)."""
+    def fail_turns(self, turns: list[Turn], err: BaseException, *, drained: bool = True) -> None:
+        """End ``turns`` with ``err`` (typed) and free their KV: now when their device work has
+        drained; with ``drained=False`` (the overlapped D loop's next pass may still feed a
+        row) once it has, the trajectory draining meanwhile."""
         for t in turns:
             if t.state in (TurnState.DONE, TurnState.ABORTED):
                 continue
@@ -331,9 +336,16 @@ class TurnBook:
             self.num_failed += 1
             t.abort_requested = True
             t.commit_on_abort = False        # a failed turn leaves its trajectory as it was
-            t.in_flight = 0
-            self._cleanup_aborted(t)
-            self.num_aborted -= 1            # counted as failed, not aborted
+            if drained:
+                t.in_flight = 0
+            if t.in_flight == 0:
+                self._cleanup_aborted(t, failed=True)
+                continue
+            if t.traj.turn is t:
+                t.traj.turn = None
+                t.traj.tokens = t.prev_tokens
+            t.traj.draining = t
+            self.pending_cleanup.append(t)
         self.notify()
 
     def close(self) -> None:
