@@ -53,9 +53,6 @@ class WorkerConfig:
                                 f"expert_parallel={self.parallel.expert_parallel}")
         if self.parallel.atp > 1 and self.model.num_kv_heads % self.parallel.atp:
             raise TopologyError(f"model.num_kv_heads={self.model.num_kv_heads} is not divisible by ATP={self.parallel.atp}")
-        if self.scheduler.overlap_decode and self.parallel.world_size > 1:
-            raise ConfigError("scheduler.overlap_decode runs on one rank only (the lockstep engine steps every "
-                              f"rank together), got parallel.world_size={self.parallel.world_size}")
         if self.parallel.expert_backend == "local" and self.parallel.expert_parallel > 1:
             raise ConfigError("parallel.expert_backend=local cannot run expert_parallel > 1; use torch or deepep")
 

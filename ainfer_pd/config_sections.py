@@ -82,7 +82,7 @@ class SchedulerConfig:
     ttft_bound_tokens: int = 16384
     """critical-path: prefill tokens admitted ahead of a waiting turn before it goes first."""
     overlap_decode: bool = False
-    """Overlapped D loop (one rank; not mixed-chunked): D iteration n+1 is launched before the host
+    """Overlapped D loop (the single-rank engine; not mixed-chunked, not the lockstep engine): D iteration n+1 is launched before the host
     has read iteration n's tokens, which feed it on the device; the host reads and books n while
     n+1 runs (``engine.d_overlap``). A row that ended at n (a stop token) runs once more in n+1,
     unused. Rows with a repetition penalty make the loop wait for n first."""

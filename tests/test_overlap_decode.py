@@ -123,8 +123,12 @@ def test_rows_after_leaves_out_rows_the_previous_iteration_ends_by_length():
 
 
 def test_overlap_decode_is_refused_where_it_does_not_run():
-    with pytest.raises(ConfigError, match="one rank"):
-        tiny_cfg(**{"scheduler.overlap_decode": True, "parallel.world_size": 2})
+    from ainfer_pd.engine.make import check_engine_support
+    from ainfer_pd.errors import NotBuiltError
+    for g in (1, 2):      # the lockstep engine (world size 1 with torch expert dispatch, or more ranks)
+        with pytest.raises(NotBuiltError, match="overlap_decode"):
+            check_engine_support(tiny_cfg(**{"scheduler.overlap_decode": True, "parallel.world_size": g,
+                                             "parallel.expert_parallel": g, "parallel.expert_backend": "torch"}))
     with pytest.raises(ConfigError, match="mixed-chunked"):
         tiny_cfg(**{"scheduler.policy": "mixed-chunked", "scheduler.overlap_decode": True})
     with pytest.raises(ConfigError, match="true/false"):
