@@ -122,6 +122,10 @@ class MuxConfig:
     the decode rows it frees outnumber the waiting turns times P's measured slowdown beside D,
     less one (``sched.span.multiplexing_pays``); else exclusively, as under normal (a burst of
     first turns against a few rows: their first tokens are not stretched for little D gain)."""
+    exclusive_backlog_tokens: int = 0
+    """An epoch runs exclusively (as under normal) while the waiting turns (this epoch's included)
+    have more than this many prompt tokens left to prefill (``sched.span.drains_exclusively``); 0: off. A burst drains at full P
+    speed, only its tail is multiplexed (the p99 first-token latency is the burst's last turns)."""
     p_host_pacing: str = "auto"
     """When P's host waits for its device inside an epoch. ``layer``: after every attention
     segment (the receive counts of expert parallelism need it); ``epoch``: only at the epoch's
@@ -143,6 +147,9 @@ class MuxConfig:
             raise ConfigError(f"mux.max_span must be an integer in {MIN_SPAN}..{MAX_SPAN}")
         if self.activation_cooldown_s < 0:
             raise ConfigError("mux.activation_cooldown_s must be >= 0")
+        if isinstance(self.exclusive_backlog_tokens, bool) or self.exclusive_backlog_tokens < 0:
+            raise ConfigError(f"mux.exclusive_backlog_tokens must be an integer >= 0 (0: off), "
+                              f"got {self.exclusive_backlog_tokens!r}")
         if self.activation_cost not in ACTIVATION_COSTS:
             raise ConfigError(f"mux.activation_cost={self.activation_cost!r}: expected one of {ACTIVATION_COSTS}")
 

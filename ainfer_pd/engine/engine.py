@@ -30,7 +30,8 @@ from ..metrics.report import percentile
 from ..phase import Phase, PhaseContext
 from ..sched.epoch_mode import EpochMode, epoch_mode, policy_traits
 from ..sched.planner import plan_decode, plan_prefill
-from ..sched.span import Activation, SlowdownMeter, SpanInputs, make_span_policy, multiplexing_pays
+from ..sched.span import (Activation, SlowdownMeter, SpanInputs, drains_exclusively, make_span_policy,
+                          multiplexing_pays)
 from ..turnstile.rendezvous import LocalRendezvous
 from ..turnstile.turnstile import Turnstile
 from .d_overlap import InFlightD, decode_sampled, feed_of, needs_host_history, rows_after
@@ -214,11 +215,17 @@ class Engine:
         rows = len(self.book.decoding)
         on = self.activation.update(self.rec.now(), tokens, rows)
         # the epoch's turns are still in `waiting` (they leave it when their first token comes)
-        return on and self._mux_pays(rows, len(self.book.waiting), self.slowdown.value)
+        return on and self._mux_pays(rows, len(self.book.waiting), self.slowdown.value,
+                                     sum(t.remaining_prompt for t in self.book.waiting))
 
-    def _mux_pays(self, rows: int, turns: int, slowdown: float) -> bool:
-        """``mux.activation_cost``: none -> True; measured -> :func:`multiplexing_pays` (every rank
-        passes the same agreed inputs); an epoch it declines runs exclusively."""
+    def _mux_pays(self, rows: int, turns: int, slowdown: float, backlog_tokens: int) -> bool:
+        """``mux.exclusive_backlog_tokens``: a backlog (the waiting turns' prompt tokens still to
+        prefill, this epoch's included) above it runs exclusively (:func:`drains_exclusively`); then ``mux.activation_cost``: none -> True; measured ->
+        :func:`multiplexing_pays`. Every rank passes the same agreed inputs; an epoch declined
+        runs exclusively."""
+        if drains_exclusively(backlog_tokens, self.cfg.mux.exclusive_backlog_tokens):
+            self.rec.count("backlog_exclusive")
+            return False
         if self.cfg.mux.activation_cost == "none":
             return True
         pays = multiplexing_pays(rows, turns, slowdown)
