@@ -81,6 +81,10 @@ class SchedulerConfig:
     """critical-path: seconds of waiting worth one typical turn of work."""
     ttft_bound_tokens: int = 16384
     """critical-path: prefill tokens admitted ahead of a waiting turn before it goes first."""
+    short_prefill_tokens: int = 0
+    """critical-path: a waiting turn with at most this many prompt tokens left to prefill (its
+    cached prefix not counted: e.g. a tool observation on retained KV) goes ahead of the turns
+    not started yet; 0: off."""
     overlap_decode: bool = False
     """Overlapped D loop (the single-rank engine; not mixed-chunked, not the lockstep engine): D iteration n+1 is launched before the host
     has read iteration n's tokens, which feed it on the device; the host reads and books n while
@@ -91,6 +95,8 @@ class SchedulerConfig:
         if self.policy not in POLICIES:
             raise ConfigError(f"scheduler.policy={self.policy!r}: unknown policy, expected one of {POLICIES}")
         check_positive(self, "max_prefill_tokens", "max_decode_batch", "mixed_chunk_tokens", "ttft_bound_tokens")
+        if self.short_prefill_tokens < 0:
+            raise ConfigError(f"scheduler.short_prefill_tokens must be >= 0 (0: off), got {self.short_prefill_tokens}")
         from .sched.priority import PRIORITIES
         if self.priority not in PRIORITIES:
             raise ConfigError(f"scheduler.priority={self.priority!r}: expected one of {PRIORITIES}")

@@ -50,7 +50,7 @@ class TurnBook:
         self.waiting: deque[Turn] = deque()
         self.decoding: list[Turn] = []
         sc = cfg.scheduler
-        self.priority = PriorityConfig(sc.priority, sc.priority_aging_s, sc.ttft_bound_tokens)
+        self.priority = PriorityConfig(sc.priority, sc.priority_aging_s, sc.ttft_bound_tokens, sc.short_prefill_tokens)
         self.history = History()           # finished trajectories: the critical-path predictor
         self.num_p_admitted_tokens = 0     # prefill tokens admitted so far (the first-token bound)
         self.pending_cleanup: list[Turn] = []
@@ -153,9 +153,11 @@ class TurnBook:
         if self.priority.policy == "fifo" or len(turns) < 2:
             return turns
         now = self.rec.now()
+        short = waiting and self.priority.short_prefill_tokens > 0
         work = [Work(t.request_id, t.traj.group or t.tid, t.traj.num_turns - 1, len(t.context) + len(t.out_tokens),
                      now - t.t_submit, (self.num_p_admitted_tokens - t.p_mark) if waiting else 0,
-                     bool(t.lifetime) if waiting else False) for t in turns]
+                     bool(t.lifetime) if waiting else False,
+                     prefix.prefill_left(self.kv, t) if short else 0) for t in turns]
         by_id = {t.request_id: t for t in turns}
         return [by_id[w.key] for w in order(work, self.history, self.priority)]
 
