@@ -86,9 +86,9 @@ class SchedulerConfig:
     cached prefix not counted: e.g. a tool observation on retained KV) goes ahead of the turns
     not started yet; 0: off."""
     overlap_decode: bool = False
-    """Overlapped D loop (the single-rank engine; not mixed-chunked, not the lockstep engine): D iteration n+1 is launched before the host
-    has read iteration n's tokens, which feed it on the device; the host reads and books n while
-    n+1 runs (``engine.d_overlap``). A row that ended at n (a stop token) runs once more in n+1,
+    """Overlapped D loop (the single-rank engine; not mixed-chunked, not the lockstep engine): D
+    iteration n+1 is launched before the host has read iteration n's tokens, which feed it on the
+    device; the host reads and books n while n+1 runs (``engine.d_overlap``). A row that ended at n (a stop token) runs once more in n+1,
     unused. Rows with a repetition penalty make the loop wait for n first."""
 
     def validate(self) -> None:
