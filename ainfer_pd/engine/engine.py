@@ -440,21 +440,24 @@ class Engine:
                 if prev is None:
                     await self._await_decode_rows()
                 elif not (book.has_live_rows() and self._d_may_run()):
-                    prev = await self._read_d(prev)
+                    await self._read_d(prev)
+                    prev = None
                     continue
                 opened = await self._open_d_round()
                 if opened is None:
                     continue
                 t_ready, rnd, rows = opened
                 if prev is not None and needs_host_history(rows):
-                    prev = await self._read_d(prev)
+                    await self._read_d(prev)
+                    prev = None
                     rows = self._d_rows()
                 rows, ahead = rows_after(rows, prev, max_ctx)
                 if not rows:
                     if rnd is not None:
                         await self.turnstile.after_decode(rnd)
                     if prev is not None:
-                        prev = await self._read_d(prev)
+                        await self._read_d(prev)
+                        prev = None
                     continue
                 t_build = self.rec.now()
                 plan = self.runner.build([], rows, ahead)
@@ -478,8 +481,7 @@ class Engine:
                 book.drain_cleanups()
 
     async def _read_d(self, it: InFlightD) -> None:
-        """Wait for the overlapped iteration ``it``, then book its tokens. Returns None (the loop's
-        iteration in flight after it)."""
+        """Wait for the overlapped iteration ``it``, then book its tokens."""
         try:
             ds = await it.work.done()
         finally:
@@ -493,7 +495,6 @@ class Engine:
         self.book.drain_cleanups()
         self.rec.sample("d_post_s", self.rec.now() - t_done)
         self._notify()
-        return None
 
     def _split_d_iter(self, w, t_launch: float, t_done: float) -> None:
         """Where launch -> done went, in four parts that add up to it: ``d_pickup_s`` (submitted ->
