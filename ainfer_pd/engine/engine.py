@@ -211,18 +211,18 @@ class Engine:
         return new if old == 0.0 else (1 - a) * old + a * new
 
     def _mux_active(self, work) -> bool:
-        tokens = sum(n for _, _, n in work) + sum(t.remaining_prompt for t in self.book.waiting)
+        backlog = sum(t.remaining_prompt for t in self.book.waiting)
+        tokens = sum(n for _, _, n in work) + backlog
         rows = len(self.book.decoding)
         on = self.activation.update(self.rec.now(), tokens, rows)
         # the epoch's turns are still in `waiting` (they leave it when their first token comes)
-        return on and self._mux_pays(rows, len(self.book.waiting), self.slowdown.value,
-                                     sum(t.remaining_prompt for t in self.book.waiting))
+        return on and self._mux_pays(rows, len(self.book.waiting), self.slowdown.value, backlog)
 
     def _mux_pays(self, rows: int, turns: int, slowdown: float, backlog_tokens: int) -> bool:
         """``mux.exclusive_backlog_tokens``: a backlog (the waiting turns' prompt tokens still to
-        prefill, this epoch's included) above it runs exclusively (:func:`drains_exclusively`); then ``mux.activation_cost``: none -> True; measured ->
-        :func:`multiplexing_pays`. Every rank passes the same agreed inputs; an epoch declined
-        runs exclusively."""
+        prefill, this epoch's included) above it runs exclusively (:func:`drains_exclusively`);
+        then ``mux.activation_cost``: none -> True; measured -> :func:`multiplexing_pays`. Every
+        rank passes the same agreed inputs; an epoch declined runs exclusively."""
         if drains_exclusively(backlog_tokens, self.cfg.mux.exclusive_backlog_tokens):
             self.rec.count("backlog_exclusive")
             return False
