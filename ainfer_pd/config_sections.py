@@ -81,16 +81,30 @@ class SchedulerConfig:
     """critical-path: seconds of waiting worth one typical turn of work."""
     ttft_bound_tokens: int = 16384
     """critical-path: prefill tokens admitted ahead of a waiting turn before it goes first."""
+    short_prefill_tokens: int = 0
+    """critical-path: a waiting turn with at most this many prompt tokens left to prefill (its
+    cached prefix not counted: e.g. a tool observation on retained KV) goes ahead of the turns
+    not started yet; 0: off."""
+    overlap_decode: bool = False
+    """Overlapped D loop (the single-rank engine; not mixed-chunked, not the lockstep engine): D
+    iteration n+1 is launched before the host has read iteration n's tokens, which feed it on the
+    device; the host reads and books n while n+1 runs (``engine.d_overlap``). A row that ended at n (a stop token) runs once more in n+1,
+    unused. Rows with a repetition penalty make the loop wait for n first."""
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"scheduler.policy={self.policy!r}: unknown policy, expected one of {POLICIES}")
         check_positive(self, "max_prefill_tokens", "max_decode_batch", "mixed_chunk_tokens", "ttft_bound_tokens")
+        if self.short_prefill_tokens < 0:
+            raise ConfigError(f"scheduler.short_prefill_tokens must be >= 0 (0: off), got {self.short_prefill_tokens}")
         from .sched.priority import PRIORITIES
         if self.priority not in PRIORITIES:
             raise ConfigError(f"scheduler.priority={self.priority!r}: expected one of {PRIORITIES}")
         if not self.priority_aging_s > 0:
             raise ConfigError("scheduler.priority_aging_s must be > 0")
+        if self.overlap_decode and self.policy == "mixed-chunked":
+            raise ConfigError("scheduler.overlap_decode runs the D loop of the P/D policies; mixed-chunked has "
+                              "one loop of its own")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,6 +128,10 @@ class MuxConfig:
     the decode rows it frees outnumber the waiting turns times P's measured slowdown beside D,
     less one (``sched.span.multiplexing_pays``); else exclusively, as under normal (a burst of
     first turns against a few rows: their first tokens are not stretched for little D gain)."""
+    exclusive_backlog_tokens: int = 0
+    """An epoch runs exclusively (as under normal) while the waiting turns (this epoch's included)
+    have more than this many prompt tokens left to prefill (``sched.span.drains_exclusively``); 0: off. A burst drains at full P
+    speed, only its tail is multiplexed (the p99 first-token latency is the burst's last turns)."""
     p_host_pacing: str = "auto"
     """When P's host waits for its device inside an epoch. ``layer``: after every attention
     segment (the receive counts of expert parallelism need it); ``epoch``: only at the epoch's
@@ -135,6 +153,9 @@ class MuxConfig:
             raise ConfigError(f"mux.max_span must be an integer in {MIN_SPAN}..{MAX_SPAN}")
         if self.activation_cooldown_s < 0:
             raise ConfigError("mux.activation_cooldown_s must be >= 0")
+        if isinstance(self.exclusive_backlog_tokens, bool) or self.exclusive_backlog_tokens < 0:
+            raise ConfigError(f"mux.exclusive_backlog_tokens must be an integer >= 0 (0: off), "
+                              f"got {self.exclusive_backlog_tokens!r}")
         if self.activation_cost not in ACTIVATION_COSTS:
             raise ConfigError(f"mux.activation_cost={self.activation_cost!r}: expected one of {ACTIVATION_COSTS}")
 

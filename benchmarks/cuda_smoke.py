@@ -7,10 +7,10 @@ import time
 from ainfer_pd import RolloutWorker, SamplingParams, WorkerConfig
 
 
-async def run(policy: str, graphs: bool, dtype: str = "bfloat16"):
+async def run(policy: str, graphs: bool, dtype: str = "bfloat16", overlap: bool = False):
     cfg = WorkerConfig.from_yaml("configs/tiny-cpu.yaml").replace(**{
         "device.device": "cuda", "device.cuda_graphs": graphs, "model.dtype": dtype, "scheduler.policy": policy,
-        "device.graph_max_context": 2048, "scheduler.max_decode_batch": 32})
+        "device.graph_max_context": 2048, "scheduler.max_decode_batch": 32, "scheduler.overlap_decode": overlap})
     outs = {}
     async with RolloutWorker(cfg) as w:
         t = time.time()
@@ -29,7 +29,7 @@ async def run(policy: str, graphs: bool, dtype: str = "bfloat16"):
                 tg.create_task(conv(i))
         m = w.metrics()
         replays = w.engine.runner.graphs.num_replays if w.engine.runner.graphs else 0
-        print(f"{policy:16s} graphs={graphs} makespan {time.time()-t:.2f}s replays {replays} "
+        print(f"{policy:16s} graphs={graphs} overlap={overlap} makespan {time.time()-t:.2f}s replays {replays} "
               f"rdv {m.get('rendezvous', 0)} conc {m['concurrent_fraction']:.2f} leak-free {w.kv_leak_free()}", flush=True)
     return outs
 
@@ -43,15 +43,23 @@ async def main():
         diff = sum(out[k] != ref32[k] for k in ref32)
         bad += diff
         print(f"  fp32: {policy} differs from normal in {diff} of {len(ref32)} turns", flush=True)
+    # the overlapped D loop (its rows fed on the device, sampled on the D stream) changes no token either
+    for policy in ("normal", "fine-grained"):
+        out = await run(policy, False, "float32", overlap=True)
+        diff = sum(out[k] != ref32[k] for k in ref32)
+        bad += diff
+        print(f"  fp32: {policy} overlapped differs from normal in {diff} of {len(ref32)} turns", flush=True)
     # bf16 with graphs: graph replay must equal eager for the same batches; across policies the batch
     # composition changes GEMM shapes, so rare greedy flips of this random tiny model are numerics
     ref = await run("normal", False)
-    for policy, graphs in [("normal", True), ("fine-grained", True), ("mixed-chunked", True)]:
-        out = await run(policy, graphs)
+    for policy, graphs, overlap in [("normal", True, False), ("fine-grained", True, False), ("mixed-chunked", True, False),
+                                    ("normal", True, True), ("fine-grained", True, True)]:
+        out = await run(policy, graphs, overlap=overlap)
         diff = sum(out[k] != ref[k] for k in ref)
-        if policy == "normal":
+        if policy == "normal" and not overlap:
             bad += diff
-        print(f"  bf16: {policy} (graphs) differs from eager normal in {diff} of {len(ref)} turns", flush=True)
+        print(f"  bf16: {policy} (graphs{', overlapped' if overlap else ''}) differs from eager normal in {diff} "
+              f"of {len(ref)} turns", flush=True)
     sys.exit(1 if bad else 0)
 
 asyncio.run(main())

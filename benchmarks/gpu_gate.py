@@ -448,34 +448,39 @@ def smoke(out: Path) -> None:
     check("cuda_smoke", rc == 0, "(fp32 policies identical; bf16 graph vs eager)")
 
 
-def bench(out: Path, args) -> None:
-    bdir = Path("/tmp/gpu_gate_bench")         # plots stay here: only a few files come back from a device run
+def bench(out: Path, args, *, tag: str = "", policies: str = "normal,fine-grained,mixed-chunked",
+          sets: tuple[str, ...] = ()) -> None:
+    """The P1 cell on the Qwen3 shape, one run a policy; ``tag`` names a variant's figures and
+    check (``sets``: its config overrides), e.g. the overlapped D loop."""
+    bdir = Path(f"/tmp/gpu_gate_bench{tag}")   # plots stay here: only a few files come back from a device run
     cmd = [sys.executable, "-m", "ainfer_pd.cli", "bench", "--config", "configs/qwen3-30b-a3b-shape.yaml",
-           "--policies", "normal,fine-grained,mixed-chunked", "--cells", "P1", "--repeats", "1",
+           "--policies", policies, "--cells", "P1", "--repeats", "1",
            "--conversations", str(args.bench_conversations), "--max-turns", "3", "--token-scale", str(args.bench_token_scale),
            "--no-progress", "--out", str(bdir), "--set", "device.graph_batch_sizes=[1,4,16,32,64]",
            "--set", "device.graph_max_context=4096"]
-    rc = run_sub("bench", cmd, args.bench_timeout, out / "bench.log")
-    lines = [ln for ln in (out / "bench.log").read_text().splitlines() if "makespan" in ln or "D iters" in ln
+    for kv in sets:
+        cmd += ["--set", kv]
+    rc = run_sub(f"bench{tag}", cmd, args.bench_timeout, out / f"bench{tag}.log")
+    lines = [ln for ln in (out / f"bench{tag}.log").read_text().splitlines() if "makespan" in ln or "D iters" in ln
              or "|" in ln]
     print("   " + "\n   ".join(lines[-20:]), flush=True)
     ok = rc == 0 and (bdir / "results.json").exists()
     if ok:
-        (out / "bench_results.json").write_text((bdir / "results.json").read_text())
+        (out / f"bench{tag}_results.json").write_text((bdir / "results.json").read_text())
         res = json.loads((bdir / "results.json").read_text())
         agg = res["aggregates"]["P1"]
         ms = {v: agg[v]["makespan_s"]["median"] for v in agg}
         fails = {v: sum(s["failures"] for s in res["summaries"]["P1"][v]) for v in agg}
-        fig("qwen3_p1_makespan_s", ms)
-        fig("qwen3_p1_ratio_vs_normal", {v: round(ms[v] / ms["normal"], 3) for v in ms})
+        fig(f"qwen3_p1{tag}_makespan_s", ms)
+        fig(f"qwen3_p1{tag}_ratio_vs_normal", {v: round(ms[v] / ms["normal"], 3) for v in ms})
         extra = {}
         for v in agg:
             s = res["summaries"]["P1"][v][0]
             extra[v] = {k: s.get(k) for k in ("ttft_p99_s", "d_wait_mean_s", "d_iter_mean_s", "p_epoch_mean_s")
                         if k in s}
-        fig("qwen3_p1_detail", extra)
+        fig(f"qwen3_p1{tag}_detail", extra)
         ok = all(f == 0 for f in fails.values())
-    check("qwen3_p1_bench_completes", ok)
+    check(f"qwen3_p1{tag}_bench_completes", ok)
 
 
 def profiles(out: Path) -> None:
@@ -538,6 +543,8 @@ def main() -> None:
         guarded("cuda_smoke", smoke, out)
     if "bench" in only:
         guarded("qwen3_p1_bench", bench, out, args)
+        guarded("qwen3_p1_overlap_bench", bench, out, args, tag="_overlap", policies="normal,fine-grained",
+                sets=("scheduler.overlap_decode=true",))
     R["wall_s"] = round(time.time() - t0, 1)
     save()
     n_fail = sum(not v for v in R["checks"].values())

@@ -3,8 +3,8 @@
 #
 #   bash benchmarks/h200_ladder.sh COMMIT PART     # PART: p1 | trace | p1-short | trace-short | spans | decode-only | lever
 #   (p1-short / trace-short: SHORT_POLICIES run with fifo, CP_POLICIES with critical-path;
-#    lever: LEVER_POLICIES (default fine-grained+critical-path) with LEVER=KEY=VALUE on top, rows labelled
-#    by it, on CELL (default P1))
+#    lever: LEVER_POLICIES (default fine-grained+critical-path) with LEVER="KEY=VALUE[ KEY=VALUE...]" on
+#    top, rows labelled by it (spaces as +), on CELL (default P1))
 #
 # Each part writes $OUT/ladder_PART.json (default docs/results/ladder); then, here:
 #   python benchmarks/ladder.py merge docs/results/ladder/ladder_*.json --out docs/results/ladder/latest.json
@@ -41,8 +41,9 @@ case "$PART" in
               --priorities "${PRIORITIES:-critical-path}" --spans "${SPANS:-1,2,3,4,auto}" ;;
   decode-only) python benchmarks/ladder.py run "${common[@]}" --cells P1 --policies normal,fine-grained \
               --priorities fifo --decode-only ;;
-  lever)    python benchmarks/ladder.py run "${common[@]}" --cells "${CELL:-P1}" --policies "${LEVER_POLICIES:-fine-grained}" \
-              --priorities "${PRIORITIES:-critical-path}" --set "${LEVER:?LEVER=KEY=VALUE}" --variant "$LEVER" \
-              --part "lever-${LEVER//[^A-Za-z0-9]/_}" ;;
+  lever)    sets=(); for kv in ${LEVER:?LEVER=KEY=VALUE[ KEY=VALUE...]}; do sets+=(--set "$kv"); done
+            python benchmarks/ladder.py run "${common[@]}" --cells "${CELL:-P1}" --policies "${LEVER_POLICIES:-fine-grained}" \
+              --priorities "${PRIORITIES:-critical-path}" "${sets[@]}" --variant "${LEVER// /+}" \
+              --part "lever-${LEVER//[^A-Za-z0-9]/_}${SUFFIX:+-$SUFFIX}" ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;
 esac

@@ -65,6 +65,22 @@ def test_decode_only_workload_adds_no_rendezvous_and_no_segmenting(tmp_path):
     assert 0 < m["d_iter_alone_s"] <= m["d_iter_s_mean"] and m["d_iter_alone_s_count"] <= m["d_iter_s_count"]
 
 
+
+def test_the_d_iteration_split_adds_up_to_launch_to_done():
+    """pickup + to start + device + resume is launch -> done, iteration by iteration (the sums
+    agree), every part but the CPU's to-start is positive, and the breakdown line shows them."""
+    from ainfer_pd.metrics.report import breakdown
+    trace = decode_only_trace(4, gen_tokens=12, prompt_tokens=8, turns=1)
+    _, m, _ = asyncio.run(_run("fine-grained", trace))
+    n = m["d_iter_s_count"]
+    assert n > 0 and all(m[f"{k}_count"] == n for k in ("d_pickup_s", "d_to_start_s", "d_device_s", "d_resume_s"))
+    parts = sum(m[f"{k}_sum"] for k in ("d_pickup_s", "d_to_start_s", "d_device_s", "d_resume_s"))
+    assert parts == pytest.approx(m["d_iter_s_sum"], rel=1e-9, abs=1e-9)
+    assert m["d_to_start_s_sum"] == 0.0                  # CPU: the item starts when its launcher does
+    assert m["d_device_s_sum"] > 0 and m["d_pickup_s_sum"] >= 0 and m["d_resume_s_sum"] >= 0
+    assert m["d_launch_call_s_sum"] == pytest.approx(m["d_device_s_sum"])  # CPU: the launch call is the work
+    assert "(pickup " in breakdown(m) and "resume " in breakdown(m)
+
 # ---------------------------------------------------------------- policies as data (issue 14)
 def test_epoch_mode_is_a_pure_table_of_the_policies():
     from ainfer_pd.errors import ConfigError
@@ -87,17 +103,20 @@ def test_epoch_mode_is_a_pure_table_of_the_policies():
         epoch_mode("fastest", True, True)
 
 
-@pytest.mark.parametrize("cost", ["none", "measured"])
-def test_activation_cost_runs_a_burst_of_first_turns_beside_few_rows_exclusively(cost):
+@pytest.mark.parametrize("cost,backlog", [("none", 0), ("measured", 0), ("none", 500)])
+def test_activation_cost_runs_a_burst_of_first_turns_beside_few_rows_exclusively(cost, backlog):
     """Two rows decode; a burst of 12 first turns arrives. none: every epoch beside the rows is
     gated. measured (initial slowdown 2): 2 rows < 12 turns x (2 - 1), so the burst's epochs are
-    declined and run exclusively; the greedy outputs do not change."""
+    declined and run exclusively. mux.exclusive_backlog_tokens 500: the epochs run exclusively
+    while more than 500 of the burst's 1,440 prompt tokens are left, then its tail is gated. The
+    greedy outputs do not change."""
     from ainfer_pd import SamplingParams
     from tests.conftest import rand_ids
 
     async def run():
         cfg = tiny_cfg(**{"scheduler.policy": "fine-grained", "mux.activation_threshold": 1,
-                          "mux.activation_cost": cost, "scheduler.max_prefill_tokens": 256})
+                          "mux.activation_cost": cost, "scheduler.max_prefill_tokens": 256,
+                          "mux.exclusive_backlog_tokens": backlog})
         rng = random.Random(4)
         async with RolloutWorker(cfg) as w:
             sp = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
@@ -114,8 +133,11 @@ def test_activation_cost_runs_a_burst_of_first_turns_beside_few_rows_exclusively
     outs, m = asyncio.run(run())
     ref, _ = asyncio.run(_reference_outputs())
     assert outs == ref
-    if cost == "none":
+    if backlog:
+        assert m["backlog_exclusive"] > 0 and m.get("rendezvous", 0) > 0     # the head exclusive, the tail gated
+    elif cost == "none":
         assert m.get("activation_declined", 0) == 0 and m.get("rendezvous", 0) > 0
+        assert m.get("backlog_exclusive", 0) == 0
     else:
         assert m["activation_declined"] > 0
 

@@ -63,9 +63,10 @@ def test_bad_priority_config_is_typed():
 async def test_critical_path_changes_no_output(policy):
     """Greedy outputs of a multi-turn workload are the same under fifo and critical-path (only
     the order of service changes), and the predictor learns from released trajectories."""
-    async def run(priority):
+    async def run(priority, short=0):
         cfg = tiny_cfg(**{"scheduler.policy": policy, "scheduler.priority": priority, "cache.num_blocks": 512,
-                          "scheduler.max_decode_batch": 4, "scheduler.max_prefill_tokens": 256})
+                          "scheduler.max_decode_batch": 4, "scheduler.max_prefill_tokens": 256,
+                          "scheduler.short_prefill_tokens": short})
         outs = {}
         async with RolloutWorker(cfg) as w:
             async def conv(i):
@@ -91,3 +92,27 @@ async def test_critical_path_changes_no_output(policy):
     cp, learnt = await run("critical-path")
     assert cp == fifo
     assert learnt is not None and learnt > 1
+    short, _ = await run("critical-path", short=16)      # the 9-token observations go first
+    assert short == fifo
+
+
+def test_short_prefill_turns_go_ahead_of_a_burst_of_first_turns():
+    """A continuation with 40 tokens left to prefill arrives behind a burst of long first turns
+    (every one of them over the first-token bound already): with short_prefill_tokens 256 it goes
+    right after the started chunk, ahead of the burst; off (0), it waits for the burst."""
+    h = History()
+    burst = [Work(f"b{i}", f"g{i}", 0, 3000, 2.0, 5000, False, 3000) for i in range(4)]
+    chunk = Work("c", "gc", 0, 3000, 2.0, 5000, True, 1200)
+    cont = Work("k", "g0", 1, 900, 0.3, 5000, False, 40)
+    items = [chunk, *burst, cont]
+    on = PriorityConfig("critical-path", 2.0, ttft_bound_tokens=1000, short_prefill_tokens=256)
+    assert [w.key for w in order(items, h, on)] == ["c", "k", "b0", "b1", "b2", "b3"]
+    off = PriorityConfig("critical-path", 2.0, ttft_bound_tokens=1000)
+    assert [w.key for w in order(items, h, off)] == ["c", "b0", "b1", "b2", "b3", "k"]
+    assert order(items, h, PriorityConfig("fifo", short_prefill_tokens=256)) == items    # fifo: unchanged
+
+
+def test_short_prefill_tokens_is_checked():
+    assert tiny_cfg().scheduler.short_prefill_tokens == 0
+    with pytest.raises(ConfigError, match="short_prefill_tokens"):
+        tiny_cfg(**{"scheduler.short_prefill_tokens": -1})

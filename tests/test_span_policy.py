@@ -203,3 +203,15 @@ def test_activation_cost_is_a_checked_config_choice():
     for bad in ("mux.activation_cost=off", "mux.activation_cost=always"):   # off: YAML's false
         with pytest.raises(ConfigError, match="activation_cost"):
             load_config("configs/tiny-cpu.yaml", [bad])
+
+
+def test_a_backlog_above_the_cap_drains_exclusively():
+    from ainfer_pd.sched.span import drains_exclusively
+    assert drains_exclusively(20_000, 16_384) and not drains_exclusively(16_384, 16_384)
+    assert not drains_exclusively(10 ** 9, 0)                       # 0: off
+    from ainfer_pd.cli import load_config
+    assert load_config("configs/tiny-cpu.yaml").mux.exclusive_backlog_tokens == 0
+    assert load_config("configs/tiny-cpu.yaml", ["mux.exclusive_backlog_tokens=16384"]).mux.exclusive_backlog_tokens == 16384
+    for bad in ("mux.exclusive_backlog_tokens=-1", "mux.exclusive_backlog_tokens=true"):
+        with pytest.raises(ConfigError, match="exclusive_backlog_tokens"):
+            load_config("configs/tiny-cpu.yaml", [bad])

@@ -50,6 +50,13 @@ class Work:
     """Extra wait before the item takes the device (fault injection: replicas out of phase)."""
     attrs: dict = field(default_factory=dict)
     """Trace attributes (``phase``, ``kind``, ``registered``, ``epoch``, ``boundary``)."""
+    t_started: float | None = None
+    """Recorder time the launcher began the item (its dependencies and delay passed)."""
+    t_launched: float | None = None
+    """Recorder time the launch call returned (CPU: the item ran)."""
+    interval: tuple[float, float] | None = None
+    """The item's device interval in recorder seconds, once recorded (CUDA: from its events,
+    mapped onto the host clock at the device's start; CPU: the residency slot held)."""
 
     def enqueued(self) -> cf.Future:
         """Resolves when the launch call returned (CPU: when it ran)."""
@@ -187,6 +194,7 @@ class Device:
     def _record(self, work: Work, stream: "Stream", t0: float, t1: float) -> None:
         """The interval of a completed item; with trace attributes also a ``work`` trace event."""
         rec = self.recorder
+        work.interval = (t0, t1)
         rec.interval(work.label, stream.name, t0, t1, **work.attrs)
         if work.attrs:
             rec.event("work", what=work.label, stream=stream.name, t0=t0, t1=t1, **work.attrs)
@@ -241,13 +249,14 @@ class CpuDevice(Device):
             time.sleep(work.delay_s)
         with self.residency:
             self._holding.slot = True
-            t0 = self.recorder.now()
+            t0 = work.t_started = self.recorder.now()
             try:
                 with torch.inference_mode():
                     return fn(*args)
             finally:
                 self._holding.slot = False
-                self._record(work, stream, t0, self.recorder.now())
+                work.t_launched = t1 = self.recorder.now()
+                self._record(work, stream, t0, t1)
 
     @contextlib.contextmanager
     def comm_budget(self):
@@ -315,10 +324,12 @@ class CudaDevice(Device):
             time.sleep(work.delay_s)
         with torch.cuda.stream(cs), torch.inference_mode():
             start = torch.cuda.Event(enable_timing=True)
+            work.t_started = self.recorder.now()
             start.record(cs)
             result = fn(*args)
             end = torch.cuda.Event(enable_timing=True)
             end.record(cs)
+        work.t_launched = self.recorder.now()
         work._start_event, work._event = start, end
         with self._lock:
             self._unnoted.setdefault(stream.name, []).append(work)

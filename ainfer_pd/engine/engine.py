@@ -30,9 +30,11 @@ from ..metrics.report import percentile
 from ..phase import Phase, PhaseContext
 from ..sched.epoch_mode import EpochMode, epoch_mode, policy_traits
 from ..sched.planner import plan_decode, plan_prefill
-from ..sched.span import Activation, SlowdownMeter, SpanInputs, make_span_policy, multiplexing_pays
+from ..sched.span import (Activation, SlowdownMeter, SpanInputs, drains_exclusively, make_span_policy,
+                          multiplexing_pays)
 from ..turnstile.rendezvous import LocalRendezvous
 from ..turnstile.turnstile import Turnstile
+from .d_overlap import InFlightD, decode_sampled, feed_of, needs_host_history, rows_after
 from .device import Device, make_device
 from .kv_cache import KVCacheManager
 from .p_walk import EpochWalk, p_segments
@@ -209,15 +211,21 @@ class Engine:
         return new if old == 0.0 else (1 - a) * old + a * new
 
     def _mux_active(self, work) -> bool:
-        tokens = sum(n for _, _, n in work) + sum(t.remaining_prompt for t in self.book.waiting)
+        backlog = sum(t.remaining_prompt for t in self.book.waiting)
+        tokens = sum(n for _, _, n in work) + backlog
         rows = len(self.book.decoding)
         on = self.activation.update(self.rec.now(), tokens, rows)
         # the epoch's turns are still in `waiting` (they leave it when their first token comes)
-        return on and self._mux_pays(rows, len(self.book.waiting), self.slowdown.value)
+        return on and self._mux_pays(rows, len(self.book.waiting), self.slowdown.value, backlog)
 
-    def _mux_pays(self, rows: int, turns: int, slowdown: float) -> bool:
-        """``mux.activation_cost``: none -> True; measured -> :func:`multiplexing_pays` (every rank
-        passes the same agreed inputs); an epoch it declines runs exclusively."""
+    def _mux_pays(self, rows: int, turns: int, slowdown: float, backlog_tokens: int) -> bool:
+        """``mux.exclusive_backlog_tokens``: a backlog (the waiting turns' prompt tokens still to
+        prefill, this epoch's included) above it runs exclusively (:func:`drains_exclusively`);
+        then ``mux.activation_cost``: none -> True; measured -> :func:`multiplexing_pays`. Every
+        rank passes the same agreed inputs; an epoch declined runs exclusively."""
+        if drains_exclusively(backlog_tokens, self.cfg.mux.exclusive_backlog_tokens):
+            self.rec.count("backlog_exclusive")
+            return False
         if self.cfg.mux.activation_cost == "none":
             return True
         pays = multiplexing_pays(rows, turns, slowdown)
@@ -311,19 +319,17 @@ class Engine:
         """Foreground D loop. Consumes decoding turns, one iteration at a time.
         Waits for: decode rows; under ``normal`` no pending P; under the turnstile
         policies P's next boundary (rendezvous 1) and the enqueue ACK (rendezvous 2).
-        Unblocked by: promotions, P epochs ending, boundaries published, aborts."""
-        book = self.book
+        Unblocked by: promotions, P epochs ending, boundaries published, aborts.
+        ``scheduler.overlap_decode``: :meth:`_overlapped_decode_loop` instead."""
+        if self.cfg.scheduler.overlap_decode:
+            await self._overlapped_decode_loop()
+            return
         while True:
             await self._await_decode_rows()
-            t_ready = self.rec.now()
-            await self._wait_for(lambda: self._d_may_run() or not book.has_live_rows())
-            if not book.has_live_rows():
+            opened = await self._open_d_round()
+            if opened is None:
                 continue
-            rnd = await self.turnstile.before_decode()
-            ready = book.decoding
-            if len(ready) > self.cfg.scheduler.max_decode_batch:
-                ready = book.by_priority(list(ready), waiting=False)
-            rows = [t for t in plan_decode(ready, self.cfg.scheduler.max_decode_batch) if not t.abort_requested]
+            t_ready, rnd, rows = opened
             if not rows:
                 if rnd is not None:
                     await self.turnstile.after_decode(rnd)
@@ -331,28 +337,64 @@ class Engine:
             await self._decode_once(rows, rnd, t_ready)
             self._notify()
 
+    async def _open_d_round(self):
+        """Once D may run: (ready time, the turnstile round (None when no gated epoch is
+        active), the rows of the next iteration); None when no live row is left meanwhile."""
+        t_ready = self.rec.now()
+        await self._wait_for(lambda: self._d_may_run() or not self.book.has_live_rows())
+        if not self.book.has_live_rows():
+            return None
+        rnd = await self.turnstile.before_decode()
+        return t_ready, rnd, self._d_rows()
+
+    def _d_rows(self) -> list[Turn]:
+        """The rows of the next D iteration (by priority when more are ready than fit)."""
+        book = self.book
+        ready = book.decoding
+        if len(ready) > self.cfg.scheduler.max_decode_batch:
+            ready = book.by_priority(list(ready), waiting=False)
+        return [t for t in plan_decode(ready, self.cfg.scheduler.max_decode_batch) if not t.abort_requested]
+
     async def _decode_once(self, rows: list[Turn], rnd, t_ready: float) -> None:
         """Enqueue one D iteration of ``rows`` (empty on a lockstep rank without rows), inside
         the turnstile round ``rnd`` when one is open; await completion; emit the tokens."""
         t_build = self.rec.now()
         plan = await self._decode_plan(rows)
         self.rec.sample("d_build_s", self.rec.now() - t_build)
+        w, t_launch = await self._d_launch(rows, rnd, t_ready, self.runner.decode, plan, self.decode_ctx)
+        try:
+            logits = await w.done()
+        finally:
+            self._d_in_flight = False
+            for t in rows:
+                t.in_flight -= 1
+        t_done = self.rec.now()
+        self._d_timed(w, t_launch, t_done)
+        self.book.finish_decode(plan, logits)
+        self.book.drain_cleanups()
+        self.rec.sample("d_post_s", self.rec.now() - t_done)
+
+    async def _d_launch(self, rows: list[Turn], rnd, t_ready: float, fn, *args):
+        """Submit the D iteration ``fn(*args)`` of ``rows`` on the D stream inside the round ``rnd``
+        (when one is open: its enqueue ACK follows the launch). Returns (the item, launch time);
+        ``rows`` count it in flight until the caller read it."""
         if self.faults.active:
             skew = self.faults.d_skew_s()
             if skew:
                 await asyncio.sleep(skew)
         for t in rows:
             t.in_flight += 1
-        self._before_d_launch(rnd)
-        w = self.decode_ctx.stream.submit(self.runner.decode, plan, self.decode_ctx, label="D.iter",
-                                          attrs={**D_ITEM, "epoch": rnd.epoch if rnd else None},
-                                          delay_s=self._d_device_delay_s)
-        self._d_in_flight = True
-        if rows:
-            self.rec.sample("d_wait_s", self.rec.now() - t_ready)
-        self.rec.event("d_launch", rows=len(rows), round=rnd is not None, epoch=self._epoch)
-        t_launch = self.rec.now()
         try:
+            self._before_d_launch(rnd)
+            w = self.decode_ctx.stream.submit(fn, *args, label="D.iter",
+                                              attrs={**D_ITEM, "epoch": rnd.epoch if rnd else None},
+                                              delay_s=self._d_device_delay_s)
+            self._d_in_flight = True
+            self._d_last = w
+            if rows:
+                self.rec.sample("d_wait_s", self.rec.now() - t_ready)
+            self.rec.event("d_launch", rows=len(rows), round=rnd is not None, epoch=self._epoch)
+            t_launch = self.rec.now()
             if rnd is not None:
                 await self.turnstile.after_decode(rnd)
                 p_running = self.prefill_ctx.stream.num_pending
@@ -360,19 +402,115 @@ class Engine:
                     # the enqueue ACK came while P work was still running: not a completion fence
                     self.rec.count("delayed_ack_rounds")
                 self.rec.event("ack", epoch=rnd.epoch, boundary=rnd.boundary, p_running=p_running)
-            logits = await w.done()
-        finally:
+        except BaseException:
             self._d_in_flight = False
             for t in rows:
                 t.in_flight -= 1
-        t_done = self.rec.now()
-        self._d_iter_ema = self._ema(self._d_iter_ema, t_done - t_launch)
-        self.rec.sample("d_iter_s", t_done - t_launch)
+            raise
+        return w, t_launch
+
+    _d_last = None
+    """The D stream item launched last (the overlapped loop: D is in flight until it is read)."""
+
+    def _d_timed(self, w, t_launch: float, t_done: float) -> None:
+        """The timing samples of a D iteration read at ``t_done``. Overlapped, launch -> done
+        includes the wait behind the iteration before it, so the D period the span policy and the
+        bound's chain use is the device interval instead."""
+        dur = t_done - t_launch
+        self.rec.sample("d_iter_s", dur)
+        period = dur
+        if self.cfg.scheduler.overlap_decode and w.interval is not None:
+            period = w.interval[1] - w.interval[0]
+        self._d_iter_ema = self._ema(self._d_iter_ema, period)
+        self._split_d_iter(w, t_launch, t_done)
         if not self._p_running:
-            self.rec.sample("d_iter_alone_s", t_done - t_launch)       # no P epoch beside it
-        self.book.finish_decode(plan, logits)
+            self.rec.sample("d_iter_alone_s", period)       # no P epoch beside it
+
+    # ------------------------------------------------------------------ D, overlapped
+    async def _overlapped_decode_loop(self) -> None:
+        """The D loop with ``scheduler.overlap_decode`` (see :mod:`.d_overlap`): iteration n+1 is
+        launched before n is read, its rows that were in n fed on the device from n's tokens; n is
+        read and booked while n+1 runs. Every wait that is not for the next iteration (no rows, D
+        may not run, a row needs its history on the host) reads the iteration in flight first."""
+        book = self.book
+        max_ctx = self.cfg.model.max_context_len
+        prev: InFlightD | None = None
+        try:
+            while True:
+                if prev is None:
+                    await self._await_decode_rows()
+                elif not (book.has_live_rows() and self._d_may_run()):
+                    await self._read_d(prev)
+                    prev = None
+                    continue
+                opened = await self._open_d_round()
+                if opened is None:
+                    continue
+                t_ready, rnd, rows = opened
+                if prev is not None and needs_host_history(rows):
+                    await self._read_d(prev)
+                    prev = None
+                    rows = self._d_rows()
+                rows, ahead = rows_after(rows, prev, max_ctx)
+                if not rows:
+                    if rnd is not None:
+                        await self.turnstile.after_decode(rnd)
+                    if prev is not None:
+                        await self._read_d(prev)
+                        prev = None
+                    continue
+                t_build = self.rec.now()
+                plan = self.runner.build([], rows, ahead)
+                sample_rows = [book.sample_row(t, a) for t, a in zip(rows, ahead)]
+                feed = feed_of(rows, ahead, prev, self.runner.device)
+                self.rec.sample("d_build_s", self.rec.now() - t_build)
+                self.rec.count("d_rows_fed", sum(ahead))
+                w, t_launch = await self._d_launch(rows, rnd, t_ready, decode_sampled, self.runner, plan,
+                                                   self.decode_ctx, sample_rows, feed,
+                                                   prev.work if prev is not None else None)
+                launched = InFlightD(plan, w, rows, t_launch, {id(t): i for i, t in enumerate(rows)})
+                if prev is not None:
+                    await self._read_d(prev)
+                prev = launched
+                self._notify()
+        finally:
+            if prev is not None:             # stopped with an iteration unread: nothing books it
+                for t in prev.rows:
+                    t.in_flight -= 1
+                self._d_in_flight = False
+                book.drain_cleanups()
+
+    async def _read_d(self, it: InFlightD) -> None:
+        """Wait for the overlapped iteration ``it``, then book its tokens."""
+        try:
+            ds = await it.work.done()
+        finally:
+            if self._d_last is it.work:
+                self._d_in_flight = False
+            for t in it.rows:
+                t.in_flight -= 1
+        t_done = self.rec.now()
+        self._d_timed(it.work, it.t_launch, t_done)
+        self.book.finish_decode(it.plan, sampled=ds)
         self.book.drain_cleanups()
         self.rec.sample("d_post_s", self.rec.now() - t_done)
+        self._notify()
+
+    def _split_d_iter(self, w, t_launch: float, t_done: float) -> None:
+        """Where launch -> done went, in four parts that add up to it: ``d_pickup_s`` (submitted ->
+        the launcher began), ``d_to_start_s`` (-> the device began; CUDA: the start event's time
+        on the host clock, so it can read slightly negative), ``d_device_s`` (the device interval)
+        and ``d_resume_s`` (device end -> this coroutine resumed: the waiter's wake-up and the
+        event loop's lag). Also ``d_launch_call_s``, the host launch call itself."""
+        if w.interval is None or w.t_started is None:
+            return
+        a, b = w.interval
+        rec = self.rec
+        rec.sample("d_pickup_s", w.t_started - t_launch)
+        rec.sample("d_to_start_s", a - w.t_started)
+        rec.sample("d_device_s", b - a)
+        rec.sample("d_resume_s", t_done - b)
+        rec.sample("d_launch_call_s", w.t_launched - w.t_started)
 
     async def _decode_plan(self, rows: list[Turn]) -> BatchPlan:
         """The D batch of ``rows`` (a lockstep rank pads it and shares it with its TP followers)."""

@@ -192,9 +192,9 @@ class LockstepEngine(Engine):
             self.num_steps += 1
             self._announced = min(len(self._live_rows()), max_rows)
             clock_ms = int(self.rec.now() * 1000)
-            waiting = len(self.book.waiting) if self.is_leader else 0
+            waiting = self.book.waiting if self.is_leader else ()
             payload = (self._announced, self._local_p_tokens(), int(self._p_running), clock_ms, int(self.closing),
-                       waiting, int(self.slowdown.value * 1000))
+                       len(waiting), int(self.slowdown.value * 1000), sum(t.remaining_prompt for t in waiting))
             t0 = self.rec.now()
             states = await self.rdv.arrive("step", payload, epoch=self._epoch)
             self.rec.sample("step_sync_s", self.rec.now() - t0)
@@ -205,7 +205,8 @@ class LockstepEngine(Engine):
             # NOTE: activation from agreed inputs only (totals, rank 0's clock): identical on every rank
             mux_on = self.activation.update(states[0][3] / 1000.0, total_p, total_d)
             if mux_on and total_p and not any_running:    # the epoch about to start: does gating it pay?
-                mux_on = self._mux_pays(total_d, sum(s[5] for s in states), states[0][6] / 1000.0)
+                mux_on = self._mux_pays(total_d, sum(s[5] for s in states), states[0][6] / 1000.0,
+                                        sum(s[7] for s in states))
             if not any_running:
                 self._exclusive_epoch = False         # agreed: every rank finished the last epoch
             self.not_closing = tuple(r for r, s in enumerate(states) if not s[4])

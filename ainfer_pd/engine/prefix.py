@@ -61,6 +61,14 @@ def pending_view(kv: KVCacheManager, turns) -> list[PendingPrefill]:
     return out
 
 
+def prefill_left(kv: KVCacheManager, t: Turn) -> int:
+    """Prompt tokens ``t`` still has to prefill: the rest of an admitted turn, else its prompt
+    less the prefix the cache holds for it now (the admission view, memoized)."""
+    if t.lifetime:
+        return t.remaining_prompt
+    return len(t.context) - _view(kv, t, prompt_hashes(kv, t)).cached
+
+
 def _view(kv: KVCacheManager, t: Turn, hashes: list):
     memo = t.prefix_view
     if memo is not None and memo[0] == kv.version:

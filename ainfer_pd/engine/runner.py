@@ -87,8 +87,11 @@ class ModelRunner:
                            mc.head_dim, dtype=mc.torch_dtype, device=self.device)
 
     # ------------------------------------------------------------------ batches
-    def build(self, prefill: list[tuple[Turn, int, int]], decode: list[Turn]) -> BatchPlan:
-        """Host-side metadata for a flat batch: prefill chunks first, then decode rows."""
+    def build(self, prefill: list[tuple[Turn, int, int]], decode: list[Turn],
+              ahead: list[int] | None = None) -> BatchPlan:
+        """Host-side metadata for a flat batch: prefill chunks first, then decode rows.
+        ``ahead[i]`` = 1: decode row i's last token is still on the device (the overlapped D loop):
+        it is fed at position seq_len, and its input id is a placeholder the launch fills in."""
         ids: list[int] = []
         pos: list[int] = []
         write: list[Tensor] = []
@@ -108,12 +111,12 @@ class ModelRunner:
         decode_meta = None
         host_write = []
         if decode:
-            lens = [t.seq_len for t in decode]
+            lens = [t.seq_len + a for t, a in zip(decode, ahead)] if ahead else [t.seq_len for t in decode]
             bs = self.kv.block_size
             nb = -(-max(lens) // bs)
-            for t in decode:
-                p = t.seq_len - 1                      # position of the token being fed
-                ids.append(t.out_tokens[-1])
+            for t, n in zip(decode, lens):
+                p = n - 1                              # position of the token being fed
+                ids.append(t.out_tokens[-1] if n == t.seq_len else 0)
                 pos.append(p)
                 host_write.append(self.kv.slot_of(t.tid, p))
                 rows.append(len(ids) - 1)

@@ -54,72 +54,95 @@ def uniform(seed: int, step: int) -> float:
     return ((z >> 11) + 0.5) / float(1 << 53)
 
 
-def _on_rows(x: Tensor, idx: list[int], fn) -> Tensor:
+def _to_device(dev: torch.device, pinned: bool):
+    """host tensor -> ``dev``. ``pinned`` (CUDA): through pinned memory without blocking: a copy
+    from pageable memory waits for the stream's earlier work (here: the D iteration being sampled)."""
+    if pinned and dev.type == "cuda":
+        return lambda t: t.pin_memory().to(dev, non_blocking=True)
+    return lambda t: t.to(dev)
+
+
+def _on_rows(x: Tensor, idx: list[int], fn, to) -> Tensor:
     """x [R, V] with rows ``idx`` replaced by ``fn(x[idx])`` (the other rows as they are)."""
-    sel = torch.tensor(idx, dtype=torch.int64).to(x.device)
+    sel = to(torch.tensor(idx, dtype=torch.int64))
     x = x.clone()
     x.index_copy_(0, sel, fn(x.index_select(0, sel)))
     return x
 
 
-def _penalize(x: Tensor, rows: list[SampleRow]) -> Tensor:
+def _penalize(x: Tensor, rows: list[SampleRow], to) -> Tensor:
     """x [R, V] with each row's repetition penalty applied to the tokens of its history."""
     idx = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0 and r.history]
     if not idx:
         return x
     hist = [sorted(set(rows[i].history)) for i in idx]
     width = max(len(h) for h in hist)
-    pad = torch.tensor([h + [h[0]] * (width - len(h)) for h in hist], dtype=torch.int64).to(x.device)
-    pen = torch.tensor([rows[i].params.repetition_penalty for i in idx], dtype=x.dtype).to(x.device)[:, None]
+    pad = to(torch.tensor([h + [h[0]] * (width - len(h)) for h in hist], dtype=torch.int64))
+    pen = to(torch.tensor([rows[i].params.repetition_penalty for i in idx], dtype=x.dtype))[:, None]
 
     def penalize(sub: Tensor) -> Tensor:
         vals = sub.gather(1, pad)
         return sub.scatter_(1, pad, torch.where(vals > 0, vals / pen, vals * pen))   # duplicates write one value
-    return _on_rows(x, idx, penalize)
+    return _on_rows(x, idx, penalize, to)
 
 
-def _top_k(x: Tensor, rows: list[SampleRow]) -> Tensor:
+def _top_k(x: Tensor, rows: list[SampleRow], to) -> Tensor:
     V = x.shape[1]
     ks = [r.params.top_k if 0 < r.params.top_k < V and not r.params.greedy else 0 for r in rows]
     if not any(ks):
         return x
     kmax = max(ks)
-    kth_idx = torch.tensor([max(k, 1) - 1 for k in ks], dtype=torch.int64).to(x.device)[:, None]
+    kth_idx = to(torch.tensor([max(k, 1) - 1 for k in ks], dtype=torch.int64))[:, None]
     kth = torch.topk(x, kmax, dim=-1).values.gather(1, kth_idx)
-    on = torch.tensor([k > 0 for k in ks]).to(x.device)[:, None]
+    on = to(torch.tensor([k > 0 for k in ks]))[:, None]
     return x.masked_fill(on & (x < kth), float("-inf"))
 
 
-def _top_p(x: Tensor, rows: list[SampleRow]) -> Tensor:
+def _top_p(x: Tensor, rows: list[SampleRow], to) -> Tensor:
     """Keep the smallest prefix (by probability) reaching each row's top_p."""
     idx = [i for i, r in enumerate(rows) if r.params.top_p < 1.0 and not r.params.greedy]
     if not idx:
         return x
-    tp = torch.tensor([rows[i].params.top_p for i in idx], dtype=torch.float32).to(x.device)[:, None]
+    tp = to(torch.tensor([rows[i].params.top_p for i in idx], dtype=torch.float32))[:, None]
 
     def nucleus(sub: Tensor) -> Tensor:
         srt, order = torch.sort(sub, dim=-1, descending=True)
         p = torch.softmax(srt, -1)
         drop = (p.cumsum(-1) - p) > tp
         return sub.scatter(1, order, srt.masked_fill(drop, float("-inf")))
-    return _on_rows(x, idx, nucleus)
+    return _on_rows(x, idx, nucleus, to)
 
 
-def sample(logits: Tensor, rows: list[SampleRow]) -> tuple[list[int], list[float], dict[int, str]]:
-    """logits [R, V] -> (token ids, logprobs, bad rows: index -> reason), on the logits' device."""
+@dataclass(slots=True)
+class DeviceSample:
+    """A batch sampled on the logits' device (:func:`sample_on_device`), not read yet."""
+
+    tok: Tensor           # [R] int64 token ids on the device: the next D iteration's inputs, without the host
+    host: Tensor          # [2, R] float64 token ids and log-probabilities on the host (copied with the stream)
+    x: Tensor             # [R, V] the distribution's logits, for the reason a row could not be sampled
+
+
+def sample_on_device(logits: Tensor, rows: list[SampleRow], *, pinned: bool = False) -> DeviceSample:
+    """Enqueue the sampling of logits [R, V] on the current stream and the copy of its 2R
+    results to the host. ``pinned`` (CUDA): every copy goes through pinned memory without
+    blocking (the host launcher never waits for the iteration it samples), so the host may read
+    :attr:`DeviceSample.host` only once the stream passed it (the engine's overlapped D loop reads
+    it after the iteration's completion event); else the copies block."""
     x = logits.float()
     R, V = x.shape
     dev = x.device
     if R == 0:
-        return [], [], {}
-    x = _penalize(x, rows)
+        e = torch.zeros(0, dtype=torch.int64, device=dev)
+        return DeviceSample(e, torch.zeros(2, 0, dtype=torch.float64), x)
+    to = _to_device(dev, pinned)
+    x = _penalize(x, rows, to)
     greedy = [r.params.greedy for r in rows]
     sampled = not all(greedy)
     if sampled:
-        per_row = torch.tensor([[1.0 if g else r.params.temperature for g, r in zip(greedy, rows)],
-                                [0.5 if g else uniform(r.seed, r.step) for g, r in zip(greedy, rows)],
-                                greedy], dtype=torch.float64).to(dev)              # one host -> device copy
-        x = _top_p(_top_k(x / per_row[0, :, None].float(), rows), rows)
+        per_row = to(torch.tensor([[1.0 if g else r.params.temperature for g, r in zip(greedy, rows)],
+                                   [0.5 if g else uniform(r.seed, r.step) for g, r in zip(greedy, rows)],
+                                   greedy], dtype=torch.float64))                  # one host -> device copy
+        x = _top_p(_top_k(x / per_row[0, :, None].float(), rows, to), rows, to)
     lp = torch.log_softmax(x, dim=-1)                                   # log-probabilities [R, V]
     tok = lp.argmax(dim=-1)
     if sampled:
@@ -127,14 +150,31 @@ def sample(logits: Tensor, rows: list[SampleRow]) -> tuple[list[int], list[float
         drawn = torch.searchsorted(cdf, per_row[1, :, None] * cdf[:, -1:]).squeeze(1).clamp_(max=V - 1)
         tok = torch.where(per_row[2] > 0, tok, drawn)
     chosen = lp.gather(1, tok[:, None]).squeeze(1)
-    out = torch.stack([tok.double(), chosen.double()]).cpu()           # the one device -> host copy
-    toks = [int(t) for t in out[0].tolist()]
-    lps = out[1].tolist()
+    out = torch.stack([tok.double(), chosen.double()])
+    if pinned and out.is_cuda:
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        if x.data_ptr() == logits.data_ptr():
+            x = x.clone()          # the logits may be a graph's output buffer, which its next replay overwrites
+    else:
+        host = out.cpu()                                                # the one device -> host copy
+    return DeviceSample(tok, host, x)
+
+
+def read_sample(ds: DeviceSample) -> tuple[list[int], list[float], dict[int, str]]:
+    """(token ids, logprobs, bad rows: index -> reason) of a :class:`DeviceSample` whose copy completed."""
+    toks = [int(t) for t in ds.host[0].tolist()]
+    lps = ds.host[1].tolist()
     # a NaN or +inf logit, or no finite one, makes the row's log-softmax NaN at every token
-    bad = {i: _why_not_a_distribution(x[i]) for i, v in enumerate(lps) if not math.isfinite(v)}
+    bad = {i: _why_not_a_distribution(ds.x[i]) for i, v in enumerate(lps) if not math.isfinite(v)}
     for i in bad:
         toks[i], lps[i] = 0, float("nan")
     return toks, lps, bad
+
+
+def sample(logits: Tensor, rows: list[SampleRow]) -> tuple[list[int], list[float], dict[int, str]]:
+    """logits [R, V] -> (token ids, logprobs, bad rows: index -> reason), on the logits' device."""
+    return read_sample(sample_on_device(logits, rows))
 
 
 def _why_not_a_distribution(row: Tensor) -> str:

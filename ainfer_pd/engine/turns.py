@@ -27,7 +27,7 @@ from . import prefix
 from .kv_cache import KVCacheManager
 from .routed_experts import of_turn
 from .runner import BatchPlan
-from .sampler import SampleRow, sample
+from .sampler import DeviceSample, SampleRow, read_sample, sample
 from .state import Turn, TurnState
 
 log = logging.getLogger("ainfer_pd.engine")
@@ -50,10 +50,11 @@ class TurnBook:
         self.waiting: deque[Turn] = deque()
         self.decoding: list[Turn] = []
         sc = cfg.scheduler
-        self.priority = PriorityConfig(sc.priority, sc.priority_aging_s, sc.ttft_bound_tokens)
+        self.priority = PriorityConfig(sc.priority, sc.priority_aging_s, sc.ttft_bound_tokens, sc.short_prefill_tokens)
         self.history = History()           # finished trajectories: the critical-path predictor
         self.num_p_admitted_tokens = 0     # prefill tokens admitted so far (the first-token bound)
         self.pending_cleanup: list[Turn] = []
+        self.pending_finish: list[Turn] = []     # ended turns whose last (unused) D pass is in flight
         """Aborted turns whose device work has not drained (cleaned up by :meth:`drain_cleanups`)."""
         self.num_dropped_results = 0
         self.num_prefill_tokens = 0        # prompt tokens computed by P passes
@@ -96,7 +97,8 @@ class TurnBook:
             self.pending_cleanup.append(turn)
         self.notify()
 
-    def _cleanup_aborted(self, turn: Turn) -> None:
+    def _cleanup_aborted(self, turn: Turn, *, failed: bool = False) -> None:
+        """``failed``: the turn ended with an error (counted in ``failures``, not ``aborted``)."""
         if turn in self.waiting:
             self.waiting.remove(turn)
         if turn in self.decoding:
@@ -114,17 +116,30 @@ class TurnBook:
         if turn.traj.draining is turn:
             turn.traj.draining = None
         turn.drained.set()
-        self.num_aborted += 1
+        if not failed:
+            self.num_aborted += 1
 
     def drain_cleanups(self) -> None:
-        """Clean up every aborted turn whose device work has drained since."""
+        """Clean up every aborted turn whose device work has drained since, and give back the KV
+        of every ended turn whose last (unused) pass has."""
         still = []
         for t in self.pending_cleanup:
             if t.in_flight == 0:
-                self._cleanup_aborted(t)
+                f = t.future
+                self._cleanup_aborted(t, failed=f.done() and not f.cancelled() and f.exception() is not None)
             else:
                 still.append(t)
         self.pending_cleanup = still
+        if self.pending_finish:
+            ended = [t for t in self.pending_finish if t.in_flight == 0]
+            self.pending_finish = [t for t in self.pending_finish if t.in_flight]
+            for t in ended:
+                self.kv.finish_turn(t.tid, t.lifetime, t.seq_len - 1, self.rec.now())
+                if t.traj.draining is t:
+                    t.traj.draining = None
+                t.drained.set()
+            if ended:
+                self.notify()
 
     # ================================================================== admission
     def pending_view(self) -> list[PendingPrefill]:
@@ -138,9 +153,11 @@ class TurnBook:
         if self.priority.policy == "fifo" or len(turns) < 2:
             return turns
         now = self.rec.now()
+        short = waiting and self.priority.short_prefill_tokens > 0
         work = [Work(t.request_id, t.traj.group or t.tid, t.traj.num_turns - 1, len(t.context) + len(t.out_tokens),
                      now - t.t_submit, (self.num_p_admitted_tokens - t.p_mark) if waiting else 0,
-                     bool(t.lifetime) if waiting else False) for t in turns]
+                     bool(t.lifetime) if waiting else False,
+                     prefix.prefill_left(self.kv, t) if short else 0) for t in turns]
         by_id = {t.request_id: t for t in turns}
         return [by_id[w.key] for w in order(work, self.history, self.priority)]
 
@@ -211,7 +228,7 @@ class TurnBook:
                 and self.kv.is_current(t.tid, t.lifetime)]
         if keep:
             turns = [plan.logit_turns[i] for i in keep]
-            toks, lps, bad = sample(logits[keep], [self._sample_row(t) for t in turns])
+            toks, lps, bad = sample(logits[keep], [self.sample_row(t) for t in turns])
             self._fail_unsampled(turns, bad)
             for i, (t, tok, lp) in enumerate(zip(turns, toks, lps)):
                 if i in bad:
@@ -223,15 +240,25 @@ class TurnBook:
                 self._append_token(t, tok, lp)
         self.notify()
 
-    def finish_decode(self, plan: BatchPlan, logits: torch.Tensor) -> None:
-        """Append each live decode row's sampled token (its KV for the fed token is written)."""
+    def finish_decode(self, plan: BatchPlan, logits: torch.Tensor | None = None, *,
+                      sampled: DeviceSample | None = None) -> None:
+        """Append each live decode row's sampled token (its KV for the fed token is written).
+        ``sampled``: the iteration was sampled on the device already (every row of the plan, the
+        overlapped D loop); rows that ended or were aborted since are skipped."""
         live = [i for i, t in enumerate(plan.logit_turns) if not t.abort_requested and t.state is TurnState.DECODING]
+        if sampled is not None and len(live) < len(plan.logit_turns):
+            self.rec.count("d_rows_unused", len(plan.logit_turns) - len(live))   # ended or aborted since the launch
         if not live:
             return
         turns = [plan.logit_turns[i] for i in live]
         for t in turns:
             self.kv.mark_written(t.tid, t.lifetime, t.seq_len)
-        toks, lps, bad = sample(logits[live], [self._sample_row(t) for t in turns])
+        if sampled is None:
+            toks, lps, bad = sample(logits[live], [self.sample_row(t) for t in turns])
+        else:
+            all_toks, all_lps, all_bad = read_sample(sampled)
+            toks, lps = [all_toks[i] for i in live], [all_lps[i] for i in live]
+            bad = {j: all_bad[i] for j, i in enumerate(live) if i in all_bad}
         self._fail_unsampled(turns, bad)
         for i, (t, tok, lp) in enumerate(zip(turns, toks, lps)):
             if i not in bad:
@@ -244,12 +271,14 @@ class TurnBook:
             t = turns[i]
             log.warning("request %s failed in sampling: %s", t.request_id, why)
             self.fail_turns([t], SamplingError(f"request {t.request_id} ({t.tid!r}): {why} "
-                                               f"(sampling params {t.params})"))
+                                               f"(sampling params {t.params})"), drained=False)
 
     @staticmethod
-    def _sample_row(t: Turn) -> SampleRow:
+    def sample_row(t: Turn, ahead: int = 0) -> SampleRow:
+        """``ahead``: tokens of ``t`` sampled on the device and not read yet (their count is the
+        noise counter's offset; a repetition penalty needs them read: see ``engine.d_overlap``)."""
         hist = (t.context + t.out_tokens) if t.params.repetition_penalty != 1.0 else None
-        return SampleRow(t.params, t.seed, len(t.out_tokens), hist)
+        return SampleRow(t.params, t.seed, len(t.out_tokens) + ahead, hist)
 
     def _append_token(self, t: Turn, tok: int, lp: float) -> None:
         t.out_tokens.append(tok)
@@ -269,7 +298,14 @@ class TurnBook:
         t.state = TurnState.DONE
         t.traj.tokens = t.context + t.out_tokens
         t.routed_experts = of_turn(self.routed, self.kv, t)          # before its KV goes
-        self.kv.finish_turn(t.tid, t.lifetime, t.seq_len - 1, self.rec.now())
+        if t.in_flight:
+            # NOTE: the overlapped D loop launched the next iteration with this row before its
+            # stop token was read: that pass still writes the row's KV. Its blocks go back once it
+            # drained; until then the trajectory drains (its next turn waits, release waits).
+            t.traj.draining = t
+            self.pending_finish.append(t)
+        else:
+            self.kv.finish_turn(t.tid, t.lifetime, t.seq_len - 1, self.rec.now())
         if t.traj.turn is t:
             t.traj.turn = None
         self.num_finished += 1
@@ -290,8 +326,10 @@ class TurnBook:
                          routed_experts=t.routed_experts)
         t.future.set_result(out)
 
-    def fail_turns(self, turns: list[Turn], err: BaseException) -> None:
-        """End ``turns`` with ``err`` (typed) and free their KV (their device work has drained)."""
+    def fail_turns(self, turns: list[Turn], err: BaseException, *, drained: bool = True) -> None:
+        """End ``turns`` with ``err`` (typed) and free their KV: now when their device work has
+        drained; with ``drained=False`` (the overlapped D loop's next pass may still feed a
+        row) once it has, the trajectory draining meanwhile."""
         for t in turns:
             if t.state in (TurnState.DONE, TurnState.ABORTED):
                 continue
@@ -300,9 +338,16 @@ class TurnBook:
             self.num_failed += 1
             t.abort_requested = True
             t.commit_on_abort = False        # a failed turn leaves its trajectory as it was
-            t.in_flight = 0
-            self._cleanup_aborted(t)
-            self.num_aborted -= 1            # counted as failed, not aborted
+            if drained:
+                t.in_flight = 0
+            if t.in_flight == 0:
+                self._cleanup_aborted(t, failed=True)
+                continue
+            if t.traj.turn is t:
+                t.traj.turn = None
+                t.traj.tokens = t.prev_tokens
+            t.traj.draining = t
+            self.pending_cleanup.append(t)
         self.notify()
 
     def close(self) -> None:

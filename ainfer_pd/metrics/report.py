@@ -228,12 +228,16 @@ def compare_outputs(a: Mapping[Any, Sequence[int]], b: Mapping[Any, Sequence[int
 
 
 def breakdown(m: dict[str, Any]) -> str:
-    """One line of where a run's time went: D iterations (host build, launch->done, post),
-    P epochs, and the device busy / concurrent fractions."""
+    """One line of where a run's time went: D iterations (host build, launch->done and its split,
+    post), P epochs, and the device busy / concurrent fractions."""
     def ms(key: str) -> str:
         return f"{m.get(key + '_mean', 0.0) * 1e3:.2f}"
-    return (f"D iters {int(m.get('d_iter_s_count', 0))}: build {ms('d_build_s')} ms, launch->done {ms('d_iter_s')} ms, "
-            f"post {ms('d_post_s')} ms, sum {m.get('d_iter_s_sum', 0.0):.2f} s | "
+    split = ""
+    if m.get("d_device_s_count"):
+        split = (f" (pickup {ms('d_pickup_s')}, to start {ms('d_to_start_s')}, device {ms('d_device_s')}, "
+                 f"resume {ms('d_resume_s')}; launch call {ms('d_launch_call_s')})")
+    return (f"D iters {int(m.get('d_iter_s_count', 0))}: build {ms('d_build_s')} ms, launch->done {ms('d_iter_s')} ms"
+            f"{split}, post {ms('d_post_s')} ms, sum {m.get('d_iter_s_sum', 0.0):.2f} s | "
             f"P epochs {int(m.get('p_epoch_s_count', 0))}: {ms('p_epoch_s')} ms mean, "
             f"{m.get('p_epoch_tokens_mean', 0.0):.0f} tokens mean, sum {m.get('p_epoch_s_sum', 0.0):.2f} s | "
             f"busy {m.get('busy_fraction', 0.0):.2f}, concurrent {m.get('concurrent_fraction', 0.0):.2f}")

@@ -7,7 +7,11 @@ trajectories already finished (per group, e.g. GRPO siblings of one prompt, else
 plus a *progressive priority*: every second a turn waits adds ``1 / aging_s`` of a typical
 turn's work to its score, so nothing starves. First-token latency is protected by a bound on
 the prefill tokens admitted ahead of a waiting turn (``ttft_bound_tokens``): past it, the turn
-goes first whatever its score. ``fifo`` keeps the arrival order (the behaviour before).
+goes first whatever its score. A waiting turn with little left to prefill (``short_prefill_tokens``,
+e.g. a tool observation on retained KV) can go ahead of the rest: it delays them by a little P
+work and its own first token by none of theirs (a burst of first turns would otherwise hold back
+every continuation that arrives while it is prefilled). ``fifo`` keeps the arrival order (the
+behaviour before).
 
 Everything here is plain data in, an order out; the engine keeps the mechanism (admission
 with the one KV rule, D-first planning).
@@ -30,6 +34,7 @@ class Work:
     waited_s: float           # since this turn was submitted
     p_tokens_ahead: int = 0   # prefill tokens admitted since it was submitted (waiting prefill only)
     started: bool = False     # already admitted (a later chunk): keeps its place at the front
+    prefill_tokens: int = 0   # prompt tokens it still has to prefill (its cached prefix not counted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +44,9 @@ class PriorityConfig:
     """Seconds of waiting worth one typical turn of work in the score."""
     ttft_bound_tokens: int = 16384
     """Prefill tokens that may be admitted ahead of a waiting turn before it goes first."""
+    short_prefill_tokens: int = 0
+    """A waiting turn with at most this many tokens left to prefill goes ahead of the turns not
+    started yet (0: off)."""
 
 
 @dataclass
@@ -87,14 +95,19 @@ def score(w: Work, h: History, cfg: PriorityConfig) -> float:
 def order(items: list[Work], h: History, cfg: PriorityConfig) -> list[Work]:
     """``items`` (in arrival order) in the order they should be served.
 
-    ``fifo``: unchanged. ``critical-path``: started work first (in arrival order), then every
-    turn over the first-token bound (oldest first), then the rest by :func:`score`, ties by
-    arrival. Stable and deterministic: same inputs, same order on every rank."""
+    ``fifo``: unchanged. ``critical-path``: started work first (in arrival order), then the short
+    turns (``short_prefill_tokens``, in arrival order), then every turn over the first-token bound
+    (oldest first), then the rest by :func:`score`, ties by arrival. Stable and deterministic:
+    same inputs, same order on every rank."""
     if cfg.policy == "fifo":
         return list(items)
     started = [w for w in items if w.started]
-    over = [w for w in items if not w.started and w.p_tokens_ahead >= cfg.ttft_bound_tokens]
+    waiting = [w for w in items if not w.started]
+    short = [w for w in waiting if w.prefill_tokens <= cfg.short_prefill_tokens] if cfg.short_prefill_tokens else []
+    if short:
+        waiting = [w for w in waiting if w.prefill_tokens > cfg.short_prefill_tokens]
+    over = [w for w in waiting if w.p_tokens_ahead >= cfg.ttft_bound_tokens]
     over.sort(key=lambda w: -w.waited_s)
-    rest = [(i, w) for i, w in enumerate(items) if not w.started and w.p_tokens_ahead < cfg.ttft_bound_tokens]
+    rest = [(i, w) for i, w in enumerate(waiting) if w.p_tokens_ahead < cfg.ttft_bound_tokens]
     rest.sort(key=lambda iw: (-score(iw[1], h, cfg), iw[0]))
-    return started + over + [w for _, w in rest]
+    return started + short + over + [w for _, w in rest]

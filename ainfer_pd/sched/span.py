@@ -259,6 +259,16 @@ def multiplexing_pays(num_d_rows: int, num_turns: int, slowdown: float) -> bool:
     return num_d_rows > num_turns * max(0.0, slowdown - 1.0)
 
 
+def drains_exclusively(backlog_tokens: int, cap_tokens: int) -> bool:
+    """Whether a P epoch should run exclusively because the prefill backlog is large: more than
+    ``cap_tokens`` (0: never) prompt tokens left to prefill in the waiting turns (the epoch's own
+    included). A burst (the first turns of a
+    rollout) then drains at P's full speed, as under normal, and only its tail is multiplexed:
+    gated beside D, every epoch of the burst would add P's slowdown to the first token of every
+    turn queued behind it, and the last of them are the p99 of first-token latency."""
+    return cap_tokens > 0 and backlog_tokens > cap_tokens
+
+
 class SlowdownMeter:
     """P's measured slowdown beside D: the EMA of a gated epoch's time per token over the EMA of
     an exclusive one's (>= 1). ``initial`` until both kinds have been seen."""
