@@ -8,6 +8,8 @@
 #
 # Each part writes $OUT/ladder_PART.json (default docs/results/ladder); then, here:
 #   python benchmarks/ladder.py merge docs/results/ladder/ladder_*.json --out docs/results/ladder/latest.json
+# (add --data-path KEY=VALUE[+...] to judge the targets a second time on a lever part's data path, e.g.
+#  --data-path scheduler.overlap_decode=true; rows of one key and commit from two parts are pooled)
 # Workload (the minimum): 64 conversations x 4 turns at token scale 1 on the Qwen3-30B-A3B
 # shape, bf16, CUDA graphs, the measured span. Environment overrides: REPEATS, POLICIES,
 # PRIORITIES, SPANS, CONV, TURNS, TOKEN_SCALE, CONFIG, WORK (where bench writes runs.jsonl; default

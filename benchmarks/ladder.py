@@ -11,7 +11,8 @@ its ``results.json`` into the rows of ``docs/results/ladder/latest.json``::
     python benchmarks/ladder.py run --commit HASH --part NAME --out DIR [--cells P1,trace] \
         [--policies ...] [--priorities fifo,critical-path] [--repeats 3] [--spans 1,2,3,4,auto] \
         [--decode-only] [--conversations 64 --max-turns 4 --token-scale 1] [--set KEY=VALUE ...]
-    python benchmarks/ladder.py merge PART.json [PART.json ...] --out docs/results/ladder/latest.json
+    python benchmarks/ladder.py merge PART.json [PART.json ...] --out docs/results/ladder/latest.json \
+        [--data-path KEY=VALUE[+KEY=VALUE...]]
     python benchmarks/ladder.py from-log LADDER.log --commit HASH --part NAME --out DIR
     python benchmarks/ladder.py plan [--latest docs/results/ladder/latest.json] [--budget-s 520] [--run-s 60] [--span-run-s 120]
 
@@ -25,7 +26,9 @@ figure), or from the per-run lines it printed (makespan, p99 TTFT and D wait onl
 the rendezvous stay unknown).
 
 ``run`` writes ``DIR/ladder_NAME.json`` (one part); ``merge`` joins parts (their rows, workloads
-and commits) and evaluates the targets over the joined rows. The targets are the issue's: pure
+and commits; two rows of one key and one commit pool their runs) and evaluates the targets over the
+joined rows; with ``--data-path`` a second time (``targets_data_path``) over the rows run on that
+lever set (``data_path_view``: a policy that refuses it stands in with its plain row, named). The targets are the issue's: pure
 functions of the rows (``targets``), so a part that lacks a row leaves that target unjudged.
 """
 from __future__ import annotations
@@ -77,8 +80,27 @@ def rows_of(results: dict[str, Any], *, decode_only: bool = False, variant: str 
             for fig, metric in FIGURES.items():
                 row[fig] = _figure(agg, metric, 1e3 if fig == "mean_d_wait_ms" else 1.0)
             row["output_mismatches"] = results.get("output_mismatches", {}).get(cell, {}).get(name)
+            runs = results.get("summaries", {}).get(cell, {}).get(name)
+            if runs:                     # each run's figures, so that merge can pool repeats of two parts
+                row["runs"] = [{m: s[m] for m in FIGURES.values() if isinstance(s.get(m), (int, float))}
+                               for s in runs]
             rows.append(row)
     return rows
+
+
+def pooled(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """One row from two rows of the same (cell, policy, priority, span, variant) and commit, each
+    with its ``runs``: every figure's median and IQR over the runs of both (repeats measured in two
+    parts or two device calls)."""
+    from ainfer_pd.metrics.report import aggregate
+    runs = [*a["runs"], *b["runs"]]
+    agg = aggregate(runs)
+    row = {**a, "runs": runs}
+    for fig, metric in FIGURES.items():
+        row[fig] = _figure(agg, metric, 1e3 if fig == "mean_d_wait_ms" else 1.0)
+    mism = [r.get("output_mismatches") for r in (a, b) if r.get("output_mismatches") is not None]
+    row["output_mismatches"] = sum(mism) if mism else None
+    return row
 
 
 def _results(summaries: dict[str, dict[str, list]]) -> dict[str, Any]:
@@ -129,7 +151,8 @@ def from_log(args: argparse.Namespace) -> int:
         return 1
     part = {"commit": args.commit, "config": args.config, "machine": args.machine, "part": args.part,
             "command": cmd, "rc": None, "wall_s": None, "source": source,
-            "workload": None, "variant": None, "rows": rows_of(res)}
+            "workload": None, "variant": args.variant,
+            "rows": rows_of(res, decode_only=args.decode_only, variant=args.variant)}
     part["targets"] = targets(part["rows"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -221,8 +244,40 @@ def _find(rows: Iterable[dict[str, Any]], **match: Any) -> dict[str, Any] | None
     return next((r for r in rows if all(r.get(k) == v for k, v in match.items())), None)
 
 
-def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's targets over ``rows``; one entry per (cell, target) whose rows exist."""
+def _settings(variant: str | None) -> frozenset[str]:
+    """The KEY=VALUE settings of a variant label (``run``'s --variant; h200_ladder.sh joins them with +)."""
+    return frozenset(variant.split("+")) if variant else frozenset()
+
+
+def data_path_view(rows: list[dict[str, Any]], data_path: str) -> list[dict[str, Any]]:
+    """The plain rows (no span) as they stand on the data path ``data_path`` (a variant label, e.g.
+    ``scheduler.overlap_decode=true``): per (cell, policy, priority), the row run with exactly
+    those settings; for fine-grained, every row run with those settings and any more on top (its
+    scheduling levers), fastest first, each judged by the targets; where a policy has no such row (mixed-chunked refuses the overlapped
+    loop), its plain row stands in, marked ``"stand_in": True``."""
+    base = _settings(data_path)
+    plain = [r for r in rows if r["span"] is None and not r["cell"].startswith("decode-only/")]
+    keys = sorted({(r["cell"], r["policy"], r["priority"]) for r in plain})
+    view = []
+    for cell, policy, prio in keys:
+        same = [r for r in plain if (r["cell"], r["policy"], r["priority"]) == (cell, policy, prio)]
+        on = [r for r in same if r.get("variant") and (_settings(r["variant"]) == base or (
+              policy == "fine-grained" and _settings(r["variant"]) > base))]
+        on = [r for r in on if r["makespan_s"]["median"] is not None]
+        if on and policy == "fine-grained":
+            view += sorted(on, key=lambda r: r["makespan_s"]["median"])
+        elif on:
+            view.append(min(on, key=lambda r: r["makespan_s"]["median"]))
+        elif (p := _find(same, variant=None)) is not None:
+            view.append({**p, "stand_in": True})
+    return view
+
+
+def targets(rows: list[dict[str, Any]], data_path: str | None = None) -> list[dict[str, Any]]:
+    """The issue's targets over ``rows``; one entry per (cell, target) whose rows exist. With
+    ``data_path`` (a variant label), the ratio targets over :func:`data_path_view` instead of the
+    plain rows: each entry's name starts with ``[data_path]``, names the fine-grained row's extra
+    settings, and lists the stand-ins it compares."""
     out: list[dict[str, Any]] = []
 
     def add(name: str, value: float | None, target: float, le: bool = True, of: Iterable[dict] = ()) -> None:
@@ -235,10 +290,18 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
              "met": bool(value <= target if le else value >= target)}
         if len(commits) > 1:
             t.update(met=None, commits=commits)
+        if data_path is not None:
+            t["name"] = f"[{data_path}] {name}"
+            t["stand_ins"] = [f"{r['policy']}-{r['priority']}: its plain row (no {data_path} row)"
+                              for r in of if r is not None and r.get("stand_in")]
         out.append(t)
 
-    rows = [r for r in rows if r.get("variant") is None]
-    plain = [r for r in rows if r["span"] is None]
+    if data_path is not None:
+        plain = data_path_view(rows, data_path)
+        rows = []                                   # the span sweep and decode-only: plain rows only
+    else:
+        rows = [r for r in rows if r.get("variant") is None]
+        plain = [r for r in rows if r["span"] is None]
     for cell in sorted({r["cell"] for r in plain if not r["cell"].startswith("decode-only/")}):
         c = [r for r in plain if r["cell"] == cell]
         normal = _med(c, "makespan_s", policy="normal", priority="fifo")
@@ -248,27 +311,33 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                        and _med([r], "makespan_s") is not None),
                       key=lambda r: r["makespan_s"]["median"], default=None)
         enq = enq_row["makespan_s"]["median"] if enq_row is not None else None
-        fg = [(v, p) for p in ("fifo", "critical-path")
-              if (v := _med(c, "makespan_s", policy="fine-grained", priority=p)) is not None]
-        if not fg:
-            continue
-        best, prio = min(fg)
-        fg_row = _find(c, policy="fine-grained", priority=prio)
+        fg_rows = [r for r in c if r["policy"] == "fine-grained" and _med([r], "makespan_s") is not None]
+        if data_path is None:        # the best priority; on a data path, every fine-grained row on it (its levers)
+            fg_rows = sorted(fg_rows, key=lambda r: r["makespan_s"]["median"])[:1]
+        else:
+            fg_rows = [r for r in fg_rows if not r.get("stand_in")]
         n_row = _find(c, policy="normal", priority="fifo")
-        if normal:
-            add(f"{cell}: fine-grained ({prio}) / normal-fifo makespan", best / normal, 0.80, of=(fg_row, n_row))
-            ttft_n = _med(c, "p99_ttft_s", policy="normal", priority="fifo")
-            ttft_f = _med(c, "p99_ttft_s", policy="fine-grained", priority=prio)
-            if ttft_n and ttft_f is not None:
-                add(f"{cell}: fine-grained ({prio}) / normal-fifo p99 TTFT", ttft_f / ttft_n, 1.05, of=(fg_row, n_row))
-        if mixed:
-            add(f"{cell}: fine-grained ({prio}) / mixed-chunked-fifo makespan", best / mixed, 0.90,
-                of=(fg_row, _find(c, policy="mixed-chunked", priority="fifo")))
-        if enq:
-            add(f"{cell}: fine-grained ({prio}) faster than global-enqueue by", 1 - best / enq, 0.15, le=False,
-                of=(fg_row, enq_row))
-        add(f"{cell}: fine-grained ({prio}) makespan / optimistic bound",
-            _med(c, "bound_ratio", policy="fine-grained", priority=prio), 1.3)
+        for fg_row in fg_rows:
+            best, prio = fg_row["makespan_s"]["median"], fg_row["priority"]
+            label = prio            # the row's priority, and on a data path its levers on top
+            if data_path is not None and fg_row.get("variant"):
+                label += "".join(f", {kv}" for kv in sorted(_settings(fg_row["variant"]) - _settings(data_path)))
+            fg_bound = _med([fg_row], "bound_ratio")
+            if normal:
+                add(f"{cell}: fine-grained ({label}) / normal-fifo makespan", best / normal, 0.80, of=(fg_row, n_row))
+                if fg_bound:       # fine-grained's own optimistic bound (SPEC §5) over normal: the ratio's floor
+                    out[-1]["floor"] = round(best / fg_bound / normal, 4)
+                ttft_n = _med(c, "p99_ttft_s", policy="normal", priority="fifo")
+                ttft_f = _med([fg_row], "p99_ttft_s")
+                if ttft_n and ttft_f is not None:
+                    add(f"{cell}: fine-grained ({label}) / normal-fifo p99 TTFT", ttft_f / ttft_n, 1.05, of=(fg_row, n_row))
+            if mixed:
+                add(f"{cell}: fine-grained ({label}) / mixed-chunked-fifo makespan", best / mixed, 0.90,
+                    of=(fg_row, _find(c, policy="mixed-chunked", priority="fifo")))
+            if enq:
+                add(f"{cell}: fine-grained ({label}) faster than global-enqueue by", 1 - best / enq, 0.15, le=False,
+                    of=(fg_row, enq_row))
+            add(f"{cell}: fine-grained ({label}) makespan / optimistic bound", fg_bound, 1.3)
     spans = [r for r in rows if r["span"] is not None and r["policy"] == "fine-grained"]
     for cell in sorted({r["cell"] for r in spans}):
         fixed_rows = [r for r in spans if r["cell"] == cell and r["span"] in "1234"
@@ -347,13 +416,18 @@ def run(args: argparse.Namespace) -> int:
 def merge(args: argparse.Namespace) -> int:
     parts = [json.loads(Path(p).read_text()) for p in args.parts]
     # each row keeps its part's commit; a later part's row of the same (cell, policy, priority,
-    # span, variant) supersedes an earlier one (a re-measure after a data-path change)
+    # span, variant) supersedes an earlier one (a re-measure after a data-path change), unless both
+    # are of one commit and carry their runs: then they are pooled (repeats of two parts)
     by_key: dict[tuple, dict[str, Any]] = {}
     superseded = []
     for p in parts:
         for r in p["rows"]:
             key = tuple(r.get(k) for k in ("cell", "policy", "priority", "span", "variant"))
-            if key in by_key:
+            old = by_key.get(key)
+            if old is not None and old["commit"] == p["commit"] and old.get("runs") and r.get("runs"):
+                by_key[key] = pooled(old, {**r, "commit": p["commit"]})
+                continue
+            if old is not None:
                 superseded.append({**by_key.pop(key), "superseded_by": p["commit"]})
             by_key[key] = {**r, "commit": p["commit"]}
     rows = list(by_key.values())
@@ -363,6 +437,9 @@ def merge(args: argparse.Namespace) -> int:
            "parts": [{k: p.get(k) for k in ("part", "commit", "command", "rc", "wall_s", "workload", "source")}
                      for p in parts],
            "rows": rows, "targets": targets(rows), "superseded": superseded}
+    if args.data_path:
+        doc["data_path"] = args.data_path
+        doc["targets_data_path"] = targets(rows, data_path=args.data_path)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1))
     _print(doc)
@@ -391,10 +468,12 @@ def _print(doc: dict[str, Any]) -> None:
         print(f"{cell:<16}{r['policy']:<17}{r['priority']:<14}{r['span'] or '-':<6}{_fmt(r['makespan_s']):<18}"
               f"{_fmt(r['p99_ttft_s']):<18}{_fmt(r['mean_d_wait_ms']):<16}{_fmt(r['bound_ratio']):<14}"
               f"{_fmt(r['rendezvous'])}")
-    for t in doc["targets"]:
+    for t in [*doc["targets"], *doc.get("targets_data_path", [])]:
         verdict = "N/A " if t["met"] is None else "MET " if t["met"] else "MISS"
         across = f"; not compared: rows of commits {', '.join(c[:7] for c in t['commits'])}" if t["met"] is None else ""
-        print(f"{verdict} {t['name']}: {t['value']} (target {t['target']}{across})")
+        stand_in = f"; {'; '.join(t['stand_ins'])}" if t.get("stand_ins") else ""
+        stand_in += f"; floor {t['floor']} (fine-grained's optimistic bound / normal)" if t.get("floor") else ""
+        print(f"{verdict} {t['name']}: {t['value']} (target {t['target']}{across}{stand_in})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -425,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("merge")
     m.add_argument("parts", nargs="+")
     m.add_argument("--out", default="docs/results/ladder/latest.json")
+    m.add_argument("--data-path", help="a variant (KEY=VALUE[+KEY=VALUE...]) that is the data path of record: "
+                                       "the targets are judged a second time over its rows (see targets)")
     pl = sub.add_parser("plan")
     pl.add_argument("--latest", default="docs/results/ladder/latest.json")
     pl.add_argument("--budget-s", type=float, default=520.0)
@@ -438,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--out", default="docs/results/ladder")
     g.add_argument("--config", default="configs/qwen3-30b-a3b-shape.yaml")
     g.add_argument("--machine", default="NVIDIA H200")
+    g.add_argument("--variant", help="label of the rows, as run's --variant")
+    g.add_argument("--decode-only", action="store_true", help="the rows of a decode-only run, as run's --decode-only")
     args = ap.parse_args(argv)
     return {"run": run, "merge": merge, "from-log": from_log, "plan": plan}[args.cmd](args)
 

@@ -2,6 +2,7 @@
 a cut part from its log or runs.jsonl, and the span sweep's variants."""
 import json
 
+from ainfer_pd.metrics.report import aggregate
 from benchmarks import ladder
 
 
@@ -129,3 +130,59 @@ def test_merged_targets_do_not_compare_rows_of_different_commits(tmp_path):
     assert same["met"] is False and "commits" not in same
     across = t["trace: fine-grained (critical-path) / mixed-chunked-fifo makespan"]
     assert across["met"] is None and across["commits"] == ["aaa", "bbb"] and across["value"] == round(41 / 47, 4)
+
+
+def _part(tmp_path, name, commit, rows):
+    path = tmp_path / f"ladder_{name}.json"
+    path.write_text(json.dumps({"commit": commit, "config": "c.yaml", "machine": "m", "part": name, "rows": rows}))
+    return str(path)
+
+
+def _run_row(policy, priority, makespans, variant=None, bound=1.0):
+    runs = [{"makespan_s": m, "ttft_p99_s": 1.0, "d_wait_mean_s": 0.001, "bound_ratio": bound, "rendezvous": 0}
+            for m in makespans]
+    name = policy if priority == "fifo" else f"{policy}+{priority}"
+    res = {"aggregates": {"trace": {name: aggregate(runs)}}, "summaries": {"trace": {name: runs}}}
+    return ladder.rows_of(res, variant=variant)
+
+
+def test_merge_pools_the_repeats_of_one_row_from_two_parts_of_one_commit(tmp_path):
+    a = _part(tmp_path, "a", "c1", _run_row("normal", "fifo", [36.0]))
+    b = _part(tmp_path, "b", "c1", _run_row("normal", "fifo", [40.0, 38.0]))
+    c = _part(tmp_path, "c", "c2", _run_row("fine-grained", "fifo", [30.0]))
+    out = tmp_path / "latest.json"
+    assert ladder.main(["merge", a, b, c, "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    row = next(r for r in doc["rows"] if r["policy"] == "normal")
+    assert row["makespan_s"]["median"] == 38.0 and row["makespan_s"]["n"] == 3
+    assert row["makespan_s"]["iqr"] == 2.0 and not doc["superseded"]
+    # another commit's row of the same key supersedes instead of pooling
+    d = _part(tmp_path, "d", "c3", _run_row("normal", "fifo", [50.0]))
+    assert ladder.main(["merge", a, b, d, "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert next(r for r in doc["rows"] if r["policy"] == "normal")["makespan_s"]["median"] == 50.0
+    assert len(doc["superseded"]) == 1
+
+
+def test_targets_on_a_data_path_judge_its_rows_and_name_the_stand_ins():
+    dp = "scheduler.overlap_decode=true"
+    rows = [*_run_row("normal", "fifo", [40.0], variant=dp, bound=1.25),
+            *_run_row("normal", "fifo", [50.0]),                                    # plain: not on the path
+            *_run_row("mixed-chunked", "fifo", [45.0]),                             # refuses the path: stands in
+            *_run_row("fine-grained", "critical-path", [34.0], variant=dp, bound=1.0),
+            *_run_row("fine-grained", "critical-path", [33.0], variant=f"{dp}+mux.exclusive_backlog_tokens=16384",
+                      bound=1.1),
+            *_run_row("fine-grained", "critical-path", [20.0], variant="mux.span=1")]  # another path: ignored
+    for r in rows:
+        r["commit"] = "c1"
+    got = {t["name"]: t for t in ladder.targets(rows, data_path=dp)}
+    t = got[f"[{dp}] trace: fine-grained (critical-path) / normal-fifo makespan"]
+    assert t["value"] == 0.85 and t["met"] is False and t["floor"] == 0.85      # its bound ratio is 1: at the floor
+    lever = f"[{dp}] trace: fine-grained (critical-path, mux.exclusive_backlog_tokens=16384) / normal-fifo makespan"
+    assert got[lever]["value"] == 0.825 and got[lever]["floor"] == 0.75
+    mixed = got[f"[{dp}] trace: fine-grained (critical-path) / mixed-chunked-fifo makespan"]
+    assert round(mixed["value"], 4) == round(34 / 45, 4) and mixed["stand_ins"] == [
+        f"mixed-chunked-fifo: its plain row (no {dp} row)"]
+    assert not t["stand_ins"]
+    # without the data path, the plain rows are judged (here: none of fine-grained's)
+    assert not any("fine-grained" in t["name"] for t in ladder.targets(rows))
