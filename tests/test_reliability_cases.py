@@ -163,15 +163,17 @@ def test_case01_the_planner_and_the_reservation_apply_one_admission_rule(state, 
 
 
 # ====================================================================== case 2
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
 @pytest.mark.parametrize("how", ["abort", "cancel", "release", "abort_all", "sleep"])
-async def test_case02_the_last_decode_row_leaving_mid_epoch_opens_the_gate(how):
+async def test_case02_the_last_decode_row_leaving_mid_epoch_opens_the_gate(how, overlap):
     """fine-grained: the last live decode row is aborted / cancelled / released (or abort_all,
     sleep) while a gated P epoch runs: the turnstile opens the epoch's gate and P finishes at
     once (before: P waited for a permit for the whole rendezvous timeout, 30 s, then it and
     later prefills failed with TurnstileTimeout). The receive counts are slowed down so the
-    interruption lands while P is between boundaries and D waits for its next round."""
+    interruption lands while P is between boundaries and D waits for its next round. Both D loops:
+    the overlapped one waits for its next round with the iteration before it still in flight."""
     cfg = tiny_cfg(**{"scheduler.policy": "fine-grained", "mux.activation_threshold": 1, "mux.span": "1",
-                      "faults": {"slow_counts_ms": 150.0}})
+                      "scheduler.overlap_decode": overlap, "faults": {"slow_counts_ms": 150.0}})
     rng = random.Random(2)
     async with RolloutWorker(cfg) as w:
         d = asyncio.ensure_future(w.generate(rand_ids(rng, 20), SamplingParams(max_new_tokens=4000 - 20, **GREEDY),
@@ -182,7 +184,7 @@ async def test_case02_the_last_decode_row_leaving_mid_epoch_opens_the_gate(how):
         ts, ctl = w.engine.turnstile, w.engine.turnstile.controller
         # D waits for P's next boundary (its iteration is done, P is between boundaries, in the
         # slowed counts wait): the window in which a vanishing last row left P without permits
-        await until(lambda: ts.gated_epoch_active and ts.rounds >= 2 and not w.engine._d_in_flight
+        await until(lambda: ts.gated_epoch_active and ts.rounds >= 2 and (overlap or not w.engine._d_in_flight)
                     and ctl.epoch is not None and ctl.reached < ctl.permit, "D waiting for P's next boundary")
         t0 = time.monotonic()
         if how == "abort":
@@ -327,8 +329,10 @@ async def test_case05_one_request_whose_distribution_is_nan_fails_alone(policy, 
     """A request whose logits turn non-finite (in its prefill or later in decode) ends alone
     with SamplingError; greedy requests batched with it finish and equal a recompute, the
     worker keeps serving and leaves ``async with`` cleanly (before: the whole P epoch failed;
-    in decode or under mixed-chunked the engine died and an ExceptionGroup came out)."""
-    cfg = tiny_cfg(**{"scheduler.policy": policy})
+    in decode or under mixed-chunked the engine died and an ExceptionGroup came out). The plain
+    D loop, which samples through ``turns.sample``; the overlapped loop samples on the D stream
+    (tests/test_overlap_decode.py has its NaN case)."""
+    cfg = tiny_cfg(**{"scheduler.policy": policy, "scheduler.overlap_decode": False})
     poison: set[str] = set()
     steps = {"n": 0}
     real = turns_mod.sample
@@ -485,14 +489,16 @@ async def test_case10_the_users_own_exception_leaves_async_with_unchanged():
                 await asyncio.sleep(10)           # the user's own cancellation (a timeout) passes through
 
 
-async def test_case10_an_engine_failure_is_typed_for_waiters_and_at_exit(monkeypatch):
-    """The engine itself fails: waiters get WorkerClosedError, the user's task is not cancelled,
-    and leaving ``async with`` raises a typed error (not an ExceptionGroup)."""
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+async def test_case10_an_engine_failure_is_typed_for_waiters_and_at_exit(overlap, monkeypatch):
+    """The engine itself fails (the D launch both loops share raises): waiters get
+    WorkerClosedError, the user's task is not cancelled, and leaving ``async with`` raises a typed
+    error (not an ExceptionGroup)."""
     async def broken(self, *a, **k):
         raise RuntimeError("decode exploded")
-    monkeypatch.setattr(engine_mod.Engine, "_decode_once", broken)
+    monkeypatch.setattr(engine_mod.Engine, "_d_launch", broken)
     with pytest.raises(WorkerClosedError, match="decode exploded"):
-        async with RolloutWorker(tiny_cfg()) as w:
+        async with RolloutWorker(tiny_cfg(**{"scheduler.overlap_decode": overlap})) as w:
             with pytest.raises(WorkerClosedError):
                 await bounded(w.generate([3, 4, 5], SamplingParams(max_new_tokens=5, **GREEDY)), "generate")
             await asyncio.sleep(0.01)              # the user's task goes on (not cancelled)
