@@ -28,8 +28,8 @@ the rendezvous stay unknown).
 ``run`` writes ``DIR/ladder_NAME.json`` (one part); ``merge`` joins parts (their rows, workloads
 and commits; two rows of one key and one commit pool their runs) and evaluates the targets over the
 joined rows; with ``--data-path`` a second time (``targets_data_path``) over the rows run on that
-lever set (``data_path_view``: a policy that refuses it stands in with its plain row, named). The targets are the issue's: pure
-functions of the rows (``targets``), so a part that lacks a row leaves that target unjudged.
+lever set (``data_path_view``: a policy that refuses it stands in with its plain row, named). The
+targets are the issue's: pure functions of the rows (``targets``), so a part that lacks a row leaves that target unjudged.
 """
 from __future__ import annotations
 
@@ -68,6 +68,11 @@ def _figure(agg: dict[str, Any], metric: str, scale: float = 1.0) -> dict[str, A
             "n": int(m.get("n", 0) or 0)}
 
 
+def _figures(agg: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every row figure of an aggregate (:func:`ainfer_pd.metrics.report.aggregate`), D wait in ms."""
+    return {fig: _figure(agg, metric, 1e3 if fig == "mean_d_wait_ms" else 1.0) for fig, metric in FIGURES.items()}
+
+
 def rows_of(results: dict[str, Any], *, decode_only: bool = False, variant: str | None = None) -> list[dict[str, Any]]:
     """The ladder rows of one ``ainfer-pd bench`` results.json; ``variant`` labels rows run with a
     lever set on top of the ladder's settings (e.g. a stream priority): the targets skip them."""
@@ -76,9 +81,7 @@ def rows_of(results: dict[str, Any], *, decode_only: bool = False, variant: str 
         for name, agg in per_variant.items():
             policy, prio, span = parse_variant(name)
             row: dict[str, Any] = {"cell": ("decode-only/" if decode_only else "") + cell, "policy": policy,
-                                   "priority": prio, "span": span, "variant": variant}
-            for fig, metric in FIGURES.items():
-                row[fig] = _figure(agg, metric, 1e3 if fig == "mean_d_wait_ms" else 1.0)
+                                   "priority": prio, "span": span, "variant": variant, **_figures(agg)}
             row["output_mismatches"] = results.get("output_mismatches", {}).get(cell, {}).get(name)
             runs = results.get("summaries", {}).get(cell, {}).get(name)
             if runs:                     # each run's figures, so that merge can pool repeats of two parts
@@ -94,10 +97,7 @@ def pooled(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     parts or two device calls)."""
     from ainfer_pd.metrics.report import aggregate
     runs = [*a["runs"], *b["runs"]]
-    agg = aggregate(runs)
-    row = {**a, "runs": runs}
-    for fig, metric in FIGURES.items():
-        row[fig] = _figure(agg, metric, 1e3 if fig == "mean_d_wait_ms" else 1.0)
+    row = {**a, "runs": runs, **_figures(aggregate(runs))}
     mism = [r.get("output_mismatches") for r in (a, b) if r.get("output_mismatches") is not None]
     row["output_mismatches"] = sum(mism) if mism else None
     return row
@@ -253,8 +253,8 @@ def data_path_view(rows: list[dict[str, Any]], data_path: str) -> list[dict[str,
     """The plain rows (no span) as they stand on the data path ``data_path`` (a variant label, e.g.
     ``scheduler.overlap_decode=true``): per (cell, policy, priority), the row run with exactly
     those settings; for fine-grained, every row run with those settings and any more on top (its
-    scheduling levers), fastest first, each judged by the targets; where a policy has no such row (mixed-chunked refuses the overlapped
-    loop), its plain row stands in, marked ``"stand_in": True``."""
+    scheduling levers), fastest first, each judged by the targets; where a policy has no such row
+    (mixed-chunked refuses the overlapped loop), its plain row stands in, marked ``"stand_in": True``."""
     base = _settings(data_path)
     plain = [r for r in rows if r["span"] is None and not r["cell"].startswith("decode-only/")]
     keys = sorted({(r["cell"], r["policy"], r["priority"]) for r in plain})
@@ -280,11 +280,13 @@ def targets(rows: list[dict[str, Any]], data_path: str | None = None) -> list[di
     settings, and lists the stand-ins it compares."""
     out: list[dict[str, Any]] = []
 
-    def add(name: str, value: float | None, target: float, le: bool = True, of: Iterable[dict] = ()) -> None:
-        """One target; ``of``: the rows a ratio compares. Rows measured at different commits (a
-        merge of parts) are not compared: the entry says so and is neither met nor missed."""
+    def add(name: str, value: float | None, target: float, le: bool = True,
+            of: Iterable[dict] = ()) -> dict[str, Any] | None:
+        """One target (returned; None without a value); ``of``: the rows a ratio compares. Rows
+        measured at different commits (a merge of parts) are not compared: the entry says so and
+        is neither met nor missed."""
         if value is None:
-            return
+            return None
         commits = sorted({r["commit"] for r in of if r is not None and r.get("commit")})
         t = {"name": name, "value": round(value, 4), "target": target,
              "met": bool(value <= target if le else value >= target)}
@@ -295,6 +297,7 @@ def targets(rows: list[dict[str, Any]], data_path: str | None = None) -> list[di
             t["stand_ins"] = [f"{r['policy']}-{r['priority']}: its plain row (no {data_path} row)"
                               for r in of if r is not None and r.get("stand_in")]
         out.append(t)
+        return t
 
     if data_path is not None:
         plain = data_path_view(rows, data_path)
@@ -324,13 +327,15 @@ def targets(rows: list[dict[str, Any]], data_path: str | None = None) -> list[di
                 label += "".join(f", {kv}" for kv in sorted(_settings(fg_row["variant"]) - _settings(data_path)))
             fg_bound = _med([fg_row], "bound_ratio")
             if normal:
-                add(f"{cell}: fine-grained ({label}) / normal-fifo makespan", best / normal, 0.80, of=(fg_row, n_row))
+                t = add(f"{cell}: fine-grained ({label}) / normal-fifo makespan", best / normal, 0.80,
+                        of=(fg_row, n_row))
                 if fg_bound:       # fine-grained's own optimistic bound (SPEC §5) over normal: the ratio's floor
-                    out[-1]["floor"] = round(best / fg_bound / normal, 4)
+                    t["floor"] = round(best / fg_bound / normal, 4)
                 ttft_n = _med(c, "p99_ttft_s", policy="normal", priority="fifo")
                 ttft_f = _med([fg_row], "p99_ttft_s")
                 if ttft_n and ttft_f is not None:
-                    add(f"{cell}: fine-grained ({label}) / normal-fifo p99 TTFT", ttft_f / ttft_n, 1.05, of=(fg_row, n_row))
+                    add(f"{cell}: fine-grained ({label}) / normal-fifo p99 TTFT", ttft_f / ttft_n, 1.05,
+                        of=(fg_row, n_row))
             if mixed:
                 add(f"{cell}: fine-grained ({label}) / mixed-chunked-fifo makespan", best / mixed, 0.90,
                     of=(fg_row, _find(c, policy="mixed-chunked", priority="fifo")))
