@@ -54,8 +54,10 @@ class TurnBook:
         self.history = History()           # finished trajectories: the critical-path predictor
         self.num_p_admitted_tokens = 0     # prefill tokens admitted so far (the first-token bound)
         self.pending_cleanup: list[Turn] = []
-        self.pending_finish: list[Turn] = []     # ended turns whose last (unused) D pass is in flight
         """Aborted turns whose device work has not drained (cleaned up by :meth:`drain_cleanups`)."""
+        self.pending_finish: list[Turn] = []
+        """Ended turns whose last (unused) D pass is in flight: their KV goes back once it drained
+        (:meth:`drain_cleanups`)."""
         self.num_dropped_results = 0
         self.num_prefill_tokens = 0        # prompt tokens computed by P passes
         self.num_finished = 0

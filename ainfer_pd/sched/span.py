@@ -262,8 +262,8 @@ def multiplexing_pays(num_d_rows: int, num_turns: int, slowdown: float) -> bool:
 def drains_exclusively(backlog_tokens: int, cap_tokens: int) -> bool:
     """Whether a P epoch should run exclusively because the prefill backlog is large: more than
     ``cap_tokens`` (0: never) prompt tokens left to prefill in the waiting turns (the epoch's own
-    included). A burst (the first turns of a
-    rollout) then drains at P's full speed, as under normal, and only its tail is multiplexed:
+    included). A burst (the first turns of a rollout) then drains at P's full speed, as under
+    normal, and only its tail is multiplexed:
     gated beside D, every epoch of the burst would add P's slowdown to the first token of every
     turn queued behind it, and the last of them are the p99 of first-token latency."""
     return cap_tokens > 0 and backlog_tokens > cap_tokens
