@@ -211,7 +211,8 @@ def test_a_backlog_above_the_cap_drains_exclusively():
     assert not drains_exclusively(10 ** 9, 0)                       # 0: off
     from ainfer_pd.cli import load_config
     assert load_config("configs/tiny-cpu.yaml").mux.exclusive_backlog_tokens == 0
-    assert load_config("configs/tiny-cpu.yaml", ["mux.exclusive_backlog_tokens=16384"]).mux.exclusive_backlog_tokens == 16384
+    cfg = load_config("configs/tiny-cpu.yaml", ["mux.exclusive_backlog_tokens=16384"])
+    assert cfg.mux.exclusive_backlog_tokens == 16384
     for bad in ("mux.exclusive_backlog_tokens=-1", "mux.exclusive_backlog_tokens=true"):
         with pytest.raises(ConfigError, match="exclusive_backlog_tokens"):
             load_config("configs/tiny-cpu.yaml", [bad])
