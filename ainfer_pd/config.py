@@ -143,7 +143,12 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(inner[0], value, key)
+        for member in inner[:-1]:          # the first member that takes the value (bool | str: true or "auto")
+            try:
+                return _coerce(member, value, key)
+            except ConfigError:
+                pass
+        return _coerce(inner[-1], value, key)
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key} must be a list, got {value!r}")

@@ -85,11 +85,13 @@ class SchedulerConfig:
     """critical-path: a waiting turn with at most this many prompt tokens left to prefill (its
     cached prefix not counted: e.g. a tool observation on retained KV) goes ahead of the turns
     not started yet; 0: off."""
-    overlap_decode: bool = False
+    overlap_decode: bool | str = "auto"
     """Overlapped D loop (the single-rank engine; not mixed-chunked, not the lockstep engine): D
     iteration n+1 is launched before the host has read iteration n's tokens, which feed it on the
-    device; the host reads and books n while n+1 runs (``engine.d_overlap``). A row that ended at n (a stop token) runs once more in n+1,
-    unused. Rows with a repetition penalty make the loop wait for n first."""
+    device; the host reads and books n while n+1 runs (``engine.d_overlap``). A row that ended at n
+    (a stop token) runs once more in n+1, unused. Rows with a repetition penalty make the loop wait
+    for n first. ``auto``: on wherever the engine runs it (``Engine.runs_overlap_decode``), the plain
+    loop elsewhere; ``true`` refuses a configuration that cannot run it; ``false``: the plain loop."""
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -102,7 +104,9 @@ class SchedulerConfig:
             raise ConfigError(f"scheduler.priority={self.priority!r}: expected one of {PRIORITIES}")
         if not self.priority_aging_s > 0:
             raise ConfigError("scheduler.priority_aging_s must be > 0")
-        if self.overlap_decode and self.policy == "mixed-chunked":
+        if self.overlap_decode not in (True, False, "auto"):
+            raise ConfigError(f"scheduler.overlap_decode={self.overlap_decode!r}: expected true, false or auto")
+        if self.overlap_decode is True and self.policy == "mixed-chunked":
             raise ConfigError("scheduler.overlap_decode runs the D loop of the P/D policies; mixed-chunked has "
                               "one loop of its own")
 

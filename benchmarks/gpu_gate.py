@@ -542,7 +542,9 @@ def main() -> None:
     if "smoke" in only:
         guarded("cuda_smoke", smoke, out)
     if "bench" in only:
-        guarded("qwen3_p1_bench", bench, out, args)
+        # the plain D loop, then the overlapped one (scheduler.overlap_decode's default, auto, runs it
+        # under normal and fine-grained; mixed-chunked has its own loop)
+        guarded("qwen3_p1_bench", bench, out, args, sets=("scheduler.overlap_decode=false",))
         guarded("qwen3_p1_overlap_bench", bench, out, args, tag="_overlap", policies="normal,fine-grained",
                 sets=("scheduler.overlap_decode=true",))
     R["wall_s"] = round(time.time() - t0, 1)

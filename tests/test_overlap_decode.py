@@ -131,8 +131,35 @@ def test_overlap_decode_is_refused_where_it_does_not_run():
                                              "parallel.expert_parallel": g, "parallel.expert_backend": "torch"}))
     with pytest.raises(ConfigError, match="mixed-chunked"):
         tiny_cfg(**{"scheduler.policy": "mixed-chunked", "scheduler.overlap_decode": True})
-    with pytest.raises(ConfigError, match="true/false"):
-        tiny_cfg(**{"scheduler.overlap_decode": "yes"})
+    for bad in ("yes", 1, 0.5):
+        with pytest.raises(ConfigError, match="true, false or auto"):
+            tiny_cfg(**{"scheduler.overlap_decode": bad})
+
+
+def test_overlap_decode_auto_runs_the_overlapped_loop_where_the_engine_has_one():
+    """The default, ``auto``: the single-rank engine overlaps; mixed-chunked and the lockstep
+    engine run their plain loops, and no configuration is refused for it."""
+    from ainfer_pd.engine.engine import Engine
+    from ainfer_pd.engine.lockstep import LockstepEngine
+    from ainfer_pd.engine.make import check_engine_support
+    from ainfer_pd.engine.mixed import MixedChunkedEngine
+    from ainfer_pd.metrics.recorder import Recorder
+    assert tiny_cfg().scheduler.overlap_decode == "auto"
+    assert Engine.runs_overlap_decode and not LockstepEngine.runs_overlap_decode
+    assert not MixedChunkedEngine.runs_overlap_decode
+    for value, on in (("auto", True), (True, True), (False, False)):
+        assert Engine(tiny_cfg(**{"scheduler.overlap_decode": value}), Recorder()).overlap_decode is on
+    assert MixedChunkedEngine(tiny_cfg(**{"scheduler.policy": "mixed-chunked"}), Recorder()).overlap_decode is False
+    check_engine_support(tiny_cfg(**{"parallel.world_size": 2, "parallel.expert_parallel": 2,
+                                     "parallel.expert_backend": "torch"}))    # auto: the lockstep plain loop
+
+
+def test_overlap_decode_reads_true_false_and_auto_from_yaml(tmp_path):
+    from ainfer_pd.config import WorkerConfig
+    for text, want in (("true", True), ("false", False), ("auto", "auto")):
+        path = tmp_path / f"{text}.yaml"
+        path.write_text(f"scheduler:\n  overlap_decode: {text}\n")
+        assert WorkerConfig.from_yaml(path).scheduler.overlap_decode == want
 
 
 @pytest.mark.parametrize("policy", ("normal", "fine-grained"))

@@ -49,6 +49,10 @@ D_ITEM = {"phase": "D", "kind": "iter"}
 
 
 class Engine:
+    runs_overlap_decode = True
+    """Whether this engine's D loop runs overlapped under ``scheduler.overlap_decode`` (``auto``
+    turns it on where this is true; the lockstep and mixed-chunked engines run their plain loop)."""
+
     def __init__(self, cfg: WorkerConfig, recorder: Recorder, *, rendezvous=None, rank: int = 0,
                  tp_shard: tuple[int, int] | None = None, setup: Callable[["Engine"], None] | None = None) -> None:
         """``tp_shard`` = (tp_rank, ATP): this rank keeps that shard of the attention heads;
@@ -57,6 +61,7 @@ class Engine:
         self.cfg = cfg
         self.rec = recorder
         self.rank = rank
+        self.overlap_decode = self.runs_overlap_decode and cfg.scheduler.overlap_decode in (True, "auto")
         self.faults = Faults.load(cfg.faults)
         if self.faults.active and rendezvous is not None:
             rendezvous = FaultyRendezvous(rendezvous, self.faults)
@@ -321,7 +326,7 @@ class Engine:
         policies P's next boundary (rendezvous 1) and the enqueue ACK (rendezvous 2).
         Unblocked by: promotions, P epochs ending, boundaries published, aborts.
         ``scheduler.overlap_decode``: :meth:`_overlapped_decode_loop` instead."""
-        if self.cfg.scheduler.overlap_decode:
+        if self.overlap_decode:
             await self._overlapped_decode_loop()
             return
         while True:
@@ -419,7 +424,7 @@ class Engine:
         dur = t_done - t_launch
         self.rec.sample("d_iter_s", dur)
         period = dur
-        if self.cfg.scheduler.overlap_decode and w.interval is not None:
+        if self.overlap_decode and w.interval is not None:
             period = w.interval[1] - w.interval[0]
         self._d_iter_ema = self._ema(self._d_iter_ema, period)
         self._split_d_iter(w, t_launch, t_done)

@@ -50,6 +50,8 @@ _instances = itertools.count()
 
 
 class LockstepEngine(Engine):
+    runs_overlap_decode = False     # every rank's D iteration is stepped together and read before the next
+
     def __init__(self, cfg: WorkerConfig, recorder: Recorder, *, rendezvous, topology: Topology, groups: dict,
                  backend: str, dispatchers=None, store=None) -> None:
         if cfg.scheduler.policy == "mixed-chunked":

@@ -35,7 +35,7 @@ def check_engine_support(cfg: WorkerConfig) -> None:
     """Refuse, by name, a multi-rank configuration the engine does not build (pure)."""
     pc = cfg.parallel
     g = pc.world_size
-    if cfg.scheduler.overlap_decode:          # the lockstep engine, at any world size
+    if cfg.scheduler.overlap_decode is True:  # the lockstep engine, at any world size (auto: its plain loop)
         raise NotBuiltError("scheduler.overlap_decode: the lockstep engine steps every rank's D iteration "
                             "together and reads each before the next; the overlapped D loop runs on one rank "
                             "without process groups", missing="an overlapped D loop in the lockstep engine")

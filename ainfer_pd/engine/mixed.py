@@ -17,6 +17,8 @@ from .state import TurnState
 
 
 class MixedChunkedEngine(Engine):
+    runs_overlap_decode = False     # one loop of its own, P chunks and D rows in each step
+
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._mixed_loop(), name="mixed")
