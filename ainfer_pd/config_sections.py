@@ -4,6 +4,7 @@ its loading and cross-section checks are :mod:`ainfer_pd.config`.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .comm.ordering import ORDERINGS  # (its one home)
@@ -134,8 +135,14 @@ class MuxConfig:
     first turns against a few rows: their first tokens are not stretched for little D gain)."""
     exclusive_backlog_tokens: int = 0
     """An epoch runs exclusively (as under normal) while the waiting turns (this epoch's included)
-    have more than this many prompt tokens left to prefill (``sched.span.drains_exclusively``); 0: off. A burst drains at full P
-    speed, only its tail is multiplexed (the p99 first-token latency is the burst's last turns)."""
+    have more than this many prompt tokens left to prefill (``sched.span.drains_exclusively``); 0:
+    off. A burst drains at full P speed, only its tail is multiplexed (the p99 first-token latency
+    is the burst's last turns)."""
+    exclusive_wait_s: float = 0.0
+    """An epoch runs exclusively (as under normal) while the longest-waiting turn (this epoch's
+    included) has waited more than this many seconds since it was submitted, its first token not
+    yet out (``sched.span.guards_first_token``); 0: off. A bound on first-token latency that acts
+    only where it is late: the tail of a burst, a continuation held behind one."""
     p_host_pacing: str = "auto"
     """When P's host waits for its device inside an epoch. ``layer``: after every attention
     segment (the receive counts of expert parallelism need it); ``epoch``: only at the epoch's
@@ -160,6 +167,10 @@ class MuxConfig:
         if isinstance(self.exclusive_backlog_tokens, bool) or self.exclusive_backlog_tokens < 0:
             raise ConfigError(f"mux.exclusive_backlog_tokens must be an integer >= 0 (0: off), "
                               f"got {self.exclusive_backlog_tokens!r}")
+        if not (isinstance(self.exclusive_wait_s, (int, float)) and not isinstance(self.exclusive_wait_s, bool)
+                and math.isfinite(self.exclusive_wait_s) and self.exclusive_wait_s >= 0):
+            raise ConfigError(f"mux.exclusive_wait_s must be a finite number of seconds >= 0 (0: off), "
+                              f"got {self.exclusive_wait_s!r}")
         if self.activation_cost not in ACTIVATION_COSTS:
             raise ConfigError(f"mux.activation_cost={self.activation_cost!r}: expected one of {ACTIVATION_COSTS}")
 

@@ -49,7 +49,7 @@ async def _rank_main(rank, world_size, policy, plans, extra=None):
         leak_free = w.kv_leak_free() and w.engine.kv.num_free_blocks == cfg.cache.num_blocks
     # epochs that did not run gated though the activation let them: measured cost or a large backlog
     return outs, leak_free, m.get("rendezvous", 0), m["num_epochs"], \
-        m.get("activation_declined", 0) + m.get("backlog_exclusive", 0)
+        m.get("activation_declined", 0) + m.get("backlog_exclusive", 0) + m.get("wait_exclusive", 0)
 
 
 async def _single(plans, policy):
@@ -60,9 +60,10 @@ async def _single(plans, policy):
 @pytest.mark.parametrize("world_size,policy,extra", [
     (2, "fine-grained", None), (4, "fine-grained", None), (2, "normal", None), (2, "global-enqueue", None),
     (2, "fine-grained", {"mux.activation_cost": "measured", "mux.activation_threshold": 1}),
-    (2, "fine-grained", {"mux.exclusive_backlog_tokens": 200, "mux.activation_threshold": 1})],
+    (2, "fine-grained", {"mux.exclusive_backlog_tokens": 200, "mux.activation_threshold": 1}),
+    (2, "fine-grained", {"mux.exclusive_wait_s": 0.05, "mux.activation_threshold": 1})],
     ids=["2-fine-grained", "4-fine-grained", "2-normal", "2-global-enqueue", "2-fine-grained-cost-measured",
-         "2-fine-grained-backlog"])
+         "2-fine-grained-backlog", "2-fine-grained-wait"])
 def test_expert_parallel_greedy_outputs_equal_the_single_rank_run(world_size, policy, extra):
     plans = _plans(8, seed=11)
     ref = asyncio.run(_single(plans, "normal"))

@@ -103,20 +103,22 @@ def test_epoch_mode_is_a_pure_table_of_the_policies():
         epoch_mode("fastest", True, True)
 
 
-@pytest.mark.parametrize("cost,backlog", [("none", 0), ("measured", 0), ("none", 500)])
-def test_activation_cost_runs_a_burst_of_first_turns_beside_few_rows_exclusively(cost, backlog):
+@pytest.mark.parametrize("cost,backlog,wait", [("none", 0, 0.0), ("measured", 0, 0.0), ("none", 500, 0.0),
+                                               ("none", 0, 0.05)])
+def test_activation_cost_runs_a_burst_of_first_turns_beside_few_rows_exclusively(cost, backlog, wait):
     """Two rows decode; a burst of 12 first turns arrives. none: every epoch beside the rows is
     gated. measured (initial slowdown 2): 2 rows < 12 turns x (2 - 1), so the burst's epochs are
     declined and run exclusively. mux.exclusive_backlog_tokens 500: the epochs run exclusively
-    while more than 500 of the burst's 1,440 prompt tokens are left, then its tail is gated. The
-    greedy outputs do not change."""
+    while more than 500 of the burst's 1,440 prompt tokens are left, then its tail is gated.
+    mux.exclusive_wait_s 0.05: once a waiting turn has waited 50 ms, the epochs run exclusively.
+    The greedy outputs do not change."""
     from ainfer_pd import SamplingParams
     from tests.conftest import rand_ids
 
     async def run():
         cfg = tiny_cfg(**{"scheduler.policy": "fine-grained", "mux.activation_threshold": 1,
                           "mux.activation_cost": cost, "scheduler.max_prefill_tokens": 256,
-                          "mux.exclusive_backlog_tokens": backlog})
+                          "mux.exclusive_backlog_tokens": backlog, "mux.exclusive_wait_s": wait})
         rng = random.Random(4)
         async with RolloutWorker(cfg) as w:
             sp = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
@@ -133,11 +135,13 @@ def test_activation_cost_runs_a_burst_of_first_turns_beside_few_rows_exclusively
     outs, m = asyncio.run(run())
     ref, _ = asyncio.run(_reference_outputs())
     assert outs == ref
-    if backlog:
+    if wait:
+        assert m["wait_exclusive"] > 0 and m.get("backlog_exclusive", 0) == 0   # the late epochs exclusive
+    elif backlog:
         assert m["backlog_exclusive"] > 0 and m.get("rendezvous", 0) > 0     # the head exclusive, the tail gated
     elif cost == "none":
         assert m.get("activation_declined", 0) == 0 and m.get("rendezvous", 0) > 0
-        assert m.get("backlog_exclusive", 0) == 0
+        assert m.get("backlog_exclusive", 0) == 0 and m.get("wait_exclusive", 0) == 0
     else:
         assert m["activation_declined"] > 0
 

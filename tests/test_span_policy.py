@@ -216,3 +216,15 @@ def test_a_backlog_above_the_cap_drains_exclusively():
     for bad in ("mux.exclusive_backlog_tokens=-1", "mux.exclusive_backlog_tokens=true"):
         with pytest.raises(ConfigError, match="exclusive_backlog_tokens"):
             load_config("configs/tiny-cpu.yaml", [bad])
+
+
+def test_a_first_token_waiting_past_the_cap_runs_its_epoch_exclusively():
+    from ainfer_pd.sched.span import guards_first_token
+    assert guards_first_token(1.5, 1.0) and not guards_first_token(1.0, 1.0)
+    assert not guards_first_token(10 ** 6, 0.0)                      # 0: off
+    from ainfer_pd.cli import load_config
+    assert load_config("configs/tiny-cpu.yaml").mux.exclusive_wait_s == 0.0
+    assert load_config("configs/tiny-cpu.yaml", ["mux.exclusive_wait_s=1.2"]).mux.exclusive_wait_s == 1.2
+    for bad in ("mux.exclusive_wait_s=-1", "mux.exclusive_wait_s=true", "mux.exclusive_wait_s=.inf"):
+        with pytest.raises(ConfigError, match="exclusive_wait_s"):
+            load_config("configs/tiny-cpu.yaml", [bad])

@@ -30,8 +30,8 @@ from ..metrics.report import percentile
 from ..phase import Phase, PhaseContext
 from ..sched.epoch_mode import EpochMode, epoch_mode, policy_traits
 from ..sched.planner import plan_decode, plan_prefill
-from ..sched.span import (Activation, SlowdownMeter, SpanInputs, drains_exclusively, make_span_policy,
-                          multiplexing_pays)
+from ..sched.span import (Activation, SlowdownMeter, SpanInputs, drains_exclusively, guards_first_token,
+                          make_span_policy, multiplexing_pays)
 from ..turnstile.rendezvous import LocalRendezvous
 from ..turnstile.turnstile import Turnstile
 from .d_overlap import InFlightD, decode_sampled, feed_of, needs_host_history, rows_after
@@ -219,17 +219,28 @@ class Engine:
         backlog = sum(t.remaining_prompt for t in self.book.waiting)
         tokens = sum(n for _, _, n in work) + backlog
         rows = len(self.book.decoding)
-        on = self.activation.update(self.rec.now(), tokens, rows)
+        now = self.rec.now()
+        on = self.activation.update(now, tokens, rows)
         # the epoch's turns are still in `waiting` (they leave it when their first token comes)
-        return on and self._mux_pays(rows, len(self.book.waiting), self.slowdown.value, backlog)
+        return on and self._mux_pays(rows, len(self.book.waiting), self.slowdown.value, backlog,
+                                     self._oldest_wait_s(now))
 
-    def _mux_pays(self, rows: int, turns: int, slowdown: float, backlog_tokens: int) -> bool:
+    def _oldest_wait_s(self, now: float) -> float:
+        """How long the longest-waiting turn (its first token not out) has waited; 0 with none."""
+        return max((now - t.t_submit for t in self.book.waiting), default=0.0)
+
+    def _mux_pays(self, rows: int, turns: int, slowdown: float, backlog_tokens: int, oldest_wait_s: float) -> bool:
         """``mux.exclusive_backlog_tokens``: a backlog (the waiting turns' prompt tokens still to
         prefill, this epoch's included) above it runs exclusively (:func:`drains_exclusively`);
-        then ``mux.activation_cost``: none -> True; measured -> :func:`multiplexing_pays`. Every
-        rank passes the same agreed inputs; an epoch declined runs exclusively."""
+        ``mux.exclusive_wait_s``: so does an epoch while a waiting turn has waited longer
+        (:func:`guards_first_token`); then ``mux.activation_cost``: none -> True; measured ->
+        :func:`multiplexing_pays`. Every rank passes the same agreed inputs; an epoch declined
+        runs exclusively."""
         if drains_exclusively(backlog_tokens, self.cfg.mux.exclusive_backlog_tokens):
             self.rec.count("backlog_exclusive")
+            return False
+        if guards_first_token(oldest_wait_s, self.cfg.mux.exclusive_wait_s):
+            self.rec.count("wait_exclusive")
             return False
         if self.cfg.mux.activation_cost == "none":
             return True

@@ -195,8 +195,10 @@ class LockstepEngine(Engine):
             self._announced = min(len(self._live_rows()), max_rows)
             clock_ms = int(self.rec.now() * 1000)
             waiting = self.book.waiting if self.is_leader else ()
+            oldest_ms = int(self._oldest_wait_s(self.rec.now()) * 1000) if self.is_leader else 0
             payload = (self._announced, self._local_p_tokens(), int(self._p_running), clock_ms, int(self.closing),
-                       len(waiting), int(self.slowdown.value * 1000), sum(t.remaining_prompt for t in waiting))
+                       len(waiting), int(self.slowdown.value * 1000), sum(t.remaining_prompt for t in waiting),
+                       oldest_ms)
             t0 = self.rec.now()
             states = await self.rdv.arrive("step", payload, epoch=self._epoch)
             self.rec.sample("step_sync_s", self.rec.now() - t0)
@@ -208,7 +210,7 @@ class LockstepEngine(Engine):
             mux_on = self.activation.update(states[0][3] / 1000.0, total_p, total_d)
             if mux_on and total_p and not any_running:    # the epoch about to start: does gating it pay?
                 mux_on = self._mux_pays(total_d, sum(s[5] for s in states), states[0][6] / 1000.0,
-                                        sum(s[7] for s in states))
+                                        sum(s[7] for s in states), max(s[8] for s in states) / 1000.0)
             if not any_running:
                 self._exclusive_epoch = False         # agreed: every rank finished the last epoch
             self.not_closing = tuple(r for r, s in enumerate(states) if not s[4])

@@ -269,6 +269,15 @@ def drains_exclusively(backlog_tokens: int, cap_tokens: int) -> bool:
     return cap_tokens > 0 and backlog_tokens > cap_tokens
 
 
+def guards_first_token(oldest_wait_s: float, cap_s: float) -> bool:
+    """Whether a P epoch should run exclusively because a waiting turn's first token is late: the
+    longest-waiting turn (the epoch's own included) has waited more than ``cap_s`` (0: never)
+    since it was submitted. Gated, the epoch would stretch that first token by P's slowdown
+    beside D; exclusive, it comes out as fast as under normal. Where no turn is late, the rule
+    does nothing, so it costs D only where first-token latency is already at stake."""
+    return cap_s > 0 and oldest_wait_s > cap_s
+
+
 class SlowdownMeter:
     """P's measured slowdown beside D: the EMA of a gated epoch's time per token over the EMA of
     an exclusive one's (>= 1). ``initial`` until both kinds have been seen."""

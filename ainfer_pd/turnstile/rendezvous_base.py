@@ -16,7 +16,7 @@ from ..errors import DistributedError, RendezvousMismatch, RendezvousTimeout
 
 __all__ = ["MAX_PAYLOAD", "RendezvousBase", "in_daemon_thread", "resolve_threadsafe", "scoped_name"]
 
-MAX_PAYLOAD = 8
+MAX_PAYLOAD = 12
 """Default number of int64 payload entries one rank may send per rendezvous."""
 _NONE = -(2 ** 63)                   # encodes epoch/boundary None
 _I64_MIN, _I64_MAX = -(2 ** 63) + 1, 2 ** 63 - 1
