@@ -249,20 +249,32 @@ def _settings(variant: str | None) -> frozenset[str]:
     return frozenset(variant.split("+")) if variant else frozenset()
 
 
+DEFAULT_PATH = "default"
+"""``--data-path default``: the data path is the commit's defaults (the plain rows), and fine-grained's
+lever rows on top of it are judged too."""
+
+
+def without_defaults(variant: str | None, defaults: str | None) -> str | None:
+    """``variant`` less the settings ``defaults`` names (KEY=VALUE[+...], the settings that are the
+    defaults of the rows' commits); ``None`` where nothing is left: the row is a plain row."""
+    left = [kv for kv in (variant.split("+") if variant else []) if kv not in _settings(defaults)]
+    return "+".join(left) or None
+
+
 def data_path_view(rows: list[dict[str, Any]], data_path: str) -> list[dict[str, Any]]:
     """The plain rows (no span) as they stand on the data path ``data_path`` (a variant label, e.g.
     ``scheduler.overlap_decode=true``): per (cell, policy, priority), the row run with exactly
     those settings; for fine-grained, every row run with those settings and any more on top (its
     scheduling levers), fastest first, each judged by the targets; where a policy has no such row
     (mixed-chunked refuses the overlapped loop), its plain row stands in, marked ``"stand_in": True``."""
-    base = _settings(data_path)
+    base = frozenset() if data_path == DEFAULT_PATH else _settings(data_path)
     plain = [r for r in rows if r["span"] is None and not r["cell"].startswith("decode-only/")]
     keys = sorted({(r["cell"], r["policy"], r["priority"]) for r in plain})
     view = []
     for cell, policy, prio in keys:
         same = [r for r in plain if (r["cell"], r["policy"], r["priority"]) == (cell, policy, prio)]
-        on = [r for r in same if r.get("variant") and (_settings(r["variant"]) == base or (
-              policy == "fine-grained" and _settings(r["variant"]) > base))]
+        on = [r for r in same if _settings(r.get("variant")) == base or (
+              policy == "fine-grained" and _settings(r.get("variant")) > base)]
         on = [r for r in on if r["makespan_s"]["median"] is not None]
         if on and policy == "fine-grained":
             view += sorted(on, key=lambda r: r["makespan_s"]["median"])
@@ -427,6 +439,8 @@ def merge(args: argparse.Namespace) -> int:
     superseded = []
     for p in parts:
         for r in p["rows"]:
+            if args.defaults:
+                r = {**r, "variant": without_defaults(r.get("variant"), args.defaults)}
             key = tuple(r.get(k) for k in ("cell", "policy", "priority", "span", "variant"))
             old = by_key.get(key)
             if old is not None and old["commit"] == p["commit"] and old.get("runs") and r.get("runs"):
@@ -442,6 +456,8 @@ def merge(args: argparse.Namespace) -> int:
            "parts": [{k: p.get(k) for k in ("part", "commit", "command", "rc", "wall_s", "workload", "source")}
                      for p in parts],
            "rows": rows, "targets": targets(rows), "superseded": superseded}
+    if args.defaults:
+        doc["defaults"] = args.defaults
     if args.data_path:
         doc["data_path"] = args.data_path
         doc["targets_data_path"] = targets(rows, data_path=args.data_path)
@@ -510,7 +526,10 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("parts", nargs="+")
     m.add_argument("--out", default="docs/results/ladder/latest.json")
     m.add_argument("--data-path", help="a variant (KEY=VALUE[+KEY=VALUE...]) that is the data path of record: "
-                                       "the targets are judged a second time over its rows (see targets)")
+                                       "the targets are judged a second time over its rows (see targets); "
+                                       "'default': the plain rows, fine-grained's lever rows on top")
+    m.add_argument("--defaults", help="KEY=VALUE[+...]: settings that are the defaults at the rows' commits; "
+                                      "they are dropped from each row's variant (a row left with none is plain)")
     pl = sub.add_parser("plan")
     pl.add_argument("--latest", default="docs/results/ladder/latest.json")
     pl.add_argument("--budget-s", type=float, default=520.0)

@@ -186,3 +186,56 @@ def test_targets_on_a_data_path_judge_its_rows_and_name_the_stand_ins():
     assert not t["stand_ins"]
     # without the data path, the plain rows are judged (here: none of fine-grained's)
     assert not any("fine-grained" in t["name"] for t in ladder.targets(rows))
+
+
+def test_merge_drops_the_commit_s_defaults_from_a_variant_and_judges_the_default_path(tmp_path):
+    """A row run with a setting that is its commit's default (``scheduler.overlap_decode=auto`` after
+    it became one) is a plain row once ``--defaults`` names it; ``--data-path default`` judges the
+    plain rows and fine-grained's lever rows on top of them."""
+    auto = "scheduler.overlap_decode=auto"
+    lever = "mux.exclusive_wait_s=1.0"
+    a = _part(tmp_path, "a", "c1", _run_row("normal", "fifo", [40.0, 38.0], variant=auto))
+    b = _part(tmp_path, "b", "c1", _run_row("normal", "fifo", [39.0]))
+    c = _part(tmp_path, "c", "c1", _run_row("fine-grained", "critical-path", [34.0], variant=f"{auto}+{lever}"))
+    out = tmp_path / "latest.json"
+    assert ladder.main(["merge", a, b, c, "--out", str(out), "--defaults", auto, "--data-path", "default"]) == 0
+    doc = json.loads(out.read_text())
+    normal = next(r for r in doc["rows"] if r["policy"] == "normal")
+    assert normal["variant"] is None and normal["makespan_s"]["n"] == 3 and normal["makespan_s"]["median"] == 39.0
+    assert next(r for r in doc["rows"] if r["policy"] == "fine-grained")["variant"] == lever
+    got = {t["name"]: t for t in doc["targets_data_path"]}
+    t = got[f"[default] trace: fine-grained (critical-path, {lever}) / normal-fifo makespan"]
+    assert t["value"] == round(34 / 39, 4) and t["met"] is False and not t["stand_ins"]
+    # the plain targets still judge plain rows only: the lever row is not among them
+    assert not any("fine-grained" in x["name"] for x in doc["targets"])
+    # without --defaults the auto row is a lever row of normal, which the default path does not take
+    assert ladder.main(["merge", a, c, "--out", str(out), "--data-path", "default"]) == 0
+    doc = json.loads(out.read_text())
+    assert not any("normal-fifo" in x["name"] for x in doc["targets_data_path"])
+    # a fine-grained row of another lever set is judged on the default path as well; the plain path's
+    # rows (variant None) are the base
+    rows = [*_run_row("normal", "fifo", [40.0]), *_run_row("fine-grained", "critical-path", [30.0], variant="mux.span=1")]
+    for r in rows:
+        r["commit"] = "c1"
+    names = [x["name"] for x in ladder.targets(rows, data_path="default")]
+    assert "[default] trace: fine-grained (critical-path, mux.span=1) / normal-fifo makespan" in names
+
+
+def test_rebound_from_log_leaves_the_set_up_items_out_of_the_work_terms(tmp_path, capsys):
+    from benchmarks import rebound_from_log
+    log = tmp_path / "l.out"
+    log.write_text(
+        "+ (warm-up) python -m ainfer_pd.cli bench --conversations 4\n"
+        "[1/1] trace normal #1: makespan 5.714 s, 1.40 req/s, p99 TTFT 0.094 s, D wait 0.709 ms, failures 0\n"
+        "    D.iter n=25 mean 11.25 max 22.0 sum 0.28 s | slowest: D.iter at 1.87 s 22.0 ms\n"
+        "+ python -m ainfer_pd.cli bench --conversations 64\n"
+        "[1/1] trace normal #1: makespan 38.502 s, 6.49 req/s, p99 TTFT 1.760 s, D wait 4.009 ms, failures 0\n"
+        "    D iters 2570: build 0.43 ms | P epochs 167: 68.62 ms mean | busy 0.96, concurrent 0.01\n"
+        "    D.iter n=2570 mean 11.25 max 22.0 sum 28.91 s; D.capture n=1 mean 5143.09 max 5143.1 sum 5.14 s; "
+        "P.attn n=8016 mean 0.54 max 13.0 sum 4.30 s; P.experts n=8016 mean 0.41 max 4.3 sum 3.25 s; "
+        "P.warmup n=1 mean 3208.59 max 3208.6 sum 3.21 s | slowest: D.iter at 12.87 s 22.0 ms\n")
+    got = list(rebound_from_log.runs(log.read_text().splitlines()))
+    assert got == [("trace normal", 1, 38.502, 4.30 + 3.25, 28.91, 5.14 + 3.21)]
+    assert rebound_from_log.main([str(log), "--chain-s", "30"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.split()[-2:] == ["30.00", f"{38.502 / 30:.3f}"]

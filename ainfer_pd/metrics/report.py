@@ -63,6 +63,19 @@ def _num(m: Mapping[str, Any], *keys: str, default: float = NAN) -> float:
     return default
 
 
+SETUP_ITEMS = frozenset({"D.capture", "P.warmup"})
+"""Stream items that set an engine up before its first turn (the decode-graph capture, the prefill
+warm-up; :class:`~ainfer_pd.engine.engine.Engine` on CUDA): time on the P / D streams, but no work of
+the workload, so not in the bound's P and D terms."""
+
+
+def setup_s(timeline: Iterable[Sequence[Any]] | None, stream: str) -> float:
+    """Seconds of :data:`SETUP_ITEMS` on ``stream`` ("P" or "D") in a worker's timeline
+    (``(name, stream, start, end, ...)`` intervals); 0 without a timeline."""
+    return sum(float(iv[3]) - float(iv[2]) for iv in timeline or ()
+               if str(iv[1]) == stream and str(iv[0]) in SETUP_ITEMS)
+
+
 def optimistic_bound(*, p_work_s: float | None, d_work_s: float | None, chain_s: float | None) -> float:
     """max(sum of P work alone, sum of D work alone, longest chain incl. tool waits); absent terms skipped."""
     terms = [t for t in (p_work_s, d_work_s, chain_s) if t is not None and math.isfinite(t) and t > 0]
@@ -125,8 +138,10 @@ def summarize(result: Any, *, chain_s: float | None = None) -> dict[str, float]:
         "d_iter_mean_s": _num(m, "d_iter_s_mean"),
     }
     s["cached_fraction"] = s["cached_tokens"] / s["input_tokens"] if s["input_tokens"] > 0 else NAN
-    p_work = _num(m, "p_work_s_sum")
-    d_work = _num(m, "d_work_s_sum")
+    # the engine's p/d_work_s_sum are its streams' busy time, the set-up items included
+    timeline = getattr(result, "timeline", None)
+    p_work = _num(m, "p_work_s_sum") - setup_s(timeline, "P")
+    d_work = _num(m, "d_work_s_sum") - setup_s(timeline, "D")
     chain = chain_lower_bound(result, m) if chain_s is None else float(chain_s)
     bound = optimistic_bound(p_work_s=p_work, d_work_s=d_work, chain_s=chain)
     s["p_work_s"] = p_work
@@ -252,7 +267,7 @@ def interval_stats(intervals: Iterable[Sequence[Any]] | None, top: int = 6) -> s
         groups.setdefault(name, []).append(dur)
     rows = sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:top]
     slow = sorted(((float(iv[3]) - float(iv[2]), str(iv[0]), float(iv[2])) for iv in intervals or ()
-                   if not str(iv[0]).endswith((".capture", ".warmup"))), reverse=True)[:3]
+                   if str(iv[0]) not in SETUP_ITEMS), reverse=True)[:3]
     return ("; ".join(f"{k} n={len(v)} mean {1e3 * sum(v) / len(v):.2f} max {1e3 * max(v):.1f} "
                       f"sum {sum(v):.2f} s" for k, v in rows)
             + " | slowest: " + ", ".join(f"{n} at {a:.2f} s {1e3 * d:.1f} ms" for d, n, a in slow))
