@@ -6,10 +6,13 @@
 #    lever: LEVER_POLICIES (default fine-grained+critical-path) with LEVER="KEY=VALUE[ KEY=VALUE...]" on
 #    top, rows labelled by it (spaces as +), on CELL (default P1))
 #
-# Each part writes $OUT/ladder_PART.json (default docs/results/ladder); then, here:
+# Each part writes $OUT/ladder_PART.json (default docs/results/ladder), with runs_PART.jsonl (per-request
+# records) and PART_*.png (bench's plots: the first repeat's timeline per variant) beside it; then, here:
 #   python benchmarks/ladder.py merge docs/results/ladder/ladder_*.json --out docs/results/ladder/latest.json
-# (add --data-path KEY=VALUE[+...] to judge the targets a second time on a lever part's data path, e.g.
-#  --data-path scheduler.overlap_decode=true; rows of one key and commit from two parts are pooled)
+# (add --data-path KEY=VALUE[+...] to judge the targets a second time on a lever part's data path, or
+#  --data-path default for the plain rows with fine-grained's lever rows on top; --defaults KEY=VALUE[+...]
+#  drops settings that are the commit's defaults from the rows' variants; rows of one key and commit
+#  from two parts are pooled)
 # Workload (the issue's minimum): 64 conversations x 4 turns at token scale 1 on the Qwen3-30B-A3B
 # shape, bf16, CUDA graphs, the measured span. Environment overrides: REPEATS, POLICIES,
 # PRIORITIES, SPANS, CONV, TURNS, TOKEN_SCALE, CONFIG, WORK (where bench writes runs.jsonl; default

@@ -37,6 +37,7 @@ import argparse
 import json
 import math
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -50,6 +51,10 @@ from ainfer_pd.sched.span import FIXED_SPANS
 FIGURES = {"makespan_s": "makespan_s", "p99_ttft_s": "ttft_p99_s", "mean_d_wait_ms": "d_wait_mean_s",
            "bound_ratio": "bound_ratio", "rendezvous": "rendezvous"}
 """Row figure -> summary metric of :func:`ainfer_pd.metrics.report.summarize`."""
+RUN_DETAIL = ("bound_s", "p_work_s", "d_work_s", "chain_s", "busy_fraction", "concurrent_fraction",
+              "d_iter_mean_s", "ttft_p50_s", "requests_per_s")
+"""Summary metrics each run of a row keeps besides its figures: the bound's terms and the device's
+busy and concurrent fractions, so that a row says where its time went without its log."""
 
 
 def parse_variant(name: str) -> tuple[str, str, str | None]:
@@ -85,7 +90,7 @@ def rows_of(results: dict[str, Any], *, decode_only: bool = False, variant: str 
             row["output_mismatches"] = results.get("output_mismatches", {}).get(cell, {}).get(name)
             runs = results.get("summaries", {}).get(cell, {}).get(name)
             if runs:                     # each run's figures, so that merge can pool repeats of two parts
-                row["runs"] = [{m: s[m] for m in FIGURES.values() if isinstance(s.get(m), (int, float))}
+                row["runs"] = [{m: s[m] for m in (*FIGURES.values(), *RUN_DETAIL) if isinstance(s.get(m), (int, float))}
                                for s in runs]
             rows.append(row)
     return rows
@@ -426,6 +431,11 @@ def run(args: argparse.Namespace) -> int:
             "variant": args.variant, "rows": rows_of(res, decode_only=args.decode_only, variant=args.variant)}
     part["targets"] = targets(part["rows"])
     (out / f"ladder_{args.part}.json").write_text(json.dumps(part, indent=1))
+    # beside it: the per-request records, and bench's plots (the first repeat's timeline per variant)
+    if runs_file.exists():
+        shutil.copyfile(runs_file, out / f"runs_{args.part}.jsonl")
+    for png in sorted(bdir.glob("*.png")):
+        shutil.copyfile(png, out / f"{args.part}_{png.name}")
     _print(part)
     return rc
 

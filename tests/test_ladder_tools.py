@@ -239,3 +239,25 @@ def test_rebound_from_log_leaves_the_set_up_items_out_of_the_work_terms(tmp_path
     assert rebound_from_log.main([str(log), "--chain-s", "30"]) == 0
     line = capsys.readouterr().out.splitlines()[-1]
     assert line.split()[-2:] == ["30.00", f"{38.502 / 30:.3f}"]
+
+
+def test_a_ladder_part_runs_bench_and_keeps_each_run_s_bound_terms_records_and_plots(tmp_path):
+    """``ladder.py run`` end to end on the tiny CPU model: the part's rows keep, per run, the bound's
+    terms and the device fractions besides the figures; runs.jsonl and bench's plots (the first
+    repeat's timeline per variant) land beside the part, where a device call's tarball finds them."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    rc = ladder.main(["run", "--config", "configs/tiny-cpu.yaml", "--cells", "P1", "--policies", "normal,fine-grained",
+                      "--priorities", "fifo", "--repeats", "1", "--conversations", "2", "--max-turns", "2",
+                      "--token-scale", "0.05", "--no-warmup", "--commit", "abc", "--part", "t",
+                      "--out", str(out), "--work", str(work)])
+    assert rc == 0
+    part = json.loads((out / "ladder_t.json").read_text())
+    assert {(r["policy"], r["priority"]) for r in part["rows"]} == {("normal", "fifo"), ("fine-grained", "fifo")}
+    for row in part["rows"]:
+        (run,) = row["runs"]
+        assert run["d_work_s"] > 0 and run["p_work_s"] > 0 and 0 < run["busy_fraction"] <= 1
+        assert run["bound_s"] == max(run["p_work_s"], run["d_work_s"], run["chain_s"])
+        assert abs(run["makespan_s"] / run["bound_s"] - run["bound_ratio"]) < 1e-9
+    lines = (out / "runs_t.jsonl").read_text().splitlines()
+    assert [json.loads(x)["variant"] for x in lines] == ["normal", "fine-grained"]
+    assert (out / "t_P1_timeline_fine-grained.png").stat().st_size > 0
