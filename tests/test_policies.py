@@ -30,13 +30,23 @@ def test_p_heavy_trace_orders_d_wait_and_never_changes_outputs():
     # it, so "D enters at enqueue" and "D enters at completion" differ measurably.
     trace = p_heavy_trace(12, 3, prompt_tokens=1200, observation_tokens=600, gen_tokens=24, tool_wait_s=0.01)
     over = {"model.num_layers": 2, "mux.activation_threshold": 1}
+    # The full D-wait order is a property of the plain D loop, where D waits at the turnstile's
+    # boundaries. On the overlapped loop (the default), iteration n+1 is launched before n is read.
+    # D wait there is how long a ready row waits for its launch: every turnstile policy still waits
+    # less than normal, but which global policy waits least is within the noise (CPU VM: global-
+    # enqueue 8.2-9.8 ms against fine-grained 8.7-9.0; H200 s7: 1.0 against 0.8-1.6 ms). The makespan
+    # is checked on the default loop, which users run.
     # NOTE: the D-wait order and the makespan are wall-clock properties of a 2-core machine: a run
-    # that another process slowed gets one more try (the outputs are checked on every run).
-    for attempt in range(2):
-        res = {p: asyncio.run(_run(p, trace, **over)) for p in LADDER}
+    # that another process slowed gets up to two more tries (the outputs are checked on every run;
+    # one try in eight missed one of the three on an idle VM).
+    for attempt in range(3):
+        res = {p: asyncio.run(_run(p, trace, **over, **{"scheduler.overlap_decode": False})) for p in LADDER}
+        dflt = {p: asyncio.run(_run(p, trace, **over)) for p in ("normal", "global-enqueue", "fine-grained")}
         outs = {p: r[2] for p, r in res.items()}
         for p in LADDER[1:]:
             assert outs[p] == outs["normal"], f"{p} changed greedy outputs"
+        for p in dflt:
+            assert dflt[p][2] == outs["normal"], f"{p} on the overlapped loop changed greedy outputs"
         fg = res["fine-grained"][1]
         assert fg["rendezvous"] > 0 and fg["p_wait_permit_s_count"] > 0 and fg["d_boundary_wait_s_count"] > 0
         d_wait = {p: res[p][1]["d_wait_s_mean"] for p in LADDER[:4]}
@@ -47,11 +57,14 @@ def test_p_heavy_trace_orders_d_wait_and_never_changes_outputs():
         ordered = (w["fine-grained"] < min(w["global-enqueue"], w["global-complete"])
                    and max(w["global-enqueue"], w["global-complete"]) < w["normal"]
                    and w["global-enqueue"] <= 1.15 * w["global-complete"])
-        faster = res["fine-grained"][0] <= res["normal"][0]
-        if ordered and faster:
+        dw = {p: r[1]["d_wait_s_mean"] for p, r in dflt.items()}
+        ordered_dflt = max(dw["global-enqueue"], dw["fine-grained"]) < dw["normal"]
+        faster = dflt["fine-grained"][0] <= dflt["normal"][0]
+        if ordered and ordered_dflt and faster:
             break
     assert ordered, d_wait
-    assert faster, (res["fine-grained"][0], res["normal"][0])
+    assert ordered_dflt, dw
+    assert faster, (dflt["fine-grained"][0], dflt["normal"][0])
 
 
 def test_decode_only_workload_adds_no_rendezvous_and_no_segmenting(tmp_path):
