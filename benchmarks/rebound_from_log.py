@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(path) as f:
             for label, rep, mk, p, d, setup in runs(f):
                 bound = max(p, d, args.chain_s or 0.0)
-                print(f"{label + ' #' + str(rep):58s} {mk:9.3f} {p:7.2f} {d:7.2f} {setup:6.2f} {bound:6.2f} {mk / bound:7.3f}")
+                run = f"{label} #{rep}"
+                print(f"{run:58s} {mk:9.3f} {p:7.2f} {d:7.2f} {setup:6.2f} {bound:6.2f} {mk / bound:7.3f}")
     return 0
 
 

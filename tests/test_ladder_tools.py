@@ -214,7 +214,8 @@ def test_merge_drops_the_commit_s_defaults_from_a_variant_and_judges_the_default
     assert not any("normal-fifo" in x["name"] for x in doc["targets_data_path"])
     # a fine-grained row of another lever set is judged on the default path as well; the plain path's
     # rows (variant None) are the base
-    rows = [*_run_row("normal", "fifo", [40.0]), *_run_row("fine-grained", "critical-path", [30.0], variant="mux.span=1")]
+    rows = [*_run_row("normal", "fifo", [40.0]),
+            *_run_row("fine-grained", "critical-path", [30.0], variant="mux.span=1")]
     for r in rows:
         r["commit"] = "c1"
     names = [x["name"] for x in ladder.targets(rows, data_path="default")]
