@@ -259,6 +259,11 @@ DEFAULT_PATH = "default"
 lever rows on top of it are judged too."""
 
 
+def _path_settings(data_path: str) -> frozenset[str]:
+    """The settings a data path's rows were run with on top of the commit's defaults."""
+    return frozenset() if data_path == DEFAULT_PATH else _settings(data_path)
+
+
 def without_defaults(variant: str | None, defaults: str | None) -> str | None:
     """``variant`` less the settings ``defaults`` names (KEY=VALUE[+...], the settings that are the
     defaults of the rows' commits); ``None`` where nothing is left: the row is a plain row."""
@@ -272,7 +277,7 @@ def data_path_view(rows: list[dict[str, Any]], data_path: str) -> list[dict[str,
     those settings; for fine-grained, every row run with those settings and any more on top (its
     scheduling levers), fastest first, each judged by the targets; where a policy has no such row
     (mixed-chunked refuses the overlapped loop), its plain row stands in, marked ``"stand_in": True``."""
-    base = frozenset() if data_path == DEFAULT_PATH else _settings(data_path)
+    base = _path_settings(data_path)
     plain = [r for r in rows if r["span"] is None and not r["cell"].startswith("decode-only/")]
     keys = sorted({(r["cell"], r["policy"], r["priority"]) for r in plain})
     view = []
@@ -341,7 +346,7 @@ def targets(rows: list[dict[str, Any]], data_path: str | None = None) -> list[di
             best, prio = fg_row["makespan_s"]["median"], fg_row["priority"]
             label = prio            # the row's priority, and on a data path its levers on top
             if data_path is not None and fg_row.get("variant"):
-                label += "".join(f", {kv}" for kv in sorted(_settings(fg_row["variant"]) - _settings(data_path)))
+                label += "".join(f", {kv}" for kv in sorted(_settings(fg_row["variant"]) - _path_settings(data_path)))
             fg_bound = _med([fg_row], "bound_ratio")
             if normal:
                 t = add(f"{cell}: fine-grained ({label}) / normal-fifo makespan", best / normal, 0.80,
