@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from ainfer_pd.config import MuxConfig
 from ainfer_pd.errors import ConfigError
-from ainfer_pd.sched.span import (Activation, AutoSpan, FixedSpan, SpanInputs, auto_span, fixed_span,
+from ainfer_pd.sched.span import (Activation, AutoSpan, FixedSpan, MeasuredSpan, SpanInputs, auto_span, fixed_span,
                                   make_activation, make_span_policy, span_switch)
 
 FULL_D_LITTLE_P = SpanInputs(num_d_rows=60, max_d_rows=64, num_p_waiting_tokens=100, p_budget_tokens=2048)
@@ -66,7 +66,9 @@ def test_make_span_policy_follows_the_mux_config():
     assert make_span_policy(MuxConfig(span="3")) == FixedSpan(3)
     policy = make_span_policy(MuxConfig(span="auto", auto_spans=(2, 4)))
     assert isinstance(policy, AutoSpan) and policy.spans == (2, 4)
-    assert make_span_policy(MuxConfig()).spans == (1, 2, 3, 4)
+    default = make_span_policy(MuxConfig())                       # measured, from the mux defaults
+    assert isinstance(default, MeasuredSpan) and (default.share, default.max_span) == (1.0, 32)
+    assert make_span_policy(MuxConfig(span="auto")).spans == (1, 2, 3, 4)
 
 
 def test_a_span_switch_is_recorded_only_when_the_span_changes():
