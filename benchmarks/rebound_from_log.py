@@ -1,6 +1,6 @@
 """The optimistic bound's work terms of each run in a ladder log, set-up items left out.
 
-Until metrics.report.setup_s (after b2691de), a run's bound took the engine's stream sums, which
+Until metrics.report.SETUP_ITEMS (after b2691de), a run's bound took the engine's stream sums, which
 hold the decode-graph capture (D.capture, 3-5 s on the H200) and the prefill warm-up (P.warmup):
 the D term was then the bound, and every ratio over it was too low. The log's interval line
 ("D.iter n=... sum X s; P.attn ... sum Y s; ...") has the sums by item, so each run's work terms can

@@ -50,16 +50,15 @@ def test_summarize_hand_built():
 
 def test_the_bound_s_work_terms_leave_out_the_engine_s_set_up_items():
     """The decode-graph capture and the prefill warm-up run on the D / P streams before the first
-    turn: the engine's stream sums hold them, the bound's work terms do not (on the H200 the capture
-    alone was 3-5 s of a 34-39 s run, and the D term was the bound)."""
-    m = {"p_work_s_sum": 2.5, "d_work_s_sum": 9.0}
-    r = hand_result(m)
-    r.timeline = [("D.capture", "D", 0.0, 4.0, {}), ("P.warmup", "P", 4.0, 4.5, {}),
-                  ("D.iter", "D", 5.0, 6.0, {}), ("P.attn0", "P", 6.0, 6.5, {}), ("D.capture", "P", 7.0, 7.25, {})]
-    s = report.summarize(r)
-    assert s["d_work_s"] == pytest.approx(5.0) and s["p_work_s"] == pytest.approx(2.0 - 0.25)
-    assert s["bound_s"] == pytest.approx(5.0) and s["bound_ratio"] == pytest.approx(1.0)
-    assert report.setup_s(None, "D") == 0 and report.summarize(hand_result(m))["bound_s"] == 9.0
+    turn: the engine's work sums (``work_s``) leave them out (on the H200 the capture alone was
+    3-5 s of a 34-39 s run, and the D term was the bound)."""
+    timeline = [("D.capture", "D", 0.0, 4.0, {}), ("P.warmup", "P", 4.0, 4.5, {}),
+                ("D.iter", "D", 5.0, 6.0, {}), ("P.attn0", "P", 6.0, 6.5, {}), ("P.experts0", "P", 7.0, 7.25, {})]
+    assert report.work_s(timeline, "D") == pytest.approx(1.0)
+    assert report.work_s(timeline, "P") == pytest.approx(0.75)
+    assert report.work_s([], "D") == 0
+    s = report.summarize(hand_result({"p_work_s_sum": 0.75, "d_work_s_sum": 9.0}))
+    assert s["d_work_s"] == 9.0 and s["bound_s"] == 9.0 and s["bound_ratio"] == pytest.approx(5 / 9)
 
 
 def test_summarize_missing_worker_keys():

@@ -26,7 +26,7 @@ from ..config import WorkerConfig
 from ..errors import AInferPDError, EpochFailedError
 from ..faults import Faults, FaultyRendezvous
 from ..metrics.recorder import Recorder
-from ..metrics.report import percentile
+from ..metrics.report import percentile, work_s
 from ..phase import Phase, PhaseContext
 from ..sched.epoch_mode import EpochMode, epoch_mode, policy_traits
 from ..sched.planner import plan_decode, plan_prefill
@@ -558,8 +558,7 @@ class Engine:
 
     def metrics(self) -> dict[str, Any]:
         m = self.rec.summary()
-        p_work = sum(b - a for (_, s, a, b, _) in self.rec.intervals if s == "P")
-        d_work = sum(b - a for (_, s, a, b, _) in self.rec.intervals if s == "D")
+        p_work, d_work = work_s(self.rec.intervals, "P"), work_s(self.rec.intervals, "D")   # set-up left out
         m.update({"policy": self.policy, "p_work_s_sum": p_work, "d_work_s_sum": d_work, "num_epochs": self._epoch})
         m.update(self.book.metrics())
         m.update({

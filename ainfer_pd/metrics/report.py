@@ -69,11 +69,11 @@ warm-up; :class:`~ainfer_pd.engine.engine.Engine` on CUDA): time on the P / D st
 the workload, so not in the bound's P and D terms."""
 
 
-def setup_s(timeline: Iterable[Sequence[Any]] | None, stream: str) -> float:
-    """Seconds of :data:`SETUP_ITEMS` on ``stream`` ("P" or "D") in a worker's timeline
-    (``(name, stream, start, end, ...)`` intervals); 0 without a timeline."""
-    return sum(float(iv[3]) - float(iv[2]) for iv in timeline or ()
-               if str(iv[1]) == stream and str(iv[0]) in SETUP_ITEMS)
+def work_s(intervals: Iterable[Sequence[Any]], stream: str) -> float:
+    """Seconds of the workload's work on ``stream`` ("P" or "D") in ``(name, stream, start, end,
+    ...)`` intervals: every item but :data:`SETUP_ITEMS` (the bound's P and D terms)."""
+    return sum(float(iv[3]) - float(iv[2]) for iv in intervals
+               if str(iv[1]) == stream and str(iv[0]) not in SETUP_ITEMS)
 
 
 def optimistic_bound(*, p_work_s: float | None, d_work_s: float | None, chain_s: float | None) -> float:
@@ -138,10 +138,8 @@ def summarize(result: Any, *, chain_s: float | None = None) -> dict[str, float]:
         "d_iter_mean_s": _num(m, "d_iter_s_mean"),
     }
     s["cached_fraction"] = s["cached_tokens"] / s["input_tokens"] if s["input_tokens"] > 0 else NAN
-    # the engine's p/d_work_s_sum are its streams' busy time, the set-up items included
-    timeline = getattr(result, "timeline", None)
-    p_work = _num(m, "p_work_s_sum") - setup_s(timeline, "P")
-    d_work = _num(m, "d_work_s_sum") - setup_s(timeline, "D")
+    p_work = _num(m, "p_work_s_sum")
+    d_work = _num(m, "d_work_s_sum")
     chain = chain_lower_bound(result, m) if chain_s is None else float(chain_s)
     bound = optimistic_bound(p_work_s=p_work, d_work_s=d_work, chain_s=chain)
     s["p_work_s"] = p_work
