@@ -181,6 +181,7 @@ class Engine:
             self._epoch += 1
             has_d = bool(book.decoding)
             # NOTE: without the turnstile and with decode rows present, D waits for this epoch (strict P priority).
+            self._exclusive_why = "no-d" if not has_d else (None if self.traits.turnstile else "policy")
             mode = epoch_mode(self.policy, has_d, has_d and self.traits.turnstile and self._mux_active(work))
             try:
                 await self._run_epoch(self._epoch, work, mode, d_enqueued=self._d_in_flight)
@@ -221,6 +222,8 @@ class Engine:
         rows = len(self.book.decoding)
         now = self.rec.now()
         on = self.activation.update(now, tokens, rows)
+        if not on:
+            self._exclusive_why = "inactive"
         # the epoch's turns are still in `waiting` (they leave it when their first token comes)
         return on and self._mux_pays(rows, len(self.book.waiting), self.slowdown.value, backlog,
                                      self._oldest_wait_s(now))
@@ -238,15 +241,18 @@ class Engine:
         runs exclusively."""
         if drains_exclusively(backlog_tokens, self.cfg.mux.exclusive_backlog_tokens):
             self.rec.count("backlog_exclusive")
+            self._exclusive_why = "backlog"
             return False
         if guards_first_token(oldest_wait_s, self.cfg.mux.exclusive_wait_s):
             self.rec.count("wait_exclusive")
+            self._exclusive_why = "wait"
             return False
         if self.cfg.mux.activation_cost == "none":
             return True
         pays = multiplexing_pays(rows, turns, slowdown)
         if not pays:
             self.rec.count("activation_declined")
+            self._exclusive_why = "cost"
         return pays
 
     async def _run_epoch(self, epoch: int, work: list[tuple[Turn, int, int]], mode: EpochMode, *,
@@ -264,7 +270,8 @@ class Engine:
         t_permits = 0.0
         self._p_exclusive = mode.exclusive
         self._p_running = True
-        self.rec.event("p_epoch", epoch=epoch, tokens=plan.num_tokens, gated=mux, policy=self.policy)
+        self.rec.event("p_epoch", epoch=epoch, tokens=plan.num_tokens, gated=mux, policy=self.policy,
+                       why=None if mux else self._exclusive_why)
         t_start = self.rec.now()
         try:
             async with self.turnstile.epoch(epoch, gated=mux, d_enqueued=d_enqueued) as ep:
@@ -306,6 +313,10 @@ class Engine:
         self.slowdown.observe(mux, self.rec.now() - t_start, plan.num_tokens)
         self.rec.sample("p_epoch_tokens", plan.num_tokens)
         self.book.finish_prefill(plan, logits)
+
+    _exclusive_why: str | None = None
+    """Why the epoch being planned runs exclusively (the trace's ``p_epoch`` event): no-d (no decode
+    rows), policy (no turnstile), inactive (activation off), backlog, wait, cost (``_mux_pays``)."""
 
     _p_tensor_parallel = False
     """This rank holds a shard of the attention heads: P all-reduces every layer's output."""
@@ -384,11 +395,7 @@ class Engine:
             self._d_in_flight = False
             for t in rows:
                 t.in_flight -= 1
-        t_done = self.rec.now()
-        self._d_timed(w, t_launch, t_done)
-        self.book.finish_decode(plan, logits)
-        self.book.drain_cleanups()
-        self.rec.sample("d_post_s", self.rec.now() - t_done)
+        self._book_d(w, t_launch, plan, logits=logits)
 
     async def _d_launch(self, rows: list[Turn], rnd, t_ready: float, fn, *args):
         """Submit the D iteration ``fn(*args)`` of ``rows`` on the D stream inside the round ``rnd``
@@ -424,6 +431,15 @@ class Engine:
                 t.in_flight -= 1
             raise
         return w, t_launch
+
+    def _book_d(self, w, t_launch: float, plan: BatchPlan, **out) -> None:
+        """A D iteration read: its timing samples, its tokens booked (``out``: the logits, or the
+        tokens sampled on the device), the cleanups it unblocked, and the host time that took."""
+        t_done = self.rec.now()
+        self._d_timed(w, t_launch, t_done)
+        self.book.finish_decode(plan, **out)
+        self.book.drain_cleanups()
+        self.rec.sample("d_post_s", self.rec.now() - t_done)
 
     _d_last = None
     """The D stream item launched last (the overlapped loop: D is in flight until it is read)."""
@@ -505,11 +521,7 @@ class Engine:
                 self._d_in_flight = False
             for t in it.rows:
                 t.in_flight -= 1
-        t_done = self.rec.now()
-        self._d_timed(it.work, it.t_launch, t_done)
-        self.book.finish_decode(it.plan, sampled=ds)
-        self.book.drain_cleanups()
-        self.rec.sample("d_post_s", self.rec.now() - t_done)
+        self._book_d(it.work, it.t_launch, it.plan, sampled=ds)
         self._notify()
 
     def _split_d_iter(self, w, t_launch: float, t_done: float) -> None:

@@ -193,9 +193,10 @@ class LockstepEngine(Engine):
         while True:
             self.num_steps += 1
             self._announced = min(len(self._live_rows()), max_rows)
-            clock_ms = int(self.rec.now() * 1000)
+            now = self.rec.now()                # one clock reading: rank 0's clock and its oldest wait agree
+            clock_ms = int(now * 1000)
             waiting = self.book.waiting if self.is_leader else ()
-            oldest_ms = int(self._oldest_wait_s(self.rec.now()) * 1000) if self.is_leader else 0
+            oldest_ms = int(self._oldest_wait_s(now) * 1000) if self.is_leader else 0
             payload = (self._announced, self._local_p_tokens(), int(self._p_running), clock_ms, int(self.closing),
                        len(waiting), int(self.slowdown.value * 1000), sum(t.remaining_prompt for t in waiting),
                        oldest_ms)
@@ -208,6 +209,8 @@ class LockstepEngine(Engine):
             any_running = any(s[2] for s in states)
             # NOTE: activation from agreed inputs only (totals, rank 0's clock): identical on every rank
             mux_on = self.activation.update(states[0][3] / 1000.0, total_p, total_d)
+            self._exclusive_why = ("no-d" if not total_d else "policy" if not self.traits.turnstile
+                                   else None if mux_on else "inactive")
             if mux_on and total_p and not any_running:    # the epoch about to start: does gating it pay?
                 mux_on = self._mux_pays(total_d, sum(s[5] for s in states), states[0][6] / 1000.0,
                                         sum(s[7] for s in states), max(s[8] for s in states) / 1000.0)

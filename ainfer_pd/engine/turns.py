@@ -115,11 +115,16 @@ class TurnBook:
         if turn.traj.turn is turn:
             turn.traj.turn = None
             turn.traj.tokens = turn.prev_tokens
+        self._drained(turn)
+        if not failed:
+            self.num_aborted += 1
+
+    @staticmethod
+    def _drained(turn: Turn) -> None:
+        """``turn``'s device work is over and its KV handed back: its trajectory no longer waits on it."""
         if turn.traj.draining is turn:
             turn.traj.draining = None
         turn.drained.set()
-        if not failed:
-            self.num_aborted += 1
 
     def drain_cleanups(self) -> None:
         """Clean up every aborted turn whose device work has drained since, and give back the KV
@@ -137,9 +142,7 @@ class TurnBook:
             self.pending_finish = [t for t in self.pending_finish if t.in_flight]
             for t in ended:
                 self.kv.finish_turn(t.tid, t.lifetime, t.seq_len - 1, self.rec.now())
-                if t.traj.draining is t:
-                    t.traj.draining = None
-                t.drained.set()
+                self._drained(t)
             if ended:
                 self.notify()
 

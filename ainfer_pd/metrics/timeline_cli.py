@@ -9,6 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
+from .overlap import format_split, split
 from .plots import plot_timeline
 
 
@@ -16,6 +17,8 @@ def setup_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="the run's trace_dir")
     p.add_argument("--out", help="output folder for the PNGs (default: the run dir)")
     p.add_argument("--last-s", type=float, default=None, help="only the last N seconds of each rank")
+    p.add_argument("--split", action="store_true",
+                   help="also print where each rank's device time went (P beside D, alone by cause, idle)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,4 +44,8 @@ def run(args: argparse.Namespace) -> int:
         title = f"rank {data['rank']} ({state}); last: " + ", ".join(f"{s}={n}@{t:.3f}s" for s, (n, t) in sorted(stops.items()))
         path = plot_timeline(ivs, out / f"timeline_rank{data['rank']}.png", title=title, window=window)
         print(f"rank {data['rank']}: {state}, {len(ivs)} intervals -> {path}; {title}")
+        if args.split:
+            trace = run_dir / f"rank{data['rank']}.jsonl"
+            events = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()] if trace.exists() else []
+            print(f"rank {data['rank']} split: " + format_split(split(ivs, events)))
     return 0

@@ -1,0 +1,112 @@
+"""Where a run's device time went: P beside D, each alone, or idle, and P's time alone split by
+why its epoch ran without D (pure functions over a run's intervals and its control trace).
+
+``ainfer-pd timeline RUN_DIR --split`` prints it for a run made with ``trace_dir`` set.
+An epoch's cause is its ``p_epoch`` event's: ``gated`` (multiplexed, D could enter at its
+boundaries: P alone there means D had nothing ready or was between iterations), else the
+engine's ``why`` (``no-d``, ``policy``, ``inactive``, ``backlog``, ``wait``, ``cost``).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Sequence
+
+from .report import SETUP_ITEMS
+
+Span = tuple[float, float]
+
+
+def union(spans: Iterable[Span]) -> list[Span]:
+    """Disjoint, sorted spans covering the same time as ``spans``."""
+    out: list[list[float]] = []
+    for a, b in sorted(s for s in spans if s[1] > s[0]):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def intersect(x: Sequence[Span], y: Sequence[Span]) -> list[Span]:
+    """The time in both of two disjoint sorted span lists."""
+    out, i, j = [], 0, 0
+    while i < len(x) and j < len(y):
+        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        if b > a:
+            out.append((a, b))
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def subtract(x: Sequence[Span], y: Sequence[Span]) -> list[Span]:
+    """The time of ``x`` outside ``y`` (both disjoint and sorted)."""
+    out, j = [], 0
+    for a, b in x:
+        while j < len(y) and y[j][1] <= a:
+            j += 1
+        k, cur = j, a
+        while k < len(y) and y[k][0] < b:
+            if y[k][0] > cur:
+                out.append((cur, y[k][0]))
+            cur = max(cur, y[k][1])
+            k += 1
+        if cur < b:
+            out.append((cur, b))
+    return out
+
+
+def total(spans: Iterable[Span]) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def epoch_windows(events: Iterable[Mapping[str, Any]]) -> list[tuple[float, float, str]]:
+    """(start, end, cause) of every P epoch in a control trace (its p_epoch -> p_epoch_done)."""
+    open_: dict[Any, tuple[float, str]] = {}
+    out = []
+    for ev in events:
+        if ev.get("ev") == "p_epoch":
+            cause = "gated" if ev.get("gated") else str(ev.get("why") or "exclusive")
+            open_[ev["epoch"]] = (float(ev["t"]), cause)
+        elif ev.get("ev") == "p_epoch_done" and ev.get("epoch") in open_:
+            t0, cause = open_.pop(ev["epoch"])
+            out.append((t0, float(ev["t"]), cause))
+    return sorted(out)
+
+
+def split(intervals: Iterable[Sequence[Any]], events: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """The run's window (first to last work item, set-up left out) split into P beside D, D alone,
+    P alone (by its epoch's cause; ``outside`` for P work past every epoch's end) and idle; with
+    the epochs' count and time per cause."""
+    ivs = [(str(iv[1]), float(iv[2]), float(iv[3])) for iv in intervals if str(iv[0]) not in SETUP_ITEMS]
+    p = union((a, b) for s, a, b in ivs if s == "P")
+    d = union((a, b) for s, a, b in ivs if s == "D")
+    busy = union(p + d)
+    if not busy:
+        return {"window_s": 0.0, "both_s": 0.0, "d_alone_s": 0.0, "p_alone_s": {}, "idle_s": 0.0, "epochs": {}}
+    window = busy[-1][1] - busy[0][0]
+    p_alone = subtract(p, d)
+    wins = epoch_windows(events)
+    by_cause: dict[str, float] = {}
+    epochs: dict[str, dict[str, float]] = {}
+    covered: list[Span] = []
+    for a, b, cause in wins:
+        got = total(intersect(p_alone, [(a, b)]))
+        by_cause[cause] = by_cause.get(cause, 0.0) + got
+        e = epochs.setdefault(cause, {"n": 0, "s": 0.0})
+        e["n"] += 1
+        e["s"] += b - a
+        covered.append((a, b))
+    rest = total(subtract(p_alone, union(covered)))     # a device item ending after its epoch's host end
+    if rest:
+        by_cause["outside"] = rest
+    return {"window_s": window, "both_s": total(intersect(p, d)), "d_alone_s": total(subtract(d, p)),
+            "p_alone_s": by_cause, "idle_s": window - total(busy), "epochs": epochs}
+
+
+def format_split(s: Mapping[str, Any]) -> str:
+    causes = ", ".join(f"{k} {v:.2f}" for k, v in sorted(s["p_alone_s"].items(), key=lambda kv: -kv[1]))
+    epochs = ", ".join(f"{k} {v['n']} ({v['s']:.2f} s)" for k, v in sorted(s["epochs"].items()))
+    return (f"window {s['window_s']:.2f} s: P beside D {s['both_s']:.2f}, D alone {s['d_alone_s']:.2f}, "
+            f"P alone {sum(s['p_alone_s'].values()):.2f} ({causes or '-'}), idle {s['idle_s']:.2f} | epochs: {epochs or '-'}")

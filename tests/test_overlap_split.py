@@ -1,0 +1,64 @@
+"""metrics.overlap: a run's device time split into P beside D, each alone and idle, P alone by cause."""
+import asyncio
+import json
+
+import pytest
+
+from ainfer_pd import RolloutWorker, SamplingParams
+from ainfer_pd.cli import main
+from ainfer_pd.metrics.overlap import epoch_windows, intersect, split, subtract, union
+from tests.conftest import tiny_cfg
+
+
+def test_span_algebra():
+    u = union([(3, 4), (0, 1), (0.5, 2), (5, 5)])
+    assert u == [(0, 2), (3, 4)]
+    assert intersect(u, [(1, 3.5)]) == [(1, 2), (3, 3.5)]
+    assert subtract(u, [(0.5, 1), (1.5, 3.2)]) == [(0, 0.5), (1, 1.5), (3.2, 4)]
+    assert subtract([(0, 1)], []) == [(0, 1)]
+
+
+def test_split_attributes_p_alone_to_its_epochs_cause():
+    ivs = [("D.capture", "D", -9.0, -1.0),            # set-up: outside the window
+           ("P.attn0", "P", 0.0, 2.0),                # epoch 1 (exclusive, backlog): alone 0-2
+           ("D.iter", "D", 2.0, 3.0),                 # D alone 2-3
+           ("P.attn0", "P", 3.0, 5.0), ("D.iter", "D", 4.0, 6.0),   # epoch 2 (gated): alone 3-4, both 4-5
+           ("P.attn0", "P", 7.0, 8.0)]                # epoch 3 (gated): alone 7-8; idle 6-7
+    events = [{"ev": "p_epoch", "epoch": 1, "t": 0.0, "gated": False, "why": "backlog"},
+              {"ev": "p_epoch_done", "epoch": 1, "t": 2.0},
+              {"ev": "p_epoch", "epoch": 2, "t": 3.0, "gated": True, "why": None},
+              {"ev": "p_epoch_done", "epoch": 2, "t": 5.0},
+              {"ev": "p_epoch", "epoch": 3, "t": 7.0, "gated": True},
+              {"ev": "p_epoch_done", "epoch": 3, "t": 8.0}]
+    s = split(ivs, events)
+    assert s["window_s"] == 8.0 and s["both_s"] == 1.0 and s["d_alone_s"] == 2.0 and s["idle_s"] == 1.0
+    assert s["p_alone_s"] == {"backlog": 2.0, "gated": 2.0}
+    assert s["epochs"] == {"backlog": {"n": 1, "s": 2.0}, "gated": {"n": 2, "s": 3.0}}
+    assert epoch_windows(events[:1]) == []            # an epoch never done has no window
+
+
+@pytest.mark.parametrize("policy,extra,cause", [
+    ("normal", {}, "policy"), ("fine-grained", {}, "gated"),
+    ("fine-grained", {"mux.exclusive_backlog_tokens": 1}, "backlog"),
+    ("fine-grained", {"mux.activation_threshold": 1000}, "inactive")])
+async def test_a_traced_run_splits_and_names_each_epochs_cause(tmp_path, policy, extra, cause):
+    cfg = tiny_cfg(**{"trace_dir": str(tmp_path), "scheduler.policy": policy, "mux.activation_threshold": 1,
+                      **extra})
+    async with RolloutWorker(cfg) as w:
+        long = asyncio.create_task(w.generate([5] * 12, SamplingParams(max_new_tokens=200, temperature=0.0)))
+        while not w.engine.book.decoding:
+            await asyncio.sleep(0.001)
+        # prompts while the first decodes: their epochs have decode rows beside them
+        outs = [await w.generate([9 + i] * 30, SamplingParams(max_new_tokens=4)) for i in range(3)]
+        for o in (await long, *outs):
+            await w.release(o.trajectory_id)
+    events = [json.loads(x) for x in (tmp_path / "rank0.jsonl").read_text().splitlines()]
+    causes = {("gated" if e["gated"] else e["why"]) for e in events if e["ev"] == "p_epoch"}
+    assert "no-d" in causes and cause in causes and None not in causes
+    assert causes <= {"no-d", cause}
+    ivs = json.loads((tmp_path / "timeline_rank0.json").read_text())["intervals"]
+    s = split(ivs, events)
+    parts = s["both_s"] + s["d_alone_s"] + sum(s["p_alone_s"].values()) + s["idle_s"]
+    assert s["window_s"] > 0 and parts == pytest.approx(s["window_s"])
+    assert sum(e["n"] for e in s["epochs"].values()) == sum(e["ev"] == "p_epoch_done" for e in events)
+    assert main(["timeline", str(tmp_path), "--split"]) == 0
