@@ -176,6 +176,8 @@ async def run_bench(cfg: WorkerConfig, trace: Trace, *, variants: Sequence[Varia
                     log("    " + report.breakdown(rr.metrics))
                     if rr.timeline:
                         log("    " + report.interval_stats(rr.timeline))
+                        log(f"    device: P beside D {s['both_s']:.2f} s, D alone {s['d_alone_s']:.2f} s, "
+                            f"P alone {s['p_alone_s']:.2f} s, idle {s['idle_s']:.2f} s")
                     if runs_file is not None:
                         runs_file.write(json.dumps({"cell": cell, "variant": v.name, "repeat": r,
                                                     "summary": s, **rr.to_dict()}, default=str) + "\n")

@@ -62,3 +62,14 @@ async def test_a_traced_run_splits_and_names_each_epochs_cause(tmp_path, policy,
     assert s["window_s"] > 0 and parts == pytest.approx(s["window_s"])
     assert sum(e["n"] for e in s["epochs"].values()) == sum(e["ev"] == "p_epoch_done" for e in events)
     assert main(["timeline", str(tmp_path), "--split"]) == 0
+
+
+def test_summarize_splits_a_runs_window_and_leaves_it_unknown_without_a_timeline():
+    import math
+    from types import SimpleNamespace
+    from ainfer_pd.metrics.report import summarize
+    ivs = [("P.attn0", "P", 0.0, 2.0, {}), ("D.iter", "D", 1.0, 3.0, {}), ("D.iter", "D", 4.0, 5.0, {})]
+    s = summarize(SimpleNamespace(makespan_s=5.0, timeline=ivs))
+    assert (s["both_s"], s["p_alone_s"], s["d_alone_s"], s["idle_s"]) == (1.0, 1.0, 2.0, 1.0)
+    s = summarize(SimpleNamespace(makespan_s=5.0))
+    assert all(math.isnan(s[k]) for k in ("both_s", "p_alone_s", "d_alone_s", "idle_s"))

@@ -75,25 +75,36 @@ def epoch_windows(events: Iterable[Mapping[str, Any]]) -> list[tuple[float, floa
     return sorted(out)
 
 
-def split(intervals: Iterable[Sequence[Any]], events: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """The run's window (first to last work item, set-up left out) split into P beside D, D alone,
-    P alone (by its epoch's cause; ``outside`` for P work past every epoch's end) and idle; with
-    the epochs' count and time per cause."""
+def _streams(intervals: Iterable[Sequence[Any]]) -> tuple[list[Span], list[Span]]:
+    """P's and D's busy time (set-up left out), each as disjoint sorted spans."""
     ivs = [(str(iv[1]), float(iv[2]), float(iv[3])) for iv in intervals if str(iv[0]) not in SETUP_ITEMS]
-    p = union((a, b) for s, a, b in ivs if s == "P")
-    d = union((a, b) for s, a, b in ivs if s == "D")
+    return union((a, b) for s, a, b in ivs if s == "P"), union((a, b) for s, a, b in ivs if s == "D")
+
+
+def device_split(intervals: Iterable[Sequence[Any]]) -> dict[str, float]:
+    """The run's window (first to last work item, set-up left out) in seconds: ``both_s`` (P beside
+    D), ``d_alone_s``, ``p_alone_s`` and ``idle_s``, which add up to ``window_s``."""
+    p, d = _streams(intervals)
     busy = union(p + d)
     if not busy:
-        return {"window_s": 0.0, "both_s": 0.0, "d_alone_s": 0.0, "p_alone_s": {}, "idle_s": 0.0, "epochs": {}}
+        return {"window_s": 0.0, "both_s": 0.0, "d_alone_s": 0.0, "p_alone_s": 0.0, "idle_s": 0.0}
     window = busy[-1][1] - busy[0][0]
+    return {"window_s": window, "both_s": total(intersect(p, d)), "d_alone_s": total(subtract(d, p)),
+            "p_alone_s": total(subtract(p, d)), "idle_s": window - total(busy)}
+
+
+def split(intervals: Iterable[Sequence[Any]], events: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """:func:`device_split` with P's time alone by its epoch's cause (``outside`` for P work past
+    every epoch's end), and the epochs' count and time per cause."""
+    intervals = list(intervals)
+    out: dict[str, Any] = device_split(intervals)
+    p, d = _streams(intervals)
     p_alone = subtract(p, d)
-    wins = epoch_windows(events)
     by_cause: dict[str, float] = {}
     epochs: dict[str, dict[str, float]] = {}
     covered: list[Span] = []
-    for a, b, cause in wins:
-        got = total(intersect(p_alone, [(a, b)]))
-        by_cause[cause] = by_cause.get(cause, 0.0) + got
+    for a, b, cause in epoch_windows(events):
+        by_cause[cause] = by_cause.get(cause, 0.0) + total(intersect(p_alone, [(a, b)]))
         e = epochs.setdefault(cause, {"n": 0, "s": 0.0})
         e["n"] += 1
         e["s"] += b - a
@@ -101,8 +112,8 @@ def split(intervals: Iterable[Sequence[Any]], events: Iterable[Mapping[str, Any]
     rest = total(subtract(p_alone, union(covered)))     # a device item ending after its epoch's host end
     if rest:
         by_cause["outside"] = rest
-    return {"window_s": window, "both_s": total(intersect(p, d)), "d_alone_s": total(subtract(d, p)),
-            "p_alone_s": by_cause, "idle_s": window - total(busy), "epochs": epochs}
+    out.update(p_alone_s=by_cause, epochs=epochs)
+    return out
 
 
 def format_split(s: Mapping[str, Any]) -> str:

@@ -147,6 +147,14 @@ def summarize(result: Any, *, chain_s: float | None = None) -> dict[str, float]:
     s["chain_s"] = chain
     s["bound_s"] = bound
     s["bound_ratio"] = makespan / bound if bound > 0 else NAN
+    timeline = getattr(result, "timeline", None)
+    if timeline:     # where the device time went (metrics.overlap; NaN for a result without a timeline)
+        from .overlap import device_split
+        split = device_split(timeline)
+        for k in ("both_s", "d_alone_s", "p_alone_s", "idle_s"):
+            s[k] = split[k]
+    else:
+        s.update(both_s=NAN, d_alone_s=NAN, p_alone_s=NAN, idle_s=NAN)
     return s
 
 
