@@ -38,8 +38,8 @@ async def _drive(worker, plans):
     return [t.result() for t in tasks]
 
 
-async def _rank_main(rank, world_size, policy, plans, extra=None):
-    cfg = tiny_cfg(**{"parallel.world_size": world_size, "parallel.attn_dp": world_size,
+async def _rank_main(rank, world_size, policy, plans, extra=None, trace_dir=None):
+    cfg = tiny_cfg(**{"trace_dir": trace_dir, "parallel.world_size": world_size, "parallel.attn_dp": world_size,
                       "parallel.expert_parallel": world_size, "parallel.expert_backend": "torch",
                       "parallel.rendezvous_timeout_s": 60.0, "scheduler.policy": policy, **(extra or {})})
     mine = plans[rank::world_size]
@@ -47,9 +47,18 @@ async def _rank_main(rank, world_size, policy, plans, extra=None):
         outs = await _drive(w, mine)
         m = w.metrics()
         leak_free = w.kv_leak_free() and w.engine.kv.num_free_blocks == cfg.cache.num_blocks
+    # each epoch's cause as its trace names it (gated, or why it ran exclusively)
+    causes = []
+    if trace_dir:
+        import json
+        from pathlib import Path
+        for line in (Path(trace_dir) / f"rank{rank}.jsonl").read_text().splitlines():
+            ev = json.loads(line)
+            if ev["ev"] == "p_epoch":
+                causes.append((ev["epoch"], "gated" if ev["gated"] else ev["why"]))
     # epochs that did not run gated though the activation let them: measured cost or a large backlog
     return outs, leak_free, m.get("rendezvous", 0), m["num_epochs"], \
-        m.get("activation_declined", 0) + m.get("backlog_exclusive", 0) + m.get("wait_exclusive", 0)
+        m.get("activation_declined", 0) + m.get("backlog_exclusive", 0) + m.get("wait_exclusive", 0), causes
 
 
 async def _single(plans, policy):
@@ -64,15 +73,23 @@ async def _single(plans, policy):
     (2, "fine-grained", {"mux.exclusive_wait_s": 0.05, "mux.activation_threshold": 1})],
     ids=["2-fine-grained", "4-fine-grained", "2-normal", "2-global-enqueue", "2-fine-grained-cost-measured",
          "2-fine-grained-backlog", "2-fine-grained-wait"])
-def test_expert_parallel_greedy_outputs_equal_the_single_rank_run(world_size, policy, extra):
+def test_expert_parallel_greedy_outputs_equal_the_single_rank_run(tmp_path, world_size, policy, extra):
     plans = _plans(8, seed=11)
     ref = asyncio.run(_single(plans, "normal"))
-    res = run_ranks(_rank_main, world_size, policy, plans, extra, timeout_s=240)
+    res = run_ranks(_rank_main, world_size, policy, plans, extra, str(tmp_path), timeout_s=240)
     got = [None] * len(plans)
     declined = [r[4] for r in res]
     assert len(set(declined)) == 1          # every rank declines the same epochs (agreed inputs)
     assert (declined[0] > 0) == bool(extra)  # the first turns' burst beside few rows is declined
-    for r, (outs, leak_free, rdv, epochs, _) in enumerate(res):
+    causes = [r[5] for r in res]
+    assert all(c == causes[0] for c in causes) and None not in {c for _, c in causes[0]}   # agreed, named
+    named = {c for _, c in causes[0]}
+    expected = {"normal": "policy", "global-enqueue": "gated", "fine-grained": "gated"}[policy]
+    if extra:
+        expected = ("cost" if "mux.activation_cost" in extra else
+                    "backlog" if "mux.exclusive_backlog_tokens" in extra else "wait")
+    assert expected in named, named
+    for r, (outs, leak_free, rdv, epochs, _, _) in enumerate(res):
         assert leak_free
         assert epochs > 0
         for j, o in enumerate(outs):
