@@ -50,12 +50,9 @@ async def _rank_main(rank, world_size, policy, plans, extra=None, trace_dir=None
     # each epoch's cause as its trace names it (gated, or why it ran exclusively)
     causes = []
     if trace_dir:
-        import json
-        from pathlib import Path
-        for line in (Path(trace_dir) / f"rank{rank}.jsonl").read_text().splitlines():
-            ev = json.loads(line)
-            if ev["ev"] == "p_epoch":
-                causes.append((ev["epoch"], "gated" if ev["gated"] else ev["why"]))
+        from ainfer_pd.metrics.tracecheck import load_traces
+        causes = [(ev["epoch"], "gated" if ev["gated"] else ev["why"])
+                  for ev in load_traces(trace_dir)[rank] if ev["ev"] == "p_epoch"]
     # epochs that did not run gated though the activation let them: measured cost or a large backlog
     return outs, leak_free, m.get("rendezvous", 0), m["num_epochs"], \
         m.get("activation_declined", 0) + m.get("backlog_exclusive", 0) + m.get("wait_exclusive", 0), causes

@@ -7,6 +7,7 @@ import pytest
 from ainfer_pd import RolloutWorker, SamplingParams
 from ainfer_pd.cli import main
 from ainfer_pd.metrics.overlap import epoch_windows, intersect, split, subtract, union
+from ainfer_pd.metrics.tracecheck import load_traces
 from tests.conftest import tiny_cfg
 
 
@@ -52,7 +53,7 @@ async def test_a_traced_run_splits_and_names_each_epochs_cause(tmp_path, policy,
         outs = [await w.generate([9 + i] * 30, SamplingParams(max_new_tokens=4)) for i in range(3)]
         for o in (await long, *outs):
             await w.release(o.trajectory_id)
-    events = [json.loads(x) for x in (tmp_path / "rank0.jsonl").read_text().splitlines()]
+    events = load_traces(tmp_path)[0]
     causes = {("gated" if e["gated"] else e["why"]) for e in events if e["ev"] == "p_epoch"}
     assert "no-d" in causes and cause in causes and None not in causes
     assert causes <= {"no-d", cause}

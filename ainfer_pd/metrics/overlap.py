@@ -84,7 +84,10 @@ def _streams(intervals: Iterable[Sequence[Any]]) -> tuple[list[Span], list[Span]
 def device_split(intervals: Iterable[Sequence[Any]]) -> dict[str, float]:
     """The run's window (first to last work item, set-up left out) in seconds: ``both_s`` (P beside
     D), ``d_alone_s``, ``p_alone_s`` and ``idle_s``, which add up to ``window_s``."""
-    p, d = _streams(intervals)
+    return _split_streams(*_streams(intervals))
+
+
+def _split_streams(p: list[Span], d: list[Span]) -> dict[str, float]:
     busy = union(p + d)
     if not busy:
         return {"window_s": 0.0, "both_s": 0.0, "d_alone_s": 0.0, "p_alone_s": 0.0, "idle_s": 0.0}
@@ -96,9 +99,8 @@ def device_split(intervals: Iterable[Sequence[Any]]) -> dict[str, float]:
 def split(intervals: Iterable[Sequence[Any]], events: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """:func:`device_split` with P's time alone by its epoch's cause (``outside`` for P work past
     every epoch's end), and the epochs' count and time per cause."""
-    intervals = list(intervals)
-    out: dict[str, Any] = device_split(intervals)
     p, d = _streams(intervals)
+    out: dict[str, Any] = _split_streams(p, d)
     p_alone = subtract(p, d)
     by_cause: dict[str, float] = {}
     epochs: dict[str, dict[str, float]] = {}

@@ -14,6 +14,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from .overlap import intersect, total, union
+
 
 class Recorder:
     def __init__(self, *, rank: int = 0, trace_path: str | Path | None = None,
@@ -77,24 +79,8 @@ class Recorder:
         hi = window[1] if window else max(b for _, _, b in ivs)
         if hi <= lo:
             return {"busy_fraction": 0.0, "concurrent_fraction": 0.0}
-        edges = []
-        for s, a, b in ivs:
-            a, b = max(a, lo), min(b, hi)
-            if b > a:
-                edges.append((a, 1, s))
-                edges.append((b, -1, s))
-        edges.sort(key=lambda e: (e[0], e[1]))
-        active = {s: 0 for s in streams}
-        busy = both = 0.0
-        prev = lo
-        for t, d, s in edges:
-            n_busy = sum(1 for v in active.values() if v > 0)
-            if n_busy >= 1:
-                busy += t - prev
-            if n_busy >= 2:
-                both += t - prev
-            active[s] += d
-            prev = t
+        first, second = (intersect(union((a, b) for s, a, b in ivs if s == st), [(lo, hi)]) for st in streams)
+        busy, both = total(union(first + second)), total(intersect(first, second))
         span = hi - lo
         return {"busy_fraction": busy / span, "concurrent_fraction": both / span}
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .overlap import format_split, split
 from .plots import plot_timeline
+from .tracecheck import load_traces
 
 
 def setup_parser(p: argparse.ArgumentParser) -> None:
@@ -29,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     out = Path(args.out) if args.out else run_dir
     out.mkdir(parents=True, exist_ok=True)
+    traces = load_traces(run_dir) if args.split else {}
     for f in files:
         data = json.loads(f.read_text())
         ivs = data["intervals"]
@@ -45,7 +47,5 @@ def run(args: argparse.Namespace) -> int:
         path = plot_timeline(ivs, out / f"timeline_rank{data['rank']}.png", title=title, window=window)
         print(f"rank {data['rank']}: {state}, {len(ivs)} intervals -> {path}; {title}")
         if args.split:
-            trace = run_dir / f"rank{data['rank']}.jsonl"
-            events = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()] if trace.exists() else []
-            print(f"rank {data['rank']} split: " + format_split(split(ivs, events)))
+            print(f"rank {data['rank']} split: " + format_split(split(ivs, traces.get(data["rank"], []))))
     return 0
