@@ -246,6 +246,12 @@ class DeviceConfig:
     """CUDA: none | P | D. The named phase's stream gets the device's highest stream priority,
     so its kernels are scheduled first when both phases have work queued (P: first-token
     latency; D: decode iteration time). Equal priority by default."""
+    p_stream_sms: int = 0
+    """CUDA: a gated P epoch (P beside D) runs in a green context of this many SMs (0 = the whole
+    device), so D's kernels beside it always find the other SMs free (D's slowdown beside P), at
+    the cost of a slower P beside D; an exclusive epoch (D waits) keeps the whole device. The
+    driver rounds it to its SM granularity (8 on Hopper). A green context's stream has no
+    priority: not with high_priority_stream=P. Refused off CUDA (the CPU stand-in has no SMs)."""
     attention_backend: str = "auto"
     """auto | torch | triton. ``triton``: paged kernels reading K/V in place through the block
     tables (decode split-KV, one varlen launch per P segment); ``torch``: the reference path
@@ -264,6 +270,11 @@ class DeviceConfig:
             raise ConfigError(f"device.device={self.device!r}: expected cpu | cuda | auto")
         if self.high_priority_stream not in ("none", "P", "D"):
             raise ConfigError(f"device.high_priority_stream={self.high_priority_stream!r}: expected none | P | D")
+        if isinstance(self.p_stream_sms, bool) or not isinstance(self.p_stream_sms, int) or self.p_stream_sms < 0:
+            raise ConfigError(f"device.p_stream_sms must be an integer >= 0, got {self.p_stream_sms!r}")
+        if self.p_stream_sms and self.high_priority_stream == "P":
+            raise ConfigError("device.p_stream_sms: a green context's stream takes no priority; "
+                              "not with device.high_priority_stream=P")
         check_positive(self, "cpu_threads_per_stream", "residency_slots", "graph_max_context")
         if isinstance(self.collective_slots, bool) or not isinstance(self.collective_slots, int) or self.collective_slots < 0:
             raise ConfigError(f"device.collective_slots must be an integer >= 0, got {self.collective_slots!r}")

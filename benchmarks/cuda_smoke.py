@@ -7,10 +7,11 @@ import time
 from ainfer_pd import RolloutWorker, SamplingParams, WorkerConfig
 
 
-async def run(policy: str, graphs: bool, dtype: str = "bfloat16", overlap: bool = False):
+async def run(policy: str, graphs: bool, dtype: str = "bfloat16", overlap: bool = False, p_sms: int = 0):
     cfg = WorkerConfig.from_yaml("configs/tiny-cpu.yaml").replace(**{
         "device.device": "cuda", "device.cuda_graphs": graphs, "model.dtype": dtype, "scheduler.policy": policy,
-        "device.graph_max_context": 2048, "scheduler.max_decode_batch": 32, "scheduler.overlap_decode": overlap})
+        "device.graph_max_context": 2048, "scheduler.max_decode_batch": 32, "scheduler.overlap_decode": overlap,
+        "device.p_stream_sms": p_sms})
     outs = {}
     async with RolloutWorker(cfg) as w:
         t = time.time()
@@ -29,7 +30,7 @@ async def run(policy: str, graphs: bool, dtype: str = "bfloat16", overlap: bool 
                 tg.create_task(conv(i))
         m = w.metrics()
         replays = w.engine.runner.graphs.num_replays if w.engine.runner.graphs else 0
-        print(f"{policy:16s} graphs={graphs} overlap={overlap} makespan {time.time()-t:.2f}s replays {replays} "
+        print(f"{policy:16s} graphs={graphs} overlap={overlap} p_sms={p_sms} makespan {time.time()-t:.2f}s replays {replays} "
               f"rdv {m.get('rendezvous', 0)} conc {m['concurrent_fraction']:.2f} leak-free {w.kv_leak_free()}", flush=True)
     return outs
 
@@ -49,6 +50,14 @@ async def main():
         diff = sum(out[k] != ref32[k] for k in ref32)
         bad += diff
         print(f"  fp32: {policy} overlapped differs from normal in {diff} of {len(ref32)} turns", flush=True)
+    # gated P epochs on a green context of 64 SMs (device.p_stream_sms), exclusive ones on the whole
+    # device: the P stream switches CUDA streams between epochs and must stay FIFO
+    for overlap in (False, True):
+        out = await run("fine-grained", False, "float32", overlap=overlap, p_sms=64)
+        diff = sum(out[k] != ref32[k] for k in ref32)
+        bad += diff
+        print(f"  fp32: fine-grained, P beside D on 64 SMs{' overlapped' if overlap else ''}, differs from normal "
+              f"in {diff} of {len(ref32)} turns", flush=True)
     # bf16 with graphs: graph replay must equal eager for the same batches; across policies the batch
     # composition changes GEMM shapes, so rare greedy flips of this random tiny model are numerics
     ref = await run("normal", False)

@@ -2,7 +2,13 @@
 a Triton kernel run on a stream of a green context with part of the SMs? Prints what it finds;
 the next lever for D's slowdown beside P (an SM partition for the P stream) depends on it.
 
-    python benchmarks/green_ctx_probe.py [--sms 66]
+    python benchmarks/green_ctx_probe.py [--sms 66] [--overlap 128,112,96,80]
+
+``--overlap``: the engine's use (``device.p_stream_sms``) in small. A D-like bandwidth-bound
+GEMM (16 rows against a 512 MB bf16 weight) timed alone, then beside a P-like compute-bound GEMM
+loop on a whole-device stream and on green streams of each SM count; prints D's time per call
+and P's throughput in each case. Also checks what the engine needs of a green stream: CUDA
+events recorded on it timed against an event of the primary context, and cross-stream waits.
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ def _time(fn, stream, n: int = 20) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sms", type=int, default=66)
+    ap.add_argument("--overlap", default="", help="comma-separated SM counts for the P stream's green context")
     a = ap.parse_args()
     print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0),
           "SMs", torch.cuda.get_device_properties(0).multi_processor_count)
@@ -75,7 +82,94 @@ def main() -> int:
         print(f"Triton add 256 MB: full {t_tf:.3f} ms, green {t_tg:.3f} ms, ratio {t_tg / t_tf:.2f}, correct {ok}")
     except Exception as e:  # noqa: BLE001 (a probe: report whatever fails)
         print("Triton on the green stream FAILED:", repr(e))
+    if a.overlap:
+        overlap(G, [int(x) for x in a.overlap.split(",")])
     return 0
+
+
+def _events_ok(stream) -> str:
+    """Engine's needs: an event on the green stream timed against a primary-context event, and a
+    primary stream waiting for the green one."""
+    ref = torch.cuda.Event(enable_timing=True)
+    ref.record()
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        e0.record(stream)
+        y = x @ x
+        e1.record(stream)
+    other = torch.cuda.Stream()
+    other.wait_event(e1)
+    with torch.cuda.stream(other):
+        z = y.float().sum()
+    torch.cuda.synchronize()
+    ok = torch.allclose(z, (x @ x).float().sum(), rtol=1e-3)
+    return (f"event on green stream: {ref.elapsed_time(e0):.3f} ms after the primary's, "
+            f"{e0.elapsed_time(e1):.3f} ms GEMM; cross-stream wait correct {ok}")
+
+
+def overlap(G, sms_list: list[int]) -> None:
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    w = torch.randn(4096, 65536, device="cuda", dtype=torch.bfloat16)     # 512 MB: D reads weights
+    xd = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    xp = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)     # P: a segment's GEMMs
+    wp = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    d_stream = torch.cuda.Stream()
+
+    def d_time(n: int = 200) -> float:
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(d_stream):
+            e0.record(d_stream)
+            for _ in range(n):
+                xd @ w
+            e1.record(d_stream)
+        return e0, e1, n
+
+    def run(p_stream, label: str) -> None:
+        torch.cuda.synchronize()
+        pe0, pe1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        n_p = 0
+        if p_stream is not None:
+            with torch.cuda.stream(p_stream):
+                pe0.record(p_stream)
+                for _ in range(300):
+                    xp @ wp
+                n_p = 300
+                pe1.record(p_stream)
+        e0, e1, n = d_time()
+        torch.cuda.synchronize()
+        d_ms = e0.elapsed_time(e1) / n
+        msg = f"  {label:>14}: D {d_ms * 1e3:7.1f} us/call"
+        if n_p:
+            p_ms = pe0.elapsed_time(pe1) / n_p
+            msg += f", P {2 * 8192 * 4096 * 4096 / p_ms / 1e9:6.0f} TFLOP/s ({p_ms:.3f} ms/GEMM)"
+        print(msg, flush=True)
+
+    print(f"overlap (device has {total} SMs): D = 16x4096 @ 4096x65536 bf16, P = 8192x4096 @ 4096x4096 bf16")
+    for _ in range(2):
+        run(None, "warm-up")
+    run(None, "D alone")
+    run(torch.cuda.Stream(), "P full device")
+    for sms in sms_list:
+        if sms >= total:
+            continue
+        try:
+            ctx = G.create(num_sms=sms, device_id=0)
+        except Exception as e:  # noqa: BLE001 (a probe: report whatever fails)
+            print(f"  green({sms}) FAILED: {e!r}")
+            continue
+        s, _ = _stream_of(ctx, 0)
+        if sms == sms_list[0]:
+            print(" ", _events_ok(s))
+        run(s, f"P green({sms})")
+        with torch.cuda.stream(s):
+            pe0, pe1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            pe0.record(s)
+            for _ in range(100):
+                xp @ wp
+            pe1.record(s)
+        torch.cuda.synchronize()
+        print(f"  {'':>14}  P alone on green({sms}): {pe0.elapsed_time(pe1) / 100:.3f} ms/GEMM", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@
 # Workload (the issue's minimum): 64 conversations x 4 turns at token scale 1 on the Qwen3-30B-A3B
 # shape, bf16, CUDA graphs, the measured span. Environment overrides: REPEATS, POLICIES,
 # PRIORITIES, SPANS, CONV, TURNS, TOKEN_SCALE, CONFIG, TRACE_DIR, WORK (where bench writes runs.jsonl; default
-# /tmp/ladder), SUFFIX (appended to the part's name, so two parts of one call do not overwrite).
+# /tmp/ladder), SUFFIX (appended to the part's name, so two parts of one call do not overwrite),
+# NO_WARMUP=1 (skip the warm-up process: an earlier part of the same call filled Triton's cache).
 # What latest.json still lacks, packed into device calls: python benchmarks/ladder.py plan
 set -u
 cd "$(dirname "$0")/.."
@@ -28,7 +29,7 @@ ALL=normal,global-complete,global-enqueue,fine-grained,mixed-chunked
 common=(--commit "$COMMIT" --part "$PART${SUFFIX:+-$SUFFIX}" --out "$O" --config "$CONFIG"
         --conversations "${CONV:-64}" --max-turns "${TURNS:-4}" --token-scale "${TOKEN_SCALE:-1}"
         --repeats "${REPEATS:-3}" --work "${WORK:-/tmp/ladder}" --set mux.span=measured --set device.graph_max_context=8192
-        ${TRACE_DIR:+--set trace_dir=$TRACE_DIR})
+        ${TRACE_DIR:+--set trace_dir=$TRACE_DIR} ${NO_WARMUP:+--no-warmup})
 # TRACE_DIR: every run writes its control trace and timeline there (the last run's stays; for
 # `ainfer-pd timeline TRACE_DIR --split`: run one policy, REPEATS=1)
 # graph_max_context 8192: the trace's contexts reach 7.5K; above the largest graph bucket decode runs

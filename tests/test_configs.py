@@ -79,6 +79,22 @@ def test_cli_set_overrides_and_stream_priority_validation():
         load_config("configs/h200-bench.yaml", ["device.high_priority_stream=X"])
 
 
+def test_p_stream_sm_partition_is_validated_and_refused_off_cuda():
+    from ainfer_pd.cli import load_config
+    from ainfer_pd.engine.device import make_device
+    from ainfer_pd.errors import ConfigError
+    from ainfer_pd.metrics.recorder import Recorder
+    assert load_config("configs/h200-bench.yaml", ["device.p_stream_sms=96"]).device.p_stream_sms == 96
+    for bad in ("-8", "true", "1.5"):
+        with pytest.raises(ConfigError, match="p_stream_sms"):
+            load_config("configs/h200-bench.yaml", [f"device.p_stream_sms={bad}"])
+    with pytest.raises(ConfigError, match="no priority"):
+        load_config("configs/h200-bench.yaml", ["device.p_stream_sms=96", "device.high_priority_stream=P"])
+    with pytest.raises(ConfigError, match="needs a CUDA device; this one is cpu"):
+        make_device("cpu", Recorder(), lane_sms={("P", "gated"): 96})
+    make_device("cpu", Recorder(), lane_sms={("P", "gated"): 0}).shutdown()   # no partition asked: the stand-in builds
+
+
 # name -> the piece the engine names when it refuses the config (None: the engine builds it)
 ENGINE_SUPPORT = {"h1": "expert tensor parallelism", "h2": "expert tensor parallelism",
                   "h3": "DeepEP", "h4": "DeepEP", "crossed": "DeepEP", "two-node": "DeepEP"}

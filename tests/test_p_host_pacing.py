@@ -66,3 +66,38 @@ async def test_a_failing_segment_fails_its_epoch_under_epoch_pacing():
 def test_unknown_pacing_is_refused():
     with pytest.raises(ConfigError, match="p_host_pacing"):
         WorkerConfig.from_dict({"mux": {"p_host_pacing": "never"}})
+
+
+async def test_gated_epochs_run_on_the_gated_lane_and_exclusive_ones_on_the_stream_itself(monkeypatch):
+    """device.p_stream_sms puts the P stream's gated-lane items on a green context (CUDA); which
+    items are on that lane is the walk's: every item of a gated epoch, none of an exclusive one."""
+    from ainfer_pd.engine import engine as engine_mod
+    from ainfer_pd.engine.device import Stream
+    from ainfer_pd.engine.p_walk import GATED_LANE
+    lanes: list[tuple[str, str | None]] = []           # (label, lane) of every P item, in order
+    gated: list[bool] = []                             # each epoch's mode, in order
+    submit, run_epoch = Stream.submit, engine_mod.Engine._run_epoch
+
+    def spy_submit(self, fn, *args, **kw):
+        if self.name == "P" and kw.get("label", "").startswith("P."):
+            lanes.append((kw["label"], kw.get("lane")))
+        return submit(self, fn, *args, **kw)
+
+    async def spy_epoch(self, epoch, work, mode, **kw):
+        gated.append(mode.gated)
+        return await run_epoch(self, epoch, work, mode, **kw)
+
+    monkeypatch.setattr(Stream, "submit", spy_submit)
+    monkeypatch.setattr(engine_mod.Engine, "_run_epoch", spy_epoch)
+    cfg = tiny_cfg(**{"scheduler.policy": "fine-grained", "mux.activation_threshold": 1,
+                      "scheduler.max_prefill_tokens": 256})
+    async with RolloutWorker(cfg) as w:
+        outs = await _batch(w, seed=5)
+        assert not [o for o in outs if isinstance(o, BaseException)]
+        for tid in list(w.trajectories):
+            await w.release(tid)
+    starts = [i for i, (label, _) in enumerate(lanes) if label == "P.embed"]
+    assert len(starts) == len(gated) and True in gated and False in gated, (len(starts), gated)
+    for k, (i, g) in enumerate(zip(starts, gated)):
+        epoch_lanes = {lane for _, lane in lanes[i:starts[k + 1] if k + 1 < len(starts) else None]}
+        assert epoch_lanes == {GATED_LANE if g else None}, (k, g, epoch_lanes)

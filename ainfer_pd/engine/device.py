@@ -5,7 +5,10 @@
   loop) and records CUDA events; completion is awaited on a waiter thread blocked in the
   event's synchronize, which wakes the loop at once (before: polling ``event.query()`` every
   0.2 ms, which the loop's millisecond timers made ~1 ms: a D iteration of one row at 5K
-  context took 6.3 ms from launch to completion for 5.0 ms of graph).
+  context took 6.3 ms from launch to completion for 5.0 ms of graph). A stream's items may name
+  a *lane*: the device maps (stream, lane) to a stream of a CUDA green context of fewer SMs
+  (``device.p_stream_sms``: P's gated epochs, so D beside them always finds SMs free); a lane
+  switch waits for the stream's previous item, so the stream stays FIFO.
 * :class:`CpuDevice` - a **CPU stand-in** for a GPU, named as such. Each stream is a
   FIFO executor thread; ``submit`` only enqueues. A device-wide *residency* semaphore
   of N slots is held by every running item, the way kernels hold SMs; a collective
@@ -50,6 +53,10 @@ class Work:
     """Extra wait before the item takes the device (fault injection: replicas out of phase)."""
     attrs: dict = field(default_factory=dict)
     """Trace attributes (``phase``, ``kind``, ``registered``, ``epoch``, ``boundary``)."""
+    lane: str | None = None
+    """Which of its stream's hardware queues runs the item (CUDA: a lane the device maps to a
+    green context's stream, see :class:`CudaDevice`; None or an unmapped lane: the stream's own).
+    The stream stays FIFO across lanes."""
     t_started: float | None = None
     """Recorder time the launcher began the item (its dependencies and delay passed)."""
     t_launched: float | None = None
@@ -121,11 +128,13 @@ class Stream:
         self._pool.submit(run)
 
     def submit(self, fn: Callable[..., Any], *args: Any, label: str = "", deps: tuple = (),
-               delay_s: float = 0.0, attrs: dict | None = None) -> Work:
+               delay_s: float = 0.0, attrs: dict | None = None, lane: str | None = None) -> Work:
         """Enqueue ``fn(*args)`` on this stream (FIFO); returns at once. ``deps``: items of other
-        streams that must complete first (waited for outside the residency slots)."""
+        streams that must complete first (waited for outside the residency slots); ``lane``: see
+        :attr:`Work.lane`."""
         work = Work(self, label or getattr(fn, "__name__", "work"), self.device.recorder.now(),
-                    deps=tuple(d for d in deps if d is not None), delay_s=delay_s, attrs=dict(attrs or {}))
+                    deps=tuple(d for d in deps if d is not None), delay_s=delay_s, attrs=dict(attrs or {}),
+                    lane=lane)
 
         def run() -> None:
             try:
@@ -279,12 +288,18 @@ class CudaDevice(Device):
 
     kind = "cuda"
 
-    def __init__(self, recorder: Recorder, index: int = 0, high_priority_stream: str = "none") -> None:
+    def __init__(self, recorder: Recorder, index: int = 0, high_priority_stream: str = "none",
+                 lane_sms: dict[tuple[str, str], int] | None = None) -> None:
         super().__init__(recorder)
         self.index = index
         self.high_priority_stream = high_priority_stream
+        # (stream, lane) -> SMs of the green context that lane's items run in
+        self.lane_sms = {k: v for k, v in (lane_sms or {}).items() if v}
         torch.cuda.set_device(index)
-        self._cuda_streams: dict[str, torch.cuda.Stream] = {}
+        self._cuda_streams: dict[tuple[str, str | None], torch.cuda.Stream] = {}
+        self._green: dict[tuple[str, str], Any] = {}     # the green contexts, kept alive with their streams
+        # stream -> (CUDA stream, end event) of its item launched last: a lane switch waits for it
+        self._last_launch: dict[str, tuple[torch.cuda.Stream, Any]] = {}
         self._unnoted: dict[str, list[Work]] = {}      # launched items whose interval is not recorded yet
         self._lock = threading.Lock()
         self._ref_event = torch.cuda.Event(enable_timing=True)
@@ -293,6 +308,8 @@ class CudaDevice(Device):
         self._ref_host = recorder.now()
         # one waiter per item in flight (P and D each have at most a few); synchronize releases the GIL
         self._waiters = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="ainfer-cuda-wait")
+        for name, lane in self.lane_sms:              # at start: a partition that cannot be had fails here
+            self.cuda_stream(name, lane)
 
     async def wait_event(self, event) -> None:
         """Until ``event`` has completed, without blocking the loop (a waiter thread blocks)."""
@@ -306,16 +323,47 @@ class CudaDevice(Device):
     def torch_device(self) -> torch.device:
         return torch.device("cuda", self.index)
 
-    def cuda_stream(self, name: str) -> torch.cuda.Stream:
-        if name not in self._cuda_streams:
-            # lower number = higher priority; priority_range() is (lowest, highest)
-            prio = torch.cuda.Stream.priority_range()[1] if name == self.high_priority_stream else 0
-            self._cuda_streams[name] = torch.cuda.Stream(device=self.index, priority=prio)
-        return self._cuda_streams[name]
+    def cuda_stream(self, name: str, lane: str | None = None) -> torch.cuda.Stream:
+        """The CUDA stream behind stream ``name``'s ``lane`` (an unmapped lane: the stream's own)."""
+        key = (name, lane if (name, lane) in self.lane_sms else None)
+        if key not in self._cuda_streams:
+            if key[1] is not None:
+                self._cuda_streams[key] = self._green_stream(key, self.lane_sms[key])
+            else:
+                # lower number = higher priority; priority_range() is (lowest, highest)
+                prio = torch.cuda.Stream.priority_range()[1] if name == self.high_priority_stream else 0
+                self._cuda_streams[key] = torch.cuda.Stream(device=self.index, priority=prio)
+        return self._cuda_streams[key]
+
+    def _green_stream(self, key: tuple[str, str], sms: int) -> torch.cuda.Stream:
+        """A stream of a CUDA green context holding ``sms`` of the device's SMs: its kernels run on
+        those SMs only, so another stream's kernels always find the rest free. Checked at creation:
+        an event recorded on it can be timed against the device's reference event (the intervals)."""
+        from ..errors import BackendUnavailableError, ConfigError
+        total = torch.cuda.get_device_properties(self.index).multi_processor_count
+        if not 0 < sms < total:
+            raise ConfigError(f"stream {key[0]} lane {key[1]}: {sms} SMs for its green context; "
+                              f"this device has {total}")
+        try:
+            from torch.cuda.green_contexts import GreenContext
+            ctx = GreenContext.create(num_sms=sms, device_id=self.index)
+            s = ctx.Stream()
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(s)
+            ev.synchronize()
+            self._ref_event.elapsed_time(ev)
+        except (ImportError, RuntimeError) as e:
+            raise BackendUnavailableError(f"stream {key[0]} lane {key[1]}: no CUDA green context of {sms} SMs "
+                                          f"here ({e})") from e
+        self._green[key] = ctx
+        return s
 
     def _execute(self, stream: Stream, work: Work, fn: Callable, args: tuple) -> Any:
-        cs = self.cuda_stream(stream.name)
+        cs = self.cuda_stream(stream.name, work.lane)
         torch.cuda.set_device(self.index)
+        last = self._last_launch.get(stream.name)     # only this stream's launcher thread touches its key
+        if last is not None and last[0] is not cs:
+            cs.wait_event(last[1])                    # FIFO across lanes: after the stream's last item
         for d in work.deps:
             d.enqueued().result()                 # the dependency's launch call returned ...
             if d._event is not None:
@@ -331,6 +379,7 @@ class CudaDevice(Device):
             end.record(cs)
         work.t_launched = self.recorder.now()
         work._start_event, work._event = start, end
+        self._last_launch[stream.name] = (cs, end)
         with self._lock:
             self._unnoted.setdefault(stream.name, []).append(work)
         return result
@@ -351,14 +400,20 @@ class CudaDevice(Device):
 
 
 def make_device(kind: str, recorder: Recorder, *, residency_slots: int = 2, threads_per_stream: int = 1,
-                index: int | None = None, high_priority_stream: str = "none", collective_slots: int = 0) -> Device:
-    """``index`` None: the current CUDA device (a lockstep rank has set it to its local GPU)."""
+                index: int | None = None, high_priority_stream: str = "none", collective_slots: int = 0,
+                lane_sms: dict[tuple[str, str], int] | None = None) -> Device:
+    """``index`` None: the current CUDA device (a lockstep rank has set it to its local GPU).
+    ``lane_sms``: CUDA only, (stream, lane) -> SMs of the green context that lane's items run in."""
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda":
         if not torch.cuda.is_available():
             from ..errors import BackendUnavailableError
             raise BackendUnavailableError("device.device=cuda but CUDA is not available on this host")
-        return CudaDevice(recorder, torch.cuda.current_device() if index is None else index, high_priority_stream)
+        return CudaDevice(recorder, torch.cuda.current_device() if index is None else index, high_priority_stream,
+                          lane_sms)
+    if any((lane_sms or {}).values()):
+        from ..errors import ConfigError
+        raise ConfigError(f"an SM partition of stream lanes {sorted(lane_sms)} needs a CUDA device; this one is {kind}")
     return CpuDevice(recorder, residency_slots=residency_slots, threads_per_stream=threads_per_stream,
                      collective_slots=collective_slots)

@@ -37,7 +37,7 @@ from ..turnstile.turnstile import Turnstile
 from .d_overlap import InFlightD, decode_sampled, feed_of, needs_host_history, rows_after
 from .device import Device, make_device
 from .kv_cache import KVCacheManager
-from .p_walk import EpochWalk, p_segments
+from .p_walk import GATED_LANE, EpochWalk, p_segments
 from .residency import Residency, kv_blocks_from_memory
 from .runner import BatchPlan, ModelRunner
 from .state import Turn
@@ -71,7 +71,8 @@ class Engine:
         self.device: Device = make_device(dc.device, recorder, residency_slots=dc.residency_slots,
                                           collective_slots=dc.collective_slots,
                                           threads_per_stream=dc.cpu_threads_per_stream,
-                                          high_priority_stream=dc.high_priority_stream)
+                                          high_priority_stream=dc.high_priority_stream,
+                                          lane_sms={("P", GATED_LANE): dc.p_stream_sms})
         if self.device.kind == "cpu":
             torch.set_num_threads(dc.cpu_threads_per_stream)
         num_blocks = cfg.cache.num_blocks or kv_blocks_from_memory(cfg)

@@ -27,6 +27,10 @@ from .model import ATTENTION, EMBED, EXPERTS, HEAD, Segment
 
 P_ITEM = {"phase": "P", "kind": "compute"}
 
+GATED_LANE = "gated"
+"""The P stream's lane of a gated epoch's items (P beside D): ``device.p_stream_sms`` maps it to
+a green context of that many SMs; an exclusive epoch's items run on the whole device."""
+
 PSegments = tuple[tuple[Segment, str], ...]
 """Each segment with the label of its P stream item ("P.attn3")."""
 
@@ -45,7 +49,7 @@ class EpochWalk:
     all-reduce (attention TP; None: this rank holds every head)."""
 
     __slots__ = ("epoch", "plan", "ep", "runner", "ctx", "rec", "faults", "faults_on", "timeout_s", "all_reduce",
-                 "gated", "st", "notified", "o", "items", "head", "waited", "counts_waited", "seg_b")
+                 "gated", "lane", "st", "notified", "o", "items", "head", "waited", "counts_waited", "seg_b")
 
     def __init__(self, epoch: int, plan, ep, *, runner, ctx, rec, faults, timeout_s: float,
                  all_reduce: Callable[..., Any] | None = None) -> None:
@@ -55,6 +59,7 @@ class EpochWalk:
         self.timeout_s = timeout_s
         self.all_reduce = all_reduce
         self.gated = False
+        self.lane: str | None = None   # GATED_LANE while the epoch is gated
         self.st: Any = None
         self.notified: Any = None
         self.o: Any = None
@@ -68,6 +73,7 @@ class EpochWalk:
         """Enqueue every segment, passing each boundary as ``mode`` says; ``counts``: wait for the
         receive counts at every expert notification point."""
         self.gated = gated = mode.gated
+        self.lane = lane = GATED_LANE if gated else None
         fine = mode.per_layer
         ep, stream, items = self.ep, self.ctx.stream, self.items
         last = None                    # the latest attention's last item: done = its counts are on their way
@@ -91,11 +97,11 @@ class EpochWalk:
             if kind == ATTENTION:
                 last = self._attention(seg.layer, label)
             elif kind == EXPERTS:
-                items.append(stream.submit(self._experts, seg.layer, label=label, attrs=P_ITEM))
+                items.append(stream.submit(self._experts, seg.layer, label=label, attrs=P_ITEM, lane=lane))
             elif kind == EMBED:
-                items.append(stream.submit(self._embed, label=label, attrs=P_ITEM))
+                items.append(stream.submit(self._embed, label=label, attrs=P_ITEM, lane=lane))
             else:
-                self.head = stream.submit(self._head, label=label, attrs=P_ITEM)
+                self.head = stream.submit(self._head, label=label, attrs=P_ITEM, lane=lane)
 
     async def done(self) -> Any:
         """The head's result once it completed, raising the first failure of the items before it
@@ -144,14 +150,14 @@ class EpochWalk:
         partial output is all-reduced by its own item in between (``seg_b``: its segment)."""
         ctx = self.ctx
         if self.all_reduce is None:
-            w = ctx.stream.submit(self._attn_route, layer, label=label, attrs=P_ITEM)
+            w = ctx.stream.submit(self._attn_route, layer, label=label, attrs=P_ITEM, lane=self.lane)
             self.items.append(w)
             return w
-        wa = ctx.stream.submit(self._attention_only, layer, label=label, attrs=P_ITEM)
+        wa = ctx.stream.submit(self._attention_only, layer, label=label, attrs=P_ITEM, lane=self.lane)
         self.items.append(wa)
         ar = self.all_reduce(lambda: self.o, after=wa, epoch=self.epoch, boundary=self.seg_b, gated=self.gated)
         self.items.append(ar)
-        w = ctx.stream.submit(self._route, layer, ar, label=f"P.route{layer}", attrs=P_ITEM,
+        w = ctx.stream.submit(self._route, layer, ar, label=f"P.route{layer}", attrs=P_ITEM, lane=self.lane,
                               deps=(ar,) if ar.stream is not ctx.stream else ())
         self.items.append(w)
         return w
