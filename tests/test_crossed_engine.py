@@ -68,7 +68,10 @@ def test_crossed_selective_under_phase_skew_completes_with_a_clean_trace(tmp_pat
 
 
 def test_crossed_ordering_none_out_of_phase_stalls_and_the_watchdog_names_the_frontier(tmp_path):
+    # the stalled collectives' threads end at the data groups' timeout (rendezvous_timeout_s): only
+    # then do the ranks exit, so a shorter one than the default 30 s ends the test sooner
     cfg = _crossed(tmp_path / "none", **{"parallel.ordering": "none", "parallel.stall_timeout_s": 3.0,
+                                         "parallel.rendezvous_timeout_s": 10.0,
                                          "faults": {"phase_skew_ms": 30.0}})
     t0 = time.monotonic()
     with pytest.raises(RankFailedError) as ei:
