@@ -116,14 +116,14 @@ def overlap(G, sms_list: list[int]) -> None:
     wp = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     d_stream = torch.cuda.Stream()
 
-    def d_time(n: int = 200) -> float:
+    def d_time(n: int = 200) -> tuple:
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(d_stream):
             e0.record(d_stream)
             for _ in range(n):
                 xd @ w
             e1.record(d_stream)
-        return e0, e1, n
+        return e0, e1, n                       # (start, end, calls): read after a synchronize
 
     def run(p_stream, label: str) -> None:
         torch.cuda.synchronize()
