@@ -14,12 +14,13 @@ its ``results.json`` into the rows of ``docs/results/ladder/latest.json``::
     python benchmarks/ladder.py merge PART.json [PART.json ...] --out docs/results/ladder/latest.json \
         [--data-path KEY=VALUE[+KEY=VALUE...]]
     python benchmarks/ladder.py from-log LADDER.log --commit HASH --part NAME --out DIR
-    python benchmarks/ladder.py plan [--latest docs/results/ladder/latest.json] [--budget-s 520] [--run-s 60] [--span-run-s 120]
+    python benchmarks/ladder.py plan [--latest docs/results/ladder/latest.json] [--commit HASH] [--budget-s 520] [--run-s 45] [--span-run-s 42]
 
 ``plan`` lists the issue's rows (cells P1 and trace x five policies x two priorities, 3 repeats,
 and the span sweep) that ``latest.json`` lacks, and packs them into device calls of ``h200_ladder.sh``
-that fit ``budget-s`` each at ``run-s`` per run (the H200's P1 / trace runs: 55-60 s with the fresh
-worker's start-up).
+that fit ``budget-s`` each at ``run-s`` per run (H200, session 11: 36-46 s a run of P1 / trace inside
+one bench process, fresh worker included; ``WARMUP_S`` a part). With ``--commit`` only that commit's
+rows count as measured (parts pool only under one commit label).
 
 ``from-log`` rebuilds a part when a bench was cut before ``run`` wrote it: from its runs.jsonl (every
 figure), or from the per-run lines it printed (makespan, p99 TTFT and D wait only; the bound and
@@ -170,17 +171,19 @@ def from_log(args: argparse.Namespace) -> int:
 CELLS = ("P1", "trace")
 SPANS = (*(str(k) for k in FIXED_SPANS), "auto")
 """The span sweep; its ``measured`` point is the plain fine-grained row (the ladder sets mux.span=measured)."""
-WARMUP_S = 40.0
-"""The untimed warm-up run of each ``ladder.py run`` (Triton compile cache) and the process start."""
+WARMUP_S = 50.0
+"""The untimed warm-up run of each ``ladder.py run`` (Triton compile cache) and the process start
+(H200, session 11: a first part's call time less its bench wall time, 52 s)."""
 
 
-def missing_runs(rows: list[dict[str, Any]], repeats: int = 3) -> list[tuple[str, str, str, str | None, int]]:
+def missing_runs(rows: list[dict[str, Any]], repeats: int = 3,
+                 commit: str | None = None) -> list[tuple[str, str, str, str | None, int]]:
     """(cell, policy, priority, span, runs still owed) of every issue row with fewer than ``repeats``
-    makespan repeats in ``rows`` (labelled lever rows do not count). The span sweep is fine-grained
-    critical-path on P1."""
+    makespan repeats in ``rows`` (labelled lever rows do not count; with ``commit``, nor do rows of
+    another commit). The span sweep is fine-grained critical-path on P1."""
     have: dict[tuple, int] = {}
     for r in rows:
-        if r.get("variant") is None:
+        if r.get("variant") is None and (commit is None or r.get("commit") == commit):
             key = (r["cell"], r["policy"], r["priority"], r["span"])
             have[key] = max(have.get(key, 0), int(r["makespan_s"].get("n") or 0))
     want = [(c, p, q, None) for c in CELLS for p in POLICIES for q in PRIORITIES]
@@ -189,13 +192,12 @@ def missing_runs(rows: list[dict[str, Any]], repeats: int = 3) -> list[tuple[str
 
 
 def plan_calls(missing: list[tuple[str, str, str, str | None, int]], *, budget_s: float = 520.0,
-               run_s: float = 60.0, span_run_s: float = 120.0) -> list[list[dict[str, Any]]]:
+               run_s: float = 45.0, span_run_s: float = 42.0) -> list[list[dict[str, Any]]]:
     """Pack the owed runs into device calls of at most ``budget_s``: each call a list of
     ``h200_ladder.sh`` parts ``{"part", "env", "runs", "est_s"}``, one part per (cell, priority,
     repeats) with the policies (or spans) that share them. A part that does not fit a call is split
-    by policy; every part pays one warm-up. ``span_run_s``: a fixed span of 1-4 on 96 boundaries
-    throttles P to a few boundaries per D round (session 1: 233 s against normal's 213 s at K=2),
-    so those runs are estimated longer."""
+    by policy; every part pays one warm-up. ``span_run_s``: a run of the span sweep (H200, session 10:
+    six runs of 32.5-33.4 s makespan in 236.6 s of one bench process)."""
     groups: dict[tuple, list[str]] = {}
     for cell, policy, prio, span, owed in missing:
         kind = "spans" if span is not None else cell.lower()
@@ -225,7 +227,7 @@ def plan_calls(missing: list[tuple[str, str, str, str | None, int]], *, budget_s
 
 def plan(args: argparse.Namespace) -> int:
     doc = json.loads(Path(args.latest).read_text())
-    owed = missing_runs(doc["rows"], args.repeats)
+    owed = missing_runs(doc["rows"], args.repeats, commit=args.commit)
     calls = plan_calls(owed, budget_s=args.budget_s, run_s=args.run_s, span_run_s=args.span_run_s)
     total = sum(p["runs"] for c in calls for p in c)
     print(f"{len(owed)} rows owed, {total} runs, {len(calls)} device calls of <= {args.budget_s:.0f} s "
@@ -549,8 +551,9 @@ def main(argv: list[str] | None = None) -> int:
     pl = sub.add_parser("plan")
     pl.add_argument("--latest", default="docs/results/ladder/latest.json")
     pl.add_argument("--budget-s", type=float, default=520.0)
-    pl.add_argument("--run-s", type=float, default=60.0)
-    pl.add_argument("--span-run-s", type=float, default=120.0)
+    pl.add_argument("--commit", help="count only this commit's rows as measured")
+    pl.add_argument("--run-s", type=float, default=45.0)
+    pl.add_argument("--span-run-s", type=float, default=42.0)
     pl.add_argument("--repeats", type=int, default=3)
     g = sub.add_parser("from-log")
     g.add_argument("log")

@@ -25,6 +25,15 @@ def test_missing_runs_counts_what_each_issue_row_still_owes():
     assert len(owed) == 2 * 5 * 2 - 1 + len(ladder.SPANS) - 1
 
 
+def test_missing_runs_with_a_commit_counts_only_that_commits_rows():
+    rows = [{**_row("P1", "normal", "fifo"), "commit": "old"},
+            {**_row("P1", "fine-grained", "fifo", n=2), "commit": "new"}]
+    owed = {(c, p, q, s): k for c, p, q, s, k in ladder.missing_runs(rows, commit="new")}
+    assert owed[("P1", "normal", "fifo", None)] == 3          # measured, but under another commit
+    assert owed[("P1", "fine-grained", "fifo", None)] == 1
+    assert ("P1", "normal", "fifo", None) not in {k[:4] for k in ladder.missing_runs(rows)}
+
+
 def test_plan_calls_fit_the_budget_and_cover_every_owed_run():
     rows = [_row("P1", "normal", "fifo")]
     owed = ladder.missing_runs(rows)
