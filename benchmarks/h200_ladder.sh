@@ -18,7 +18,8 @@
 # PRIORITIES, SPANS, CONV, TURNS, TOKEN_SCALE, CONFIG, TRACE_DIR, WORK (where bench writes runs.jsonl; default
 # /tmp/ladder), SUFFIX (appended to the part's name, so two parts of one call do not overwrite),
 # NO_WARMUP=1 (skip the warm-up process: an earlier part of the same call filled Triton's cache).
-# What latest.json still lacks, packed into device calls: python benchmarks/ladder.py plan
+# What latest.json still lacks, packed into device calls: python benchmarks/ladder.py plan [--commit HASH]
+# (each call also as one benchmarks/ladder_call.sh line: its parts in order within the call's budget)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD

@@ -234,9 +234,12 @@ def plan(args: argparse.Namespace) -> int:
           f"(~{sum(p['est_s'] for c in calls for p in c) / 60:.0f} device-minutes):")
     for i, call in enumerate(calls, 1):
         print(f"call {i} (~{sum(p['est_s'] for p in call):.0f} s):")
+        specs = []
         for p in call:
             env = " ".join(f"{k}={v}" for k, v in p["env"].items())
             print(f"  {env} bash benchmarks/h200_ladder.sh COMMIT {p['part']}")
+            specs.append(f'"{p["est_s"]:.0f}|{env}|{p["part"]}"')
+        print(f"  as one call: OUT=$OUT bash benchmarks/ladder_call.sh COMMIT {args.budget_s:.0f} {' '.join(specs)}")
     return 0
 
 

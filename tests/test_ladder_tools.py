@@ -271,3 +271,33 @@ def test_a_ladder_part_runs_bench_and_keeps_each_run_s_bound_terms_records_and_p
     lines = (out / "runs_t.jsonl").read_text().splitlines()
     assert [json.loads(x)["variant"] for x in lines] == ["normal", "fine-grained"]
     assert (out / "t_P1_timeline_fine-grained.png").stat().st_size > 0
+
+
+def test_a_ladder_call_runs_parts_while_its_budget_lasts_and_keeps_a_cut_parts_runs(tmp_path):
+    """benchmarks/ladder_call.sh with a stand-in for h200_ladder.sh: the parts that fit run in order
+    (the first with the warm-up, the rest NO_WARMUP=1), one that no longer fits is skipped, one cut
+    by the budget keeps its runs.jsonl, and everything comes back in one r.tgz."""
+    import subprocess
+    import tarfile
+    stub = tmp_path / "stub.sh"
+    stub.write_text('echo "part $2 commit $1 nw=${NO_WARMUP:-}"\n'
+                    'mkdir -p "$WORK"; echo "{}" > "$WORK/runs.jsonl"\n'
+                    'sleep "${SLEEP:-0}"\n')
+    out = tmp_path / "out"
+    out.mkdir()
+    # budget 4 s: a (est 1) runs; b (est 36 - 35 warm-up = 1) runs and is cut at the budget;
+    # c (est 500) no longer fits
+    specs = ["1|SUFFIX=a|p1", "36|SLEEP=30 SUFFIX=b|trace", "500|SUFFIX=c|p1"]
+    res = subprocess.run(["bash", "benchmarks/ladder_call.sh", "abc", "4", *specs], capture_output=True,
+                         text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "OUT": str(out),
+                                                     "LADDER_SH": str(stub), "WARMUP_S": "35"})
+    assert res.returncode == 0, res.stderr
+    assert [ln.split()[-1] for ln in res.stdout.splitlines() if ln.startswith("SKIP")] == ["p1"]
+    assert "SUFFIX=c" in res.stdout.split("SKIP")[1]
+    assert "rc 0" in res.stdout and "rc 124" in res.stdout
+    with tarfile.open(out / "r.tgz") as tf:
+        names = {n.split("/")[-1] for n in tf.getnames()}
+        a_out = tf.extractfile("r/a.out").read().decode()
+        b_out = tf.extractfile("r/b.out").read().decode()
+    assert a_out.strip() == "part p1 commit abc nw=" and b_out.strip() == "part trace commit abc nw=1"
+    assert "cut_b_runs.jsonl.gz" in names and "cut_a_runs.jsonl.gz" not in names and "c.out" not in names

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One device call of the ladder of record: its parts in order while the call's budget lasts.
+#
+#   OUT=$OUT bash benchmarks/ladder_call.sh COMMIT BUDGET_S "EST_S|ENV=V ENV=V ...|PART" ...
+#
+# Each spec runs `ENV... bash benchmarks/h200_ladder.sh COMMIT PART` (its env must set a unique
+# SUFFIX: it names the part's files) when its estimate fits the budget left, else it is skipped and
+# said so. EST_S includes the warm-up process; every part after the first is run with NO_WARMUP=1 and
+# its estimate less WARMUP_S (default 50, ladder.py's WARMUP_S). A part still running when the budget ends is cut
+# (`timeout`): its runs so far are kept as $OUT/r/cut_SUFFIX_runs*.jsonl.gz, for
+# `python benchmarks/ladder.py from-log`. Everything ends in $OUT/r.tgz (one file to bring back).
+# The estimates: `python benchmarks/ladder.py plan` (its est_s per part).
+set -u
+COMMIT=${1:?commit}; BUDGET=${2:?budget seconds}; shift 2
+LADDER_SH=${LADDER_SH:-benchmarks/h200_ladder.sh}
+T0=$(date +%s)
+R=${OUT:?OUT}/r; mkdir -p "$R"
+first=1
+for spec in "$@"; do
+  est=${spec%%|*}; rest=${spec#*|}; envs=${rest%|*}; part=${rest##*|}
+  case "$envs" in *SUFFIX=*) ;; *) echo "spec without SUFFIX: $spec" >&2; exit 2 ;; esac
+  name=$(echo "$envs" | sed 's/.*SUFFIX=//; s/ .*//; s/[^A-Za-z0-9_-]/_/g')
+  now=$(( $(date +%s) - T0 )); left=$(( BUDGET - now ))
+  [ $first = 1 ] || est=$(( est - ${WARMUP_S:-50} ))
+  if [ "$est" -gt "$left" ]; then echo "SKIP (est $est > $left s left): $envs $part"; continue; fi
+  nw=""; [ $first = 1 ] || nw="NO_WARMUP=1"
+  echo "== $(date +%T) [$now s] $envs $part (est $est, $left left)"
+  env $envs $nw OUT="$R" WORK="/tmp/ladder_call/$name" timeout "$left" bash "$LADDER_SH" "$COMMIT" "$part" > "$R/$name.out" 2>&1
+  rc=$?; echo "rc $rc at $(( $(date +%s) - T0 )) s"
+  if [ $rc != 0 ]; then
+    find "/tmp/ladder_call/$name" -name 'runs*.jsonl' 2>/dev/null | while read -r f; do
+      gzip -c "$f" > "$R/cut_${name}_$(basename "$f").gz"; done
+  fi
+  first=0
+done
+cd "$OUT" && tar czf r.tgz r && rm -rf r
