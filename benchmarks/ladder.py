@@ -53,10 +53,12 @@ FIGURES = {"makespan_s": "makespan_s", "p99_ttft_s": "ttft_p99_s", "mean_d_wait_
            "bound_ratio": "bound_ratio", "rendezvous": "rendezvous"}
 """Row figure -> summary metric of :func:`ainfer_pd.metrics.report.summarize`."""
 RUN_DETAIL = ("bound_s", "p_work_s", "d_work_s", "chain_s", "busy_fraction", "concurrent_fraction",
-              "both_s", "d_alone_s", "p_alone_s", "idle_s", "d_iter_mean_s", "ttft_p50_s", "requests_per_s")
+              "both_s", "d_alone_s", "p_alone_s", "idle_s", "d_iter_mean_s", "ttft_p50_s", "requests_per_s",
+              "last_traj_tokens", "last_traj_decode_s", "last_traj_token_ms")
 """Summary metrics each run of a row keeps besides its figures: the bound's terms, the device's
 busy and concurrent fractions and its window split (P beside D, each alone, idle: metrics.overlap),
-so that a row says where its time went without its log."""
+and the last trajectory's decode chain (report.last_chain), so that a row says where its time went
+without its log."""
 
 
 def parse_variant(name: str) -> tuple[str, str, str | None]:

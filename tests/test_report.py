@@ -48,6 +48,17 @@ def test_summarize_hand_built():
     assert s2["chain_s"] == pytest.approx(6.0) and s2["bound_ratio"] == pytest.approx(5 / 6)
 
 
+def test_the_last_trajectory_s_chain_is_its_time_less_tool_waits_and_ttfts_per_token():
+    """Conversation 0 finishes last (at 4.0 s; the failed one does not count): 4.0 s less 2.0 s of
+    tool wait and 0.1 + 0.3 s of TTFT is 1.6 s of decode for its 20 - 2 tokens after each turn's first."""
+    s = report.summarize(hand_result({}))
+    assert s["last_traj_tokens"] == 20
+    assert s["last_traj_decode_s"] == pytest.approx(1.6)
+    assert s["last_traj_token_ms"] == pytest.approx(1600 / 18)
+    empty = report.last_chain(ReplayResult(records=[], trajectories=[], outputs={}, metrics={}, makespan_s=0.0))
+    assert all(math.isnan(v) for v in empty.values())
+
+
 def test_the_bound_s_work_terms_leave_out_the_engine_s_set_up_items():
     """The decode-graph capture and the prefill warm-up run on the D / P streams before the first
     turn: the engine's work sums (``work_s``) leave them out (on the H200 the capture alone was
