@@ -97,6 +97,11 @@ def chain_lower_bound(result: Any, metrics: Mapping[str, Any] | None = None) -> 
     return best
 
 
+def completed(trajectories: Iterable[Any]) -> list[Any]:
+    """The trajectories that ran every turn and did not fail."""
+    return [t for t in trajectories if not t.failed and t.turns_total > 0 and t.turns_done == t.turns_total]
+
+
 def last_chain(result: Any) -> dict[str, float]:
     """The measured chain of the trajectory that finished last (completed ones only): its output
     tokens, and its decode time, which is its duration less its tool waits and its turns' TTFTs.
@@ -104,8 +109,7 @@ def last_chain(result: Any) -> dict[str, float]:
     makespan is this chain, the figure is what a D iteration costs along it (H200 trace cell:
     13.5 ms under normal, 11.8 ms under fine-grained; the B = 1 iteration the bound's chain
     term prices is ~4 ms)."""
-    done = [t for t in getattr(result, "trajectories", [])
-            if not t.failed and t.turns_total > 0 and t.turns_done == t.turns_total and math.isfinite(t.end_s)]
+    done = [t for t in completed(getattr(result, "trajectories", [])) if math.isfinite(t.end_s)]
     if not done:
         return {"last_traj_tokens": NAN, "last_traj_decode_s": NAN, "last_traj_token_ms": NAN}
     last = max(done, key=lambda t: t.end_s)
@@ -123,7 +127,7 @@ def summarize(result: Any, *, chain_s: float | None = None) -> dict[str, float]:
     recs = list(getattr(result, "records", []))
     ok = [r for r in recs if r.ok]
     trajs = list(getattr(result, "trajectories", []))
-    done_trajs = [t for t in trajs if not t.failed and t.turns_done == t.turns_total and t.turns_total > 0]
+    done_trajs = completed(trajs)
     makespan = float(result.makespan_s)
     failures = float(getattr(result, "failures", sum(1 for r in recs if not r.ok)))
     s: dict[str, float] = {
