@@ -14,12 +14,12 @@ its ``results.json`` into the rows of ``docs/results/ladder/latest.json``::
     python benchmarks/ladder.py merge PART.json [PART.json ...] --out docs/results/ladder/latest.json \
         [--data-path KEY=VALUE[+KEY=VALUE...]]
     python benchmarks/ladder.py from-log LADDER.log --commit HASH --part NAME --out DIR
-    python benchmarks/ladder.py plan [--latest docs/results/ladder/latest.json] [--commit HASH] [--budget-s 520] [--run-s 45] [--span-run-s 42]
+    python benchmarks/ladder.py plan [--latest docs/results/ladder/latest.json] [--commit HASH] [--budget-s 520] [--run-s S] [--span-run-s 41]
 
 ``plan`` lists the issue's rows (cells P1 and trace x five policies x two priorities, 3 repeats,
 and the span sweep) that ``latest.json`` lacks, and packs them into device calls of ``h200_ladder.sh``
-that fit ``budget-s`` each at ``run-s`` per run (H200, session 11: 36-46 s a run of P1 / trace inside
-one bench process, fresh worker included; ``WARMUP_S`` a part). With ``--commit`` only that commit's
+that fit ``budget-s`` each, at the measured cost of a run of each policy (``RUN_S``; ``--run-s`` one
+figure for all) plus ``PART_S`` a part and ``WARMUP_S`` a call. With ``--commit`` only that commit's
 rows count as measured (parts pool only under one commit label).
 
 ``from-log`` rebuilds a part when a bench was cut before ``run`` wrote it: from its runs.jsonl (every
@@ -173,9 +173,19 @@ def from_log(args: argparse.Namespace) -> int:
 CELLS = ("P1", "trace")
 SPANS = (*(str(k) for k in FIXED_SPANS), "auto")
 """The span sweep; its ``measured`` point is the plain fine-grained row (the ladder sets mux.span=measured)."""
-WARMUP_S = 50.0
-"""The untimed warm-up run of each ``ladder.py run`` (Triton compile cache) and the process start
-(H200, session 11: a first part's call time less its bench wall time, 52 s)."""
+WARMUP_S = 45.0
+"""The untimed warm-up run of a call's first ``ladder.py run`` (Triton compile cache; the later parts
+of a call skip it). H200, session 12: a first part's time less a later part's of the same runs, 42-48 s."""
+PART_S = 18.0
+"""What every part pays besides its runs: the bench process's start and the plots (H200, session 12:
+a part's time less its bench's per-run walls, 15-20 s)."""
+RUN_S = {"normal": 47.0, "global-complete": 48.0, "global-enqueue": 40.0, "fine-grained": 40.0,
+         "mixed-chunked": 50.0}
+"""One run of a policy inside one bench process, fresh worker included (H200, sessions 11-12 at
+d8f52c0: three runs in 139-151 s for normal / global-complete / mixed-chunked, in 108-125 s for
+fine-grained / global-enqueue; a makespan of 38-42 s against 32-34 s)."""
+SPAN_RUN_S = 41.0
+"""One run of the span sweep (H200, session 12: ten runs in 412 s of one bench process)."""
 
 
 def missing_runs(rows: list[dict[str, Any]], repeats: int = 3,
@@ -194,28 +204,35 @@ def missing_runs(rows: list[dict[str, Any]], repeats: int = 3,
 
 
 def plan_calls(missing: list[tuple[str, str, str, str | None, int]], *, budget_s: float = 520.0,
-               run_s: float = 45.0, span_run_s: float = 42.0) -> list[list[dict[str, Any]]]:
+               run_s: float | None = None, span_run_s: float = SPAN_RUN_S) -> list[list[dict[str, Any]]]:
     """Pack the owed runs into device calls of at most ``budget_s``: each call a list of
     ``h200_ladder.sh`` parts ``{"part", "env", "runs", "est_s"}``, one part per (cell, priority,
     repeats) with the policies (or spans) that share them. A part that does not fit a call is split
-    by policy; every part pays one warm-up. ``span_run_s``: a run of the span sweep (H200, session 10:
-    six runs of 32.5-33.4 s makespan in 236.6 s of one bench process)."""
+    by policy. A part's estimate is the warm-up (:data:`WARMUP_S`; ``ladder_call.sh`` takes it off
+    every part after a call's first), :data:`PART_S` and its runs: :data:`RUN_S` of the policy
+    (``run_s``: one figure for every policy instead) or ``span_run_s`` a span."""
+    def cost(kind: str, name: str) -> float:
+        if kind == "spans":
+            return span_run_s
+        return run_s if run_s is not None else RUN_S.get(name, max(RUN_S.values()))
+
     groups: dict[tuple, list[str]] = {}
     for cell, policy, prio, span, owed in missing:
         kind = "spans" if span is not None else cell.lower()
         groups.setdefault((kind, prio, owed), []).append(span if span is not None else policy)
     parts: list[dict[str, Any]] = []
     for (kind, prio, owed), names in groups.items():
-        each = span_run_s if kind == "spans" else run_s
-        per_part = max(1, int((budget_s - WARMUP_S) // (each * owed)))    # names one part can hold
-        for i in range(0, len(names), per_part):
-            chunk = names[i:i + per_part]
+        chunks: list[list[str]] = [[]]
+        for name in names:          # names in order, a new part when the next would not fit a call
+            if chunks[-1] and WARMUP_S + PART_S + owed * sum(cost(kind, n) for n in [*chunks[-1], name]) > budget_s:
+                chunks.append([])
+            chunks[-1].append(name)
+        for chunk in chunks:
             env = {"REPEATS": str(owed), "PRIORITIES": prio}
             env["SPANS" if kind == "spans" else "POLICIES"] = ",".join(chunk)
             env["SUFFIX"] = f"{prio}-{len(parts)}"      # unique: two parts of a call never share a file
-            runs = owed * len(chunk)
-            parts.append({"part": "spans" if kind == "spans" else kind, "env": env, "runs": runs,
-                          "est_s": WARMUP_S + each * runs})
+            parts.append({"part": "spans" if kind == "spans" else kind, "env": env, "runs": owed * len(chunk),
+                          "est_s": WARMUP_S + PART_S + owed * sum(cost(kind, n) for n in chunk)})
     calls: list[list[dict[str, Any]]] = []
     for part in sorted(parts, key=lambda p: -p["est_s"]):          # first fit, largest first
         for call in calls:
@@ -557,8 +574,8 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--latest", default="docs/results/ladder/latest.json")
     pl.add_argument("--budget-s", type=float, default=520.0)
     pl.add_argument("--commit", help="count only this commit's rows as measured")
-    pl.add_argument("--run-s", type=float, default=45.0)
-    pl.add_argument("--span-run-s", type=float, default=42.0)
+    pl.add_argument("--run-s", type=float, default=None, help="one run's seconds for every policy (default: RUN_S by policy)")
+    pl.add_argument("--span-run-s", type=float, default=SPAN_RUN_S)
     pl.add_argument("--repeats", type=int, default=3)
     g = sub.add_parser("from-log")
     g.add_argument("log")

@@ -6,7 +6,7 @@
 # Each spec runs `ENV... bash benchmarks/h200_ladder.sh COMMIT PART` (its env must set a unique
 # SUFFIX: it names the part's files) when its estimate fits the budget left, else it is skipped and
 # said so. EST_S includes the warm-up process; every part after the first is run with NO_WARMUP=1 and
-# its estimate less WARMUP_S (default 50, ladder.py's WARMUP_S). A part still running when the budget ends is cut
+# its estimate less WARMUP_S (default 45, ladder.py's WARMUP_S). A part still running when the budget ends is cut
 # (`timeout`): its runs so far are kept as $OUT/r/cut_SUFFIX_runs*.jsonl.gz, for
 # `python benchmarks/ladder.py from-log`. Everything ends in $OUT/r.tgz (one file to bring back).
 # The estimates: `python benchmarks/ladder.py plan` (its est_s per part).
@@ -21,7 +21,7 @@ for spec in "$@"; do
   case "$envs" in *SUFFIX=*) ;; *) echo "spec without SUFFIX: $spec" >&2; exit 2 ;; esac
   name=$(echo "$envs" | sed 's/.*SUFFIX=//; s/ .*//; s/[^A-Za-z0-9_-]/_/g')
   now=$(( $(date +%s) - T0 )); left=$(( BUDGET - now ))
-  [ $first = 1 ] || est=$(( est - ${WARMUP_S:-50} ))
+  [ $first = 1 ] || est=$(( est - ${WARMUP_S:-45} ))
   if [ "$est" -gt "$left" ]; then echo "SKIP (est $est > $left s left): $envs $part"; continue; fi
   nw=""; [ $first = 1 ] || nw="NO_WARMUP=1"
   echo "== $(date +%T) [$now s] $envs $part (est $est, $left left)"

@@ -1,6 +1,7 @@
 """The ladder of record's tooling (benchmarks/ladder.py): rows owed, device-call packing, rebuilding
 a cut part from its log or runs.jsonl, and the span sweep's variants."""
 import json
+from pathlib import Path
 
 from ainfer_pd.metrics.report import aggregate
 from benchmarks import ladder
@@ -50,6 +51,29 @@ def test_plan_calls_fit_the_budget_and_cover_every_owed_run():
     assert ("spans", "critical-path", "auto") in covered
     suffixes = [(p["part"], p["env"]["SUFFIX"]) for c in calls for p in c]
     assert len(set(suffixes)) == len(suffixes)          # no two parts overwrite one another's file
+
+
+def test_plan_prices_each_policy_at_its_measured_run_and_splits_a_part_that_would_not_fit():
+    rows = [_row(c, p, q) for c in ("P1", "trace") for p in ladder.POLICIES for q in ladder.PRIORITIES
+            if not (c == "P1" and q == "fifo" and p in ("global-complete", "mixed-chunked"))]
+    rows += [_row("P1", "fine-grained", "critical-path", span=k) for k in ladder.SPANS]
+    (call,) = ladder.plan_calls(ladder.missing_runs(rows), budget_s=520)
+    (part,) = call
+    assert part["env"]["POLICIES"] == "global-complete,mixed-chunked" and part["runs"] == 6
+    assert part["est_s"] == ladder.WARMUP_S + ladder.PART_S + 3 * (ladder.RUN_S["global-complete"]
+                                                                    + ladder.RUN_S["mixed-chunked"])
+    # every policy owed on P1 critical-path: more than one call's worth, split by policy in order
+    owed = [("P1", p, "critical-path", None, 3) for p in ladder.POLICIES]
+    parts = [p for c in ladder.plan_calls(owed, budget_s=520) for p in c]
+    assert all(p["est_s"] <= 520 for p in parts) and len(parts) >= 2
+    assert sorted(n for p in parts for n in p["env"]["POLICIES"].split(",")) == sorted(ladder.POLICIES)
+    assert {p["est_s"] for p in ladder.plan_calls(owed, budget_s=520, run_s=10.0)[0]} == {
+        ladder.WARMUP_S + ladder.PART_S + 3 * 10.0 * len(ladder.POLICIES)}
+
+
+def test_the_call_driver_takes_off_the_warm_up_the_plan_put_in():
+    sh = (Path(ladder.__file__).parent / "ladder_call.sh").read_text()
+    assert f"${{WARMUP_S:-{ladder.WARMUP_S:.0f}}}" in sh
 
 
 def test_parts_of_one_priority_with_different_repeats_owed_do_not_share_a_file():
