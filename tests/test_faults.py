@@ -120,7 +120,7 @@ def test_a_dead_or_silent_rank_makes_the_others_fail_with_a_clear_error(scenario
         res = run_ranks(_rank_with_fault, 2, {}, 1, timeout_s=90, return_exceptions=True)
         survivor = res[0]
     else:
-        res = run_ranks(_rank_with_fault, 2, {1: {"drop_rendezvous": 25}}, -1, 20.0, timeout_s=90,
+        res = run_ranks(_rank_with_fault, 2, {1: {"drop_rendezvous": 25}}, -1, 12.0, timeout_s=90,
                         return_exceptions=True)
         survivor = res[0]
         assert not isinstance(res[1], BaseException) and res[1][0] == "hung"   # by design: it never arrives
