@@ -39,6 +39,7 @@ import json
 import math
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -521,14 +522,24 @@ def _fmt(f: dict[str, Any]) -> str:
     return f"{f['median']:.3f}" + (f" ±{f['iqr']:.3f}" if f["iqr"] else "")
 
 
+def chain_ms(row: dict[str, Any]) -> str:
+    """The row's ms a token along its last trajectory's decode chain (``report.last_chain``): the
+    median over the runs that carry it, with how many of the row's runs do ("-" when none)."""
+    v = sorted(x["last_traj_token_ms"] for x in row.get("runs", [])
+               if isinstance(x.get("last_traj_token_ms"), (int, float)))
+    if not v:
+        return "-"
+    return f"{statistics.median(v):.2f} ({len(v)}/{len(row['runs'])})"
+
+
 def _print(doc: dict[str, Any]) -> None:
     print(f"{'cell':<16}{'policy':<17}{'priority':<14}{'span':<6}{'makespan s':<18}{'p99 TTFT s':<18}"
-          f"{'D wait ms':<16}{'/bound':<14}rdv")
+          f"{'D wait ms':<16}{'/bound':<14}{'rdv':<18}chain ms/token")
     for r in doc["rows"]:
         cell = r["cell"] + (f"[{r['variant']}]" if r.get("variant") else "")
         print(f"{cell:<16}{r['policy']:<17}{r['priority']:<14}{r['span'] or '-':<6}{_fmt(r['makespan_s']):<18}"
               f"{_fmt(r['p99_ttft_s']):<18}{_fmt(r['mean_d_wait_ms']):<16}{_fmt(r['bound_ratio']):<14}"
-              f"{_fmt(r['rendezvous'])}")
+              f"{_fmt(r['rendezvous']):<18}{chain_ms(r)}")
     for t in [*doc["targets"], *doc.get("targets_data_path", [])]:
         verdict = "N/A " if t["met"] is None else "MET " if t["met"] else "MISS"
         across = f"; not compared: rows of commits {', '.join(c[:7] for c in t['commits'])}" if t["met"] is None else ""

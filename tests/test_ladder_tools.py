@@ -325,3 +325,19 @@ def test_a_ladder_call_runs_parts_while_its_budget_lasts_and_keeps_a_cut_parts_r
         b_out = tf.extractfile("r/b.out").read().decode()
     assert a_out.strip() == "part p1 commit abc nw=" and b_out.strip() == "part trace commit abc nw=1"
     assert "cut_b_runs.jsonl.gz" in names and "cut_a_runs.jsonl.gz" not in names and "c.out" not in names
+
+
+def test_the_merged_table_shows_the_last_trajectory_s_chain_of_each_row(tmp_path, capsys):
+    runs = [{"makespan_s": m, "ttft_p99_s": 1.0, "d_wait_mean_s": 0.001, "bound_ratio": 1.0, "rendezvous": 0}
+            for m in (36.0, 37.0, 38.0)]
+    for r, ms in zip(runs, (13.0, 11.0)):       # the third run predates report.last_chain
+        r.update(last_traj_tokens=2488, last_traj_decode_s=ms * 2.488, last_traj_token_ms=ms)
+    res = {"aggregates": {"trace": {"normal": aggregate(runs)}}, "summaries": {"trace": {"normal": runs}}}
+    rows = ladder.rows_of(res)
+    a = _part(tmp_path, "a", "c1", rows)
+    b = _part(tmp_path, "b", "c1", _run_row("fine-grained", "fifo", [30.0]))
+    assert ladder.main(["merge", a, b, "--out", str(tmp_path / "latest.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("chain ms/token")
+    assert next(ln for ln in lines if "normal" in ln).endswith("12.00 (2/3)")
+    assert next(ln for ln in lines if "fine-grained" in ln).endswith("-")
