@@ -10,9 +10,14 @@
 # (`timeout`): its runs so far are kept as $OUT/r/cut_SUFFIX_runs*.jsonl.gz, for
 # `python benchmarks/ladder.py from-log`. Everything ends in $OUT/r.tgz (one file to bring back).
 # The estimates: `python benchmarks/ladder.py plan` (its est_s per part).
+#
+# PART `gate` runs the GPU gate instead (`bash benchmarks/gpu_gate.sh COMMIT`, its files in
+# $OUT/r/SUFFIX/): a gate first, then the ladder parts of the same commit, in one device call. A
+# failed gate ends the call (a ladder of a commit that failed its gate is not measured).
 set -u
 COMMIT=${1:?commit}; BUDGET=${2:?budget seconds}; shift 2
 LADDER_SH=${LADDER_SH:-benchmarks/h200_ladder.sh}
+GATE_SH=${GATE_SH:-benchmarks/gpu_gate.sh}
 T0=$(date +%s)
 R=${OUT:?OUT}/r; mkdir -p "$R"
 first=1
@@ -21,10 +26,16 @@ for spec in "$@"; do
   case "$envs" in *SUFFIX=*) ;; *) echo "spec without SUFFIX: $spec" >&2; exit 2 ;; esac
   name=$(echo "$envs" | sed 's/.*SUFFIX=//; s/ .*//; s/[^A-Za-z0-9_-]/_/g')
   now=$(( $(date +%s) - T0 )); left=$(( BUDGET - now ))
-  [ $first = 1 ] || est=$(( est - ${WARMUP_S:-45} ))
+  [ $first = 1 ] || [ "$part" = gate ] || est=$(( est - ${WARMUP_S:-45} ))
   if [ "$est" -gt "$left" ]; then echo "SKIP (est $est > $left s left): $envs $part"; continue; fi
-  nw=""; [ $first = 1 ] || nw="NO_WARMUP=1"
   echo "== $(date +%T) [$now s] $envs $part (est $est, $left left)"
+  if [ "$part" = gate ]; then
+    env $envs OUT="$R/$name" timeout "$left" bash "$GATE_SH" "$COMMIT" > "$R/$name.out" 2>&1
+    rc=$?; echo "gate rc $rc at $(( $(date +%s) - T0 )) s"
+    if [ $rc != 0 ]; then echo "GATE FAILED: the parts after it are not run"; break; fi
+    continue
+  fi
+  nw=""; [ $first = 1 ] || nw="NO_WARMUP=1"
   env $envs $nw OUT="$R" WORK="/tmp/ladder_call/$name" timeout "$left" bash "$LADDER_SH" "$COMMIT" "$part" > "$R/$name.out" 2>&1
   rc=$?; echo "rc $rc at $(( $(date +%s) - T0 )) s"
   if [ $rc != 0 ]; then

@@ -341,3 +341,30 @@ def test_the_merged_table_shows_the_last_trajectory_s_chain_of_each_row(tmp_path
     assert lines[0].endswith("chain ms/token")
     assert next(ln for ln in lines if "normal" in ln).endswith("12.00 (2/3)")
     assert next(ln for ln in lines if "fine-grained" in ln).endswith("-")
+
+
+def test_a_ladder_call_gates_its_commit_first_and_a_failed_gate_ends_the_call(tmp_path):
+    """PART ``gate`` runs the gate (a stand-in for gpu_gate.sh here) with its files under r/SUFFIX/;
+    the ladder part after a passing gate still takes the warm-up; after a failing one nothing runs."""
+    import subprocess
+    import tarfile
+    stub = tmp_path / "stub.sh"
+    stub.write_text('echo "part $2 commit $1 nw=${NO_WARMUP:-}"\n')
+    gate = tmp_path / "gate.sh"
+    gate.write_text('mkdir -p "$OUT"; echo "{\\"commit\\": \\"$1\\"}" > "$OUT/latest.json"; exit "${GATE_RC:-0}"\n')
+
+    def call(out, rc):
+        out.mkdir()
+        env = {"PATH": "/usr/bin:/bin", "OUT": str(out), "LADDER_SH": str(stub), "GATE_SH": str(gate)}
+        res = subprocess.run(["bash", "benchmarks/ladder_call.sh", "abc", "600", f"190|GATE_RC={rc} SUFFIX=g|gate",
+                              "100|SUFFIX=a|p1"], capture_output=True, text=True, timeout=60, env=env)
+        assert res.returncode == 0, res.stderr
+        with tarfile.open(out / "r.tgz") as tf:
+            files = {n: tf.extractfile(n).read().decode() for n in tf.getnames() if tf.getmember(n).isfile()}
+        return res.stdout, files
+
+    stdout, files = call(tmp_path / "pass", 0)
+    assert "gate rc 0" in stdout and json.loads(files["r/g/latest.json"]) == {"commit": "abc"}
+    assert files["r/a.out"].strip() == "part p1 commit abc nw="        # the first ladder part: warm-up
+    stdout, files = call(tmp_path / "fail", 3)
+    assert "gate rc 3" in stdout and "GATE FAILED" in stdout and "r/a.out" not in files
