@@ -10,6 +10,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Rank processes fork from one pre-imported server instead of each importing torch (~8 s a 4-rank
+# world on the 2-core VM); test_dist_rendezvous covers the library's default, spawn, too.
+os.environ.setdefault("AINFER_PD_START_METHOD", "forkserver")
+
 from ainfer_pd import RolloutWorker, WorkerConfig
 
 ROOT = Path(__file__).resolve().parent.parent

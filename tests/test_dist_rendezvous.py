@@ -257,7 +257,9 @@ def _launcher_rank(rank: int, world_size: int):
     time.sleep(120)                                   # a straggler: must be killed, not waited for
 
 
-def test_spawn_reports_typed_errors_and_kills_stragglers():
+@pytest.mark.parametrize("start", ["spawn", "forkserver"])
+def test_spawn_reports_typed_errors_and_kills_stragglers(start, monkeypatch):
+    monkeypatch.setenv("AINFER_PD_START_METHOD", start)
     t0 = time.monotonic()
     with pytest.raises(RankFailedError) as ei:
         run_ranks(_launcher_rank, 2, timeout_s=30, init=False, return_exceptions=True, fail_grace_s=1.0)
@@ -357,3 +359,23 @@ def test_shm_setup_without_peer_times_out():
         ShmRendezvous(0, 2, 0.3, name=uuid.uuid4().hex[:12])
     assert ei.value.missing_ranks == (1,)
     assert threading.active_count() >= 1
+
+
+def test_an_unknown_start_method_is_refused_before_any_rank_starts(monkeypatch):
+    from ainfer_pd.errors import DistributedError
+    monkeypatch.setenv("AINFER_PD_START_METHOD", "fork")
+    with pytest.raises(DistributedError, match="AINFER_PD_START_METHOD='fork'"):
+        run_ranks(_launcher_rank, 2, timeout_s=30, init=False)
+
+
+def _env_rank(rank, world_size):
+    return os.environ.get("AINFER_PD_TEST_MARK"), os.environ.get("OMP_NUM_THREADS")
+
+
+@pytest.mark.parametrize("start", ["spawn", "forkserver"])
+def test_ranks_see_the_parent_s_environment_as_it_is_at_the_call(start, monkeypatch):
+    """Under forkserver too, a variable set after the server started reaches the ranks."""
+    monkeypatch.setenv("AINFER_PD_START_METHOD", start)
+    run_ranks(_env_rank, 1, timeout_s=60, init=False)          # the server (forkserver) starts here
+    monkeypatch.setenv("AINFER_PD_TEST_MARK", "later")
+    assert run_ranks(_env_rank, 2, timeout_s=60, init=False) == [("later", "1")] * 2
