@@ -217,6 +217,9 @@ def plan_calls(missing: list[tuple[str, str, str, str | None, int]], *, budget_s
             return span_run_s
         return run_s if run_s is not None else RUN_S.get(name, max(RUN_S.values()))
 
+    def est(kind: str, owed: int, names: list[str]) -> float:
+        return WARMUP_S + PART_S + owed * sum(cost(kind, n) for n in names)
+
     groups: dict[tuple, list[str]] = {}
     for cell, policy, prio, span, owed in missing:
         kind = "spans" if span is not None else cell.lower()
@@ -225,7 +228,7 @@ def plan_calls(missing: list[tuple[str, str, str, str | None, int]], *, budget_s
     for (kind, prio, owed), names in groups.items():
         chunks: list[list[str]] = [[]]
         for name in names:          # names in order, a new part when the next would not fit a call
-            if chunks[-1] and WARMUP_S + PART_S + owed * sum(cost(kind, n) for n in [*chunks[-1], name]) > budget_s:
+            if chunks[-1] and est(kind, owed, [*chunks[-1], name]) > budget_s:
                 chunks.append([])
             chunks[-1].append(name)
         for chunk in chunks:
@@ -233,7 +236,7 @@ def plan_calls(missing: list[tuple[str, str, str, str | None, int]], *, budget_s
             env["SPANS" if kind == "spans" else "POLICIES"] = ",".join(chunk)
             env["SUFFIX"] = f"{prio}-{len(parts)}"      # unique: two parts of a call never share a file
             parts.append({"part": "spans" if kind == "spans" else kind, "env": env, "runs": owed * len(chunk),
-                          "est_s": WARMUP_S + PART_S + owed * sum(cost(kind, n) for n in chunk)})
+                          "est_s": est(kind, owed, chunk)})
     calls: list[list[dict[str, Any]]] = []
     for part in sorted(parts, key=lambda p: -p["est_s"]):          # first fit, largest first
         for call in calls:
