@@ -2,13 +2,19 @@
 a Triton kernel run on a stream of a green context with part of the SMs? Prints what it finds;
 the next lever for D's slowdown beside P (an SM partition for the P stream) depends on it.
 
-    python benchmarks/green_ctx_probe.py [--sms 66] [--overlap 128,112,96,80]
+    python benchmarks/green_ctx_probe.py [--sms 66] [--overlap 128,112,96,80] [--split 96:36,80:52,66:66]
 
 ``--overlap``: the engine's use (``device.p_stream_sms``) in small. A D-like bandwidth-bound
 GEMM (16 rows against a 512 MB bf16 weight) timed alone, then beside a P-like compute-bound GEMM
 loop on a whole-device stream and on green streams of each SM count; prints D's time per call
 and P's throughput in each case. Also checks what the engine needs of a green stream: CUDA
 events recorded on it timed against an event of the primary context, and cross-stream waits.
+
+``--split P:D,...``: the next lever in small (D beside P is ~28% slower than alone on the trace
+cell, session 12): P *and* D each on a green context. First which SMs each context's kernels run
+on (a Triton kernel reads ``%smid``): are two contexts of P and D SMs disjoint, and does a CUDA
+graph captured on a primary stream stay inside the green context it is replayed on? Then D's call
+alone on its context, and beside the P loop on the other.
 """
 from __future__ import annotations
 
@@ -43,6 +49,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sms", type=int, default=66)
     ap.add_argument("--overlap", default="", help="comma-separated SM counts for the P stream's green context")
+    ap.add_argument("--split", default="", help="comma-separated P:D SM counts, each phase on its own green context")
     a = ap.parse_args()
     print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0),
           "SMs", torch.cuda.get_device_properties(0).multi_processor_count)
@@ -84,6 +91,8 @@ def main() -> int:
         print("Triton on the green stream FAILED:", repr(e))
     if a.overlap:
         overlap(G, [int(x) for x in a.overlap.split(",")])
+    if a.split:
+        split(G, [tuple(int(v) for v in pair.split(":")) for pair in a.split.split(",")])
     return 0
 
 
@@ -170,6 +179,89 @@ def overlap(G, sms_list: list[int]) -> None:
             pe1.record(s)
         torch.cuda.synchronize()
         print(f"  {'':>14}  P alone on green({sms}): {pe0.elapsed_time(pe1) / 100:.3f} ms/GEMM", flush=True)
+
+
+def _sm_ids(stream, graph: bool = False) -> set[int]:
+    """The SMs a kernel launched on ``stream`` ran on (``graph``: captured on a primary stream,
+    replayed on ``stream``). 4 programs an SM, each spinning a little so they spread."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _smid(out_ptr, spin, BLOCK: tl.constexpr):
+        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [tl.arange(0, BLOCK)], dtype=tl.int32,
+                                       is_pure=False, pack=1)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for _ in range(spin):
+            acc = acc * 0.999 + 1.0
+        tl.store(out_ptr + tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), sm + (acc * 0).to(tl.int32))
+
+    n = 4 * torch.cuda.get_device_properties(0).multi_processor_count
+    out = torch.full((n * 32,), -1, device="cuda", dtype=torch.int32)
+    launch = lambda: _smid[(n,)](out, 20000, BLOCK=32)  # noqa: E731
+    with torch.cuda.stream(torch.cuda.Stream()):
+        launch()                                            # compile outside any capture
+    torch.cuda.synchronize()
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        cap = torch.cuda.Stream()
+        with torch.cuda.stream(cap), torch.cuda.graph(g, stream=cap):
+            launch()
+        out.fill_(-1)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(stream):
+            g.replay()
+    else:
+        with torch.cuda.stream(stream):
+            launch()
+    torch.cuda.synchronize()
+    return set(out.view(n, 32)[:, 0].tolist()) - {-1}
+
+
+def split(G, pairs: list[tuple[int, int]]) -> None:
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    w = torch.randn(4096, 65536, device="cuda", dtype=torch.bfloat16)     # 512 MB: D reads weights
+    xd = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    xp = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    wp = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    print(f"split (device has {total} SMs): P and D each on a green context; D = 16x4096 @ 4096x65536, "
+          f"P = 8192x4096 @ 4096x4096 (bf16)")
+    full_ids = _sm_ids(torch.cuda.Stream())
+    print(f"  primary stream: kernel on {len(full_ids)} SMs")
+
+    def d_us(stream, p_stream=None, n: int = 200) -> float:
+        torch.cuda.synchronize()
+        if p_stream is not None:
+            with torch.cuda.stream(p_stream):
+                for _ in range(400):
+                    xp @ wp
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            xd @ w
+            e0.record(stream)
+            for _ in range(n):
+                xd @ w
+            e1.record(stream)
+        torch.cuda.synchronize()
+        return e0.elapsed_time(e1) / n * 1e3
+
+    full = torch.cuda.Stream()
+    print(f"  D alone, whole device: {d_us(full):.1f} us/call; beside P on the whole device: "
+          f"{d_us(full, torch.cuda.Stream()):.1f}", flush=True)
+    for p_sms, d_sms in pairs:
+        try:
+            pc, dc = G.create(num_sms=p_sms, device_id=0), G.create(num_sms=d_sms, device_id=0)
+        except Exception as e:  # noqa: BLE001 (a probe: report whatever fails)
+            print(f"  P {p_sms} / D {d_sms}: green contexts FAILED: {e!r}")
+            continue
+        ps, _ = _stream_of(pc, 0)
+        ds, _ = _stream_of(dc, 0)
+        p_ids, d_ids, dg_ids = _sm_ids(ps), _sm_ids(ds), _sm_ids(ds, graph=True)
+        print(f"  P {p_sms} / D {d_sms}: P's kernel on {len(p_ids)} SMs, D's on {len(d_ids)}, shared "
+              f"{len(p_ids & d_ids)}; a graph replayed on D's stream on {len(dg_ids)} SMs "
+              f"({'inside' if dg_ids <= d_ids else 'OUTSIDE'} D's)", flush=True)
+        print(f"    D alone on its {d_sms}: {d_us(ds):.1f} us/call; beside P on its {p_sms}: {d_us(ds, ps):.1f}; "
+              f"D whole device beside P on {p_sms}: {d_us(full, ps):.1f}", flush=True)
 
 
 if __name__ == "__main__":
