@@ -218,6 +218,30 @@ def _sm_ids(stream, graph: bool = False) -> set[int]:
     return set(out.view(n, 32)[:, 0].tolist()) - {-1}
 
 
+def _disjoint_streams(p_sms: int) -> tuple:
+    """Two green-context streams on disjoint SMs through the driver API (``cuda.bindings``): one
+    group of at least ``p_sms`` SMs for P and the remaining SMs for D. (torch's
+    ``GreenContext.create`` takes one group of a split each time, so two of them may share SMs.)
+    Returns (P stream, D stream, P's SM count, D's SM count)."""
+    from cuda.bindings import driver as drv
+
+    def ok(r):
+        if r[0] != drv.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"CUDA driver error {r[0]}")
+        return r[1:] if len(r) > 2 else r[1]
+
+    dev = ok(drv.cuDeviceGet(torch.cuda.current_device()))
+    whole = ok(drv.cuDeviceGetDevResource(dev, drv.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
+    groups, _, rest = ok(drv.cuDevSmResourceSplitByCount(1, whole, 0, p_sms))
+    streams = []
+    for res in (groups[0], rest):
+        desc = ok(drv.cuDevResourceGenerateDesc([res], 1))
+        ctx = ok(drv.cuGreenCtxCreate(desc, dev, drv.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM))
+        raw = ok(drv.cuGreenCtxStreamCreate(ctx, drv.CUstream_flags.CU_STREAM_NON_BLOCKING, 0))
+        streams.append(torch.cuda.ExternalStream(int(raw)))
+    return streams[0], streams[1], groups[0].sm.smCount, rest.sm.smCount
+
+
 def split(G, pairs: list[tuple[int, int]]) -> None:
     total = torch.cuda.get_device_properties(0).multi_processor_count
     w = torch.randn(4096, 65536, device="cuda", dtype=torch.bfloat16)     # 512 MB: D reads weights
@@ -262,6 +286,17 @@ def split(G, pairs: list[tuple[int, int]]) -> None:
               f"({'inside' if dg_ids <= d_ids else 'OUTSIDE'} D's)", flush=True)
         print(f"    D alone on its {d_sms}: {d_us(ds):.1f} us/call; beside P on its {p_sms}: {d_us(ds, ps):.1f}; "
               f"D whole device beside P on {p_sms}: {d_us(full, ps):.1f}", flush=True)
+        try:
+            ps, ds, np_, nd = _disjoint_streams(p_sms)
+        except Exception as e:  # noqa: BLE001 (a probe: report whatever fails)
+            print(f"    disjoint split (driver API) FAILED: {e!r}")
+            continue
+        p_ids, d_ids, dg_ids = _sm_ids(ps), _sm_ids(ds), _sm_ids(ds, graph=True)
+        print(f"    disjoint split: P {np_} SMs (kernel on {len(p_ids)}), D the other {nd} (kernel on "
+              f"{len(d_ids)}), shared {len(p_ids & d_ids)}; graph on D's stream on {len(dg_ids)} SMs "
+              f"({'inside' if dg_ids <= d_ids else 'OUTSIDE'} D's)", flush=True)
+        print(f"    D alone on its {nd}: {d_us(ds):.1f} us/call; beside P on its {np_}: {d_us(ds, ps):.1f}; "
+              f"D whole device beside P on {np_}: {d_us(full, ps):.1f}", flush=True)
 
 
 if __name__ == "__main__":
