@@ -218,6 +218,15 @@ def _sm_ids(stream, graph: bool = False) -> set[int]:
     return set(out.view(n, 32)[:, 0].tolist()) - {-1}
 
 
+def _graph_on(stream, d_ids: set[int]) -> str:
+    """Where a graph captured on a primary stream runs when replayed on ``stream``."""
+    try:
+        ids = _sm_ids(stream, graph=True)
+    except Exception as e:  # noqa: BLE001 (a probe: report whatever fails)
+        return f"a graph replayed on D's stream FAILED: {e!r}"
+    return f"a graph replayed on D's stream on {len(ids)} SMs ({'inside' if ids <= d_ids else 'OUTSIDE'} D's)"
+
+
 def _disjoint_streams(p_sms: int) -> tuple:
     """Two green-context streams on disjoint SMs through the driver API (``cuda.bindings``): one
     group of at least ``p_sms`` SMs for P and the remaining SMs for D. (torch's
@@ -280,10 +289,9 @@ def split(G, pairs: list[tuple[int, int]]) -> None:
             continue
         ps, _ = _stream_of(pc, 0)
         ds, _ = _stream_of(dc, 0)
-        p_ids, d_ids, dg_ids = _sm_ids(ps), _sm_ids(ds), _sm_ids(ds, graph=True)
+        p_ids, d_ids = _sm_ids(ps), _sm_ids(ds)
         print(f"  P {p_sms} / D {d_sms}: P's kernel on {len(p_ids)} SMs, D's on {len(d_ids)}, shared "
-              f"{len(p_ids & d_ids)}; a graph replayed on D's stream on {len(dg_ids)} SMs "
-              f"({'inside' if dg_ids <= d_ids else 'OUTSIDE'} D's)", flush=True)
+              f"{len(p_ids & d_ids)}; {_graph_on(ds, d_ids)}", flush=True)
         print(f"    D alone on its {d_sms}: {d_us(ds):.1f} us/call; beside P on its {p_sms}: {d_us(ds, ps):.1f}; "
               f"D whole device beside P on {p_sms}: {d_us(full, ps):.1f}", flush=True)
         try:
@@ -291,10 +299,9 @@ def split(G, pairs: list[tuple[int, int]]) -> None:
         except Exception as e:  # noqa: BLE001 (a probe: report whatever fails)
             print(f"    disjoint split (driver API) FAILED: {e!r}")
             continue
-        p_ids, d_ids, dg_ids = _sm_ids(ps), _sm_ids(ds), _sm_ids(ds, graph=True)
+        p_ids, d_ids = _sm_ids(ps), _sm_ids(ds)
         print(f"    disjoint split: P {np_} SMs (kernel on {len(p_ids)}), D the other {nd} (kernel on "
-              f"{len(d_ids)}), shared {len(p_ids & d_ids)}; graph on D's stream on {len(dg_ids)} SMs "
-              f"({'inside' if dg_ids <= d_ids else 'OUTSIDE'} D's)", flush=True)
+              f"{len(d_ids)}), shared {len(p_ids & d_ids)}; {_graph_on(ds, d_ids)}", flush=True)
         print(f"    D alone on its {nd}: {d_us(ds):.1f} us/call; beside P on its {np_}: {d_us(ds, ps):.1f}; "
               f"D whole device beside P on {np_}: {d_us(full, ps):.1f}", flush=True)
 
