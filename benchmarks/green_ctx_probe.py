@@ -224,6 +224,8 @@ def _graph_on(stream, d_ids: set[int]) -> str:
         ids = _sm_ids(stream, graph=True)
     except Exception as e:  # noqa: BLE001 (a probe: report whatever fails)
         return f"a graph replayed on D's stream FAILED: {e!r}"
+    if not ids:                                         # the kernel wrote nothing: it did not run
+        return "a graph replayed on D's stream ran NO kernel (its output untouched)"
     return f"a graph replayed on D's stream on {len(ids)} SMs ({'inside' if ids <= d_ids else 'OUTSIDE'} D's)"
 
 
