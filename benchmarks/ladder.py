@@ -528,8 +528,8 @@ def _fmt(f: dict[str, Any]) -> str:
 def chain_ms(row: dict[str, Any]) -> str:
     """The row's ms a token along its last trajectory's decode chain (``report.last_chain``): the
     median over the runs that carry it, with how many of the row's runs do ("-" when none)."""
-    v = sorted(x["last_traj_token_ms"] for x in row.get("runs", [])
-               if isinstance(x.get("last_traj_token_ms"), (int, float)))
+    v = [x["last_traj_token_ms"] for x in row.get("runs", [])
+         if isinstance(x.get("last_traj_token_ms"), (int, float))]
     if not v:
         return "-"
     return f"{statistics.median(v):.2f} ({len(v)}/{len(row['runs'])})"
