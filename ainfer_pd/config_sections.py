@@ -240,8 +240,14 @@ class DeviceConfig:
     cuda_graphs: bool = True
     """CUDA: decode by graph replay of batch-size buckets."""
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    graph_max_context: int = 8192
-    """CUDA: context length the captured decode graphs cover (longer rows run eager)."""
+    graph_max_context: int = 0
+    """CUDA: context length the captured decode graphs cover; 0 (the default): the model's whole
+    ``max_context_len``, so every decode row replays. A smaller value leaves longer rows to the
+    eager, host-bound path (said once at start)."""
+    graph_context_tiers: tuple[int, ...] = (2048, 8192)
+    """CUDA: context buckets below the covered context, so a batch of short rows replays a graph
+    whose decode grid is sized for them, not for the longest row. Lengths are data: any row up to
+    its bucket replays it."""
     high_priority_stream: str = "none"
     """CUDA: none | P | D. The named phase's stream gets the device's highest stream priority,
     so its kernels are scheduled first when both phases have work queued (P: first-token
@@ -276,7 +282,13 @@ class DeviceConfig:
         if self.p_stream_sms and self.high_priority_stream == "P":
             raise ConfigError("device.p_stream_sms: a green context's stream takes no priority; "
                               "not with device.high_priority_stream=P")
-        check_positive(self, "cpu_threads_per_stream", "residency_slots", "graph_max_context")
+        check_positive(self, "cpu_threads_per_stream", "residency_slots")
+        if isinstance(self.graph_max_context, bool) or not isinstance(self.graph_max_context, int) \
+                or self.graph_max_context < 0:
+            raise ConfigError(f"device.graph_max_context must be an integer >= 0 (0: the model's max_context_len), "
+                              f"got {self.graph_max_context!r}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t <= 0 for t in self.graph_context_tiers):
+            raise ConfigError(f"device.graph_context_tiers must be positive integers, got {self.graph_context_tiers!r}")
         if isinstance(self.collective_slots, bool) or not isinstance(self.collective_slots, int) or self.collective_slots < 0:
             raise ConfigError(f"device.collective_slots must be an integer >= 0, got {self.collective_slots!r}")
         for key in ("attention_backend", "moe_backend"):

@@ -12,6 +12,11 @@ real worker (policy normal, CUDA graphs), and prints per B:
 * ``graph_ms``: the replay of the bucket's captured graph alone, back to back (device time);
 * ``host_share``: 1 - graph_ms / tok_ms, the part of a token the device does not spend in the graph.
 
+* ``wall_dev``: ``tok_ms / graph_ms``, a D iteration's wall time over its device time.
+
+``--ctxs 2048,8192,16000`` runs every batch at each context; ``--shared-prefix`` gives the B rows
+one prompt (GRPO siblings: one copy of its KV, so B x context need not fit the pool).
+
     python benchmarks/decode_alone_bench.py [--config configs/qwen3-30b-a3b-shape.yaml] [--batches 1,4,16,64]
 """
 from __future__ import annotations
@@ -49,7 +54,7 @@ def graph_ms(runner, B: int, L: int, reps: int = 50) -> float:
     return cuda_time_s(graphs.graphs[key][0].replay, reps) * 1e3
 
 
-async def one(w: RolloutWorker, B: int, ctx: int, tokens: int) -> dict:
+async def one(w: RolloutWorker, B: int, ctx: int, tokens: int, shared: bool = False) -> dict:
     """B trajectories of ``ctx`` random prompt tokens are prefilled first (one token each, not
     measured); then all B continue with one observation token and decode ``tokens`` each,
     submitted at once: the measured D iterations have a single small P epoch (B tokens) beside
@@ -59,7 +64,9 @@ async def one(w: RolloutWorker, B: int, ctx: int, tokens: int) -> dict:
     first = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
     sp = SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True)
     runner = w.engine.runner
-    pre = await asyncio.gather(*(w.generate([rng.randrange(2, V) for _ in range(ctx)], first) for _ in range(B)))
+    prompt = [rng.randrange(2, V) for _ in range(ctx)]
+    pre = await asyncio.gather(*(w.generate(prompt if shared else [rng.randrange(2, V) for _ in range(ctx)], first)
+                                 for _ in range(B)))
     m0 = w.metrics()
     replays0 = runner.graphs.num_replays if runner.graphs is not None else 0
     outs = await asyncio.gather(*(w.continue_(o.trajectory_id, [rng.randrange(2, V)], sp) for o in pre))
@@ -71,7 +78,8 @@ async def one(w: RolloutWorker, B: int, ctx: int, tokens: int) -> dict:
     g_ms = graph_ms(runner, B, ctx + 2 + tokens)
     split = {k: round(_mean_ms(m, m0, f"d_{k}_s"), 3) for k in ("iter", "build", "post", "wait")}
     return {"B": B, "ctx": ctx, "tokens": tokens, "tok_ms": round(tok_ms, 3), **{f"{k}_ms": v for k, v in split.items()},
-            "graph_ms": round(g_ms, 3), "host_share": round(1 - g_ms / tok_ms, 3),
+            "graph_ms": round(g_ms, 3), "host_share": round(1 - g_ms / tok_ms, 3), "wall_dev": round(tok_ms / g_ms, 3),
+            "paths": dict(runner.decode_paths),
             "d_iters": m.get("d_iter_s_count", 0) - m0.get("d_iter_s_count", 0), "graph_replays": replays}
 
 
@@ -80,23 +88,27 @@ async def main() -> int:
     ap.add_argument("--config", default="configs/qwen3-30b-a3b-shape.yaml")
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--ctx", type=int, default=5000)
+    ap.add_argument("--ctxs", default="", help="comma-separated contexts (overrides --ctx)")
+    ap.add_argument("--shared-prefix", action="store_true", help="the B rows share one prompt")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
-    cfg = load_config(a.config, ["scheduler.policy=normal", "device.graph_max_context=8192", *a.set])
+    cfg = load_config(a.config, ["scheduler.policy=normal", *a.set])
+    ctxs = [int(c) for c in a.ctxs.split(",")] if a.ctxs else [a.ctx]
     rows = []
     print(f"{'B':>4} {'ctx':>6} {'tok_ms':>8} {'iter':>7} {'build':>6} {'post':>6} {'wait':>6} {'graph_ms':>8} "
-          f"{'host':>6} {'iters':>6} {'replays':>7}", flush=True)
+          f"{'host':>6} {'w/dev':>6} {'iters':>6} {'replays':>7}", flush=True)
     async with RolloutWorker(cfg) as w:
         warm = await w.generate([2 + i for i in range(64)], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
         await w.release(warm.trajectory_id)
-        for B in (int(b) for b in a.batches.split(",")):
-            r = await one(w, B, a.ctx, a.tokens)
-            rows.append(r)
-            print(f"{r['B']:>4} {r['ctx']:>6} {r['tok_ms']:>8.3f} {r['iter_ms']:>7.3f} {r['build_ms']:>6.3f} "
-                  f"{r['post_ms']:>6.3f} {r['wait_ms']:>6.3f} {r['graph_ms']:>8.3f} {r['host_share']:>6.3f} "
-                  f"{r['d_iters']:>6} {r['graph_replays']:>7}", flush=True)
+        for ctx in ctxs:
+            for B in (int(b) for b in a.batches.split(",")):
+                r = await one(w, B, ctx, a.tokens, a.shared_prefix)
+                rows.append(r)
+                print(f"{r['B']:>4} {r['ctx']:>6} {r['tok_ms']:>8.3f} {r['iter_ms']:>7.3f} {r['build_ms']:>6.3f} "
+                      f"{r['post_ms']:>6.3f} {r['wait_ms']:>6.3f} {r['graph_ms']:>8.3f} {r['host_share']:>6.3f} "
+                      f"{r['wall_dev']:>6.3f} {r['d_iters']:>6} {r['graph_replays']:>7}", flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"config": a.config, "rows": rows, "machine": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}, f, indent=1)

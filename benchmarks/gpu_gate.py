@@ -142,6 +142,7 @@ CASES = {
 }
 MOE_CHECK = (128, 2048, 768, 8, (1, 48, 333, 2048))      # E, D, I, k, token counts
 ITER_B, ITER_CTX = (1, 4, 16, 64, 128), 2048
+ITER_LONG = ((16, 2048), (16, 8192), (16, 16384), (32, 8192))     # (B, context): the long-context decode rows
 PREFILL = ((2048, 0), (4096, 0), (8192, 0), (575, 1500))
 ATTN_PARTS = ((32, 2048), (64, 2048), (64, 4096), (128, 2048))
 ATTN_SMALL = ((1, 2048), (1, 5000), (4, 5000), (16, 5000))   # reported; latency-bound, not held to 1.5x
@@ -290,12 +291,28 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
     kv_tok = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 2
     with torch.inference_mode():
         if capture_all:
+            from ainfer_pd.engine.cuda_graphs import graph_buckets
             t0 = time.time()
             n = runner.capture_decode_graphs(dctx)
-            sizes = [b for b in cfg.device.graph_batch_sizes if b <= cfg.scheduler.max_decode_batch]
-            ctxs = [c for c in (512, 1024, 2048, 4096, 8192, 16384) if c <= cfg.device.graph_max_context]
+            dc = cfg.device
+            sizes, ctxs = graph_buckets(dc.graph_batch_sizes, cfg.scheduler.max_decode_batch, dc.graph_context_tiers,
+                                        dc.graph_max_context, mc.max_context_len)
             check(f"{tag}_graphs_capture_every_bucket", n == len(sizes) * len(ctxs) and n > 0,
-                  f"{n} graphs of {len(sizes) * len(ctxs)} in {time.time() - t0:.1f} s")
+                  f"{n} graphs of {len(sizes) * len(ctxs)} (contexts {list(ctxs)}) in {time.time() - t0:.1f} s")
+            fig(f"{tag}_graph_capture", {"graphs": n, "contexts": list(ctxs), "capture_s": round(runner.graphs.capture_s, 2),
+                                         "memory_MiB": round(runner.graphs.memory_bytes / 2**20, 1)})
+            # ---- a row at the model's whole context replays a graph (no context cliff), equal to eager
+            Lmax = mc.max_context_len
+            for B in (1, 4):
+                r0 = runner.graphs.num_replays
+                glog = runner.graphs.try_run(decode_fb(runner, B, Lmax, seed=7))
+                replayed = glog is not None and runner.graphs.num_replays == r0 + 1
+                eager = runner.forward_fb(decode_fb(runner, B, Lmax, seed=7), dctx)
+                ok = replayed and float((glog.argmax(-1) == eager.argmax(-1)).float().mean()) >= 0.75 \
+                    and rel_err(glog, eager) < 2e-2
+                check(f"{tag}_decode_at_max_context_replays_graph_b{B}", ok,
+                      f"context {Lmax}: {'replayed' if replayed else 'NOT replayed'}"
+                      + (f", logits rel err {rel_err(glog, eager):.2e}" if glog is not None else ""))
         # ---- whole decode iteration (graph) vs its bound, ctx 2K
         rows = {}
         C = ITER_CTX
@@ -320,6 +337,21 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
                        "ratio": round(t_graph / (bound * 1e3), 3), "experts_touched_per_layer": touched / mc.num_layers}
             fig(f"{tag}_decode_iteration_b{B}", rows[B])
         R[f"{tag}_decode_rows"] = rows
+        # ---- long contexts: the same graphs, lengths as data; tokens/s against the bound as at 2K
+        if capture_all:
+            long_rows = {}
+            for B, C in ITER_LONG:
+                if runner.graphs is None or runner.graphs.bucket(B, C) not in runner.graphs.graphs:
+                    continue
+                fb = decode_fb(runner, B, C, seed=B + C)
+                touched = touched_experts(runner, decode_fb(runner, B, C, seed=B + C))
+                bound = (attn_b + touched * exp_b + B * C * kv_tok + eh_b + B * mc.hidden_size * 2) / bw
+                runner.graphs.try_run(fb)
+                t_graph = bench_ms(runner.graphs.graphs[runner.graphs.bucket(B, C)][0].replay, 300)
+                long_rows[f"B{B}_L{C}"] = {"graph_ms": round(t_graph, 3), "bound_ms": round(bound * 1e3, 3),
+                                           "ratio": round(t_graph / (bound * 1e3), 3),
+                                           "bucket": list(runner.graphs.bucket(B, C))}
+            fig(f"{tag}_decode_iteration_long", long_rows)
         # ---- eager decode uses the same kernels as the graphs, no cuDNN
         from torch.profiler import ProfilerActivity, profile
         fb = decode_fb(runner, *EAGER_PROFILE)
@@ -456,8 +488,7 @@ def bench(out: Path, args, *, tag: str = "", policies: str = "normal,fine-graine
     cmd = [sys.executable, "-m", "ainfer_pd.cli", "bench", "--config", "configs/qwen3-30b-a3b-shape.yaml",
            "--policies", policies, "--cells", "P1", "--repeats", "1",
            "--conversations", str(args.bench_conversations), "--max-turns", "3", "--token-scale", str(args.bench_token_scale),
-           "--no-progress", "--out", str(bdir), "--set", "device.graph_batch_sizes=[1,4,16,32,64]",
-           "--set", "device.graph_max_context=4096"]
+           "--no-progress", "--out", str(bdir), "--set", "device.graph_batch_sizes=[1,4,16,32,64]"]
     for kv in sets:
         cmd += ["--set", kv]
     rc = run_sub(f"bench{tag}", cmd, args.bench_timeout, out / f"bench{tag}.log")

@@ -164,3 +164,34 @@ def test_varlen_metadata_parts_start_on_16_byte_boundaries():
             assert (t.data_ptr() - base) % 16 == 0
         assert pm.q_len.tolist() == [n for _, n in seqs]
         assert pm.ctx_len.tolist() == [c + n for c, n in seqs]
+
+
+def test_triton_decode_caps_splits_and_lengthens_them_for_long_rows():
+    """Past max_splits x split_keys keys a row's splits grow (its keys over max_splits), so a graph
+    captured for the whole context has a bounded grid and partial buffer; rows still match the
+    dense reference and are bitwise the same alone or beside longer rows."""
+    over = {"block_n": 16, "split_keys": 16, "max_splits": 2}
+    be = TritonAttention(torch.device("cpu"), decode_overrides=over)
+    plan = be.decode_plan(104)
+    assert plan.num_splits == 2                               # capped, not 7
+    assert plan.row_split_keys(20) == 16 and plan.row_split_keys(70) == 48 and plan.row_split_keys(100) == 64
+    out = check(be, 11, [], [3, 20, 70, 100], H=8, Hk=2)
+    fb, q, kn, vn, kv, _ = make_case(11, [], [3, 20, 70, 100], 8, 2, 16)
+    d = fb.decode
+    for j in (1, 2):
+        nb = -(-int(d.ctx_lens[j]) // BS)
+        one = ForwardBatch(fb.input_ids[j:j + 1], fb.positions[j:j + 1], fb.write_slots[j:j + 1], [],
+                           DecodeMeta(None, d.ctx_lens[j:j + 1], block_table=d.block_table[j:j + 1, :nb],
+                                      block_size=BS), None, block_size=BS)
+        alone = paged_attention(q[j:j + 1], kn[j:j + 1], vn[j:j + 1], kv, one, be)
+        assert torch.equal(alone, out[j:j + 1])
+
+
+def test_decode_plan_never_exceeds_its_split_cap():
+    from ainfer_pd.engine.attention.plan import MAX_DECODE_SPLITS
+    for keys in (1, 255, 256, 257, 16384, 16385, 40960, 131072):
+        p = decode_plan(keys)
+        assert 1 <= p.num_splits <= MAX_DECODE_SPLITS
+        assert p.num_splits * p.row_split_keys(keys) >= keys          # the row's splits cover its keys
+        if keys <= MAX_DECODE_SPLITS * p.split_keys:
+            assert p.row_split_keys(keys) == p.split_keys             # unchanged up to 16K keys

@@ -5,6 +5,12 @@ tables, context lengths) and writes static logits; the engine copies a decode ba
 the smallest bucket that fits, pads the rest with rows that write into a scratch KV
 slot, and replays. The same graph replays whether P is active or not: P never touches
 these buffers (SPEC 3.5).
+
+Context lengths are data, not shapes: a graph's block table is as wide as its context tier
+and the decode kernels read each row's own length, with the split-KV layout sized at capture
+for the tier's longest row (``attention.plan.MAX_DECODE_SPLITS`` caps it). The top tier is the
+model's whole ``max_context_len`` by default, so no row falls off the graphs into the eager,
+host-bound path; the lower tiers only spare short batches the grid of the longest rows.
 """
 from __future__ import annotations
 
@@ -19,6 +25,17 @@ from .attention import DecodeMeta, ForwardBatch
 log = logging.getLogger("ainfer_pd.cuda_graphs")
 
 
+def graph_buckets(batch_sizes: tuple[int, ...], max_decode_batch: int, context_tiers: tuple[int, ...],
+                  graph_max_context: int, max_context_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(batch sizes, context buckets) to capture. The context buckets are the tiers below the
+    covered context and the covered context itself: ``graph_max_context`` when set (> 0), else
+    the model's ``max_context_len`` (the default: every row can replay)."""
+    cover = min(graph_max_context, max_context_len) if graph_max_context > 0 else max_context_len
+    ctxs = tuple(sorted({t for t in context_tiers if 0 < t < cover} | {cover}))
+    sizes = tuple(b for b in batch_sizes if b <= max_decode_batch) or (1,)
+    return sizes, ctxs
+
+
 class DecodeGraphs:
     def __init__(self, runner, batch_sizes: tuple[int, ...], ctx_buckets: tuple[int, ...], scratch_slot: int,
                  ctx) -> None:
@@ -31,14 +48,28 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, Tensor], Tensor]] = {}
         self.pool = None
         self.num_replays = 0
+        self.capture_s = 0.0
+        self.memory_bytes = 0
+        """Device memory the capture took (the graphs' pool and static buffers)."""
+
+    @property
+    def max_context(self) -> int:
+        return self.ctx_buckets[-1]
 
     def capture_all(self) -> None:
         """Capture largest first so smaller graphs reuse the memory pool."""
+        import time
         dev = self.runner.device
+        torch.cuda.synchronize(dev)
+        mem0, t0 = torch.cuda.memory_reserved(dev), time.perf_counter()
         for B in reversed(self.batch_sizes):
             for L in reversed(self.ctx_buckets):
                 self._capture(B, L, dev)
-        log.info("captured %d decode graphs", len(self.graphs))
+        torch.cuda.synchronize(dev)
+        self.capture_s = time.perf_counter() - t0
+        self.memory_bytes = torch.cuda.memory_reserved(dev) - mem0
+        log.info("captured %d decode graphs (batch %s x context %s) in %.1f s, %.0f MiB", len(self.graphs),
+                 list(self.batch_sizes), list(self.ctx_buckets), self.capture_s, self.memory_bytes / 2**20)
 
     def _static(self, B: int, L: int, dev) -> dict[str, Tensor]:
         return {

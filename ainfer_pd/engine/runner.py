@@ -71,6 +71,8 @@ class ModelRunner:
             self.model.route_kernel = fused_softmax_route
         log.info("attention backend %s, MoE backend %s", self.model.attn_backend.name, self.moe_backend)
         self.graphs = None
+        self.decode_paths: dict[str, int] = {"graph": 0, "eager-no-graphs": 0, "eager-past-graphs": 0}
+        """D iterations by the path they took (runner.decode)."""
         self.ep = None                 # P's ExpertParallel when experts are spread over ranks
         self.hooks: dict[Phase, PhaseHooks] = {Phase.PREFILL: LOCAL, Phase.DECODE: LOCAL}
         """What each phase's whole forward pass calls between segments (multi-rank: the attention
@@ -176,11 +178,16 @@ class ModelRunner:
         return self.model.forward_batch(fb, self.kv_cache, h.experts, h.attn_reduce, h.gather)
 
     def decode(self, plan: BatchPlan, ctx: PhaseContext) -> Tensor:
-        """One D iteration: CUDA-graph replay when a bucket fits, else eager."""
-        if self.graphs is not None:
-            out = self.graphs.try_run(plan.fb)
-            if out is not None:
-                return out
+        """One D iteration: CUDA-graph replay when a bucket fits, else eager. The path taken is
+        counted in ``decode_paths`` (``graph``, ``eager-no-graphs``, ``eager-past-graphs``)."""
+        if self.graphs is None:
+            self.decode_paths["eager-no-graphs"] += 1
+            return self.forward_fb(plan.fb, ctx)
+        out = self.graphs.try_run(plan.fb)
+        if out is not None:
+            self.decode_paths["graph"] += 1
+            return out
+        self.decode_paths["eager-past-graphs"] += 1
         return self.forward_fb(plan.fb, ctx)
 
     def warmup_prefill(self, ctx: PhaseContext, max_tokens: int, cached: int = 512) -> list[int]:
@@ -230,14 +237,19 @@ class ModelRunner:
 
     def capture_decode_graphs(self, ctx: PhaseContext) -> int:
         """CUDA only: capture decode graphs for the configured buckets."""
-        from .cuda_graphs import DecodeGraphs
+        from .cuda_graphs import DecodeGraphs, graph_buckets
         dc = self.cfg.device
         if self.cfg.model.dtype != "bfloat16" and self.moe_backend != "triton":
             log.warning("CUDA graphs with the torch MoE path need bf16 experts (grouped GEMM); %s decodes eagerly",
                         self.cfg.model.dtype)
             return 0
-        ctxs = tuple(c for c in (512, 1024, 2048, 4096, 8192, 16384) if c <= dc.graph_max_context) or (dc.graph_max_context,)
-        sizes = tuple(b for b in dc.graph_batch_sizes if b <= self.cfg.scheduler.max_decode_batch) or (1,)
+        sizes, ctxs = graph_buckets(dc.graph_batch_sizes, self.cfg.scheduler.max_decode_batch, dc.graph_context_tiers,
+                                    dc.graph_max_context, self.cfg.model.max_context_len)
+        if ctxs[-1] < self.cfg.model.max_context_len:
+            log.warning("decode graphs cover %d of the model's %d context tokens (device.graph_max_context): rows "
+                        "past %d decode eagerly, host-bound (about 24 ms an iteration whatever the batch on the "
+                        "H200 Qwen3-30B-A3B shape, against 4-20 ms replayed)", ctxs[-1],
+                        self.cfg.model.max_context_len, ctxs[-1])
         self.graphs = DecodeGraphs(self, sizes, ctxs, self.scratch_slot, ctx)
         self.graphs.capture_all()
         return len(self.graphs.graphs)

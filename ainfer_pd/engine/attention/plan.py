@@ -8,13 +8,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+#: Most KV splits of one decode row. A row with more than ``MAX_DECODE_SPLITS * split_keys`` keys
+#: gets longer splits (its keys over this count), so the partial-output buffer and the grid of a
+#: graph captured for the whole context stay bounded: ``B x H x 64 x hd`` fp32 (134 MB at B = 128,
+#: 32 heads of 128) however long ``max_context_len`` is. Up to 16K keys a split is ``split_keys``.
+MAX_DECODE_SPLITS = 64
+
+
 @dataclass(frozen=True, slots=True)
 class DecodePlan:
-    num_splits: int
-    split_keys: int       # keys per split (a multiple of block_n)
+    num_splits: int       # grid splits: enough for the longest row the launch covers
+    split_keys: int       # keys per split, the least (a multiple of block_n)
     block_n: int
     num_warps: int
     num_stages: int
+    max_splits: int = MAX_DECODE_SPLITS     # a row never has more splits than this
+
+    def row_split_keys(self, ctx: int) -> int:
+        """Keys per split of a row of ``ctx`` keys (the kernels' ``_split_len``): a function of
+        the row alone, so a row's result is the same in every batch, bucket and graph."""
+        per = -(-(-(-ctx // self.max_splits)) // self.block_n) * self.block_n
+        return max(per, self.split_keys)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,8 +40,9 @@ class PrefillPlan:
 
 
 def decode_plan(max_keys: int, *, block_n: int = 64, split_keys: int = 256, num_warps: int = 2,
-                num_stages: int = 2) -> DecodePlan:
-    """Split every row's keys at fixed positions (multiples of ``split_keys``).
+                num_stages: int = 2, max_splits: int = MAX_DECODE_SPLITS) -> DecodePlan:
+    """Split every row's keys at fixed positions (multiples of ``split_keys``; past
+    ``max_splits x split_keys`` keys, multiples of the row's own ``row_split_keys``).
 
     The split boundaries never depend on the batch (rows, the longest row, the graph bucket),
     so a row's result is bitwise the same in any batch, eager or replayed: splits beyond a
@@ -39,7 +54,8 @@ def decode_plan(max_keys: int, *, block_n: int = 64, split_keys: int = 256, num_
     from the H200 sweep.
     """
     split_keys = -(-split_keys // block_n) * block_n
-    return DecodePlan(max(1, -(-max_keys // split_keys)), split_keys, block_n, num_warps, num_stages)
+    num_splits = min(max_splits, max(1, -(-max_keys // split_keys)))
+    return DecodePlan(num_splits, split_keys, block_n, num_warps, num_stages, max_splits)
 
 
 def prefill_plan(head_dim: int, fp32: bool) -> PrefillPlan:

@@ -107,13 +107,15 @@ class TritonAttention:
             op.stride(0), op.stride(1), op.stride(2) if plan.num_splits > 1 else 0,
             lse.stride(0), lse.stride(1),
             GROUP=G, GROUP_PAD=max(16, _pow2(G)), HEAD_DIM=hd, PAGE=d.block_size,
-            BLOCK_N=plan.block_n, SPLIT_KEYS=plan.split_keys, SINGLE=plan.num_splits == 1, IEEE=ieee,
+            BLOCK_N=plan.block_n, SPLIT_KEYS=plan.split_keys, MAX_SPLITS=plan.max_splits, SINGLE=plan.num_splits == 1,
+            IEEE=ieee,
             num_warps=plan.num_warps, num_stages=plan.num_stages)
         if plan.num_splits > 1:
             decode_merge_kernel[(B, H)](
                 op, lse, out, d.ctx_lens, plan.num_splits, op.stride(0), op.stride(1), op.stride(2), lse.stride(0),
                 lse.stride(1), out.stride(0), out.stride(1),
-                HEAD_DIM=hd, SPLITS_PAD=_pow2(plan.num_splits), SPLIT_KEYS=plan.split_keys, num_warps=4)
+                HEAD_DIM=hd, SPLITS_PAD=_pow2(plan.num_splits), SPLIT_KEYS=plan.split_keys,
+                MAX_SPLITS=plan.max_splits, BLOCK_N=plan.block_n, num_warps=4)
         return out
 
     # ------------------------------------------------------------------ prefill

@@ -49,6 +49,15 @@ def _scores(q, k, scale_log2, IEEE: tl.constexpr):
     return tl.dot(q, tl.trans(k)) * scale_log2
 
 
+@triton.jit
+def _split_len(ctx, SPLIT_KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys of each split of a row with ``ctx`` keys: SPLIT_KEYS while the row needs at most
+    MAX_SPLITS of them, else the row's keys over MAX_SPLITS rounded up to BLOCK_N. A function of
+    the row's own length only: the same in every batch, bucket and graph."""
+    per = tl.cdiv(tl.cdiv(ctx, MAX_SPLITS), BLOCK_N) * BLOCK_N
+    return tl.maximum(per, SPLIT_KEYS)
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_tb"])
 def paged_decode_kernel(
     Q, K, V, TABLE, LENS, O, OP, LSE,
@@ -60,21 +69,23 @@ def paged_decode_kernel(
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT_KEYS: tl.constexpr, SINGLE: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT_KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr, SINGLE: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     ctx = tl.load(LENS + b).to(tl.int32)
-    if (sp > 0) & (sp * SPLIT_KEYS >= ctx):
+    split = _split_len(ctx, SPLIT_KEYS, MAX_SPLITS, BLOCK_N)
+    if (sp > 0) & (sp * split >= ctx):
         return                          # past the row's keys: the merge reads only the row's splits
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kvh * GROUP + offs_g
     gmask = offs_g < GROUP
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None], other=0.0)
-    start = sp * SPLIT_KEYS
-    end = tl.minimum(start + SPLIT_KEYS, ctx)
+    start = sp * split
+    end = tl.minimum(start + split, ctx)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -104,15 +115,17 @@ def decode_merge_kernel(
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """Combine the partial outputs of one (row, head) over the row's own splits (split 0 always,
-    then one per SPLIT_KEYS keys): weights 2^(lse_s - max lse). Splits past the row's keys were
+    then one per ``_split_len`` keys): weights 2^(lse_s - max lse). Splits past the row's keys were
     neither written nor read (before: all num_splits of the bucket, each written empty)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     ctx = tl.load(LENS + b).to(tl.int32)
-    ns = tl.minimum(tl.maximum(1, tl.cdiv(ctx, SPLIT_KEYS)), num_splits)
+    split = _split_len(ctx, SPLIT_KEYS, MAX_SPLITS, BLOCK_N)
+    ns = tl.minimum(tl.maximum(1, tl.cdiv(ctx, split)), num_splits)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     smask = offs_s < ns
