@@ -36,6 +36,9 @@ LAZY_SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 DEFAULT_CONFIG = "configs/tiny-cpu.yaml"
 
+#: ``--workload`` choices (``build_trace``).
+WORKLOADS = ("paper", "p-heavy", "decode-only", "grpo-long")
+
 #: Workload presets; individual flags override them.
 PRESETS: dict[str, dict[str, Any]] = {
     # the main job: ~280 requests on the tiny CPU model, about 2 minutes for two policies on 2 cores
@@ -68,8 +71,13 @@ def _add_workload_args(p: argparse.ArgumentParser, *, preset: str) -> None:
                         "its config.json instead of --config's (config-only: seeded random init of its shapes)")
     g.add_argument("--preset", choices=sorted(PRESETS), default=preset,
                    help=f"workload defaults (default {preset}: {PRESETS[preset]})")
-    g.add_argument("--workload", choices=("paper", "p-heavy", "decode-only"), default="paper",
-                   help="paper-shaped trace (default), P-heavy trace, or the decode-only control")
+    g.add_argument("--workload", choices=WORKLOADS, default="paper",
+                   help="paper-shaped trace (default), P-heavy trace, the decode-only control, or grpo-long: "
+                        "GRPO groups of --group-size siblings sharing a prompt, retained contexts on the "
+                        "paper's distribution up to 14.8K (--conversations: trajectories, default 64; "
+                        "--max-turns default 6)")
+    g.add_argument("--group-size", type=int, metavar="G",
+                   help="grpo-long: siblings per prompt group (default 8; --samples-per-prompt N > 1 is the same)")
     g.add_argument("--decode-only", action="store_true", help="alias of --workload decode-only")
     g.add_argument("--trace", metavar="JSONL", help="load the trace from a JSONL file instead of generating it")
     g.add_argument("--save-trace", metavar="JSONL", help="write the trace used to a JSONL file")
@@ -159,15 +167,40 @@ def build_trace(args: argparse.Namespace, cfg: Any):
         trace = tr.p_heavy_trace(convs, args.max_turns or 3, prompt_tokens=max(1, round(7680 * ts)),
                                  observation_tokens=max(1, round(3840 * ts)), gen_tokens=max(1, round(120 * ts)),
                                  seed=args.seed, max_context=max_ctx)
+    elif workload == "grpo-long":
+        trace = grpo_long_trace(args, max_ctx)
     else:
         trace = tr.make_trace(convs, _opt(args, "max_turns"), token_scale=_opt(args, "token_scale"),
                               max_context=max_ctx, seed=args.seed)
     n = getattr(args, "samples_per_prompt", 1) or 1
-    if n > 1:
+    if n > 1 and trace.samples_per_prompt == 1:
         trace = trace.with_samples_per_prompt(n)
     if args.save_trace:
         trace.save_jsonl(args.save_trace)
     return trace
+
+
+def grpo_long_trace(args: argparse.Namespace, max_context: int | None):
+    """``--workload grpo-long``: ``--conversations`` trajectories (default 64; ``--scale``: of 128)
+    in groups of ``--group-size`` (rounded up to whole groups), ``--max-turns`` (default 6) turns at
+    most, the preset's token scale unless ``--token-scale``."""
+    from .errors import InvalidRequestError
+    from .workload import trace_gen as tg
+    g = getattr(args, "group_size", None)
+    n = getattr(args, "samples_per_prompt", 1) or 1
+    if g is None:
+        g = n if n > 1 else tg.GRPO_GROUP_SIZE
+    elif n > 1 and n != g:
+        raise InvalidRequestError(f"--group-size {g} and --samples-per-prompt {n} disagree")
+    if g < 1:
+        raise InvalidRequestError(f"--group-size must be >= 1, got {g}")
+    convs = args.conversations
+    if convs is None and args.scale is not None:
+        convs = max(1, round(128 * args.scale))
+    convs = convs or tg.GRPO_GROUPS * tg.GRPO_GROUP_SIZE
+    turns = args.max_turns or tg.GRPO_MAX_TURNS
+    return tg.grpo_agentic_trace(-(-convs // g), g, turns, min_turns=min(tg.GRPO_MIN_TURNS, turns),
+                                 token_scale=_opt(args, "token_scale"), max_context=max_context, seed=args.seed)
 
 
 def _check_world_size(args: argparse.Namespace) -> int | None:
@@ -261,18 +294,28 @@ def _run_bench(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- trace
 def _setup_trace(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="JSONL", help="write the trace here")
-    p.add_argument("--conversations", type=int, default=128)
-    p.add_argument("--max-turns", type=int, default=10)
+    p.add_argument("--conversations", type=int, help="conversations (trajectories); default 128 (grpo-long: 64)")
+    p.add_argument("--max-turns", type=int, help="turns per conversation at most; default 10 (grpo-long: 6)")
     p.add_argument("--token-scale", type=float, default=1.0)
     p.add_argument("--wait-scale", type=float, default=1.0)
     p.add_argument("--max-context", type=int)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workload", choices=("paper", "grpo-long"), default="paper",
+                   help="paper (default) or grpo-long (--conversations trajectories in groups of --group-size; "
+                        "--max-turns 6 unless given)")
+    p.add_argument("--group-size", type=int, default=8, help="grpo-long: siblings per prompt group (default 8)")
 
 
 def _run_trace(args: argparse.Namespace) -> int:
-    from .workload.trace import PAPER_PERCENTILES, make_trace
-    t = make_trace(args.conversations, args.max_turns, token_scale=args.token_scale,
-                   wait_scale=args.wait_scale, max_context=args.max_context, seed=args.seed)
+    from .workload.trace import PAPER_PERCENTILES, grpo_agentic_trace, make_trace
+    if args.workload == "grpo-long":
+        g, turns = args.group_size, args.max_turns or 6
+        t = grpo_agentic_trace(-(-(args.conversations or 64) // g), g, turns, min_turns=min(2, turns),
+                               token_scale=args.token_scale, wait_scale=args.wait_scale,
+                               max_context=args.max_context, seed=args.seed)
+    else:
+        t = make_trace(args.conversations or 128, args.max_turns or 10, token_scale=args.token_scale,
+                       wait_scale=args.wait_scale, max_context=args.max_context, seed=args.seed)
     if args.out:
         t.save_jsonl(args.out)
     s = t.summary()

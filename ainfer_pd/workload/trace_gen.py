@@ -191,6 +191,123 @@ def p_heavy_trace(num_conversations: int = 8, max_turns: int = 3, *, prompt_toke
     return Trace(conversations=convs, meta={"kind": "p-heavy", "seed": seed})
 
 
+# --------------------------------------------------------------------------- GRPO long-context agentic
+#: Quantile knots of the retained context at continuations (SPEC section 5's p50 / p90 / p99), up to
+#: 14,800 tokens so that a last turn still fits a 16K model (:data:`GRPO_CONTEXT_LIMIT`).
+CONTEXT_KNOTS = ((0.0, 600.0), (0.5, 4716.0), (0.9, 8828.0), (0.99, 12507.0), (1.0, 14800.0))
+#: The group's shared prompt (system + tools + task) of the latent chains.
+GRPO_PROMPT_KNOTS = ((0.0, 600.0), (0.5, 2400.0), (0.9, 4000.0), (1.0, 5000.0))
+#: Tool observations of the latent chains (larger than the paper's new tokens per turn: fewer turns
+#: reach the same contexts).
+GRPO_OBSERVATION_KNOTS = ((0.0, 16.0), (0.5, 1100.0), (0.9, 2800.0), (0.99, 4000.0), (1.0, 5000.0))
+#: Whole-context limit (prompt + every turn) the full-scale workload is built for: a 16K model.
+GRPO_CONTEXT_LIMIT = 16384
+#: Defaults of :func:`grpo_agentic_trace`: 8 groups of 8 siblings, 2 to 6 turns each.
+GRPO_GROUPS, GRPO_GROUP_SIZE, GRPO_MIN_TURNS, GRPO_MAX_TURNS = 8, 8, 2, 6
+
+
+def grpo_agentic_trace(num_groups: int = GRPO_GROUPS, group_size: int = GRPO_GROUP_SIZE,
+                       max_turns: int = GRPO_MAX_TURNS, *, min_turns: int = GRPO_MIN_TURNS,
+                       token_scale: float = 1.0, max_context: int | None = None, wait_scale: float = 1.0,
+                       seed: int = 0, context_limit: int = GRPO_CONTEXT_LIMIT,
+                       stratified: bool = True) -> Trace:
+    """A GRPO-style long-context agentic workload: ``num_groups`` groups of ``group_size`` siblings.
+
+    The siblings of a group share one first prompt (``samples_per_prompt`` = ``group_size``: the
+    replay gives them the same prompt ids, so prefix sharing sees them) and then diverge: each
+    has its own turn count (``min_turns`` .. ``max_turns``), generation lengths, observations and
+    tool waits. The retained context at continuations follows SPEC section 5 (p50 / p90 / p99
+    4,716 / 8,828 / 12,507; :data:`CONTEXT_KNOTS`, up to 14,800).
+
+    How: latent chains are drawn first (the group's prompt, then per sibling and turn a
+    generation from the paper's distribution and an observation, all stratified over the trace
+    as :func:`make_trace` does). The latent retained contexts are then replaced, rank for rank,
+    by a stratified draw of the target distribution (a monotone map: every chain still grows),
+    and each observation becomes what takes its chain from one mapped context to the next after
+    the turn's generation; a group's prompt is the median of what its siblings' first mapped
+    contexts leave after their first generation. Generations and tool waits keep the paper's
+    distributions (:data:`GEN_TOKENS_KNOTS`, :data:`TOOL_WAIT_KNOTS`); each last turn is clamped
+    to ``context_limit``. ``token_scale`` multiplies token counts (clamped to >= 1: a tiny CPU
+    version), ``wait_scale`` the waits, and ``max_context`` truncates each sibling's turns so its
+    whole context stays within the model's (the group keeps one prompt length).
+    """
+    for name, v in (("num_groups", num_groups), ("group_size", group_size), ("max_turns", max_turns),
+                    ("min_turns", min_turns)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise InvalidRequestError(f"grpo_agentic_trace: {name} must be a positive integer, got {v!r}")
+    if min_turns > max_turns:
+        raise InvalidRequestError(f"grpo_agentic_trace: min_turns {min_turns} > max_turns {max_turns}")
+    if context_limit <= CONTEXT_KNOTS[-1][1]:
+        raise InvalidRequestError(f"grpo_agentic_trace: context_limit must be > {CONTEXT_KNOTS[-1][1]:.0f} "
+                                  "(the largest retained context); use max_context to truncate")
+    rng = np.random.default_rng([seed, 0x6770])
+    n_conv = num_groups * group_size
+    turns = rng.integers(min_turns, max_turns + 1, size=n_conv)
+    total = int(turns.sum())
+    prompts = np.round(QuantileDistribution(GRPO_PROMPT_KNOTS).sample(rng, num_groups, stratified=stratified))
+    gen = np.maximum(1, np.round(QuantileDistribution(GEN_TOKENS_KNOTS).sample(rng, total, stratified=stratified)))
+    n_cont = total - n_conv
+    obs = np.maximum(1, np.round(QuantileDistribution(GRPO_OBSERVATION_KNOTS).sample(rng, n_cont, stratified=stratified)))
+    waits = QuantileDistribution(TOOL_WAIT_KNOTS).sample(rng, n_cont, stratified=stratified)
+    # latent chains: retained context before each continuation
+    gens, observations, tool_waits, latent = [], [], [], []
+    pos = opos = 0
+    for i, t in enumerate(turns.tolist()):
+        g, o, w = gen[pos:pos + t], obs[opos:opos + t - 1], waits[opos:opos + t - 1]
+        pos, opos = pos + t, opos + t - 1
+        ctx = np.cumsum(np.concatenate([[prompts[i // group_size] + g[0]], o + g[1:]]))[:-1]
+        gens.append(g.astype(np.int64))
+        observations.append(o.astype(np.int64))
+        tool_waits.append([float(x) for x in w])
+        latent.append(ctx)
+    flat = np.concatenate(latent) if n_cont else np.zeros(0)
+    mapped_flat = np.empty(n_cont)
+    if n_cont:          # rank for rank onto a stratified draw of the target distribution
+        target = np.sort(QuantileDistribution(CONTEXT_KNOTS).sample(rng, n_cont, stratified=stratified))
+        mapped_flat[np.argsort(flat, kind="stable")] = np.round(target)
+    mapped, pos = [], 0
+    for ctx in latent:
+        mapped.append(mapped_flat[pos:pos + len(ctx)])
+        pos += len(ctx)
+    convs: list[Conversation] = []
+    for gi in range(num_groups):
+        members = range(gi * group_size, (gi + 1) * group_size)
+        firsts = [mapped[i][0] - gens[i][0] for i in members if len(mapped[i])]
+        prompt = int(np.round(np.median(firsts))) if firsts else int(prompts[gi])
+        prompt = max(1, min(prompt, context_limit // 2))
+        for i in members:
+            g, o, m = gens[i], observations[i], mapped[i]
+            ts = [Turn(prompt, int(g[0]), 0.0)]
+            ctx = prompt + int(g[0])
+            for k in range(1, len(g)):
+                gk = int(g[k])
+                if k < len(m):             # take the chain to its next mapped context
+                    ok = int(m[k]) - ctx - gk
+                else:                      # the last turn: its own observation, within the limit
+                    ok = min(int(o[k - 1]), context_limit - ctx - gk)
+                    if ok < 1:
+                        gk = max(1, context_limit - ctx - 1)
+                ok = max(1, ok)
+                if ctx + ok + gk > context_limit:
+                    break
+                ts.append(Turn(ok, gk, tool_waits[i][k - 1]))
+                ctx += ok + gk
+            convs.append(Conversation(turns=ts, conv_id=i))
+    trace = Trace(conversations=convs, meta={
+        "kind": "grpo-long", "num_groups": num_groups, "group_size": group_size, "min_turns": min_turns,
+        "max_turns": max_turns, "seed": seed, "context_limit": context_limit, "samples_per_prompt": group_size})
+    if token_scale != 1.0 or wait_scale != 1.0 or max_context is not None:
+        trace = trace.scaled(token_scale=token_scale, wait_scale=wait_scale, max_context=max_context)
+    return trace
+
+
+def grpo_percentile_targets(token_scale: float = 1.0) -> dict[str, tuple[float, float, float]]:
+    """What :func:`grpo_agentic_trace` fits at ``token_scale``: the paper's retained context,
+    generated tokens and tool waits (its new tokens per turn are its own: fewer, larger observations)."""
+    return {k: tuple(x * (token_scale if k != "tool_wait_s" else 1.0) for x in PAPER_PERCENTILES[k])
+            for k in ("retained_context", "gen_tokens", "tool_wait_s")}
+
+
 def check_percentiles(trace: Trace, *, rtol: float = 0.1,
                       targets: dict[str, tuple[float, float, float]] | None = None,
                       keys: Iterable[str] | None = None) -> dict[str, list[tuple[float, float, bool]]]:

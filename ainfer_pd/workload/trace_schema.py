@@ -160,6 +160,17 @@ class Trace:
                max_context: int | None = None) -> "Trace":
         """A copy with token counts / waits scaled and conversations truncated to ``max_context``."""
         convs = [_scale_conversation(c, token_scale, wait_scale, max_context) for c in self.conversations]
+        n = self.samples_per_prompt
+        if n > 1 and max_context is not None:
+            # a group keeps one first prompt: truncation may have shrunk some members' own; all take
+            # the shortest (each member's kept turns still fit: its context only shrinks)
+            for g in range(0, len(convs), n):
+                members = convs[g:g + n]
+                p = min(c.turns[0].new_tokens for c in members)
+                for c in members:
+                    t0 = c.turns[0]
+                    if t0.new_tokens != p:
+                        c.turns[0] = Turn(p, t0.gen_tokens, t0.tool_wait_s)
         meta = dict(self.meta)
         meta["token_scale"] = meta.get("token_scale", 1.0) * token_scale
         meta["wait_scale"] = meta.get("wait_scale", 1.0) * wait_scale
