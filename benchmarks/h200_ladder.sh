@@ -2,6 +2,7 @@
 # The policy ladder of record on one H200 (issue 16), in parts of under 10 minutes each:
 #
 #   bash benchmarks/h200_ladder.sh COMMIT PART     # PART: p1 | trace | p1-short | trace-short | spans | decode-only | lever
+#                                                  #       | grpo-long-p1 | grpo-long-trace
 #   (p1-short / trace-short: SHORT_POLICIES run with fifo, CP_POLICIES with critical-path;
 #    lever: LEVER_POLICIES (default fine-grained+critical-path) with LEVER="KEY=VALUE[ KEY=VALUE...]" on
 #    top, rows labelled by it (spaces as +), on CELL (default P1))
@@ -18,6 +19,13 @@
 # PRIORITIES, SPANS, CONV, TURNS, TOKEN_SCALE, CONFIG, TRACE_DIR, WORK (where bench writes runs.jsonl; default
 # /tmp/ladder), SUFFIX (appended to the part's name, so two parts of one call do not overwrite),
 # NO_WARMUP=1 (skip the warm-up process: an earlier part of the same call filled Triton's cache).
+# grpo-long-p1 / grpo-long-trace (issue 33 item 4): the long-context agentic workload, rows grpo-long/P1 and
+# grpo-long/trace: GRPO groups of GROUP (8) siblings sharing a prompt, CONV (64) trajectories of at most
+# TURNS (6) turns, retained contexts on the paper's distribution (p50/p90/p99 4,716/8,828/12,507, up to
+# 14.8K): graphs over the 16K context (device.graph_max_context=16384) and a KV pool of GMEM (0.5) of the
+# memory free after the weights (every trajectory's context at once: ~330K tokens, 32 GB). POLICIES x
+# PRIORITIES as for p1 / trace (default: all five x fifo,critical-path; plan owes the five with fifo and
+# normal,fine-grained with critical-path).
 # What latest.json still lacks, packed into device calls: python benchmarks/ladder.py plan [--commit HASH]
 # (each call also as one benchmarks/ladder_call.sh line: its parts in order within the call's budget)
 set -u
@@ -27,9 +35,10 @@ COMMIT=${1:?commit}; PART=${2:?part}
 O=${OUT:-docs/results/ladder}; mkdir -p "$O"
 CONFIG=${CONFIG:-configs/qwen3-30b-a3b-shape.yaml}
 ALL=normal,global-complete,global-enqueue,fine-grained,mixed-chunked
+case "$PART" in grpo-long-*) dturns=6; gmax=16384 ;; *) dturns=4; gmax=8192 ;; esac
 common=(--commit "$COMMIT" --part "$PART${SUFFIX:+-$SUFFIX}" --out "$O" --config "$CONFIG"
-        --conversations "${CONV:-64}" --max-turns "${TURNS:-4}" --token-scale "${TOKEN_SCALE:-1}"
-        --repeats "${REPEATS:-3}" --work "${WORK:-/tmp/ladder}" --set mux.span=measured --set device.graph_max_context=8192
+        --conversations "${CONV:-64}" --max-turns "${TURNS:-$dturns}" --token-scale "${TOKEN_SCALE:-1}"
+        --repeats "${REPEATS:-3}" --work "${WORK:-/tmp/ladder}" --set mux.span=measured --set device.graph_max_context=$gmax
         ${TRACE_DIR:+--set trace_dir=$TRACE_DIR} ${NO_WARMUP:+--no-warmup})
 # TRACE_DIR: every run writes its control trace and timeline there (the last run's stays; for
 # `ainfer-pd timeline TRACE_DIR --split`: run one policy, REPEATS=1)
@@ -55,5 +64,10 @@ case "$PART" in
             python benchmarks/ladder.py run "${common[@]}" --cells "${CELL:-P1}" --policies "${LEVER_POLICIES:-fine-grained}" \
               --priorities "${PRIORITIES:-critical-path}" "${sets[@]}" --variant "${LEVER// /+}" \
               --part "lever-${LEVER//[^A-Za-z0-9]/_}${SUFFIX:+-$SUFFIX}" ;;
+  grpo-long-p1|grpo-long-trace)
+            cell=$([ "$PART" = grpo-long-p1 ] && echo P1 || echo trace)
+            python benchmarks/ladder.py run "${common[@]}" --cells $cell --workload grpo-long --group-size "${GROUP:-8}" \
+              --set cache.gpu_memory_fraction="${GMEM:-0.5}" --policies "${POLICIES:-$ALL}" \
+              --priorities "${PRIORITIES:-fifo,critical-path}" ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;
 esac

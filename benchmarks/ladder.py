@@ -17,10 +17,19 @@ its ``results.json`` into the rows of ``docs/results/ladder/latest.json``::
     python benchmarks/ladder.py plan [--latest docs/results/ladder/latest.json] [--commit HASH] [--budget-s 520] [--run-s S] [--span-run-s 41]
 
 ``plan`` lists the issue's rows (cells P1 and trace x five policies x two priorities, 3 repeats,
-and the span sweep) that ``latest.json`` lacks, and packs them into device calls of ``h200_ladder.sh``
+and the span sweep; the long-context workload's rows, below) that ``latest.json`` lacks, and packs them into device calls of ``h200_ladder.sh``
 that fit ``budget-s`` each, at the measured cost of a run of each policy (``RUN_S``; ``--run-s`` one
 figure for all) plus ``PART_S`` a part and ``WARMUP_S`` a call. With ``--commit`` only that commit's
 rows count as measured (parts pool only under one commit label).
+
+The long-context agentic workload (issue 33 item 4; ``run --workload grpo-long``: GRPO groups
+of 8 siblings sharing a prompt, retained contexts on the paper's distribution up to 14.8K,
+:func:`ainfer_pd.workload.trace_gen.grpo_agentic_trace`) gives rows of its own beside the trace's:
+their cell is ``grpo-long/P1`` or ``grpo-long/trace`` (the trace's rows keep ``P1`` / ``trace``,
+as decode-only's are ``decode-only/P1``), owed for the five policies with fifo and for normal and
+fine-grained with critical-path (:data:`GRPO_ROWS`), judged by the same ratio targets and by
+makespan / optimistic bound <= 1.2 for every policy (``targets``); ``plan --workloads`` picks
+which workloads it owes.
 
 ``from-log`` rebuilds a part when a bench was cut before ``run`` wrote it: from its runs.jsonl (every
 figure), or from the per-run lines it printed (makespan, p99 TTFT and D wait only; the bound and
@@ -83,14 +92,25 @@ def _figures(agg: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {fig: _figure(agg, metric, 1e3 if fig == "mean_d_wait_ms" else 1.0) for fig, metric in FIGURES.items()}
 
 
-def rows_of(results: dict[str, Any], *, decode_only: bool = False, variant: str | None = None) -> list[dict[str, Any]]:
+def cell_prefix(workload: str | None = None, *, decode_only: bool = False) -> str:
+    """What a row's cell starts with for its workload: ``""`` for the paper trace (the ladder's
+    rows of record), ``decode-only/`` for the control, ``WORKLOAD/`` for any other (``grpo-long/``)."""
+    if decode_only or workload == "decode-only":
+        return "decode-only/"
+    return "" if workload in (None, "paper") else f"{workload}/"
+
+
+def rows_of(results: dict[str, Any], *, decode_only: bool = False, variant: str | None = None,
+            workload: str | None = None) -> list[dict[str, Any]]:
     """The ladder rows of one ``ainfer-pd bench`` results.json; ``variant`` labels rows run with a
-    lever set on top of the ladder's settings (e.g. a stream priority): the targets skip them."""
+    lever set on top of the ladder's settings (e.g. a stream priority): the targets skip them.
+    ``workload``: the bench's ``--workload`` (its rows' cells get :func:`cell_prefix`)."""
     rows = []
+    prefix = cell_prefix(workload, decode_only=decode_only)
     for cell, per_variant in results["aggregates"].items():
         for name, agg in per_variant.items():
             policy, prio, span = parse_variant(name)
-            row: dict[str, Any] = {"cell": ("decode-only/" if decode_only else "") + cell, "policy": policy,
+            row: dict[str, Any] = {"cell": prefix + cell, "policy": policy,
                                    "priority": prio, "span": span, "variant": variant, **_figures(agg)}
             row["output_mismatches"] = results.get("output_mismatches", {}).get(cell, {}).get(name)
             runs = results.get("summaries", {}).get(cell, {}).get(name)
@@ -161,8 +181,9 @@ def from_log(args: argparse.Namespace) -> int:
         return 1
     part = {"commit": args.commit, "config": args.config, "machine": args.machine, "part": args.part,
             "command": cmd, "rc": None, "wall_s": None, "source": source,
-            "workload": None, "variant": args.variant,
-            "rows": rows_of(res, decode_only=args.decode_only, variant=args.variant)}
+            "workload": None if args.workload == "paper" else {"workload": args.workload},
+            "variant": args.variant,
+            "rows": rows_of(res, decode_only=args.decode_only, variant=args.variant, workload=args.workload)}
     part["targets"] = targets(part["rows"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -172,6 +193,19 @@ def from_log(args: argparse.Namespace) -> int:
 
 
 CELLS = ("P1", "trace")
+GRPO = "grpo-long"
+"""The long-context agentic workload's name (``ainfer-pd bench --workload grpo-long``) and its rows' cell prefix."""
+GRPO_CELLS = tuple(f"{GRPO}/{c}" for c in CELLS)
+GRPO_ROWS = (*((p, "fifo") for p in POLICIES), ("normal", "critical-path"), ("fine-grained", "critical-path"))
+"""The (policy, priority) rows owed on the long-context workload: every policy with fifo (the bound
+target judges each), normal and fine-grained with critical-path."""
+WORKLOADS = ("paper", GRPO)
+"""The workloads ``plan`` owes rows for by default."""
+GRPO_BOUND_TARGET = 1.2
+"""Issue 33: makespan / optimistic bound on the long-context workload, every policy."""
+GRPO_WORKLOAD = {"conversations": 64, "group_size": 8, "max_turns": 6, "token_scale": 1.0}
+"""The long-context workload of record (h200_ladder.sh's grpo-long parts): 8 groups x 8 siblings,
+2-6 turns, token scale 1 (~240 requests, ~290K prefilled / ~41K generated tokens)."""
 SPANS = (*(str(k) for k in FIXED_SPANS), "auto")
 """The span sweep; its ``measured`` point is the plain fine-grained row (the ladder sets mux.span=measured)."""
 WARMUP_S = 45.0
@@ -187,20 +221,32 @@ d8f52c0: three runs in 139-151 s for normal / global-complete / mixed-chunked, i
 fine-grained / global-enqueue; a makespan of 38-42 s against 32-34 s)."""
 SPAN_RUN_S = 41.0
 """One run of the span sweep (H200, session 12: ten runs in 412 s of one bench process)."""
+GRPO_RUN_S = {p: round(1.5 * s) for p, s in RUN_S.items()}
+"""One run of a policy on the long-context workload: an estimate until measured (its ~290K prefilled
+tokens are 1.8x the trace's 164K, its ~41K generated tokens about the same)."""
 
 
-def missing_runs(rows: list[dict[str, Any]], repeats: int = 3,
-                 commit: str | None = None) -> list[tuple[str, str, str, str | None, int]]:
+def missing_runs(rows: list[dict[str, Any]], repeats: int = 3, commit: str | None = None,
+                 workloads: Iterable[str] = WORKLOADS) -> list[tuple[str, str, str, str | None, int]]:
     """(cell, policy, priority, span, runs still owed) of every issue row with fewer than ``repeats``
     makespan repeats in ``rows`` (labelled lever rows do not count; with ``commit``, nor do rows of
-    another commit). The span sweep is fine-grained critical-path on P1."""
+    another commit). The span sweep is fine-grained critical-path on P1. ``workloads``: ``paper``
+    (the trace's rows and the span sweep) and / or ``grpo-long`` (:data:`GRPO_ROWS` on its cells)."""
+    workloads = tuple(workloads)
+    unknown = set(workloads) - set(WORKLOADS)
+    if unknown:
+        raise ValueError(f"unknown workloads {sorted(unknown)}: expected some of {', '.join(WORKLOADS)}")
     have: dict[tuple, int] = {}
     for r in rows:
         if r.get("variant") is None and (commit is None or r.get("commit") == commit):
             key = (r["cell"], r["policy"], r["priority"], r["span"])
             have[key] = max(have.get(key, 0), int(r["makespan_s"].get("n") or 0))
-    want = [(c, p, q, None) for c in CELLS for p in POLICIES for q in PRIORITIES]
-    want += [("P1", "fine-grained", "critical-path", k) for k in SPANS]
+    want: list[tuple[str, str, str, str | None]] = []
+    if "paper" in workloads:
+        want += [(c, p, q, None) for c in CELLS for p in POLICIES for q in PRIORITIES]
+        want += [("P1", "fine-grained", "critical-path", k) for k in SPANS]
+    if GRPO in workloads:
+        want += [(c, p, q, None) for c in GRPO_CELLS for p, q in GRPO_ROWS]
     return [(*k, repeats - have.get(k, 0)) for k in want if have.get(k, 0) < repeats]
 
 
@@ -211,18 +257,20 @@ def plan_calls(missing: list[tuple[str, str, str, str | None, int]], *, budget_s
     repeats) with the policies (or spans) that share them. A part that does not fit a call is split
     by policy. A part's estimate is the warm-up (:data:`WARMUP_S`; ``ladder_call.sh`` takes it off
     every part after a call's first), :data:`PART_S` and its runs: :data:`RUN_S` of the policy
-    (``run_s``: one figure for every policy instead) or ``span_run_s`` a span."""
+    (``run_s``: one figure for every policy instead) or ``span_run_s`` a span; on the long-context
+    workload (parts ``grpo-long-p1`` / ``grpo-long-trace``) :data:`GRPO_RUN_S`."""
     def cost(kind: str, name: str) -> float:
         if kind == "spans":
             return span_run_s
-        return run_s if run_s is not None else RUN_S.get(name, max(RUN_S.values()))
+        table = GRPO_RUN_S if kind.startswith(f"{GRPO}-") else RUN_S
+        return run_s if run_s is not None else table.get(name, max(table.values()))
 
     def est(kind: str, owed: int, names: list[str]) -> float:
         return WARMUP_S + PART_S + owed * sum(cost(kind, n) for n in names)
 
     groups: dict[tuple, list[str]] = {}
     for cell, policy, prio, span, owed in missing:
-        kind = "spans" if span is not None else cell.lower()
+        kind = "spans" if span is not None else cell.lower().replace("/", "-")     # grpo-long/P1: grpo-long-p1
         groups.setdefault((kind, prio, owed), []).append(span if span is not None else policy)
     parts: list[dict[str, Any]] = []
     for (kind, prio, owed), names in groups.items():
@@ -250,7 +298,7 @@ def plan_calls(missing: list[tuple[str, str, str, str | None, int]], *, budget_s
 
 def plan(args: argparse.Namespace) -> int:
     doc = json.loads(Path(args.latest).read_text())
-    owed = missing_runs(doc["rows"], args.repeats, commit=args.commit)
+    owed = missing_runs(doc["rows"], args.repeats, commit=args.commit, workloads=_csv(args.workloads))
     calls = plan_calls(owed, budget_s=args.budget_s, run_s=args.run_s, span_run_s=args.span_run_s)
     total = sum(p["runs"] for c in calls for p in c)
     print(f"{len(owed)} rows owed, {total} runs, {len(calls)} device calls of <= {args.budget_s:.0f} s "
@@ -264,6 +312,10 @@ def plan(args: argparse.Namespace) -> int:
             specs.append(f'"{p["est_s"]:.0f}|{env}|{p["part"]}"')
         print(f"  as one call: OUT=$OUT bash benchmarks/ladder_call.sh COMMIT {args.budget_s:.0f} {' '.join(specs)}")
     return 0
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
 
 
 def _med(rows: Iterable[dict[str, Any]], fig: str, **match: Any) -> float | None:
@@ -393,7 +445,14 @@ def targets(rows: list[dict[str, Any]], data_path: str | None = None) -> list[di
             if enq:
                 add(f"{cell}: fine-grained ({label}) faster than global-enqueue by", 1 - best / enq, 0.15, le=False,
                     of=(fg_row, enq_row))
-            add(f"{cell}: fine-grained ({label}) makespan / optimistic bound", fg_bound, 1.3)
+            if not cell.startswith(f"{GRPO}/"):        # there: every policy's, below
+                add(f"{cell}: fine-grained ({label}) makespan / optimistic bound", fg_bound, 1.3)
+        if cell.startswith(f"{GRPO}/"):
+            for r in c:
+                label = r["priority"] + "".join(f", {kv}" for kv in sorted(
+                    _settings(r.get("variant")) - (_path_settings(data_path) if data_path else frozenset())))
+                add(f"{cell}: {r['policy']} ({label}) makespan / optimistic bound", _med([r], "bound_ratio"),
+                    GRPO_BOUND_TARGET, of=(r,))
     spans = [r for r in rows if r["span"] is not None and r["policy"] == "fine-grained"]
     for cell in sorted({r["cell"] for r in spans}):
         fixed_rows = [r for r in spans if r["cell"] == cell and r["span"] in "1234"
@@ -434,6 +493,10 @@ def run(args: argparse.Namespace) -> int:
         cmd += ["--spans", args.spans]
     if args.decode_only:
         cmd += ["--workload", "decode-only"]
+    elif args.workload != "paper":
+        cmd += ["--workload", args.workload]
+        if args.group_size:
+            cmd += ["--group-size", str(args.group_size)]
     for kv in args.set:
         cmd += ["--set", kv]
     if args.warmup:                      # Triton's compile cache (on disk) filled before the timed runs
@@ -461,8 +524,11 @@ def run(args: argparse.Namespace) -> int:
             "command": " ".join(cmd), "rc": rc, "wall_s": round(wall, 1),
             "workload": {"conversations": args.conversations, "max_turns": args.max_turns,
                          "token_scale": args.token_scale, "seed": args.seed, "sets": args.set,
-                         "decode_only": args.decode_only, "trace": res.get("trace")},
-            "variant": args.variant, "rows": rows_of(res, decode_only=args.decode_only, variant=args.variant)}
+                         "decode_only": args.decode_only, "trace": res.get("trace"),
+                         **({"workload": args.workload, "group_size": args.group_size}
+                            if args.workload != "paper" else {})},
+            "variant": args.variant,
+            "rows": rows_of(res, decode_only=args.decode_only, variant=args.variant, workload=args.workload)}
     part["targets"] = targets(part["rows"])
     (out / f"ladder_{args.part}.json").write_text(json.dumps(part, indent=1))
     # beside it: the per-request records, and bench's plots (the first repeat's timeline per variant)
@@ -566,6 +632,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--repeats", type=int, default=3)
     r.add_argument("--spans")
     r.add_argument("--decode-only", action="store_true")
+    r.add_argument("--workload", choices=WORKLOADS, default="paper",
+                   help="grpo-long: the long-context agentic workload (rows grpo-long/CELL; --conversations "
+                        "trajectories in groups of --group-size)")
+    r.add_argument("--group-size", type=int, help="grpo-long: siblings per prompt group (bench's default 8)")
     r.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the short untimed run that fills Triton's compile cache first")
     r.add_argument("--conversations", type=int, default=64)
@@ -591,6 +661,8 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--run-s", type=float, default=None, help="one run's seconds for every policy (default: RUN_S by policy)")
     pl.add_argument("--span-run-s", type=float, default=SPAN_RUN_S)
     pl.add_argument("--repeats", type=int, default=3)
+    pl.add_argument("--workloads", default=",".join(WORKLOADS),
+                    help=f"comma-separated workloads whose rows are owed (default {','.join(WORKLOADS)})")
     g = sub.add_parser("from-log")
     g.add_argument("log")
     g.add_argument("--commit", required=True)
@@ -600,6 +672,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--machine", default="NVIDIA H200")
     g.add_argument("--variant", help="label of the rows, as run's --variant")
     g.add_argument("--decode-only", action="store_true", help="the rows of a decode-only run, as run's --decode-only")
+    g.add_argument("--workload", choices=WORKLOADS, default="paper", help="the rows' workload, as run's --workload")
     args = ap.parse_args(argv)
     return {"run": run, "merge": merge, "from-log": from_log, "plan": plan}[args.cmd](args)
 

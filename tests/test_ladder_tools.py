@@ -17,7 +17,7 @@ def test_missing_runs_counts_what_each_issue_row_still_owes():
     rows = [_row("P1", "normal", "fifo"), _row("P1", "fine-grained", "fifo", n=2),
             _row("P1", "fine-grained", "critical-path", variant="lever"),       # a lever row does not count
             _row("P1", "fine-grained", "critical-path", span="2", n=3)]
-    owed = {(c, p, q, s): k for c, p, q, s, k in ladder.missing_runs(rows)}
+    owed = {(c, p, q, s): k for c, p, q, s, k in ladder.missing_runs(rows, workloads=["paper"])}
     assert ("P1", "normal", "fifo", None) not in owed
     assert owed[("P1", "fine-grained", "fifo", None)] == 1
     assert owed[("P1", "fine-grained", "critical-path", None)] == 3
@@ -57,7 +57,7 @@ def test_plan_prices_each_policy_at_its_measured_run_and_splits_a_part_that_woul
     rows = [_row(c, p, q) for c in ("P1", "trace") for p in ladder.POLICIES for q in ladder.PRIORITIES
             if not (c == "P1" and q == "fifo" and p in ("global-complete", "mixed-chunked"))]
     rows += [_row("P1", "fine-grained", "critical-path", span=k) for k in ladder.SPANS]
-    (call,) = ladder.plan_calls(ladder.missing_runs(rows), budget_s=520)
+    (call,) = ladder.plan_calls(ladder.missing_runs(rows, workloads=["paper"]), budget_s=520)
     (part,) = call
     assert part["env"]["POLICIES"] == "global-complete,mixed-chunked" and part["runs"] == 6
     assert part["est_s"] == ladder.WARMUP_S + ladder.PART_S + 3 * (ladder.RUN_S["global-complete"]
@@ -368,3 +368,123 @@ def test_a_ladder_call_gates_its_commit_first_and_a_failed_gate_ends_the_call(tm
     assert files["r/a.out"].strip() == "part p1 commit abc nw="        # the first ladder part: warm-up
     stdout, files = call(tmp_path / "fail", 3)
     assert "gate rc 3" in stdout and "GATE FAILED" in stdout and "r/a.out" not in files
+
+
+# --------------------------------------------------------------------------- the long-context workload (issue 33)
+def test_the_long_context_workload_s_rows_are_owed_beside_the_trace_s():
+    rows = [_row("P1", p, q) for p in ladder.POLICIES for q in ladder.PRIORITIES]
+    rows += [_row("grpo-long/P1", "normal", "fifo"), _row("grpo-long/trace", "fine-grained", "critical-path", n=1)]
+    owed = {(c, p, q, s): k for c, p, q, s, k in ladder.missing_runs(rows)}
+    grpo = {k: v for k, v in owed.items() if k[0].startswith("grpo-long/")}
+    assert len(grpo) == 2 * len(ladder.GRPO_ROWS) - 1
+    assert ("grpo-long/P1", "normal", "fifo", None) not in grpo
+    assert grpo[("grpo-long/trace", "fine-grained", "critical-path", None)] == 2
+    assert grpo[("grpo-long/P1", "mixed-chunked", "fifo", None)] == 3
+    assert ("grpo-long/P1", "mixed-chunked", "critical-path", None) not in grpo     # fifo only, but for two
+    # a P1 row of the trace does not count for the long-context workload's P1, nor the reverse
+    assert ("P1", "normal", "fifo", None) not in owed and ("trace", "normal", "fifo", None) in owed
+    only = ladder.missing_runs(rows, workloads=["grpo-long"])
+    assert {c for c, *_ in only} == set(ladder.GRPO_CELLS)
+    assert not any(c.startswith("grpo-long/") for c, *_ in ladder.missing_runs(rows, workloads=["paper"]))
+    import pytest
+    with pytest.raises(ValueError):
+        ladder.missing_runs(rows, workloads=["nope"])
+
+
+def test_plan_packs_the_long_context_rows_into_its_own_parts():
+    owed = ladder.missing_runs([], workloads=["grpo-long"])
+    calls = ladder.plan_calls(owed, budget_s=520)
+    parts = [p for c in calls for p in c]
+    assert {p["part"] for p in parts} == {"grpo-long-p1", "grpo-long-trace"}
+    assert all(sum(p["est_s"] for p in c) <= 520 for c in calls)
+    assert sum(p["runs"] for p in parts) == 3 * 2 * len(ladder.GRPO_ROWS)
+    for p in parts:             # priced at the long-context workload's run, not the trace's
+        names = p["env"]["POLICIES"].split(",")
+        assert p["est_s"] == ladder.WARMUP_S + ladder.PART_S + 3 * sum(ladder.GRPO_RUN_S[n] for n in names)
+    sh = (Path(ladder.__file__).parent / "h200_ladder.sh").read_text()
+    assert "grpo-long-p1|grpo-long-trace)" in sh and "--workload grpo-long" in sh
+
+
+def test_plan_prints_the_long_context_parts(tmp_path, capsys):
+    latest = tmp_path / "latest.json"
+    rows = [_row(c, p, q) for c in ladder.CELLS for p in ladder.POLICIES for q in ladder.PRIORITIES]
+    rows += [_row("P1", "fine-grained", "critical-path", span=k) for k in ladder.SPANS]
+    latest.write_text(json.dumps({"rows": rows}))
+    assert ladder.main(["plan", "--latest", str(latest)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{2 * len(ladder.GRPO_ROWS)} rows owed")
+    assert "bash benchmarks/h200_ladder.sh COMMIT grpo-long-p1" in out and "grpo-long-trace" in out
+    assert ladder.main(["plan", "--latest", str(latest), "--workloads", "paper"]) == 0
+    assert capsys.readouterr().out.startswith("0 rows owed")
+
+
+def test_rows_of_a_long_context_bench_and_its_targets():
+    runs = {"normal": ([50.0, 52.0], 1.10), "fine-grained": ([38.0, 40.0], 1.25),
+            "mixed-chunked": ([47.0], 1.15)}
+    res = {"aggregates": {}, "summaries": {}}
+    for cell in ("P1", "trace"):
+        for name, (ms, bound) in runs.items():
+            rr = [{"makespan_s": m, "ttft_p99_s": 1.0, "d_wait_mean_s": 0.001, "bound_ratio": bound, "rendezvous": 0}
+                  for m in ms]
+            res["summaries"].setdefault(cell, {})[name] = rr
+            res["aggregates"].setdefault(cell, {})[name] = aggregate(rr)
+    rows = ladder.rows_of(res, workload="grpo-long")
+    assert {r["cell"] for r in rows} == {"grpo-long/P1", "grpo-long/trace"}
+    assert {r["cell"] for r in ladder.rows_of(res)} == {"P1", "trace"}                   # the trace's as before
+    assert {r["cell"] for r in ladder.rows_of(res, decode_only=True)} == {"decode-only/P1", "decode-only/trace"}
+    for r in rows:
+        r["commit"] = "c1"
+    t = {x["name"]: x for x in ladder.targets(rows)}
+    ratio = t["grpo-long/P1: fine-grained (fifo) / normal-fifo makespan"]
+    assert ratio["value"] == round(39 / 51, 4) and ratio["met"] and ratio["target"] == 0.80
+    for policy, (_, bound) in runs.items():
+        b = t[f"grpo-long/trace: {policy} (fifo) makespan / optimistic bound"]
+        assert b["value"] == bound and b["target"] == 1.2 and b["met"] == (bound <= 1.2)
+    assert "grpo-long/P1: fine-grained (fifo) makespan / optimistic bound" in t
+    assert not any(n.startswith("grpo-long/") and "1.3" in str(x["target"]) for n, x in t.items())
+    # the same rows as the trace's: the trace's targets keep fine-grained's own bound (1.3) only
+    plain = ladder.rows_of(res)
+    for r in plain:
+        r["commit"] = "c1"
+    tp = {x["name"]: x for x in ladder.targets(plain)}
+    assert tp["P1: fine-grained (fifo) makespan / optimistic bound"]["target"] == 1.3
+    assert "P1: normal (fifo) makespan / optimistic bound" not in tp
+
+
+def test_the_ladder_of_record_still_loads_and_keeps_its_rows_and_targets():
+    doc = json.loads((Path(ladder.__file__).parents[1] / "docs/results/ladder/latest.json").read_text())
+    rows = doc["rows"]
+    assert not any(r["cell"].startswith("grpo-long/") for r in rows)
+    got = {t["name"]: (t["value"], t["met"]) for t in ladder.targets(rows)}
+    want = {t["name"]: (t["value"], t["met"]) for t in doc["targets"]}
+    assert got == want
+    owed = ladder.missing_runs(rows)
+    assert {c for c, *_ in owed} >= set(ladder.GRPO_CELLS)
+    assert ladder.missing_runs(rows, workloads=["paper"]) == [k for k in owed if not k[0].startswith("grpo-long/")]
+
+
+def test_a_long_context_ladder_part_runs_bench_on_the_tiny_model(tmp_path):
+    """``ladder.py run --workload grpo-long`` end to end at a tiny size: the bench gets the workload,
+    the part's rows are grpo-long/P1 and its workload is recorded."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    rc = ladder.main(["run", "--config", "configs/tiny-cpu.yaml", "--cells", "P1", "--policies", "normal",
+                      "--priorities", "fifo", "--repeats", "1", "--conversations", "4", "--max-turns", "2",
+                      "--token-scale", "0.02", "--no-warmup", "--commit", "abc", "--part", "g",
+                      "--workload", "grpo-long", "--group-size", "2", "--out", str(out), "--work", str(work)])
+    assert rc == 0
+    part = json.loads((out / "ladder_g.json").read_text())
+    assert [(r["cell"], r["policy"]) for r in part["rows"]] == [("grpo-long/P1", "normal")]
+    assert "--workload grpo-long --group-size 2" in part["command"]
+    assert part["workload"]["workload"] == "grpo-long" and part["workload"]["group_size"] == 2
+    assert part["workload"]["trace"]["meta"]["kind"] == "grpo-long"
+    assert any(t["name"] == "grpo-long/P1: normal (fifo) makespan / optimistic bound" for t in part["targets"])
+
+
+def test_from_log_labels_a_long_context_part(tmp_path):
+    log = tmp_path / "g.log"
+    log.write_text("+ python -m ainfer_pd.cli bench --workload grpo-long --cells P1\n"
+                   "[1/1] P1 normal #1: makespan 50.0 s, 5.0 req/s, p99 TTFT 2.0 s, D wait 5.0 ms, failures 0\n")
+    assert ladder.main(["from-log", str(log), "--commit", "abc", "--part", "g", "--out", str(tmp_path),
+                        "--workload", "grpo-long"]) == 0
+    part = json.loads((tmp_path / "ladder_g.json").read_text())
+    assert [r["cell"] for r in part["rows"]] == ["grpo-long/P1"] and part["workload"] == {"workload": "grpo-long"}
