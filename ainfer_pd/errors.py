@@ -215,3 +215,42 @@ class WrongEventLoopError(AInferPDError, RuntimeError):
 class WorkerAsleepError(AInferPDError):
     """The worker gave its device memory back (``sleep(level >= 1)``, or weights dropped and not
     yet synced): call ``wake_up`` (and sync the weights) first."""
+
+
+class DuplicateRequestError(InvalidRequestError):
+    """A request id that already names a request in flight on this server (verl's ``request_id``):
+    the second request is refused, the first goes on."""
+
+
+class UnsupportedOptionError(ConfigError, InvalidRequestError):
+    """A rollout or sampling option (verl's ``rollout.*`` key: a configuration error; a
+    ``sampling_params`` key: an invalid request) asks for something this engine does not do;
+    ``key`` names it."""
+
+    def __init__(self, message: str, *, key: str = "") -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class WeightSyncError(WeightUpdateError, DistributedError):
+    """A weight sync of a multi-rank worker failed on every rank (issue 34, item 16): a sync is one
+    collective act, and this rank's call was refused because a peer's part of it failed, was
+    refused, or disagreed. ``ranks`` names the ranks at fault; nothing was written on any rank."""
+
+    def __init__(self, message: str, *, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+
+
+class WeightSyncMismatchError(WeightSyncError):
+    """The ranks of one weight sync were given different manifests (names, shapes, dtypes or
+    ``partial``); the message names the ranks and the first difference."""
+
+
+class WeightSyncTimeout(WeightSyncError, TimeoutError):
+    """A rank did not take part in a weight sync in time; ``missing_ranks`` (also ``ranks``) names
+    the ranks that never joined."""
+
+    def __init__(self, message: str, *, missing_ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message, ranks=missing_ranks)
+        self.missing_ranks = tuple(missing_ranks)

@@ -129,6 +129,9 @@ class RolloutWorker(WorkerControl):
         did not close is raised here, typed."""
         self._check_loop("leave the worker")
         self._closed = True
+        # control calls waiting for the streams to park (update_weights, sleep, wake_up) end first
+        # and let the streams go: the shutdown below joins the stream threads (issue 34, item 11)
+        await self._close_control()
         for traj in self.trajectories.values():
             if traj.turn is not None:
                 self.engine.abort(traj.turn)

@@ -9,13 +9,24 @@ the event loop. Its state (asleep, weights stale, graphs owed) is set up by
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
-from typing import Any, Iterable
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
-from .engine.weights import WeightStage
-from .errors import AInferPDError, InvalidRequestError, WeightUpdateError
+from .engine.weights import StageCancelled, WeightStage, is_bucket
+from .errors import (AInferPDError, InvalidRequestError, WeightUpdateError, WorkerAsleepError,
+                     WorkerClosedError)
+from .weight_transfer import StageClosed, SyncAgreement
+
+
+CLOSE_WAIT_S = 10.0
+"""Longest the worker's exit waits for a control call to let the streams go (a copy in progress
+finishes first); after it the streams are released anyway."""
+INLINE_STAGE_BYTES = 1 << 20
+"""An async sync's item up to this size is checked on the loop; larger ones in a thread."""
+_END = object()
 
 
 class WorkerControl:
@@ -27,63 +38,132 @@ class WorkerControl:
         self._weights_stale = False      # weights dropped at sleep and not yet synced
         self._capture_owed = False       # decode graphs to recapture after the next complete sync
         self._weights_lock = asyncio.Lock()
+        self._ctl_closed = False         # the worker is leaving: control calls stop waiting
+        self._close_waiters: set[asyncio.Future] = set()
+        self._active_holds: list = []    # the stream holds of the control call now parking the streams
+        self._active_stages: set[WeightStage] = set()
+        self._agreement = None           # SyncAgreement of a multi-rank worker (built on first use)
         self.last_weight_sync = None
         """The :class:`~ainfer_pd.engine.weights.SyncReport` of the last applied weight sync."""
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], *,
-                             partial: bool = False) -> int:
-        """In-place copy of (name, tensor) pairs (or a ``{name: tensor}`` mapping such as a
-        ``state_dict()``); all-or-nothing (names, shapes, dtypes and finiteness are checked, and
-        the sync must be complete, before anything is written; anything malformed raises
-        WeightUpdateError). Names: the checkpoint's safetensors names, the installed transformers'
+    # ================================================================== weights
+    async def update_weights(self, named_tensors: Any, *, partial: bool = False,
+                             timeout_s: float | None = None) -> int:
+        """In-place weight sync, all-or-nothing: nothing is written before the whole sync is
+        checked (names, shapes, dtypes, finiteness, and completeness unless ``partial=True``);
+        anything malformed raises :class:`WeightUpdateError`. Returns the number of tensors
+        written on this rank; what the sync did is in ``last_weight_sync``.
+
+        ``named_tensors`` may be any of:
+
+        * (name, tensor) pairs: a list, a generator (e.g. ``named_parameters()``), or a
+          ``{name: tensor}`` mapping such as a ``state_dict()``;
+        * an iterable of *buckets*, each a list / tuple of (name, tensor) pairs or a mapping;
+        * an **async** iterable of pairs or of buckets (an async generator, e.g. what verl's
+          nccl / nixl / mooncake / hccl / kimi checkpoint engines hand the server adapter).
+          It is consumed bucket by bucket on the event loop (large items checked in a thread);
+          each tensor is checked and *copied* (into the parameter's dtype and device) as it
+          arrives, because such sources reuse a bucket's memory for the next one. The copies are
+          written into the parameters only once the last bucket has arrived and been checked.
+
+        A synchronous iterable is consumed in a thread (never on the loop) and its tensors are
+        referenced, not copied: do not reuse a tensor's memory for another tensor of the same
+        sync. Names: the checkpoint's safetensors names, the installed transformers'
         ``named_parameters()`` names and layouts (packed ``mlp.experts.gate_up_proj`` ...), or this
-        engine's own names, in any order; ``named_tensors`` may be a generator over several buckets.
-        ``partial=True`` updates a subset. With expert parallelism this rank keeps only its own
+        engine's own names, in any order. With expert parallelism this rank keeps only its own
         experts' tensors (the others are shape-checked, never read). Any floating dtype and any
-        device is accepted and converted to the parameter's (e.g. a trainer's float32 master
-        weights into a bf16 worker); meta and sparse tensors are refused. The parameters keep their
-        storage, so captured CUDA graphs replay with the new values. Returns the number of tensors
-        written (this rank); what the sync did is in ``last_weight_sync``.
+        device is accepted and converted to the parameter's; meta and sparse tensors are
+        refused. The parameters keep their storage, so captured CUDA graphs replay with the new
+        values.
 
-        Retained KV does not survive a weight change (it was computed with the old weights):
-        the idle trajectories' KV is dropped once the copy is done and their next turn
-        recomputes its context; a turn in flight reads the new weights from its next stream
-        item on (a mix of both: the verl server drains requests first for a clean cut) and
-        keeps no KV when it ends.
+        **Multi-rank workers** (``parallel.world_size > 1``): a sync is one collective act. Every
+        rank must call ``update_weights`` with the same manifest (names, shapes, dtypes,
+        ``partial``: a sha256 digest is compared over the ``torch.distributed`` store) before any
+        rank writes; otherwise it fails, typed, on every rank, nothing written anywhere:
+        :class:`WeightSyncMismatchError` (manifests differ, the first difference named),
+        :class:`WeightSyncError` (a rank's own part failed: bad input, asleep, cancelled) or
+        :class:`WeightSyncTimeout` after ``timeout_s`` (default ``parallel.rendezvous_timeout_s``)
+        naming the ranks that never joined. A rank that calls late joins the failed sync (and
+        raises it); its next call joins its peers' next sync.
 
-        Never blocks the event loop: every stream of the device is parked at a FIFO point
-        (:meth:`Stream.hold`: work submitted later waits there), work launched before it is
-        awaited (CUDA: a device synchronize, in the copy thread), then the checks and copies
-        run in a thread. One update at a time. Cancelled, it lets a copy already started
-        finish (or reject) before the streams move again - never half-written weights - and
-        re-raises."""
+        Retained KV does not survive a weight change: the idle trajectories' KV is dropped once
+        the copy is done and their next turn recomputes its context; a turn in flight reads the
+        new weights from its next stream item on and keeps no KV when it ends.
+
+        Never blocks the event loop: the checks run in a thread (or, for small items of an async
+        source, on the loop), then every stream of the device is parked at a FIFO point
+        (:meth:`Stream.hold`), work launched before it is awaited (CUDA: a device synchronize,
+        in the copy thread), and the copies run in a thread. One control call at a time (update,
+        sleep, wake_up); a sync racing ``sleep(2)`` either runs first or raises
+        :class:`WorkerAsleepError`. Cancelled before the copies, nothing is written; cancelled
+        during them, they finish first (never half-written weights); then it re-raises. Leaving
+        ``async with`` while it waits ends it with :class:`WorkerClosedError` (or lets it finish)."""
         self._check_open()
-        if isinstance(named_tensors, (str, bytes, torch.Tensor)) or not hasattr(named_tensors, "__iter__"):
-            raise WeightUpdateError("update_weights takes (name, tensor) pairs or a mapping, "
-                                    f"got {type(named_tensors).__name__}")
-        if self.engine.residency.state.weights != "device":
-            from .errors import WorkerAsleepError
-            raise WorkerAsleepError("the weights are off the device (sleep level 2): wake_up(['weights']) first")
-        n = await self._with_streams_parked(lambda: self._apply_weights(named_tensors, partial),
-                                            on_done=self.engine.kv.invalidate)  # written: old KV is stale
+        agreement = self._sync_agreement()
+        seq: int | None = None
+
+        def on_fail(exc: BaseException) -> None:
+            if agreement is not None and seq is not None:
+                reason = "cancelled" if isinstance(exc, asyncio.CancelledError) else f"{type(exc).__name__}: {exc}"
+                agreement.fail_soon(seq, reason)
+
+        async with self._control_lock("update_weights", on_fail, typed=True):
+            if agreement is not None:
+                seq = await agreement.begin()        # this call's sync (raises one decided without it)
+            form = _source_form(named_tensors)
+            if timeout_s is None:
+                timeout_s = float(self.cfg.parallel.rendezvous_timeout_s)
+            elif isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+                raise InvalidRequestError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+            if self.engine.residency.state.weights != "device":      # checked under the lock (issue 34, item 12)
+                raise WorkerAsleepError("the weights are off the device (sleep level 2): "
+                                        "wake_up(['weights']) first")
+            stage = WeightStage(self.model, partial=partial, copy=form == "async")
+            self._active_stages.add(stage)
+            try:
+                if form == "async":
+                    await self._stage_async(stage, named_tensors)
+                else:
+                    await self._stage_in_thread(stage, lambda: stage.add_all(named_tensors))
+                stage.check_complete()
+            finally:
+                self._active_stages.discard(stage)
+            owed = False
+            if agreement is not None:
+                try:
+                    owed = await agreement.agree(seq, stage.digest(), stage.manifest(), partial, timeout_s,
+                                                 lambda: self._ctl_closed)
+                except StageClosed:
+                    raise WorkerClosedError("the worker was closed while update_weights waited for its peers") from None
+                finally:
+                    seq = None          # decided: the lock's exit must not fail it again
+            n = await self._with_streams_parked(lambda: self._apply_stage(stage),
+                                                on_done=self.engine.kv.invalidate, locked=True)
         if self._weights_stale and not partial:
             self._weights_stale = False          # a complete sync refilled the dropped weights
             if self._capture_owed and self.engine.residency.state.kv:
                 await self._recapture_graphs()
             self._asleep = not self.engine.residency.state.kv
+        if owed:
+            raise asyncio.CancelledError()      # the peers had agreed: written like them, then cancelled
         return n
 
-    def _apply_weights(self, named_tensors: Any, partial: bool = False) -> int:
-        """The copy thread of :meth:`update_weights` (every stream is parked). A lazy iterable
-        (verl's generator) is consumed here, off the loop: the whole sync is staged and checked
-        before anything is copied."""
+    def _sync_agreement(self) -> SyncAgreement | None:
+        """The store-backed agreement of a multi-rank worker (None at world size 1)."""
+        eng = self.engine
+        topo = getattr(eng, "topology", None)
+        if topo is None or topo.world_size <= 1:
+            return None
+        if self._agreement is None:
+            from .launch import get_store
+            wd = getattr(eng, "watchdog", None)
+            base = getattr(wd, "prefix", "ainfer_pd/engine")          # one per engine instance, alike on every rank
+            self._agreement = SyncAgreement(get_store(), f"{base}/wsync", topo.rank, topo.world_size)
+        return self._agreement
+
+    def _apply_stage(self, stage: WeightStage) -> int:
+        """The copy thread of :meth:`update_weights` (every stream is parked, the sync is checked)."""
         dev = self.engine.device
-        try:
-            stage = WeightStage(self.model, partial=partial).add_all(named_tensors)
-        except AInferPDError:
-            raise
-        except Exception as exc:       # a malformed input no check names: nothing was written
-            raise WeightUpdateError(f"weight update rejected: {exc!r}") from exc
         if dev.kind == "cuda":
             # launched kernels (graph replays, unawaited P segments) may still read the weights
             # on the P/D streams, which do not order with the stream the copies run on
@@ -98,6 +178,118 @@ class WorkerControl:
         if dev.kind == "cuda":
             torch.cuda.synchronize(dev.torch_device)
         return n
+
+    async def _stage_in_thread(self, stage: WeightStage, fn: Callable[[], Any]) -> Any:
+        """Run a staging step in a thread. Cancelled or closed: the stage stops at its next item
+        (nothing was written) and the call ends at once; an untyped error is a WeightUpdateError."""
+        job = asyncio.get_running_loop().run_in_executor(None, fn)
+        job.add_done_callback(lambda f: f.cancelled() or f.exception())    # an abandoned job's error is not logged
+        try:
+            return await self._or_closed(job, "update_weights checked its input")
+        except BaseException:
+            stage.cancelled = True
+            raise
+
+    async def _stage_async(self, stage: WeightStage, source: Any) -> None:
+        """Consume an async source item by item: each is checked and copied before the next is
+        asked for (the source may overwrite an item's memory with the next bucket)."""
+        it = aiter(source)
+        while True:
+            item = await self._or_closed_coro(anext(it, _END), "update_weights waited for the next bucket")
+            if item is _END:
+                return
+            if _item_bytes(item) <= INLINE_STAGE_BYTES:
+                try:
+                    stage.add_item(item)
+                except AInferPDError:
+                    raise
+                except Exception as exc:    # noqa: BLE001 - a malformed input no check names
+                    raise WeightUpdateError(f"weight update rejected: {exc!r}") from exc
+            else:
+                await self._stage_in_thread(stage, lambda item=item: stage.add_item(item))
+
+    # ================================================================== one control call at a time
+    @contextlib.asynccontextmanager
+    async def _control_lock(self, what: str, on_fail: Callable[[BaseException], None] | None = None, *,
+                            typed: bool = False):
+        """Hold the control lock for one call; refuse it once the worker is closing. ``on_fail``
+        sees any error of the body (a multi-rank sync fails its sync for every rank there); with
+        ``typed`` an untyped error comes out as a WeightUpdateError."""
+        try:
+            async with self._weights_lock:
+                if self._ctl_closed:
+                    raise WorkerClosedError(f"the worker was closed before {what} could run")
+                yield
+        except BaseException as exc:
+            if on_fail is not None:
+                on_fail(exc)
+            if not typed or isinstance(exc, AInferPDError) or not isinstance(exc, Exception):
+                raise
+            raise WeightUpdateError(f"weight update rejected: {exc!r}") from exc
+
+    async def _or_closed(self, fut: asyncio.Future, what: str) -> Any:
+        """Await ``fut`` unless the worker closes first (then WorkerClosedError; ``fut`` is left
+        alone). No task is created."""
+        if self._ctl_closed:
+            raise WorkerClosedError(f"the worker was closed while {what}")
+        closer = asyncio.get_running_loop().create_future()
+        self._close_waiters.add(closer)
+        try:
+            await asyncio.wait([fut, closer], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._close_waiters.discard(closer)
+            if not closer.done():
+                closer.cancel()
+        if fut.done():
+            return fut.result()
+        raise WorkerClosedError(f"the worker was closed while {what}")
+
+    async def _or_closed_coro(self, coro, what: str) -> Any:
+        """Await the coroutine ``coro`` (a task of a TaskGroup) unless the worker closes first:
+        then it is cancelled and WorkerClosedError raised. Its own error: a WeightUpdateError
+        (typed errors pass unchanged)."""
+        if self._ctl_closed:
+            coro.close()
+            raise WorkerClosedError(f"the worker was closed while {what}")
+        closer = asyncio.get_running_loop().create_future()
+        self._close_waiters.add(closer)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                task = tg.create_task(_outcome(coro))
+                closer.add_done_callback(lambda _f: task.cancel())
+        finally:
+            self._close_waiters.discard(closer)
+            if not closer.done():
+                closer.cancel()
+        if task.cancelled():
+            raise WorkerClosedError(f"the worker was closed while {what}")
+        ok, value = task.result()
+        if ok:
+            return value
+        if isinstance(value, AInferPDError):
+            raise value
+        raise WeightUpdateError(f"the weight source raised {value!r}; nothing was written") from value
+
+    async def _close_control(self) -> None:
+        """The worker is leaving: every control call stops waiting (WorkerClosedError), a staging
+        thread stops at its next item, a copy in progress finishes; then the streams are free
+        (bounded by ``CLOSE_WAIT_S``: after it every hold is released anyway)."""
+        self._ctl_closed = True
+        for w in list(self._close_waiters):
+            if not w.done():
+                w.set_result(None)
+        for st in list(self._active_stages):
+            st.cancelled = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CLOSE_WAIT_S
+        while self._weights_lock.locked() and self._active_holds and loop.time() < deadline:
+            await asyncio.sleep(0.005)
+        if self._active_holds:
+            import logging
+            logging.getLogger("ainfer_pd.worker").warning(
+                "a control call still parks the streams after %.0f s: releasing them", CLOSE_WAIT_S)
+            for h in self._active_holds:
+                h.release()
 
     async def sleep(self, level: int = 0, *, keep_weights: bool = True) -> None:
         """Abort everything in flight, drop all retained KV, and give device memory back.
@@ -169,35 +361,44 @@ class WorkerControl:
     async def _recapture_graphs(self) -> None:
         eng = self.engine
         w = eng.decode_ctx.stream.submit(eng.runner.capture_decode_graphs, eng.decode_ctx, label="D.capture")
+        await self._or_closed(asyncio.wrap_future(w.enqueued()), "the decode graphs were recaptured")
         await w.done()
         self._capture_owed = False
 
-    async def _with_streams_parked(self, fn, on_done=None) -> Any:
+    async def _with_streams_parked(self, fn, on_done=None, *, locked: bool = False) -> Any:
         """Run ``fn`` in a thread while every stream of the device is parked at a FIFO point
         (:meth:`Stream.hold`: work submitted later waits there; work launched before it has
-        drained). One at a time. A cancelled call lets ``fn`` end before the streams move on,
-        then re-raises; ``on_done`` runs whenever ``fn`` completed without error, cancelled or not."""
+        drained). One at a time (``locked``: the caller holds the control lock already). A
+        cancelled call lets ``fn`` end before the streams move on, then re-raises; ``on_done``
+        runs whenever ``fn`` completed without error, cancelled or not. The worker's exit
+        while the streams are not parked yet ends the call with WorkerClosedError (issue 34,
+        item 11: the exit's shutdown drops a queued park, so the wait never ended and the hold
+        already reached on another stream kept its thread parked: the exit hung)."""
+        if not locked:
+            async with self._control_lock(getattr(fn, "__name__", "a control call")):
+                return await self._with_streams_parked(fn, on_done, locked=True)
         loop = asyncio.get_running_loop()
-        async with self._weights_lock:
-            holds = [s.hold("parked") for s in list(self.engine.device.streams.values())]
-            job: asyncio.Future | None = None
-            try:
-                await asyncio.gather(*(asyncio.wrap_future(h.reached) for h in holds))
-                job = loop.run_in_executor(None, fn)
-                return await asyncio.shield(job)
-            except asyncio.CancelledError:
-                while job is not None and not job.done():
-                    try:
-                        await asyncio.wait([job])
-                    except asyncio.CancelledError:   # cancelled again: fn still must end first
-                        continue
-                raise
-            finally:
-                for h in holds:
-                    h.release()
-                if on_done is not None and job is not None and job.done() and not job.cancelled() \
-                        and job.exception() is None:
-                    on_done()
+        holds = [s.hold("parked") for s in list(self.engine.device.streams.values())]
+        self._active_holds = holds
+        job: asyncio.Future | None = None
+        try:
+            await self._or_closed(_all_reached(loop, holds), "waiting for the streams to park")
+            job = loop.run_in_executor(None, fn)
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            while job is not None and not job.done():
+                try:
+                    await asyncio.wait([job])
+                except asyncio.CancelledError:   # cancelled again: fn still must end first
+                    continue
+            raise
+        finally:
+            self._active_holds = []
+            for h in holds:
+                h.release()
+            if on_done is not None and job is not None and job.done() and not job.cancelled() \
+                    and job.exception() is None:
+                on_done()
 
     async def release_kv_cache(self) -> int:
         """Drop the cached KV that no turn in flight holds (idle trajectories keep their tokens
@@ -208,3 +409,53 @@ class WorkerControl:
     async def resume_kv_cache(self) -> None:
         """The KV pool stays allocated: the next turns simply fill it again."""
         self._check_open()
+
+
+def _source_form(src: Any) -> str:
+    """"mapping", "iterable" or "async"; anything else is a WeightUpdateError."""
+    if isinstance(src, Mapping):
+        return "mapping"
+    if isinstance(src, (str, bytes, torch.Tensor)):
+        raise WeightUpdateError(f"update_weights takes (name, tensor) pairs, buckets of them or a mapping, "
+                                f"got {type(src).__name__}")
+    if hasattr(src, "__aiter__"):
+        return "async"
+    if hasattr(src, "__iter__"):
+        return "iterable"
+    raise WeightUpdateError("update_weights takes (name, tensor) pairs, buckets of them, a mapping, or an async "
+                            f"iterable of those, got {type(src).__name__}")
+
+
+def _item_bytes(item: Any) -> int:
+    """Bytes of the tensors in one item of an async sync (a pair or a bucket)."""
+    pairs = item.items() if isinstance(item, Mapping) else (item if is_bucket(item) else [item])
+    total = 0
+    for pair in pairs:
+        if isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[1], torch.Tensor):
+            t = pair[1]
+            total += t.numel() * t.element_size() if t.layout == torch.strided else 0
+    return total
+
+
+async def _outcome(coro) -> tuple[bool, Any]:
+    try:
+        return True, await coro
+    except Exception as exc:          # noqa: BLE001 - handed to the caller
+        return False, exc
+
+
+def _all_reached(loop: asyncio.AbstractEventLoop, holds: list) -> asyncio.Future:
+    """A loop future resolved once every hold is reached (cancelling it leaves the holds alone)."""
+    fut = loop.create_future()
+    left = [len(holds)]
+
+    def one(_f) -> None:
+        left[0] -= 1
+        if left[0] == 0 and not fut.done():
+            fut.set_result(None)
+
+    if not holds:
+        fut.set_result(None)
+    for h in holds:
+        h.reached.add_done_callback(lambda f: loop.call_soon_threadsafe(one, f))
+    return fut

@@ -114,15 +114,56 @@ async def test_update_weights_runs_off_the_event_loop_while_trajectories_continu
         assert w.kv_leak_free()
 
 
-async def test_cancelled_update_finishes_its_copy_before_streams_move_and_reraises():
+async def test_cancelled_update_while_checking_writes_nothing_and_reraises():
+    """Cancelled while its (slow, lazy) input is still being checked, nothing was written: every
+    weight is the old one, the lock is free, and a later sync works."""
     cfg = tiny_cfg()
     rng = random.Random(12)
     new = build_model(dataclasses.replace(cfg.model, seed=99))
     async with RolloutWorker(cfg) as w:
+        old = {n: p.detach().clone() for n, p in w.model.named_parameters()}
         params = list(new.named_parameters())
         started = threading.Event()
         upd = asyncio.create_task(w.update_weights(_slow(params, 0.3 / len(params), started)))
         while not started.is_set():
+            await asyncio.sleep(0.005)
+        gen = asyncio.create_task(w.generate(rand_ids(rng, 30), SamplingParams(max_new_tokens=4, **GREEDY)))
+        await asyncio.sleep(0.02)
+        upd.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await upd
+        for name, p in w.model.named_parameters():
+            assert torch.equal(p, old[name]), name
+        out = await gen
+        assert len(out.token_ids) == 4
+        await w.release(out.trajectory_id)
+        assert not w._weights_lock.locked()
+        assert await w.update_weights(params) == len(params)
+        for (name, p), (_, q) in zip(w.model.named_parameters(), params):
+            assert torch.equal(p, q.to(p.dtype)), name
+        assert await _streams_idle(w)
+        assert w.kv_leak_free()
+
+
+async def test_cancelled_update_finishes_its_copy_before_streams_move_and_reraises(monkeypatch):
+    """Cancelled while the copies run (every stream parked), they finish before the streams move
+    again - never half-written weights - and the cancellation is re-raised."""
+    from ainfer_pd.engine import weights as weights_mod
+    cfg = tiny_cfg()
+    rng = random.Random(12)
+    new = build_model(dataclasses.replace(cfg.model, seed=99))
+    copying = threading.Event()
+    real_apply = weights_mod.WeightStage.apply
+
+    def slow_apply(stage):
+        copying.set()
+        time.sleep(0.3)
+        return real_apply(stage)
+    monkeypatch.setattr(weights_mod.WeightStage, "apply", slow_apply)
+    async with RolloutWorker(cfg) as w:
+        params = list(new.named_parameters())
+        upd = asyncio.create_task(w.update_weights(params))
+        while not copying.is_set():
             await asyncio.sleep(0.005)
         gen = asyncio.create_task(w.generate(rand_ids(rng, 30), SamplingParams(max_new_tokens=4, **GREEDY)))
         await asyncio.sleep(0.02)

@@ -8,11 +8,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ..errors import ConfigError, WeightUpdateError
+from ..errors import ConfigError, WeightUpdateError, WorkerAsleepError
 
 
 def save_safetensors(model: nn.Module, path: str | Path) -> None:
@@ -89,32 +90,73 @@ class WeightStage:
 
     :meth:`add` checks each (name, tensor) the moment it arrives (a name of any family of
     :mod:`ainfer_pd.hf.names`; shape, dtype, finiteness of the part this rank keeps; no part
-    given twice) and keeps a reference to it; nothing is written until :meth:`apply`, which
-    first checks that the sync is complete (unless ``partial``). So a generator over several
-    buckets whose last bucket is bad leaves every weight as it was. The caller must not reuse a
-    tensor's memory for another one of the same sync (the copies happen at the end).
+    given twice) and keeps a reference to it (``copy=True``: a copy in the parameter's dtype and
+    device, for sources that reuse their buffers, e.g. verl's checkpoint engines, which overwrite
+    a bucket's memory with the next bucket); nothing is written until :meth:`apply`, which first
+    checks that the sync is complete (unless ``partial``). So a generator over several buckets
+    whose last bucket is bad leaves every weight as it was. Without ``copy`` the caller must not
+    reuse a tensor's memory for another one of the same sync (the copies happen at the end).
+
+    The stage refuses a model whose weights are released (sleep level 2: every parameter has
+    shape ``(0,)``) with :class:`~ainfer_pd.errors.WorkerAsleepError`, and never uses a name
+    table built from released parameters (issue 34, item 12: such a table, cached on the model,
+    used to fail every later complete sync).
     """
 
-    def __init__(self, model: nn.Module, *, partial: bool = False) -> None:
+    def __init__(self, model: nn.Module, *, partial: bool = False, copy: bool = False) -> None:
         from ..hf.names import name_table
+        released = [n for n, p in model.named_parameters() if p.numel() == 0]
+        if released:
+            raise WorkerAsleepError(f"the weights are off the device ({len(released)} parameters released, e.g. "
+                                    f"{released[0]!r}): wake_up(['weights']) before a weight sync")
+        table = name_table(model)
+        if any(t.shape != tuple(table.params[n].shape) for n, t in table.own.items()):
+            object.__setattr__(model, "_name_table", None)      # built from other shapes: rebuild it
+            table = name_table(model)
         self.model = model
-        self.table = name_table(model)
+        self.table = table
         self.partial = partial
+        self.copy = copy
         self.report = SyncReport()
-        self._plan: list[tuple[Tensor, Tensor]] = []     # (parameter region, source view)
+        self.cancelled = False
+        """Set from another thread to stop :meth:`add_all` at its next item (:class:`StageCancelled`)."""
+        self._plan: list[tuple[Tensor, Tensor]] = []     # (parameter region, source view or copy)
         self._covered: dict = {}                          # unit -> the name that filled it
         self._hf_names = False
+        self._manifest: list[tuple[str, tuple[int, ...], str]] = []
+        self._items = 0
 
-    def add_all(self, named: Iterable[tuple[str, Tensor]] | Mapping[str, Tensor]) -> "WeightStage":
-        """(name, tensor) pairs, a generator of them over several buckets, or a ``{name: tensor}``
-        mapping (a ``state_dict()``); anything else is a WeightUpdateError naming the item."""
+    # ------------------------------------------------------------------ input forms
+    def add_all(self, named: Iterable[Any] | Mapping[str, Tensor]) -> "WeightStage":
+        """(name, tensor) pairs, a generator of them, a ``{name: tensor}`` mapping (a
+        ``state_dict()``), or an iterable of *buckets* (each a list / tuple of pairs or a mapping);
+        anything else is a WeightUpdateError naming the item."""
         items = named.items() if isinstance(named, Mapping) else named
-        for i, item in enumerate(items):
-            if not isinstance(item, (tuple, list)) or len(item) != 2:
-                raise WeightUpdateError(f"update_weights item {i} is not a (name, tensor) pair: {type(item).__name__}"
-                                        + (f" of length {len(item)}" if isinstance(item, (tuple, list)) else ""))
-            self.add(*item)
+        for item in items:
+            self.add_item(item)
         return self
+
+    def add_item(self, item: Any) -> None:
+        """One item of a sync: a (name, tensor) pair or a bucket of them."""
+        i = self._items
+        self._items += 1
+        if isinstance(item, Mapping):
+            for pair in item.items():
+                self._add_pair(pair, i)
+        elif is_bucket(item):
+            for pair in item:
+                self._add_pair(pair, i)
+        else:
+            self._add_pair(item, i)
+
+    def _add_pair(self, item: Any, i: int) -> None:
+        if self.cancelled:
+            raise StageCancelled("the weight sync was cancelled")
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise WeightUpdateError(f"update_weights item {i} is not a (name, tensor) pair or a bucket of them: "
+                                    f"{type(item).__name__}"
+                                    + (f" of length {len(item)}" if isinstance(item, (tuple, list)) else ""))
+        self.add(*item)
 
     def add(self, name: str, t: Tensor) -> None:
         if not isinstance(name, str):
@@ -133,6 +175,7 @@ class WeightStage:
             raise WeightUpdateError(f"weight {name!r} is on the meta device (it has no values)")
         if tuple(t.shape) != target.shape:
             raise WeightUpdateError(f"weight {name!r} has shape {tuple(t.shape)}, expected {target.shape}")
+        self._manifest.append((name, tuple(t.shape), str(t.dtype).removeprefix("torch.")))
         self._hf_names |= self.table.is_hf(name)
         if not target.mine:
             self.report.skipped.append(name)
@@ -151,32 +194,75 @@ class WeightStage:
             if prev is not None:
                 raise WeightUpdateError(f"weight {name!r} fills a part of {target.param!r} that {prev!r} already "
                                         "filled in this sync")
+        for u in target.units:
             self._covered[u] = name
+        if self.copy:        # the source's memory may be reused by the next bucket: keep our own copy
+            src = src.detach().to(device=p.device, dtype=p.dtype, copy=True)
         region = p[target.index] if target.index else p
         self._plan.append((region, src))
         self.report.applied.append(name)
 
+    # ------------------------------------------------------------------ completeness, manifest, apply
     def missing(self) -> set:
         return self.table.sync_required - self._covered.keys()
+
+    def check_complete(self) -> None:
+        """Unless ``partial``: every unit of the model was given, else WeightUpdateError."""
+        if self.partial:
+            return
+        missing = self.missing()
+        if missing:
+            if self._hf_names:
+                what = self.table.describe_missing(missing)
+            else:
+                what = ", ".join(sorted({u[0] for u in missing})[:5])
+            raise WeightUpdateError(f"incomplete weight sync: missing {what} ({len(missing)} of "
+                                    f"{len(self.table.sync_required)} parts not given; nothing was written; "
+                                    "pass partial=True to update a subset)")
+
+    def manifest(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """What this sync was given, in a canonical order: (name, shape, dtype) of every tensor
+        (other expert-parallel ranks' experts included), sorted by name."""
+        return sorted(self._manifest)
+
+    def digest(self) -> str:
+        """sha256 of :meth:`manifest` and ``partial``: equal on every rank of one collective sync."""
+        return manifest_digest(self.manifest(), self.partial)
 
     @torch.no_grad()
     def apply(self) -> int:
         """Check completeness (unless partial), then copy every staged tensor (converted to the
         parameter's dtype and device; storages are never rebound, so captured CUDA graphs stay
         valid). Returns the number of tensors written."""
-        if not self.partial:
-            missing = self.missing()
-            if missing:
-                if self._hf_names:
-                    what = self.table.describe_missing(missing)
-                else:
-                    what = ", ".join(sorted({u[0] for u in missing})[:5])
-                raise WeightUpdateError(f"incomplete weight sync: missing {what} ({len(missing)} of "
-                                        f"{len(self.table.sync_required)} parts not given; nothing was written; "
-                                        "pass partial=True to update a subset)")
+        self.check_complete()
         for region, src in self._plan:
             region.copy_(src)
         return len(self._plan)
+
+
+class StageCancelled(Exception):
+    """Internal: a staging thread stopped at its next item (the sync was cancelled or the worker
+    closed); the caller raises the real reason."""
+
+
+def is_bucket(item: Any) -> bool:
+    """A list / tuple of (name, tensor) pairs (or a mapping), as opposed to one pair: a pair is a
+    2-sequence whose first element is not itself a sequence."""
+    if isinstance(item, Mapping):
+        return True
+    if not isinstance(item, (list, tuple)):
+        return False
+    if len(item) == 0:
+        return True
+    return all(isinstance(x, (list, tuple)) for x in item) and not isinstance(item[0], str)
+
+
+def manifest_digest(manifest: list[tuple[str, tuple[int, ...], str]], partial: bool) -> str:
+    import hashlib
+    h = hashlib.sha256(b"partial" if partial else b"complete")
+    for name, shape, dtype in manifest:
+        h.update(f"\n{name}|{','.join(map(str, shape))}|{dtype}".encode())
+    return h.hexdigest()
 
 
 def _check_values(name: str, t: Tensor, dtype: torch.dtype) -> None:
