@@ -488,3 +488,37 @@ def test_from_log_labels_a_long_context_part(tmp_path):
                         "--workload", "grpo-long"]) == 0
     part = json.loads((tmp_path / "ladder_g.json").read_text())
     assert [r["cell"] for r in part["rows"]] == ["grpo-long/P1"] and part["workload"] == {"workload": "grpo-long"}
+
+
+def test_h200_ladder_runs_the_long_context_parts_with_their_own_settings(tmp_path):
+    """h200_ladder.sh's grpo-long parts (a stand-in python on PATH prints what it was given): the
+    workload, its cell, 6 turns, graphs over the 16K context and the KV pool; p1 keeps its own."""
+    import subprocess
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "python").write_text('#!/bin/sh\necho "ARGS $*"\n')
+    (bin_ / "python").chmod(0o755)
+
+    def args(part, **env):
+        res = subprocess.run(["bash", "benchmarks/h200_ladder.sh", "abc", part], capture_output=True, text=True,
+                             timeout=60, env={"PATH": f"{bin_}:/usr/bin:/bin", "OUT": str(tmp_path / "o"), **env})
+        assert res.returncode == 0, res.stderr
+        (line,) = [ln for ln in res.stdout.splitlines() if ln.startswith("ARGS ")]
+        return line.split()[1:]
+
+    def last(a, flag, prefix=""):
+        return [a[i + 1] for i, x in enumerate(a[:-1]) if x == flag and a[i + 1].startswith(prefix)][-1]
+
+    g = args("grpo-long-trace", POLICIES="normal,fine-grained", PRIORITIES="fifo", SUFFIX="x")
+    assert g[:2] == ["benchmarks/ladder.py", "run"]
+    assert last(g, "--workload") == "grpo-long" and last(g, "--group-size") == "8" and last(g, "--cells") == "trace"
+    assert last(g, "--max-turns") == "6" and last(g, "--conversations") == "64" and last(g, "--part") == "grpo-long-trace-x"
+    assert last(g, "--set", "device.graph_max_context=") == "device.graph_max_context=16384"
+    assert last(g, "--set", "cache.gpu_memory_fraction=") == "cache.gpu_memory_fraction=0.5"
+    assert last(g, "--policies") == "normal,fine-grained" and last(g, "--priorities") == "fifo"
+    g = args("grpo-long-p1", GROUP="4", TURNS="3", GMEM="0.7")
+    assert last(g, "--cells") == "P1" and last(g, "--group-size") == "4" and last(g, "--max-turns") == "3"
+    assert last(g, "--set", "cache.gpu_memory_fraction=") == "cache.gpu_memory_fraction=0.7"
+    p = args("p1")
+    assert "--workload" not in p and last(p, "--max-turns") == "4"
+    assert last(p, "--set", "device.graph_max_context=") == "device.graph_max_context=8192"
