@@ -173,7 +173,7 @@ class Engine:
             await self._wait_for(book.p_admissible)
             chunks, admitted = plan_prefill(book.pending_view(), self.cfg.scheduler.max_prefill_tokens,
                                             book.available_blocks())
-            work = book.admit(chunks, admitted)
+            work = book.admit(chunks, admitted, self.cfg.scheduler.max_prefill_tokens)
             if not work:
                 # NOTE: unreachable while the plan and the admission share `fits`; should it happen,
                 # wait for the next change (a turn ending frees KV) instead of polling.

@@ -278,7 +278,7 @@ class LockstepEngine(Engine):
         if self.is_leader:
             chunks, admitted = plan_prefill(self.book.pending_view(), self.cfg.scheduler.max_prefill_tokens,
                                             self.book.available_blocks())
-            work = self.book.admit(chunks, admitted)
+            work = self.book.admit(chunks, admitted, self.cfg.scheduler.max_prefill_tokens)
             plan = self.runner.build(work, [])
             if self.replica is not None:
                 await self.replica.share(pack_prefill(plan.fb), None, "P batch")

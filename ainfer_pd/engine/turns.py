@@ -190,27 +190,40 @@ class TurnBook:
         chunks, _ = plan_prefill(pend, self.cfg.scheduler.max_prefill_tokens, self.available_blocks())
         return bool(chunks)
 
-    def admit(self, chunks, admitted) -> list[tuple[Turn, int, int]]:
+    def admit(self, chunks, admitted, budget: int | None = None) -> list[tuple[Turn, int, int]]:
         """Reserve KV for newly admitted turns (FIFO), re-checking each with the same rule the
         planner used (:func:`~ainfer_pd.sched.planner.fits`) on the live cache; the cached prefix
         a turn shares is re-read at its reservation (an earlier admission may have evicted part of
-        it, or shared more: the planned demand is never below the live one). Returns the runnable
-        chunks (turn, start, tokens): a chunk never runs past its prompt."""
+        it, adopted the tail it counted on, or shared more: the planned demand is never below the
+        live one). Returns the runnable chunks (turn, start, tokens), in the plan's order.
+
+        Each chunk is sized from the cache as it is after the step's earlier admissions (issue 34,
+        item 10): a turn starts where its reservation's reused prefix ends and runs to the end of
+        its prompt within ``budget`` (the step's token budget; default the planned chunks' total),
+        so a view an earlier admission of the same step made stale never leaves part of a prompt
+        behind. A chunk never runs past its prompt."""
         by_id = {t.request_id: t for t in self.waiting}
         now = self.rec.now()
         blocked = False
-        for rid in admitted:
-            t = by_id[rid]
-            if blocked or not fits(prefix.demand(self.kv, t), self.kv.pool_blocks()):
-                blocked = True            # FIFO: nothing behind it either (cannot happen: same rule as the plan)
-                continue
-            prefix.reserve(self.kv, t, now)
-            self.num_p_admitted_tokens += len(t.context) - t.prefilled
+        new = set(admitted)
+        left = sum(c.num_tokens for c in chunks) if budget is None else budget
         work = []
         for c in chunks:
             t = by_id[c.request_id]
-            if t.lifetime:
-                work.append((t, t.prefilled, min(c.num_tokens, len(t.context) - t.prefilled)))
+            if c.request_id in new:
+                if blocked or not fits(prefix.demand(self.kv, t), self.kv.pool_blocks()):
+                    blocked = True        # FIFO: nothing behind it either (cannot happen: same rule as the plan)
+                    continue
+                prefix.reserve(self.kv, t, now)
+                self.num_p_admitted_tokens += len(t.context) - t.prefilled
+                n = min(len(t.context) - t.prefilled, left)
+            elif t.lifetime:
+                n = min(len(t.context) - t.prefilled, left)
+            else:
+                continue
+            if n > 0:
+                work.append((t, t.prefilled, n))
+                left -= n
         return work
 
     def has_live_rows(self) -> bool:

@@ -52,21 +52,28 @@ def plan_prefill(pending: list[PendingPrefill], budget_tokens: int, available_bl
 
     A request is admitted only when its whole turn fits in KV (no decode-time
     preemption). Admission is head-of-line: a request that does not fit blocks the
-    ones behind it, so a long prompt cannot be starved by short ones.
+    *admissions* behind it, so a long prompt cannot be starved by short ones. It never blocks
+    the next chunk of a turn admitted already (issue 34, item 10): that turn holds its blocks
+    until its prompt is prefilled and its turn ends, so stopping it at a head waiting for
+    those very blocks would stop everything.
     """
     chunks: list[PrefillChunk] = []
     admitted: list[str] = []
     budget = budget_tokens
     blocks = available_blocks
+    blocked = False                 # a head that does not fit: no admission behind it
     for p in pending:
         if budget <= 0:
             break
         if not p.admitted:
-            if not fits(p.blocks_needed, blocks):
-                break
+            if blocked or not fits(p.blocks_needed, blocks):
+                blocked = True
+                continue
             blocks -= p.blocks_needed
             admitted.append(p.request_id)
         n = min(p.remaining_tokens, budget)
+        if n <= 0:
+            continue
         chunks.append(PrefillChunk(p.request_id, n))
         budget -= n
     return tuple(chunks), tuple(admitted)
