@@ -248,6 +248,13 @@ class DeviceConfig:
     """CUDA: context buckets below the covered context, so a batch of short rows replays a graph
     whose decode grid is sized for them, not for the longest row. Lengths are data: any row up to
     its bucket replays it."""
+    prefill_graphs: bool = True
+    """CUDA: P passes of up to the largest ``prefill_graph_tokens`` tokens replay piecewise CUDA graphs
+    (every layer's fixed-shape pieces captured per token bucket; the varlen attention eager), so a short
+    continuation's epoch is set by its GPU time, not its launches. Used where P is local (one rank, no
+    expert parallelism), with the triton kernels, a 16-bit model and no routing replay; else eager."""
+    prefill_graph_tokens: tuple[int, ...] = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
+    """CUDA: the P graphs' token buckets (a pass pads to the smallest that fits; longer passes run eagerly)."""
     high_priority_stream: str = "none"
     """CUDA: none | P | D. The named phase's stream gets the device's highest stream priority,
     so its kernels are scheduled first when both phases have work queued (P: first-token

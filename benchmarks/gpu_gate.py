@@ -301,6 +301,24 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
                   f"{n} graphs of {len(sizes) * len(ctxs)} (contexts {list(ctxs)}) in {time.time() - t0:.1f} s")
             fig(f"{tag}_graph_capture", {"graphs": n, "contexts": list(ctxs), "capture_s": round(runner.graphs.capture_s, 2),
                                          "memory_MiB": round(runner.graphs.memory_bytes / 2**20, 1)})
+            # ---- P passes replay the piecewise P graphs, equal to the eager pass
+            pg = runner.pgraphs
+            check(f"{tag}_prefill_graphs_captured", pg is not None and len(pg.graphs) > 0,
+                  f"{len(pg.graphs) if pg else 0} token buckets; refusal: {runner.prefill_graphs_refusal()}")
+            if pg is not None:
+                fig(f"{tag}_prefill_graph_capture", {"buckets": list(pg.buckets), "capture_s": round(pg.capture_s, 2),
+                                                     "memory_MiB": round(pg.memory_bytes / 2**20, 1)})
+                for n, cached in ((37, 0), (575, 1500), (2000, 100)):
+                    r0 = pg.num_replays
+                    glog = runner.forward_fb(prefill_fb(runner, n, cached, seed=n), pctx)
+                    replayed = pg.num_replays == r0 + 1
+                    runner.pgraphs = None
+                    eager = runner.forward_fb(prefill_fb(runner, n, cached, seed=n), pctx)
+                    runner.pgraphs = pg
+                    err = rel_err(glog, eager)
+                    check(f"{tag}_prefill_graph_equals_eager_{n}_on_{cached}", replayed and err < 2e-2,
+                          f"{'replayed' if replayed else 'NOT replayed'}, logits rel err {err:.2e}, "
+                          f"argmax {'equal' if bool((glog.argmax(-1) == eager.argmax(-1)).all()) else 'differs'}")
             # ---- a row at the model's whole context replays a graph (no context cliff), equal to eager
             Lmax = mc.max_context_len
             for B in (1, 4):

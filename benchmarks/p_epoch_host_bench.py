@@ -122,7 +122,7 @@ async def engine_epochs(w: RolloutWorker, n: int, cached: int, reps: int) -> dic
 async def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/qwen3-30b-a3b-shape.yaml")
-    ap.add_argument("--cases", default="512:2048,2048:4096,8192:8192,575:1500")
+    ap.add_argument("--cases", default="512:2048,2048:4096,8192:8000,575:1500")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--cprofile", type=int, default=0, help="top N host functions of the first case")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")

@@ -194,6 +194,13 @@ class MoETransformer(nn.Module):
         projection [T, D]. Under attention tensor parallelism (:mod:`.tensor_parallel`) the model
         holds a shard of the heads and this is a partial sum, reduced over the TP group before
         :meth:`after_attention`. kv [2, S, Hk, hd] is layer i's cache (Hk: this model's KV heads)."""
+        q = self.attention_prologue(i, st, fb, kv)
+        o = attend(q, kv, fb, self.attn_backend)                           # [T, H, hd]
+        return self.attention_out(i, o.reshape(o.shape[0], -1))
+
+    def attention_prologue(self, i: int, st: SegmentState, fb: ForwardBatch, kv: Tensor) -> Tensor:
+        """Layer i's attention up to the attention itself: norm, QKV projection, QK-norm (when the
+        architecture has it), RoPE, and this batch's K/V into the cache -> q [T, H, hd]."""
         c, lyr, kn = self.cfg, self.layers[i], self.kernels
         T = st.h.shape[0]
         x = kn.rms_norm(st.h, lyr.attn_norm, c.rms_eps)
@@ -203,10 +210,12 @@ class MoETransformer(nn.Module):
         q, k, v = q.view(T, H, hd), k.view(T, Hk, hd), v.view(T, Hk, hd)
         if fb.rope is None:
             fb.rope = rope_cos_sin(fb.positions, c.rotary_dim, c.rope_theta, q.dtype)
-        # QK-norm over each head (when the architecture has it), RoPE, this batch's K/V into the cache
-        q = kn.prologue(q, k, v, lyr.q_norm, lyr.k_norm, c.rms_eps, fb.rope, kv, fb.write_slots)
-        o = attend(q, kv, fb, self.attn_backend)                           # [T, H, hd]
-        return F.linear(o.reshape(T, H * hd), lyr.wo, lyr.bo)              # [T, D]
+        return kn.prologue(q, k, v, lyr.q_norm, lyr.k_norm, c.rms_eps, fb.rope, kv, fb.write_slots)
+
+    def attention_out(self, i: int, o: Tensor) -> Tensor:
+        """The output projection of layer i's attention o [T, H hd] -> [T, D]."""
+        lyr = self.layers[i]
+        return F.linear(o, lyr.wo, lyr.bo)
 
     def after_attention(self, i: int, st: SegmentState, o: Tensor, write_slots: Tensor) -> SegmentState:
         """Residual add of the (reduced) attention output, FFN norm, then the router of layer i's

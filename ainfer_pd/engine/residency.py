@@ -94,6 +94,7 @@ class Residency:
         if r.graphs is not None:
             r.graphs.release()
         r.graphs = None
+        r.release_prefill_graphs()
         r.kv_cache = None
         if r.routed is not None:          # routing replay's per-slot ids go with the KV pool
             r.routed.release()

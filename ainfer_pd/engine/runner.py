@@ -17,6 +17,7 @@ from .attention import DecodeMeta, ForwardBatch, PrefillSeq, select_backend
 from .attention.backend import resolve_kernel_backend
 from .kv_cache import KVCacheManager
 from .model import MoETransformer, SegmentState, build_model
+from .prefill_graphs import prefill_graph_buckets
 from ..phase import Phase, PhaseContext
 from .state import Turn
 from .tensor_parallel import LOCAL, PhaseHooks
@@ -32,10 +33,22 @@ class BatchPlan:
     prefill: list[tuple[Turn, int, int]]      # (turn, start position, tokens)
     decode: list[Turn]
     logit_turns: list[Turn]                   # owner of each logits row
+    replay: "PrefillBinding | None" = None
+    """A P pass replayed through the captured P graphs (``device.prefill_graphs``); None: eager."""
 
     @property
     def num_tokens(self) -> int:
         return int(self.fb.input_ids.shape[0])
+
+
+class Replayed:
+    """The segment state of a replayed P pass: the state lives in the P graphs' static buffers."""
+
+    __slots__ = ("binding", "routing")
+
+    def __init__(self, binding) -> None:
+        self.binding = binding
+        self.routing = None              # nothing to notify: replay is used only without expert parallelism
 
 
 class ModelRunner:
@@ -71,6 +84,8 @@ class ModelRunner:
             self.model.route_kernel = fused_softmax_route
         log.info("attention backend %s, MoE backend %s", self.model.attn_backend.name, self.moe_backend)
         self.graphs = None
+        self.pgraphs = None
+        """The P graphs (:mod:`.prefill_graphs`), captured with the decode graphs where P can replay."""
         self.decode_paths: dict[str, int] = {"graph": 0, "eager-no-graphs": 0, "eager-past-graphs": 0}
         """D iterations by the path they took (runner.decode)."""
         self.ep = None                 # P's ExpertParallel when experts are spread over ranks
@@ -137,13 +152,22 @@ class ModelRunner:
             logits_rows=torch.tensor(rows, dtype=torch.int64, device=d),
             block_size=self.kv.block_size,
         )
-        return BatchPlan(fb, prefill, decode, logit_turns)
+        plan = BatchPlan(fb, prefill, decode, logit_turns)
+        if self.pgraphs is not None and not decode:
+            plan.replay = self.pgraphs.binding(fb)
+        return plan
 
     # ------------------------------------------------------------------ segments (run on a stream)
-    def embed(self, plan: BatchPlan) -> SegmentState:
+    def embed(self, plan: BatchPlan) -> SegmentState | Replayed:
+        if plan.replay is not None:
+            plan.replay.embed()
+            return Replayed(plan.replay)
         return self.model.embed_tokens(plan.fb)
 
-    def attn_route(self, layer: int, st: SegmentState, plan: BatchPlan) -> SegmentState:
+    def attn_route(self, layer: int, st: SegmentState | Replayed, plan: BatchPlan) -> SegmentState | Replayed:
+        if type(st) is Replayed:
+            st.binding.attn_route(layer, self.kv_cache[layer])
+            return st
         return self.model.attn_route(layer, st, plan.fb, self.kv_cache[layer])
 
     def attention(self, layer: int, st: SegmentState, plan: BatchPlan) -> Tensor:
@@ -160,13 +184,18 @@ class ModelRunner:
 
     def experts(self, layer: int, st: SegmentState, ctx: PhaseContext, notified=None) -> SegmentState:
         """Routed + shared experts; with EP the data moves now (after counts and permit)."""
+        if type(st) is Replayed:
+            st.binding.experts(layer)
+            return st
         fn = self.hooks[ctx.phase].experts
         if notified is not None:
             ep = self.ep
             fn = lambda x, r, i: ep.finish(ctx, notified, x, r, i)      # noqa: E731
         return self.model.experts(layer, st, fn)
 
-    def head(self, st: SegmentState, plan: BatchPlan) -> Tensor:
+    def head(self, st: SegmentState | Replayed, plan: BatchPlan) -> Tensor:
+        if type(st) is Replayed:
+            return st.binding.head()
         return self.model.head(st, plan.fb.logits_rows)
 
     def forward(self, plan: BatchPlan, ctx: PhaseContext) -> Tensor:
@@ -174,6 +203,14 @@ class ModelRunner:
         return self.forward_fb(plan.fb, ctx)
 
     def forward_fb(self, fb: ForwardBatch, ctx: PhaseContext) -> Tensor:
+        if ctx.phase is Phase.PREFILL and self.pgraphs is not None:
+            binding = self.pgraphs.binding(fb)
+            if binding is not None:                  # the P graphs, segment by segment
+                binding.embed()
+                for layer in range(self.cfg.model.num_layers):
+                    binding.attn_route(layer, self.kv_cache[layer])
+                    binding.experts(layer)
+                return binding.head()
         h = self.hooks[ctx.phase]
         return self.model.forward_batch(fb, self.kv_cache, h.experts, h.attn_reduce, h.gather)
 
@@ -252,16 +289,54 @@ class ModelRunner:
                         self.cfg.model.max_context_len, ctxs[-1])
         self.graphs = DecodeGraphs(self, sizes, ctxs, self.scratch_slot, ctx)
         self.graphs.capture_all()
+        self.capture_prefill_graphs()
         return len(self.graphs.graphs)
+
+    def prefill_graphs_refusal(self) -> str | None:
+        """Why P passes cannot replay captured graphs here (None: they can)."""
+        dc, mc = self.cfg.device, self.cfg.model
+        if not dc.prefill_graphs or not prefill_graph_buckets(dc.prefill_graph_tokens, self.cfg.scheduler.max_prefill_tokens):
+            return "off (device.prefill_graphs / prefill_graph_tokens)"
+        if self.device.type != "cuda":
+            return "no CUDA device"
+        if mc.dtype == "float32":
+            return "fp32 model (the oracle path stays eager)"
+        if self.model.attn_backend is None or self.model.attn_backend.name != "triton" or self.moe_backend != "triton":
+            return "needs the triton attention and MoE backends"
+        if self.ep is not None or not self.model.holds_all_experts or self.model.tp_shard[1] != 1 \
+                or self.hooks[Phase.PREFILL] is not LOCAL:
+            return "P is not local (expert parallelism or attention TP)"
+        if self.routed is not None:
+            return "routing replay records in the eager pass"
+        return None
+
+    def capture_prefill_graphs(self) -> int:
+        """CUDA only: capture the P graphs of every token bucket (:mod:`.prefill_graphs`); 0 and
+        a log line saying why when P cannot replay here."""
+        from .prefill_graphs import PrefillGraphs
+        why = self.prefill_graphs_refusal()
+        if why is not None:
+            log.info("P passes run eagerly: %s", why)
+            return 0
+        buckets = prefill_graph_buckets(self.cfg.device.prefill_graph_tokens, self.cfg.scheduler.max_prefill_tokens)
+        self.pgraphs = PrefillGraphs(self.model, lambda: self.kv_cache, buckets, self.scratch_slot, self.device)
+        self.pgraphs.capture_all()
+        return len(self.pgraphs.graphs)
 
     def release_cuda(self) -> None:  # pragma: no cover - CUDA only
         """Give the device memory back (no work in flight): graphs, the KV pool, the weights' storage."""
         self.graphs = None
+        self.release_prefill_graphs()
         self.kv_cache = None
         for p in self.model.parameters():
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+    def release_prefill_graphs(self) -> None:
+        if self.pgraphs is not None:
+            self.pgraphs.release()
+        self.pgraphs = None
 
     @property
     def num_layers(self) -> int:
