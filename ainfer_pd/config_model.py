@@ -94,6 +94,11 @@ class ModelConfig:
     init (never pickle). Hugging Face checkpoints come through ``path`` instead."""
     eos_token_id: int | None = 1
     """Token that ends a turn (None: only ``max_new_tokens`` and stop tokens do)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """The rest of the model's stop set: every id that ends a turn besides ``eos_token_id``
+    (from a Hugging Face directory: ``config.json``'s whole ``eos_token_id`` list and
+    ``generation_config.json``'s ``eos_token_id``, as vLLM uses them). Like ``eos_token_id``,
+    ``SamplingParams(ignore_eos=True)`` turns them off; ``SamplingParams.stop_token_ids`` add to them."""
 
     def validate(self) -> None:
         check_positive(self, "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -134,6 +139,9 @@ class ModelConfig:
             raise ConfigError(f"model.dtype={self.dtype!r} not one of {DTYPES}")
         if self.eos_token_id is not None and not 0 <= self.eos_token_id < self.vocab_size:
             raise ConfigError("model.eos_token_id outside the vocabulary")
+        bad_stops = [i for i in self.stop_token_ids if not 0 <= i < self.vocab_size]
+        if bad_stops:
+            raise ConfigError(f"model.stop_token_ids {bad_stops} outside the vocabulary [0, {self.vocab_size})")
         self._validate_architecture()
 
     def _validate_architecture(self) -> None:
@@ -178,6 +186,14 @@ class ModelConfig:
         """Layers with routed experts (every layer that is not dense)."""
         dense = set(self.dense_layers)
         return tuple(i for i in range(self.num_layers) if i not in dense)
+
+    @property
+    def stop_set(self) -> frozenset[int]:
+        """Every id that ends a turn unless ``ignore_eos``: ``eos_token_id`` and ``stop_token_ids``."""
+        ids = set(self.stop_token_ids)
+        if self.eos_token_id is not None:
+            ids.add(self.eos_token_id)
+        return frozenset(ids)
 
     def is_moe_layer(self, i: int) -> bool:
         return i not in self.dense_layers

@@ -49,6 +49,8 @@ class TurnBook:
         self.notify = notify
         self.waiting: deque[Turn] = deque()
         self.decoding: list[Turn] = []
+        self.model_stops = cfg.model.stop_set
+        """The model's whole stop set (``eos_token_id`` + ``stop_token_ids``: issue 34, item 2)."""
         sc = cfg.scheduler
         self.priority = PriorityConfig(sc.priority, sc.priority_aging_s, sc.ttft_bound_tokens, sc.short_prefill_tokens)
         self.history = History()           # finished trajectories: the critical-path predictor
@@ -303,7 +305,7 @@ class TurnBook:
         t.out_logprobs.append(lp)
         p = t.params
         reason = None
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok == self.cfg.model.eos_token_id):
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.model_stops):
             reason = "stop"
         elif len(t.out_tokens) >= p.max_new_tokens or t.seq_len >= self.cfg.model.max_context_len:
             reason = "length"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -84,13 +85,17 @@ def read_config_json(model_dir: str | Path) -> dict[str, Any]:
 
 def model_type_of(hf: dict[str, Any]) -> str:
     mt = hf.get("model_type")
+    archs = hf.get("architectures")
+    if archs is not None and (not isinstance(archs, list) or any(not isinstance(a, str) for a in archs)):
+        raise CheckpointError(f"config.json architectures={archs!r}: expected a list of class names")
     if mt is None:                       # old configs name only the class
         by_class = {v: k for k, v in CAUSAL_LM.items()}
-        mt = next((by_class[a] for a in hf.get("architectures") or () if a in by_class), None)
+        mt = next((by_class[a] for a in archs or () if a in by_class), None)
+    if mt is not None and not isinstance(mt, str):
+        raise CheckpointError(f"config.json model_type={mt!r}: expected a string")
     if mt not in CAUSAL_LM:
         raise UnsupportedModelError(f"config.json model_type {mt!r} is not supported; supported: "
                                     f"{', '.join(CAUSAL_LM)}")
-    archs = hf.get("architectures")
     if archs and CAUSAL_LM[mt] not in archs:
         raise UnsupportedModelError(f"config.json architectures {archs}: ainfer-pd serves {CAUSAL_LM[mt]} "
                                     f"(the causal LM head of {mt})")
@@ -98,11 +103,36 @@ def model_type_of(hf: dict[str, Any]) -> str:
 
 
 def model_fields(model_dir: str | Path) -> dict[str, Any]:
-    """``ModelConfig`` keyword arguments of the model in ``model_dir`` (``path`` included)."""
+    """``ModelConfig`` keyword arguments of the model in ``model_dir`` (``path`` included). The
+    stop set is ``config.json``'s whole ``eos_token_id`` list plus ``generation_config.json``'s
+    (issue 34, item 2: vLLM ends a turn on any of them; Qwen3 ships ``<|im_end|>`` and
+    ``<|endoftext|>`` there)."""
     hf = read_config_json(model_dir)
     fields = fields_from_hf(hf)
+    gen = read_generation_config(model_dir)
+    if gen is not None:
+        extra = [i for i in _eos_ids(gen, "generation_config.json") if i not in fields["stop_token_ids"]]
+        fields["stop_token_ids"] = fields["stop_token_ids"] + tuple(extra)
+        if fields["eos_token_id"] is None and fields["stop_token_ids"]:
+            fields["eos_token_id"] = fields["stop_token_ids"][0]
     fields["path"] = str(model_dir)
     return fields
+
+
+def read_generation_config(model_dir: str | Path) -> dict[str, Any] | None:
+    """The parsed ``generation_config.json`` of a model directory, None when it has none (typed
+    errors for an unreadable one)."""
+    d = Path(model_dir)
+    p = d / "generation_config.json"
+    if not p.is_file():
+        return None
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{d.name}/generation_config.json is not readable JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{d.name}/generation_config.json: top level must be an object")
+    return data
 
 
 def fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
@@ -112,33 +142,38 @@ def fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise UnsupportedModelError(f"config.json ({mt}) has key(s) ainfer-pd does not know: {', '.join(unknown)}; "
                                     "they may change the model's math, so the model is refused")
-    if hf.get("quantization_config"):
-        raise UnsupportedModelError(f"config.json quantization_config "
-                                    f"({hf['quantization_config'].get('quant_method', '?')}): quantized checkpoints "
+    q = hf.get("quantization_config")
+    if q:
+        how = q.get("quant_method", "?") if isinstance(q, dict) else q
+        raise UnsupportedModelError(f"config.json quantization_config ({how!r}): quantized checkpoints "
                                     "are not supported")
-    act = hf.get("hidden_act", "silu")
+    act = _str(hf, "hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModelError(f"config.json hidden_act={act!r}: only silu (SwiGLU) is supported")
     H = _int(hf, "num_attention_heads")
     D = _int(hf, "hidden_size")
     L = _int(hf, "num_hidden_layers")
-    head_dim = hf.get("head_dim") or D // H
+    if H <= 0:
+        raise CheckpointError(f"config.json num_attention_heads={H}: expected a positive integer")
+    head_dim = _int(hf, "head_dim", D // H, nullable=True)
     theta, partial = _rope(hf, mt)
+    eos = _eos_ids(hf, "config.json")
     f: dict[str, Any] = {
         "architecture": mt,
         "vocab_size": _int(hf, "vocab_size"),
         "hidden_size": D,
         "num_layers": L,
         "num_heads": H,
-        "num_kv_heads": int(hf.get("num_key_value_heads") or H),
-        "head_dim": int(head_dim),
-        "rms_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "num_kv_heads": _int(hf, "num_key_value_heads", H, nullable=True),
+        "head_dim": head_dim,
+        "rms_eps": _float(hf, "rms_norm_eps", 1e-6),
         "rope_theta": theta,
         "partial_rotary_factor": partial,
-        "max_context_len": int(hf.get("max_position_embeddings", 4096)),
-        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "max_context_len": _int(hf, "max_position_embeddings", 4096),
+        "tie_word_embeddings": _bool(hf, "tie_word_embeddings", False),
         "dtype": _dtype(hf),
-        "eos_token_id": _eos(hf),
+        "eos_token_id": eos[0] if eos else None,
+        "stop_token_ids": tuple(eos),
     }
     f.update(_ARCH[mt](hf, L))
     return f
@@ -146,40 +181,41 @@ def fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- per architecture
 def _qwen_moe_common(hf: dict[str, Any], L: int, mt: str) -> dict[str, Any]:
-    if hf.get("use_sliding_window"):
+    if _bool(hf, "use_sliding_window", False, nullable=True):
         raise UnsupportedModelError(f"config.json use_sliding_window=true ({mt}): sliding-window attention "
                                     "is not supported")
-    lt = hf.get("layer_types")
+    lt = _list(hf, "layer_types", str)
     if lt and any(t != "full_attention" for t in lt):
         raise UnsupportedModelError(f"config.json layer_types {sorted(set(lt))}: only full_attention is supported")
-    E = int(hf.get("num_experts", hf.get("num_local_experts", 0)) or 0)
+    E = _int(hf, "num_experts", _int(hf, "num_local_experts", 0, nullable=True), nullable=True)
     if E <= 0:
         raise UnsupportedModelError(f"config.json num_experts={E} ({mt}): a dense model; ainfer-pd serves MoE models")
-    step = int(hf.get("decoder_sparse_step", 1) or 1)
-    mlp_only = set(hf.get("mlp_only_layers") or ())
+    step = _int(hf, "decoder_sparse_step", 1, nullable=True) or 1
+    mlp_only = set(_list(hf, "mlp_only_layers", int))
+    inter = _int(hf, "intermediate_size", 0, nullable=True)
     dense = tuple(i for i in range(L) if i in mlp_only or (i + 1) % step != 0)
     return {
         "num_experts": E,
         "top_k": _int(hf, "num_experts_per_tok"),
         "expert_intermediate": _int(hf, "moe_intermediate_size"),
         "dense_layers": dense,
-        "dense_intermediate": int(hf.get("intermediate_size", 0)) if dense else 0,
+        "dense_intermediate": inter if dense else 0,
         "router": "softmax",
-        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+        "norm_topk_prob": _bool(hf, "norm_topk_prob", False),
     }
 
 
 def _qwen3_moe(hf: dict[str, Any], L: int) -> dict[str, Any]:
     f = _qwen_moe_common(hf, L, "qwen3_moe")
-    bias = bool(hf.get("attention_bias", False))
+    bias = _bool(hf, "attention_bias", False)
     f.update(qk_norm=True, qkv_bias=bias, o_bias=bias)
     return f
 
 
 def _qwen2_moe(hf: dict[str, Any], L: int) -> dict[str, Any]:
     f = _qwen_moe_common(hf, L, "qwen2_moe")
-    shared = int(hf.get("shared_expert_intermediate_size", 0) or 0)
-    f.update(qk_norm=False, qkv_bias=bool(hf.get("qkv_bias", True)), o_bias=False,
+    shared = _int(hf, "shared_expert_intermediate_size", 0, nullable=True)
+    f.update(qk_norm=False, qkv_bias=_bool(hf, "qkv_bias", True), o_bias=False,
              shared_expert_intermediate=shared, shared_expert_gate=shared > 0)
     return f
 
@@ -189,7 +225,7 @@ def _mixtral(hf: dict[str, Any], L: int) -> dict[str, Any]:
         raise UnsupportedModelError(f"config.json sliding_window={hf['sliding_window']} (mixtral): sliding-window "
                                     "attention is not supported")
     return {
-        "num_experts": int(hf.get("num_local_experts", hf.get("num_experts", 8))),
+        "num_experts": _int(hf, "num_local_experts", _int(hf, "num_experts", 8)),
         "top_k": _int(hf, "num_experts_per_tok"),
         "expert_intermediate": _int(hf, "intermediate_size"),
         "router": "softmax", "norm_topk_prob": True,
@@ -199,22 +235,23 @@ def _mixtral(hf: dict[str, Any], L: int) -> dict[str, Any]:
 
 def _glm4_moe(hf: dict[str, Any], L: int) -> dict[str, Any]:
     I = _int(hf, "moe_intermediate_size")
-    k_dense = int(hf.get("first_k_dense_replace", 1))
+    k_dense = _int(hf, "first_k_dense_replace", 1)
     dense = tuple(range(min(k_dense, L)))
-    bias = bool(hf.get("attention_bias", False))
+    inter = _int(hf, "intermediate_size", 0, nullable=True)
+    bias = _bool(hf, "attention_bias", False)
     return {
-        "num_experts": int(hf.get("n_routed_experts", hf.get("num_local_experts", 128))),
+        "num_experts": _int(hf, "n_routed_experts", _int(hf, "num_local_experts", 128)),
         "top_k": _int(hf, "num_experts_per_tok"),
         "expert_intermediate": I,
-        "shared_expert_intermediate": I * int(hf.get("n_shared_experts", 1) or 0),
+        "shared_expert_intermediate": I * _int(hf, "n_shared_experts", 1, nullable=True, when_null=0),
         "dense_layers": dense,
-        "dense_intermediate": int(hf.get("intermediate_size", 0)) if dense else 0,
+        "dense_intermediate": inter if dense else 0,
         "router": "sigmoid",
-        "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
-        "num_expert_groups": int(hf.get("n_group", 1) or 1),
-        "topk_groups": int(hf.get("topk_group", 1) or 1),
-        "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
-        "qk_norm": bool(hf.get("use_qk_norm", False)), "qkv_bias": bias, "o_bias": False,
+        "norm_topk_prob": _bool(hf, "norm_topk_prob", True),
+        "num_expert_groups": _int(hf, "n_group", 1, nullable=True) or 1,
+        "topk_groups": _int(hf, "topk_group", 1, nullable=True) or 1,
+        "routed_scaling_factor": _float(hf, "routed_scaling_factor", 1.0),
+        "qk_norm": _bool(hf, "use_qk_norm", False), "qkv_bias": bias, "o_bias": False,
     }
 
 
@@ -224,14 +261,67 @@ _ARCH = {"qwen3_moe": _qwen3_moe, "qwen2_moe": _qwen2_moe, "mixtral": _mixtral, 
 def num_extra_layers(hf: dict[str, Any]) -> int:
     """Layers a checkpoint may hold past ``num_hidden_layers`` that inference does not use
     (glm4_moe's multi-token-prediction layers, ``num_nextn_predict_layers``)."""
-    return int(hf.get("num_nextn_predict_layers", 0) or 0)
+    return _int(hf, "num_nextn_predict_layers", 0, nullable=True)
 
 
 # ---------------------------------------------------------------------------- helpers
-def _int(hf: dict[str, Any], key: str) -> int:
-    v = hf.get(key)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise UnsupportedModelError(f"config.json {key}={v!r}: expected an integer")
+_REQUIRED = object()
+
+
+def _value(hf: dict[str, Any], key: str, default: Any, nullable: bool, when_null: Any, what: str) -> tuple[bool, Any]:
+    """(present, value) of ``key``: absent -> its default (a required key raises); an explicit
+    null -> ``when_null`` (default: the default) where transformers reads null as "none", else a
+    typed error naming the key."""
+    if key not in hf:
+        if default is _REQUIRED:
+            raise CheckpointError(f"config.json has no {key}: expected {what}")
+        return False, default
+    v = hf[key]
+    if v is None:
+        if nullable and default is not _REQUIRED:
+            return False, default if when_null is _REQUIRED else when_null
+        raise CheckpointError(f"config.json {key}=null: expected {what}")
+    return True, v
+
+
+def _int(hf: dict[str, Any], key: str, default: Any = _REQUIRED, *, nullable: bool = False,
+         when_null: Any = _REQUIRED) -> int:
+    """``config.json``'s integer ``key`` (a bool, float or string is a typed error naming it)."""
+    present, v = _value(hf, key, default, nullable, when_null, "an integer")
+    if present and (isinstance(v, bool) or not isinstance(v, int)):
+        raise CheckpointError(f"config.json {key}={v!r}: expected an integer")
+    return v
+
+
+def _float(hf: dict[str, Any], key: str, default: Any = _REQUIRED, *, nullable: bool = False) -> float:
+    """``config.json``'s finite number ``key``."""
+    present, v = _value(hf, key, default, nullable, _REQUIRED, "a number")
+    if present and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+        raise CheckpointError(f"config.json {key}={v!r}: expected a finite number")
+    return float(v)
+
+
+def _bool(hf: dict[str, Any], key: str, default: Any = _REQUIRED, *, nullable: bool = False) -> bool:
+    """``config.json``'s boolean ``key`` (true / false, not 0 / 1 or a string)."""
+    present, v = _value(hf, key, default, nullable, _REQUIRED, "true or false")
+    if present and not isinstance(v, bool):
+        raise CheckpointError(f"config.json {key}={v!r}: expected true or false")
+    return v
+
+
+def _str(hf: dict[str, Any], key: str, default: Any = _REQUIRED) -> str:
+    present, v = _value(hf, key, default, False, _REQUIRED, "a string")
+    if present and not isinstance(v, str):
+        raise CheckpointError(f"config.json {key}={v!r}: expected a string")
+    return v
+
+
+def _list(hf: dict[str, Any], key: str, item: type) -> list:
+    """``config.json``'s list ``key`` of ``item`` values (absent or null: empty)."""
+    _, v = _value(hf, key, [], True, [], "a list")
+    name = {int: "integers", str: "strings"}[item]
+    if not isinstance(v, list) or any(not isinstance(x, item) or isinstance(x, bool) for x in v):
+        raise CheckpointError(f"config.json {key}={v!r}: expected a list of {name}")
     return v
 
 
@@ -250,11 +340,12 @@ def _rope(hf: dict[str, Any], mt: str) -> tuple[float, float]:
         extra = sorted(set(d) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
         if extra:
             raise UnsupportedModelError(f"config.json {src} has unsupported key(s) {', '.join(extra)}")
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    theta = _float(params, "rope_theta") if "rope_theta" in params else _float(hf, "rope_theta", 10000.0)
     default_partial = 0.5 if mt == "glm4_moe" else 1.0        # Glm4MoeConfig's default
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", default_partial))
-    if partial is None:
-        partial = default_partial
+    if params.get("partial_rotary_factor") is not None:
+        partial = _float(params, "partial_rotary_factor")
+    else:
+        partial = _float(hf, "partial_rotary_factor", default_partial, nullable=True)
     if mt not in ("glm4_moe",) and float(partial) != 1.0:
         raise UnsupportedModelError(f"config.json partial_rotary_factor={partial} ({mt}): its modeling code "
                                     "rotates every head dim")
@@ -262,18 +353,23 @@ def _rope(hf: dict[str, Any], mt: str) -> tuple[float, float]:
 
 
 def _dtype(hf: dict[str, Any]) -> str:
-    dt = hf.get("dtype", hf.get("torch_dtype")) or "float32"
-    dt = str(dt).removeprefix("torch.")
+    key = "dtype" if hf.get("dtype") is not None else "torch_dtype"
+    dt = hf.get(key) or "float32"
+    if not isinstance(dt, str):
+        raise CheckpointError(f"config.json {key}={dt!r}: expected a dtype name")
+    dt = dt.removeprefix("torch.")
     if dt not in ("float32", "bfloat16", "float16"):
         raise UnsupportedModelError(f"config.json dtype {dt!r}: expected float32, bfloat16 or float16")
     return dt
 
 
-def _eos(hf: dict[str, Any]) -> int | None:
-    eos = hf.get("eos_token_id")
-    if isinstance(eos, list):
-        if len(eos) > 1:
-            log.info("config.json lists %d EOS ids; the first (%d) ends a turn, pass the others as "
-                     "stop_token_ids", len(eos), eos[0])
-        eos = eos[0] if eos else None
-    return None if eos is None else int(eos)
+def _eos_ids(data: dict[str, Any], source: str) -> list[int]:
+    """Every id of ``data``'s ``eos_token_id`` (an integer or a list of them; null or absent:
+    none), in order, without repeats."""
+    eos = data.get("eos_token_id")
+    if eos is None:
+        return []
+    ids = eos if isinstance(eos, list) else [eos]
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        raise CheckpointError(f"{source} eos_token_id={eos!r}: expected a token id or a list of them")
+    return list(dict.fromkeys(ids))
