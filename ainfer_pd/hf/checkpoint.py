@@ -63,10 +63,7 @@ def weight_files(model_dir: str | Path) -> tuple[list[Path], dict[str, str] | No
     d = Path(model_dir)
     idx = d / INDEX
     if idx.is_file():
-        try:
-            wmap = json.loads(idx.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{d.name}/{INDEX} is not a valid index ({exc!r})") from None
+        wmap = _read_index(idx, d.name)
         shards = sorted(set(wmap.values()))
         absent = [s for s in shards if not (d / s).is_file()]
         if absent:
@@ -82,6 +79,37 @@ def weight_files(model_dir: str | Path) -> tuple[list[Path], dict[str, str] | No
                               "unpickles checkpoints (loading a pickle can run arbitrary code); convert them to "
                               "safetensors (e.g. save_pretrained(..., safe_serialization=True))")
     return [], None
+
+
+def _read_index(idx: Path, dname: str) -> dict[str, str]:
+    """The index's ``weight_map`` (tensor name -> shard file), every entry checked before any
+    shard is looked at: an object of names to file names, each a plain ``*.safetensors`` name
+    inside the model directory (issue 34, item 15: ``../x.safetensors``, an absolute path or a
+    sub-path is refused before anything outside the directory is opened or even looked up)."""
+    try:
+        data = json.loads(idx.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{dname}/{INDEX} is not readable JSON ({exc})") from None
+    if not isinstance(data, dict) or "weight_map" not in data:
+        raise CheckpointError(f"{dname}/{INDEX} has no weight_map object")
+    wmap = data["weight_map"]
+    if not isinstance(wmap, dict):
+        raise CheckpointError(f"{dname}/{INDEX}: weight_map must be an object of tensor name -> shard file, "
+                              f"got {type(wmap).__name__}")
+    for name, fname in wmap.items():
+        if not isinstance(fname, str):
+            raise CheckpointError(f"{dname}/{INDEX}: weight_map[{name!r}]={fname!r}: expected a shard file name")
+        if not _inside(fname):
+            raise CheckpointError(f"{dname}/{INDEX}: weight_map[{name!r}]={fname!r} is not a file of the model "
+                                  "directory (shards are plain *.safetensors names inside it)")
+    return wmap
+
+
+def _inside(fname: str) -> bool:
+    """``fname`` names a file directly inside the model directory: a plain ``*.safetensors`` name
+    (no separator, no ``..``, not absolute, no NUL)."""
+    return (fname.endswith(".safetensors") and "/" not in fname and "\\" not in fname and "\0" not in fname
+            and fname not in (".", "..") and not fname.startswith(".."))
 
 
 @torch.no_grad()
