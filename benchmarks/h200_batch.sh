@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on the lent single H200 (see docs/BENCHMARKS.md): the world-size-1 NCCL
+# One device call on the lent single H200 (see docs/RESULTS.md): the world-size-1 NCCL
 # paths (issue 4), the live-RL run (issue 6), and a P1 / decode-only / trace check of the
 # engine after the prefill-attention fix (issue 3). Each step has its own time limit; logs go
 # to $OUT (at most 8 files come back).

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 measurements issue 3 still needs, in three device calls of < 10 min each
-# (docs/BENCHMARKS.md, "The policy ladder on the H200, second session"):
+# (docs/history.md; the run log: git show ef9a7d7:docs/BENCHMARKS.md):
 #   bash benchmarks/h200_issue3.sh ladder P1     # cuda_smoke (checks the eager-decode kernel), 5 policies x 3 repeats (~5 min)
 #   bash benchmarks/h200_issue3.sh ladder trace  # the same on the trace-wait cell (~5 min)
 #   bash benchmarks/h200_issue3.sh spans         # span sweep 1-4 + auto x 3, P-stream priority x 3, decode-only x 3,

@@ -3,7 +3,7 @@
 Times each candidate configuration of the paged decode attention, the varlen paged prefill
 attention and the two fused-MoE GEMMs (decode-, medium- and prefill-sized row counts) against
 its byte or FLOP bound, and prints the best per case. The chosen defaults live in
-``engine/attention/plan.py`` and ``engine/fused_moe/plan.py``; docs/BENCHMARKS.md records the run.
+``engine/attention/plan.py`` and ``engine/fused_moe/plan.py``; docs/RESULTS.md records the run.
 
     python benchmarks/kernel_sweep.py --budget-s 240 --out sweep.json
 """

@@ -81,7 +81,7 @@ class AutoSpan:
 
     (``d_iter_s`` / ``p_boundary_s`` are logged with every switch but do not decide: a rule
     that matched K P-boundaries to one D iteration measured 9% worse than span 2 on the CPU
-    sweep, see docs/BENCHMARKS.md.)
+    sweep, see docs/history.md.)
 
     1. load unknown (``max_d_rows`` or ``p_budget_tokens`` is 0) -> the default span;
     2. ``occ >= high_occupancy`` and ``pres < low_pressure`` -> the smallest span

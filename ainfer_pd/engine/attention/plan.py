@@ -50,7 +50,7 @@ def decode_plan(max_keys: int, *, block_n: int = 64, split_keys: int = 256, num_
     ``16 / split_keys`` of the KV bytes (6% at 256 keys a split). Programs are (row, KV head,
     split): one row of the Qwen3-30B-A3B shape (4 KV heads) at 5K keys has 80 programs at 256
     keys a split, against 20 at 1024, which left most of the 132 SMs idle (34 us a layer against
-    a 2.5 us KV bound; H200, docs/BENCHMARKS.md "Small-batch decode"). block_n, warps and stages
+    a 2.5 us KV bound; H200, docs/RESULTS.md "GPU data path"). block_n, warps and stages
     from the H200 sweep.
     """
     split_keys = -(-split_keys // block_n) * block_n

@@ -28,7 +28,7 @@ class MoEPlan:
         return self.gate_up.block_m
 
 
-# (rows per expert on average) -> plans; tuned on the H200 (docs/BENCHMARKS.md, fused MoE sweep)
+# (rows per expert on average) -> plans; tuned on the H200 (docs/RESULTS.md, GPU data path: kernel tiles)
 _SMALL = MoEPlan(GemmPlan(16, 64, 256, 1, 4, 3), GemmPlan(16, 128, 128, 1, 4, 3))
 _MEDIUM = MoEPlan(GemmPlan(64, 64, 64, 8, 4, 3), GemmPlan(64, 128, 64, 8, 4, 3))
 _LARGE = MoEPlan(GemmPlan(128, 128, 32, 8, 8, 4), GemmPlan(128, 128, 32, 16, 8, 4))
