@@ -221,9 +221,11 @@ d8f52c0: three runs in 139-151 s for normal / global-complete / mixed-chunked, i
 fine-grained / global-enqueue; a makespan of 38-42 s against 32-34 s)."""
 SPAN_RUN_S = 41.0
 """One run of the span sweep (H200, session 12: ten runs in 412 s of one bench process)."""
-GRPO_RUN_S = {p: round(1.5 * s) for p, s in RUN_S.items()}
-"""One run of a policy on the long-context workload: an estimate until measured (its ~290K prefilled
-tokens are 1.8x the trace's 164K, its ~41K generated tokens about the same)."""
+GRPO_RUN_S = {"normal": 51.0, "global-complete": 52.0, "global-enqueue": 47.0, "fine-grained": 47.0,
+              "mixed-chunked": 55.0}
+"""One run of a policy on the long-context workload (H200 at 339f36e, grpo-long/P1 n=1: normal and
+fine-grained in 96 s of one bench process, makespans 43.9 and 39.8 s; the other three scaled from
+their trace runs, not measured)."""
 
 
 def missing_runs(rows: list[dict[str, Any]], repeats: int = 3, commit: str | None = None,
@@ -504,6 +506,11 @@ def run(args: argparse.Namespace) -> int:
                                                "--token-scale", str(args.token_scale), "--seed", "99",
                                                "--out", str(bdir) + "-warmup", "--no-progress"]
         warm = [a if a != args.cells else args.cells.split(",")[0] for a in warm]
+        if args.workload != "paper" and not args.decode_only:
+            # its kernels and graphs (the long-context workload's graphs cover 16K: --set) compiled too
+            warm += ["--workload", args.workload, *(["--group-size", str(args.group_size)] if args.group_size else [])]
+            for kv in args.set:
+                warm += ["--set", kv]
         print("+ (warm-up)", " ".join(warm), flush=True)
         subprocess.call(warm, stdout=subprocess.DEVNULL)
     print("+", " ".join(cmd), flush=True)

@@ -463,15 +463,18 @@ def test_the_ladder_of_record_still_loads_and_keeps_its_rows_and_targets():
     assert ladder.missing_runs(rows, workloads=["paper"]) == [k for k in owed if not k[0].startswith("grpo-long/")]
 
 
-def test_a_long_context_ladder_part_runs_bench_on_the_tiny_model(tmp_path):
-    """``ladder.py run --workload grpo-long`` end to end at a tiny size: the bench gets the workload,
-    the part's rows are grpo-long/P1 and its workload is recorded."""
+def test_a_long_context_ladder_part_runs_bench_on_the_tiny_model(tmp_path, capsys):
+    """``ladder.py run --workload grpo-long`` end to end at a tiny size: the bench (and its warm-up,
+    with the part's settings) gets the workload, the part's rows are grpo-long/P1 and its workload
+    is recorded."""
     out, work = tmp_path / "out", tmp_path / "work"
     rc = ladder.main(["run", "--config", "configs/tiny-cpu.yaml", "--cells", "P1", "--policies", "normal",
                       "--priorities", "fifo", "--repeats", "1", "--conversations", "4", "--max-turns", "2",
-                      "--token-scale", "0.02", "--no-warmup", "--commit", "abc", "--part", "g",
+                      "--token-scale", "0.02", "--commit", "abc", "--part", "g", "--set", "mux.span=1",
                       "--workload", "grpo-long", "--group-size", "2", "--out", str(out), "--work", str(work)])
     assert rc == 0
+    warm = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("+ (warm-up)"))
+    assert warm.endswith("--workload grpo-long --group-size 2 --set mux.span=1")
     part = json.loads((out / "ladder_g.json").read_text())
     assert [(r["cell"], r["policy"]) for r in part["rows"]] == [("grpo-long/P1", "normal")]
     assert "--workload grpo-long --group-size 2" in part["command"]
