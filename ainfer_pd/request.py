@@ -6,7 +6,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .errors import InvalidRequestError
+from .errors import ContextLengthError, InvalidRequestError
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -18,6 +18,22 @@ REPETITION_PENALTY_RANGE = (1e-2, 1e2)
 """Repetition penalties outside it overflow (tiny) or turn 0 * inf into NaN (huge)."""
 SEED_RANGE = (0, 2 ** 64)
 """Seeds are 0 <= seed < 2**64 (what a torch.Generator takes)."""
+
+
+def fit_context(params: "SamplingParams", prompt_len: int, max_model_len: int) -> "SamplingParams":
+    """The max model length (``model.max_context_len``), as vLLM applies ``max_model_len``
+    (issue 34, item 3): a prompt of ``max_model_len`` tokens or more is refused with
+    :class:`~ainfer_pd.errors.ContextLengthError`; otherwise ``max_new_tokens`` is capped so that
+    prompt + generated <= ``max_model_len`` (the turn then ends there with finish_reason
+    "length"). Returns ``params`` itself when nothing is capped."""
+    if prompt_len >= max_model_len:
+        raise ContextLengthError(f"prompt of {prompt_len} tokens does not fit the max model length "
+                                 f"{max_model_len} (model.max_context_len): it needs room for one generated token")
+    room = max_model_len - prompt_len
+    if params.max_new_tokens <= room:
+        return params
+    import dataclasses
+    return dataclasses.replace(params, max_new_tokens=room)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

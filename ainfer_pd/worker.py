@@ -38,6 +38,7 @@ from .metrics.recorder import Recorder
 from .request import SamplingParams, TurnOutput
 from .worker_control import WorkerControl
 from .worker_input import check_params, check_tokens, token_list
+from .request import fit_context
 
 log = logging.getLogger("ainfer_pd.worker")
 _request_ids = itertools.count(1)
@@ -274,10 +275,9 @@ class RolloutWorker(WorkerControl):
                                     "call wake_up()" + (" and sync the weights" if self._weights_stale else ""))
         if traj.turn is not None:
             raise TrajectoryBusyError(f"trajectory {traj.tid!r} already has a turn in flight")
-        limit = self.cfg.model.max_context_len
-        if len(context) + params.max_new_tokens > limit:
-            raise ContextLengthError(f"prompt of {len(context)} tokens + max_new_tokens={params.max_new_tokens} "
-                                     f"exceeds the context limit {limit}")
+        # the max model length, as vLLM's max_model_len: a prompt at or over it is refused
+        # (ContextLengthError), max_new_tokens is capped so prompt + generated <= it (issue 34, item 3)
+        params = fit_context(params, len(context), self.cfg.model.max_context_len)
         kvm = self.engine.kv
         need = kvm.alloc.blocks_for(len(context) + params.max_new_tokens)
         if need > kvm.alloc.num_blocks:

@@ -32,7 +32,7 @@ async def test_bad_requests_fail_alone_while_another_trajectory_keeps_running(wo
         (worker.generate([1, 2, 99999], SamplingParams()), InvalidRequestError),
         (worker.generate([1, -2], SamplingParams()), InvalidRequestError),
         (worker.generate(["a"], SamplingParams()), InvalidRequestError),
-        (worker.generate([3] * (limit - 10), SamplingParams(max_new_tokens=20)), ContextLengthError),
+        (worker.generate([3] * limit, SamplingParams(max_new_tokens=1)), ContextLengthError),   # max model length: vLLM's rule
         (worker.continue_("no-such-trajectory", [5], SamplingParams()), UnknownTrajectoryError),
         (worker.generate([3, 4], SamplingParams(stop_token_ids=(10**6,))), InvalidRequestError),
     ]
