@@ -285,7 +285,7 @@ async def test_sleep_wake_abort_resume_keep_other_trajectories(ray_cluster):
         # abort_all while a long turn of a third trajectory is in flight
         long = server.generate.remote([31, 32, 33, 34], {**GREEDY, "max_tokens": 2000, "ignore_eos": True}, "c")
         await asyncio.sleep(0.5)
-        res = await replica.abort_all_requests()
+        res = await replica.abort_all_requests(reset_prefix_cache=False)   # keep a and b's KV
         out_c = await long
         # partial rollout: the aborted turn returns what it produced so far
         assert out_c.stop_reason == "aborted" and 0 < len(out_c.token_ids) < 2000 and "c" in res["request_ids"]
@@ -390,7 +390,7 @@ async def test_fully_async_client_partial_rollout_resumes_without_recompute(ray_
                 break
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.3)
-        res = await replica.abort_all_requests()
+        res = await replica.abort_all_requests(reset_prefix_cache=False)    # keep the partial turn's KV
         assert res["aborted_count"] == 1
         await asyncio.sleep(0.3)
         await replica.resume_generation()

@@ -100,8 +100,11 @@ class AInferPDReplica(RolloutReplica):
     async def sleep(self):
         await asyncio.gather(*[s.sleep.remote() for s in self.servers])
 
-    async def abort_all_requests(self, reject_request: bool = False):
-        results = await asyncio.gather(*[s.abort_all_requests.remote(reject_request=reject_request)
+    async def abort_all_requests(self, reject_request: bool = False, reset_prefix_cache: bool = True):
+        """verl's partial-rollout abort on every server (:meth:`.server.AInferPDServer.abort_all_requests`:
+        every admitted request, then the cached KV dropped unless ``reset_prefix_cache=False``)."""
+        results = await asyncio.gather(*[s.abort_all_requests.remote(reject_request=reject_request,
+                                                                     reset_prefix_cache=reset_prefix_cache)
                                          for s in self.servers])
         ids = [rid for r in results for rid in r.get("request_ids", [])]
         return {"aborted_count": len(ids), "request_ids": ids, "server_results": results}

@@ -7,7 +7,8 @@ replica's :class:`~.server.AInferPDServer` actor, found by its Ray name
 * ``resume(tags)`` -> ``server.wake_up(tags)`` (when ``free_cache_engine``)
 * ``release()`` -> ``server.sleep()`` (when ``free_cache_engine``)
 * ``update_weights(weights, global_steps=None, wire_format="named_tensors", **kw)``:
-  verl's generator of ``(name, tensor)`` is copied to host memory in buckets of
+  verl's iterable of ``(name, tensor)``, a plain generator (``naive`` engine) or an *async*
+  generator (the nccl, nixl, hccl, mooncake and kimi engines' ``receive_weights``), is copied to host memory in buckets of
   ``checkpoint_engine.update_weights_bucket_megabytes`` and *staged* on the server, which
   validates every name and shape against ``worker.model`` as it arrives; only when the
   generator is exhausted is the whole update applied (``worker.update_weights``), so a
@@ -21,13 +22,31 @@ other trainer ranks of the replica return at once.
 from __future__ import annotations
 
 import os
-from typing import Any, Generator, Optional
+from typing import Any, AsyncIterator, AsyncIterable, Iterable, Optional, Union
 
 import ray
 import torch
 from verl.workers.rollout.base import BaseRollout
 
 from ...errors import WeightUpdateError
+
+Weights = Union[Iterable[tuple[str, torch.Tensor]], AsyncIterable[tuple[str, torch.Tensor]]]
+
+
+async def iterate_weights(weights: Weights) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    """One pass over verl's weights, whichever way its checkpoint engine yields them: a plain
+    iterable (``naive``: the trainer's generator) or an async iterable (nccl, nixl, hccl, mooncake,
+    kimi: ``receive_weights`` is an async generator over received buckets). Anything else is a
+    :class:`WeightUpdateError` naming its type."""
+    if hasattr(weights, "__aiter__"):
+        async for item in weights:
+            yield item
+    elif hasattr(weights, "__iter__") and not isinstance(weights, (str, bytes, torch.Tensor)):
+        for item in weights:
+            yield item
+    else:
+        raise WeightUpdateError(f"update_weights takes an iterable or async iterable of (name, tensor) pairs, "
+                                f"got {type(weights).__name__}")
 
 
 class AInferPDServerAdapter(BaseRollout):
@@ -63,7 +82,7 @@ class AInferPDServerAdapter(BaseRollout):
     @torch.no_grad()
     async def update_weights(
         self,
-        weights: Generator[tuple[str, torch.Tensor], None, None],
+        weights: Weights,
         global_steps: Optional[int] = None,
         wire_format: str = "named_tensors",
         **kwargs: Any,
@@ -76,14 +95,14 @@ class AInferPDServerAdapter(BaseRollout):
             raise WeightUpdateError("ainfer_pd rollout does not serve LoRA adapters: merge them (lora.merge=True)")
         server = self._server()
         if server is None:
-            for _ in weights:  # keep collective generators in step with rank 0
+            async for _ in iterate_weights(weights):  # keep collective generators in step with rank 0
                 pass
             return
         await server.begin_weight_update.remote()
         bucket: list = []
         size = 0
         try:
-            for name, tensor in weights:
+            async for name, tensor in iterate_weights(weights):
                 t = tensor.detach()
                 if hasattr(t, "full_tensor"):  # DTensor
                     t = t.full_tensor()

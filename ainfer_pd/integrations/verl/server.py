@@ -27,7 +27,7 @@ import time
 import uuid
 from typing import Any, Optional
 
-from ...errors import (InvalidRequestError, TrajectoryBusyError,
+from ...errors import (DuplicateRequestError, InvalidRequestError, TrajectoryBusyError,
                        UnknownTrajectoryError)
 from .control import ResidencyControl
 from .observability import Observability
@@ -77,8 +77,13 @@ class AInferPDServer(ResidencyControl, WeightSync, TrajectoryReuse):
         self._contexts: "collections.OrderedDict[str, list[int]]" = collections.OrderedDict()
         self._sessions: dict[str, str] = {}
         self._busy: set[str] = set()
-        self._inflight: dict[str, str] = {}          # verl request_id -> trajectory id (or "")
-        self._inflight_tasks: dict[str, asyncio.Task] = {}
+        # request bookkeeping, by verl's request_id: every request from arrival to return (a second
+        # one with the same id is refused), the admitted ones (past the gate: what abort_all_requests
+        # aborts and the drain waits for) with their trajectory id, and the admitted ones marked
+        # aborted before their turn reached the worker (they return "aborted" without running)
+        self._requests: set[str] = set()
+        self._inflight: dict[str, str] = {}          # admitted request_id -> trajectory id
+        self._abort_marked: set[str] = set()
         # admission gate (abort_all_requests / resume_generation)
         self._paused = False
         self._rejecting = False
@@ -173,11 +178,26 @@ class AInferPDServer(ResidencyControl, WeightSync, TrajectoryReuse):
         ainfer_pd_continue: bool = False,
         **kwargs: Any,
     ):
-        """verl's server ``generate``: token ids in, :class:`TokenOutput` out."""
-        from verl.workers.rollout.replica import TokenOutput
-
+        """verl's server ``generate``: token ids in, :class:`TokenOutput` out. Two requests in flight
+        with one ``request_id``: the second raises :class:`DuplicateRequestError`."""
         if image_data or video_data or audio_data:
             raise InvalidRequestError("ainfer-pd serves text-only MoE models: image/video/audio data is not supported")
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._requests:
+            raise DuplicateRequestError(f"request_id {request_id!r} is already in flight on this server: "
+                                        "each request in flight needs its own id")
+        self._requests.add(request_id)
+        try:
+            return await self._generate(prompt_ids, sampling_params, request_id, session_id,
+                                        ainfer_pd_trajectory_id, ainfer_pd_continue)
+        finally:
+            self._requests.discard(request_id)
+
+    async def _generate(self, prompt_ids, sampling_params, request_id: str, session_id: Optional[str],
+                        ainfer_pd_trajectory_id: Optional[str], ainfer_pd_continue: bool):
+        from verl.workers.rollout.replica import TokenOutput
+
         if self.worker is None:
             await self.launch_server()
         if self.ranks is not None:
@@ -212,21 +232,24 @@ class AInferPDServer(ResidencyControl, WeightSync, TrajectoryReuse):
         if self.routing_replay:
             sp = dataclasses.replace(sp, return_routed_experts=True)
 
-        # a new trajectory gets its id here, so abort_request can abort it (and keep its partial output)
+        # Admitted: no await since the gate was passed, so abort_all_requests sees every request
+        # that is past it. A new trajectory gets its id here, so abort_request can abort it (and
+        # keep its partial output).
         fresh = f"verl-{uuid.uuid4().hex[:16]}"
         self._busy.add(tid or fresh)
         self._inflight[request_id] = tid or fresh
         prior_ctx = self._contexts.get(tid) if tid else None
         try:
-            task = asyncio.ensure_future(self._run_turn(tid, full, sp, fresh))
-            self._inflight_tasks[request_id] = task
-            out = await task
+            out = await self._run_turn(request_id, tid, full, sp, fresh)
         except asyncio.CancelledError:
             return aborted()
         finally:
             self._inflight.pop(request_id, None)
-            self._inflight_tasks.pop(request_id, None)
+            self._abort_marked.discard(request_id)
             self._busy.discard(tid or fresh)
+        if out is None:                       # aborted before its turn reached the worker: nothing produced
+            self.stats["aborted"] += 1
+            return aborted()
 
         new_tid = out.trajectory_id
         log_probs = list(out.logprobs) if sp.logprobs and out.logprobs is not None else None
@@ -265,52 +288,66 @@ class AInferPDServer(ResidencyControl, WeightSync, TrajectoryReuse):
             extra_fields=extra,
         )
 
-    async def _run_turn(self, tid, full, sp, fresh: str):
+    async def _run_turn(self, request_id: str, tid, full, sp, fresh: str):
+        """The worker's turn, or None when the request was aborted before it reached the worker."""
         # NOTE: a continued turn runs as generate(full context, trajectory_id): the worker keeps the
         # longest prefix it holds (after an aborted turn its context already has the observation
         # and the partial tokens, which the resubmission sends again).
+        # NOTE: the abort mark is read right before each worker.generate, which submits the turn
+        # before it first suspends: an abort either sees the turn in the worker or marked it here.
         if tid is not None:
+            if request_id in self._abort_marked:
+                return None
             try:
                 return await self.worker.generate(full, sp, trajectory_id=tid)
             except UnknownTrajectoryError:
                 self.stats["reuse_lost"] += 1
                 self._contexts.pop(tid, None)
+        if request_id in self._abort_marked:
+            return None
         return await self.worker.generate(full, sp, trajectory_id=fresh)
     async def abort_request(self, request_id: str, reset_prefix_cache: bool = False) -> dict[str, Any]:
+        """Abort one admitted request: its turn ends "aborted" with its partial output (kept for a
+        resubmission); one not yet at the worker returns "aborted" without running."""
         if request_id not in self._inflight:
             return {"aborted": False, "request_id": request_id, "error": "request not found"}
-        tid = self._inflight[request_id]
+        self._abort_marked.add(request_id)
         try:
-            # the turn ends "aborted" with its partial output (kept for a resubmission)
-            await self.worker.abort(tid)
-        except UnknownTrajectoryError:      # not submitted to the worker yet: nothing produced
-            task = self._inflight_tasks.get(request_id)
-            if task is not None:
-                task.cancel()
+            await self.worker.abort(self._inflight[request_id])
+        except UnknownTrajectoryError:      # not submitted to the worker yet: the mark stops it
+            pass
+        if reset_prefix_cache:
+            await self._reset_prefix_cache()
         return {"aborted": True, "request_id": request_id}
 
     # ------------------------------------------------------------------ control plane
-    async def abort_all_requests(self, reset_prefix_cache: bool = False, reject_request: bool = False) -> dict[str, Any]:
-        """Close admission and abort every in-flight turn (``stop_reason="aborted"``).
+    async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict[str, Any]:
+        """Close admission and abort every request the server has admitted (``stop_reason="aborted"``,
+        with the tokens produced so far): turns running or queued in the worker, and admitted
+        requests whose turn has not reached the worker yet (they return without running). Requests
+        arriving later park at the gate until :meth:`resume_generation` (``reject_request``: they
+        return "aborted" at once). Waits until every admitted request has returned.
 
-        Unlike vLLM, idle retained trajectories are kept unless ``reset_prefix_cache``:
-        verl calls :meth:`clear_kv_cache` after any weight update anyway.
+        ``reset_prefix_cache`` (default, as vLLM): then drop the cached KV (prefix blocks and the
+        retained trajectories' KV, on every rank); trajectories keep their tokens and recompute
+        them on their next turn. ``False`` keeps it (a partial rollout resumes without recompute).
         """
         self._paused = True
         self._rejecting = reject_request
         self._resume.clear()
         request_ids = list(self._inflight)
-        abort_all = getattr(self.worker, "abort_all", None)
-        if abort_all is not None:
-            await abort_all()
-        else:
-            # Fallback until the worker has abort_all(): abort each in-flight trajectory.
-            for rid in request_ids:
-                await self.abort_request(rid)
+        self._abort_marked.update(request_ids)
+        if self.worker is not None:
+            await self.worker.abort_all()
         await self.wait_for_requests_to_drain()
         if reset_prefix_cache:
-            await self.clear_kv_cache()
+            await self._reset_prefix_cache()
         return {"aborted_count": len(request_ids), "request_ids": request_ids}
+
+    async def _reset_prefix_cache(self) -> None:
+        if self.worker is not None:
+            await self._all_ranks("release_kv_cache")
+            self.stats["prefix_cache_resets"] += 1
 
     async def resume_generation(self) -> None:
         self._paused = False
