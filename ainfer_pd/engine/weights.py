@@ -124,6 +124,10 @@ class WeightStage:
         self._covered: dict = {}                          # unit -> the name that filled it
         self._hf_names = False
         self._manifest: list[tuple[str, tuple[int, ...], str]] = []
+        # the engine's own names of expert-parallel shards ([E/e, ...] on each rank): the manifest
+        # records them at the whole experts' shape, so every rank of one sync publishes the same
+        self._expert_shards = {n for n, p in table.params.items()
+                               if n.rsplit(".", 1)[-1] in ("w13", "w2") and p.dim() == 3}
         self._items = 0
 
     # ------------------------------------------------------------------ input forms
@@ -175,7 +179,10 @@ class WeightStage:
             raise WeightUpdateError(f"weight {name!r} is on the meta device (it has no values)")
         if tuple(t.shape) != target.shape:
             raise WeightUpdateError(f"weight {name!r} has shape {tuple(t.shape)}, expected {target.shape}")
-        self._manifest.append((name, tuple(t.shape), str(t.dtype).removeprefix("torch.")))
+        shape = tuple(t.shape)
+        if name in self._expert_shards:     # this rank's shard of the experts: the manifest says the whole
+            shape = (self.model.cfg.num_experts, *shape[1:])
+        self._manifest.append((name, shape, str(t.dtype).removeprefix("torch.")))
         self._hf_names |= self.table.is_hf(name)
         if not target.mine:
             self.report.skipped.append(name)
