@@ -196,7 +196,7 @@ class MoETransformer(nn.Module):
         :meth:`after_attention`. kv [2, S, Hk, hd] is layer i's cache (Hk: this model's KV heads)."""
         q = self.attention_prologue(i, st, fb, kv)
         o = attend(q, kv, fb, self.attn_backend)                           # [T, H, hd]
-        return self.attention_out(i, o.reshape(o.shape[0], -1))
+        return self.attention_out(i, o.flatten(1))             # [T, H * hd] (T may be 0: an empty batch)
 
     def attention_prologue(self, i: int, st: SegmentState, fb: ForwardBatch, kv: Tensor) -> Tensor:
         """Layer i's attention up to the attention itself: norm, QKV projection, QK-norm (when the
