@@ -319,6 +319,9 @@ class WorkerControl:
         self.engine.kv.drop_cached()
         if level >= 1:
             self._asleep = True           # refuse new turns before the release awaits
+            quiesce = getattr(self.engine, "quiesce", None)
+            if quiesce is not None:       # multi-rank: peers stop starting work that needs this rank (issue 34, 13)
+                await quiesce()
             res = self.engine.residency
 
             def release() -> None:
@@ -350,6 +353,9 @@ class WorkerControl:
             if KV_CACHE in want and res.restore_kv():
                 recapture["needed"] = True
         await self._with_streams_parked(restore)
+        resume = getattr(self.engine, "resume", None)
+        if resume is not None:            # multi-rank: this rank joins the peers' steps again (issue 34, 13)
+            resume()
         if res.state.kv and res.state.weights == "device" and (recapture["needed"] or self._capture_owed):
             if self._weights_stale:
                 self._capture_owed = True        # captured after the sync: graphs bind the synced storage

@@ -31,7 +31,7 @@ from ..comm.ordering import P_ATP_ALL_REDUCE, collective_stream
 from ..comm.topology import ATTN_DP_D, ATTN_TP_D, REPLICA, Topology
 from ..comm.watchdog import Watchdog
 from ..config import WorkerConfig
-from ..errors import AInferPDError, ConfigError, InvalidRequestError, PeerLostError, StallError
+from ..errors import AInferPDError, ConfigError, InvalidRequestError, PeerLostError, StallError, WorkerAsleepError
 from ..metrics.recorder import Recorder
 from ..phase import Phase
 from ..sched.planner import plan_decode, plan_prefill
@@ -199,10 +199,21 @@ class LockstepEngine(Engine):
             oldest_ms = int(self._oldest_wait_s(now) * 1000) if self.is_leader else 0
             payload = (self._announced, self._local_p_tokens(), int(self._p_running), clock_ms, int(self.closing),
                        len(waiting), int(self.slowdown.value * 1000), sum(t.remaining_prompt for t in waiting),
-                       oldest_ms)
+                       oldest_ms, int(self.device_ready()))
             t0 = self.rec.now()
             states = await self.rdv.arrive("step", payload, epoch=self._epoch)
             self.rec.sample("step_sync_s", self.rec.now() - t0)
+            asleep = tuple(r for r, s in enumerate(states) if not s[9])
+            if asleep:
+                # NOTE (issue 34, item 13): a rank whose KV pool or weights are off the device (sleep)
+                # cannot join an epoch or a D iteration, and every one needs every rank: nothing
+                # starts anywhere (the same step on every rank) until all are awake; the turns wait.
+                self._asleep_ranks = asleep
+                if not self._wait_for_sleepers(states, asleep):
+                    return
+                await self._changed_or(IDLE_BACKOFF_S)
+                continue
+            self._asleep_ranks = ()
             total_d = sum(s[0] for s in states)
             total_p = sum(s[1] for s in states)
             self._rows_agreed = self._padded_rows(max(s[0] for s in states))
@@ -238,6 +249,59 @@ class LockstepEngine(Engine):
                 await self._changed_or(STEP_POLL_S)
                 continue
             await self._decode_iteration()
+
+    def device_ready(self) -> bool:
+        """This rank can run the model: its KV pool and its weights are on the device, and it is
+        not going to sleep (:meth:`quiesce`)."""
+        st = self.residency.state
+        return bool(st.kv) and st.weights == "device" and not self._pausing
+
+    _pausing = False
+    _paused_at = 0
+
+    async def quiesce(self) -> None:
+        """Before this rank's device memory goes (``sleep(level >= 1)``): announce it asleep and
+        wait until the ranks have agreed on it at a step and no epoch of this rank runs any more,
+        so no epoch or D iteration that needs this rank starts or is left mid-way on the memory
+        being released (every rank needs every other for each one). Peers' turns then wait for
+        :meth:`resume` (issue 34, item 13)."""
+        self._pausing = True
+        self._notify()
+        mark = self.num_steps
+        while (self.num_steps <= mark + 1 or self._p_running or self.rank not in self._asleep_ranks) \
+                and not self.closing:
+            await self._changed_or(IDLE_BACKOFF_S)
+
+    def resume(self) -> None:
+        """Back from sleep: this rank takes part again from its next step (when its memory is back)."""
+        self._pausing = False
+        self._notify()
+
+    _asleep_ranks: tuple[int, ...] = ()
+    """The ranks that were asleep at the last step (nothing runs while there are any)."""
+
+    def _wait_for_sleepers(self, states, asleep: tuple[int, ...]) -> bool:
+        """A step at which ``asleep`` ranks cannot run the model (same decision on every rank). A
+        sleeping rank that is also closing never wakes: this rank's queued and decoding turns fail
+        with WorkerAsleepError naming it instead of waiting forever; a running epoch (begun
+        before the sleep) still ends first. Returns False when the loop is to end (every rank is
+        closing and idle)."""
+        any_running = any(s[2] for s in states)
+        not_closing = tuple(r for r, s in enumerate(states) if not s[4])
+        self.not_closing = not_closing
+        if self.turnstile.gated_epoch_active:
+            self.turnstile.open_gate()              # no D round is owed while D cannot run anywhere
+        gone = [r for r in asleep if states[r][4]]
+        if gone and not any_running and not self._p_running:
+            stuck = [t for t in list(self.book.waiting) + list(self.book.decoding) if not t.abort_requested]
+            if stuck:
+                self.book.fail_turns(stuck, WorkerAsleepError(
+                    f"rank {self.rank}: rank(s) {', '.join(map(str, gone))} of this replica are asleep and closing: "
+                    f"{len(stuck)} turn(s) cannot run (every step needs every rank awake)"))
+        if not not_closing and not any_running and not any(s[0] or s[1] for s in states):
+            log.info("rank %d: every rank is closing and idle after %d steps", self.rank, self.num_steps)
+            return False
+        return True
 
     def _padded_rows(self, rows: int) -> int:
         """Every replica's D batch size: the largest announced, up to the graph bucket (on CUDA
