@@ -279,3 +279,57 @@ async def test_item12_a_name_table_of_released_weights_is_never_used():
         await w.wake_up()
         assert await bounded(w.update_weights(named), "the sync after wake_up") == len(named)
         assert _same(w.model, named)
+
+
+# ====================================================================== item 9: the pinned host buffer is kept
+async def test_item09_sleep2_reuses_one_host_buffer_across_sleeps():
+    """sleep(2, keep_weights=True) allocates the (pinned, on CUDA) host buffer once and reuses it at
+    every later sleep; after each wake_up the parameters have their own device storage (not views
+    of the buffer the next sleep overwrites) and the outputs are those before."""
+    cfg = tiny_cfg()
+    rng = random.Random(9)
+    prompt = rand_ids(rng, 30)
+    sp = SamplingParams(max_new_tokens=6, **GREEDY)
+    async with RolloutWorker(cfg) as w:
+        res = w.engine.residency
+        before = await w.generate(prompt, sp)
+        await w.release(before.trajectory_id)
+        weights = {n: p.detach().clone() for n, p in w.model.named_parameters()}
+        first = None
+        for cycle in range(3):
+            await bounded(w.sleep(2, keep_weights=True), f"sleep(2) #{cycle}")
+            assert res.state.weights == "host"
+            if first is None:
+                first = res._buffer
+            assert res._buffer is first and res.host_allocations == 1, cycle     # allocated once
+            assert res.host_bytes() >= sum(p.numel() * p.element_size() for p in weights.values())
+            await bounded(w.wake_up(), f"wake_up #{cycle}")
+            lo, hi = first.data_ptr(), first.data_ptr() + first.numel()
+            for n, p in w.model.named_parameters():
+                assert not lo <= p.data_ptr() < hi, f"{n} is a view of the host buffer"
+                assert torch.equal(p, weights[n]), n
+            out = await w.generate(prompt, sp)
+            await w.release(out.trajectory_id)
+            assert out.token_ids == before.token_ids, cycle
+        # a weight sync between sleeps lands, and the next sleep / wake keeps the synced values
+        named = _new_weights(cfg, 90)
+        await w.update_weights(named)
+        await w.sleep(2, keep_weights=True)
+        await w.wake_up()
+        assert _same(w.model, named) and res.host_allocations == 1
+        assert res.free_host_buffer() > 0 and res.host_bytes() == 0
+
+
+async def test_item09_reserve_sleep_buffer_pins_it_before_the_first_sleep():
+    cfg = tiny_cfg()
+    async with RolloutWorker(cfg) as w:
+        res = w.engine.residency
+        n = await w.reserve_sleep_buffer()
+        buf = res._buffer
+        assert n == res.host_bytes() > 0 and res.host_allocations == 1
+        await w.sleep(2)
+        assert res._buffer is buf and res.host_allocations == 1
+        with pytest.raises(WorkerAsleepError):
+            await w.reserve_sleep_buffer()
+        await w.wake_up()
+        assert await w.reserve_sleep_buffer() == n and res.host_allocations == 1

@@ -71,6 +71,8 @@ class Residency:
         self._host: dict[int, torch.Tensor] = {}
         self._shapes: dict[int, tuple[int, ...]] = {}
         self._buffer: torch.Tensor | None = None
+        self.host_allocations = 0
+        """How many times the pinned host buffer was allocated (once, unless the weights grew)."""
 
     @property
     def device(self) -> torch.device:
@@ -102,22 +104,24 @@ class Residency:
         self._collect()
 
     def release_weights(self, keep: bool) -> None:
-        """Weights to pinned host memory (``keep``: one exact-size pinned buffer, each parameter a
-        view into it) or dropped (an empty placeholder each)."""
+        """Weights to pinned host memory (``keep``: one pinned buffer, each parameter a view into
+        it) or dropped (an empty placeholder each).
+
+        The pinned buffer is allocated at the first ``sleep(2)`` and kept across sleeps (issue 34,
+        item 9: page-locking a fresh 61 GB buffer at every sleep took 29 s of a 29 s ``sleep(2)`` on
+        the Qwen3-30B-A3B shape); later sleeps only copy into it. :meth:`free_host_buffer` gives
+        it back."""
         if self.state.weights != "device":
             return
         pin = self.device.type == "cuda"
         params = self._params()
         self._shapes = {id(p): tuple(p.shape) for p in params}
         if keep:
-            offs, total = [], 0
-            for p in params:
-                offs.append(total)
-                total += -(-p.numel() * p.element_size() // 256) * 256
-            self._buffer = torch.empty(total, dtype=torch.uint8, device="cpu", pin_memory=pin)
+            offs = self._offsets(params)
+            buf = self.reserve_host_buffer()
             for p, o in zip(params, offs):
                 n = p.numel() * p.element_size()
-                host = self._buffer[o:o + n].view(p.dtype).view(p.shape)
+                host = buf[o:o + n].view(p.dtype).view(p.shape)
                 host.copy_(p.data, non_blocking=pin)
                 self._host[id(p)] = host
         if pin:
@@ -127,10 +131,47 @@ class Residency:
         self.state.weights = "host" if keep else "dropped"
         self._collect()
 
+    @staticmethod
+    def _offsets(params: list) -> list[int]:
+        offs, total = [], 0
+        for p in params:
+            offs.append(total)
+            total += -(-p.numel() * p.element_size() // 256) * 256
+        return offs + [total]
+
+    def reserve_host_buffer(self) -> torch.Tensor:
+        """The host buffer of sleep level 2 (pinned on CUDA), allocated now unless one of the
+        size is kept already (a ``sleep(2)`` after this one only copies into it). Needs the
+        weights on the device (their sizes)."""
+        params = self._params()
+        if any(p.numel() == 0 for p in params):
+            raise RuntimeError("the weights are not on the device")
+        total = self._offsets(params)[-1]
+        pin = self.device.type == "cuda"
+        buf = self._buffer
+        if buf is None or buf.numel() < total or (pin and not buf.is_pinned()):
+            self._buffer = None                   # the old one goes before the new one is pinned
+            buf = self._buffer = torch.empty(total, dtype=torch.uint8, device="cpu", pin_memory=pin)
+            self.host_allocations += 1
+        return buf
+
+    def free_host_buffer(self) -> int:
+        """Give the pinned host buffer back (unless the weights are in it now); returns its bytes."""
+        if self._buffer is None or self.state.weights == "host":
+            return 0
+        n = self._buffer.numel()
+        self._buffer = None
+        return n
+
+    def host_bytes(self) -> int:
+        """Bytes of the (pinned) host buffer kept for sleep level 2."""
+        return 0 if self._buffer is None else int(self._buffer.numel())
+
     # ------------------------------------------------------------------ restore
     def restore_weights(self) -> bool:
         """Back into fresh device storage; returns False when they were dropped (the storage is
-        allocated uninitialised: the next complete weight sync fills it)."""
+        allocated uninitialised: the next complete weight sync fills it). The pinned host buffer
+        stays for the next sleep."""
         if self.state.weights == "device":
             return True
         was = self.state.weights
@@ -138,13 +179,14 @@ class Residency:
         shapes = self._shapes
         for p in self._params():
             if was == "host":
-                p.data = self._host.pop(id(p)).to(self.device, non_blocking=pin)
+                host = self._host.pop(id(p))
+                # on CPU the buffer is reused at the next sleep: the parameter needs its own storage
+                p.data = host.to(self.device, non_blocking=True) if pin else host.clone()
             else:
                 p.data = torch.empty(shapes[id(p)], dtype=p.dtype, device=self.device)
         if pin:
             torch.cuda.synchronize(self.device)
         self._host.clear()
-        self._buffer = None
         self.state.weights = "device"
         return was == "host"
 
