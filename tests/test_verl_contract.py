@@ -188,3 +188,151 @@ async def test_a_second_request_with_the_same_id_in_flight_is_refused():
             await server.generate([1, 2], dict(req), "")
     finally:
         await server.shutdown()
+
+
+# ---------------------------------------------------------------------------- item 6
+def _dataclass_config(**fields):
+    """verl's own ``RolloutConfig`` dataclass, as ``omega_conf_to_dataclass`` hands it to a replica."""
+    from verl.workers.config import RolloutConfig
+    fields = {"dtype": "float32", **fields}
+    return RolloutConfig(name="ainfer_pd", tensor_model_parallel_size=1, n_gpus_per_node=1, nnodes=1,
+                         prompt_length=256, response_length=64, free_cache_engine=True,
+                         engine_kwargs={"ainfer_pd": {"config": TINY}}, **fields)
+
+
+@needs_verl
+async def test_prometheus_enable_from_verls_dataclass_serves_metrics_at_the_scrape_target(ray_cluster, tmp_path):
+    """``rollout.prometheus.enable`` in verl's ``RolloutConfig`` dataclass starts ``/metrics`` on a free
+    port (not ``prometheus.port``, Prometheus's own 9090) and the replica's ``server_address`` is that
+    endpoint; verl's own ``update_prometheus_config`` writes it as the ``rollout`` scrape target, and a
+    scrape of that target returns the server's and the worker's metrics."""
+    import urllib.request
+
+    import yaml
+    from verl.workers.config.rollout import PrometheusConfig
+    from verl.workers.rollout.replica import RolloutMode, get_rollout_replica_class
+    from verl.workers.rollout.utils import update_prometheus_config
+
+    prom = PrometheusConfig(enable=True, port=9090, file=str(tmp_path / "prometheus.yml"))
+    rc = _dataclass_config(prometheus=prom)
+    replica = get_rollout_replica_class("ainfer_pd")(replica_rank=0, config=rc, model_config={}, gpus_per_node=1,
+                                                     name_suffix="prom")
+    await replica.init_local(RolloutMode.HYBRID)
+    try:
+        server = replica.server_handle
+        out = await server.generate.remote([3, 4, 5, 6], {**GREEDY, "max_tokens": 3}, "p1")
+        assert out.stop_reason == "completed"
+        host, port = await server.get_metrics_address.remote()
+        assert port not in (0, 9090)
+        assert replica.server_address == f"{host}:{port}"
+        update_prometheus_config(prom, [replica.server_address], "ainfer_pd")
+        written = yaml.safe_load(open(prom.file))
+        targets = [t for job in written["scrape_configs"] if job["job_name"] == "rollout"
+                   for sc in job["static_configs"] for t in sc["targets"]]
+        assert targets == [replica.server_address]
+        with urllib.request.urlopen(f"http://{targets[0]}/metrics", timeout=30) as r:   # Prometheus's default path
+            text = r.read().decode()
+        assert "ainfer_pd_server_turns_total" in text and "ainfer_pd_" in text
+    finally:
+        await kill(replica)
+
+
+# ---------------------------------------------------------------------------- item 7
+def test_every_listed_rollout_key_gets_its_meaning_or_a_typed_error():
+    """verl's ``RolloutConfig`` dataclass: each key of issue 34's list sets its worker-config key, is
+    refused with UnsupportedOptionError naming it, or gets one note (logged once as a warning)."""
+    if not HAVE_VERL:
+        pytest.skip("verl not installed")
+    from verl.workers.config.model import MtpConfig
+
+    from ainfer_pd.config import WorkerConfig
+    from ainfer_pd.errors import UnsupportedOptionError
+    from ainfer_pd.integrations.verl.settings import (ROLLOUT_KEYS, build_worker_config, rollout_notes,
+                                                      rollout_overrides)
+    listed = {"max_model_len", "dtype", "seed", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
+              "enforce_eager", "cudagraph_capture_sizes", "quantization", "mtp", "load_format", "enable_sleep_mode",
+              "profiler", "expert_parallel_size"}
+    assert listed <= set(ROLLOUT_KEYS)
+    base = WorkerConfig.from_yaml(TINY)
+    rc = _dataclass_config(max_model_len=40, dtype="bfloat16", max_num_seqs=8, max_num_batched_tokens=256,
+                           enable_prefix_caching=False, enforce_eager=True, cudagraph_capture_sizes=[4, 1, 2],
+                           load_format="dummy", enable_sleep_mode=False, seed=7)
+    got = rollout_overrides(rc, base, {})
+    assert got == {"model.max_context_len": 40, "model.dtype": "bfloat16", "scheduler.max_decode_batch": 8,
+                   "scheduler.max_prefill_tokens": 256, "cache.prefix_sharing": False, "device.cuda_graphs": False,
+                   "device.graph_batch_sizes": (1, 2, 4)}
+    cfg = build_worker_config({"config": TINY}, None, rc)
+    assert (cfg.model.max_context_len, cfg.model.dtype, cfg.scheduler.max_decode_batch,
+            cfg.cache.prefix_sharing) == (40, "bfloat16", 8, False)
+    # explicit engine overrides win over the rollout keys
+    assert build_worker_config({"config": TINY, "overrides": {"model.dtype": "float32"}}, None, rc).model.dtype \
+        == "float32"
+    notes = " ".join(rollout_notes(rc, cfg))
+    assert "rollout.seed=7" in notes and "load_format=dummy" in notes and "enable_sleep_mode=False" in notes
+    # the config's cap stands below verl's default max_num_seqs / max_num_batched_tokens: said
+    notes = " ".join(rollout_notes(_dataclass_config(), base))
+    assert "max_num_seqs=1024" in notes and "max_num_batched_tokens=8192" in notes
+    for bad, key in [(dict(quantization="fp8"), "quantization"),
+                     (dict(mtp=MtpConfig(enable=True, enable_rollout=True)), "mtp"),
+                     (dict(load_format="gguf"), "load_format"),
+                     (dict(max_model_len=base.model.max_context_len + 1), "max_model_len")]:
+        with pytest.raises(UnsupportedOptionError, match=key) as ei:
+            rollout_overrides(_dataclass_config(**bad), base, {})
+        assert ei.value.key == key
+    ep2 = _dataclass_config(expert_parallel_size=2, data_parallel_size=2)
+    assert rollout_overrides(ep2, base, {})["parallel.expert_parallel"] == 2
+
+
+def test_every_listed_sampling_key_gets_its_meaning_or_a_typed_error():
+    from ainfer_pd.errors import AInferPDError, UnsupportedOptionError
+    from ainfer_pd.integrations.verl.sampling import to_sampling_params
+    neutral = {"min_p": 0.0, "min_tokens": 0, "presence_penalty": 0.0, "frequency_penalty": 0, "stop": [],
+               "prompt_logprobs": None, "n": 1}
+    m = to_sampling_params(neutral, prompt_len=4, max_context_len=64)
+    assert m.ignored == () and m.unknown == ()
+    for key, value in [("min_p", 0.05), ("min_tokens", 4), ("presence_penalty", 0.5), ("frequency_penalty", -0.2),
+                       ("stop", ["</answer>"]), ("prompt_logprobs", 0), ("prompt_logprobs", 5), ("n", 2)]:
+        with pytest.raises(UnsupportedOptionError, match=key) as ei:
+            to_sampling_params({key: value}, prompt_len=4, max_context_len=64)
+        assert ei.value.key == key and isinstance(ei.value, AInferPDError)
+
+
+@needs_verl
+async def test_rollout_keys_reach_the_server_and_verls_distillation_gets_a_typed_error(caplog):
+    """On a server: max_model_len refuses a 50-token prompt and stops a 30-token one at 40 tokens in
+    all; enable_sleep_mode=False keeps the worker awake; the notes are logged once each; verl's
+    teacher sampling params (prompt_logprobs) raise UnsupportedOptionError, not a KeyError later."""
+    import logging
+    from types import SimpleNamespace
+
+    from verl.experimental.teacher_loop.teacher_manager import _get_teacher_sampling_params
+
+    from ainfer_pd.errors import ContextLengthError, UnsupportedOptionError
+    from ainfer_pd.integrations.verl.server import AInferPDServer
+
+    with caplog.at_level(logging.WARNING, logger="ainfer_pd.integrations.verl.server"):
+        server = AInferPDServer(config=_dataclass_config(max_model_len=40, enable_sleep_mode=False, seed=3),
+                                rollout_mode="hybrid")
+        await server.launch_server()
+    try:
+        assert sum("rollout.seed=3" in r.getMessage() for r in caplog.records) == 1
+        assert server.worker_config.model.max_context_len == 40
+        req = {**GREEDY, "max_tokens": 32, "ignore_eos": True}
+        out = await server.generate(list(range(10, 40)), dict(req), "r30")
+        assert len(out.token_ids) == 10
+        with pytest.raises(ContextLengthError):
+            await server.generate(list(range(10, 60)), dict(req), "r50")
+        await server.sleep()
+        assert server.worker.engine.residency.state.kv             # enable_sleep_mode=False: nothing released
+        teacher = _get_teacher_sampling_params(
+            SimpleNamespace(inference=SimpleNamespace(temperature=1.0)),
+            SimpleNamespace(topk=4, loss_settings=SimpleNamespace(use_topk=True)))
+        with pytest.raises(UnsupportedOptionError, match="prompt_logprobs"):
+            await server.generate(list(range(10, 20)), teacher, "teacher")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="ainfer_pd.integrations.verl.server"):
+            for i in range(2):
+                await server.generate([5, 6, 7], {**GREEDY, "max_tokens": 2, "skip_special_tokens": True}, f"s{i}")
+        assert sum("skip_special_tokens" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        await server.shutdown()

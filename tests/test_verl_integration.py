@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ainfer_pd.errors import ContextLengthError, InvalidRequestError
-from ainfer_pd.integrations.verl.sampling import IGNORED_KEYS, to_sampling_params
+from ainfer_pd.integrations.verl.sampling import IGNORED_KEYS, UNSUPPORTED_KEYS, to_sampling_params
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
@@ -24,14 +24,15 @@ needs_verl = pytest.mark.skipif(not HAVE_VERL, reason="verl/ray not installed: p
 # ---------------------------------------------------------------------------- pure mapping
 def test_sampling_mapping_faithful():
     m = to_sampling_params({"temperature": 0.7, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1,
-                            "logprobs": True, "max_tokens": 33, "stop_token_ids": [5, 7], "n": 4,
+                            "logprobs": True, "max_tokens": 33, "stop_token_ids": [5, 7], "n": 1,
                             "do_sample": True, "frobnicate": 1},
                            prompt_len=10, max_context_len=4096)
     p = m.params
     assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.logprobs, p.max_new_tokens,
             p.stop_token_ids) == (0.7, 0.9, 20, 1.1, True, 33, (5, 7))
-    assert m.ignored == ("do_sample", "n") and m.unknown == ("frobnicate",)
-    assert {"n", "stop", "min_p", "presence_penalty"} <= IGNORED_KEYS
+    assert m.ignored == ("do_sample",) and m.unknown == ("frobnicate",)
+    assert {"n", "stop", "min_p", "presence_penalty", "prompt_logprobs"} <= set(UNSUPPORTED_KEYS)
+    assert not IGNORED_KEYS & set(UNSUPPORTED_KEYS)
     # sglang-style key, top_k=0 means off, logprobs falsy like verl's vLLM server
     p = to_sampling_params({"max_new_tokens": 8, "top_k": 0, "logprobs": 0}, prompt_len=3, max_context_len=64).params
     assert (p.max_new_tokens, p.top_k, p.logprobs) == (8, -1, False)
@@ -66,7 +67,7 @@ def rollout_config(routing_replay: bool = False, **engine):
     from omegaconf import OmegaConf
     from verl.workers.config import RolloutConfig
     rc = RolloutConfig(name="ainfer_pd", tensor_model_parallel_size=1, n_gpus_per_node=1, nnodes=1,
-                       prompt_length=256, response_length=64, free_cache_engine=True,
+                       prompt_length=256, response_length=64, free_cache_engine=True, dtype="float32",
                        enable_rollout_routing_replay=routing_replay,
                        engine_kwargs={"ainfer_pd": {"config": TINY, **engine}})
     def strip(x):   # structured configs carry empty ``_target_`` fields; verl's YAML configs carry real ones

@@ -33,7 +33,10 @@ class ResidencyControl:
 
     async def sleep(self) -> None:
         """verl's ``sleep()``: level 2 (weights dropped) in hybrid mode, 1 colocated, nothing
-        standalone or without ``free_cache_engine`` (:func:`.residency_plan.sleep_plan`)."""
+        standalone or without ``free_cache_engine`` (:func:`.residency_plan.sleep_plan`); nothing
+        with ``rollout.enable_sleep_mode=False``."""
+        if not self.sleep_mode:
+            return
         plan = residency_plan.sleep_plan(self.rollout_mode, free_cache_engine=self.free_cache_engine,
                                          node_rank=self.node_rank, level=self.engine_kwargs.get("sleep_level"),
                                          keep_weights=self.engine_kwargs.get("sleep_keep_weights"))

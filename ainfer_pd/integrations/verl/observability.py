@@ -1,8 +1,13 @@
 """What the verl server shows about itself: the Prometheus endpoint and ``torch.profiler`` sessions.
 
 * ``/metrics`` (:class:`~ainfer_pd.metrics.prometheus.MetricsEndpoint`) on
-  ``engine_kwargs.ainfer_pd.metrics_port`` (0: a free port), or verl's ``rollout.prometheus.port``
-  when ``rollout.prometheus.enable``; independent of ``http`` (the generation API). Every rank of
+  ``engine_kwargs.ainfer_pd.metrics_port`` (0: a free port), or on a free port when verl's
+  ``rollout.prometheus.enable`` (read from verl's ``RolloutConfig`` dataclass, a DictConfig or a
+  dict). ``rollout.prometheus.port`` is the port of the Prometheus server itself (9090), never
+  bound here. With Prometheus on, the replica advertises this endpoint as its ``server_address``:
+  verl's ``update_prometheus_config`` writes the replicas' addresses as the scrape targets of job
+  ``rollout`` (path ``/metrics``). It binds ``engine_kwargs.ainfer_pd.host`` when given, else the
+  node's IP address (the Prometheus server scrapes it from its own node). Independent of ``http``. Every rank of
   the replica (``rank`` label; followers answer through their control pipe), and the server's own
   counters (turns, output tokens, KV reuse, aborts, retained trajectories, requests in flight).
 * ``start_profile`` / ``stop_profile``: one :class:`~.profiling.TorchProfile` per rank.
@@ -20,13 +25,30 @@ from .settings import field, to_plain
 logger = logging.getLogger(__name__)
 
 
+def prometheus_enabled(rollout_config: Any) -> bool:
+    """verl's ``rollout.prometheus.enable`` (a ``PrometheusConfig`` dataclass, a DictConfig or a dict)."""
+    return bool(field(to_plain(field(rollout_config, "prometheus")), "enable", False))
+
+
 def metrics_port_of(engine_kwargs: dict, rollout_config: Any) -> Optional[int]:
+    """The port to serve ``/metrics`` on: ``metrics_port``, else a free one (0) when verl's Prometheus
+    is on, else None (off)."""
     if engine_kwargs.get("metrics_port") is not None:
         return int(engine_kwargs["metrics_port"])
-    prom = to_plain(field(rollout_config, "prometheus"))
-    if isinstance(prom, dict) and prom.get("enable"):
-        return int(prom.get("port") or 0)
+    if prometheus_enabled(rollout_config):
+        return 0
     return None
+
+
+def metrics_host_of(engine_kwargs: dict, rollout_config: Any) -> str:
+    """``host`` when given; else, with verl's Prometheus on, this node's IP address (Prometheus scrapes
+    from its own node); else 127.0.0.1."""
+    if engine_kwargs.get("host"):
+        return str(engine_kwargs["host"])
+    if prometheus_enabled(rollout_config):
+        import ray
+        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+    return "127.0.0.1"
 
 
 class Observability:
@@ -36,11 +58,12 @@ class Observability:
         self.profile: Optional[TorchProfile] = None
 
     # ------------------------------------------------------------------ Prometheus
-    async def start_metrics(self, host: str) -> None:
+    async def start_metrics(self) -> None:
         s = self.server
         port = metrics_port_of(s.engine_kwargs, s.config)
         if port is None:
             return
+        host = metrics_host_of(s.engine_kwargs, s.config)
         self.endpoint = MetricsEndpoint(self.collect, host=host, port=port)
         await self.endpoint.start()
         logger.info("ainfer_pd: Prometheus metrics at http://%s:%d/metrics", host, self.endpoint.port)

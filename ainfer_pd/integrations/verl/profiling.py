@@ -26,9 +26,9 @@ def profile_dir_of(engine_kwargs: dict, rollout_config: Any) -> str:
     d = engine_kwargs.get("profile_dir")
     if d:
         return str(d)
-    prof = to_plain(field(rollout_config, "profiler"))
-    if isinstance(prof, dict) and prof.get("tool") == "torch" and isinstance(prof.get("save_path"), str):
-        return prof["save_path"]
+    prof = to_plain(field(rollout_config, "profiler"))          # a dataclass, a DictConfig or a dict
+    if field(prof, "tool") == "torch" and isinstance(field(prof, "save_path"), str):
+        return field(prof, "save_path")
     return os.path.join(tempfile.gettempdir(), "ainfer_pd_profile")
 
 

@@ -92,10 +92,10 @@ class AInferPDReplica(RolloutReplica):
             config=self.config, replica_rank=self.replica_rank, node_rank=0,
             rollout_mode=self.rollout_mode.value if self.rollout_mode else "standalone", model_path=self.model_path)
         await server.launch_server.remote()
-        host, port = await server.get_server_address.remote()
+        address = await server.get_advertised_address.remote()
         self.servers = [server]
         self._server_handle = server
-        self._server_address = f"{host}:{port}" if port else f"ainfer_pd://{self._actor_name(0)}"
+        self._server_address = address or f"ainfer_pd://{self._actor_name(0)}"
 
     async def sleep(self):
         await asyncio.gather(*[s.sleep.remote() for s in self.servers])

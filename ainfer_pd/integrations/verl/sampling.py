@@ -25,34 +25,58 @@ verl key                    ainfer-pd
 
 Then ``max_new_tokens`` is clamped to ``[1, max_context_len - len(prompt)]``.
 
-Known keys that are accepted and **ignored** (listed in :data:`IGNORED_KEYS`, reported
-back by :func:`to_sampling_params`): ``n`` (verl samples ``n`` by repeating the prompt),
-``do_sample`` (verl already folds it into temperature/top_p/top_k), ``min_p``,
-``min_tokens``, ``presence_penalty``, ``frequency_penalty``, ``stop`` (strings: this
-backend is token-in/token-out, stop on ``stop_token_ids``), ``skip_special_tokens``,
+Keys the engine does not compute (:data:`UNSUPPORTED_KEYS`) are accepted at their neutral value
+(``min_p`` 0, ``min_tokens`` 0, ``presence_penalty`` 0, ``frequency_penalty`` 0, ``stop`` empty,
+``prompt_logprobs`` None, ``n`` 1: what vLLM does with them is then nothing) and otherwise refused
+with :class:`~ainfer_pd.errors.UnsupportedOptionError` naming the key: ``stop`` strings (this
+backend is token-in/token-out: use ``stop_token_ids``), ``prompt_logprobs`` (no prompt logprobs
+are computed: verl's teacher distillation gets this typed error, not a ``KeyError`` on
+``extra_fields["prompt_logprobs"]``), ``n`` > 1 (verl samples ``n`` by repeating the prompt).
+
+Keys with no effect on the tokens of a token-in/token-out backend (:data:`IGNORED_KEYS`:
+``do_sample`` (verl already folds it into temperature/top_p/top_k), ``skip_special_tokens``,
 ``spaces_between_special_tokens``, ``include_stop_str_in_output``, ``detokenize``,
-``prompt_logprobs``, ``logprobs_mode``, ``extra_args``, ``priority``. Any other key is
-ignored too and reported as unknown (the server logs it once per key).
+``logprobs_mode``, ``extra_args``, ``priority``) and any unknown key are reported back by
+:func:`to_sampling_params`; the server logs one warning per key.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ...errors import ContextLengthError, InvalidRequestError
+from ...errors import ContextLengthError, InvalidRequestError, UnsupportedOptionError
 from ...request import SamplingParams
 
-__all__ = ["IGNORED_KEYS", "MAPPED_KEYS", "MappedSampling", "to_sampling_params"]
+__all__ = ["IGNORED_KEYS", "MAPPED_KEYS", "UNSUPPORTED_KEYS", "MappedSampling", "to_sampling_params"]
 
 MAPPED_KEYS = frozenset({
     "temperature", "top_p", "top_k", "repetition_penalty", "logprobs", "max_tokens",
     "max_new_tokens", "stop_token_ids", "ignore_eos", "seed",
 })
 IGNORED_KEYS = frozenset({
-    "n", "do_sample", "min_p", "min_tokens", "presence_penalty", "frequency_penalty", "stop",
-    "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
-    "detokenize", "prompt_logprobs", "logprobs_mode", "extra_args", "priority",
+    "do_sample", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+    "detokenize", "logprobs_mode", "extra_args", "priority",
 })
+
+
+def _zero(v: Any) -> bool:
+    try:
+        return v is None or float(v) == 0.0
+    except (TypeError, ValueError):
+        return False
+
+
+#: key -> (is the value neutral, why another value is refused)
+UNSUPPORTED_KEYS = {
+    "min_p": (_zero, "min-p sampling is not built (top_p / top_k are)"),
+    "min_tokens": (_zero, "a minimum length is not built (ignore_eos generates to max_tokens)"),
+    "presence_penalty": (_zero, "presence penalties are not built (repetition_penalty is)"),
+    "frequency_penalty": (_zero, "frequency penalties are not built (repetition_penalty is)"),
+    "stop": (lambda v: not v, "stop strings need text; this backend is token-in/token-out: use stop_token_ids"),
+    "prompt_logprobs": (lambda v: v is None, "prompt logprobs are not computed (a teacher for distillation "
+                                             "needs an engine that returns them)"),
+    "n": (lambda v: v is None or v == 1, "one sample per request: repeat the prompt (verl's rollout.n does)"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +110,9 @@ def to_sampling_params(
     and :class:`ContextLengthError` when no token fits in the context.
     """
     sp = dict(sampling_params or {})
+    for key, (neutral, why) in UNSUPPORTED_KEYS.items():
+        if key in sp and not neutral(sp[key]):
+            raise UnsupportedOptionError(f"sampling_params {key}={sp[key]!r}: {why}", key=key)
     room = max_context_len - prompt_len
     if room < 1:
         raise ContextLengthError(
@@ -133,5 +160,6 @@ def to_sampling_params(
         logprobs=logprobs,
     )
     ignored = tuple(sorted(k for k in sp if k in IGNORED_KEYS))
-    unknown = tuple(sorted(k for k in sp if k not in IGNORED_KEYS and k not in MAPPED_KEYS))
+    unknown = tuple(sorted(k for k in sp if k not in IGNORED_KEYS and k not in MAPPED_KEYS
+                           and k not in UNSUPPORTED_KEYS))
     return MappedSampling(params=params, ignored=ignored, unknown=unknown)

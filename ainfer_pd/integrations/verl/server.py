@@ -34,7 +34,7 @@ from .observability import Observability
 from .reuse import TrajectoryReuse
 from .sampling import to_sampling_params
 from .settings import (ENGINE_KWARGS, build_worker_config, default_config_path, engine_kwargs_of,  # noqa: F401
-                       import_worker_class, model_path_of)
+                       import_worker_class, model_path_of, rollout_notes)
 from .weight_staging import WeightSync
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,9 @@ class AInferPDServer(ResidencyControl, WeightSync, TrajectoryReuse):
         self._get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) \
             else (lambda k, d=None: getattr(config, k, d))
         self.free_cache_engine = bool(self._get("free_cache_engine", True))
+        self.sleep_mode = self._get("enable_sleep_mode", True) is not False
+        for note in rollout_notes(config, self.worker_config):      # verl keys not applied as asked: said once
+            logger.warning("ainfer_pd: %s", note)
         # routing replay (verl's R3): the worker keeps every token's expert ids, every turn returns them
         self.routing_replay = bool(self._get("enable_rollout_routing_replay", False))
         if self.routing_replay:
@@ -119,7 +122,7 @@ class AInferPDServer(ResidencyControl, WeightSync, TrajectoryReuse):
             if self.engine_kwargs.get("http", False):
                 from .http_api import start_http
                 self._http, self._port, self._http_task = await start_http(self, self._host)
-            await self.obs.start_metrics(self._host)
+            await self.obs.start_metrics()
 
     async def shutdown(self) -> None:
         await self.obs.close()
@@ -135,7 +138,19 @@ class AInferPDServer(ResidencyControl, WeightSync, TrajectoryReuse):
                 await w.__aexit__(None, None, None)
 
     def get_server_address(self) -> tuple[str, int]:
+        """``(host, port)`` of the HTTP generation endpoint (port 0 when ``http`` is off)."""
         return self._host, self._port
+
+    def get_advertised_address(self) -> Optional[str]:
+        """What the replica gives verl as its ``server_address``: with verl's Prometheus on, the
+        ``/metrics`` endpoint (verl writes the replicas' addresses into Prometheus as scrape
+        targets); else the HTTP endpoint when ``http``; else None (the replica names the actor)."""
+        from .observability import prometheus_enabled
+        if prometheus_enabled(self.config) and self.obs.metrics_address is not None:
+            return "%s:%d" % self.obs.metrics_address
+        if self._port:
+            return f"{self._host}:{self._port}"
+        return None
 
     def get_metrics_address(self) -> Optional[tuple[str, int]]:
         """``(host, port)`` of the Prometheus endpoint, None when it is off."""
@@ -161,7 +176,7 @@ class AInferPDServer(ResidencyControl, WeightSync, TrajectoryReuse):
         for k in mapped.ignored + mapped.unknown:
             if k not in self._warned_keys:
                 self._warned_keys.add(k)
-                logger.info("ainfer_pd: sampling_params key %r is ignored by this backend", k)
+                logger.warning("ainfer_pd: sampling_params key %r has no effect in this token-in/token-out backend", k)
         return mapped.params
     async def generate(
         self,

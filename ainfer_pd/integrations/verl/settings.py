@@ -11,7 +11,7 @@ import logging
 import os
 from typing import Any, Optional
 
-from ...errors import BackendUnavailableError, ConfigError
+from ...errors import BackendUnavailableError, ConfigError, UnsupportedOptionError
 
 logger = logging.getLogger(__name__)
 
@@ -99,11 +99,120 @@ def memory_overrides(rollout_config: Any, device: str, overrides: dict) -> dict:
     return out
 
 
+#: verl ``rollout.*`` keys and what each one means here (:func:`rollout_overrides`, :func:`rollout_notes`).
+ROLLOUT_KEYS = {
+    "max_model_len": "model.max_context_len (vLLM's max model length: a longer prompt is refused, generation "
+                     "stops at the limit); above the model's own limit: UnsupportedOptionError",
+    "dtype": "model.dtype (the rollout model's dtype; 'auto': the checkpoint's)",
+    "seed": "not used: an unseeded request draws from a seed of its trajectory; sampling_params['seed'] seeds a "
+            "request (one warning)",
+    "max_num_seqs": "caps scheduler.max_decode_batch (sequences decoded together; one warning when the ainfer-pd "
+                    "config's cap is lower)",
+    "max_num_batched_tokens": "caps scheduler.max_prefill_tokens (prompt tokens prefilled per step; one warning "
+                              "when the config's cap is lower)",
+    "enable_prefix_caching": "cache.prefix_sharing",
+    "enforce_eager": "true: device.cuda_graphs false (decode without CUDA graphs)",
+    "cudagraph_capture_sizes": "device.graph_batch_sizes",
+    "quantization": "refused (UnsupportedOptionError): quantized rollout is not built",
+    "mtp": "mtp.enable_rollout refused (UnsupportedOptionError): no multi-token-prediction drafts",
+    "load_format": "auto / safetensors / hf: the checkpoint is read; dummy: read anyway, verl's first sync "
+                   "replaces it (one warning); other formats refused",
+    "enable_sleep_mode": "false: sleep() keeps weights and KV on the device (one warning)",
+    "profiler": "tool torch: save_path is the start_profile directory; another tool: one warning",
+    "expert_parallel_size": "> 1: parallel.expert_parallel",
+}
+
+_LOAD_FORMATS = {"auto", "safetensors", "hf", "dummy"}
+
+
+def _sub(config: Any, key: str, sub: str, default: Any = None) -> Any:
+    return field(to_plain(field(config, key)), sub, default)
+
+
+def rollout_overrides(rollout_config: Any, cfg: Any, overrides: dict) -> dict:
+    """The worker-config keys verl's ``rollout.*`` fields set (:data:`ROLLOUT_KEYS`); explicit
+    ``overrides`` of the same worker keys win. Raises :class:`UnsupportedOptionError` naming a
+    rollout key this engine cannot honour."""
+    out: dict = {}
+
+    def put(key: str, value: Any) -> None:
+        if key not in overrides:
+            out[key] = value
+
+    quant = field(rollout_config, "quantization")
+    if quant:
+        raise UnsupportedOptionError(f"rollout.quantization={quant!r}: ainfer-pd serves unquantized weights only",
+                                     key="quantization")
+    if _sub(rollout_config, "mtp", "enable_rollout", False):
+        raise UnsupportedOptionError("rollout.mtp.enable_rollout: ainfer-pd has no multi-token-prediction drafts",
+                                     key="mtp")
+    fmt = field(rollout_config, "load_format")
+    if fmt is not None and str(fmt) not in _LOAD_FORMATS:
+        raise UnsupportedOptionError(f"rollout.load_format={fmt!r}: ainfer-pd reads Hugging Face safetensors "
+                                     f"({sorted(_LOAD_FORMATS)})", key="load_format")
+    mml = field(rollout_config, "max_model_len")
+    if mml is not None:
+        mml = int(mml)
+        limit = int(cfg.model.max_context_len)
+        if mml > limit and "model.max_context_len" not in overrides:
+            raise UnsupportedOptionError(f"rollout.max_model_len={mml} exceeds the model's context limit {limit}",
+                                         key="max_model_len")
+        put("model.max_context_len", mml)
+    dtype = field(rollout_config, "dtype")
+    if dtype is not None and str(dtype) != "auto":
+        put("model.dtype", str(dtype).replace("torch.", ""))
+    mns = field(rollout_config, "max_num_seqs")
+    if mns is not None and int(mns) < cfg.scheduler.max_decode_batch:
+        put("scheduler.max_decode_batch", int(mns))
+    mbt = field(rollout_config, "max_num_batched_tokens")
+    if mbt is not None and int(mbt) < cfg.scheduler.max_prefill_tokens:
+        put("scheduler.max_prefill_tokens", int(mbt))
+    epc = field(rollout_config, "enable_prefix_caching")
+    if epc is not None:
+        put("cache.prefix_sharing", bool(epc))
+    if field(rollout_config, "enforce_eager", False):
+        put("device.cuda_graphs", False)
+    sizes = field(rollout_config, "cudagraph_capture_sizes")
+    if sizes:
+        put("device.graph_batch_sizes", tuple(sorted(int(x) for x in sizes)))
+    eps = field(rollout_config, "expert_parallel_size")
+    if eps is not None and int(eps) > 1:
+        put("parallel.expert_parallel", int(eps))
+    return out
+
+
+def rollout_notes(rollout_config: Any, cfg: Any) -> list[str]:
+    """One line per verl ``rollout.*`` key whose value this engine does not apply as asked (the
+    server logs each once as a warning)."""
+    notes = []
+    seed = field(rollout_config, "seed")
+    if seed is not None:
+        notes.append(f"rollout.seed={seed} is not used: an unseeded request draws from a seed of its trajectory "
+                     "(sampling_params['seed'] seeds a request)")
+    mns = field(rollout_config, "max_num_seqs")
+    if mns is not None and int(mns) > cfg.scheduler.max_decode_batch:
+        notes.append(f"rollout.max_num_seqs={mns}: at most scheduler.max_decode_batch="
+                     f"{cfg.scheduler.max_decode_batch} sequences decode together (the ainfer-pd config's cap)")
+    mbt = field(rollout_config, "max_num_batched_tokens")
+    if mbt is not None and int(mbt) > cfg.scheduler.max_prefill_tokens:
+        notes.append(f"rollout.max_num_batched_tokens={mbt}: at most scheduler.max_prefill_tokens="
+                     f"{cfg.scheduler.max_prefill_tokens} prompt tokens are prefilled per step (the ainfer-pd config's cap)")
+    if str(field(rollout_config, "load_format", "")) == "dummy":
+        notes.append("rollout.load_format=dummy: the checkpoint's weights are read anyway (verl's first weight sync "
+                     "replaces them)")
+    if field(rollout_config, "enable_sleep_mode", True) is False:
+        notes.append("rollout.enable_sleep_mode=False: sleep() keeps weights and KV on the device")
+    tool = _sub(rollout_config, "profiler", "tool")
+    if tool not in (None, "torch"):
+        notes.append(f"rollout.profiler.tool={tool!r}: start_profile writes torch.profiler traces")
+    return notes
+
+
 def build_worker_config(engine_kwargs: dict, model_path: Optional[str] = None, rollout_config: Any = None):
     """The worker config: the ainfer-pd YAML; with ``model_path`` (verl's model directory) the
     model section is that directory's ``config.json`` (architecture, shapes, dtype, weights);
-    verl's memory share (:func:`memory_overrides`); then the dotted ``overrides`` (e.g.
-    ``{"model.dtype": "float32"}``)."""
+    verl's memory share (:func:`memory_overrides`) and ``rollout.*`` keys (:func:`rollout_overrides`);
+    then the dotted ``overrides`` (e.g. ``{"model.dtype": "float32"}``)."""
     from ...config import WorkerConfig
     path = engine_kwargs.get("config") or default_config_path()
     if not os.path.isabs(path) and not os.path.exists(path):
@@ -119,7 +228,8 @@ def build_worker_config(engine_kwargs: dict, model_path: Optional[str] = None, r
     mem = memory_overrides(rollout_config, cfg.device.device, overrides) if rollout_config is not None else {}
     if mem:
         logger.info("ainfer_pd: verl's memory share -> %s", mem)
-    merged = {**mem, **overrides}
+    keys = rollout_overrides(rollout_config, cfg, overrides) if rollout_config is not None else {}
+    merged = {**mem, **keys, **overrides}
     return cfg.replace(**merged) if merged else cfg
 
 
