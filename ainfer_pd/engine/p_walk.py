@@ -76,6 +76,15 @@ class EpochWalk:
         self.lane = lane = GATED_LANE if gated else None
         fine = mode.per_layer
         ep, stream, items = self.ep, self.ctx.stream, self.items
+        if not fine and not counts and self.all_reduce is None:
+            # no boundary past the entry is used: the body is one stream item, not one per segment
+            # (each item is a hand-off to the launcher thread: ~100 per epoch of 48 layers)
+            if gated:
+                ep.publish(segments[0][0].boundary)
+                await self._permit(segments[0][0].boundary)
+            items.append(stream.submit(self._body, segments[:-1], label="P.body", attrs=P_ITEM, lane=lane))
+            self.head = stream.submit(self._head, label=segments[-1][1], attrs=P_ITEM, lane=lane)
+            return
         last = None                    # the latest attention's last item: done = its counts are on their way
         for seg, label in segments:
             kind, b = seg.kind, seg.boundary
@@ -163,6 +172,17 @@ class EpochWalk:
         return w
 
     # ------------------------------------------------------------------ segments (on the P stream)
+    def _body(self, segments: PSegments) -> None:
+        """Every segment but the head, back to back (an epoch that passes no boundary inside)."""
+        for seg, _ in segments:
+            kind = seg.kind
+            if kind == ATTENTION:
+                self._attn_route(seg.layer)
+            elif kind == EXPERTS:
+                self._experts(seg.layer)
+            else:
+                self._embed()
+
     def _embed(self) -> None:
         self.st = self.runner.embed(self.plan)
 
