@@ -216,7 +216,15 @@ def _book_storm(seed: int, loop, *, num_blocks: int = 12, budget: int = 2048, st
     def submit() -> None:
         nonlocal n_submit
         idle = [tr for tr in trajs if tr.turn is None and len(tr.tokens) < 100]   # draining ones too
-        if idle and rng.random() < 0.4:
+        ended = [tr for tr in trajs if tr.tokens and len(tr.tokens) < 100]
+        if ended and rng.random() < 0.3:
+            # forks of an ended turn's whole context (a new request id for it, GRPO-like siblings
+            # branching from it): they all count on its adoptable tail, which only one can take
+            src = rng.choice(ended).tokens
+            traj = Trajectory(f"T{len(trajs)}")
+            trajs.append(traj)
+            ctx = src + rand_ids(rng, rng.randint(1, 6))
+        elif idle and rng.random() < 0.4:
             traj = rng.choice(idle)
             ctx = traj.tokens + rand_ids(rng, rng.randint(1, 20))
         else:
@@ -261,8 +269,22 @@ def _book_storm(seed: int, loop, *, num_blocks: int = 12, budget: int = 2048, st
         live = [t for t in turns if not t.future.done()]
         if live and rng.random() < 0.1:
             book.abort(rng.choice(live))              # maybe with a pass in flight: its trajectory drains
+        before = {t.request_id for t in book.waiting if t.lifetime}
+        partial = [t for t in book.waiting if t.lifetime and t.remaining_prompt and not t.abort_requested]
         chunks, admitted = plan_prefill(book.pending_view(), budget, book.available_blocks())
         work = book.admit(chunks, admitted, budget)
+        # the two expectations, as invariants of every step:
+        # an admitted turn with prompt left always gets a chunk (nothing stops it)
+        assert not partial or work, f"seed {seed} step {step}: admitted turns {[t.request_id for t in partial]} " \
+                                    f"get no chunk (waiting: {[(t.request_id, t.lifetime) for t in book.waiting]})"
+        # a newly admitted turn's chunk is sized from the cache after the step's earlier admissions:
+        # it runs to the end of its prompt unless the step's budget ran out
+        used = sum(k for _, _, k in work)
+        for t, s_, k in work:
+            if t.request_id not in before:
+                assert s_ + k == len(t.context) or used == budget, \
+                    f"seed {seed} step {step}: {t.request_id} prefills [{s_}, {s_ + k}) of {len(t.context)} " \
+                    f"with {budget - used} of the budget left"
         if work:
             for t, _, _ in work:
                 t.in_flight += 1
