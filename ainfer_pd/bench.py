@@ -23,7 +23,7 @@ from .metrics import report
 from .workload.replay import ReplayResult, replay
 from .workload.trace import CELLS, Trace
 
-DEFAULT_POLICIES = ("normal", "global-complete", "global-enqueue", "fine-grained", "mixed-chunked")
+DEFAULT_POLICIES = POLICIES          # every policy, in the ladder's order
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from .comm.ordering import ORDERINGS  # (its one home)
 from .config_checks import check_positive
 from .errors import ConfigError, TopologyError
+from .sched.epoch_mode import POLICIES  # (its one home: the policy traits table)
 from .sched.span import ACTIVATION_COSTS, FIXED_SPANS, MAX_SPAN, MIN_SPAN  # (their one home)
 
-POLICIES = ("normal", "global-complete", "global-enqueue", "fine-grained", "mixed-chunked")
 EXPERT_BACKENDS = ("local", "torch", "deepep")
 SPANS = (*(str(k) for k in FIXED_SPANS), "auto", "measured")
 P_HOST_PACINGS = ("auto", "layer", "epoch")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 
-__all__ = ["PolicyTraits", "EpochMode", "policy_traits", "epoch_mode", "TURNSTILE_POLICIES"]
+__all__ = ["PolicyTraits", "EpochMode", "policy_traits", "epoch_mode", "POLICIES", "TURNSTILE_POLICIES"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +46,8 @@ _TRAITS = {
     "mixed-chunked": PolicyTraits(turnstile=False, per_layer=False, final=None, p_priority=False),
 }
 
+POLICIES = tuple(_TRAITS)
+"""Every scheduler policy, in the ladder's order (the one registry: config validation and the bench read it)."""
 TURNSTILE_POLICIES = tuple(p for p, t in _TRAITS.items() if t.turnstile)
 
 
