@@ -665,15 +665,16 @@ class WorkerMachine(RuleBasedStateMachine):
             self.check(free == self.num_blocks, f"after sleep() {free} of {self.num_blocks} KV blocks are free")
 
     # ------------------------------------------------------------------ rules: weights
-    @rule(kind=st.sampled_from(["valid", "valid_dict", "unknown_name", "bad_shape", "nan", "int_dtype",
-                                "three_tuple", "not_a_tensor", "meta", "sparse", "not_pairs", "name_not_str"]),
+    @rule(kind=st.sampled_from(["valid", "valid_dict", "valid_async", "valid_buckets", "unknown_name", "bad_shape",
+                                "nan", "int_dtype", "three_tuple", "not_a_tensor", "meta", "sparse", "not_pairs",
+                                "name_not_str", "async_bad_last"]),
           seed=st.integers(0, 2 ** 16))
     def update_weights(self, kind: str, seed: int) -> None:
         base = self.current_state()
-        names = sorted(base)
+        names = self.sync_names()
         rng = random.Random(seed)
         pick = rng.sample(names, 3)
-        if kind in ("valid", "valid_dict") and not self.VALID_UPDATES:
+        if kind.startswith("valid") and not self.VALID_UPDATES:
             kind = "bad_shape"
         new = _perturbed(base, pick, seed)
         n0 = pick[0]
@@ -688,9 +689,22 @@ class WorkerMachine(RuleBasedStateMachine):
             "sparse": [(n0, new[n0].to_sparse())],
             "not_pairs": [n0],
             "name_not_str": [(3, new[n0])],
+            "async_bad_last": [(n0, new[n0].flatten()[:-1])],
         }.get(kind)
         valid = bad is None
-        arg = (new if kind == "valid_dict" else list(new.items())) if valid else [(n, new[n]) for n in pick[1:]] + bad
+        pairs = list(new.items())
+        if kind == "valid_dict":
+            arg = new
+        elif kind == "valid_async":        # an async generator of buckets (verl's nccl-style checkpoint engines)
+            arg = _agen([pairs[:1], pairs[1:]])
+        elif kind == "valid_buckets":
+            arg = [pairs[:2], dict(pairs[2:])]
+        elif kind == "async_bad_last":     # good buckets first, a bad one last: nothing is written
+            arg = _agen([[(n, new[n])] for n in pick[1:]] + [bad])
+        elif valid:
+            arg = pairs
+        else:
+            arg = [(n, new[n]) for n in pick[1:]] + bad
 
         async def go() -> tuple:
             t0 = self.lt.now()
@@ -713,6 +727,132 @@ class WorkerMachine(RuleBasedStateMachine):
 
     def current_state(self) -> dict[str, torch.Tensor]:
         return self.versions[self.version]
+
+    def sync_names(self) -> list[str]:
+        """The weights the programs perturb: all of them on one rank; on several, those every rank
+        holds whole (not the expert shards), so a single-rank recompute can take them."""
+        names = sorted(self.current_state())
+        if self.SHARED is None:
+            return names
+        return [n for n in names if n.rsplit(".", 1)[-1] not in ("w13", "w2")]
+
+    # ------------------------------------------------------------------ rules: sleep levels (issue 34)
+    def sleep_levels(self, data) -> None:
+        """sleep(1) / sleep(2, keep_weights) with a call in between (a turn: WorkerAsleepError,
+        nothing registered; a weight update: applied at level 1, WorkerAsleepError at level 2; an
+        update racing the sleep: applied first or WorkerAsleepError; abort_all: nothing to abort),
+        then wake_up (all tags, or one tag at a time: turns are refused until both are back, and
+        after dropped weights until a complete sync refills them)."""
+        level = data.draw(st.sampled_from([1, 2, 2]), label="level")
+        keep = data.draw(st.booleans(), label="keep_weights")
+        during = data.draw(st.sampled_from(["none", "generate", "update", "update_racing", "abort_all"]), label="during")
+        wake = data.draw(st.sampled_from(["all", "all", "kv_first", "weights_first"]), label="wake")
+        seed = data.draw(st.integers(0, 2 ** 16), label="seed")
+        if not self.VALID_UPDATES and during in ("update", "update_racing"):
+            during = "none"            # several ranks: a valid update is a collective act (not in these programs)
+        in_flight = [c for c in self.calls if c.expect == "ok"]
+        names = self.sync_names()
+        rng = random.Random(seed)
+        new = _perturbed(self.current_state(), rng.sample(names, 2), seed)
+        sp = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+        asleep_tid = self.new_tid()
+        _count(f"sleep_levels.{level}.{'keep' if keep else 'drop'}.{during}.{wake}")
+
+        async def outcome(aw) -> tuple[str, Any, float, float]:
+            t0 = self.lt.now()
+            try:
+                return "ok", await aw, t0, self.lt.now()
+            except BaseException as exc:          # noqa: BLE001 - judged below
+                return type(exc).__name__, exc, t0, self.lt.now()
+
+        async def go() -> dict:
+            out: dict = {}
+            for c in in_flight:
+                c.abort_issued = True
+            if during == "update_racing":
+                sleeping = asyncio.ensure_future(self.w.sleep(level, keep_weights=keep))
+                await asyncio.sleep(0)
+                out["update"] = await outcome(self.w.update_weights(_agen([list(new.items())]), partial=True))
+                await sleeping
+            else:
+                await self.w.sleep(level, keep_weights=keep)
+            out["generate"] = await outcome(self.w.generate([3, 4, 5], sp, trajectory_id=asleep_tid))
+            out["registered"] = asleep_tid in self.w.trajectories
+            if during == "update":
+                out["update"] = await outcome(self.w.update_weights(list(new.items()), partial=True))
+            elif during == "abort_all":
+                out["abort_all"] = await self.w.abort_all()
+            tags = {"all": [None], "kv_first": [["kv_cache"], ["weights"]], "weights_first": [["weights"], ["kv_cache"]]}[wake]
+            for i, t in enumerate(tags):
+                await self.w.wake_up(t)
+                if i + 1 < len(tags):
+                    out["between_wakes"] = res = await outcome(self.w.generate([3, 4, 5], sp))
+                    if res[0] == "ok":
+                        await self.w.release(res[1].trajectory_id)
+            return out
+        out = self.run(go(), f"sleep({level}, keep_weights={keep}) / {during} / wake_up {wake}")
+        kind, val, _, _ = out["generate"]
+        self.check(kind == "WorkerAsleepError" and not out["registered"],
+                   f"generate while asleep (level {level}) -> {kind} {val!r}, registered={out['registered']}")
+        if "between_wakes" in out:
+            # refused while a tag that sleep released is still off the device (level 1 keeps the weights)
+            off = level == 2 or wake == "weights_first"
+            self.check(out["between_wakes"][0] == ("WorkerAsleepError" if off else "ok"),
+                       f"generate between wake_up({wake}) calls after sleep({level}) -> {out['between_wakes'][:2]}")
+        if "abort_all" in out:
+            self.check(out["abort_all"] == 0, f"abort_all while asleep returned {out['abort_all']!r}")
+        if "update" in out:
+            kind, val, t0, t1 = out["update"]
+            may_apply = level == 1 or during == "update_racing"
+            self.check(kind == "ok" and may_apply or kind == "WorkerAsleepError" and level == 2,
+                       f"update_weights ({during}) at sleep level {level} -> {kind} {val!r}")
+            if kind == "ok":
+                self.check(val == len(new), f"update_weights wrote {val} of {len(new)}")
+                merged = {**self.current_state(), **new}
+                self.version += 1
+                self.versions[self.version] = merged
+                self.updates.append((t0, t1))
+        if level == 2 and not keep:
+            # the weights were dropped: turns are refused until a complete sync refills them
+            state = self.current_state()
+
+            async def refill() -> tuple:
+                refused = await outcome(self.w.generate([3, 4, 5], sp))
+                t0 = self.lt.now()
+                n = await self.w.update_weights(state if self.SHARED is None else self._whole_state(state))
+                return refused, n, t0, self.lt.now()
+            refused, n, t0, t1 = self.run(refill(), "the complete sync after dropped weights")
+            self.check(refused[0] == "WorkerAsleepError", f"a turn before the refilling sync -> {refused[:2]}")
+            self.updates.append((t0, t1))
+        free = self.run(self._free_blocks(), "metrics after wake_up")
+        self.check(free == self.num_blocks, f"after sleep({level}) and wake_up {free} of {self.num_blocks} blocks free")
+
+    def _whole_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A complete sync of this rank: the tracked weights plus its own expert shards as they are."""
+        return {**{n: p.detach().clone() for n, p in self.w.model.named_parameters()}, **state}
+
+    def abort_all_racing_update(self, seed: int, first: str) -> None:
+        """abort_all and a valid (async) weight update issued together while turns are in flight:
+        the update applies, the turns end (aborted or complete), nothing hangs."""
+        in_flight = [c for c in self.calls if c.expect == "ok"]
+        names = self.sync_names()
+        new = _perturbed(self.current_state(), random.Random(seed).sample(names, 2), seed)
+
+        async def go() -> tuple:
+            for c in in_flight:
+                c.abort_issued = True
+            t0 = self.lt.now()
+            upd = self.w.update_weights(_agen([list(new.items())]), partial=True)
+            ab = self.w.abort_all()
+            res = await asyncio.gather(*((upd, ab) if first == "update" else (ab, upd)))
+            n, aborted = (res[0], res[1]) if first == "update" else (res[1], res[0])
+            return n, aborted, t0, self.lt.now()
+        n, aborted, t0, t1 = self.run(go(), "abort_all racing update_weights")
+        self.check(n == len(new) and isinstance(aborted, int), f"update -> {n!r}, abort_all -> {aborted!r}")
+        merged = {**self.current_state(), **new}
+        self.version += 1
+        self.versions[self.version] = merged
+        self.updates.append((t0, t1))
 
     # ------------------------------------------------------------------ rules: loop affinity
     def call_from_a_foreign_loop(self) -> None:
@@ -816,11 +956,20 @@ class WorkerMachine(RuleBasedStateMachine):
         else:
             self.sleep_then_wake(racing="no", data=data)
 
-    @rule(kind=st.sampled_from(["abort_all", "sleep", "sleep", "sleep_racing_before", "sleep_racing_after"]),
+    @rule(kind=st.sampled_from(["abort_all", "sleep", "sleep_racing_before", "sleep_racing_after", "sleep_levels",
+                                "sleep_levels", "abort_all_racing_update"]),
           data=st.data())
     def interrupt_all(self, kind: str, data) -> None:
         if kind == "abort_all":
             self.abort_all()
+        elif kind == "sleep_levels":
+            self.sleep_levels(data=data)
+        elif kind == "abort_all_racing_update":
+            if self.calls and self.VALID_UPDATES:
+                self.abort_all_racing_update(seed=data.draw(st.integers(0, 2 ** 16), label="seed"),
+                                             first=data.draw(st.sampled_from(["update", "abort_all"]), label="first"))
+            else:
+                self.abort_all()
         else:
             self.sleep_then_wake(racing={"sleep": "no", "sleep_racing_before": "before",
                                          "sleep_racing_after": "after"}[kind], data=data)
@@ -913,6 +1062,13 @@ class WorkerMachine(RuleBasedStateMachine):
         self.check(not left, f"asyncio tasks left behind after exit: {left}")
 
 
+async def _agen(items):
+    """An async generator of ``items`` (a weight source in verl's checkpoint-engine form)."""
+    for it in items:
+        await asyncio.sleep(0)
+        yield it
+
+
 async def recompute(checked: list[Checked], versions: dict[int, dict[str, torch.Tensor]]) -> list:
     """Recompute every checked turn on a fresh fault-free worker with the same weights; returns
     the mismatches."""
@@ -922,7 +1078,7 @@ async def recompute(checked: list[Checked], versions: dict[int, dict[str, torch.
     async with RolloutWorker(tiny_cfg()) as ref:
         for v in sorted({c.version for c in checked}):
             if v:
-                await ref.update_weights(list(versions[v].items()))
+                await ref.update_weights(list(versions[v].items()), partial=True)
             for c in (c for c in checked if c.version == v):
                 out = await ref.generate(c.context, c.params)
                 await ref.release(out.trajectory_id)
