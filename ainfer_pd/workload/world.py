@@ -68,24 +68,95 @@ async def rank_replay(rank: int, world_size: int, cfg_dict: dict, trace: Trace, 
         await asyncio.to_thread(dist.barrier)          # every rank starts its clock together
         res = await replay(worker, mine, cell=cell, seed=seed, time_scale=time_scale,
                            label=f"rank{rank}")
+    # the engine stops only once every rank closed: read the metrics now, so that they cover the
+    # whole run on every rank (a follower's replay, with no conversations, returns at once)
+    res.metrics = worker.metrics()
     res.timeline = None
     return res
 
 
-def merge(results: list[ReplayResult]) -> ReplayResult:
-    """One result of the whole world: records of every rank; per-rank metrics averaged
-    (counts summed)."""
-    first = results[0]
-    metrics: dict[str, Any] = {}
-    keys = set().union(*(r.metrics.keys() for r in results))
+WORLD_EVENTS = frozenset({"rendezvous", "rendezvous_s_count", "step_sync_s_count", "num_epochs",
+                          "p_epoch_s_count", "d_iter_s_count"})
+"""Counts of events every rank of a lockstep world takes part in (each turnstile rendezvous, step,
+epoch and D iteration is one act of all ranks): the world's figure is one rank's count, not the sum."""
+REQUEST_SAMPLES = frozenset({"ttft_s", "d_wait_s", "request_latency_s"})
+"""Samples taken per request or per D launch with rows: only the ranks that serve conversations
+(the replica leaders) hold them; pooled (counts and sums added, the mean over every sample)."""
+RANK_COUNTERS = frozenset({"finished", "failures", "aborted", "dropped_results", "prefill_tokens",
+                           "prefix_reused_tokens", "prefix_prompt_tokens", "kv_evictions", "trajectories"})
+"""Counters of things that belong to one rank (its requests, its KV pool): summed over ranks."""
+DEVICE_FRACTIONS = frozenset({"busy_fraction", "concurrent_fraction"})
+"""A rank's device-time fractions: averaged over the ranks that ran device work (a rank without any
+has no window, not a fraction of 0)."""
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def merge_metrics(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """The metrics of one world from its ranks' ``worker.metrics()`` (taken after the world stopped,
+    followers included). Each key is merged by what it counts, over the ranks that hold it:
+
+    * :data:`WORLD_EVENTS`: one rank's count (the largest; ``<key>_per_rank`` keeps every rank's,
+      ``world_events_agree`` says whether they were all equal);
+    * :data:`REQUEST_SAMPLES` (``X_count`` / ``X_sum`` / ``X_mean``): pooled over the ranks holding
+      samples (D wait and TTFT come from the replica leaders, never diluted by followers' absence);
+    * other sample families: ``X_mean`` pooled, ``X_sum`` averaged over the ranks holding it (one
+      rank's time in that state), ``X_count`` one rank's count (the largest);
+    * :data:`RANK_COUNTERS`: summed; :data:`DEVICE_FRACTIONS`: averaged over the ranks with device
+      work; any other number: averaged over the ranks holding it; lists: concatenated; anything
+      else: the first rank's value.
+    """
+    out: dict[str, Any] = {}
+    keys: list[str] = []
+    for m in per_rank:
+        keys += [k for k in m if k not in keys]
+    fams = {k[: -len(suf)] for k in keys for suf in ("_count", "_sum", "_mean") if k.endswith(suf)}
+    worked = [m for m in per_rank if (m.get("p_work_s_sum") or 0) > 0 or (m.get("d_work_s_sum") or 0) > 0]
+    for fam in fams:
+        holders = [m for m in per_rank if _num(m.get(f"{fam}_count")) and m[f"{fam}_count"] > 0
+                   and _num(m.get(f"{fam}_sum"))]
+        if not holders:
+            continue
+        n, tot = sum(m[f"{fam}_count"] for m in holders), sum(m[f"{fam}_sum"] for m in holders)
+        if fam in REQUEST_SAMPLES:
+            out[f"{fam}_count"], out[f"{fam}_sum"] = n, tot
+        else:
+            out[f"{fam}_count"] = max(m[f"{fam}_count"] for m in holders)
+            out[f"{fam}_sum"] = tot / len(holders)
+        out[f"{fam}_mean"] = tot / n
+    agree = True
     for k in keys:
-        vals = [r.metrics.get(k) for r in results]
-        nums = [v for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        if len(nums) == len(vals):
-            metrics[k] = sum(nums) if (k.endswith(("_count", "_sum")) or k in ("rendezvous", "finished", "failures")) \
-                else sum(nums) / len(nums)
-        elif all(isinstance(v, list) for v in vals):
-            metrics[k] = [x for v in vals for x in v]
+        if k in out:
+            continue
+        vals = [m[k] for m in per_rank if k in m]
+        nums = [v for v in vals if _num(v)]
+        if nums and len(nums) == len(vals):
+            if k in WORLD_EVENTS:
+                out[k] = max(nums)
+                out[f"{k}_per_rank"] = [m.get(k) for m in per_rank]
+                agree = agree and len(set(nums)) == 1 and len(nums) == len(per_rank)
+            elif k in RANK_COUNTERS:
+                out[k] = sum(nums)
+            elif k in DEVICE_FRACTIONS:
+                src = [m[k] for m in worked if _num(m.get(k))] or nums
+                out[k] = sum(src) / len(src)
+            else:
+                out[k] = sum(nums) / len(nums)
+        elif vals and all(isinstance(v, list) for v in vals):
+            out[k] = [x for v in vals for x in v]
+        elif vals:
+            out[k] = vals[0]
+    out["world_events_agree"] = agree
+    return out
+
+
+def merge(results: list[ReplayResult]) -> ReplayResult:
+    """One result of the whole world: the records of every rank, the metrics merged by
+    :func:`merge_metrics`."""
+    first = results[0]
+    metrics = merge_metrics([r.metrics for r in results])
     metrics["world_size"] = len(results)
     outputs: dict = {}
     for r in results:
