@@ -52,6 +52,26 @@ def test_crossed_selective_replay_equals_world_size_one_and_trace_check_is_clean
     assert rep["rounds_per_rank"] > 0 and rep["pairs_checked"] > 0     # multiplexed, registered pairs ordered
     assert rep["registered_pair_overlap_ms"] == 0.0
     assert rep["other_p_vs_d_overlap_ms"] > 0.0                         # other P work overlapped D
+    # D's DP-attention path ran: its all-gather / reduce-scatter on attn_dp.D, groups (0, 2) and (1, 3)
+    dp = _coll_launches(tmp_path / "sel", "attn_dp.D")
+    assert set(dp) == {0, 1, 2, 3} and min(dp.values()) > 0, dp
+    assert len(set(dp.values())) == 1                                   # every rank joined every one
+    # the merged metrics (issue 36 item 4): one rank's rendezvous count, D wait and concurrency held
+    m = res.metrics
+    assert m["rendezvous"] == rep["rendezvous_per_rank"] > 0 and m["world_events_agree"]
+    assert m["d_wait_s_count"] > 0 and m["d_wait_s_mean"] > 0.0
+    assert 0.0 < m["concurrent_fraction"] <= 1.0
+
+
+def _coll_launches(run_dir: Path, comm: str) -> dict[int, int]:
+    """Per rank: how many collectives of communicator family ``comm`` it joined (``coll_launch``)."""
+    import json
+    out: dict[int, int] = {}
+    for p in sorted(run_dir.glob("rank*.jsonl")):
+        rank = int(p.stem[4:])
+        out[rank] = sum(1 for line in p.read_text().splitlines()
+                        if '"coll_launch"' in line and json.loads(line).get("comm") == comm)
+    return out
 
 
 def test_crossed_selective_under_phase_skew_completes_with_a_clean_trace(tmp_path):

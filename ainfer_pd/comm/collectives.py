@@ -4,9 +4,11 @@
   (``attn_tp.P``), launched as its own stream item (:meth:`PhaseCollectives.launch`) so the
   ordering can route it (:func:`~ainfer_pd.comm.ordering.collective_stream`).
 * D (inside its iteration): its own attention-TP **reduce-scatter / all-gather** around the
-  experts (``attn_tp.D``: :class:`~ainfer_pd.engine.tensor_parallel.DecodeHooks`) and the
-  DP-attention **all-gather / reduce-scatter** (``attn_dp.D``; with P's all-reduce the crossed
-  pair of SPEC 2; issued by the expert-tensor-parallel path, not built yet).
+  experts (``attn_tp.D``: :class:`~ainfer_pd.engine.tensor_parallel.DecodeHooks`) and, with
+  ADP > 1 and expert parallelism, the DP-attention **all-gather / reduce-scatter** across the
+  replicas around each MoE layer's routed experts (``attn_dp.D``:
+  :meth:`~ainfer_pd.engine.tensor_parallel.DecodeHooks.experts_dp`; with P's all-reduce the
+  crossed pair of SPEC 2).
 
 The state is phase-owned (SPEC 3.4): one :class:`PhaseCollectives` per phase holds only that
 phase's communicators, counters, in-flight table and lock, and registers them to its phase in the

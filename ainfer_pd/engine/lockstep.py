@@ -268,9 +268,16 @@ class LockstepEngine(Engine):
         self._pausing = True
         self._notify()
         mark = self.num_steps
+        import time as _t
+        _t0 = _t.monotonic()
+        _warned = False
         while (self.num_steps <= mark + 1 or self._p_running or self.rank not in self._asleep_ranks) \
                 and not self.closing:
             await self._changed_or(IDLE_BACKOFF_S)
+            if not _warned and _t.monotonic() - _t0 > 3:
+                _warned = True
+                with open(f"/tmp/w/quiesce_rank{self.rank}.log", "a") as f:
+                    f.write(f"stuck: steps {self.num_steps} mark {mark} p_running {self._p_running} asleep {self._asleep_ranks} d_iters {self.num_d_iters}\n")
 
     def resume(self) -> None:
         """Back from sleep: this rank takes part again from its next step (when its memory is back)."""
@@ -306,7 +313,8 @@ class LockstepEngine(Engine):
     def _padded_rows(self, rows: int) -> int:
         """Every replica's D batch size: the largest announced, up to the graph bucket (on CUDA
         the replay and the eager path then gather the same shapes everywhere), a multiple of ATP
-        (D's attention reduce-scatter gives each TP rank an equal share)."""
+        (D's attention reduce-scatter gives each TP rank an equal share; D's DP-attention
+        all-gather, equal shares of every replica)."""
         atp = self.topology.atp
         g = self.runner.graphs
         if g is not None:
@@ -372,8 +380,9 @@ class LockstepEngine(Engine):
             fb = unpack_decode(buf, B, self._table_width, self.device.torch_device, self.kv.block_size)
             return BatchPlan(fb, [], [], [])
         plan = r.build([], rows)
-        if self.replica is None:         # ATP = 1: D's dispatcher takes any row count (datapath's path)
-            return plan
+        if self.replica is None and not self.decode_hooks.dp:
+            return plan                  # ATP = 1 and no DP-attention gather: D's dispatcher takes any row count
+        # the DP-attention all-gather / reduce-scatter (attn_dp.D) need every replica at the agreed rows
         fb = pad_decode(plan.fb, B, r.scratch_slot, r.scratch_block)
         if self.replica is not None:
             await self.replica.share(pack_decode(fb, self._table_width), decode_numel(B, self._table_width), "D batch")

@@ -84,6 +84,7 @@ def make_engine(cfg: WorkerConfig, recorder: Recorder, *, rank: int = 0, rendezv
     from ..phase import Phase
     from ..turnstile.dist_rendezvous import detect_same_host, make_rendezvous
     from .lockstep import LockstepEngine
+    from .tensor_parallel import decode_dispatch_rows
 
     if not dist.is_initialized():
         raise ConfigError("parallel.world_size > 1 needs torch.distributed initialised "
@@ -111,7 +112,7 @@ def make_engine(cfg: WorkerConfig, recorder: Recorder, *, rank: int = 0, rendezv
         TorchAllToAllDispatcher(Phase.PREFILL, groups[EP_P], topo.ep_rank, pc.expert_parallel, mc.num_experts,
                                 max_tokens=sc.max_prefill_tokens, **common),
         TorchAllToAllDispatcher(Phase.DECODE, groups[EP_D], topo.ep_rank, pc.expert_parallel, mc.num_experts,
-                                max_tokens=sc.max_decode_batch, **common))
+                                max_tokens=decode_dispatch_rows(sc.max_decode_batch, topo), **common))
     eng = LockstepEngine(cfg, recorder, rendezvous=rdv, topology=topo, groups=groups, backend=backend,
                          dispatchers=dispatchers, store=store)
     if rendezvous is None:

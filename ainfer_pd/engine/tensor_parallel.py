@@ -28,6 +28,25 @@ bytes of one all-reduce, where an all-reduce before and one after the experts mo
 Shape legend: B = padded decode rows per replica (a multiple of ATP: equal shares), B_s = B / ATP,
 D = hidden. P keeps its full attention-TP all-reduce (eager, its own item between the attention
 and the router).
+
+**D's DP-attention path** (ADP > 1, experts over every rank; SGLang's ``dp_gather`` / ``dp_scatter``
+of ``layers/dp_attention.py``: a reduce-scatter over the attention-TP group, an all-gather across
+the replicas, the part of the layer that runs over every rank, then the way back). Around each
+MoE layer's routed experts, on D's own DP-attention communicator ``attn_dp.D`` (the ranks with this
+TP index in every replica; with P's attention-TP all-reduce the crossed pair of SPEC 2):
+
+    g   = all_gather(xn_s, attn_dp.D)                       [ADP B_s, D]  every replica's share
+    r   = router(g); keep the (row t, slot j) pairs with (t k + j) % ADP == m   (others: -1, not sent)
+    y_m = D dispatcher (EP over every rank) on g, pairs m   [ADP B_s, D]  partial: this member's pairs
+    y_s = reduce_scatter(y_m, attn_dp.D)                    [B_s, D]      every member's slots, own rows
+
+The part run over every rank is the routed-expert sum: this engine's experts are expert-parallel
+with ETP = 1 (each expert whole on one rank), so the gathered rows' partial sums are split by (row,
+top-k slot) pair across the DP group (``m`` = this rank's index in it, ``m = dp_rank``) instead of by
+intermediate column as an expert-TP MoE would: every pair is dispatched exactly once in the world,
+as without the gather, and the sum of the members' partials is the layer's output (up to float
+summation order). Dense layers and the shared
+expert stay local (their weights are whole on every rank: nothing to gather for).
 """
 from __future__ import annotations
 
@@ -39,11 +58,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..comm.ordering import D_ATP_ALL_GATHER, D_ATP_REDUCE_SCATTER, P_ATP_ALL_REDUCE
+from ..comm.ordering import D_ADP_ALL_GATHER, D_ADP_REDUCE_SCATTER, D_ATP_ALL_GATHER, D_ATP_REDUCE_SCATTER, P_ATP_ALL_REDUCE
 from ..errors import TopologyError
 from .moe import Routing
 
-__all__ = ["PhaseHooks", "DecodeHooks", "PrefillHooks", "shard_attention_"]
+__all__ = ["PhaseHooks", "DecodeHooks", "PrefillHooks", "shard_attention_", "decode_dispatch_rows"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,25 +119,46 @@ def shard_attention_(model: Any, tp_rank: int, atp: int) -> Any:
 
 
 # ====================================================================== phase hooks
+def decode_dispatch_rows(max_decode_batch: int, topology: Any) -> int:
+    """The most rows one D dispatch of this rank carries: its share of a replica's padded batch
+    (``ceil(max_decode_batch / ATP)``), times ADP when D's DP-attention path gathers every
+    replica's share (ADP > 1)."""
+    share = -(-max_decode_batch // topology.atp)
+    return share * topology.adp if topology.adp > 1 else max_decode_batch
+
+
 class DecodeHooks:
     """D's collectives and expert path inside its iteration (module docstring). ``colls``: the
     rank's D-phase :class:`~ainfer_pd.comm.collectives.PhaseCollectives`; ``model``: the (sharded)
     model; ``ep``: the :class:`~ainfer_pd.engine.expert_parallel.ExpertParallel` (D's dispatcher
-    chosen by ``ctx``, D's phase context)."""
+    chosen by ``ctx``, D's phase context). With ADP > 1 and expert parallelism the routed experts
+    run on the rows of every replica (:meth:`experts_dp`)."""
 
     def __init__(self, colls: Any, model: Any, ep: Any, ctx: Any) -> None:
         self.colls, self.model, self.ep, self.ctx = colls, model, ep, ctx
         self.tp = colls.active(D_ATP_REDUCE_SCATTER)
         self.tp_rank, self.atp = getattr(model, "tp_shard", (0, 1))
+        self.dp = ep is not None and colls.active(D_ADP_ALL_GATHER)
+        """D's DP-attention gather / scatter runs around the routed experts."""
+        self.adp = colls.size(D_ADP_ALL_GATHER.comm)
+        self.dp_index = colls.members[D_ADP_ALL_GATHER.comm].index(colls.topology.rank) if self.dp else 0
 
     def schedule(self) -> list:
         """The attention collectives of one D iteration, in the order it runs them (D's expert
         exchange is its dispatcher's, on its own communicator: not an attention collective)."""
-        return [D_ATP_REDUCE_SCATTER, D_ATP_ALL_GATHER] * self.model.cfg.num_layers if self.tp else []
+        out: list = []
+        for lyr in self.model.layers:
+            if self.tp:
+                out.append(D_ATP_REDUCE_SCATTER)
+            if self.dp and lyr.is_moe:
+                out += [D_ADP_ALL_GATHER, D_ADP_REDUCE_SCATTER]
+            if self.tp:
+                out.append(D_ATP_ALL_GATHER)
+        return out
 
     def hooks(self) -> PhaseHooks:
-        return PhaseHooks(attn_reduce=self.attn_reduce if self.tp else None,
-                          experts=self.experts if self.ep is not None else None,    # None: every expert local
+        experts = None if self.ep is None else (self.experts_dp if self.dp else self.experts)  # None: every expert local
+        return PhaseHooks(attn_reduce=self.attn_reduce if self.tp else None, experts=experts,
                           gather=self.gather if self.tp else None)
 
     def attn_reduce(self, o: Tensor) -> Tensor:
@@ -128,6 +168,21 @@ class DecodeHooks:
     def experts(self, xn: Tensor, r: Routing, layer: int) -> Tensor:
         """This rank's rows (its share under ATP > 1) through D's dispatcher."""
         return self.ep.run(self.ctx, xn, r, layer)
+
+    def experts_dp(self, xn: Tensor, r: Routing, layer: int) -> Tensor:
+        """[B_s, D] this rank's rows -> [B_s, D] their routed-expert sum, computed over the rows of
+        every replica (module docstring): all-gather on ``attn_dp.D``, this member's top-k slots of
+        every gathered row through D's dispatcher, reduce-scatter on ``attn_dp.D``. ``r`` (the
+        routing of this rank's rows) is recomputed over the gathered rows: every member of the
+        DP group routes the same rows alike."""
+        g = self.colls.run(D_ADP_ALL_GATHER, xn)
+        rg = self.model.route_rows(layer, g)
+        T, k = rg.topk_idx.shape
+        others = torch.arange(T * k, device=g.device).view(T, k) % self.adp != self.dp_index
+        idx = rg.topk_idx.masked_fill(others, -1)           # [ADP B_s, k]: this member's pairs, -1 elsewhere
+        w = rg.topk_weights.masked_fill(others, 0.0)
+        y = self.ep.run(self.ctx, g, Routing(idx, w, None, None), layer)
+        return self.colls.run(D_ADP_REDUCE_SCATTER, y)
 
     def gather(self, h: Tensor) -> Tensor:
         """[B / ATP, D] this rank's rows -> [B, D], every TP rank's, in TP-rank order."""
