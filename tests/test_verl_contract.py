@@ -336,3 +336,130 @@ async def test_rollout_keys_reach_the_server_and_verls_distillation_gets_a_typed
         assert sum("skip_special_tokens" in r.getMessage() for r in caplog.records) == 1
     finally:
         await server.shutdown()
+
+
+# ---------------------------------------------------------------------------- items 5, 8
+def _ppo_config(model_dir: str, **over):
+    """verl's own ``ppo_trainer`` config (hydra compose, as ``main_ppo`` builds it) with the rollout
+    on ainfer_pd serving ``model_dir`` on CPU."""
+    import os
+
+    import verl
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    conf_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    overrides = {
+        "actor_rollout_ref.model.path": model_dir, "actor_rollout_ref.rollout.name": "ainfer_pd",
+        "actor_rollout_ref.rollout.dtype": "float32", "actor_rollout_ref.rollout.prompt_length": 64,
+        "actor_rollout_ref.rollout.response_length": 16, "actor_rollout_ref.rollout.temperature": 0.0,
+        "actor_rollout_ref.rollout.calculate_log_probs": True, "actor_rollout_ref.rollout.n": 1,
+        "actor_rollout_ref.rollout.tensor_model_parallel_size": 1, "actor_rollout_ref.rollout.data_parallel_size": 1,
+        "actor_rollout_ref.rollout.agent.num_workers": 2, "trainer.n_gpus_per_node": 1, "trainer.nnodes": 1,
+        "actor_rollout_ref.rollout.nnodes": 1, "actor_rollout_ref.rollout.n_gpus_per_node": 1,
+        "data.max_prompt_length": 64, "data.max_response_length": 16,
+        "+actor_rollout_ref.rollout.engine_kwargs.ainfer_pd.config": TINY, **over}
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=conf_dir, version_base=None):
+        return compose("ppo_trainer", overrides=[f"{k}={v}" for k, v in overrides.items()])
+
+
+@needs_verl
+async def test_agent_loop_manager_batches_mixed_agent_loops_over_two_workers(ray_cluster, tmp_path):
+    """verl's AgentLoopManager with two AgentLoopWorkers: one worker's chunk runs only
+    ``single_turn_agent``, the other's only ``ainfer_pd_tool_agent``; ``DataProto.concat`` of their
+    outputs needs the same non-tensor keys (before the fix the tool loop added its own and concat failed)."""
+    import numpy as np
+    from verl.experimental.agent_loop.agent_loop import AgentLoopManager
+    from verl.protocol import DataProto
+    from verl.workers.rollout.llm_server import LLMServerManager
+
+    from trainer_examples.verl.make_tiny_cpu import build_model
+    build_model(str(tmp_path / "model"))
+    cfg = _ppo_config(str(tmp_path / "model"))
+    servers = await LLMServerManager.create(cfg)
+    try:
+        manager = await AgentLoopManager.create(config=cfg, llm_client=servers.get_client())
+        assert len(manager.agent_loop_workers) == 2
+        prompts = [[{"role": "user", "content": f"t{20 + i} t21 t22 t23 t24 t25"}] for i in range(4)]
+        batch = DataProto(non_tensor_batch={
+            "raw_prompt": np.array(prompts + [None], dtype=object)[:4],
+            "agent_name": np.array(["single_turn_agent"] * 2 + ["ainfer_pd_tool_agent"] * 2, dtype=object),
+            "index": np.arange(4)})
+        out = await manager.generate_sequences(batch)
+        assert len(out) == 4 and out.batch["responses"].shape[0] == 4
+        from ainfer_pd.integrations.verl.server import EXTRA_FIELDS
+        assert set(EXTRA_FIELDS) <= set(out.non_tensor_batch)      # the server's fields, copied by both loops
+        assert not {"ainfer_pd_cached_tokens", "ainfer_pd_sent_tokens"} & set(out.non_tensor_batch)
+        assert list(out.non_tensor_batch["agent_name"]) == list(batch.non_tensor_batch["agent_name"])
+    finally:
+        for r in servers.get_replicas():
+            await kill(r)
+
+
+@needs_verl
+async def test_every_token_output_has_the_same_extra_fields():
+    """verl's agent loops copy ``TokenOutput.extra_fields`` into their outputs: completed, aborted
+    mid-turn, aborted before the worker and refused at a rejecting gate all carry one key set."""
+    from ainfer_pd.integrations.verl.server import EXTRA_FIELDS
+    server = await _server()
+    try:
+        done = await server.generate([3, 4, 5], {**GREEDY, "max_tokens": 3}, "done")
+        long = asyncio.ensure_future(server.generate([6, 7, 8], {**GREEDY, "max_tokens": 3000, "ignore_eos": True},
+                                                     "long"))
+        while not server.worker.trajectories or not any(t.tokens or t.turn for t in server.worker.trajectories.values()):
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        await server.abort_all_requests(reject_request=True)
+        mid = await long
+        rejected = await server.generate([9, 10], {**GREEDY, "max_tokens": 3}, "rejected")
+        await server.resume_generation()
+        assert (done.stop_reason, mid.stop_reason, rejected.stop_reason) == ("completed", "aborted", "aborted")
+        assert 0 < len(mid.token_ids) < 3000
+        for out in (done, mid, rejected):
+            assert tuple(out.extra_fields) == EXTRA_FIELDS, out.extra_fields
+    finally:
+        await server.shutdown()
+
+
+@needs_verl
+async def test_tool_agent_under_fully_async_client_sends_only_new_tokens_and_releases(ray_cluster):
+    """``ainfer_pd_tool_agent`` driven through verl's FullyAsyncLLMServerClient (which rebuilds each
+    TokenOutput and keeps none of the server's fields): turns 2-3 send only the new tokens (the
+    server receives the prompt once plus the observations), and the trajectory is released at the
+    end of the episode (before the fix: the whole context each turn, and the trajectory kept)."""
+    import hydra
+    from omegaconf import OmegaConf
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap, _agent_loop_registry
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+    from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
+    from verl.workers.rollout.router import get_router_handle
+
+    from ainfer_pd.integrations.verl.scripted import scripted_tool, word_tokenizer
+    from tests.test_verl_integration import trainer_config
+
+    tool = scripted_tool("ainfer_pd_test", latency_s=0.01)
+    replica = await launch_replica("fullyasync_agent")
+    server = replica.server_handle
+    try:
+        rc = rollout_config()
+        rc.multi_turn.format = "ainfer_pd_test"
+        rc.multi_turn.max_assistant_turns = 3
+        rc.multi_turn.max_tool_response_length = 256
+        cfg = trainer_config(rc)
+        client = FullyAsyncLLMServerClient(cfg, load_balancer_handle=get_router_handle(
+            servers={replica.server_address: server}))
+        loop = hydra.utils.instantiate(
+            _agent_loop_registry["ainfer_pd_tool_agent"], trainer_config=DictConfigWrap(cfg), server_manager=client,
+            tokenizer=word_tokenizer(), processor=None, hf_model_type=None, dataset_cls=RLHFDataset,
+            data_config=DictConfigWrap(OmegaConf.create({})), tools=ToolListWrap([tool]))
+        out = await loop.run({**GREEDY, "max_tokens": 6},
+                             raw_prompt=[{"role": "user", "content": "t20 t21 t22 t23 t24 t25 t26 t27 t28"}])
+        stats = (await server.metrics.remote())["server"]
+        assert stats["retained"] == 0                             # released at the end of the episode
+        sent, cached = loop.episode.sent_tokens, loop.episode.cached_tokens
+        prompt_len = len(out.prompt_ids)
+        assert len(sent) == 3 and sent[0] == prompt_len and all(0 < s < prompt_len for s in sent[1:]), sent
+        assert all(c > 0 for c in cached[1:]), cached
+        assert stats["request_tokens"] == sum(sent)               # what reached the server
+    finally:
+        await kill(replica)

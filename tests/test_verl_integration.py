@@ -204,8 +204,10 @@ async def test_agent_loop_multi_turn_continue_reports_cached_tokens(ray_cluster)
             data_config=DictConfigWrap(OmegaConf.create({})), tools=ToolListWrap([tool]))
         out = await loop.run({**GREEDY, "max_tokens": 6},
                              raw_prompt=[{"role": "user", "content": "t20 t21 t22 t23 t24 t25 t26 t27 t28"}])
-        cached = out.extra_fields["ainfer_pd_cached_tokens"]
-        sent = out.extra_fields["ainfer_pd_sent_tokens"]
+        cached, sent = loop.episode.cached_tokens, loop.episode.sent_tokens
+        from ainfer_pd.integrations.verl.server import EXTRA_FIELDS
+        assert not {"ainfer_pd_cached_tokens", "ainfer_pd_sent_tokens"} & set(out.extra_fields)   # no keys of its own
+        assert set(EXTRA_FIELDS) <= set(out.extra_fields)            # the server's, as every loop copies them
         assert len(cached) == 3 and cached[0] == 0
         assert all(c > 0 for c in cached[1:]), cached
         prompt_len = len(out.prompt_ids)

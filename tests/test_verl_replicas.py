@@ -254,7 +254,7 @@ async def test_two_rank_replica_serves_agent_loop_syncs_profiles_and_fails_typed
             data_config=DictConfigWrap(OmegaConf.create({})), tools=ToolListWrap([tool]))
         out = await loop.run({**GREEDY, "max_tokens": 6},
                              raw_prompt=[{"role": "user", "content": "t20 t21 t22 t23 t24 t25 t26 t27 t28"}])
-        cached = out.extra_fields["ainfer_pd_cached_tokens"]
+        cached = loop.episode.cached_tokens
         assert len(cached) == 3 and cached[0] == 0 and all(c > 0 for c in cached[1:]), cached
 
         adapter = get_rollout_class("ainfer_pd", "async")(config=rc, model_config=model_config, device_mesh=None,

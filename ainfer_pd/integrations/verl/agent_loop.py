@@ -5,24 +5,26 @@ tool responses) every turn; ``LLMServerClient`` even gives each turn a fresh req
 This loop keeps the same state machine, tools, tool parser and Continuous-Token
 tokenisation, but routes every turn through an :class:`EpisodeClient` that:
 
-* remembers the episode's ainfer-pd trajectory id and the context the server holds
-  (prompt + generated tokens);
+* names the episode's ainfer-pd trajectory itself (``ainfer_pd_trajectory_id``, sent with every
+  turn), so it needs nothing back from the client: verl's ``FullyAsyncLLMServerClient`` rebuilds
+  each ``TokenOutput`` across partial-rollout resumes and keeps none of the server's fields;
+* remembers the context the server holds (prompt + generated tokens) after a completed turn;
 * when the new prompt extends that context, sends **only the new observation tokens**
-  with ``ainfer_pd_continue=True`` (the server calls ``worker.continue_``), so the server
-  prefills just the suffix and reuses the KV of earlier turns;
-* otherwise (first turn, or the builder re-rendered earlier tokens) sends the full
-  context with the session hint ``session_id=<episode request id>``;
-* releases the trajectory when the episode ends.
+  with ``ainfer_pd_continue=True``, so the server prefills just the suffix and reuses the KV
+  of earlier turns (a resume of an aborted turn inside ``FullyAsyncLLMServerClient`` sends the
+  same new tokens plus the partial ones, which the server holds already);
+* otherwise (first turn, the builder re-rendered earlier tokens, or the server no longer holds
+  the trajectory: ``UnknownTrajectoryError``) sends the full context;
+* releases the trajectory when the episode ends (through the client's sticky routing).
 
-Every ``TokenOutput`` carries ``extra_fields["num_cached_tokens"]``; the per-turn values
-are collected in ``AgentLoopOutput.extra_fields["ainfer_pd_cached_tokens"]``.
-
-Use it with ``LLMServerClient`` (the default). ``FullyAsyncLLMServerClient`` works too:
-an aborted turn releases the trajectory's KV and the retry re-prefills its context.
+The loop's output has the same keys as every other agent loop's (``DataProto.concat`` of a
+batch mixing agent loops needs that); the episode's per-turn numbers (tokens sent, prompt
+tokens served from cache) are on the loop's ``episode`` (:class:`EpisodeClient`).
 """
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any, Optional
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, register
@@ -34,76 +36,76 @@ AGENT_NAME = "ainfer_pd_tool_agent"
 
 
 class EpisodeClient:
-    """Wraps verl's ``LLMServerClient`` for one episode (same ``generate`` signature)."""
+    """Wraps verl's ``LLMServerClient`` (or ``FullyAsyncLLMServerClient``) for one episode (same
+    ``generate`` signature)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
-        self.trajectory_id: Optional[str] = None
+        self.trajectory_id = f"ep-{uuid.uuid4().hex[:16]}"
         self.context: Optional[list[int]] = None
         self.request_id: Optional[str] = None
         self.cached_tokens: list[int] = []
         self.sent_tokens: list[int] = []
+        self.released = False
 
     def __getattr__(self, name: str) -> Any:  # anything else: the real client
         return getattr(self.inner, name)
 
     async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
+        from ...errors import UnknownTrajectoryError
         self.request_id = request_id
         prompt_ids = [int(t) for t in prompt_ids]
         ctx = self.context
-        if (self.trajectory_id is not None and ctx is not None and len(prompt_ids) > len(ctx)
-                and prompt_ids[: len(ctx)] == ctx):
+        send = prompt_ids
+        out = None
+        if ctx is not None and len(prompt_ids) > len(ctx) and prompt_ids[: len(ctx)] == ctx:
             send = prompt_ids[len(ctx):]
-            out = await self.inner.generate(request_id, prompt_ids=send, sampling_params=sampling_params,
-                                            ainfer_pd_trajectory_id=self.trajectory_id, ainfer_pd_continue=True,
-                                            **kwargs)
-            if out.extra_fields.get("ainfer_pd_resend_full"):
+            try:
+                out = await self.inner.generate(request_id, prompt_ids=send, sampling_params=sampling_params,
+                                                ainfer_pd_trajectory_id=self.trajectory_id, ainfer_pd_continue=True,
+                                                **kwargs)
+            except UnknownTrajectoryError:      # not retained there any more (cleared, evicted): all of it
                 send = prompt_ids
-                out = await self.inner.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params,
-                                                session_id=request_id, **kwargs)
-        else:
-            send = prompt_ids
+        if out is None:
             out = await self.inner.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params,
-                                            session_id=request_id, **kwargs)
+                                            ainfer_pd_trajectory_id=self.trajectory_id, **kwargs)
         self.sent_tokens.append(len(send))
         self.cached_tokens.append(int(out.extra_fields.get("num_cached_tokens") or 0))
-        tid = out.extra_fields.get("ainfer_pd_trajectory_id")
-        if tid and out.stop_reason != "aborted":
-            self.trajectory_id, self.context = tid, prompt_ids + list(out.token_ids)
-        else:
-            self.trajectory_id, self.context = None, None
+        # after an aborted turn the server's context is not known here: the next turn sends it all
+        self.context = prompt_ids + list(out.token_ids) if out.stop_reason not in ("aborted", "abort") else None
         return out
 
     async def release(self) -> None:
         """Free the episode's KV on its server (sticky routing finds the same replica)."""
-        if self.trajectory_id is None or self.request_id is None:
+        if self.request_id is None or self.released:
             return
         acquire = getattr(self.inner, "_acquire_server", None)
         release = getattr(self.inner, "_release_server", None)
         if acquire is None or release is None:
             return  # the server's LRU eviction frees it later
-        tid, self.trajectory_id, self.context = self.trajectory_id, None, None
+        self.released, self.context = True, None
         try:
             server_id, server = await acquire(self.request_id)
             try:
-                await server.release_trajectory.remote(tid)
+                await server.release_trajectory.remote(self.trajectory_id)
             finally:
                 release(server_id, request_id=self.request_id)
         except Exception as exc:  # never fail an episode over cleanup
-            logger.debug("ainfer_pd: releasing trajectory %s failed: %s", tid, exc)
+            logger.debug("ainfer_pd: releasing trajectory %s failed: %s", self.trajectory_id, exc)
 
 
 @register(AGENT_NAME)
 class AInferPDToolAgentLoop(ToolAgentLoop):
+    episode: Optional[EpisodeClient] = None
+    """The last episode's client: its trajectory id and per-turn ``sent_tokens`` / ``cached_tokens``."""
+
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
         real = self.server_manager
         client = EpisodeClient(real)
+        self.episode = client
         self.server_manager = client
         try:
-            output = await super().run(sampling_params, **kwargs)
+            return await super().run(sampling_params, **kwargs)
         finally:
             self.server_manager = real
             await client.release()
-        output.extra_fields["ainfer_pd_cached_tokens"] = list(client.cached_tokens)
-        output.extra_fields["ainfer_pd_sent_tokens"] = list(client.sent_tokens)
-        return output

@@ -40,6 +40,11 @@ from .weight_staging import WeightSync
 logger = logging.getLogger(__name__)
 
 
+#: The keys of every ``TokenOutput.extra_fields`` this server returns, whatever the path.
+EXTRA_FIELDS = ("global_steps", "num_cached_tokens", "num_prompt_tokens", "ainfer_pd_trajectory_id", "ttft_s",
+                "latency_s")
+
+
 def _routed(out: Any) -> Any:
     """``TurnOutput.routed_experts`` as verl's ``TokenOutput`` carries it (vLLM / SGLang servers: a
     numpy array ``[tokens, layers, top_k]`` over the whole sequence; verl's agent loop casts it to
@@ -194,7 +199,12 @@ class AInferPDServer(ResidencyControl, WeightSync, TrajectoryReuse):
         **kwargs: Any,
     ):
         """verl's server ``generate``: token ids in, :class:`TokenOutput` out. Two requests in flight
-        with one ``request_id``: the second raises :class:`DuplicateRequestError`."""
+        with one ``request_id``: the second raises :class:`DuplicateRequestError`.
+
+        ``ainfer_pd_trajectory_id`` names the client's trajectory (``ainfer_pd_tool_agent``: one per
+        episode): the turn runs under that name. With ``ainfer_pd_continue``, ``prompt_ids`` are
+        only the new tokens after the context the server holds for it; a trajectory not retained
+        here raises :class:`UnknownTrajectoryError` (the client then sends the whole context)."""
         if image_data or video_data or audio_data:
             raise InvalidRequestError("ainfer-pd serves text-only MoE models: image/video/audio data is not supported")
         if not isinstance(request_id, str) or not request_id:
@@ -218,11 +228,14 @@ class AInferPDServer(ResidencyControl, WeightSync, TrajectoryReuse):
         if self.ranks is not None:
             self.ranks.check()                    # a dead rank: its typed error, not a hang
         prompt_ids = [int(t) for t in (prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else prompt_ids)]
-        extra: dict[str, Any] = {"global_steps": self.global_steps}
+        # every TokenOutput carries the same extra_fields keys (EXTRA_FIELDS; None where a path has no
+        # value): verl's agent loops copy them into their outputs, and DataProto.concat of the batches
+        # of several AgentLoopWorkers needs one key set
+        extra: dict[str, Any] = dict.fromkeys(EXTRA_FIELDS)
+        extra.update(global_steps=self.global_steps, num_cached_tokens=0)
 
-        def aborted(**more) -> "TokenOutput":
-            return TokenOutput(token_ids=[], log_probs=None, stop_reason="aborted",
-                               extra_fields={**extra, "num_cached_tokens": 0, **more})
+        def aborted() -> "TokenOutput":
+            return TokenOutput(token_ids=[], log_probs=None, stop_reason="aborted", extra_fields=dict(extra))
 
         while self._paused:
             if self._rejecting:
@@ -232,17 +245,27 @@ class AInferPDServer(ResidencyControl, WeightSync, TrajectoryReuse):
         # ---- choose the KV-reuse path
         tid: Optional[str] = None
         obs: Optional[list[int]] = None
+        named = ainfer_pd_trajectory_id
+        if named is not None and (not isinstance(named, str) or not named):
+            raise InvalidRequestError(f"ainfer_pd_trajectory_id must be a non-empty string, got {named!r}")
+        if named is not None and named in self._busy:
+            raise TrajectoryBusyError(f"trajectory {named} already has a turn in flight")
         if ainfer_pd_continue:
-            if ainfer_pd_trajectory_id not in self._contexts:
+            if named not in self._contexts:
                 # Context unknown here (released, cleared, other replica): the client re-sends it all.
-                return aborted(ainfer_pd_resend_full=True)
-            if ainfer_pd_trajectory_id in self._busy:
-                raise TrajectoryBusyError(f"trajectory {ainfer_pd_trajectory_id} already has a turn in flight")
-            tid, obs = ainfer_pd_trajectory_id, prompt_ids
+                raise UnknownTrajectoryError(f"trajectory {named!r} is not retained on this server: "
+                                             "send the whole context")
+            tid, obs = named, prompt_ids
             full = self._contexts[tid] + obs
         else:
             full = prompt_ids
-            tid = self._find_reuse(full, session_id)
+            # a trajectory the client named (its episode) is used under that name (its KV when retained;
+            # prefix blocks are shared by content either way); else the best retained match
+            if named is not None:
+                tid = named if named in self._contexts else None
+            else:
+                tid = self._find_reuse(full, session_id)
+        self.stats["request_tokens"] += len(prompt_ids)
         sp = self._map(sampling_params, len(full))
         if self.routing_replay:
             sp = dataclasses.replace(sp, return_routed_experts=True)
@@ -250,7 +273,7 @@ class AInferPDServer(ResidencyControl, WeightSync, TrajectoryReuse):
         # Admitted: no await since the gate was passed, so abort_all_requests sees every request
         # that is past it. A new trajectory gets its id here, so abort_request can abort it (and
         # keep its partial output).
-        fresh = f"verl-{uuid.uuid4().hex[:16]}"
+        fresh = named or f"verl-{uuid.uuid4().hex[:16]}"
         self._busy.add(tid or fresh)
         self._inflight[request_id] = tid or fresh
         prior_ctx = self._contexts.get(tid) if tid else None
