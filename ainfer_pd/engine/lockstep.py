@@ -268,16 +268,9 @@ class LockstepEngine(Engine):
         self._pausing = True
         self._notify()
         mark = self.num_steps
-        import time as _t
-        _t0 = _t.monotonic()
-        _warned = False
         while (self.num_steps <= mark + 1 or self._p_running or self.rank not in self._asleep_ranks) \
                 and not self.closing:
             await self._changed_or(IDLE_BACKOFF_S)
-            if not _warned and _t.monotonic() - _t0 > 3:
-                _warned = True
-                with open(f"/tmp/w/quiesce_rank{self.rank}.log", "a") as f:
-                    f.write(f"stuck: steps {self.num_steps} mark {mark} p_running {self._p_running} asleep {self._asleep_ranks} d_iters {self.num_d_iters}\n")
 
     def resume(self) -> None:
         """Back from sleep: this rank takes part again from its next step (when its memory is back)."""
