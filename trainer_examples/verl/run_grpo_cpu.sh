@@ -33,6 +33,7 @@ exec python -m verl.trainer.main_ppo \
   actor_rollout_ref.model.use_remove_padding=False \
   +actor_rollout_ref.model.override_config.attn_implementation=sdpa \
   actor_rollout_ref.actor.strategy=fsdp2 \
+  '+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}' \
   actor_rollout_ref.actor.use_kl_loss=False \
   actor_rollout_ref.actor.ppo_mini_batch_size=2 \
   actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2 \
