@@ -62,3 +62,18 @@ def test_the_table_of_a_merged_world_shows_d_wait_rendezvous_and_concurrency():
     assert s["rendezvous"] == 30.0
     assert math.isclose(s["d_wait_mean_s"], 0.003)
     assert math.isclose(s["concurrent_fraction"], 0.4)
+
+
+def test_the_p_epoch_split_reads_one_ranks_times_and_counts():
+    from ainfer_pd.metrics.report import aggregate
+    from ainfer_pd.workload.world import epoch_split, format_split
+    ranks = [_rank(leader=True, p_permit=0.4), _rank(leader=False, p_permit=0.6)]
+    for m in ranks:
+        m.update({"p_epoch_s_count": 6, "p_epoch_s_sum": 1.2, "p_epoch_s_mean": 0.2,
+                  "p_counts_wait_s_count": 24, "p_counts_wait_s_sum": 0.3, "p_counts_wait_s_mean": 0.0125})
+    sp = epoch_split(merge_metrics(ranks))
+    assert sp["split_p_epochs"] == 6 and math.isclose(sp["split_p_epoch_ms"], 200.0)
+    assert math.isclose(sp["split_p_permit_wait_s"], 0.5) and math.isclose(sp["split_p_counts_wait_s"], 0.3)
+    assert math.isclose(sp["split_rendezvous_s"], 0.03)
+    text = format_split({"fine-grained": aggregate([sp | {"rendezvous": 30.0}])})
+    assert "fine-grained: 6  200.0  0.500  0.300  0.030  30" in text

@@ -178,6 +178,33 @@ def run_world(cfg: WorkerConfig, trace: Trace, world_size: int, *, cell: str, se
     return merge(results)
 
 
+SPLIT = (("split_p_epochs", "P epochs", "{:.0f}"), ("split_p_epoch_ms", "P epoch ms", "{:.1f}"),
+         ("split_p_permit_wait_s", "permit wait s", "{:.3f}"), ("split_p_counts_wait_s", "counts wait s", "{:.3f}"),
+         ("split_rendezvous_s", "rdv s", "{:.3f}"), ("rendezvous", "rdv", "{:.0f}"),
+         ("split_d_boundary_wait_s", "D bnd wait s", "{:.3f}"), ("split_d_iters", "D iters", "{:.0f}"))
+"""The P epoch split of a multi-rank run (one rank's: counts of world events, times averaged over ranks)."""
+
+
+def epoch_split(m: dict[str, Any]) -> dict[str, float]:
+    """Where a rank's P epochs went (merged metrics, :func:`merge_metrics`): epochs and their mean
+    wall time, the rank's total time waiting for permits, for receive counts, in rendezvous, and D's
+    boundary waits."""
+    g = lambda k: float(m.get(k, 0.0) or 0.0)        # noqa: E731
+    return {"split_p_epochs": g("p_epoch_s_count"), "split_p_epoch_ms": 1e3 * g("p_epoch_s_mean"),
+            "split_p_permit_wait_s": g("p_wait_permit_s_sum"), "split_p_counts_wait_s": g("p_counts_wait_s_sum"),
+            "split_rendezvous_s": g("rendezvous_s_sum"), "split_d_boundary_wait_s": g("d_boundary_wait_s_sum"),
+            "split_d_iters": g("d_iter_s_count")}
+
+
+def format_split(aggs: dict[str, dict[str, dict[str, float]]]) -> str:
+    """The P epoch split per policy (medians over the repeats), one line each."""
+    lines = ["P epoch split (per rank, medians): " + ", ".join(h for _, h, _ in SPLIT)]
+    for pol, agg in aggs.items():
+        vals = [fmt.format(agg[k]["median"]) if k in agg else "-" for k, _, fmt in SPLIT]
+        lines.append(f"  {pol}: " + "  ".join(vals))
+    return "\n".join(lines)
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """The ``--world-size N`` path of ``ainfer-pd replay`` / ``bench``."""
     from ..cli import _opt, build_trace, load_config
@@ -204,11 +231,12 @@ def run_cli(args: argparse.Namespace) -> int:
             for rep in range(repeats):
                 res = run_world(c, trace, ws, cell=cell, seed=args.seed, time_scale=time_scale)
                 failures += res.failures
-                runs.append(summarize(res))
+                runs.append(summarize(res) | epoch_split(res.metrics))
                 print(f"  {pol} cell {cell} run {rep + 1}: makespan {res.makespan_s:.2f} s, "
                       f"{res.completed}/{res.planned_requests} requests", file=sys.stderr, flush=True)
             aggs[pol] = aggregate(runs)
         print(format_table(aggs, baseline=policies[0], title=f"cell {cell}, world size {ws}"))
+        print(format_split(aggs))
     return 1 if failures else 0
 
 
