@@ -1,7 +1,10 @@
 """A stateful property test of the public API of ``RolloutWorker`` (issue 13).
 
 Hypothesis drives a worker through random programs of generate / continue_ / abort / release /
-cancel-at-a-random-point / update_weights / sleep / wake_up / abort_all calls, with random tool
+cancel-at-a-random-point / update_weights (pairs, mappings, buckets, async generators of buckets)
+/ sleep (levels 0, 1, 2 with the weights kept or dropped, with a turn, an update, a racing update
+or abort_all in between) / wake_up (all tags or one at a time) / abort_all (also racing an
+update) calls, with random tool
 waits (the engine keeps running between steps), tiny and large KV caches, and random valid,
 edge and invalid sampling parameters, prompts and weight updates. The worker runs on its own
 event-loop thread, as in a trainer; the test thread submits every call there and waits for it
@@ -20,10 +23,13 @@ After every step and at teardown:
 * leaving ``async with`` raises nothing, and no stream thread or asyncio task is left behind.
 
 One rank under every policy (a fresh worker per example), and two gloo ranks under fine-grained
-(the lockstep engine; each rank runs its own program on one long-lived worker, with a smaller
-rule set: no valid weight update, which would have to be applied on every rank at once).
+(the lockstep engine; each rank runs its own program on one long-lived worker). On two ranks a
+weight sync is one collective act (issue 34, item 16): rank 0's program starts each sync and
+rank 1's sync agent joins it with its own part (both valid, one rank's part malformed, or
+different manifests); the parent checks both ranks' outcomes pairwise. Sleeps there keep the
+weights (a dropped rank would need a collective refill); a rank's turns wait while its peer sleeps.
 
-CI profile: a fixed seed, derandomized, about 2 minutes in all. Longer profile:
+CI profile: a fixed seed, derandomized, about 2 minutes in all on 2 cores. Longer profile:
 ``python -m pytest -q tests/test_property_api.py --soak`` (``AINFER_PD_SOAK_EXAMPLES``,
 ``AINFER_PD_SOAK_SEED`` to change its size and seed; random seeds otherwise, printed on a failure).
 A failing program is reported as found; ``AINFER_PD_PROPERTY_SHRINK=1`` shrinks it first (a
@@ -64,6 +70,8 @@ TINY_CACHES = (12, 16, 24)
 LARGE_CACHE = 4096
 EDGE_TEMPERATURES = (1e-45, 1.2e-38, 1e-30, 1e-8, 1e-6, 1e-5)
 """Tiny positive temperatures (case 5 of issue 13): rejected, or sampled without NaN."""
+COLLECTIVE_KINDS = ("valid", "valid", "leader_bad", "follower_bad", "mismatch")
+"""What the two ranks' parts of a collective weight sync are (issue 34, item 16)."""
 
 
 STATS: dict[str, int] = {}
@@ -261,7 +269,8 @@ class WorkerMachine(RuleBasedStateMachine):
         self.checked: list[Checked] = []
         self.versions: dict[int, dict[str, torch.Tensor]] = {0: {}}
         self.version = 0
-        self.updates: list[tuple[float, float]] = []     # loop-time intervals of valid updates
+        # loop-time intervals of valid updates (several ranks: shared with the rank's sync agent)
+        self.updates: list = [] if self.SHARED is None else self.SHARED["updates"]
         self.failed = False
         self.n_tid = 0
         self.num_blocks = LARGE_CACHE
@@ -665,11 +674,15 @@ class WorkerMachine(RuleBasedStateMachine):
             self.check(free == self.num_blocks, f"after sleep() {free} of {self.num_blocks} KV blocks are free")
 
     # ------------------------------------------------------------------ rules: weights
+    @precondition(lambda self: self.SHARED is None)
     @rule(kind=st.sampled_from(["valid", "valid_dict", "valid_async", "valid_buckets", "unknown_name", "bad_shape",
                                 "nan", "int_dtype", "three_tuple", "not_a_tensor", "meta", "sparse", "not_pairs",
                                 "name_not_str", "async_bad_last"]),
           seed=st.integers(0, 2 ** 16))
     def update_weights(self, kind: str, seed: int) -> None:
+        if self.SHARED is not None:
+            # several ranks: every call is one collective sync (issue 34, item 16): see collective_update
+            return
         base = self.current_state()
         names = self.sync_names()
         rng = random.Random(seed)
@@ -748,8 +761,11 @@ class WorkerMachine(RuleBasedStateMachine):
         during = data.draw(st.sampled_from(["none", "generate", "update", "update_racing", "abort_all"]), label="during")
         wake = data.draw(st.sampled_from(["all", "all", "kv_first", "weights_first"]), label="wake")
         seed = data.draw(st.integers(0, 2 ** 16), label="seed")
-        if not self.VALID_UPDATES and during in ("update", "update_racing"):
-            during = "none"            # several ranks: a valid update is a collective act (not in these programs)
+        if self.SHARED is not None:
+            # several ranks: a weight update is a collective act (collective_update), and dropped
+            # weights would need one to refill them
+            during = "none" if during in ("update", "update_racing") else during
+            keep = True
         in_flight = [c for c in self.calls if c.expect == "ok"]
         names = self.sync_names()
         rng = random.Random(seed)
@@ -766,6 +782,12 @@ class WorkerMachine(RuleBasedStateMachine):
                 return type(exc).__name__, exc, t0, self.lt.now()
 
         async def go() -> dict:
+            if self.SHARED is not None:            # not while this rank's sync agent runs a collective sync
+                async with self.SHARED["ctl"][0]:
+                    return await body()
+            return await body()
+
+        async def body() -> dict:
             out: dict = {}
             for c in in_flight:
                 c.abort_issued = True
@@ -853,6 +875,42 @@ class WorkerMachine(RuleBasedStateMachine):
         self.version += 1
         self.versions[self.version] = merged
         self.updates.append((t0, t1))
+
+    # ------------------------------------------------------------------ rules: collective syncs (issue 34, item 16)
+    @precondition(lambda self: self.SHARED is not None and self.SHARED["rank"] == 0)
+    @rule(kind=st.sampled_from(COLLECTIVE_KINDS), seed=st.integers(0, 2 ** 16))
+    def collective_update(self, kind: str, seed: int) -> None:
+        """Several ranks: rank 0's program starts a weight sync and rank 1's sync agent joins it
+        (:func:`_sync_agent`), each with its part of ``kind``: both valid (written on both, then
+        restored by a second collective sync), rank 0's or rank 1's part malformed, or different
+        manifests. Each rank logs its outcome; the parent checks them pairwise."""
+        if self.SHARED is None or self.SHARED["rank"] != 0:
+            return
+        sh = self.SHARED
+        for k_kind in ([kind, "restore"] if kind == "valid" else [kind]):
+            k = sh["k"]
+            sh["k"] += 1
+            arg = _collective_part(k_kind, seed, 0, self.versions[0], self.sync_names())
+
+            async def go() -> tuple:
+                store = _store()
+                await asyncio.to_thread(store.set, f"prop/upd/{k}", f"{k_kind}|{seed}")
+                iv = [self.lt.now(), math.inf]
+                if k_kind in ("valid", "restore"):  # a failed sync writes nothing: turns beside it are checked
+                    self.updates.append(iv)
+                try:
+                    n = await self.w.update_weights(arg, partial=True)
+                    res = ("ok", n)
+                except BaseException as exc:      # noqa: BLE001 - judged by the parent
+                    res = (type(exc).__name__, getattr(exc, "ranks", None))
+                iv[1] = self.lt.now()
+                return res
+            res = self.run(go(), f"collective update #{k} ({k_kind})")
+            sh["log"].append((k, k_kind, *res))
+            _count(f"collective.{k_kind}.{res[0]}")
+            self.check(isinstance(res[0], str), f"collective update {k_kind}: {res}")
+            if res[0] != "ok":
+                break
 
     # ------------------------------------------------------------------ rules: loop affinity
     def call_from_a_foreign_loop(self) -> None:
@@ -1062,6 +1120,67 @@ class WorkerMachine(RuleBasedStateMachine):
         self.check(not left, f"asyncio tasks left behind after exit: {left}")
 
 
+def _store():
+    from ainfer_pd.launch import get_store
+    return get_store()
+
+
+def _collective_part(kind: str, seed: int, rank: int, base: dict, names: list[str]) -> list:
+    """This rank's part of a collective sync of ``kind`` (the same tensors on every rank unless
+    ``kind`` breaks one rank's part)."""
+    pick = random.Random(seed).sample(names, 3)
+    if kind == "restore":
+        return [(n, base[n].clone()) for n in pick]
+    new = _perturbed(base, pick, seed)
+    pairs = list(new.items())
+    if kind == "leader_bad" and rank == 0 or kind == "follower_bad" and rank == 1:
+        pairs[0] = (pairs[0][0], pairs[0][1].flatten()[:-1])
+    elif kind == "mismatch" and rank == 1:
+        pairs = pairs[:-1]
+    return pairs
+
+
+async def _sync_agent(w, shared: dict, stop: asyncio.Event) -> None:
+    """Rank 1: join every collective sync rank 0's program starts (in order), with this rank's
+    part; never while this rank's own program runs a sleep rule (the ``ctl`` lock)."""
+    store = _store()
+    loop = asyncio.get_running_loop()
+    base = {n: p.detach().clone() for n, p in w.model.named_parameters()}
+    names = [n for n in sorted(base) if n.rsplit(".", 1)[-1] not in ("w13", "w2")]
+    k = 0
+    while True:
+        key = f"prop/upd/{k}"
+        while not await asyncio.to_thread(store.check, [key]):
+            if stop.is_set():
+                return
+            await asyncio.sleep(0.005)
+        kind, seed = (await asyncio.to_thread(store.get, key)).decode().split("|")
+        if kind == "done":                    # rank 0's programs ended
+            return
+        arg = _collective_part(kind, int(seed), 1, base, names)
+        async with shared["ctl"][0]:
+            iv = [loop.time(), math.inf]
+            if kind in ("valid", "restore"):      # a failed sync writes nothing: turns beside it are checked
+                shared["updates"].append(iv)
+            try:
+                n = await w.update_weights(arg, partial=True)
+                res = ("ok", n)
+            except Exception as exc:          # noqa: BLE001 - judged by the parent
+                res = (type(exc).__name__, getattr(exc, "ranks", None))
+            iv[1] = loop.time()
+        shared["log"].append((k, kind, *res))
+        k += 1
+
+
+EXPECTED_COLLECTIVE = {
+    # kind: (rank 0's outcome, rank 1's outcome, ranks named by WeightSyncError)
+    "valid": ("ok", "ok"), "restore": ("ok", "ok"),
+    "leader_bad": ("WeightUpdateError", "WeightSyncError"),
+    "follower_bad": ("WeightSyncError", "WeightUpdateError"),
+    "mismatch": ("WeightSyncMismatchError", "WeightSyncMismatchError"),
+}
+
+
 async def _agen(items):
     """An async generator of ``items`` (a weight source in verl's checkpoint-engine form)."""
     for it in items:
@@ -1132,7 +1251,7 @@ def test_public_api_state_machine_one_rank(policy, request):
         seed = int(os.environ["AINFER_PD_SOAK_SEED"]) + POLICIES.index(policy) if os.environ.get("AINFER_PD_SOAK_SEED") else None
     STATS.clear()
     try:
-        _run(_machine(policy), _settings(request, examples=10, steps=30), seed)
+        _run(_machine(policy), _settings(request, examples=8, steps=30), seed)
     finally:
         _print_stats(policy)
 
@@ -1149,15 +1268,27 @@ def _rank_property(rank: int, world_size: int, examples: int, steps: int, soak: 
     entered: cf.Future = cf.Future()
     stop: list[asyncio.Event] = []
 
+    shared: dict = {"checked": [], "updates": [], "log": [], "rank": rank, "k": 0, "ctl": []}
+    agent_done = threading.Event()
+
     async def keep() -> None:
         stop.append(asyncio.Event())
         async with RolloutWorker(cfg) as w:
-            entered.set_result(w)
-            await stop[0].wait()
+            shared["ctl"].append(asyncio.Lock())
+            agent_stop = asyncio.Event()
+            async with asyncio.TaskGroup() as tg:
+                if rank == 1:
+                    agent = tg.create_task(_sync_agent(w, shared, agent_stop), name="sync-agent")
+                    agent.add_done_callback(lambda _t: agent_done.set())
+                else:
+                    agent_done.set()
+                entered.set_result(w)
+                await stop[0].wait()
+                agent_stop.set()
 
     keeper = lt.submit(keep())
     w = entered.result(120)
-    shared = {"lt": lt, "worker": w, "checked": []}
+    shared.update({"lt": lt, "worker": w})
     machine = type(f"Machine_rank{rank}", (WorkerMachine,), {"SHARED": shared, "VALID_UPDATES": False})
     s = settings(max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
                  derandomize=not soak, phases=[Phase.explicit, Phase.reuse, Phase.generate],
@@ -1168,6 +1299,11 @@ def _rank_property(rank: int, world_size: int, examples: int, steps: int, soak: 
         _run(machine, s, None if soak else CI_SEED + 100 + rank)
     except BaseException as exc:              # noqa: BLE001 - reported by the parent with the rank
         error = f"{type(exc).__name__}: {exc}"
+    _print_stats(f"rank {rank}")
+    if rank == 0:                              # rank 1's sync agent joins no more syncs
+        _store().set(f"prop/upd/{shared['k']}", "done|0")
+    if not agent_done.wait(120) and error is None:
+        error = "rank 1's sync agent did not see rank 0's programs end"
     lt.loop.call_soon_threadsafe(stop[0].set)
     exit_error = None
     try:
@@ -1177,22 +1313,33 @@ def _rank_property(rank: int, world_size: int, examples: int, steps: int, soak: 
     live = [t for t in _threads_left(before, 2.0) if t.startswith(("ainfer-P", "ainfer-D", "ainfer-pd-rdzv"))]
     lt.stop()
     extra = _threads_left(before)
-    return error, exit_error, live, extra, [(c.version, c.context, c.params, c.tokens, c.partial) for c in shared["checked"]]
+    return error, exit_error, live, extra, [(c.version, c.context, c.params, c.tokens, c.partial) for c in shared["checked"]], \
+        shared["log"]
 
 
 @pytest.mark.slow
 def test_public_api_state_machine_two_gloo_ranks_fine_grained(request):
     from tests._dist_util import run_ranks
     soak = request.config.getoption("--soak")
-    examples, steps = (int(os.environ.get("AINFER_PD_SOAK_EXAMPLES", 40)), 40) if soak else (4, 25)
+    examples, steps = (int(os.environ.get("AINFER_PD_SOAK_EXAMPLES", 40)), 40) if soak else (5, 30)
     results = run_ranks(_rank_property, 2, examples, steps, soak, timeout_s=900 if soak else 240)
     checked = []
-    for rank, (error, exit_error, live, extra, ch) in enumerate(results):
+    logs = [r[5] for r in results]
+    for rank, (error, exit_error, live, extra, ch, _) in enumerate(results):
         assert error is None, f"rank {rank}: {error}"
         assert exit_error is None, f"rank {rank}: leaving the worker raised {exit_error}"
         assert not live, f"rank {rank}: stream threads left behind: {live}"
         assert not extra, f"rank {rank}: threads left behind: {extra}"
         checked += [Checked(*c) for c in ch]
+    # every collective sync rank 0 started was joined by rank 1, and each rank's outcome is the expected one
+    lead, follow = logs
+    assert [e[:2] for e in lead] == [e[:2] for e in follow], (lead, follow)
+    for (k, kind, r0, named0), (_, _, r1, named1) in zip(lead, follow):
+        assert (r0, r1) == EXPECTED_COLLECTIVE[kind], (k, kind, r0, r1)
+        if r0 == "WeightSyncError":
+            assert tuple(named0) == (1,), (k, kind, named0)
+        if r1 == "WeightSyncError":
+            assert tuple(named1) == (0,), (k, kind, named1)
     assert len(checked) > 5
     bad = asyncio.run(recompute(checked, {0: {}}))
     assert not bad, f"{len(bad)} of {len(checked)} completed turns differ from a single-rank recompute: {bad[:1]}"
