@@ -11,6 +11,9 @@ Switched on by ``WorkerConfig.faults`` (a mapping) or the environment variable
   ``dp_rank + tp_rank`` every D iteration, on the others every P attention collective, waits this
   long on its stream before taking the device (neighbours in every group reach their P and D
   collectives in opposite orders: the adversarial schedule of SPEC 2);
+* ``phase_skew_by``       - ``"rank"`` (default: the parity of ``dp_rank + tp_rank`` above) or
+  ``"replica"``: the parity of ``dp_rank`` alone, so the TP peers of one replica share their delays
+  (one scheduler, the same batch and kernels) and only the replicas are out of phase;
 * ``drop_rendezvous`` / ``duplicate_rendezvous`` / ``stale_rendezvous`` - the n-th control
   message of this rank is dropped (never sent: peers time out), sent twice, or sent with an
   old sequence number (peers see a mismatch);
@@ -28,7 +31,7 @@ from typing import Any, Mapping
 from .errors import AInferPDError, ConfigError
 
 KEYS = ("d_skew_ms", "d_skew_random_ms", "p_delay_ms", "slow_counts_ms", "p_error_epoch", "p_error_layer",
-        "phase_skew_ms", "drop_rendezvous", "duplicate_rendezvous", "stale_rendezvous", "seed")
+        "phase_skew_ms", "phase_skew_by", "drop_rendezvous", "duplicate_rendezvous", "stale_rendezvous", "seed")
 
 
 class InjectedFault(AInferPDError):
@@ -44,6 +47,7 @@ class Faults:
     p_error_epoch: int | None = None
     p_error_layer: int = 0
     phase_skew_ms: float = 0.0
+    phase_skew_by: str = "rank"
     drop_rendezvous: int | None = None
     duplicate_rendezvous: int | None = None
     stale_rendezvous: int | None = None
@@ -64,12 +68,15 @@ class Faults:
         if unknown:
             raise ConfigError(f"unknown fault key(s) {unknown}; known: {KEYS}")
         f = cls(**data)
+        if f.phase_skew_by not in ("rank", "replica"):
+            raise ConfigError(f"faults.phase_skew_by={f.phase_skew_by!r}: expected 'rank' or 'replica'")
         f._rng = random.Random(f.seed)
         return f
 
     @property
     def active(self) -> bool:
-        return any(getattr(self, k) not in (0, 0.0, None) for k in KEYS if k != "seed" and k != "p_error_layer")
+        return any(getattr(self, k) not in (0, 0.0, None) for k in KEYS
+                   if k not in ("seed", "p_error_layer", "phase_skew_by"))
 
     # ------------------------------------------------------------ injection points
     def d_skew_s(self) -> float:
@@ -81,7 +88,8 @@ class Faults:
     def phase_skew_s(self, dp_rank: int, tp_rank: int) -> tuple[float, float]:
         """(D iteration delay, P collective delay) of this rank, seconds (``phase_skew_ms``)."""
         s = self.phase_skew_ms / 1e3
-        return (s, 0.0) if (dp_rank + tp_rank) % 2 == 0 else (0.0, s)
+        parity = dp_rank if self.phase_skew_by == "replica" else dp_rank + tp_rank
+        return (s, 0.0) if parity % 2 == 0 else (0.0, s)
 
     def on_p_segment(self, epoch: int, layer: int) -> None:
         """Runs on the P stream inside a segment."""

@@ -1,22 +1,23 @@
 """``ainfer-pd selftest``: the SPEC section 7 ordering-contract acceptance list as one command.
 
-Runs the real lockstep engine on the tiny model in the crossed topology
-(``configs/tiny-crossed-cpu.yaml``: g = 4, ATP2 / ADP2, EP4, one collective slot per device;
-real CPU rank processes, gloo) through the multi-rank replay (:mod:`ainfer_pd.workload.world`)
-and prints / saves a summary table:
+Runs the real lockstep engine on the tiny model (``configs/tiny-crossed-cpu.yaml``: one collective
+slot per device; real CPU rank processes, gloo) through the multi-rank replay
+(:mod:`ainfer_pd.workload.world`) and prints / saves a summary table:
 
-1. ``--ordering none`` with the replicas out of phase (``faults.phase_skew_ms``): the run stalls
-   and the watchdog's :class:`~ainfer_pd.errors.StallError` names the frontier;
-2. ATP1 (g = 2, d = 2) under ``none`` and ADP1 (g = 2, d = 1) under ``selective``: complete;
-3. ``selective`` under phase skew + random rank skew x ``--seeds`` seeds: completes, greedy tokens
-   equal world size 1 on the same trace;
-4. ``global-implicit`` completes;
-5. ``trace-check`` of every completed run: no violation, registered pairs never overlap while
-   other P work overlaps D (and it flags the isolation-only trace);
-6. extra checks registered by other modules (:data:`EXTRA_CHECKS`, e.g. the ownership audit).
+1. the paper's Table 4 grid (:func:`run_grid`): ATP2 x ADP2 (g = 4), ATP2 x ADP1 and ATP1 x ADP2
+   (g = 2), each under ``none`` / ``global-implicit`` / ``selective`` with the replicas out of phase
+   (``faults.phase_skew_ms``, by replica unless ``--grid-skew-by rank``): each cell completes (tokens
+   vs world size 1, trace-check) or stalls (the watchdog's cycle: ranks and collectives; the
+   frontier: completed requests), with its wall time; one table (:func:`format_grid`), each cell
+   marked where it differs from the paper;
+2. ``selective`` under 20 ms phase skew + random rank skew x ``--seeds`` (5) seeds: completes,
+   greedy tokens equal world size 1 on the same trace;
+3. ``trace-check`` of every completed run: no violation, registered pairs never overlap while
+   other P work overlaps D (and it flags the isolation-only crossed trace);
+4. extra checks registered by other modules (:data:`EXTRA_CHECKS`, e.g. the ownership audit).
 
 The table goes to ``--out DIR`` as ``selftest.json`` and ``selftest.md``. Exit code 0 when
-every row passed, 1 otherwise. Runtime about 3-5 minutes on 2 cores.
+every row passed, 1 otherwise. Runtime about 15 minutes on 2 cores (``--no-grid``: about 5).
 """
 from __future__ import annotations
 
@@ -117,11 +118,132 @@ def _complete(name: str, out: Path, cfg: Any, trace: Any, ref: dict, timeout_s: 
                 f"world size 1: {same}", res.failures == 0 and same, runs=1, stalls=0), Path(cfg.trace_dir)
 
 
-def run_selftest(out: str | Path, *, stall_runs: int = 2, seeds: int = 3, skew_ms: float = 20.0,
-                 timeout_s: float = 200.0, args: argparse.Namespace | None = None,
+# ---------------------------------------------------------------------- Table 4 grid
+GRID_TOPOLOGIES: tuple[tuple[str, int, int], ...] = (("ATP2 x ADP2", 4, 2), ("ATP2 x ADP1", 2, 1),
+                                                     ("ATP1 x ADP2", 2, 2))
+"""The paper's Table 4 topologies: (name, world size, attention-DP width); experts over every rank."""
+GRID_ORDERINGS = ("none", "global-implicit", "selective")
+
+
+def table4_expect(topology: str, ordering: str) -> str:
+    """The paper's Table 4 outcome of a cell: only isolation (``none``) on the crossed topology stalls."""
+    return "stall" if (topology == "ATP2 x ADP2" and ordering == "none") else "complete"
+
+
+def _cycle_of(err: Any) -> tuple[list[int], list[str]]:
+    """The wait cycle of a :class:`StallError` (its ranks, and per hop the collective its rank holds)."""
+    import re
+    text = str(err)
+    line = next((ln for ln in text.splitlines() if "device-progress cycle:" in ln), "")
+    hops = re.findall(r"rank (\d+) \[([^\]]*)\] waits for rank (\d+)", line)
+    cycle = list(getattr(err, "cycle", None) or ([int(h[0]) for h in hops] + [int(hops[-1][2])] if hops else []))
+    return cycle, [f"rank {a}: {c}" for a, c, _ in hops]
+
+
+def grid_cell(out: Path, topology: str, ws: int, d: int, ordering: str, trace: Any, ref: dict, *,
+              skew_ms: float, timeout_s: float, skew_by: str = "replica", seed: int = 0) -> Row:
+    """One cell of the Table 4 grid: the crossed config's engine at (ws, d) under ``ordering`` with
+    the replicas out of phase (``faults.phase_skew_ms``); completes (tokens vs world size 1,
+    trace-check) or stalls (the watchdog's cycle and the frontier: completed requests)."""
+    from .errors import RankFailedError, StallError
+    from .launch import spawn
+    from .metrics.tracecheck import check_run_dir
+    from .workload.world import merge, rank_replay
+    run_dir = out / f"grid-{topology.replace(' ', '')}-{ordering}"
+    cfg = crossed_config(run_dir, **{"parallel.world_size": ws, "parallel.attn_dp": d, "parallel.expert_parallel": ws,
+                                     "parallel.ordering": ordering, "parallel.stall_timeout_s": 3.0,
+                                     "parallel.rendezvous_timeout_s": 10.0,
+                                     "faults": {"phase_skew_ms": skew_ms, "phase_skew_by": skew_by, "seed": seed}})
+    expect = table4_expect(topology, ordering)
+    cell: Row = {"topology": topology, "ordering": ordering, "expect": expect, "requests": trace.num_requests,
+                 "skew_ms": skew_ms, "skew_by": skew_by}
+    t0 = time.perf_counter()
+    try:
+        res = merge(spawn(rank_replay, ws, (cfg.to_dict(), trace, "trace", 0, TIME_SCALE), timeout_s,
+                          fail_grace_s=20))
+    except RankFailedError as exc:
+        cell["wall_s"] = time.perf_counter() - t0
+        errs = [e for e in (exc.results or []) if isinstance(e, BaseException)]
+        stalls = [e for e in errs if isinstance(e, StallError)]
+        if not stalls:
+            cell.update(outcome="failed", detail=f"{type(errs[0]).__name__ if errs else 'RankFailedError'}: "
+                                                 f"{str(errs[0] if errs else exc)[:200]}")
+        else:
+            cycle, held = _cycle_of(stalls[0])
+            front = getattr(stalls[0], "frontier", None) or {}
+            done = sum(int(f.get("requests_done") or 0) for f in front.values()) if front else None
+            cell.update(outcome="stall", cycle=cycle, cycle_ranks=len(set(cycle)), held=held, frontier_requests=done,
+                        detail=f"stall at {done}/{trace.num_requests} requests; cycle {' -> '.join(map(str, cycle))} "
+                               f"({len(set(cycle))} ranks): " + "; ".join(held))
+    else:
+        cell["wall_s"] = time.perf_counter() - t0
+        rep = check_run_dir(run_dir)
+        same = res.outputs == ref
+        ok = res.failures == 0 and same and rep["ok"]
+        cell.update(outcome="complete" if ok else "failed", completed=res.completed, makespan_s=res.makespan_s,
+                    tokens_equal=same, violations=len(rep["violations"]), pairs_checked=rep["pairs_checked"],
+                    registered_overlap_ms=rep["registered_pair_overlap_ms"],
+                    detail=f"{res.completed}/{res.planned_requests} requests, makespan {res.makespan_s:.1f} s, tokens = "
+                           f"ws1: {same}, trace-check {len(rep['violations'])} violations, "
+                           f"{rep['pairs_checked']} registered pairs ordered")
+    cell["ok"] = cell["outcome"] == expect
+    return cell
+
+
+def run_grid(out: Path, *, skew_ms: float = 30.0, timeout_s: float = 200.0, skew_by: str = "replica",
+             say: Callable[[str], None] = lambda s: None) -> list[Row]:
+    """The Table 4 grid: :data:`GRID_TOPOLOGIES` x :data:`GRID_ORDERINGS`, one :func:`grid_cell` each."""
+    trace = small_trace(4, 3, seed=3)
+    ref = single_rank_outputs(trace)
+    cells = []
+    for topology, ws, d in GRID_TOPOLOGIES:
+        for ordering in GRID_ORDERINGS:
+            say(f"  grid: {topology}, {ordering} ...")
+            cells.append(grid_cell(out, topology, ws, d, ordering, trace, ref, skew_ms=skew_ms, timeout_s=timeout_s,
+                                   skew_by=skew_by))
+    return cells
+
+
+def format_grid(cells: list[Row], *, markdown: bool = False) -> str:
+    """The grid as one table: a row per topology, a column per ordering (outcome, wall time)."""
+    topos = list(dict.fromkeys(c["topology"] for c in cells))
+    ords = list(dict.fromkeys(c["ordering"] for c in cells))
+    at = {(c["topology"], c["ordering"]): c for c in cells}
+
+    def cell_text(c: Row | None) -> str:
+        if c is None:
+            return "-"
+        what = c["outcome"]
+        if what == "stall":
+            what = f"stall @{c.get('frontier_requests')}/{c['requests']}, {c.get('cycle_ranks')}-rank cycle"
+        elif what == "complete":
+            what = f"complete {c.get('completed')}/{c['requests']}"
+        mark = "" if c["ok"] else f" (paper: {c['expect']})"
+        return f"{what}, {c['wall_s']:.1f} s{mark}"
+    if markdown:
+        lines = ["| topology | " + " | ".join(ords) + " |", "|---|" + "---|" * len(ords)]
+        lines += ["| " + t + " | " + " | ".join(cell_text(at.get((t, o))) for o in ords) + " |" for t in topos]
+        return "\n".join(lines)
+    w = max(len(t) for t in topos)
+    cols = [[cell_text(at.get((t, o))) for o in ords] for t in topos]
+    cw = [max(len(o), *(len(r[i]) for r in cols)) for i, o in enumerate(ords)]
+    lines = [f"{'topology':<{w}}  " + "  ".join(f"{o:<{cw[i]}}" for i, o in enumerate(ords))]
+    lines += [f"{t:<{w}}  " + "  ".join(f"{r[i]:<{cw[i]}}" for i in range(len(ords))) for t, r in zip(topos, cols)]
+    return "\n".join(lines)
+
+
+def run_selftest(out: str | Path, *, stall_runs: int = 2, seeds: int = 5, skew_ms: float = 20.0,
+                 timeout_s: float = 200.0, args: argparse.Namespace | None = None, grid: bool = True,
+                 grid_skew_ms: float = 30.0, grid_skew_by: str = "replica",
                  progress: Callable[[str], None] | None = None) -> dict:
-    """Run the acceptance list; returns ``{"rows": [...], "ok": bool, "wall_s": ...}`` and writes
-    ``selftest.json`` / ``selftest.md`` into ``out``."""
+    """Run the acceptance list; returns ``{"rows": [...], "grid": [...], "ok": bool, "wall_s": ...}``
+    and writes ``selftest.json`` / ``selftest.md`` into ``out``.
+
+    1. the Table 4 grid (:func:`run_grid`; ``grid=False`` skips it and runs the older crossed-stall
+       row ``stall_runs`` times instead);
+    2. ``selective`` under ``skew_ms`` phase skew + 5 ms random rank skew x ``seeds`` seeds;
+    3. trace-check of every completed run, and of the isolation-only crossed trace;
+    4. the extra checks (:data:`EXTRA_CHECKS`)."""
     from .metrics.tracecheck import check_run_dir
 
     say = progress or (lambda s: None)
@@ -130,34 +252,37 @@ def run_selftest(out: str | Path, *, stall_runs: int = 2, seeds: int = 3, skew_m
     t0 = time.perf_counter()
     rows: list[Row] = []
     traced: list[Path] = []
+    cells: list[Row] = []
+    isolation_dir: Path | None = None
 
-    say("1/5 crossed topology under isolation only, replicas out of phase (expect a stall) ...")
-    rows.append(_stall_row(out, stall_runs, timeout_s))
     trace = small_trace(4, 3, seed=3)
     ref = single_rank_outputs(trace)
-    say("2/5 ATP1 under none, ADP1 under selective ...")
-    for name, ws, d, ordering in (("g=2 ATP1/ADP2, ordering none", 2, 2, "none"),
-                                  ("g=2 ATP2/ADP1, ordering selective", 2, 1, "selective")):
-        cfg = crossed_config(out / f"axis-{ws}-{d}", **{"parallel.world_size": ws, "parallel.attn_dp": d,
-                                                         "parallel.expert_parallel": ws, "parallel.ordering": ordering,
-                                                         "faults": {"phase_skew_ms": 30.0}})
-        row, d_ = _complete(name, out, cfg, trace, ref, timeout_s)
+    if grid:
+        say(f"1/4 the Table 4 grid: {len(GRID_TOPOLOGIES)} topologies x {', '.join(GRID_ORDERINGS)} "
+            f"({grid_skew_ms:g} ms phase skew by {grid_skew_by}) ...")
+        cells = run_grid(out, skew_ms=grid_skew_ms, timeout_s=timeout_s, skew_by=grid_skew_by, say=say)
+        for c in cells:
+            rows.append(_row(f"Table 4: {c['topology']}, ordering {c['ordering']}", f"{c['expect']} (paper)",
+                             f"{c['outcome']}: {c.get('detail', '')} ({c['wall_s']:.1f} s)", c["ok"],
+                             runs=1, stalls=int(c["outcome"] == "stall")))
+            d_ = out / f"grid-{c['topology'].replace(' ', '')}-{c['ordering']}"
+            if c["outcome"] == "complete":
+                traced.append(d_)
+            elif c["topology"] == "ATP2 x ADP2" and c["ordering"] == "none":
+                isolation_dir = d_
+    elif stall_runs:
+        say("1/4 crossed topology under isolation only, replicas out of phase (expect a stall) ...")
+        rows.append(_stall_row(out, stall_runs, timeout_s))
+        isolation_dir = out / "none-crossed-0"
+    say(f"2/4 selective under {skew_ms:g} ms phase skew + 5 ms random rank skew x {seeds} seeds ...")
+    for s_ in range(seeds):
+        cfg = crossed_config(out / f"selective-skew-{s_}", faults={"phase_skew_ms": skew_ms, "d_skew_random_ms": 5.0,
+                                                                  "seed": s_})
+        row, d_ = _complete(f"crossed, selective, skew seed {s_}", out, cfg, trace, ref, timeout_s)
         rows.append(row)
         traced += [d_] if d_ else []
-    say(f"3/5 selective under {skew_ms:g} ms phase skew + 5 ms random rank skew x {seeds} seeds ...")
-    for s in range(seeds):
-        cfg = crossed_config(out / f"selective-skew-{s}", faults={"phase_skew_ms": skew_ms, "d_skew_random_ms": 5.0,
-                                                                 "seed": s})
-        row, d_ = _complete(f"crossed, selective, skew seed {s}", out, cfg, trace, ref, timeout_s)
-        rows.append(row)
-        traced += [d_] if d_ else []
-    say("4/5 global-implicit ...")
-    row, d_ = _complete("crossed, global-implicit", out, crossed_config(out / "global-implicit", **{
-        "parallel.ordering": "global-implicit"}), trace, ref, timeout_s)
-    rows.append(row)
-    traced += [d_] if d_ else []
 
-    say("5/5 trace-check ...")
+    say("3/4 trace-check ...")
     viol = n_rdv = checked = 0
     cost: list[float] = []
     reg_ov = other_ov = 0.0
@@ -178,12 +303,13 @@ def run_selftest(out: str | Path, *, stall_runs: int = 2, seeds: int = 3, skew_m
                      checked > 0 and viol == 0 and reg_ov == 0.0 and other_ov > 0.0, runs=checked, violations=viol,
                      rendezvous=n_rdv, rendezvous_mean_ms=mean_cost, registered_overlap_ms=reg_ov,
                      other_overlap_ms=other_ov))
-    if stall_runs:
-        rep = check_run_dir(out / "none-crossed-0")
-        rows.append(_row("trace-check flags the isolation-only trace", "violations > 0 (no device order)",
+    if isolation_dir is not None and any(isolation_dir.glob("rank*.jsonl")):
+        rep = check_run_dir(isolation_dir)
+        rows.append(_row("trace-check flags the isolation-only crossed trace", "violations > 0 (no device order)",
                          f"{len(rep['violations'])} violations", len(rep["violations"]) > 0,
                          violations=len(rep["violations"])))
 
+    say("4/4 extra checks ...")
     for fn in EXTRA_CHECKS:
         try:
             got = fn(args if args is not None else argparse.Namespace(out=str(out)))
@@ -191,10 +317,14 @@ def run_selftest(out: str | Path, *, stall_runs: int = 2, seeds: int = 3, skew_m
             got = _row(getattr(fn, "__name__", "extra check"), "passes", f"raised {type(exc).__name__}: {exc}", False)
         rows.extend(got if isinstance(got, list) else [got])
 
-    summary = {"rows": rows, "ok": all(r["ok"] for r in rows), "wall_s": time.perf_counter() - t0,
+    summary = {"rows": rows, "grid": cells, "ok": all(r["ok"] for r in rows), "wall_s": time.perf_counter() - t0,
                "out": str(out)}
     (out / "selftest.json").write_text(json.dumps(summary, indent=1, default=str))
-    (out / "selftest.md").write_text(format_table(rows, markdown=True) + "\n")
+    md = format_table(rows, markdown=True) + "\n"
+    if cells:
+        details = "\n".join(f"- {c['topology']}, {c['ordering']}: {c.get('detail', '')}" for c in cells)
+        md = f"## Table 4 grid\n\n{format_grid(cells, markdown=True)}\n\n{details}\n\n## Checks\n\n{md}"
+    (out / "selftest.md").write_text(md)
     return summary
 
 
@@ -216,7 +346,11 @@ def setup_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="directory for traces and the summary table "
                                                     "(default: a fresh temporary directory)")
     parser.add_argument("--stall-runs", type=int, default=2, help="launches of the crossed stall scenario")
-    parser.add_argument("--seeds", type=int, default=3, help="seeds of the selective skew scenario")
+    parser.add_argument("--seeds", type=int, default=5, help="seeds of the selective skew scenario")
+    parser.add_argument("--no-grid", action="store_true", help="skip the Table 4 grid (run the older crossed-stall "
+                                                                  "row --stall-runs times instead)")
+    parser.add_argument("--grid-skew-by", choices=("replica", "rank"), default="replica",
+                        help="the grid's phase skew: per replica (TP peers share it) or by rank parity")
     parser.add_argument("--skew-ms", type=float, default=20.0, help="phase skew of the replicas (ms)")
     parser.add_argument("--timeout-s", type=float, default=200.0, help="hard deadline of each launch")
     parser.add_argument("--soak", action="store_true",
@@ -251,8 +385,11 @@ def run(args: argparse.Namespace) -> int:
         return run_soak(args)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="ainfer-pd-selftest-"))
     summary = run_selftest(out, stall_runs=args.stall_runs, seeds=args.seeds, skew_ms=args.skew_ms,
-                           timeout_s=args.timeout_s, args=args,
+                           timeout_s=args.timeout_s, args=args, grid=not getattr(args, "no_grid", False),
+                           grid_skew_by=getattr(args, "grid_skew_by", "replica"),
                            progress=lambda s: print(s, file=sys.stderr, flush=True))
+    if summary.get("grid"):
+        print(format_grid(summary["grid"]) + "\n")
     print(format_table(summary["rows"]))
     print(f"\n{'ALL PASSED' if summary['ok'] else 'FAILED'} in {summary['wall_s']:.0f} s; "
           f"table and traces in {out} (selftest.md, selftest.json)")

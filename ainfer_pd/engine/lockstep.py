@@ -68,9 +68,8 @@ class LockstepEngine(Engine):
         self.colls = RankCollectives(topo, groups, backend=backend, recorder=recorder)   # one per phase
         self.colls.set_booking(False)                # warm-up passes and graph captures are not traced
         self.dispatchers = dispatchers
-        faults_skew = cfg.faults.get("phase_skew_ms", 0.0) if cfg.faults else 0.0
-        self._d_device_delay_s, self._p_coll_delay_s = (
-            (faults_skew / 1e3, 0.0) if (topo.dp_rank + topo.tp_rank) % 2 == 0 else (0.0, faults_skew / 1e3))
+        from ..faults import Faults
+        self._d_device_delay_s, self._p_coll_delay_s = Faults.load(cfg.faults).phase_skew_s(topo.dp_rank, topo.tp_rank)
 
         def setup(eng: Engine) -> None:              # before graph capture: the graphs bind these hooks
             from .expert_parallel import ExpertParallel
