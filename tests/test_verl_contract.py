@@ -463,3 +463,57 @@ async def test_tool_agent_under_fully_async_client_sends_only_new_tokens_and_rel
         assert stats["request_tokens"] == sum(sent)               # what reached the server
     finally:
         await kill(replica)
+
+
+@needs_verl
+async def test_tool_agent_under_fully_async_client_resumes_an_aborted_turn_with_new_tokens_only(ray_cluster):
+    """A turn of an ``ainfer_pd_tool_agent`` episode aborted mid-way (verl's partial rollout) is resumed
+    by FullyAsyncLLMServerClient with only the turn's new tokens plus the partial ones (the server
+    holds the context before the turn), and the episode's trajectory is released at the end."""
+    import hydra
+    from omegaconf import OmegaConf
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap, _agent_loop_registry
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+    from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
+    from verl.workers.rollout.router import get_router_handle
+
+    from ainfer_pd.integrations.verl.scripted import scripted_tool, word_tokenizer
+    from tests.test_verl_integration import trainer_config
+
+    tool = scripted_tool("ainfer_pd_test", latency_s=0.01)
+    replica = await launch_replica("fullyasync_abort")
+    server = replica.server_handle
+    try:
+        rc = rollout_config()
+        rc.multi_turn.format = "ainfer_pd_test"
+        rc.multi_turn.max_assistant_turns = 2
+        rc.multi_turn.max_tool_response_length = 256
+        rc.response_length = 2000
+        cfg = trainer_config(rc)
+        client = FullyAsyncLLMServerClient(cfg, load_balancer_handle=get_router_handle(
+            servers={replica.server_address: server}))
+        loop = hydra.utils.instantiate(
+            _agent_loop_registry["ainfer_pd_tool_agent"], trainer_config=DictConfigWrap(cfg), server_manager=client,
+            tokenizer=word_tokenizer(), processor=None, hf_model_type=None, dataset_cls=RLHFDataset,
+            data_config=DictConfigWrap(OmegaConf.create({})), tools=ToolListWrap([tool]))
+        task = asyncio.ensure_future(loop.run({**GREEDY, "max_tokens": 600, "ignore_eos": True},
+                                              raw_prompt=[{"role": "user", "content": " ".join(f"t{20 + i}" for i in range(30))}]))
+        for _ in range(6000):                                    # the second turn is running
+            m = (await server.metrics.remote())["server"]
+            if m.get("turns", 0) >= 1 and m["inflight"]:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        await replica.abort_all_requests(reset_prefix_cache=False)
+        await replica.resume_generation()
+        out = await asyncio.wait_for(task, 300)
+        stats = (await server.metrics.remote())["server"]
+        assert stats["aborted"] == 1 and stats["partial_tokens"] > 0 and stats["turns"] == 2
+        sent = loop.episode.sent_tokens
+        assert len(sent) == 2 and sent[1] < sent[0]
+        # the server received the prompt, turn 2's new tokens, and on resume those again plus the partial ones
+        assert stats["request_tokens"] == sent[0] + 2 * sent[1] + stats["partial_tokens"]
+        assert stats["retained"] == 0
+        assert sum(out.response_mask) == 1200                    # both turns generated all their tokens
+    finally:
+        await kill(replica)
