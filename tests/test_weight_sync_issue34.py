@@ -333,3 +333,15 @@ async def test_item09_reserve_sleep_buffer_pins_it_before_the_first_sleep():
             await w.reserve_sleep_buffer()
         await w.wake_up()
         assert await w.reserve_sleep_buffer() == n and res.host_allocations == 1
+
+
+async def test_item12_wake_up_discards_a_name_table_built_while_asleep():
+    """Any caller of ``name_table`` while the weights are released (verl's bucket checks) caches
+    (0,) shapes; wake_up discards that table, so the next lookup sees the real shapes."""
+    from ainfer_pd.hf.names import name_table
+    cfg = tiny_cfg()
+    async with RolloutWorker(cfg) as w:
+        await w.sleep(2, keep_weights=False)
+        assert name_table(w.model).lookup("embed").shape == (0,)
+        await w.wake_up()
+        assert name_table(w.model).lookup("embed").shape == tuple(w.model.embed.shape)

@@ -188,6 +188,10 @@ class Residency:
             torch.cuda.synchronize(self.device)
         self._host.clear()
         self.state.weights = "device"
+        # a weight-name table built while the weights were released holds their (0,) shapes
+        # (issue 34, item 12): the next user rebuilds it from the restored parameters
+        if getattr(self.runner.model, "_name_table", None) is not None:
+            object.__setattr__(self.runner.model, "_name_table", None)
         return was == "host"
 
     def restore_kv(self) -> bool:
