@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .engine.weights import StageCancelled, WeightStage, is_bucket
+from .engine.weights import WeightStage, is_bucket
 from .errors import (AInferPDError, InvalidRequestError, WeightUpdateError, WorkerAsleepError,
                      WorkerClosedError)
 from .weight_transfer import StageClosed, SyncAgreement
@@ -475,6 +475,12 @@ def _all_reached(loop: asyncio.AbstractEventLoop, holds: list) -> asyncio.Future
 
     if not holds:
         fut.set_result(None)
+    def from_thread(f) -> None:
+        try:
+            loop.call_soon_threadsafe(one, f)
+        except RuntimeError:          # the loop is closed (the worker's exit gave up on this park)
+            pass
+
     for h in holds:
-        h.reached.add_done_callback(lambda f: loop.call_soon_threadsafe(one, f))
+        h.reached.add_done_callback(from_thread)
     return fut
