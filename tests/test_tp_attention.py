@@ -124,3 +124,29 @@ def test_phase_collectives_use_their_own_group_and_reject_the_other_phase():
         assert h["taken"] and h["ag"] == x["ag"] and h["state"] == "done" and h["span"] == 1.0
         assert "D:all_gather@attn_dp.D #3 over group (0, 1) failed (epoch 3, boundary 1): peer gone" in h["failure"]
         assert x["frontier"]["completed"]["attn_dp.D"] == 3
+
+
+def test_decode_schedule_has_the_dp_attention_pair_on_moe_layers_only():
+    """D's schedule (what its iteration enqueues at launch, in run order): per layer the attention-TP
+    reduce-scatter, the DP-attention all-gather / reduce-scatter around a MoE layer's experts (not a
+    dense layer's: its MLP is whole on every rank), the attention-TP all-gather (issue 36 item 1)."""
+    from types import SimpleNamespace
+
+    from ainfer_pd.comm.ordering import D_ADP_ALL_GATHER, D_ADP_REDUCE_SCATTER, D_ATP_ALL_GATHER, D_ATP_REDUCE_SCATTER
+    from ainfer_pd.comm.topology import Topology
+    from ainfer_pd.engine.tensor_parallel import DecodeHooks, decode_dispatch_rows
+
+    topo = Topology(world_size=4, attn_dp=2, expert_parallel=4, rank=3)          # tp (2, 3), dp (1, 3)
+    sizes = {"attn_tp.D": 2, "attn_dp.D": 2}
+    colls = SimpleNamespace(topology=topo, members={"attn_tp.D": topo.tp_group, "attn_dp.D": topo.dp_group},
+                            size=lambda c: sizes[c], active=lambda k: sizes[k.comm] > 1)
+    layers = [SimpleNamespace(is_moe=False), SimpleNamespace(is_moe=True)]
+    model = SimpleNamespace(layers=layers, tp_shard=(1, 2))
+    hooks = DecodeHooks(colls, model, ep=object(), ctx=None)
+    assert hooks.dp and hooks.dp_index == 1 and hooks.adp == 2
+    assert hooks.schedule() == [D_ATP_REDUCE_SCATTER, D_ATP_ALL_GATHER,
+                                D_ATP_REDUCE_SCATTER, D_ADP_ALL_GATHER, D_ADP_REDUCE_SCATTER, D_ATP_ALL_GATHER]
+    assert hooks.hooks().experts == hooks.experts_dp
+    assert not DecodeHooks(colls, model, ep=None, ctx=None).dp          # no expert parallelism: no gather
+    assert decode_dispatch_rows(63, topo) == 64                          # ceil(63 / ATP2) x ADP2
+    assert decode_dispatch_rows(64, Topology(world_size=2, attn_dp=1, expert_parallel=2, rank=0)) == 64
