@@ -63,7 +63,7 @@ async def _outcome(aw) -> tuple[str, float, object]:
     try:
         res = await aw
         return "ok", time.monotonic() - t0, res
-    except Exception as exc:  # noqa: BLE001 - judged by the parent
+    except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - judged by the parent
         return type(exc).__name__, time.monotonic() - t0, exc
 
 
@@ -119,6 +119,21 @@ async def _rank_main(rank: int, world_size: int, prompt: list[int]):
             await w.wake_up()
         await _cut("e2", world_size)
         log["woken"] = await _outcome(w.update_weights(new1))
+        await _cut("h0", world_size)
+        # H: rank 0's call is cancelled while it waits for rank 1: the sync fails for rank 1 too
+        # (when it joins), nothing written; the next sync of both succeeds
+        snap = _snapshot(w.model)
+        if rank == 0:
+            task = asyncio.ensure_future(w.update_weights(new2, timeout_s=30.0))
+            await asyncio.sleep(0.5)
+            task.cancel()
+            log["cancelled"] = await _outcome(task)
+        await _cut("h1", world_size)
+        if rank == 1:
+            log["after_cancel"] = await _outcome(w.update_weights(new2, timeout_s=30.0))
+        log["cancel_unchanged"] = _equal(w.model, snap)
+        await _cut("h2", world_size)
+        log["after_cancel_both"] = await _outcome(w.update_weights(new2))
     return {k: ((v[0], v[1], repr(v[2]), getattr(v[2], "ranks", None)) if isinstance(v, tuple) else v)
             for k, v in log.items()}
 
@@ -153,6 +168,11 @@ def test_item16_a_sync_is_one_collective_act_over_every_rank():
     assert r0["asleep"][0] == WeightSyncError.__name__ and r0["asleep"][3] == (1,), r0["asleep"]
     assert r0["final"][0] == r1["final"][0] == "ok", (r0["final"], r1["final"])
     assert r0["woken"][0] == r1["woken"][0] == "ok", (r0["woken"], r1["woken"])
+    # H: a cancelled call fails the sync for its peer, typed, naming it
+    assert r0["cancelled"][0] == "CancelledError", r0["cancelled"]
+    assert r1["after_cancel"][0] == WeightSyncError.__name__ and r1["after_cancel"][3] == (0,), r1["after_cancel"]
+    assert r1["after_cancel"][1] < 5 and r0["cancel_unchanged"] and r1["cancel_unchanged"]
+    assert r0["after_cancel_both"][0] == r1["after_cancel_both"][0] == "ok"
     # the ranks serve the synced weights: greedy tokens equal one rank holding them
     cfg = tiny_cfg()
     new = build_model(dataclasses.replace(cfg.model, seed=102))
