@@ -125,8 +125,9 @@ async def main() -> None:
         async def check(tag: str) -> None:
             res[f"awake_after_{tag}"] = mem(w)
             res[f"outputs_equal_after_{tag}"] = await turns(w, prompts) == before
-            print(f"{tag}:", {k: v for k, v in res.items() if k.endswith(f"_{tag}") or k.endswith(f"{tag}_s")},
-                  flush=True)
+            print(f"{tag}:", {k: v for k, v in res.items() if tag in k}, flush=True)
+            if args.out:                  # what is measured so far survives a run cut short
+                Path(args.out).write_text(json.dumps(res, indent=1))
 
         # level 1: the KV pool and the graphs
         await timed(res, "sleep1_s", w.sleep(1))
