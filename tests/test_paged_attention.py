@@ -142,15 +142,18 @@ def test_triton_decode_is_batch_invariant_and_split_count_free():
     fb, q, kn, vn, kv, _ = make_case(9, [], [20, 70, 130], 8, 2, 16)
     full = paged_attention(q, kn, vn, kv, fb, be)
     assert be.decode_plan(fb.decode.max_keys).num_splits >= 5
-    from ainfer_pd.engine.attention import DecodeMeta, ForwardBatch
-    d = fb.decode
     for j in range(3):
-        nb = -(-int(d.ctx_lens[j]) // BS)
-        one = ForwardBatch(fb.input_ids[j:j + 1], fb.positions[j:j + 1], fb.write_slots[j:j + 1], [],
-                           DecodeMeta(None, d.ctx_lens[j:j + 1], block_table=d.block_table[j:j + 1, :nb],
-                                      block_size=BS), None, block_size=BS)
-        alone = paged_attention(q[j:j + 1], kn[j:j + 1], vn[j:j + 1], kv, one, be)
-        assert torch.equal(alone, full[j:j + 1])
+        assert torch.equal(_row_alone(fb, j, q, kn, vn, kv, be), full[j:j + 1])
+
+
+def _row_alone(fb, j, q, kn, vn, kv, be):
+    """Decode row j of ``fb`` attended alone (a batch of one, its own blocks only)."""
+    d = fb.decode
+    nb = -(-int(d.ctx_lens[j]) // BS)
+    one = ForwardBatch(fb.input_ids[j:j + 1], fb.positions[j:j + 1], fb.write_slots[j:j + 1], [],
+                       DecodeMeta(None, d.ctx_lens[j:j + 1], block_table=d.block_table[j:j + 1, :nb],
+                                  block_size=BS), None, block_size=BS)
+    return paged_attention(q[j:j + 1], kn[j:j + 1], vn[j:j + 1], kv, one, be)
 
 
 def test_varlen_metadata_parts_start_on_16_byte_boundaries():
@@ -177,14 +180,8 @@ def test_triton_decode_caps_splits_and_lengthens_them_for_long_rows():
     assert plan.row_split_keys(20) == 16 and plan.row_split_keys(70) == 48 and plan.row_split_keys(100) == 64
     out = check(be, 11, [], [3, 20, 70, 100], H=8, Hk=2)
     fb, q, kn, vn, kv, _ = make_case(11, [], [3, 20, 70, 100], 8, 2, 16)
-    d = fb.decode
     for j in (1, 2):
-        nb = -(-int(d.ctx_lens[j]) // BS)
-        one = ForwardBatch(fb.input_ids[j:j + 1], fb.positions[j:j + 1], fb.write_slots[j:j + 1], [],
-                           DecodeMeta(None, d.ctx_lens[j:j + 1], block_table=d.block_table[j:j + 1, :nb],
-                                      block_size=BS), None, block_size=BS)
-        alone = paged_attention(q[j:j + 1], kn[j:j + 1], vn[j:j + 1], kv, one, be)
-        assert torch.equal(alone, out[j:j + 1])
+        assert torch.equal(_row_alone(fb, j, q, kn, vn, kv, be), out[j:j + 1])
 
 
 def test_decode_plan_never_exceeds_its_split_cap():

@@ -27,24 +27,7 @@ from ainfer_pd.errors import WeightUpdateError, WorkerAsleepError, WorkerClosedE
 from tests.conftest import rand_ids, tiny_cfg
 from tests.test_engine_core import recompute_greedy
 
-GREEDY = dict(temperature=0.0, ignore_eos=True)
-BOUND_S = 20.0
-
-
-async def bounded(aw, what: str, timeout_s: float = BOUND_S):
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await aw
-    except TimeoutError:
-        raise AssertionError(f"{what} did not finish within {timeout_s:g} s") from None
-
-
-async def until(pred, what: str, timeout_s: float = BOUND_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not reached within {timeout_s:g} s")
-        await asyncio.sleep(0.001)
+from tests.test_reliability_cases import GREEDY, bounded, until  # noqa: E402  (one home for the bounded waits)
 
 
 def parking(w) -> bool:

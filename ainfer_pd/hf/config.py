@@ -71,15 +71,19 @@ def read_config_json(model_dir: str | Path) -> dict[str, Any]:
     d = Path(model_dir)
     if not d.is_dir():
         raise CheckpointError(f"model path {str(d)!r} is not a directory")
-    p = d / "config.json"
-    if not p.is_file():
+    if not (d / "config.json").is_file():
         raise CheckpointError(f"{d.name}/config.json not found: a Hugging Face model directory needs it")
+    return _read_json_object(d, "config.json")
+
+
+def _read_json_object(d: Path, name: str) -> dict[str, Any]:
+    """``d / name`` parsed, a JSON object (typed errors naming the file otherwise)."""
     try:
-        data = json.loads(p.read_text())
+        data = json.loads((d / name).read_text())
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{d.name}/config.json is not readable JSON: {exc}") from None
+        raise CheckpointError(f"{d.name}/{name} is not readable JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise CheckpointError(f"{d.name}/config.json: top level must be an object")
+        raise CheckpointError(f"{d.name}/{name}: top level must be an object")
     return data
 
 
@@ -123,16 +127,9 @@ def read_generation_config(model_dir: str | Path) -> dict[str, Any] | None:
     """The parsed ``generation_config.json`` of a model directory, None when it has none (typed
     errors for an unreadable one)."""
     d = Path(model_dir)
-    p = d / "generation_config.json"
-    if not p.is_file():
+    if not (d / "generation_config.json").is_file():
         return None
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{d.name}/generation_config.json is not readable JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{d.name}/generation_config.json: top level must be an object")
-    return data
+    return _read_json_object(d, "generation_config.json")
 
 
 def fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
