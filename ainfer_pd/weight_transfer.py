@@ -96,19 +96,18 @@ class SyncAgreement:
         """Set the verdict of ``seq`` unless one is set; returns the one in force."""
         return self.store.compare_set(self._k(seq, "verdict"), "", verdict).decode()
 
-    def _skip_decided(self, after: int) -> None:
-        """This rank's next sync: the first one after ``after`` that is not decided yet."""
-        n = after + 1
-        while self._verdict_now(n) is not None:
-            n += 1
-        self.seq = n
-
     async def begin(self) -> int:
-        """The sync this call joins; raises the verdict of a sync decided without this rank."""
+        """The sync this call joins; raises the verdict of a sync decided without this rank.
+
+        NOTE: every call consumes exactly one sync, decided or not (every rank calls
+        ``update_weights`` once per sync). Skipping every decided sync at once let a rank that was
+        late for one sync jump past the next, already failed one, and its next call then joined
+        its peer's sync after that with other tensors (a mismatch on one rank, seen in the
+        two-rank property test)."""
         seq = self.seq
         verdict = await asyncio.to_thread(self._verdict_now, seq)
         if verdict is not None:
-            await asyncio.to_thread(self._skip_decided, seq)
+            self.seq = seq + 1
             raise self._error(verdict, seq, late=True)
         return seq
 
