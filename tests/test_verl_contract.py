@@ -427,17 +427,6 @@ async def test_tool_agent_under_fully_async_client_sends_only_new_tokens_and_rel
     TokenOutput and keeps none of the server's fields): turns 2-3 send only the new tokens (the
     server receives the prompt once plus the observations), and the trajectory is released at the
     end of the episode (before the fix: the whole context each turn, and the trajectory kept)."""
-    import hydra
-    from omegaconf import OmegaConf
-    from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap, _agent_loop_registry
-    from verl.utils.dataset.rl_dataset import RLHFDataset
-    from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
-    from verl.workers.rollout.router import get_router_handle
-
-    from ainfer_pd.integrations.verl.scripted import scripted_tool, word_tokenizer
-    from tests.test_verl_integration import trainer_config
-
-    tool = scripted_tool("ainfer_pd_test", latency_s=0.01)
     replica = await launch_replica("fullyasync_agent")
     server = replica.server_handle
     try:
@@ -445,13 +434,7 @@ async def test_tool_agent_under_fully_async_client_sends_only_new_tokens_and_rel
         rc.multi_turn.format = "ainfer_pd_test"
         rc.multi_turn.max_assistant_turns = 3
         rc.multi_turn.max_tool_response_length = 256
-        cfg = trainer_config(rc)
-        client = FullyAsyncLLMServerClient(cfg, load_balancer_handle=get_router_handle(
-            servers={replica.server_address: server}))
-        loop = hydra.utils.instantiate(
-            _agent_loop_registry["ainfer_pd_tool_agent"], trainer_config=DictConfigWrap(cfg), server_manager=client,
-            tokenizer=word_tokenizer(), processor=None, hf_model_type=None, dataset_cls=RLHFDataset,
-            data_config=DictConfigWrap(OmegaConf.create({})), tools=ToolListWrap([tool]))
+        loop = _tool_agent_under_fully_async_client(replica, rc)
         out = await loop.run({**GREEDY, "max_tokens": 6},
                              raw_prompt=[{"role": "user", "content": "t20 t21 t22 t23 t24 t25 t26 t27 t28"}])
         stats = (await server.metrics.remote())["server"]
@@ -470,17 +453,6 @@ async def test_tool_agent_under_fully_async_client_resumes_an_aborted_turn_with_
     """A turn of an ``ainfer_pd_tool_agent`` episode aborted mid-way (verl's partial rollout) is resumed
     by FullyAsyncLLMServerClient with only the turn's new tokens plus the partial ones (the server
     holds the context before the turn), and the episode's trajectory is released at the end."""
-    import hydra
-    from omegaconf import OmegaConf
-    from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap, _agent_loop_registry
-    from verl.utils.dataset.rl_dataset import RLHFDataset
-    from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
-    from verl.workers.rollout.router import get_router_handle
-
-    from ainfer_pd.integrations.verl.scripted import scripted_tool, word_tokenizer
-    from tests.test_verl_integration import trainer_config
-
-    tool = scripted_tool("ainfer_pd_test", latency_s=0.01)
     replica = await launch_replica("fullyasync_abort")
     server = replica.server_handle
     try:
@@ -489,13 +461,7 @@ async def test_tool_agent_under_fully_async_client_resumes_an_aborted_turn_with_
         rc.multi_turn.max_assistant_turns = 2
         rc.multi_turn.max_tool_response_length = 256
         rc.response_length = 2000
-        cfg = trainer_config(rc)
-        client = FullyAsyncLLMServerClient(cfg, load_balancer_handle=get_router_handle(
-            servers={replica.server_address: server}))
-        loop = hydra.utils.instantiate(
-            _agent_loop_registry["ainfer_pd_tool_agent"], trainer_config=DictConfigWrap(cfg), server_manager=client,
-            tokenizer=word_tokenizer(), processor=None, hf_model_type=None, dataset_cls=RLHFDataset,
-            data_config=DictConfigWrap(OmegaConf.create({})), tools=ToolListWrap([tool]))
+        loop = _tool_agent_under_fully_async_client(replica, rc)
         task = asyncio.ensure_future(loop.run({**GREEDY, "max_tokens": 600, "ignore_eos": True},
                                               raw_prompt=[{"role": "user", "content": " ".join(f"t{20 + i}" for i in range(30))}]))
         for _ in range(6000):                                    # the second turn is running
@@ -517,3 +483,26 @@ async def test_tool_agent_under_fully_async_client_resumes_an_aborted_turn_with_
         assert sum(out.response_mask) == 1200                    # both turns generated all their tokens
     finally:
         await kill(replica)
+
+
+def _tool_agent_under_fully_async_client(replica, rc):
+    """An ``ainfer_pd_tool_agent`` (scripted tool) whose server manager is verl's
+    FullyAsyncLLMServerClient routed to ``replica``, under the rollout config ``rc``."""
+    import hydra
+    from omegaconf import OmegaConf
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap, _agent_loop_registry
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+    from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
+    from verl.workers.rollout.router import get_router_handle
+
+    from ainfer_pd.integrations.verl.scripted import scripted_tool, word_tokenizer
+    from tests.test_verl_integration import trainer_config
+
+    cfg = trainer_config(rc)
+    client = FullyAsyncLLMServerClient(cfg, load_balancer_handle=get_router_handle(
+        servers={replica.server_address: replica.server_handle}))
+    return hydra.utils.instantiate(
+        _agent_loop_registry["ainfer_pd_tool_agent"], trainer_config=DictConfigWrap(cfg), server_manager=client,
+        tokenizer=word_tokenizer(), processor=None, hf_model_type=None, dataset_cls=RLHFDataset,
+        data_config=DictConfigWrap(OmegaConf.create({})),
+        tools=ToolListWrap([scripted_tool("ainfer_pd_test", latency_s=0.01)]))
