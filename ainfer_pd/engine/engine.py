@@ -26,7 +26,7 @@ from ..config import WorkerConfig
 from ..errors import AInferPDError, EpochFailedError
 from ..faults import Faults, FaultyRendezvous
 from ..metrics.recorder import Recorder
-from ..metrics.report import percentile, work_s
+from ..metrics.stats import percentile, work_s
 from ..phase import Phase, PhaseContext
 from ..sched.epoch_mode import EpochMode, epoch_mode, policy_traits
 from ..sched.planner import plan_decode, plan_prefill

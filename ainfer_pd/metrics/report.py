@@ -12,6 +12,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from .stats import SETUP_ITEMS, percentile, work_s  # noqa: F401  (re-exported)
+
 NAN = float("nan")
 
 #: Summary keys, in report order, with a short column title and a display unit scale.
@@ -44,12 +46,6 @@ RATIO_METRICS = ("makespan_s", "requests_per_s", "ttft_p99_s", "request_completi
                  "trajectory_completion_p99_s", "d_wait_mean_s")
 
 
-def percentile(values: Iterable[float], q: float) -> float:
-    """``q``-th percentile (0..100, linear interpolation) of the finite values; NaN when none."""
-    a = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=float)
-    return float(np.percentile(a, q)) if a.size else NAN
-
-
 def _mean(values: Iterable[float]) -> float:
     a = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=float)
     return float(a.mean()) if a.size else NAN
@@ -61,19 +57,6 @@ def _num(m: Mapping[str, Any], *keys: str, default: float = NAN) -> float:
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             return float(v)
     return default
-
-
-SETUP_ITEMS = frozenset({"D.capture", "P.warmup"})
-"""Stream items that set an engine up before its first turn (the decode-graph capture, the prefill
-warm-up; :class:`~ainfer_pd.engine.engine.Engine` on CUDA): time on the P / D streams, but no work of
-the workload, so not in the bound's P and D terms."""
-
-
-def work_s(intervals: Iterable[Sequence[Any]], stream: str) -> float:
-    """Seconds of the workload's work on ``stream`` ("P" or "D") in ``(name, stream, start, end,
-    ...)`` intervals: every item but :data:`SETUP_ITEMS` (the bound's P and D terms)."""
-    return sum(float(iv[3]) - float(iv[2]) for iv in intervals
-               if str(iv[1]) == stream and str(iv[0]) not in SETUP_ITEMS)
 
 
 def optimistic_bound(*, p_work_s: float | None, d_work_s: float | None, chain_s: float | None) -> float:
