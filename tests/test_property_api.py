@@ -887,6 +887,11 @@ class WorkerMachine(RuleBasedStateMachine):
         if self.SHARED is None or self.SHARED["rank"] != 0:
             return
         sh = self.SHARED
+        # one window from the valid sync's start to its restore's end: the weights are perturbed
+        # in between (a failed sync writes nothing: turns beside it are checked)
+        iv = [self.lt.now(), math.inf]
+        if kind == "valid":
+            self.updates.append(iv)
         for k_kind in ([kind, "restore"] if kind == "valid" else [kind]):
             k = sh["k"]
             sh["k"] += 1
@@ -895,9 +900,6 @@ class WorkerMachine(RuleBasedStateMachine):
             async def go() -> tuple:
                 store = _store()
                 await asyncio.to_thread(store.set, f"prop/upd/{k}", f"{k_kind}|{seed}")
-                iv = [self.lt.now(), math.inf]
-                if k_kind in ("valid", "restore"):  # a failed sync writes nothing: turns beside it are checked
-                    self.updates.append(iv)
                 try:
                     n = await self.w.update_weights(arg, partial=True)
                     res = ("ok", n)
@@ -1148,6 +1150,7 @@ async def _sync_agent(w, shared: dict, stop: asyncio.Event) -> None:
     base = {n: p.detach().clone() for n, p in w.model.named_parameters()}
     names = [n for n in sorted(base) if n.rsplit(".", 1)[-1] not in ("w13", "w2")]
     k = 0
+    opened = None                             # the window of a valid sync awaiting its restore
     while True:
         key = f"prop/upd/{k}"
         while not await asyncio.to_thread(store.check, [key]):
@@ -1159,15 +1162,22 @@ async def _sync_agent(w, shared: dict, stop: asyncio.Event) -> None:
             return
         arg = _collective_part(kind, int(seed), 1, base, names)
         async with shared["ctl"][0]:
-            iv = [loop.time(), math.inf]
-            if kind in ("valid", "restore"):      # a failed sync writes nothing: turns beside it are checked
+            # a failed sync writes nothing: turns beside it are checked. A valid sync's perturbed
+            # weights stay until the restore that follows it, so its window stays open until the
+            # restore ends (a turn this rank starts between the two runs on perturbed weights).
+            iv = opened if kind == "restore" and opened is not None else [loop.time(), math.inf]
+            if kind in ("valid", "restore") and iv is not opened:
                 shared["updates"].append(iv)
+            opened = None
             try:
                 n = await w.update_weights(arg, partial=True)
                 res = ("ok", n)
             except Exception as exc:          # noqa: BLE001 - judged by the parent
                 res = (type(exc).__name__, getattr(exc, "ranks", None))
-            iv[1] = loop.time()
+            if kind == "valid" and res[0] == "ok":
+                opened = iv
+            else:
+                iv[1] = loop.time()
         shared["log"].append((k, kind, *res))
         k += 1
 
