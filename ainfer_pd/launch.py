@@ -13,19 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import datetime as _dt
-import importlib
 import inspect
 import os
-import pickle
 import socket
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 from urllib.parse import urlparse
 
 from .errors import DistributedError, RankFailedError
+from .exception_transport import pack_exception as _pack_exception  # noqa: F401 - importable from here
+from .exception_transport import unpack_exception as _unpack_exception  # noqa: F401 - importable from here
+from .rank_results import collect_results, reap_ranks, spawn_failure
 
 __all__ = ["DistContext", "init_distributed", "destroy_distributed", "get_store", "current",
            "find_free_port", "spawn", "is_torchrun"]
@@ -90,21 +90,10 @@ def _env_int(name: str) -> int | None:
         raise DistributedError(f"environment variable {name}={v!r} is not an integer") from None
 
 
-def init_distributed(rank: int | None = None, world_size: int | None = None, *,
-                     backend: str = "gloo", init_method: str | None = None,
-                     timeout_s: float = 300.0, local_rank: int | None = None,
-                     device_id: Any = None) -> DistContext:
-    """Initialise the default ``torch.distributed`` group and return this rank's context.
-
-    Rank and world size come from the arguments, else from ``RANK`` / ``WORLD_SIZE``
-    (torchrun), else a single rank. The address comes from ``init_method`` ("tcp://host:port"
-    or "env://"), else ``MASTER_ADDR`` / ``MASTER_PORT``, else (world size 1 only) a free port
-    on 127.0.0.1. ``backend`` is "gloo" (CPU), "nccl" (CUDA) or a torch backend string such as
-    "cpu:gloo,cuda:nccl". Idempotent for the same rank / world size.
-    """
-    global _CTX
-    import torch.distributed as dist
-
+def _resolve_ranks(rank: int | None, world_size: int | None,
+                   local_rank: int | None) -> tuple[int, int, int, int]:
+    """``(rank, world_size, local_rank, local_world_size)`` from the arguments, else the
+    torchrun environment, else a single rank."""
     if rank is None:
         rank = _env_int("RANK")
     if world_size is None:
@@ -120,17 +109,11 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, *,
         if local_rank is None:
             local_rank = rank
     local_world = _env_int("LOCAL_WORLD_SIZE") or world_size
+    return rank, world_size, local_rank, local_world
 
-    if dist.is_initialized():
-        if dist.get_rank() != rank or dist.get_world_size() != world_size:
-            raise DistributedError(f"torch.distributed already initialised as rank {dist.get_rank()} of "
-                                   f"{dist.get_world_size()}, not {rank} of {world_size}")
-        if _CTX is None:
-            _CTX = DistContext(rank, world_size, local_rank, local_world, str(dist.get_backend()), "", 0,
-                               None, is_torchrun())
-        return _CTX
 
-    # ---- resolve the address
+def _resolve_address(init_method: str | None, world_size: int) -> tuple[str | None, int | None]:
+    """The store's ``(host, port)``; ``(None, None)`` for an init method torch resolves itself."""
     addr: str | None = None
     port: int | None = None
     if init_method is None or init_method == "env://":
@@ -146,6 +129,47 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, *,
         addr, port = u.hostname, u.port
         if not addr or not port:
             raise DistributedError(f"init_distributed: malformed init_method {init_method!r}")
+    return addr, port
+
+
+def _make_store(dist: Any, addr: str, port: int, rank: int, world_size: int, timeout: _dt.timedelta):
+    """The ``TCPStore`` of the world: rank 0 hosts it (unless torchrun's agent does)."""
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    is_master = rank == 0 and not agent_store
+    try:
+        return dist.TCPStore(addr, int(port), world_size, is_master, timeout=timeout,
+                             wait_for_workers=False)
+    except Exception as exc:
+        raise DistributedError(f"rank {rank}: cannot {'host' if is_master else 'reach'} the store at "
+                               f"{addr}:{port}: {exc}") from None
+
+
+def init_distributed(rank: int | None = None, world_size: int | None = None, *,
+                     backend: str = "gloo", init_method: str | None = None,
+                     timeout_s: float = 300.0, local_rank: int | None = None,
+                     device_id: Any = None) -> DistContext:
+    """Initialise the default ``torch.distributed`` group and return this rank's context.
+
+    Rank and world size come from the arguments, else from ``RANK`` / ``WORLD_SIZE``
+    (torchrun), else a single rank. The address comes from ``init_method`` ("tcp://host:port"
+    or "env://"), else ``MASTER_ADDR`` / ``MASTER_PORT``, else (world size 1 only) a free port
+    on 127.0.0.1. ``backend`` is "gloo" (CPU), "nccl" (CUDA) or a torch backend string such as
+    "cpu:gloo,cuda:nccl". Idempotent for the same rank / world size.
+    """
+    global _CTX
+    import torch.distributed as dist
+
+    rank, world_size, local_rank, local_world = _resolve_ranks(rank, world_size, local_rank)
+    if dist.is_initialized():
+        if dist.get_rank() != rank or dist.get_world_size() != world_size:
+            raise DistributedError(f"torch.distributed already initialised as rank {dist.get_rank()} of "
+                                   f"{dist.get_world_size()}, not {rank} of {world_size}")
+        if _CTX is None:
+            _CTX = DistContext(rank, world_size, local_rank, local_world, str(dist.get_backend()), "", 0,
+                               None, is_torchrun())
+        return _CTX
+
+    addr, port = _resolve_address(init_method, world_size)
     timeout = _dt.timedelta(seconds=float(timeout_s))
     kwargs: dict[str, Any] = {"backend": backend, "rank": rank, "world_size": world_size, "timeout": timeout}
     if device_id is not None:
@@ -153,14 +177,7 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, *,
 
     store = None
     if addr is not None:
-        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        is_master = rank == 0 and not agent_store
-        try:
-            store = dist.TCPStore(addr, int(port), world_size, is_master, timeout=timeout,
-                                  wait_for_workers=False)
-        except Exception as exc:
-            raise DistributedError(f"rank {rank}: cannot {'host' if is_master else 'reach'} the store at "
-                                   f"{addr}:{port}: {exc}") from None
+        store = _make_store(dist, addr, port, rank, world_size, timeout)
         dist.init_process_group(store=store, **kwargs)
     else:  # some other init method (file://...): let torch build the store
         dist.init_process_group(init_method=init_method, **kwargs)
@@ -178,48 +195,6 @@ def destroy_distributed() -> None:
 
 
 # ====================================================================== spawn
-def _pack_exception(exc: BaseException) -> dict:
-    state = {}
-    for k, v in getattr(exc, "__dict__", {}).items():
-        try:
-            pickle.dumps(v)
-        except Exception:
-            continue
-        state[k] = v
-    args = []
-    for a in exc.args:
-        try:
-            pickle.dumps(a)
-            args.append(a)
-        except Exception:
-            args.append(repr(a))
-    return {"module": type(exc).__module__, "qualname": type(exc).__qualname__, "args": tuple(args),
-            "state": state, "repr": f"{type(exc).__name__}: {exc}",
-            "tb": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))}
-
-
-def _unpack_exception(rank: int, packed: dict) -> BaseException:
-    exc: BaseException
-    try:
-        obj: Any = importlib.import_module(packed["module"])
-        for part in packed["qualname"].split("."):
-            obj = getattr(obj, part)
-        if not (isinstance(obj, type) and issubclass(obj, BaseException)):
-            raise TypeError
-        exc = obj.__new__(obj)
-        exc.args = tuple(packed["args"])
-        exc.__dict__.update(packed["state"])
-    except Exception:
-        exc = RankFailedError(f"rank {rank} raised {packed['repr']}")
-    exc.remote_traceback = packed["tb"]  # type: ignore[attr-defined]
-    exc.rank = rank  # type: ignore[attr-defined]
-    try:
-        exc.add_note(f"(raised in rank {rank}; remote traceback:)\n{packed['tb']}")
-    except Exception:  # pragma: no cover
-        pass
-    return exc
-
-
 def _spawn_entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, conn: Any,
                  backend: str, init: bool, env: dict, linger_s: float) -> None:
     os.environ.clear()                 # the parent's environment at spawn time (forkserver: not the server's)
@@ -293,6 +268,23 @@ def _process_context(tmp):
     return ctx
 
 
+def _start_ranks(ctx: Any, fn: Callable, world_size: int, args: tuple, port: int, backend: str,
+                 init: bool, child_env: dict, linger_s: float) -> tuple[list, list]:
+    """Start one process per rank; its result comes back on the (receiving) connection."""
+    procs, conns = [], []
+    for r in range(world_size):
+        recv, send = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_spawn_entry, name=f"ainfer-pd-rank{r}",
+                        args=(r, world_size, port, fn, tuple(args), send, backend, init, child_env,
+                              linger_s),
+                        daemon=True)
+        p.start()
+        send.close()
+        procs.append(p)
+        conns.append(recv)
+    return procs, conns
+
+
 def spawn(fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 60.0, *,
           backend: str = "gloo", init: bool = True, env: dict[str, str] | None = None,
           return_exceptions: bool = False, fail_grace_s: float = 10.0) -> list:
@@ -308,8 +300,6 @@ def spawn(fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 60
     (``.failures``, ``.unfinished``, ``.results``) when a rank did not finish, or when a rank
     failed and ``return_exceptions`` is false.
     """
-    import multiprocessing.connection as mpc
-
     import torch.multiprocessing as tmp
 
     if world_size <= 0:
@@ -317,64 +307,15 @@ def spawn(fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 60
     ctx = _process_context(tmp)
     port = find_free_port()
     child_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    procs, conns = [], []
-    for r in range(world_size):
-        recv, send = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_spawn_entry, name=f"ainfer-pd-rank{r}",
-                        args=(r, world_size, port, fn, tuple(args), send, backend, init, child_env,
-                              min(fail_grace_s, timeout_s)),
-                        daemon=True)
-        p.start()
-        send.close()
-        procs.append(p)
-        conns.append(recv)
+    procs, conns = _start_ranks(ctx, fn, world_size, args, port, backend, init, child_env,
+                                min(fail_grace_s, timeout_s))
 
     results: list = [None] * world_size
     failures: dict[int, str] = {}
     pending = set(range(world_size))
     start = time.monotonic()
-    deadline = start + timeout_s
-
-    def _record(r: int) -> None:
-        try:
-            kind, value = conns[r].recv()
-        except (EOFError, OSError):
-            procs[r].join(1.0)
-            code = procs[r].exitcode
-            why = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-            results[r] = RankFailedError(f"rank {r} died ({why}) before returning a result")
-            failures[r] = f"died ({why})"
-        else:
-            if kind == "ok":
-                results[r] = value
-            else:
-                results[r] = _unpack_exception(r, value)
-                failures[r] = value["repr"]
-        pending.discard(r)
-
     try:
-        while pending:
-            now = time.monotonic()
-            if now >= deadline:
-                break
-            by_obj: dict[Any, tuple[str, int]] = {}
-            for r in pending:
-                by_obj[conns[r]] = ("conn", r)
-                by_obj[procs[r].sentinel] = ("proc", r)
-            ready = mpc.wait(list(by_obj), timeout=deadline - now)
-            for obj in ready:
-                kind, r = by_obj[obj]
-                if r not in pending:
-                    continue
-                if kind == "conn" or conns[r].poll():
-                    _record(r)
-                else:  # exited; a result may still be in flight in the pipe
-                    if conns[r].poll(0.2):
-                        _record(r)
-                    else:
-                        _record(r)  # EOF -> died
-            if failures:
-                deadline = min(deadline, time.monotonic() + fail_grace_s)
+        collect_results(procs, conns, results, failures, pending, start + timeout_s, fail_grace_s)
     finally:
         unfinished = sorted(pending)
         for r in unfinished:
@@ -382,29 +323,8 @@ def spawn(fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 60
             results[r] = RankFailedError(f"rank {r} did not finish in time and was killed")
         # Every result is in (or the deadline passed): nothing a rank still does matters (rank 0
         # may be lingering for a dead peer's "done"); give a short grace to exit, then kill.
-        grace_end = time.monotonic() + (0.0 if unfinished else 0.5)
-        for p in procs:
-            if p.is_alive():
-                p.join(max(0.0, grace_end - time.monotonic()))
-            if p.is_alive():
-                p.terminate()
-                p.join(1.0)
-            if p.is_alive():
-                p.kill()
-                p.join(1.0)
-        for c in conns:
-            c.close()
+        reap_ranks(procs, conns, 0.0 if unfinished else 0.5)
 
     if unfinished or (failures and not return_exceptions):
-        lines = [f"  rank {r}: {why}" for r, why in sorted(failures.items())]
-        detail = ""
-        for r in sorted(failures):
-            tb = getattr(results[r], "remote_traceback", None)
-            if tb:
-                detail = f"\nfirst remote traceback (rank {r}):\n{tb}"
-                break
-        raise RankFailedError(
-            f"spawn of {world_size} ranks failed ({len(failures)} failed, unfinished: {unfinished}):\n"
-            + "\n".join(lines) + detail,
-            failures={r: w for r, w in failures.items()}, unfinished=tuple(unfinished), results=results)
+        raise spawn_failure(world_size, results, failures, unfinished)
     return results
