@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Sequence
 
-from .report import SETUP_ITEMS
+from .stats import SETUP_ITEMS
 
 Span = tuple[float, float]
 

@@ -8,14 +8,12 @@ import asyncio
 import enum
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Hashable, NamedTuple
+from typing import Any, Callable, Hashable, NamedTuple, Protocol
 
 from torch import Tensor
 
 from ...errors import DispatchCancelledError
-
-if TYPE_CHECKING:
-    from .base import BaseDispatcher
+from ...phase import Phase
 
 LifetimeToken = tuple[Hashable, int]
 """``(request_id, lifetime)`` of one request a dispatch serves."""
@@ -49,10 +47,20 @@ class RecvCounts:
         return sum(self.per_expert)
 
 
+class DispatchOwner(Protocol):
+    """What a dispatch needs of the dispatcher that issued it (:class:`.base.BaseDispatcher`):
+    its phase and its trace hook. A protocol, so that this module does not import ``base``
+    (which imports this one)."""
+
+    phase: Phase
+
+    def _trace(self, ev: str, **attrs: Any) -> None: ...
+
+
 class Notified:
     """A dispatch after its notification: the counts exchange is in flight or done."""
 
-    def __init__(self, owner: "BaseDispatcher", seq: int, tokens: tuple[LifetimeToken, ...],
+    def __init__(self, owner: DispatchOwner, seq: int, tokens: tuple[LifetimeToken, ...],
                  num_tokens: int, *, ready: Callable[[], bool],
                  wait: Callable[[], RecvCounts]) -> None:
         self.owner = owner
