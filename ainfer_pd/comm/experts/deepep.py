@@ -37,8 +37,9 @@ The module imports ``deep_ep`` lazily; without it every constructor raises
 (:class:`DeepEPConfig`) against the limits of the upstream kernels, cited per constant.
 
 Modules: :mod:`.deepep_buffer` (limits, :class:`DeepEPConfig`, the Buffer + ownership part),
-:mod:`.deepep_normal` (P), :mod:`.deepep_low_latency` (D), :mod:`.deepep_check` (the
-multi-GPU check this module's ``__main__`` runs); every name is re-exported here.
+:mod:`.deepep_normal` (P), :mod:`.deepep_low_latency` (D); every name is re-exported here.
+:mod:`.deepep_check` is the multi-GPU check (``python -m ainfer_pd.comm.experts.deepep_check``),
+which imports this module (never the reverse).
 """
 from __future__ import annotations
 
@@ -75,8 +76,3 @@ def deepep_shared_objects(deep_ep: Any) -> list[OwnedObject]:
                  identity=hash("nvshmem-runtime"))
     reg.register("runtime", "deep_ep.Buffer.num_sms (class static)", SHARED, deep_ep.Buffer)
     return list(reg.objects)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    from .deepep_check import main
-    main()

@@ -1,6 +1,6 @@
 """The multi-GPU check of the DeepEP backend: P normal + D low-latency dispatches running
 concurrently against an EP = 1 reference, then the ownership audit (needs >= 2 GPUs and
-``deep_ep``). ``torchrun --standalone --nproc-per-node 8 -m ainfer_pd.comm.experts.deepep ...``
+``deep_ep``). ``torchrun --standalone --nproc-per-node 8 -m ainfer_pd.comm.experts.deepep_check ...``
 runs :func:`main`."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from .deepep import DeepEPConfig, deepep_shared_objects, import_deep_ep, make_de
 
 
 def main(argv: list[str] | None = None) -> None:  # pragma: no cover - needs >= 2 GPUs + deep_ep
-    """``torchrun --standalone --nproc-per-node 8 -m ainfer_pd.comm.experts.deepep ...``"""
+    """``torchrun --standalone --nproc-per-node 8 -m ainfer_pd.comm.experts.deepep_check ...``"""
     import argparse
     import json
     import os
@@ -121,3 +121,7 @@ def main(argv: list[str] | None = None) -> None:  # pragma: no cover - needs >= 
     pd.decode.close()
     dist.barrier()
     dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
