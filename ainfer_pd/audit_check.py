@@ -14,9 +14,9 @@ async def _rank_audit(rank: int, world_size: int) -> dict[str, Any]:
     from . import RolloutWorker, SamplingParams
     from .config import WorkerConfig
     from .errors import OwnershipAuditError
+    from .config_files import config_path
     from .phase import Phase
-    from pathlib import Path
-    cfg = WorkerConfig.from_yaml(Path(__file__).resolve().parent.parent / "configs" / "tiny-cpu.yaml").replace(**{
+    cfg = WorkerConfig.from_yaml(config_path("tiny-cpu")).replace(**{
         "parallel.world_size": world_size, "parallel.attn_dp": world_size,
         "parallel.expert_parallel": world_size, "parallel.expert_backend": "torch",
         "scheduler.policy": "fine-grained"})

@@ -65,7 +65,8 @@ def _csv(text: str) -> list[str]:
 
 def _add_workload_args(p: argparse.ArgumentParser, *, preset: str) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--config", default=DEFAULT_CONFIG, help=f"worker YAML config (default {DEFAULT_CONFIG})")
+    g.add_argument("--config", default=DEFAULT_CONFIG,
+                   help=f"worker YAML config, or a packaged config's name (e.g. tiny-crossed-cpu; default {DEFAULT_CONFIG})")
     g.add_argument("--model", metavar="DIR",
                    help="a Hugging Face model directory (config.json + safetensors): the model section comes from "
                         "its config.json instead of --config's (config-only: seeded random init of its shapes)")
@@ -106,14 +107,10 @@ def _add_workload_args(p: argparse.ArgumentParser, *, preset: str) -> None:
 
 
 def resolve_config_path(path: str) -> Path:
-    p = Path(path)
-    if p.exists():
-        return p
-    alt = Path(__file__).resolve().parents[1] / path
-    if not p.is_absolute() and alt.exists():
-        return alt
-    from .errors import ConfigError
-    raise ConfigError(f"config file not found: {path}")
+    """``--config``: a YAML file, or a packaged config's name (``tiny-cpu``, ``configs/tiny-cpu.yaml``
+    from any directory); :class:`~ainfer_pd.config_files.UnknownConfigError` otherwise."""
+    from .config_files import resolve_config
+    return resolve_config(path)
 
 
 def load_config(path: str, overrides: list[str] | None = None, model: str | None = None,

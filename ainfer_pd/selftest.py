@@ -34,7 +34,6 @@ __all__ = ["EXTRA_CHECKS", "register_check", "crossed_config", "small_trace", "r
            "format_table", "setup_parser", "run"]
 
 Row = dict[str, Any]
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 TIME_SCALE = 0.1
 
 EXTRA_CHECKS: list[Callable[[argparse.Namespace], Row | list[Row]]] = []
@@ -52,9 +51,10 @@ def register_check(fn: Callable[[argparse.Namespace], Row | list[Row]]) -> Calla
 def crossed_config(run_dir: Path | str, **over: Any):
     """``configs/tiny-crossed-cpu.yaml`` (fine-grained, traced to ``run_dir``) with ``over``."""
     from .config import WorkerConfig
+    from .config_files import config_path
     base = {"scheduler.policy": "fine-grained", "trace_dir": str(run_dir)}
     base.update(over)
-    return WorkerConfig.from_yaml(CONFIGS / "tiny-crossed-cpu.yaml").replace(**base)
+    return WorkerConfig.from_yaml(config_path("tiny-crossed-cpu")).replace(**base)
 
 
 def small_trace(n: int = 6, turns: int = 3, seed: int = 0):
@@ -66,10 +66,11 @@ def single_rank_outputs(trace) -> dict:
     """Greedy tokens of every turn of ``trace`` at world size 1 (``configs/tiny-cpu.yaml``)."""
     from . import RolloutWorker
     from .config import WorkerConfig
+    from .config_files import config_path
     from .workload.replay import replay
 
     async def go():
-        async with RolloutWorker(WorkerConfig.from_yaml(CONFIGS / "tiny-cpu.yaml")) as w:
+        async with RolloutWorker(WorkerConfig.from_yaml(config_path("tiny-cpu"))) as w:
             return await replay(w, trace, cell="trace", seed=0, time_scale=TIME_SCALE)
     return asyncio.run(go()).outputs
 

@@ -11,13 +11,18 @@ import logging
 import os
 from typing import Any, Optional
 
+from ...config_files import config_path, resolve_config
 from ...errors import BackendUnavailableError, ConfigError, UnsupportedOptionError
 
 logger = logging.getLogger(__name__)
 
+#: The packaged config a replica runs unless ``engine_kwargs.ainfer_pd.config`` names another.
+DEFAULT_CONFIG = "tiny-cpu"
+
 #: Keys of ``rollout.engine_kwargs.ainfer_pd`` (everything else is rejected).
 ENGINE_KWARGS = {
-    "config": "path of an ainfer-pd WorkerConfig YAML (default: the packaged configs/tiny-cpu.yaml); its model "
+    "config": "path of an ainfer-pd WorkerConfig YAML, or a packaged config's name (e.g. tiny-2rank-cpu; default: "
+              "the packaged tiny-cpu); its model "
               "section is replaced by actor_rollout_ref.model.path when that is a Hugging Face directory",
     "overrides": "dotted WorkerConfig overrides, e.g. {'scheduler.policy': 'fine-grained'}",
     "worker_cls": "import path of the worker class (default ainfer_pd.RolloutWorker)",
@@ -68,8 +73,8 @@ def engine_kwargs_of(rollout_config: Any) -> dict:
 
 
 def default_config_path() -> str:
-    here = os.path.dirname(os.path.abspath(__file__))
-    return os.path.normpath(os.path.join(here, "..", "..", "..", "configs", "tiny-cpu.yaml"))
+    """The packaged ``tiny-cpu`` config (:mod:`ainfer_pd.config_files`)."""
+    return str(config_path(DEFAULT_CONFIG))
 
 
 def model_path_of(model_config: Any) -> Optional[str]:
@@ -214,12 +219,9 @@ def build_worker_config(engine_kwargs: dict, model_path: Optional[str] = None, r
     verl's memory share (:func:`memory_overrides`) and ``rollout.*`` keys (:func:`rollout_overrides`);
     then the dotted ``overrides`` (e.g. ``{"model.dtype": "float32"}``)."""
     from ...config import WorkerConfig
-    path = engine_kwargs.get("config") or default_config_path()
-    if not os.path.isabs(path) and not os.path.exists(path):
-        # Ray actors may not share the driver's cwd: also try the ainfer-pd checkout root.
-        alt = os.path.join(os.path.dirname(os.path.dirname(default_config_path())), path)
-        path = alt if os.path.exists(alt) else path
-    cfg = WorkerConfig.from_yaml(path)
+    # a path, or a packaged config's name ("tiny-2rank-cpu", "configs/tiny-2rank-cpu.yaml"): Ray
+    # actors may not share the driver's cwd, and a wheel install has no checkout
+    cfg = WorkerConfig.from_yaml(resolve_config(engine_kwargs.get("config") or DEFAULT_CONFIG))
     if model_path:
         data = cfg.to_dict()
         data["model"] = {"path": model_path}
