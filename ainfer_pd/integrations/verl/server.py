@@ -13,6 +13,7 @@ No socket is opened unless ``http: true`` in the engine kwargs (then a small tok
 HTTP endpoint binds to ``127.0.0.1``, ``host`` overrides it: :mod:`.http_api`) or a
 ``metrics_port`` is set (Prometheus text at ``/metrics``: :mod:`.observability`).
 
+Aborts and the admission gate: :mod:`.admission`.
 Sleep / wake follow verl's rollout mode (:mod:`.control`, :mod:`.residency_plan`); with
 ``parallel.world_size > 1`` this process is rank 0 of the replica's ranks (:mod:`.ranks`).
 Configuration: :mod:`.settings`; weight sync: :mod:`.weight_staging`.
@@ -29,6 +30,7 @@ from typing import Any, Optional
 
 from ...errors import (DuplicateRequestError, InvalidRequestError, TrajectoryBusyError,
                        UnknownTrajectoryError)
+from .admission import RequestAdmission
 from .control import ResidencyControl
 from .observability import Observability
 from .reuse import TrajectoryReuse
@@ -53,7 +55,7 @@ def _routed(out: Any) -> Any:
     return None if re is None else re.numpy()
 
 
-class AInferPDServer(ResidencyControl, WeightSync, TrajectoryReuse):
+class AInferPDServer(ResidencyControl, WeightSync, TrajectoryReuse, RequestAdmission):
     """Plain class; the replica wraps it with ``ray.remote``. One asyncio loop (Ray's)."""
 
     def __init__(self, config: Any, replica_rank: int = 0, node_rank: int = 0,
@@ -223,11 +225,7 @@ class AInferPDServer(ResidencyControl, WeightSync, TrajectoryReuse):
                         ainfer_pd_trajectory_id: Optional[str], ainfer_pd_continue: bool):
         from verl.workers.rollout.replica import TokenOutput
 
-        if self.worker is None:
-            await self.launch_server()
-        if self.ranks is not None:
-            self.ranks.check()                    # a dead rank: its typed error, not a hang
-        prompt_ids = [int(t) for t in (prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else prompt_ids)]
+        prompt_ids = await self._prepared(prompt_ids)
         # every TokenOutput carries the same extra_fields keys (EXTRA_FIELDS; None where a path has no
         # value): verl's agent loops copy them into their outputs, and DataProto.concat of the batches
         # of several AgentLoopWorkers needs one key set
@@ -242,29 +240,8 @@ class AInferPDServer(ResidencyControl, WeightSync, TrajectoryReuse):
                 return aborted()
             await self._resume.wait()
 
-        # ---- choose the KV-reuse path
-        tid: Optional[str] = None
-        obs: Optional[list[int]] = None
         named = ainfer_pd_trajectory_id
-        if named is not None and (not isinstance(named, str) or not named):
-            raise InvalidRequestError(f"ainfer_pd_trajectory_id must be a non-empty string, got {named!r}")
-        if named is not None and named in self._busy:
-            raise TrajectoryBusyError(f"trajectory {named} already has a turn in flight")
-        if ainfer_pd_continue:
-            if named not in self._contexts:
-                # Context unknown here (released, cleared, other replica): the client re-sends it all.
-                raise UnknownTrajectoryError(f"trajectory {named!r} is not retained on this server: "
-                                             "send the whole context")
-            tid, obs = named, prompt_ids
-            full = self._contexts[tid] + obs
-        else:
-            full = prompt_ids
-            # a trajectory the client named (its episode) is used under that name (its KV when retained;
-            # prefix blocks are shared by content either way); else the best retained match
-            if named is not None:
-                tid = named if named in self._contexts else None
-            else:
-                tid = self._find_reuse(full, session_id)
+        tid, obs, full = self._reuse_path(prompt_ids, session_id, named, ainfer_pd_continue)
         self.stats["request_tokens"] += len(prompt_ids)
         sp = self._map(sampling_params, len(full))
         if self.routing_replay:
@@ -288,25 +265,74 @@ class AInferPDServer(ResidencyControl, WeightSync, TrajectoryReuse):
         if out is None:                       # aborted before its turn reached the worker: nothing produced
             self.stats["aborted"] += 1
             return aborted()
-
-        new_tid = out.trajectory_id
         log_probs = list(out.logprobs) if sp.logprobs and out.logprobs is not None else None
         if out.finish_reason == "abort":
-            # Partial rollout: the worker returned the tokens produced so far and keeps their KV
-            # (the trajectory's context is now ``full`` + those tokens). verl's fully-async client
-            # resends the request with the partial tokens appended (a continued episode: the new
-            # observation + the partial tokens, relative to the context before this turn), so the
-            # context recorded here is a prefix of that resubmission and the next turn reuses
-            # everything (worker.generate(..., trajectory_id) keeps the longest common prefix).
-            self.stats["aborted"] += 1
-            self.stats["partial_tokens"] += len(out.token_ids)
-            self._contexts[new_tid] = prior_ctx if (obs is not None and prior_ctx is not None) else full
-            self._contexts.move_to_end(new_tid)
-            await self._evict()
-            extra.update(num_cached_tokens=int(out.num_cached_tokens), num_prompt_tokens=int(out.num_prompt_tokens),
-                         ainfer_pd_trajectory_id=new_tid)
-            return TokenOutput(token_ids=list(out.token_ids), log_probs=log_probs, stop_reason="aborted",
-                               routed_experts=_routed(out), num_preempted=0, extra_fields=extra)
+            return await self._partial_output(out, log_probs, full, obs, prior_ctx, extra)
+        return await self._completed_output(out, log_probs, full, session_id, extra)
+
+    async def _prepared(self, prompt_ids) -> list[int]:
+        """Start the worker on first use and check the ranks; the prompt as a list of ints."""
+        if self.worker is None:
+            await self.launch_server()
+        if self.ranks is not None:
+            self.ranks.check()                    # a dead rank: its typed error, not a hang
+        return [int(t) for t in (prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else prompt_ids)]
+
+    def _reuse_path(self, prompt_ids: list[int], session_id: Optional[str], named: Optional[str],
+                    cont: bool) -> tuple[Optional[str], Optional[list[int]], list[int]]:
+        """Choose the KV-reuse path: ``(trajectory to reuse or None, the new observation of a
+        continued turn or None, the whole context)``."""
+        tid: Optional[str] = None
+        obs: Optional[list[int]] = None
+        if named is not None and (not isinstance(named, str) or not named):
+            raise InvalidRequestError(f"ainfer_pd_trajectory_id must be a non-empty string, got {named!r}")
+        if named is not None and named in self._busy:
+            raise TrajectoryBusyError(f"trajectory {named} already has a turn in flight")
+        if cont:
+            if named not in self._contexts:
+                # Context unknown here (released, cleared, other replica): the client re-sends it all.
+                raise UnknownTrajectoryError(f"trajectory {named!r} is not retained on this server: "
+                                             "send the whole context")
+            tid, obs = named, prompt_ids
+            full = self._contexts[tid] + obs
+        else:
+            full = prompt_ids
+            # a trajectory the client named (its episode) is used under that name (its KV when retained;
+            # prefix blocks are shared by content either way); else the best retained match
+            if named is not None:
+                tid = named if named in self._contexts else None
+            else:
+                tid = self._find_reuse(full, session_id)
+        return tid, obs, full
+
+    async def _partial_output(self, out: Any, log_probs: Optional[list], full: list[int],
+                              obs: Optional[list[int]], prior_ctx: Optional[list[int]], extra: dict):
+        """The ``TokenOutput`` of a turn aborted while it ran (a partial rollout)."""
+        from verl.workers.rollout.replica import TokenOutput
+
+        new_tid = out.trajectory_id
+        # Partial rollout: the worker returned the tokens produced so far and keeps their KV
+        # (the trajectory's context is now ``full`` + those tokens). verl's fully-async client
+        # resends the request with the partial tokens appended (a continued episode: the new
+        # observation + the partial tokens, relative to the context before this turn), so the
+        # context recorded here is a prefix of that resubmission and the next turn reuses
+        # everything (worker.generate(..., trajectory_id) keeps the longest common prefix).
+        self.stats["aborted"] += 1
+        self.stats["partial_tokens"] += len(out.token_ids)
+        self._contexts[new_tid] = prior_ctx if (obs is not None and prior_ctx is not None) else full
+        self._contexts.move_to_end(new_tid)
+        await self._evict()
+        extra.update(num_cached_tokens=int(out.num_cached_tokens), num_prompt_tokens=int(out.num_prompt_tokens),
+                     ainfer_pd_trajectory_id=new_tid)
+        return TokenOutput(token_ids=list(out.token_ids), log_probs=log_probs, stop_reason="aborted",
+                           routed_experts=_routed(out), num_preempted=0, extra_fields=extra)
+
+    async def _completed_output(self, out: Any, log_probs: Optional[list], full: list[int],
+                                session_id: Optional[str], extra: dict):
+        """The ``TokenOutput`` of a completed turn; its context is retained for the next one."""
+        from verl.workers.rollout.replica import TokenOutput
+
+        new_tid = out.trajectory_id
         self._contexts[new_tid] = full + list(out.token_ids)
         self._contexts.move_to_end(new_tid)
         if session_id is not None:
@@ -344,58 +370,8 @@ class AInferPDServer(ResidencyControl, WeightSync, TrajectoryReuse):
         if request_id in self._abort_marked:
             return None
         return await self.worker.generate(full, sp, trajectory_id=fresh)
-    async def abort_request(self, request_id: str, reset_prefix_cache: bool = False) -> dict[str, Any]:
-        """Abort one admitted request: its turn ends "aborted" with its partial output (kept for a
-        resubmission); one not yet at the worker returns "aborted" without running."""
-        if request_id not in self._inflight:
-            return {"aborted": False, "request_id": request_id, "error": "request not found"}
-        self._abort_marked.add(request_id)
-        try:
-            await self.worker.abort(self._inflight[request_id])
-        except UnknownTrajectoryError:      # not submitted to the worker yet: the mark stops it
-            pass
-        if reset_prefix_cache:
-            await self._reset_prefix_cache()
-        return {"aborted": True, "request_id": request_id}
 
     # ------------------------------------------------------------------ control plane
-    async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict[str, Any]:
-        """Close admission and abort every request the server has admitted (``stop_reason="aborted"``,
-        with the tokens produced so far): turns running or queued in the worker, and admitted
-        requests whose turn has not reached the worker yet (they return without running). Requests
-        arriving later park at the gate until :meth:`resume_generation` (``reject_request``: they
-        return "aborted" at once). Waits until every admitted request has returned.
-
-        ``reset_prefix_cache`` (default, as vLLM): then drop the cached KV (prefix blocks and the
-        retained trajectories' KV, on every rank); trajectories keep their tokens and recompute
-        them on their next turn. ``False`` keeps it (a partial rollout resumes without recompute).
-        """
-        self._paused = True
-        self._rejecting = reject_request
-        self._resume.clear()
-        request_ids = list(self._inflight)
-        self._abort_marked.update(request_ids)
-        if self.worker is not None:
-            await self.worker.abort_all()
-        await self.wait_for_requests_to_drain()
-        if reset_prefix_cache:
-            await self._reset_prefix_cache()
-        return {"aborted_count": len(request_ids), "request_ids": request_ids}
-
-    async def _reset_prefix_cache(self) -> None:
-        if self.worker is not None:
-            await self._all_ranks("release_kv_cache")
-            self.stats["prefix_cache_resets"] += 1
-
-    async def resume_generation(self) -> None:
-        self._paused = False
-        self._rejecting = False
-        self._resume.set()
-
-    async def wait_for_requests_to_drain(self, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self._inflight and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
     async def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = global_steps
 
