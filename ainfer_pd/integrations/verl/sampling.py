@@ -93,30 +93,16 @@ def _num(d: Mapping[str, Any], key: str, default: Any) -> Any:
     return default if v is None else v
 
 
-def to_sampling_params(
-    sampling_params: Mapping[str, Any] | None,
-    *,
-    prompt_len: int,
-    max_context_len: int,
-    response_length: int | None = None,
-    prompt_length: int | None = None,
-    default_repetition_penalty: float = 1.0,
-    default_ignore_eos: bool = False,
-) -> MappedSampling:
-    """Map a verl ``sampling_params`` dict; never mutates the caller's dict.
-
-    ``prompt_len`` is the length of the whole context the model sees this turn
-    (retained prefix + new tokens). Raises :class:`InvalidRequestError` for bad values
-    and :class:`ContextLengthError` when no token fits in the context.
-    """
-    sp = dict(sampling_params or {})
+def _refuse_unsupported(sp: Mapping[str, Any]) -> None:
     for key, (neutral, why) in UNSUPPORTED_KEYS.items():
         if key in sp and not neutral(sp[key]):
             raise UnsupportedOptionError(f"sampling_params {key}={sp[key]!r}: {why}", key=key)
-    room = max_context_len - prompt_len
-    if room < 1:
-        raise ContextLengthError(
-            f"prompt of {prompt_len} tokens leaves no room to generate within max_context_len={max_context_len}")
+
+
+def _max_new_tokens(sp: Mapping[str, Any], prompt_len: int, room: int, response_length: int | None,
+                    prompt_length: int | None) -> int:
+    """``max_tokens``, else ``max_new_tokens``, else verl's response length rule, else the room
+    left; an integer clamped to ``[1, room]``."""
     if sp.get("max_tokens") is not None:
         max_new = sp["max_tokens"]
     elif sp.get("max_new_tokens") is not None:
@@ -134,19 +120,52 @@ def to_sampling_params(
             max_new = int(max_new)
         except (TypeError, ValueError):
             raise InvalidRequestError(f"sampling_params max_tokens must be an integer, got {max_new!r}") from None
-    max_new = max(1, min(max_new, room))
+    return max(1, min(max_new, room))
 
+
+def _top_k(sp: Mapping[str, Any]) -> Any:
     top_k = _num(sp, "top_k", -1)
     if isinstance(top_k, float) and top_k.is_integer():
         top_k = int(top_k)
     if top_k == 0:
         top_k = -1
-    logprobs = bool(sp.get("logprobs", False))  # as verl's vLLM server: truthy = on
+    return top_k
+
+
+def _stop_token_ids(sp: Mapping[str, Any]) -> tuple[int, ...]:
     stop = sp.get("stop_token_ids") or ()
     try:
-        stop = tuple(int(t) for t in stop)
+        return tuple(int(t) for t in stop)
     except (TypeError, ValueError):
         raise InvalidRequestError(f"sampling_params stop_token_ids must be integers, got {stop!r}") from None
+
+
+def to_sampling_params(
+    sampling_params: Mapping[str, Any] | None,
+    *,
+    prompt_len: int,
+    max_context_len: int,
+    response_length: int | None = None,
+    prompt_length: int | None = None,
+    default_repetition_penalty: float = 1.0,
+    default_ignore_eos: bool = False,
+) -> MappedSampling:
+    """Map a verl ``sampling_params`` dict; never mutates the caller's dict.
+
+    ``prompt_len`` is the length of the whole context the model sees this turn
+    (retained prefix + new tokens). Raises :class:`InvalidRequestError` for bad values
+    and :class:`ContextLengthError` when no token fits in the context.
+    """
+    sp = dict(sampling_params or {})
+    _refuse_unsupported(sp)
+    room = max_context_len - prompt_len
+    if room < 1:
+        raise ContextLengthError(
+            f"prompt of {prompt_len} tokens leaves no room to generate within max_context_len={max_context_len}")
+    max_new = _max_new_tokens(sp, prompt_len, room, response_length, prompt_length)
+    top_k = _top_k(sp)
+    logprobs = bool(sp.get("logprobs", False))  # as verl's vLLM server: truthy = on
+    stop = _stop_token_ids(sp)
     seed = sp.get("seed")
     params = SamplingParams(
         max_new_tokens=max_new,
