@@ -170,78 +170,107 @@ class OwnershipRegistry:
         """Prove P and D state disjoint; ``strict`` raises :class:`OwnershipAuditError`."""
         objs = list(self._objects)
         violations: list[Violation] = []
-
-        for o in objs:
-            if o.owner == SHARED and o.kind not in SHARED_KINDS:
-                violations.append(Violation(
-                    "mutable-shared",
-                    f"{o.kind} {o.name!r} is in the shared set; only {SHARED_KINDS} may be shared",
-                    (o.name,)))
-            if isinstance(o.owner, Phase) and o.kind in SHARED_KINDS:
-                violations.append(Violation(
-                    "bad-owner", f"{o.kind} {o.name!r} must be shared, not owned by {o.owner.value}",
-                    (o.name,)))
-
-        # One identity, one owner.
-        owners_by_id: dict[int, dict[str, list[OwnedObject]]] = {}
-        for o in objs:
-            owners_by_id.setdefault(o.identity, {}).setdefault(_owner_str(o.owner), []).append(o)
-        for ident, by_owner in owners_by_id.items():
-            if len(by_owner) > 1:
-                names = tuple(f"{k}:{o.kind}:{o.name}" for k, lst in by_owner.items() for o in lst)
-                violations.append(Violation(
-                    "shared-identity",
-                    f"object id {ident:#x} is registered to {sorted(by_owner)}: {', '.join(names)}",
-                    names))
-
-        # Address ranges: P vs D, and phase vs shared.
-        pairs = [(Phase.PREFILL, Phase.DECODE), (Phase.PREFILL, SHARED), (Phase.DECODE, SHARED)]
-        for a_owner, b_owner in pairs:
-            a_objs = [o for o in objs if o.owner == a_owner and o.address_range]
-            b_objs = [o for o in objs if o.owner == b_owner and o.address_range]
-            for a in a_objs:
-                for b in b_objs:
-                    if a.identity != b.identity and _overlap(a.address_range, b.address_range):
-                        violations.append(Violation(
-                            "address-overlap",
-                            f"{_owner_str(a_owner)}:{a.name} {_fmt(a.address_range)} overlaps "
-                            f"{_owner_str(b_owner)}:{b.name} {_fmt(b.address_range)}",
-                            (a.name, b.name)))
-
-        # QP index ranges: P vs D.
-        p_qps = [o for o in objs if o.owner is Phase.PREFILL and o.qp_range]
-        d_qps = [o for o in objs if o.owner is Phase.DECODE and o.qp_range]
-        for a in p_qps:
-            for b in d_qps:
-                if _overlap(a.qp_range, b.qp_range):
-                    violations.append(Violation(
-                        "qp-overlap",
-                        f"P:{a.name} QPs {_fmt(a.qp_range)} overlap D:{b.name} QPs {_fmt(b.qp_range)}",
-                        (a.name, b.name)))
-
-        # Completeness: every mutable kind of the table, per phase.
-        for ph in phases:
-            have = {o.kind for o in objs if o.owner is ph}
-            for kind in REQUIRED_KINDS[ph]:
-                if kind not in have:
-                    violations.append(Violation(
-                        "missing-kind", f"phase {ph.value} registered no {kind!r}", ()))
-
-        bytes_by_owner: dict[str, int] = {}
-        seen: set[tuple[str, int]] = set()
-        for o in objs:
-            key = (_owner_str(o.owner), o.identity)
-            if o.kind in MEMORY_KINDS and key not in seen:
-                seen.add(key)
-                bytes_by_owner[key[0]] = bytes_by_owner.get(key[0], 0) + o.size_bytes
-
+        violations += _owner_violations(objs)
+        violations += _identity_violations(objs)
+        violations += _address_violations(objs)
+        violations += _qp_violations(objs)
+        violations += _missing_kinds(objs, phases)
         report = AuditReport(ok=not violations, violations=tuple(violations),
-                             objects=tuple(objs), bytes_by_owner=bytes_by_owner)
+                             objects=tuple(objs), bytes_by_owner=_bytes_by_owner(objs))
         if strict and not report.ok:
             raise OwnershipAuditError(
                 "phase-owned expert state is not disjoint: "
                 + "; ".join(v.message for v in report.violations))
         return report
+
+
+def _owner_violations(objs: list[OwnedObject]) -> list[Violation]:
+    """Only the shared kinds are shared, and they are never owned by a phase."""
+    violations: list[Violation] = []
+    for o in objs:
+        if o.owner == SHARED and o.kind not in SHARED_KINDS:
+            violations.append(Violation(
+                "mutable-shared",
+                f"{o.kind} {o.name!r} is in the shared set; only {SHARED_KINDS} may be shared",
+                (o.name,)))
+        if isinstance(o.owner, Phase) and o.kind in SHARED_KINDS:
+            violations.append(Violation(
+                "bad-owner", f"{o.kind} {o.name!r} must be shared, not owned by {o.owner.value}",
+                (o.name,)))
+    return violations
+
+
+def _identity_violations(objs: list[OwnedObject]) -> list[Violation]:
+    """One identity, one owner."""
+    violations: list[Violation] = []
+    owners_by_id: dict[int, dict[str, list[OwnedObject]]] = {}
+    for o in objs:
+        owners_by_id.setdefault(o.identity, {}).setdefault(_owner_str(o.owner), []).append(o)
+    for ident, by_owner in owners_by_id.items():
+        if len(by_owner) > 1:
+            names = tuple(f"{k}:{o.kind}:{o.name}" for k, lst in by_owner.items() for o in lst)
+            violations.append(Violation(
+                "shared-identity",
+                f"object id {ident:#x} is registered to {sorted(by_owner)}: {', '.join(names)}",
+                names))
+    return violations
+
+
+def _address_violations(objs: list[OwnedObject]) -> list[Violation]:
+    """Address ranges: P vs D, and phase vs shared."""
+    violations: list[Violation] = []
+    pairs = [(Phase.PREFILL, Phase.DECODE), (Phase.PREFILL, SHARED), (Phase.DECODE, SHARED)]
+    for a_owner, b_owner in pairs:
+        a_objs = [o for o in objs if o.owner == a_owner and o.address_range]
+        b_objs = [o for o in objs if o.owner == b_owner and o.address_range]
+        for a in a_objs:
+            for b in b_objs:
+                if a.identity != b.identity and _overlap(a.address_range, b.address_range):
+                    violations.append(Violation(
+                        "address-overlap",
+                        f"{_owner_str(a_owner)}:{a.name} {_fmt(a.address_range)} overlaps "
+                        f"{_owner_str(b_owner)}:{b.name} {_fmt(b.address_range)}",
+                        (a.name, b.name)))
+    return violations
+
+
+def _qp_violations(objs: list[OwnedObject]) -> list[Violation]:
+    """QP index ranges: P vs D."""
+    violations: list[Violation] = []
+    p_qps = [o for o in objs if o.owner is Phase.PREFILL and o.qp_range]
+    d_qps = [o for o in objs if o.owner is Phase.DECODE and o.qp_range]
+    for a in p_qps:
+        for b in d_qps:
+            if _overlap(a.qp_range, b.qp_range):
+                violations.append(Violation(
+                    "qp-overlap",
+                    f"P:{a.name} QPs {_fmt(a.qp_range)} overlap D:{b.name} QPs {_fmt(b.qp_range)}",
+                    (a.name, b.name)))
+    return violations
+
+
+def _missing_kinds(objs: list[OwnedObject], phases: tuple[Phase, ...]) -> list[Violation]:
+    """Completeness: every mutable kind of the table, per phase."""
+    violations: list[Violation] = []
+    for ph in phases:
+        have = {o.kind for o in objs if o.owner is ph}
+        for kind in REQUIRED_KINDS[ph]:
+            if kind not in have:
+                violations.append(Violation(
+                    "missing-kind", f"phase {ph.value} registered no {kind!r}", ()))
+    return violations
+
+
+def _bytes_by_owner(objs: list[OwnedObject]) -> dict[str, int]:
+    """Memory-kind bytes per owner, each (owner, identity) counted once."""
+    bytes_by_owner: dict[str, int] = {}
+    seen: set[tuple[str, int]] = set()
+    for o in objs:
+        key = (_owner_str(o.owner), o.identity)
+        if o.kind in MEMORY_KINDS and key not in seen:
+            seen.add(key)
+            bytes_by_owner[key[0]] = bytes_by_owner.get(key[0], 0) + o.size_bytes
+    return bytes_by_owner
 
 
 def _fmt(r: tuple[int, int] | None) -> str:
