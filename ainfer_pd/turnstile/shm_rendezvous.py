@@ -57,6 +57,19 @@ class ShmRendezvous(RendezvousBase):
         nwords = _HDR_WORDS + world_size * self._stride
         nbytes = nwords * 8
         deadline = time.monotonic() + self.timeout_s
+        side = self._side_store(store, name)
+        self._map_board(side, nbytes, deadline)
+        board = np.frombuffer(self._mm, dtype=np.int64)
+        self._np = np
+        self._attach(board, max_payload, deadline)
+        self._jobs: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
+        self._cancel = threading.Event()
+
+    # ------------------------------------------------------------- setup
+    def _side_store(self, store: Any, name: str | None) -> Any:
+        """Set the board's name; the store through which rank 0 publishes the board (None without
+        a store: every rank derives the file from ``name``)."""
         side = None
         if store is not None:
             import torch.distributed as dist
@@ -66,6 +79,12 @@ class ShmRendezvous(RendezvousBase):
             raise DistributedError("ShmRendezvous needs a store or an explicit board name shared by all ranks")
         if side is None:
             self.name = str(name)
+        return side
+
+    def _map_board(self, side: Any, nbytes: int, deadline: float) -> None:
+        """Rank 0 creates the board file (and publishes its path); the others open it; every rank
+        maps it (``self._mm``). A failure unlinks rank 0's file."""
+        rank = self.rank
         fname = "ainfer_pd_rdzv_" + (self.name if side is None else uuid.uuid4().hex[:16])
         self.path = ""
         fd = -1
@@ -77,33 +96,7 @@ class ShmRendezvous(RendezvousBase):
                 if side is not None:
                     side.set("board", self.path)
             else:
-                if side is not None:
-                    try:
-                        side.wait(["board"], _dt.timedelta(seconds=max(0.001, deadline - time.monotonic())))
-                    except Exception as exc:
-                        raise RendezvousTimeout(
-                            f"shm rendezvous setup on rank {rank}: rank 0 did not publish the board "
-                            f"within {self.timeout_s:g} s ({exc})", missing_ranks=(0,)) from None
-                    self.path = side.get("board").decode()
-                else:
-                    self.path = os.path.join(_SHM_DIR, fname)
-                while True:
-                    try:
-                        fd = os.open(self.path, os.O_RDWR)
-                        if os.fstat(fd).st_size >= nbytes:
-                            break
-                        os.close(fd)
-                        fd = -1
-                    except FileNotFoundError:
-                        if side is not None:
-                            raise DistributedError(
-                                f"shm rendezvous on rank {rank}: board {self.path} published by rank 0 is not "
-                                f"visible here (ranks are not on one host / do not share /dev/shm); use gloo") from None
-                    if time.monotonic() > deadline:
-                        raise RendezvousTimeout(f"shm rendezvous setup on rank {rank}: board {self.path} "
-                                                f"not created by rank 0 within {self.timeout_s:g} s",
-                                                missing_ranks=(0,))
-                    time.sleep(0.001)
+                fd = self._open_board(fname, nbytes, side, deadline)
             self._mm = mmap.mmap(fd, nbytes)
         except BaseException:
             if rank == 0 and self.path:
@@ -113,8 +106,49 @@ class ShmRendezvous(RendezvousBase):
             if fd >= 0:
                 os.close(fd)
 
-        board = np.frombuffer(self._mm, dtype=np.int64)
-        self._np = np
+    def _open_board(self, fname: str, nbytes: int, side: Any, deadline: float) -> int:
+        """Rank > 0: wait until rank 0's board file (published in ``side``, else ``fname``) exists
+        at its full size; its open descriptor (closed here on a failure)."""
+        rank = self.rank
+        if side is not None:
+            try:
+                side.wait(["board"], _dt.timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            except Exception as exc:
+                raise RendezvousTimeout(
+                    f"shm rendezvous setup on rank {rank}: rank 0 did not publish the board "
+                    f"within {self.timeout_s:g} s ({exc})", missing_ranks=(0,)) from None
+            self.path = side.get("board").decode()
+        else:
+            self.path = os.path.join(_SHM_DIR, fname)
+        fd = -1
+        try:
+            while True:
+                try:
+                    fd = os.open(self.path, os.O_RDWR)
+                    if os.fstat(fd).st_size >= nbytes:
+                        return fd
+                    os.close(fd)
+                    fd = -1
+                except FileNotFoundError:
+                    if side is not None:
+                        raise DistributedError(
+                            f"shm rendezvous on rank {rank}: board {self.path} published by rank 0 is not "
+                            f"visible here (ranks are not on one host / do not share /dev/shm); use gloo") from None
+                if time.monotonic() > deadline:
+                    raise RendezvousTimeout(f"shm rendezvous setup on rank {rank}: board {self.path} "
+                                            f"not created by rank 0 within {self.timeout_s:g} s",
+                                            missing_ranks=(0,))
+                time.sleep(0.001)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            raise
+
+    def _attach(self, board: Any, max_payload: int, deadline: float) -> None:
+        """Views of the mapped board; rank 0 writes the header, the others check it; every rank
+        marks itself attached and rank 0 unlinks the file once all are. A failure releases the
+        mapping (and unlinks rank 0's file)."""
+        rank, world_size = self.rank, self.world_size
         self._board = board
         self._blocks = board[_HDR_WORDS:].reshape(world_size, self._stride)
         self._seqs = self._blocks[:, 0]              # strided view: every rank's arrival seq
@@ -147,9 +181,6 @@ class ShmRendezvous(RendezvousBase):
                 _unlink_quiet(self.path)
             self._release()
             raise
-        self._jobs: queue.SimpleQueue | None = None
-        self._thread: threading.Thread | None = None
-        self._cancel = threading.Event()
 
     # ------------------------------------------------------------- board access
     def _ready(self, seq: int) -> bool:
