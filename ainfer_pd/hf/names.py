@@ -115,71 +115,91 @@ def _units_of(model: nn.Module, name: str, p: Tensor) -> Iterator[Unit]:
 
 
 # ---------------------------------------------------------------------------- checkpoint / transformers names
-def _hf_targets(c: ModelConfig, experts: tuple[int, int], params: dict) -> Iterator[tuple[str, Target]]:
-    D, H, Hk, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-    E, I = c.num_experts, c.expert_intermediate
-    lo, hi = experts
-    whole = lambda p, shape, transpose=False: Target(p, (), shape, transpose=transpose, units=((p,),))
+def _whole(p: str, shape: tuple, transpose: bool = False) -> Target:
+    return Target(p, (), shape, transpose=transpose, units=((p,),))
 
-    yield "model.embed_tokens.weight", whole("embed", (c.vocab_size, D))
-    yield "model.norm.weight", whole("final_norm", (D,))
+
+def _hf_targets(c: ModelConfig, experts: tuple[int, int], params: dict) -> Iterator[tuple[str, Target]]:
+    D = c.hidden_size
+    yield "model.embed_tokens.weight", _whole("embed", (c.vocab_size, D))
+    yield "model.norm.weight", _whole("final_norm", (D,))
     yield "lm_head.weight", (Target(None, (), (c.vocab_size, D)) if c.tie_word_embeddings
-                             else whole("lm_head", (c.vocab_size, D)))
-    rows = {"q": (0, H * hd), "k": (H * hd, (H + Hk) * hd), "v": ((H + Hk) * hd, (H + 2 * Hk) * hd)}
+                             else _whole("lm_head", (c.vocab_size, D)))
     for i in range(c.num_layers):
         hp, ip = f"model.layers.{i}.", f"layers.{i}."
-        yield hp + "input_layernorm.weight", whole(ip + "attn_norm", (D,))
-        yield hp + "post_attention_layernorm.weight", whole(ip + "ffn_norm", (D,))
-        for part, (a, b) in rows.items():
-            yield (hp + f"self_attn.{part}_proj.weight",
-                   Target(ip + "wqkv", (slice(a, b),), (b - a, D), units=((ip + "wqkv", part),)))
-            if c.qkv_bias:
-                yield (hp + f"self_attn.{part}_proj.bias",
-                       Target(ip + "bqkv", (slice(a, b),), (b - a,), units=((ip + "bqkv", part),)))
-        yield hp + "self_attn.o_proj.weight", whole(ip + "wo", (D, H * hd))
-        if c.o_bias:
-            yield hp + "self_attn.o_proj.bias", whole(ip + "bo", (D,))
-        if c.qk_norm:
-            yield hp + "self_attn.q_norm.weight", whole(ip + "q_norm", (hd,))
-            yield hp + "self_attn.k_norm.weight", whole(ip + "k_norm", (hd,))
+        yield from _attention_targets(c, hp, ip)
         if not c.is_moe_layer(i):
             yield from _mlp(hp + "mlp.", ip + "dense_w13", ip + "dense_w2", D, c.dense_intermediate)
             continue
-        # mixtral checkpoints spell the MoE block_sparse_moe.* (its experts w1/w3/w2); transformers 5 mlp.*
-        for mp in ([hp + "block_sparse_moe."] if c.architecture == "mixtral" else []) + [hp + "mlp."]:
-            yield mp + "gate.weight", whole(ip + "router", (E, D))
-        if c.router == "sigmoid":
-            yield hp + "mlp.gate.e_score_correction_bias", whole(ip + "router_bias", (E,))
-        w13, w2 = ip + "w13", ip + "w2"
-        # transformers' packed experts (named_parameters of the installed version)
-        yield (hp + "mlp.experts.gate_up_proj",
-               Target(w13, (), (E, 2 * I, D), transpose=True, expert_axis=True,
-                      units=tuple((w13, e, part) for e in range(lo, hi) for part in ("gate", "up"))))
-        yield (hp + "mlp.experts.down_proj",
-               Target(w2, (), (E, D, I), transpose=True, expert_axis=True, units=tuple((w2, e) for e in range(lo, hi))))
-        # the checkpoint's per-expert tensors
-        if c.architecture == "mixtral":
-            names = {"gate": "block_sparse_moe.experts.{e}.w1.weight", "up": "block_sparse_moe.experts.{e}.w3.weight",
-                     "down": "block_sparse_moe.experts.{e}.w2.weight"}
-        else:
-            names = {p: f"mlp.experts.{{e}}.{p}_proj.weight" for p in ("gate", "up", "down")}
-        for e in range(E):
-            mine = lo <= e < hi
-            j = e - lo
-            yield (hp + names["gate"].format(e=e),
-                   Target(w13, (j, slice(None), slice(0, I)), (I, D), transpose=True, expert=e, mine=mine,
-                          units=((w13, e, "gate"),) if mine else ()))
-            yield (hp + names["up"].format(e=e),
-                   Target(w13, (j, slice(None), slice(I, 2 * I)), (I, D), transpose=True, expert=e, mine=mine,
-                          units=((w13, e, "up"),) if mine else ()))
-            yield (hp + names["down"].format(e=e),
-                   Target(w2, (j,), (D, I), transpose=True, expert=e, mine=mine, units=((w2, e),) if mine else ()))
-        Is = c.shared_expert_intermediate
-        if Is:
-            shared = "mlp.shared_expert." if c.architecture == "qwen2_moe" else "mlp.shared_experts."
-            yield from _mlp(hp + shared, ip + "shared_w13", ip + "shared_w2", D, Is)
-            if c.shared_expert_gate:
-                yield hp + "mlp.shared_expert_gate.weight", whole(ip + "shared_gate", (1, D))
+        yield from _moe_targets(c, hp, ip, experts)
+
+
+def _attention_targets(c: ModelConfig, hp: str, ip: str) -> Iterator[tuple[str, Target]]:
+    """One layer's norms and attention (``hp``: its checkpoint prefix, ``ip``: the engine's)."""
+    D, H, Hk, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    rows = {"q": (0, H * hd), "k": (H * hd, (H + Hk) * hd), "v": ((H + Hk) * hd, (H + 2 * Hk) * hd)}
+    yield hp + "input_layernorm.weight", _whole(ip + "attn_norm", (D,))
+    yield hp + "post_attention_layernorm.weight", _whole(ip + "ffn_norm", (D,))
+    for part, (a, b) in rows.items():
+        yield (hp + f"self_attn.{part}_proj.weight",
+               Target(ip + "wqkv", (slice(a, b),), (b - a, D), units=((ip + "wqkv", part),)))
+        if c.qkv_bias:
+            yield (hp + f"self_attn.{part}_proj.bias",
+                   Target(ip + "bqkv", (slice(a, b),), (b - a,), units=((ip + "bqkv", part),)))
+    yield hp + "self_attn.o_proj.weight", _whole(ip + "wo", (D, H * hd))
+    if c.o_bias:
+        yield hp + "self_attn.o_proj.bias", _whole(ip + "bo", (D,))
+    if c.qk_norm:
+        yield hp + "self_attn.q_norm.weight", _whole(ip + "q_norm", (hd,))
+        yield hp + "self_attn.k_norm.weight", _whole(ip + "k_norm", (hd,))
+
+
+def _moe_targets(c: ModelConfig, hp: str, ip: str, experts: tuple[int, int]) -> Iterator[tuple[str, Target]]:
+    """One MoE layer's router, routed experts (packed and per expert) and shared expert."""
+    D, E, I = c.hidden_size, c.num_experts, c.expert_intermediate
+    lo, hi = experts
+    # mixtral checkpoints spell the MoE block_sparse_moe.* (its experts w1/w3/w2); transformers 5 mlp.*
+    for mp in ([hp + "block_sparse_moe."] if c.architecture == "mixtral" else []) + [hp + "mlp."]:
+        yield mp + "gate.weight", _whole(ip + "router", (E, D))
+    if c.router == "sigmoid":
+        yield hp + "mlp.gate.e_score_correction_bias", _whole(ip + "router_bias", (E,))
+    w13, w2 = ip + "w13", ip + "w2"
+    # transformers' packed experts (named_parameters of the installed version)
+    yield (hp + "mlp.experts.gate_up_proj",
+           Target(w13, (), (E, 2 * I, D), transpose=True, expert_axis=True,
+                  units=tuple((w13, e, part) for e in range(lo, hi) for part in ("gate", "up"))))
+    yield (hp + "mlp.experts.down_proj",
+           Target(w2, (), (E, D, I), transpose=True, expert_axis=True, units=tuple((w2, e) for e in range(lo, hi))))
+    yield from _expert_targets(c, hp, w13, w2, experts)
+    Is = c.shared_expert_intermediate
+    if Is:
+        shared = "mlp.shared_expert." if c.architecture == "qwen2_moe" else "mlp.shared_experts."
+        yield from _mlp(hp + shared, ip + "shared_w13", ip + "shared_w2", D, Is)
+        if c.shared_expert_gate:
+            yield hp + "mlp.shared_expert_gate.weight", _whole(ip + "shared_gate", (1, D))
+
+
+def _expert_targets(c: ModelConfig, hp: str, w13: str, w2: str,
+                    experts: tuple[int, int]) -> Iterator[tuple[str, Target]]:
+    """The checkpoint's per-expert tensors of one layer (other ranks' experts: ``mine`` False)."""
+    D, E, I = c.hidden_size, c.num_experts, c.expert_intermediate
+    lo, hi = experts
+    if c.architecture == "mixtral":
+        names = {"gate": "block_sparse_moe.experts.{e}.w1.weight", "up": "block_sparse_moe.experts.{e}.w3.weight",
+                 "down": "block_sparse_moe.experts.{e}.w2.weight"}
+    else:
+        names = {p: f"mlp.experts.{{e}}.{p}_proj.weight" for p in ("gate", "up", "down")}
+    for e in range(E):
+        mine = lo <= e < hi
+        j = e - lo
+        yield (hp + names["gate"].format(e=e),
+               Target(w13, (j, slice(None), slice(0, I)), (I, D), transpose=True, expert=e, mine=mine,
+                      units=((w13, e, "gate"),) if mine else ()))
+        yield (hp + names["up"].format(e=e),
+               Target(w13, (j, slice(None), slice(I, 2 * I)), (I, D), transpose=True, expert=e, mine=mine,
+                      units=((w13, e, "up"),) if mine else ()))
+        yield (hp + names["down"].format(e=e),
+               Target(w2, (j,), (D, I), transpose=True, expert=e, mine=mine, units=((w2, e),) if mine else ()))
 
 
 def _mlp(prefix: str, w13: str, w2: str, D: int, I: int) -> Iterator[tuple[str, Target]]:
