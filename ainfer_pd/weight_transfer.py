@@ -128,7 +128,6 @@ class SyncAgreement:
         returns True ("a cancellation is owed": the caller writes, then re-raises it)."""
         import json
         import zlib
-        loop = asyncio.get_running_loop()
         body = json.dumps({"digest": digest, "partial": partial, "n": len(manifest),
                            "manifest": [[n, list(s), d] for n, s, d in manifest]}).encode()
         mkey = self._k(seq, f"m/{self.rank}")
@@ -143,25 +142,10 @@ class SyncAgreement:
         try:
             verdict = await asyncio.to_thread(publish)
             self._mine.append((seq, mkey))
-            deadline = loop.time() + timeout_s
-            pause = 0.002
-            while verdict is None:
-                if closed():
-                    raise StageClosed()
-                verdict = await asyncio.to_thread(self._poll, seq, keys, loop.time() > deadline)
-                if verdict is None:
-                    await asyncio.sleep(pause)
-                    pause = min(0.05, pause * 1.5)
+            verdict = await self._wait_verdict(seq, keys, verdict, timeout_s, closed)
         except (asyncio.CancelledError, StageClosed) as exc:
             # fail the sync for every rank, unless it was decided ok already (then it goes on everywhere)
-            what = "closed" if isinstance(exc, StageClosed) else "cancelled"
-            fut = self.fail_soon(seq, f"rank {self.rank}'s update_weights was {what} while it waited for its peers")
-            while not fut.done():
-                try:
-                    await asyncio.wait([fut])
-                except asyncio.CancelledError:
-                    continue
-            if fut.exception() is not None or fut.result() != OK:
+            if not await self._decided_ok_anyway(seq, exc):
                 raise
             verdict, owed = OK, isinstance(exc, asyncio.CancelledError)
         except BaseException as exc:               # the store failed: fail the sync for all (best effort)
@@ -171,13 +155,45 @@ class SyncAgreement:
         self._forget(seq)
         if verdict != OK:
             raise self._error(verdict, seq, late=False)
+        await self._check_manifests(seq, keys)
+        return owed
+
+    async def _wait_verdict(self, seq: int, keys: list[str], verdict: str | None, timeout_s: float,
+                            closed: Callable[[], bool]) -> str:
+        """Poll (backing off) until ``seq`` has a verdict; this rank decides ``timeout`` after
+        ``timeout_s``. Raises :class:`StageClosed` when the worker closed meanwhile."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        pause = 0.002
+        while verdict is None:
+            if closed():
+                raise StageClosed()
+            verdict = await asyncio.to_thread(self._poll, seq, keys, loop.time() > deadline)
+            if verdict is None:
+                await asyncio.sleep(pause)
+                pause = min(0.05, pause * 1.5)
+        return verdict
+
+    async def _decided_ok_anyway(self, seq: int, exc: BaseException) -> bool:
+        """This rank was cancelled or closed while it waited: decide ``fail`` (waited for, even
+        through further cancellations); True when the sync had been decided ``ok`` first."""
+        what = "closed" if isinstance(exc, StageClosed) else "cancelled"
+        fut = self.fail_soon(seq, f"rank {self.rank}'s update_weights was {what} while it waited for its peers")
+        while not fut.done():
+            try:
+                await asyncio.wait([fut])
+            except asyncio.CancelledError:
+                continue
+        return fut.exception() is None and fut.result() == OK
+
+    async def _check_manifests(self, seq: int, keys: list[str]) -> None:
+        """Every rank's manifest of ``seq`` (decided ``ok``) against rank 0's."""
         manifests = await asyncio.to_thread(self._manifests, keys)
         differ = [r for r, m in enumerate(manifests) if m["digest"] != manifests[0]["digest"]]
         if differ:
             raise WeightSyncMismatchError(
                 f"weight sync {seq}: the ranks were given different weights ({_first_difference(manifests, differ[0])}); "
                 f"ranks {differ} differ from rank 0; nothing was written on any rank", ranks=(0, *differ))
-        return owed
 
     def _poll(self, seq: int, keys: list[str], late: bool) -> str | None:
         verdict = self._verdict_now(seq)
