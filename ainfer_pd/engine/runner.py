@@ -115,6 +115,28 @@ class ModelRunner:
         seqs: list[PrefillSeq] = []
         rows: list[int] = []
         logit_turns: list[Turn] = []
+        self._prefill_rows(prefill, ids, pos, write, seqs, rows, logit_turns)
+        decode_meta, host_write = self._decode_rows(decode, ahead, ids, pos, rows, logit_turns)
+        if host_write:
+            write.append(torch.tensor(host_write, dtype=torch.int64))
+        d = self.device
+        fb = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=d),
+            positions=torch.tensor(pos, dtype=torch.int64, device=d),
+            write_slots=torch.cat(write).to(d) if write else torch.zeros(0, dtype=torch.int64, device=d),
+            prefill=seqs, decode=decode_meta,
+            logits_rows=torch.tensor(rows, dtype=torch.int64, device=d),
+            block_size=self.kv.block_size,
+        )
+        plan = BatchPlan(fb, prefill, decode, logit_turns)
+        if self.pgraphs is not None and not decode:
+            plan.replay = self.pgraphs.binding(fb)
+        return plan
+
+    def _prefill_rows(self, prefill: list[tuple[Turn, int, int]], ids: list[int], pos: list[int],
+                      write: list[Tensor], seqs: list[PrefillSeq], rows: list[int],
+                      logit_turns: list[Turn]) -> None:
+        """Append the prefill chunks' rows (and the logits row of each prompt that completes)."""
         for turn, start, n in prefill:
             q0 = len(ids)
             ids.extend(turn.context[start:start + n])
@@ -125,6 +147,11 @@ class ModelRunner:
             if start + n == len(turn.context):       # prompt complete: its last row gives the first token
                 rows.append(q0 + n - 1)
                 logit_turns.append(turn)
+
+    def _decode_rows(self, decode: list[Turn], ahead: list[int] | None, ids: list[int], pos: list[int],
+                     rows: list[int], logit_turns: list[Turn]) -> tuple[DecodeMeta | None, list[int]]:
+        """Append one row per decode turn; their metadata and host write slots (None, [] without
+        decode rows)."""
         decode_meta = None
         host_write = []
         if decode:
@@ -141,21 +168,7 @@ class ModelRunner:
             table = self.kv.block_table([t.tid for t in decode], nb)
             decode_meta = DecodeMeta(None, torch.tensor(lens, dtype=torch.int64, device=self.device),
                                      block_table=table.to(self.device), block_size=bs)
-        if host_write:
-            write.append(torch.tensor(host_write, dtype=torch.int64))
-        d = self.device
-        fb = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=d),
-            positions=torch.tensor(pos, dtype=torch.int64, device=d),
-            write_slots=torch.cat(write).to(d) if write else torch.zeros(0, dtype=torch.int64, device=d),
-            prefill=seqs, decode=decode_meta,
-            logits_rows=torch.tensor(rows, dtype=torch.int64, device=d),
-            block_size=self.kv.block_size,
-        )
-        plan = BatchPlan(fb, prefill, decode, logit_turns)
-        if self.pgraphs is not None and not decode:
-            plan.replay = self.pgraphs.binding(fb)
-        return plan
+        return decode_meta, host_write
 
     # ------------------------------------------------------------------ segments (run on a stream)
     def embed(self, plan: BatchPlan) -> SegmentState | Replayed:
