@@ -255,7 +255,7 @@ The server never touches CUDA, so its ranks may use it. Each rank gets the paren
 as it is at the call (as under spawn), but a preloaded module read its import-time settings when the
 server started. The test suite sets ``forkserver``."""
 START_METHODS = ("spawn", "forkserver")
-_PRELOAD = ["torch", "torch.distributed", "ainfer_pd.launch", "ainfer_pd.worker", "ainfer_pd.workload.world"]
+_PRELOAD = ["torch", "torch.distributed", "ainfer_pd.launch", "ainfer_pd.worker"]
 
 
 def _process_context(tmp):

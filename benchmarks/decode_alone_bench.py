@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cuda_timing import cuda_time_s  # noqa: E402
 
 from ainfer_pd import RolloutWorker, SamplingParams  # noqa: E402
-from ainfer_pd.cli import load_config  # noqa: E402
+from ainfer_pd.tools.options import load_config  # noqa: E402
 
 
 def _mean_ms(m: dict, m0: dict, key: str) -> float:

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _gate_cases import dense_attention, paged_case, rel_err, topk_choice_error, uniform_decode  # noqa: E402
 
-from ainfer_pd.bench import _finite  # noqa: E402
+from ainfer_pd.tools.bench import _finite  # noqa: E402
 from ainfer_pd.config import WorkerConfig  # noqa: E402
 from ainfer_pd.engine.attention import (DecodeMeta, ForwardBatch, PrefillSeq, TorchAttention,  # noqa: E402
                                         paged_attention)
@@ -503,7 +503,7 @@ def bench(out: Path, args, *, tag: str = "", policies: str = "normal,fine-graine
     """The P1 cell on the Qwen3 shape, one run a policy; ``tag`` names a variant's figures and
     check (``sets``: its config overrides), e.g. the overlapped D loop."""
     bdir = Path(f"/tmp/gpu_gate_bench{tag}")   # plots stay here: only a few files come back from a device run
-    cmd = [sys.executable, "-m", "ainfer_pd.cli", "bench", "--config", "configs/qwen3-30b-a3b-shape.yaml",
+    cmd = [sys.executable, "-m", "ainfer_pd.tools.cli", "bench", "--config", "configs/qwen3-30b-a3b-shape.yaml",
            "--policies", policies, "--cells", "P1", "--repeats", "1",
            "--conversations", str(args.bench_conversations), "--max-turns", "3", "--token-scale", str(args.bench_token_scale),
            "--no-progress", "--out", str(bdir), "--set", "device.graph_batch_sizes=[1,4,16,32,64]"]

@@ -19,15 +19,15 @@ print("flash lower-right check: max |diff| vs fp32 reference", (o.float() - r).a
 PY
 { timeout 90 torchrun --standalone --nproc-per-node 1 -m benchmarks.nccl_harness --backend nccl \
     --ordering none,selective,global-implicit --register-pairs --rendezvous gloo --out /tmp/nccl-ws1; echo "harness rc $?"
-  python -m ainfer_pd.cli trace-check /tmp/nccl-ws1/selective; python -m ainfer_pd.cli trace-check /tmp/nccl-ws1/global-implicit
-  timeout 90 torchrun --standalone --nproc-per-node 1 -m ainfer_pd.cli replay --config configs/tiny-cuda.yaml \
+  python -m ainfer_pd.tools.cli trace-check /tmp/nccl-ws1/selective; python -m ainfer_pd.tools.cli trace-check /tmp/nccl-ws1/global-implicit
+  timeout 90 torchrun --standalone --nproc-per-node 1 -m ainfer_pd.tools.cli replay --config configs/tiny-cuda.yaml \
     --conversations 8 --max-turns 2 --policies normal,fine-grained --no-progress; echo "replay rc $?"
 } > "$O/nccl_ws1.log" 2>&1
 timeout 200 python -m trainer_examples.live_rl.run --config configs/live-rl-h200.yaml --steps 32 --policy both \
     --prompts 8 --group 8 --action-tokens 16 --prompt-filler 32 256 --obs-filler 16 64 \
     --tool-latency-ms 5 30 --lr 1e-3 --out /tmp/lrl > "$O/live_rl.log" 2>&1; echo "live-rl rc $?" >> "$O/live_rl.log"
 cp /tmp/lrl/*.json /tmp/lrl/*.png "$O/" 2>/dev/null
-B="python -m ainfer_pd.cli bench --config configs/h200-bench.yaml --no-progress --conversations 48 --max-turns 3 --token-scale 0.5 --repeats 1"
+B="python -m ainfer_pd.tools.cli bench --config configs/h200-bench.yaml --no-progress --conversations 48 --max-turns 3 --token-scale 0.5 --repeats 1"
 { timeout 100 $B --policies normal,fine-grained,mixed-chunked --cells P1
   timeout 60 $B --policies normal,fine-grained --decode-only --cells P1
   timeout 70 $B --policies normal,fine-grained --cells trace

@@ -14,18 +14,18 @@ case "${1:-}" in
   ladder)
     C=${2:-P1}
     [ "$C" = P1 ] && timeout 90 python benchmarks/cuda_smoke.py > "$O/cuda_smoke.log" 2>&1
-    timeout 480 python -m ainfer_pd.cli bench $W --policies normal,global-complete,global-enqueue,fine-grained,mixed-chunked \
+    timeout 480 python -m ainfer_pd.tools.cli bench $W --policies normal,global-complete,global-enqueue,fine-grained,mixed-chunked \
         --cells "$C" --repeats 3 --out /tmp/ladder > "$O/ladder_$C.log" 2>&1
     for f in results.json ${C}_makespan.png ${C}_d_wait_cdf.png ${C}_ttft_cdf.png ${C}_timeline_fine-grained_zoom.png \
              ${C}_timeline_normal_zoom.png; do cp "/tmp/ladder/$f" "$O/${C}_$f" 2>/dev/null; done ;;
   spans)
-    timeout 300 python -m ainfer_pd.cli bench $W --policies normal,fine-grained --spans 1,2,3,4,auto --cells P1 \
+    timeout 300 python -m ainfer_pd.tools.cli bench $W --policies normal,fine-grained --spans 1,2,3,4,auto --cells P1 \
         --repeats 3 > "$O/spans.log" 2>&1
-    timeout 100 python -m ainfer_pd.cli bench $W --policies normal,fine-grained --cells P1 --repeats 3 \
+    timeout 100 python -m ainfer_pd.tools.cli bench $W --policies normal,fine-grained --cells P1 --repeats 3 \
         --set device.high_priority_stream=P > "$O/p_priority.log" 2>&1     # the TTFT lever (equal priority elsewhere)
-    timeout 120 python -m ainfer_pd.cli bench --config configs/h200-bench.yaml --decode-only --policies normal,fine-grained \
+    timeout 120 python -m ainfer_pd.tools.cli bench --config configs/h200-bench.yaml --decode-only --policies normal,fine-grained \
         --cells P1 --repeats 3 --conversations 48 --no-progress > "$O/decode_only.log" 2>&1
-    timeout 60 torchrun --standalone --nproc-per-node 1 -m ainfer_pd.cli replay --config configs/tiny-cuda.yaml \
+    timeout 60 torchrun --standalone --nproc-per-node 1 -m ainfer_pd.tools.cli replay --config configs/tiny-cuda.yaml \
         --conversations 8 --max-turns 2 --policies normal,fine-grained --no-progress > "$O/lockstep_ws1.log" 2>&1
     echo "lockstep ws1 rc $?" >> "$O/lockstep_ws1.log" ;;
   *) echo "usage: $0 ladder|spans" >&2; exit 2 ;;

@@ -14,7 +14,7 @@ import pstats
 import random
 
 from ainfer_pd import RolloutWorker, SamplingParams
-from ainfer_pd.cli import load_config
+from ainfer_pd.tools.options import load_config
 
 
 async def run(cfg, rows: int, ctx: int, tokens: int, prof: cProfile.Profile) -> None:

@@ -24,7 +24,7 @@ rows count as measured (parts pool only under one commit label).
 
 The long-context agentic workload (issue 33 item 4; ``run --workload grpo-long``: GRPO groups
 of 8 siblings sharing a prompt, retained contexts on the paper's distribution up to 14.8K,
-:func:`ainfer_pd.workload.trace_gen.grpo_agentic_trace`) gives rows of its own beside the trace's:
+:func:`ainfer_pd.tools.trace_gen.grpo_agentic_trace`) gives rows of its own beside the trace's:
 their cell is ``grpo-long/P1`` or ``grpo-long/trace`` (the trace's rows keep ``P1`` / ``trace``,
 as decode-only's are ``decode-only/P1``), owed for the five policies with fifo and for normal and
 fine-grained with critical-path (:data:`GRPO_ROWS`), judged by the same ratio targets and by
@@ -61,7 +61,7 @@ from ainfer_pd.sched.span import FIXED_SPANS
 
 FIGURES = {"makespan_s": "makespan_s", "p99_ttft_s": "ttft_p99_s", "mean_d_wait_ms": "d_wait_mean_s",
            "bound_ratio": "bound_ratio", "rendezvous": "rendezvous"}
-"""Row figure -> summary metric of :func:`ainfer_pd.metrics.report.summarize`."""
+"""Row figure -> summary metric of :func:`ainfer_pd.tools.report.summarize`."""
 RUN_DETAIL = ("bound_s", "p_work_s", "d_work_s", "chain_s", "busy_fraction", "concurrent_fraction",
               "both_s", "d_alone_s", "p_alone_s", "idle_s", "d_iter_mean_s", "ttft_p50_s", "requests_per_s",
               "last_traj_tokens", "last_traj_decode_s", "last_traj_token_ms")
@@ -88,7 +88,7 @@ def _figure(agg: dict[str, Any], metric: str, scale: float = 1.0) -> dict[str, A
 
 
 def _figures(agg: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Every row figure of an aggregate (:func:`ainfer_pd.metrics.report.aggregate`), D wait in ms."""
+    """Every row figure of an aggregate (:func:`ainfer_pd.tools.report.aggregate`), D wait in ms."""
     return {fig: _figure(agg, metric, 1e3 if fig == "mean_d_wait_ms" else 1.0) for fig, metric in FIGURES.items()}
 
 
@@ -125,7 +125,7 @@ def pooled(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     """One row from two rows of the same (cell, policy, priority, span, variant) and commit, each
     with its ``runs``: every figure's median and IQR over the runs of both (repeats measured in two
     parts or two device calls)."""
-    from ainfer_pd.metrics.report import aggregate
+    from ainfer_pd.tools.report import aggregate
     runs = [*a["runs"], *b["runs"]]
     row = {**a, "runs": runs, **_figures(aggregate(runs))}
     mism = [r.get("output_mismatches") for r in (a, b) if r.get("output_mismatches") is not None]
@@ -135,7 +135,7 @@ def pooled(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 def _results(summaries: dict[str, dict[str, list]]) -> dict[str, Any]:
     """What results.json would hold for per-run ``summaries`` (cell -> variant -> [summary])."""
-    from ainfer_pd.metrics.report import aggregate
+    from ainfer_pd.tools.report import aggregate
     return {"summaries": summaries, "trace": None,
             "aggregates": {c: {v: aggregate(ss) for v, ss in per.items()} for c, per in summaries.items()}}
 
@@ -484,7 +484,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     bdir = Path(args.work) / args.part
-    cmd = [sys.executable, "-m", "ainfer_pd.cli", "bench", "--config", args.config,
+    cmd = [sys.executable, "-m", "ainfer_pd.tools.cli", "bench", "--config", args.config,
            "--cells", args.cells, "--policies", args.policies, "--priorities", args.priorities,
            "--repeats", str(args.repeats), "--conversations", str(args.conversations),
            "--max-turns", str(args.max_turns), "--token-scale", str(args.token_scale),

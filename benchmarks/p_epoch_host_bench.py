@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ainfer_pd import RolloutWorker, SamplingParams  # noqa: E402
-from ainfer_pd.cli import load_config  # noqa: E402
+from ainfer_pd.tools.options import load_config  # noqa: E402
 from ainfer_pd.engine.attention import ForwardBatch, PrefillSeq  # noqa: E402
 from ainfer_pd.phase import Phase, PhaseContext  # noqa: E402
 

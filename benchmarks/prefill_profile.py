@@ -19,7 +19,7 @@ import time
 import torch
 
 from ainfer_pd import RolloutWorker, SamplingParams, WorkerConfig
-from ainfer_pd.metrics.report import interval_stats
+from ainfer_pd.tools.report import interval_stats
 
 
 def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:

@@ -2,7 +2,7 @@
 makespan, with ``cache.prefix_sharing`` on and off, on two workloads:
 
 * ``grpo``: a paper-shaped multi-turn trace made GRPO-shaped (``samples_per_prompt`` members per
-  first prompt, each sampled with its own seed), replayed closed-loop (``ainfer_pd.workload.replay``);
+  first prompt, each sampled with its own seed), replayed closed-loop (``ainfer_pd.tools.replay``);
   the tokens of every turn must be equal on and off.
 * ``live-rl``: the live-RL example (``trainer_examples/live_rl``: B prompts x G episodes of tool
   turns, a GRPO update and a weight sync per step), rollout time summed over the steps.
@@ -28,9 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ainfer_pd.bench import run_one  # noqa: E402
+from ainfer_pd.tools.bench import run_one  # noqa: E402
 from ainfer_pd.config import WorkerConfig  # noqa: E402
-from ainfer_pd.workload.trace import make_trace  # noqa: E402
+from ainfer_pd.tools.trace import make_trace  # noqa: E402
 
 
 def _commit() -> str:

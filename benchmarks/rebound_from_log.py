@@ -17,7 +17,7 @@ import argparse
 import re
 import sys
 
-from ainfer_pd.metrics.report import SETUP_ITEMS
+from ainfer_pd.tools.report import SETUP_ITEMS
 
 RUN = re.compile(r"^\[\d+/\d+\] (?P<label>.+?) #(?P<rep>\d+): makespan (?P<mk>[\d.]+) s")
 ITEM = re.compile(r"(?P<name>[PD]\.[A-Za-z_]+\d*) n=\d+ mean [\d.]+ max [\d.]+ sum (?P<sum>[\d.]+) s")

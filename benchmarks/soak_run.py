@@ -1,6 +1,6 @@
 import asyncio, time, json
 from ainfer_pd import RolloutWorker, WorkerConfig
-from ainfer_pd.workload.soak import soak, verify_against_fresh
+from ainfer_pd.tools.soak import soak, verify_against_fresh
 async def main():
     base = WorkerConfig.from_yaml("configs/tiny-cpu.yaml")
     cfg = base.replace(**{"scheduler.policy": "fine-grained", "cache.num_blocks": 512, "mux.activation_threshold": 1})

@@ -67,7 +67,7 @@ def test_one_h200_is_paper_shaped_and_fits():
 
 
 def test_cli_set_overrides_and_stream_priority_validation():
-    from ainfer_pd.cli import load_config
+    from ainfer_pd.tools.options import load_config
     from ainfer_pd.errors import ConfigError
     cfg = load_config("configs/h200-bench.yaml", ["device.high_priority_stream=P", "scheduler.max_decode_batch=64"])
     assert cfg.device.high_priority_stream == "P" and cfg.scheduler.max_decode_batch == 64
@@ -80,7 +80,7 @@ def test_cli_set_overrides_and_stream_priority_validation():
 
 
 def test_p_stream_sm_partition_is_validated_and_refused_off_cuda():
-    from ainfer_pd.cli import load_config
+    from ainfer_pd.tools.options import load_config
     from ainfer_pd.engine.device import make_device
     from ainfer_pd.errors import ConfigError
     from ainfer_pd.metrics.recorder import Recorder

@@ -24,9 +24,9 @@ from ainfer_pd import RolloutWorker, SamplingParams
 from ainfer_pd.errors import AInferPDError, DistributedError, PeerLostError, RankFailedError, RendezvousTimeout, \
     StallError
 from ainfer_pd.launch import spawn
-from ainfer_pd.metrics.tracecheck import check_run_dir
-from ainfer_pd.selftest import crossed_config, single_rank_outputs, small_trace
-from ainfer_pd.workload.world import rank_replay, run_world
+from ainfer_pd.tools.tracecheck import check_run_dir
+from ainfer_pd.tools.selftest import crossed_config, single_rank_outputs, small_trace
+from ainfer_pd.tools.world import rank_replay, run_world
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

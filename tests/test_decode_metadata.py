@@ -6,7 +6,7 @@ import torch
 from ainfer_pd.engine.attention import DecodeMeta
 from ainfer_pd.engine.kv_cache import KVCacheManager
 from ainfer_pd.engine.runner import ModelRunner
-from ainfer_pd.metrics.report import breakdown, interval_stats
+from ainfer_pd.tools.report import breakdown, interval_stats
 from ainfer_pd.phase import Phase, PhaseContext
 from tests.conftest import tiny_cfg
 

@@ -8,10 +8,11 @@ import sys
 import numpy as np
 import pytest
 
-from ainfer_pd.cli import build_parser, build_trace, load_config
+from ainfer_pd.tools.cli import build_parser
+from ainfer_pd.tools.options import build_trace, load_config
 from ainfer_pd.errors import InvalidRequestError
-from ainfer_pd.workload.replay import conversation_token_ids, turn_params
-from ainfer_pd.workload.trace import (CONTEXT_KNOTS, PAPER_PERCENTILES, Trace, check_percentiles,
+from ainfer_pd.tools.replay import conversation_token_ids, turn_params
+from ainfer_pd.tools.trace import (CONTEXT_KNOTS, PAPER_PERCENTILES, Trace, check_percentiles,
                                       grpo_agentic_trace, grpo_percentile_targets)
 
 
@@ -122,7 +123,7 @@ def test_a_tiny_cpu_replay_of_it_through_the_cli(tmp_path):
     completes, siblings reuse their shared prompt's KV, outputs agree across the two policies."""
     import json
     out = tmp_path / "r"
-    cmd = [sys.executable, "-m", "ainfer_pd.cli", "replay", "--workload", "grpo-long", "--group-size", "2",
+    cmd = [sys.executable, "-m", "ainfer_pd.tools.cli", "replay", "--workload", "grpo-long", "--group-size", "2",
            "--conversations", "4", "--max-turns", "3", "--token-scale", "0.02", "--time-scale", "0.01",
            "--cell", "trace", "--policies", "normal,fine-grained", "--priorities", "fifo", "--no-progress",
            "--out", str(out), "--json"]

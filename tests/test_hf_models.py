@@ -113,7 +113,7 @@ def test_yaml_model_path_takes_config_json_and_its_overrides(hf_model_dir, tmp_p
 
 
 def test_cli_replay_and_bench_run_a_hugging_face_directory(hf_model_dir, capsys):
-    from ainfer_pd import cli
+    from ainfer_pd.tools import cli
     d = str(hf_model_dir("qwen2_moe"))
     small = ["--conversations", "2", "--max-turns", "2", "--token-scale", "0.02", "--time-scale", "0.001",
              "--no-progress", "--priorities", "fifo", "--model", d]

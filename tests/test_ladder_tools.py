@@ -3,7 +3,7 @@ a cut part from its log or runs.jsonl, and the span sweep's variants."""
 import json
 from pathlib import Path
 
-from ainfer_pd.metrics.report import aggregate
+from ainfer_pd.tools.report import aggregate
 from benchmarks import ladder
 
 
@@ -107,7 +107,7 @@ def test_a_cut_part_is_rebuilt_from_its_printed_per_run_lines(tmp_path):
 
 
 def test_the_span_sweep_runs_under_every_requested_priority():
-    from ainfer_pd import bench
+    from ainfer_pd.tools import bench
     vs = bench.make_variants(["fine-grained"], spans=["1", "measured"], priorities=["critical-path"])
     assert [v.name for v in vs] == ["fine-grained+critical-path", "fine-grained/K=1+critical-path",
                                     "fine-grained/K=measured+critical-path"]

@@ -50,7 +50,7 @@ async def _rank_main(rank, world_size, policy, plans, extra=None, trace_dir=None
     # each epoch's cause as its trace names it (gated, or why it ran exclusively)
     causes = []
     if trace_dir:
-        from ainfer_pd.metrics.tracecheck import load_traces
+        from ainfer_pd.tools.tracecheck import load_traces
         causes = [(ev["epoch"], "gated" if ev["gated"] else ev["why"])
                   for ev in load_traces(trace_dir)[rank] if ev["ev"] == "p_epoch"]
     # epochs that did not run gated though the activation let them: measured cost or a large backlog
@@ -99,7 +99,7 @@ def test_expert_parallel_greedy_outputs_equal_the_single_rank_run(tmp_path, worl
 async def _steps_during_exclusive_epochs(rank: int, world_size: int):
     import time
 
-    from ainfer_pd.workload.world import multirank_config
+    from ainfer_pd.tools.world import multirank_config
     # normal policy: D waits for every epoch; P made slow (20 ms per layer's counts)
     cfg = multirank_config(tiny_cfg(**{"scheduler.policy": "normal", "faults": {"slow_counts_ms": 20.0}}), 1)
     rng = random.Random(5)

@@ -30,7 +30,7 @@ from ainfer_pd.errors import (
     DistributedError,
     TopologyError,
 )
-from ainfer_pd.metrics.tracecheck import check_run_dir
+from ainfer_pd.tools.tracecheck import check_run_dir
 from ainfer_pd.comm.backend import (
     check_backend,
     data_backend_for,
@@ -369,7 +369,7 @@ async def _one_rank(rank: int, world_size: int, prompts):
     from ainfer_pd import RolloutWorker
     from ainfer_pd.comm.topology import build_process_groups
     from ainfer_pd.engine.lockstep import LockstepEngine
-    from ainfer_pd.workload.world import describe_groups, multirank_config
+    from ainfer_pd.tools.world import describe_groups, multirank_config
     cfg = multirank_config(tiny_cfg(**{"scheduler.policy": "fine-grained"}), 1)
     assert cfg.parallel.expert_backend == "torch"
     async with RolloutWorker(cfg) as w:

@@ -38,7 +38,7 @@ def test_structured_log_records_carry_rank_epoch_and_boundary():
 async def test_a_failed_run_leaves_a_timeline_that_shows_where_it_stopped(tmp_path):
     import asyncio
     from ainfer_pd import RolloutWorker
-    from ainfer_pd.cli import main
+    from ainfer_pd.tools.cli import main
     from tests.conftest import tiny_cfg
     cfg = tiny_cfg(**{"trace_dir": str(tmp_path), "faults": {"p_error_epoch": 1}})
     async with RolloutWorker(cfg) as w:

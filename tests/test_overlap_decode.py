@@ -7,8 +7,8 @@ import pytest
 from ainfer_pd import RolloutWorker, SamplingParams
 from ainfer_pd.engine.d_overlap import InFlightD, ends_at, rows_after
 from ainfer_pd.errors import ConfigError
-from ainfer_pd.workload.replay import replay
-from ainfer_pd.workload.trace import p_heavy_trace
+from ainfer_pd.tools.replay import replay
+from ainfer_pd.tools.trace import p_heavy_trace
 from tests.conftest import tiny_cfg
 
 POLICIES = ("normal", "global-enqueue", "fine-grained")

@@ -5,9 +5,9 @@ import json
 import pytest
 
 from ainfer_pd import RolloutWorker, SamplingParams
-from ainfer_pd.cli import main
+from ainfer_pd.tools.cli import main
 from ainfer_pd.metrics.overlap import epoch_windows, intersect, split, subtract, union
-from ainfer_pd.metrics.tracecheck import load_traces
+from ainfer_pd.tools.tracecheck import load_traces
 from tests.conftest import tiny_cfg
 
 
@@ -68,7 +68,7 @@ async def test_a_traced_run_splits_and_names_each_epochs_cause(tmp_path, policy,
 def test_summarize_splits_a_runs_window_and_leaves_it_unknown_without_a_timeline():
     import math
     from types import SimpleNamespace
-    from ainfer_pd.metrics.report import summarize
+    from ainfer_pd.tools.report import summarize
     ivs = [("P.attn0", "P", 0.0, 2.0, {}), ("D.iter", "D", 1.0, 3.0, {}), ("D.iter", "D", 4.0, 5.0, {})]
     s = summarize(SimpleNamespace(makespan_s=5.0, timeline=ivs))
     assert (s["both_s"], s["p_alone_s"], s["d_alone_s"], s["idle_s"]) == (1.0, 1.0, 2.0, 1.0)

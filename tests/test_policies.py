@@ -6,8 +6,8 @@ import time
 import pytest
 
 from ainfer_pd import RolloutWorker
-from ainfer_pd.workload.replay import replay
-from ainfer_pd.workload.trace import decode_only_trace, p_heavy_trace
+from ainfer_pd.tools.replay import replay
+from ainfer_pd.tools.trace import decode_only_trace, p_heavy_trace
 from tests.conftest import tiny_cfg
 
 LADDER = ("normal", "global-complete", "global-enqueue", "fine-grained", "mixed-chunked")
@@ -82,7 +82,7 @@ def test_decode_only_workload_adds_no_rendezvous_and_no_segmenting(tmp_path):
 def test_the_d_iteration_split_adds_up_to_launch_to_done():
     """pickup + to start + device + resume is launch -> done, iteration by iteration (the sums
     agree), every part but the CPU's to-start is positive, and the breakdown line shows them."""
-    from ainfer_pd.metrics.report import breakdown
+    from ainfer_pd.tools.report import breakdown
     trace = decode_only_trace(4, gen_tokens=12, prompt_tokens=8, turns=1)
     _, m, _ = asyncio.run(_run("fine-grained", trace))
     n = m["d_iter_s_count"]

@@ -9,8 +9,8 @@ import pytest
 from ainfer_pd.config import WorkerConfig
 from ainfer_pd.errors import InvalidRequestError, UnknownTrajectoryError
 from ainfer_pd.request import SamplingParams, TurnOutput
-from ainfer_pd.workload.replay import conversation_token_ids, replay
-from ainfer_pd.workload.trace import Conversation, Trace, Turn, make_trace
+from ainfer_pd.tools.replay import conversation_token_ids, replay
+from ainfer_pd.tools.trace import Conversation, Trace, Turn, make_trace
 
 
 class FakeWorker:
@@ -171,7 +171,7 @@ async def test_progress_bar_and_concurrency_limit():
 
 # ---------------------------------------------------------------------------------- bench / CLI
 async def test_run_bench_with_fake_worker(tmp_path):
-    from ainfer_pd import bench
+    from ainfer_pd.tools import bench
     cfg = WorkerConfig()
     variants = bench.make_variants(["normal", "fine-grained"], spans=["1", "auto"])
     assert [v.name for v in variants] == ["normal", "fine-grained", "fine-grained/K=1", "fine-grained/K=auto"]
@@ -200,7 +200,7 @@ async def test_run_bench_with_fake_worker(tmp_path):
 
 
 def test_cli_replay_with_fake_worker(monkeypatch, capsys, tmp_path):
-    from ainfer_pd import bench, cli
+    from ainfer_pd.tools import bench, cli
     monkeypatch.setattr(bench, "default_worker_factory", lambda cfg: FakeWorker(cfg, per_token_s=0.0001))
     rc = cli.main(["replay", "--conversations", "3", "--max-turns", "2", "--no-progress",
                    "--time-scale", "0.001", "--out", str(tmp_path / "r")])
@@ -220,7 +220,7 @@ def test_cli_replay_with_fake_worker(monkeypatch, capsys, tmp_path):
 
 def test_cli_misc(capsys, tmp_path, monkeypatch):
     import sys
-    from ainfer_pd import cli
+    from ainfer_pd.tools import cli
     assert cli.main(["trace", "--conversations", "8", "--max-turns", "3", "--out", str(tmp_path / "t.jsonl")]) == 0
     assert (tmp_path / "t.jsonl").exists() and "new_tokens" in capsys.readouterr().out
     # the multi-rank replay: two real rank processes (lockstep engine, EP=2) serve the conversations
@@ -228,7 +228,7 @@ def test_cli_misc(capsys, tmp_path, monkeypatch):
                      "--policies", "fine-grained", "--priorities", "fifo", "--no-progress"]) == 0
     out = capsys.readouterr()
     assert "world size 2" in out.out and "fine-grained" in out.out
-    monkeypatch.setitem(sys.modules, "ainfer_pd.selftest", None)
+    monkeypatch.setitem(sys.modules, "ainfer_pd.tools.selftest", None)
     assert cli.main(["selftest", "--help"]) == 2
     assert "not available" in capsys.readouterr().err
     assert cli.main(["replay", "--policy", "nope", "--no-progress"]) == 2
@@ -252,7 +252,7 @@ def _real_worker():
 
 @pytest.mark.skipif(_real_worker() is None, reason="ainfer_pd.RolloutWorker not available yet")
 async def test_real_worker_tiny_replay():
-    from ainfer_pd.metrics.report import summarize
+    from ainfer_pd.tools.report import summarize
     RolloutWorker = _real_worker()
     cfg = WorkerConfig.from_yaml(Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml")
     tr = make_trace(4, 3, token_scale=0.03, max_context=cfg.model.max_context_len, seed=0)
@@ -274,8 +274,8 @@ async def test_real_worker_tiny_replay():
 def test_a_ranks_share_of_a_trace_draws_the_same_token_ids_as_the_whole_trace():
     # the multi-rank replay gives each rank every world_size-th conversation: their prompts must be
     # the ones world size 1 replays, or the greedy tokens of the two cannot be compared
-    from ainfer_pd.workload.replay import conversation_token_ids, turn_params
-    from ainfer_pd.workload.trace import Trace, make_trace
+    from ainfer_pd.tools.replay import conversation_token_ids, turn_params
+    from ainfer_pd.tools.trace import Trace, make_trace
     for trace in (make_trace(6, 3, token_scale=0.02, seed=1), make_trace(3, 2, token_scale=0.02, seed=1).with_samples_per_prompt(2)):
         share = Trace(conversations=trace.conversations[1::2], meta=dict(trace.meta))
         for j, ci in enumerate(range(1, len(trace.conversations), 2)):

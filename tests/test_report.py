@@ -3,8 +3,8 @@ import math
 
 import pytest
 
-from ainfer_pd.metrics import plots, report
-from ainfer_pd.workload.replay import ReplayResult, RequestRecord, TrajectoryRecord
+from ainfer_pd.tools import plots, report
+from ainfer_pd.tools.replay import ReplayResult, RequestRecord, TrajectoryRecord
 
 
 def hand_result(metrics=None):

@@ -4,7 +4,7 @@ import asyncio
 import pytest
 
 from ainfer_pd import RolloutWorker
-from ainfer_pd.workload.soak import soak, verify_against_fresh
+from ainfer_pd.tools.soak import soak, verify_against_fresh
 from tests._dist_util import run_ranks
 from tests.conftest import tiny_cfg
 

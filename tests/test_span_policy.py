@@ -197,7 +197,7 @@ def test_the_slowdown_meter_is_gated_over_exclusive_time_per_token():
 
 
 def test_activation_cost_is_a_checked_config_choice():
-    from ainfer_pd.cli import load_config
+    from ainfer_pd.tools.options import load_config
     from ainfer_pd.errors import ConfigError
     assert load_config("configs/tiny-cpu.yaml").mux.activation_cost == "none"
     assert load_config("configs/tiny-cpu.yaml", ["mux.activation_cost=measured"]).mux.activation_cost == "measured"
@@ -211,7 +211,7 @@ def test_a_backlog_above_the_cap_drains_exclusively():
     from ainfer_pd.sched.span import drains_exclusively
     assert drains_exclusively(20_000, 16_384) and not drains_exclusively(16_384, 16_384)
     assert not drains_exclusively(10 ** 9, 0)                       # 0: off
-    from ainfer_pd.cli import load_config
+    from ainfer_pd.tools.options import load_config
     assert load_config("configs/tiny-cpu.yaml").mux.exclusive_backlog_tokens == 0
     cfg = load_config("configs/tiny-cpu.yaml", ["mux.exclusive_backlog_tokens=16384"])
     assert cfg.mux.exclusive_backlog_tokens == 16384
@@ -224,7 +224,7 @@ def test_a_first_token_waiting_past_the_cap_runs_its_epoch_exclusively():
     from ainfer_pd.sched.span import guards_first_token
     assert guards_first_token(1.5, 1.0) and not guards_first_token(1.0, 1.0)
     assert not guards_first_token(10 ** 6, 0.0)                      # 0: off
-    from ainfer_pd.cli import load_config
+    from ainfer_pd.tools.options import load_config
     assert load_config("configs/tiny-cpu.yaml").mux.exclusive_wait_s == 0.0
     assert load_config("configs/tiny-cpu.yaml", ["mux.exclusive_wait_s=1.2"]).mux.exclusive_wait_s == 1.2
     for bad in ("mux.exclusive_wait_s=-1", "mux.exclusive_wait_s=true", "mux.exclusive_wait_s=.inf"):

@@ -1,4 +1,4 @@
-"""`torchrun --nproc-per-node 2 -m ainfer_pd.cli replay`: one worker per rank process."""
+"""`torchrun --nproc-per-node 2 -m ainfer_pd.tools.cli replay`: one worker per rank process."""
 import os
 import subprocess
 import sys
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_replay_under_torchrun_with_two_ranks():
     torchrun = Path(sys.executable).parent / "torchrun"
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "ainfer_pd.cli", "replay",
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "ainfer_pd.tools.cli", "replay",
            "--conversations", "4", "--max-turns", "2", "--policies", "normal,fine-grained", "--no-progress"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

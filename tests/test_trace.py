@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from ainfer_pd.errors import InvalidRequestError
-from ainfer_pd.workload.trace import (CELLS, PAPER_PERCENTILES, QuantileDistribution, Trace, Turn,
+from ainfer_pd.tools.trace import (CELLS, PAPER_PERCENTILES, QuantileDistribution, Trace, Turn,
                                       cell_wait_factor, check_percentiles, decode_only_trace, make_trace,
                                       p_heavy_trace, paper_trace, NEW_TOKENS_KNOTS)
 
@@ -113,7 +113,7 @@ def test_decode_only_and_p_heavy():
 
 
 def test_grpo_shaped_trace_groups_share_their_first_prompt_only():
-    from ainfer_pd.workload.replay import conversation_token_ids, turn_params
+    from ainfer_pd.tools.replay import conversation_token_ids, turn_params
     base = make_trace(3, 3, token_scale=0.05, seed=4)
     t = base.with_samples_per_prompt(4)
     assert t.samples_per_prompt == 4 and len(t.conversations) == 12 and base.samples_per_prompt == 1

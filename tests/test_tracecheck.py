@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ainfer_pd.metrics.tracecheck import check_run_dir, check_traces, format_report, run, setup_parser
+from ainfer_pd.tools.tracecheck import check_run_dir, check_traces, format_report, run, setup_parser
 
 
 def _coll(phase, epoch, boundary, stream, cseq, registered=True):

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import math
 
-from ainfer_pd.metrics.report import summarize
-from ainfer_pd.workload.replay import ReplayResult
-from ainfer_pd.workload.world import merge, merge_metrics
+from ainfer_pd.tools.report import summarize
+from ainfer_pd.tools.replay import ReplayResult
+from ainfer_pd.tools.world import merge, merge_metrics
 
 
 def _rank(*, leader: bool, rdv: int = 30, d_waits=(0.002, 0.004), conc: float = 0.4, p_permit: float = 0.5,
@@ -65,8 +65,8 @@ def test_the_table_of_a_merged_world_shows_d_wait_rendezvous_and_concurrency():
 
 
 def test_the_p_epoch_split_reads_one_ranks_times_and_counts():
-    from ainfer_pd.metrics.report import aggregate
-    from ainfer_pd.workload.world import epoch_split, format_split
+    from ainfer_pd.tools.report import aggregate
+    from ainfer_pd.tools.world import epoch_split, format_split
     ranks = [_rank(leader=True, p_permit=0.4), _rank(leader=False, p_permit=0.6)]
     for m in ranks:
         m.update({"p_epoch_s_count": 6, "p_epoch_s_sum": 1.2, "p_epoch_s_mean": 0.2,

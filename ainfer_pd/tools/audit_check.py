@@ -11,11 +11,11 @@ from typing import Any
 
 
 async def _rank_audit(rank: int, world_size: int) -> dict[str, Any]:
-    from . import RolloutWorker, SamplingParams
-    from .config import WorkerConfig
-    from .errors import OwnershipAuditError
-    from .config_files import config_path
-    from .phase import Phase
+    from .. import RolloutWorker, SamplingParams
+    from ..config import WorkerConfig
+    from ..errors import OwnershipAuditError
+    from ..config_files import config_path
+    from ..phase import Phase
     cfg = WorkerConfig.from_yaml(config_path("tiny-cpu")).replace(**{
         "parallel.world_size": world_size, "parallel.attn_dp": world_size,
         "parallel.expert_parallel": world_size, "parallel.expert_backend": "torch",
@@ -24,8 +24,8 @@ async def _rank_audit(rank: int, world_size: int) -> dict[str, Any]:
         out = await w.generate(list(range(2, 40)), SamplingParams(max_new_tokens=4, temperature=0.0))
         await w.release(out.trajectory_id)
         report = w.audit()
-        reg = w.engine.ownership_registry()
-        counter = w.engine.dispatchers.decode._recv_counts
+        reg = w.engine.dist.ownership_registry()
+        counter = w.engine.dist.dispatchers.decode._recv_counts
         reg.register("counters", "planted.shared", Phase.PREFILL, identity=id(counter))
         reg.register("counters", "planted.shared", Phase.DECODE, identity=id(counter))
         try:
@@ -38,7 +38,7 @@ async def _rank_audit(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def ownership_audit_row(args: argparse.Namespace | None = None) -> dict[str, Any]:
-    from .launch import spawn
+    from ..launch import spawn
     res = spawn(_rank_audit, 2, (), 120.0)
     ok = all(r["ok"] for r in res) and all(r["planted_fails"] for r in res)
     mem = res[0]["phase_memory_bytes"]

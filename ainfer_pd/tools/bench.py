@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
-from .config import POLICIES, SPANS, WorkerConfig
-from .errors import ConfigError
-from .metrics import report
-from .workload.replay import ReplayResult, replay
-from .workload.trace import CELLS, Trace
+from ..config import POLICIES, SPANS, WorkerConfig
+from ..errors import ConfigError
+from . import report
+from .replay import ReplayResult, replay
+from .trace import CELLS, Trace
 
 DEFAULT_POLICIES = POLICIES          # every policy, in the ladder's order
 
@@ -54,7 +54,7 @@ def make_variants(policies: Sequence[str], *, span: str | None = None,
                   spans: Sequence[str] | None = None, priorities: Sequence[str] = ("fifo",)) -> list[Variant]:
     """Variants for ``policies`` x ``priorities`` (fine-grained with ``span`` when given) plus a
     fine-grained span sweep (each span x ``priorities``)."""
-    from .sched.priority import PRIORITIES
+    from ..sched.priority import PRIORITIES
     out: list[Variant] = []
     for pr in priorities:
         if pr not in PRIORITIES:
@@ -81,9 +81,9 @@ def make_variants(policies: Sequence[str], *, span: str | None = None,
 
 def default_worker_factory(cfg: WorkerConfig) -> Any:
     try:
-        from . import RolloutWorker  # type: ignore[attr-defined]
+        from .. import RolloutWorker  # type: ignore[attr-defined]
     except ImportError:
-        from .worker import RolloutWorker  # type: ignore[no-redef]
+        from ..worker import RolloutWorker  # type: ignore[no-redef]
     return RolloutWorker(cfg)
 
 
@@ -193,7 +193,7 @@ async def run_bench(cfg: WorkerConfig, trace: Trace, *, variants: Sequence[Varia
     if out is not None:
         (out / "results.json").write_text(json.dumps(_finite(res.to_dict()), indent=1, default=str))
         if plots:
-            from .metrics import plots as _plots
+            from . import plots as _plots
             for cell in res.cells:
                 _plots.plot_all(out, res.aggregates[cell], res.results[cell], prefix=cell,
                                 title=f"cell {cell}")

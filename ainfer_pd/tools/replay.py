@@ -1,6 +1,6 @@
 """Closed-loop agentic replay client.
 
-Every conversation of a :class:`~ainfer_pd.workload.trace.Trace` is one task:
+Every conversation of a :class:`~ainfer_pd.tools.trace.Trace` is one task:
 ``generate(prompt)`` for turn 0, then for each later turn ``sleep(tool wait)`` and
 ``continue_(trajectory, observation)``, finally ``release``. All conversations start at
 once (a fixed workload: the trainer waits for the whole set), so the makespan is the

@@ -1,7 +1,7 @@
 """Run summaries (SPEC section 5 metrics), median / IQR aggregation and comparison tables.
 
 Pure functions over plain data: :func:`summarize` takes a
-:class:`~ainfer_pd.workload.replay.ReplayResult` (or anything with the same fields),
+:class:`~ainfer_pd.tools.replay.ReplayResult` (or anything with the same fields),
 :func:`aggregate` a list of summaries, :func:`format_table` a mapping
 ``label -> aggregate`` (or ``label -> summary``).
 """
@@ -12,7 +12,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .stats import SETUP_ITEMS, percentile, work_s  # noqa: F401  (re-exported)
+from ..metrics.stats import SETUP_ITEMS, percentile, work_s  # noqa: F401  (re-exported)
 
 NAN = float("nan")
 
@@ -157,7 +157,7 @@ def summarize(result: Any, *, chain_s: float | None = None) -> dict[str, float]:
     s.update(last_chain(result))
     timeline = getattr(result, "timeline", None)
     if timeline:     # where the device time went (metrics.overlap; NaN for a result without a timeline)
-        from .overlap import device_split
+        from ..metrics.overlap import device_split
         split = device_split(timeline)
         for k in ("both_s", "d_alone_s", "p_alone_s", "idle_s"):
             s[k] = split[k]

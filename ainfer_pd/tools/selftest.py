@@ -2,7 +2,7 @@
 
 Runs the real lockstep engine on the tiny model (``configs/tiny-crossed-cpu.yaml``: one collective
 slot per device; real CPU rank processes, gloo) through the multi-rank replay
-(:mod:`ainfer_pd.workload.world`) and prints / saves a summary table:
+(:mod:`ainfer_pd.tools.world`) and prints / saves a summary table:
 
 1. the paper's Table 4 grid (:func:`run_grid`): ATP2 x ADP2 (g = 4), ATP2 x ADP1 and ATP1 x ADP2
    (g = 2), each under ``none`` / ``global-implicit`` / ``selective`` with the replicas out of phase
@@ -50,24 +50,24 @@ def register_check(fn: Callable[[argparse.Namespace], Row | list[Row]]) -> Calla
 # ---------------------------------------------------------------------- scenarios
 def crossed_config(run_dir: Path | str, **over: Any):
     """``configs/tiny-crossed-cpu.yaml`` (fine-grained, traced to ``run_dir``) with ``over``."""
-    from .config import WorkerConfig
-    from .config_files import config_path
+    from ..config import WorkerConfig
+    from ..config_files import config_path
     base = {"scheduler.policy": "fine-grained", "trace_dir": str(run_dir)}
     base.update(over)
     return WorkerConfig.from_yaml(config_path("tiny-crossed-cpu")).replace(**base)
 
 
 def small_trace(n: int = 6, turns: int = 3, seed: int = 0):
-    from .workload.trace import make_trace
+    from .trace import make_trace
     return make_trace(n, turns, token_scale=0.25, max_context=4096, seed=seed)
 
 
 def single_rank_outputs(trace) -> dict:
     """Greedy tokens of every turn of ``trace`` at world size 1 (``configs/tiny-cpu.yaml``)."""
-    from . import RolloutWorker
-    from .config import WorkerConfig
-    from .config_files import config_path
-    from .workload.replay import replay
+    from .. import RolloutWorker
+    from ..config import WorkerConfig
+    from ..config_files import config_path
+    from .replay import replay
 
     async def go():
         async with RolloutWorker(WorkerConfig.from_yaml(config_path("tiny-cpu"))) as w:
@@ -81,9 +81,9 @@ def _row(check: str, expect: str, result: str, ok: bool, **extra: Any) -> Row:
 
 
 def _stall_row(out: Path, runs: int, timeout_s: float) -> Row:
-    from .errors import RankFailedError, StallError
-    from .launch import spawn
-    from .workload.world import rank_replay
+    from ..errors import RankFailedError, StallError
+    from ..launch import spawn
+    from .world import rank_replay
     stalled, named = 0, 0
     first = ""
     for i in range(runs):
@@ -106,7 +106,7 @@ def _stall_row(out: Path, runs: int, timeout_s: float) -> Row:
 
 
 def _complete(name: str, out: Path, cfg: Any, trace: Any, ref: dict, timeout_s: float) -> tuple[Row, Path | None]:
-    from .workload.world import run_world
+    from .world import run_world
     ws = cfg.parallel.world_size
     try:
         res = run_world(cfg, trace, ws, cell="trace", seed=0, time_scale=TIME_SCALE, timeout_s=timeout_s)
@@ -146,10 +146,10 @@ def grid_cell(out: Path, topology: str, ws: int, d: int, ordering: str, trace: A
     """One cell of the Table 4 grid: the crossed config's engine at (ws, d) under ``ordering`` with
     the replicas out of phase (``faults.phase_skew_ms``); completes (tokens vs world size 1,
     trace-check) or stalls (the watchdog's cycle and the frontier: completed requests)."""
-    from .errors import RankFailedError, StallError
-    from .launch import spawn
-    from .metrics.tracecheck import check_run_dir
-    from .workload.world import merge, rank_replay
+    from ..errors import RankFailedError, StallError
+    from ..launch import spawn
+    from .tracecheck import check_run_dir
+    from .world import merge, rank_replay
     run_dir = out / f"grid-{topology.replace(' ', '')}-{ordering}"
     cfg = crossed_config(run_dir, **{"parallel.world_size": ws, "parallel.attn_dp": d, "parallel.expert_parallel": ws,
                                      "parallel.ordering": ordering, "parallel.stall_timeout_s": 3.0,
@@ -249,7 +249,7 @@ def run_selftest(out: str | Path, *, stall_runs: int = 2, seeds: int = 5, skew_m
     2. ``selective`` under ``skew_ms`` phase skew + 5 ms random rank skew x ``seeds`` seeds;
     3. trace-check of every completed run, and of the isolation-only crossed trace;
     4. the extra checks (:data:`EXTRA_CHECKS`)."""
-    from .metrics.tracecheck import check_run_dir
+    from .tracecheck import check_run_dir
 
     say = progress or (lambda s: None)
     out = Path(out)
@@ -370,7 +370,7 @@ def run_soak(args: argparse.Namespace) -> int:
     unless ``--soak-seed``), every policy on one rank and fine-grained on two gloo ranks."""
     import os
     import subprocess
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]          # the checkout (ainfer_pd/tools/selftest.py)
     test = root / "tests" / "test_property_api.py"
     if not test.exists():
         print(f"ainfer-pd selftest --soak needs the repository's tests ({test} is missing)", file=sys.stderr)

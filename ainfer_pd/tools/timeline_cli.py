@@ -9,7 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .overlap import format_split, split
+from ..metrics.overlap import format_split, split
 from .plots import plot_timeline
 from .tracecheck import load_traces
 

@@ -1,7 +1,7 @@
 """Multi-turn agentic traces (SPEC section 5): the data and its JSONL form
 (:mod:`.trace_schema`) and the generators (:mod:`.trace_gen`: paper-shaped, GRPO long-context,
 controls), re-exported here as the one import path
-(``from ainfer_pd.workload.trace import Trace, make_trace``).
+(``from ainfer_pd.tools.trace import Trace, make_trace``).
 """
 from .trace_gen import (CONTEXT_KNOTS, GRPO_CONTEXT_LIMIT, GRPO_GROUP_SIZE, GRPO_GROUPS,  # noqa: F401
                         GRPO_MAX_TURNS, GRPO_MIN_TURNS, grpo_agentic_trace, grpo_percentile_targets)

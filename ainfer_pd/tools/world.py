@@ -19,7 +19,9 @@ import sys
 from typing import Any
 
 from ..config import WorkerConfig
+from .options import build_trace, load_config, opt
 from .replay import ReplayResult
+from .report import aggregate, format_table, summarize
 from .trace import Trace
 
 
@@ -36,17 +38,16 @@ def multirank_config(cfg: WorkerConfig, world_size: int) -> WorkerConfig:
 
 def describe_groups(worker: Any) -> str:
     """One line: this rank's process groups and their backends, the rendezvous, the expert path."""
-    eng = worker.engine
-    backends = getattr(eng, "group_backends", None)
+    eng = worker.engine.dist
+    backends = eng.group_backends if eng is not None else None
     if not backends:
         return f"rank {worker.rank}: single-rank Engine (no process groups)"
     groups = " ".join(f"{k}={v}" for k, v in backends.items())
-    rdv = getattr(getattr(eng, "rdv", None), "kind", "?")
-    ep = "torch all-to-all" if getattr(eng, "dispatchers", None) is not None else "local"
-    topo = getattr(eng, "topology", None)
-    where = f"; {topo.describe()}; ordering {eng.ordering}" if topo is not None else ""
+    rdv = getattr(eng.rdv, "kind", "?")
+    ep = "torch all-to-all" if eng.dispatchers is not None else "local"
+    where = f"; {eng.topology.describe()}; ordering {eng.ordering}"
     return (f"rank {worker.rank} process groups: {groups}; rendezvous {rdv}; expert dispatch {ep}; "
-            f"device {eng.device.torch_device}{where}")
+            f"device {worker.engine.device.torch_device}{where}")
 
 
 async def rank_replay(rank: int, world_size: int, cfg_dict: dict, trace: Trace, cell: str, seed: int,
@@ -207,15 +208,13 @@ def format_split(aggs: dict[str, dict[str, dict[str, float]]]) -> str:
 
 def run_cli(args: argparse.Namespace) -> int:
     """The ``--world-size N`` path of ``ainfer-pd replay`` / ``bench``."""
-    from ..cli import _opt, build_trace, load_config
-    from ..metrics.report import aggregate, format_table, summarize
     cfg = load_config(args.config, getattr(args, "set", None), getattr(args, "model", None),
                       getattr(args, "ordering", None))
     trace = build_trace(args, cfg)
     policies = [args.policy] if getattr(args, "policy", None) else [p for p in args.policies.split(",") if p]
-    cells = [args.cell or _opt(args, "cell")] if hasattr(args, "cell") else [c for c in args.cells.split(",") if c]
+    cells = [args.cell or opt(args, "cell")] if hasattr(args, "cell") else [c for c in args.cells.split(",") if c]
     repeats = int(getattr(args, "repeats", 1) or 1)
-    time_scale = _opt(args, "time_scale")
+    time_scale = opt(args, "time_scale")
     ws = int(args.world_size)
     pc = multirank_config(cfg, ws).parallel
     print(f"multi-rank replay: world size {ws} (ADP={pc.attn_dp}, ATP={pc.atp}, EP={pc.expert_parallel}, ordering "
@@ -241,23 +240,21 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def run_torchrun_cli(args: argparse.Namespace) -> int:
-    """``torchrun --nproc-per-node N -m ainfer_pd.cli replay ...``: this process is one rank.
+    """``torchrun --nproc-per-node N -m ainfer_pd.tools.cli replay ...``: this process is one rank.
 
     Every rank builds the same trace (same flags, same seed), serves its share of the
     conversations, and rank 0 gathers the records and prints the table."""
     import torch.distributed as dist
 
-    from ..cli import _opt, build_trace, load_config
     from ..launch import destroy_distributed, init_distributed
-    from ..metrics.report import aggregate, format_table, summarize
     ctx = init_distributed()
     ws, rank = ctx.world_size, ctx.rank
     cfg = multirank_config(load_config(args.config, getattr(args, "set", None), getattr(args, "model", None),
                       getattr(args, "ordering", None)), ws)
     trace = build_trace(args, cfg)
     policies = [args.policy] if getattr(args, "policy", None) else [p for p in args.policies.split(",") if p]
-    cell = (args.cell or _opt(args, "cell")) if hasattr(args, "cell") else args.cells.split(",")[0]
-    time_scale = _opt(args, "time_scale")
+    cell = (args.cell or opt(args, "cell")) if hasattr(args, "cell") else args.cells.split(",")[0]
+    time_scale = opt(args, "time_scale")
     failures = 0
     aggs = {}
     try:

@@ -235,7 +235,7 @@ def report(specs: list[HarnessSpec], per_rank: list[list[dict]], *, expect: str 
            trace_check: bool = True) -> tuple[bool, str, list[dict]]:
     """Compare every run with its expectation; returns (ok, text, JSON rows)."""
     from ainfer_pd.comm.topology import Topology
-    from ainfer_pd.metrics.tracecheck import check_run_dir
+    from ainfer_pd.tools.tracecheck import check_run_dir
 
     s0 = specs[0]
     topo = Topology(s0.world_size, s0.attn_dp, 1, 0)

@@ -114,7 +114,7 @@ def collective_stream(ordering: str, kind: CollectiveKind, registry: ConflictReg
 def overlap_stats(intervals: list[tuple[str, str, bool, float, float]]) -> dict:
     """Overlap time (s) of registered P collectives with D registered collectives (must be 0
     under selective ordering), and of other P work (P compute) with any D work."""
-    from ainfer_pd.metrics.tracecheck import overlap_seconds as total
+    from ainfer_pd.tools.tracecheck import overlap_seconds as total
 
     p_reg = [(a, b) for k, ph, reg, a, b in intervals if ph == "P" and k == "coll" and reg]
     d_reg = [(a, b) for k, ph, reg, a, b in intervals if ph == "D" and k == "coll" and reg]
