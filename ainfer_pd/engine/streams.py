@@ -1,0 +1,206 @@
+"""Work items, streams and the device base class: what :mod:`.device`'s devices share.
+
+* :class:`Work` - one enqueued item of a stream (its future, CUDA events, deps, lane, interval).
+* :class:`Stream` - a FIFO launcher thread: ``submit`` enqueues and returns at once;
+  :class:`StreamHold` parks it at a FIFO point.
+* :class:`Device` - the streams of one device and what every device provides (``comm_budget``,
+  ``collective_slot``, the recorded intervals); :class:`~.device.CpuDevice` and
+  :class:`~.device.CudaDevice` run the items.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import contextlib
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..metrics.recorder import Recorder
+
+__all__ = ["Work", "StreamHold", "Stream", "Device"]
+
+
+@dataclass(eq=False, slots=True)
+class Work:
+    """One enqueued item of a stream."""
+
+    stream: "Stream"
+    label: str
+    enqueued_at: float
+    _future: cf.Future = field(default_factory=cf.Future)
+    _event: Any = None            # CUDA completion event (CudaDevice)
+    _start_event: Any = None
+    deps: tuple = ()
+    """Items of other streams this item waits for before it starts (not before it is enqueued)."""
+    delay_s: float = 0.0
+    """Extra wait before the item takes the device (fault injection: replicas out of phase)."""
+    attrs: dict = field(default_factory=dict)
+    """Trace attributes (``phase``, ``kind``, ``registered``, ``epoch``, ``boundary``)."""
+    lane: str | None = None
+    """Which of its stream's hardware queues runs the item (CUDA: a lane the device maps to a
+    green context's stream, see :class:`CudaDevice`; None or an unmapped lane: the stream's own).
+    The stream stays FIFO across lanes."""
+    t_started: float | None = None
+    """Recorder time the launcher began the item (its dependencies and delay passed)."""
+    t_launched: float | None = None
+    """Recorder time the launch call returned (CPU: the item ran)."""
+    interval: tuple[float, float] | None = None
+    """The item's device interval in recorder seconds, once recorded (CUDA: from its events,
+    mapped onto the host clock at the device's start; CPU: the residency slot held)."""
+
+    def enqueued(self) -> cf.Future:
+        """Resolves when the launch call returned (CPU: when it ran)."""
+        return self._future
+
+    async def done(self) -> Any:
+        """Wait for completion without blocking the event loop; returns fn's result."""
+        result = await asyncio.wrap_future(self._future)
+        if self._event is not None:
+            if not self._event.query():
+                await self.stream.device.wait_event(self._event)
+            self.stream.device._note_completed(self)
+        return result
+
+    def is_done(self) -> bool:
+        if not self._future.done():
+            return False
+        return self._event is None or self._event.query()
+
+
+class StreamHold:
+    """A stream parked at a FIFO point: ``reached`` resolves once every item submitted before
+    the hold has run (CPU) or been launched (CUDA); items submitted after it wait until
+    :meth:`release`. The parked launcher holds no residency slot (it bypasses ``_execute``),
+    so holding every stream of a device at once cannot deadlock it."""
+
+    __slots__ = ("stream", "label", "reached", "_release")
+
+    def __init__(self, stream: str, label: str) -> None:
+        self.stream = stream
+        self.label = label
+        self.reached: cf.Future = cf.Future()
+        self._release = threading.Event()
+
+    def release(self) -> None:
+        self._release.set()
+
+
+class Stream:
+    def __init__(self, device: "Device", name: str) -> None:
+        self.device = device
+        self.name = name
+        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ainfer-{name}")
+        self._pending = 0
+        self.num_done = 0
+        """Items that ran (progress for the multi-rank watchdog)."""
+        self._lock = threading.Lock()
+
+    def _post(self, item: Callable[[], None]) -> None:
+        """Queue ``item`` on the launcher thread (FIFO), counted in :attr:`num_pending` until it returns."""
+        with self._lock:
+            self._pending += 1
+
+        def run() -> None:
+            try:
+                item()
+            finally:
+                with self._lock:
+                    self._pending -= 1
+                    self.num_done += 1
+
+        self._pool.submit(run)
+
+    def submit(self, fn: Callable[..., Any], *args: Any, label: str = "", deps: tuple = (),
+               delay_s: float = 0.0, attrs: dict | None = None, lane: str | None = None) -> Work:
+        """Enqueue ``fn(*args)`` on this stream (FIFO); returns at once. ``deps``: items of other
+        streams that must complete first (waited for outside the residency slots); ``lane``: see
+        :attr:`Work.lane`."""
+        work = Work(self, label or getattr(fn, "__name__", "work"), self.device.recorder.now(),
+                    deps=tuple(d for d in deps if d is not None), delay_s=delay_s, attrs=dict(attrs or {}),
+                    lane=lane)
+
+        def run() -> None:
+            try:
+                result = self.device._execute(self, work, fn, args)
+            except BaseException as exc:  # delivered to whoever awaits the work
+                work._future.set_exception(exc)
+            else:
+                work._future.set_result(result)
+
+        self._post(run)
+        return work
+
+    def hold(self, label: str = "hold") -> "StreamHold":
+        """Park this stream's launcher at a FIFO point (see :class:`StreamHold`); returns at once."""
+        h = StreamHold(self.name, label)
+
+        def park() -> None:
+            h.reached.set_result(None)
+            h._release.wait()
+
+        self._post(park)
+        return h
+
+    @property
+    def num_pending(self) -> int:
+        with self._lock:
+            return self._pending
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class Device:
+    kind = "abstract"
+
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+        self.streams: dict[str, Stream] = {}
+
+    def stream(self, name: str) -> Stream:
+        if name not in self.streams:
+            self.streams[name] = Stream(self, name)
+        return self.streams[name]
+
+    def _execute(self, stream: Stream, work: Work, fn: Callable, args: tuple) -> Any:
+        raise NotImplementedError
+
+    def _note_completed(self, work: Work) -> None:  # pragma: no cover - CUDA only
+        pass
+
+    async def wait_event(self, event) -> None:  # pragma: no cover - CUDA only
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def comm_budget(self):
+        """Run an expert exchange outside the compute residency (its own SM budget); a no-op
+        where the device does not model residency."""
+        yield
+
+    @contextlib.contextmanager
+    def collective_slot(self):
+        """Hold one of the device's collective slots while an attention collective is resident
+        (CPU stand-in with ``collective_slots``; a no-op elsewhere: the hardware decides)."""
+        yield
+
+    def _record(self, work: Work, stream: "Stream", t0: float, t1: float) -> None:
+        """The interval of a completed item; with trace attributes also a ``work`` trace event."""
+        rec = self.recorder
+        work.interval = (t0, t1)
+        rec.interval(work.label, stream.name, t0, t1, **work.attrs)
+        if work.attrs:
+            rec.event("work", what=work.label, stream=stream.name, t0=t0, t1=t1, **work.attrs)
+
+    @property
+    def torch_device(self) -> torch.device:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        for s in self.streams.values():
+            s.shutdown()
+
+    def live_threads(self) -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("ainfer-")]
