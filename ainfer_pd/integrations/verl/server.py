@@ -24,7 +24,6 @@ import asyncio
 import collections
 import dataclasses
 import logging
-import time
 import uuid
 from typing import Any, Optional
 
