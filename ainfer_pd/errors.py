@@ -254,3 +254,24 @@ class WeightSyncTimeout(WeightSyncError, TimeoutError):
     def __init__(self, message: str, *, missing_ranks: tuple[int, ...] = ()) -> None:
         super().__init__(message, ranks=missing_ranks)
         self.missing_ranks = tuple(missing_ranks)
+
+
+def first_error(exc: BaseException, *, typed_only: bool = False) -> BaseException | None:
+    """The error an exception group (a failed TaskGroup) stands for, unwrapped: its first
+    :class:`AInferPDError`, else (unless ``typed_only``) its first exception that is not a
+    cancellation; None when there is none. A plain exception stands for itself."""
+    flat: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for x in e.exceptions:
+                walk(x)
+        else:
+            flat.append(e)
+    walk(exc)
+    typed = [e for e in flat if isinstance(e, AInferPDError)]
+    if typed or typed_only:
+        return typed[0] if typed else None
+    import asyncio
+    rest = [e for e in flat if not isinstance(e, asyncio.CancelledError)]
+    return rest[0] if rest else None

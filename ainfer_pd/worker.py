@@ -31,7 +31,7 @@ from .engine.block_hash import common_prefix
 from .engine.make import make_engine
 from .engine.sampler import sample_seed
 from .engine.state import Trajectory, Turn
-from .errors import (AInferPDError, CapacityError, ContextLengthError, InvalidRequestError,
+from .errors import (AInferPDError, first_error, CapacityError, ContextLengthError, InvalidRequestError,
                      TrajectoryBusyError, UnknownTrajectoryError, WorkerClosedError,
                      WrongEventLoopError)
 from .metrics.recorder import Recorder
@@ -139,12 +139,12 @@ class RolloutWorker(WorkerControl):
         close_error: BaseException | None = None
         try:
             if (self._engine_task is not None and not self._engine_task.done() and et is None
-                    and hasattr(self.engine, "closing")):
+                    and self.engine.multi_rank):
                 # lockstep ranks leave together: keep stepping until every rank is closing and idle.
                 # A rank with no work of its own (a TP follower) waits here as long as its peers
                 # still serve theirs: every lockstep step is a rendezvous of all ranks (a dead peer
                 # fails it within the rendezvous timeout), so the wait fails only when the steps stop.
-                self.engine.closing = True
+                self.engine.begin_closing()
                 close_error = await self._await_peers_closing(self.cfg.parallel.rendezvous_timeout_s * 2)
             if self._engine_task is not None and not self._engine_task.done():
                 self._engine_task.cancel()
@@ -155,7 +155,7 @@ class RolloutWorker(WorkerControl):
                 await self._tg.__aexit__(None, None, None)
             except BaseExceptionGroup as eg:      # a BaseException (KeyboardInterrupt...) in the engine
                 if et is None:
-                    raise (_first_typed(eg) or WorkerClosedError(f"engine failed: {eg!r}")) from eg
+                    raise (first_error(eg, typed_only=True) or WorkerClosedError(f"engine failed: {eg!r}")) from eg
                 log.error("rank %d: the engine failed while leaving on %s: %r", self.rank, et.__name__, eg)
         finally:
             if self._engine_task is not None and not self._engine_task.done():
@@ -360,6 +360,7 @@ class RolloutWorker(WorkerControl):
             raise
         del self.trajectories[trajectory_id]
         self.engine.kv.release(trajectory_id)
+        self.engine.notify()                 # blocks may have come back: admission re-checks
         self.engine.record_trajectory(traj.group or trajectory_id, traj.num_turns, len(traj.tokens))
 
     def find_prefix_trajectory(self, prompt_ids: Sequence[int], *, min_tokens: int | None = None) -> tuple[str, int] | None:
@@ -388,11 +389,10 @@ class RolloutWorker(WorkerControl):
     def audit(self, *, strict: bool = False):
         """The phase-ownership audit of this rank (multi-rank engines with expert parallelism)."""
         self._check_thread()
-        fn = getattr(self.engine, "audit", None)
-        if fn is None:
+        if self.engine.dist is None:
             from .errors import OwnershipAuditError
             raise OwnershipAuditError("this engine has no phase-owned communication state (world size 1)")
-        return fn(strict=strict)
+        return self.engine.dist.audit(strict=strict)
 
     def metrics_text(self) -> str:
         """``metrics()`` in the Prometheus text exposition format."""
@@ -407,13 +407,3 @@ class RolloutWorker(WorkerControl):
         """Block accounting is consistent (and nothing is pinned when idle)."""
         self._check_thread()
         return self.engine.kv.check_no_leak()
-
-def _first_typed(exc: BaseException) -> AInferPDError | None:
-    if isinstance(exc, AInferPDError):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for e in exc.exceptions:
-            t = _first_typed(e)
-            if t is not None:
-                return t
-    return None

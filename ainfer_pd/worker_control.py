@@ -150,14 +150,13 @@ class WorkerControl:
 
     def _sync_agreement(self) -> SyncAgreement | None:
         """The store-backed agreement of a multi-rank worker (None at world size 1)."""
-        eng = self.engine
-        topo = getattr(eng, "topology", None)
-        if topo is None or topo.world_size <= 1:
+        dist = self.engine.dist
+        if dist is None or dist.world_size <= 1:
             return None
+        topo = dist.topology
         if self._agreement is None:
             from .launch import get_store
-            wd = getattr(eng, "watchdog", None)
-            base = getattr(wd, "prefix", "ainfer_pd/engine")          # one per engine instance, alike on every rank
+            base = dist.watchdog.prefix          # one per engine instance, alike on every rank
             self._agreement = SyncAgreement(get_store(), f"{base}/wsync", topo.rank, topo.world_size)
         return self._agreement
 
@@ -319,9 +318,7 @@ class WorkerControl:
         self.engine.kv.drop_cached()
         if level >= 1:
             self._asleep = True           # refuse new turns before the release awaits
-            quiesce = getattr(self.engine, "quiesce", None)
-            if quiesce is not None:       # multi-rank: peers stop starting work that needs this rank (issue 34, 13)
-                await quiesce()
+            await self.engine.quiesce()   # nothing that needs this rank starts any more (issue 34, 13)
             res = self.engine.residency
 
             def release() -> None:
@@ -366,9 +363,7 @@ class WorkerControl:
             if KV_CACHE in want and res.restore_kv():
                 recapture["needed"] = True
         await self._with_streams_parked(restore)
-        resume = getattr(self.engine, "resume", None)
-        if resume is not None:            # multi-rank: this rank joins the peers' steps again (issue 34, 13)
-            resume()
+        self.engine.resume()              # this rank joins the steps again (issue 34, 13)
         if res.state.kv and res.state.weights == "device" and (recapture["needed"] or self._capture_owed):
             if self._weights_stale:
                 self._capture_owed = True        # captured after the sync: graphs bind the synced storage

@@ -135,7 +135,7 @@ async def _kill_rank(rank: int, world_size: int, cfg_dict: dict, kill_rank: int,
                     await asyncio.sleep(kill_after_s)
                     Path(stamp).write_text(repr(time.time()))
                     os._exit(17)                             # the rank process dies mid-run
-                if w.engine.is_leader:
+                if w.engine.dist.is_leader:
                     rng = random.Random(rank)
                     for _ in range(200):
                         ids = [rng.randrange(2, 500) for _ in range(40)]

@@ -89,11 +89,11 @@ async def _rank_storm(rank, world_size, trace_dir):
         report = w.audit()
         completed = await _storm(w, seed=10 + rank, n=10, cancel_p=0.4)
         leak_free = w.kv_leak_free() and w.engine.kv.num_free_blocks == 128
-        planted = w.engine.ownership_registry()
+        planted = w.engine.dist.ownership_registry()
         planted.register("counters", "planted.shared_counter", Phase.PREFILL,
-                         identity=id(w.engine.dispatchers.decode._recv_counts))
+                         identity=id(w.engine.dist.dispatchers.decode._recv_counts))
         planted.register("counters", "planted.shared_counter", Phase.DECODE,
-                         identity=id(w.engine.dispatchers.decode._recv_counts))
+                         identity=id(w.engine.dist.dispatchers.decode._recv_counts))
         with pytest.raises(OwnershipAuditError):
             planted.audit(strict=True)
         aborted = w.metrics()["aborted"]

@@ -11,7 +11,7 @@ from ainfer_pd.errors import AInferPDError
 from ainfer_pd import RolloutWorker, SamplingParams
 from ainfer_pd.errors import ConfigError
 from ainfer_pd.faults import Faults, InjectedFault
-from ainfer_pd.worker import _first_typed
+from ainfer_pd.errors import first_error
 from tests._dist_util import run_ranks
 from tests.conftest import rand_ids, tiny_cfg
 
@@ -109,7 +109,7 @@ async def _rank_with_fault(rank, world_size, faults_by_rank, kill_rank, limit_s=
         # NOTE: RendezvousTimeout is a TimeoutError too: typed, it is an error, not a hang
         outcome = ("error", f"{type(exc).__name__}: {exc}") if isinstance(exc, AInferPDError) else ("hung", "")
     except BaseException as exc:                           # noqa: BLE001 - classified below
-        e = _first_typed(exc)
+        e = first_error(exc, typed_only=True)
         outcome = ("error", f"{type(e).__name__}: {e}") if e is not None else ("untyped", repr(exc))
     return (outcome[0], loop.time() - t0, outcome[1])
 

@@ -368,13 +368,13 @@ async def _generate(worker, prompts):
 async def _one_rank(rank: int, world_size: int, prompts):
     from ainfer_pd import RolloutWorker
     from ainfer_pd.comm.topology import build_process_groups
-    from ainfer_pd.engine.lockstep import LockstepEngine
+    from ainfer_pd.engine.loop.ranks import DistRanks
     from ainfer_pd.tools.world import describe_groups, multirank_config
     cfg = multirank_config(tiny_cfg(**{"scheduler.policy": "fine-grained"}), 1)
     assert cfg.parallel.expert_backend == "torch"
     async with RolloutWorker(cfg) as w:
-        assert isinstance(w.engine, LockstepEngine) and w.engine.dispatchers is not None
-        backends = dict(w.engine.group_backends)
+        assert isinstance(w.engine.dist, DistRanks) and w.engine.dist.dispatchers is not None
+        backends = dict(w.engine.dist.group_backends)
         line = describe_groups(w)
         outs = await _generate(w, prompts)
     # a CUDA config on this CPU host is refused with the typed error, before any group exists

@@ -137,19 +137,17 @@ def test_overlap_decode_is_refused_where_it_does_not_run():
 
 
 def test_overlap_decode_auto_runs_the_overlapped_loop_where_the_engine_has_one():
-    """The default, ``auto``: the single-rank engine overlaps; mixed-chunked and the lockstep
-    engine run their plain loops, and no configuration is refused for it."""
+    """The default, ``auto``: the single-rank engine overlaps; mixed-chunked and the multi-rank
+    engine run a plain D iteration, and no configuration is refused for it."""
     from ainfer_pd.engine.engine import Engine
-    from ainfer_pd.engine.lockstep import LockstepEngine
     from ainfer_pd.engine.make import check_engine_support
-    from ainfer_pd.engine.mixed import MixedChunkedEngine
     from ainfer_pd.metrics.recorder import Recorder
     assert tiny_cfg().scheduler.overlap_decode == "auto"
-    assert Engine.runs_overlap_decode and not LockstepEngine.runs_overlap_decode
-    assert not MixedChunkedEngine.runs_overlap_decode
     for value, on in (("auto", True), (True, True), (False, False)):
-        assert Engine(tiny_cfg(**{"scheduler.overlap_decode": value}), Recorder()).overlap_decode is on
-    assert MixedChunkedEngine(tiny_cfg(**{"scheduler.policy": "mixed-chunked"}), Recorder()).overlap_decode is False
+        eng = Engine(tiny_cfg(**{"scheduler.overlap_decode": value}), Recorder())
+        assert eng.overlap_decode is on and eng.d.overlap is on
+        eng.shutdown()
+    assert Engine(tiny_cfg(**{"scheduler.policy": "mixed-chunked"}), Recorder()).overlap_decode is False
     check_engine_support(tiny_cfg(**{"parallel.world_size": 2, "parallel.expert_parallel": 2,
                                      "parallel.expert_backend": "torch"}))    # auto: the lockstep plain loop
 

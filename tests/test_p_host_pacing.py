@@ -71,12 +71,12 @@ def test_unknown_pacing_is_refused():
 async def test_gated_epochs_run_on_the_gated_lane_and_exclusive_ones_on_the_stream_itself(monkeypatch):
     """device.p_stream_sms puts the P stream's gated-lane items on a green context (CUDA); which
     items are on that lane is the walk's: every item of a gated epoch, none of an exclusive one."""
-    from ainfer_pd.engine import engine as engine_mod
     from ainfer_pd.engine.device import Stream
+    from ainfer_pd.engine.loop.p_driver import PDriver
     from ainfer_pd.engine.p_walk import GATED_LANE
     lanes: list[tuple[str, str | None]] = []           # (label, lane) of every P item, in order
     gated: list[bool] = []                             # each epoch's mode, in order
-    submit, run_epoch = Stream.submit, engine_mod.Engine._run_epoch
+    submit, run_epoch = Stream.submit, PDriver.run_epoch
 
     def spy_submit(self, fn, *args, **kw):
         if self.name == "P" and kw.get("label", "").startswith("P."):
@@ -88,7 +88,7 @@ async def test_gated_epochs_run_on_the_gated_lane_and_exclusive_ones_on_the_stre
         return await run_epoch(self, epoch, work, mode, **kw)
 
     monkeypatch.setattr(Stream, "submit", spy_submit)
-    monkeypatch.setattr(engine_mod.Engine, "_run_epoch", spy_epoch)
+    monkeypatch.setattr(PDriver, "run_epoch", spy_epoch)
     cfg = tiny_cfg(**{"scheduler.policy": "fine-grained", "mux.activation_threshold": 1,
                       "scheduler.max_prefill_tokens": 256})
     async with RolloutWorker(cfg) as w:

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ainfer_pd import AInferPDError, RolloutWorker, SamplingParams
-from ainfer_pd.engine import engine as engine_mod
+from ainfer_pd.engine.loop.d_driver import DDriver
 from ainfer_pd.engine import turns as turns_mod
 from ainfer_pd.engine.kv_cache import KVCacheManager
 from ainfer_pd.engine.model import build_model
@@ -184,7 +184,7 @@ async def test_case02_the_last_decode_row_leaving_mid_epoch_opens_the_gate(how, 
         ts, ctl = w.engine.turnstile, w.engine.turnstile.controller
         # D waits for P's next boundary (its iteration is done, P is between boundaries, in the
         # slowed counts wait): the window in which a vanishing last row left P without permits
-        await until(lambda: ts.gated_epoch_active and ts.rounds >= 2 and (overlap or not w.engine._d_in_flight)
+        await until(lambda: ts.gated_epoch_active and ts.rounds >= 2 and (overlap or not w.engine.d.in_flight)
                     and ctl.epoch is not None and ctl.reached < ctl.permit, "D waiting for P's next boundary")
         t0 = time.monotonic()
         if how == "abort":
@@ -496,7 +496,7 @@ async def test_case10_an_engine_failure_is_typed_for_waiters_and_at_exit(overlap
     error (not an ExceptionGroup)."""
     async def broken(self, *a, **k):
         raise RuntimeError("decode exploded")
-    monkeypatch.setattr(engine_mod.Engine, "_d_launch", broken)
+    monkeypatch.setattr(DDriver, "_launch", broken)
     with pytest.raises(WorkerClosedError, match="decode exploded"):
         async with RolloutWorker(tiny_cfg(**{"scheduler.overlap_decode": overlap})) as w:
             with pytest.raises(WorkerClosedError):

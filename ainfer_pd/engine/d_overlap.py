@@ -44,6 +44,7 @@ class InFlightD:
     rows: list[Turn]
     t_launch: float
     index: dict[int, int]          # id(turn) -> its row in this iteration (where its token is)
+    hold: Any = None               # the rows' in-flight hold (TurnBook.in_flight), released once read
 
 
 def ends_at(t: Turn, max_context_len: int) -> bool:

@@ -1,18 +1,23 @@
-"""The engine of one rank: the background P task and the foreground D loop.
+"""The engine of one rank: one step, as in SPEC's diagram, over a coordinator.
 
-Policies (SPEC section 4), all in this one engine:
+Each step every rank announces what it could do (:class:`~ainfer_pd.sched.step.StepInputs`), the
+coordinator gives every rank's announcement (one rank: its own at once; several: a rendezvous on
+the control group) and :func:`~ainfer_pd.sched.step.decide_step` gives every rank the same
+decision: start a P epoch (run by the P driver on its own task, stopping at safe boundaries for
+turnstile rounds while it is gated), run one D iteration (the D driver: D first, through the
+round P's next boundary opens), or wait. Policies (SPEC section 4) are data
+(:mod:`~ainfer_pd.sched.epoch_mode`):
 
-* ``normal``          D is not enqueued while any admissible P is pending (strict P priority).
+* ``normal``          D is not run while any P is admissible or running (strict P priority).
 * ``global-complete`` turnstile with one boundary per P epoch, published after the epoch *completed*.
 * ``global-enqueue``  turnstile with one boundary per P epoch, published once it is fully *enqueued*.
 * ``fine-grained``    turnstile at every safe boundary (layer ends and expert notification points).
-* ``mixed-chunked``   one loop; every step is one batch of decode rows plus a prefill chunk
-                      (:class:`~ainfer_pd.engine.mixed.MixedChunkedEngine`).
+* ``mixed-chunked``   its own loop (:mod:`.loop.mixed`): every step one batch of decode rows plus a
+                      prefill chunk, composed of the same book and runner.
 
-The loops decide when device work runs; the turns they serve, their admission, tokens and
-endings are the engine's :class:`~.turns.TurnBook` (``engine.book``, synchronous), and a P
-epoch's walk over the model's segments is :class:`~.p_walk.EpochWalk`.
-All state is touched only from the event loop thread; streams only compute.
+The turns served, their admission, tokens and endings are the :class:`~.turns.TurnBook`
+(``engine.book``, synchronous). All state is touched only from the event loop thread; streams
+only compute.
 """
 from __future__ import annotations
 
@@ -23,50 +28,68 @@ from typing import Any, Callable
 import torch
 
 from ..config import WorkerConfig
-from ..errors import AInferPDError, EpochFailedError
+from ..errors import InvalidRequestError, WorkerAsleepError, first_error
 from ..faults import Faults, FaultyRendezvous
 from ..metrics.recorder import Recorder
 from ..metrics.stats import percentile, work_s
 from ..phase import Phase, PhaseContext
-from ..sched.epoch_mode import EpochMode, epoch_mode, policy_traits
-from ..sched.planner import plan_decode, plan_prefill
-from ..sched.span import (Activation, SlowdownMeter, SpanInputs, drains_exclusively, guards_first_token,
-                          make_span_policy, multiplexing_pays)
+from ..sched.epoch_mode import policy_traits
+from ..sched.span import Activation, SpanInputs, make_span_policy
+from ..sched.step import COUNTERS, StepDecision, StepInputs, decide_step
 from ..turnstile.rendezvous import LocalRendezvous
 from ..turnstile.turnstile import Turnstile
-from .d_overlap import InFlightD, decode_sampled, feed_of, needs_host_history, rows_after
 from .device import Device, make_device
 from .kv_cache import KVCacheManager
-from .p_walk import GATED_LANE, EpochWalk, p_segments
+from .loop.coordinator import IDLE_BACKOFF_S, LocalCoordinator, RankCoordinator
+from .loop.d_driver import DDriver
+from .loop.mixed import run_mixed
+from .loop.p_driver import PDriver
+from .loop.timings import EngineTimings
+from .p_walk import GATED_LANE
 from .residency import Residency, kv_blocks_from_memory
-from .runner import BatchPlan, ModelRunner
+from .runner import ModelRunner
 from .state import Turn
 from .turns import TurnBook
 
 log = logging.getLogger("ainfer_pd.engine")
 
-D_ITEM = {"phase": "D", "kind": "iter"}
-
 
 class Engine:
-    runs_overlap_decode = True
-    """Whether this engine's D loop runs overlapped under ``scheduler.overlap_decode`` (``auto``
-    turns it on where this is true; the lockstep and mixed-chunked engines run their plain loop)."""
+    """One rank's engine. ``dist``: the multi-rank parts (:class:`~.loop.ranks.DistRanks`; None on
+    one rank without ``torch.distributed``), which also make the coordinator a rank rendezvous."""
 
-    def __init__(self, cfg: WorkerConfig, recorder: Recorder, *, rendezvous=None, rank: int = 0,
-                 tp_shard: tuple[int, int] | None = None, setup: Callable[["Engine"], None] | None = None) -> None:
-        """``tp_shard`` = (tp_rank, ATP): this rank keeps that shard of the attention heads;
-        ``setup(engine)`` runs after the runner exists and before decode graphs are captured
-        (a multi-rank engine installs its phase hooks there: the graphs bind them)."""
-        self.cfg = cfg
-        self.rec = recorder
-        self.rank = rank
-        self.overlap_decode = self.runs_overlap_decode and cfg.scheduler.overlap_decode in (True, "auto")
+    def __init__(self, cfg: WorkerConfig, recorder: Recorder, *, rendezvous=None, rank: int = 0, dist=None) -> None:
+        self.cfg, self.rec, self.dist = cfg, recorder, dist
+        self.rank = dist.rank if dist is not None else rank
+        self.policy = cfg.scheduler.policy
+        self.traits = policy_traits(self.policy)
         self.faults = Faults.load(cfg.faults)
         if self.faults.active and rendezvous is not None:
             rendezvous = FaultyRendezvous(rendezvous, self.faults)
         self.rendezvous = rendezvous
-        self.policy = cfg.scheduler.policy
+        self._build_device(cfg, recorder)
+        self._changed = asyncio.Event()    # replaced on every notify: waiters re-check their predicate
+        self.book = TurnBook(cfg, recorder, self.kv, routed=self.runner.routed, notify=self.notify)
+        span_policy = make_span_policy(cfg.mux) if self.traits.per_layer else (lambda _inp: 1)
+        self.turnstile = Turnstile(rendezvous=rendezvous or LocalRendezvous(), span=span_policy, recorder=recorder,
+                                   rank=self.rank, timeout_s=cfg.parallel.rendezvous_timeout_s, load=self._span_inputs)
+        self.activation = Activation(threshold=cfg.mux.activation_threshold, cooldown_s=cfg.mux.activation_cooldown_s)
+        self.timings = EngineTimings(recorder)
+        self._build_drivers(cfg, recorder, dist)
+        self.coord = (LocalCoordinator(self._wait_changed) if dist is None else
+                      RankCoordinator(self.rendezvous, recorder, dist.world_size, self._wait_changed))
+        self.num_steps = 0
+        self.closing = False          # this rank's client is done; stop once every rank is
+        self.not_closing: tuple[int, ...] = ()    # ranks whose client was still serving at the last step
+        self.asleep_ranks: tuple[int, ...] = ()   # the ranks that were asleep at the last step
+        self.asleep_at = 0                        # the last step that agreed this rank asleep
+        self._exclusive = False                   # the epoch running (on some rank) was started exclusive
+        self._pausing = False
+        self.stepping = False         # the step loop runs (quiesce waits only for a loop that steps)
+
+    def _build_device(self, cfg: WorkerConfig, recorder: Recorder) -> None:
+        """The streams, the KV pool, the model runner, the phase contexts; then (CUDA) the decode
+        graphs, captured on the D stream's own thread so they bind D-owned state, and P's warm-up."""
         dc = cfg.device
         self.device: Device = make_device(dc.device, recorder, residency_slots=dc.residency_slots,
                                           collective_slots=dc.collective_slots,
@@ -78,37 +101,38 @@ class Engine:
         num_blocks = cfg.cache.num_blocks or kv_blocks_from_memory(cfg)
         self.kv = KVCacheManager(num_blocks, cfg.cache.block_size, sharing=cfg.cache.prefix_sharing,
                                  wait_min_tokens=cfg.cache.prefix_wait_min_tokens)
-        self.runner = ModelRunner(cfg, self.device.torch_device, self.kv, tp_shard=tp_shard)
+        self.runner = ModelRunner(cfg, self.device.torch_device, self.kv,
+                                  tp_shard=self.dist.tp_shard if self.dist is not None else None)
         self.residency = Residency(self.runner)
         self.prefill_ctx = PhaseContext(Phase.PREFILL, self.device.stream("P"))
         self.decode_ctx = PhaseContext(Phase.DECODE, self.device.stream("D"))
-        if setup is not None:
-            setup(self)
-        self.traits = policy_traits(self.policy)
-        span_policy = make_span_policy(cfg.mux) if self.traits.per_layer else (lambda _inp: 1)
-        self.turnstile = Turnstile(rendezvous=rendezvous or LocalRendezvous(), span=span_policy,
-                                   recorder=recorder, rank=rank,
-                                   timeout_s=cfg.parallel.rendezvous_timeout_s, load=self._span_inputs)
-        self._d_iter_ema = 0.0          # seconds, launch -> completion
-        self._p_boundary_ema = 0.0      # seconds of P per safe boundary
-        self.activation = Activation(threshold=cfg.mux.activation_threshold,
-                                     cooldown_s=cfg.mux.activation_cooldown_s)
-        self.slowdown = SlowdownMeter()     # P's gated over exclusive time per token (mux.activation_cost)
+        if self.dist is not None:
+            self.dist.install(self)           # the phase hooks, before the graphs bind them
         if self.device.kind == "cuda" and dc.cuda_graphs:
-            # captured on the D stream's own thread so the graphs bind D-owned state
             self.decode_ctx.stream.submit(self.runner.capture_decode_graphs, self.decode_ctx,
                                           label="D.capture").enqueued().result()
         if self.device.kind == "cuda" and dc.warmup_prefill:
             self.prefill_ctx.stream.submit(self.runner.warmup_prefill, self.prefill_ctx,
                                            cfg.scheduler.max_prefill_tokens, label="P.warmup").enqueued().result()
             torch.cuda.synchronize()
-        self._changed = asyncio.Event()    # replaced on every notify: waiters re-check their predicate
-        self.book = TurnBook(cfg, recorder, self.kv, routed=self.runner.routed, notify=self._notify)
-        self._p_segments = p_segments(self.runner.model.segments)   # built once: every P epoch walks them
-        self._epoch = 0
-        self._p_running = False          # a P epoch is being run
-        self._p_exclusive = False        # D must not enter (normal policy / activation off)
-        self._d_in_flight = False
+
+    def _build_drivers(self, cfg: WorkerConfig, recorder: Recorder, dist) -> None:
+        common = dict(cfg=cfg, rec=recorder, book=self.book, runner=self.runner, turnstile=self.turnstile,
+                      timings=self.timings, faults=self.faults, notify=self.notify)
+        d_delay = p_delay = 0.0
+        if dist is not None:
+            d_delay, p_delay = self.faults.phase_skew_s(dist.topology.dp_rank, dist.topology.tp_rank)
+        self.p = PDriver(**common, ctx=self.prefill_ctx, drain=self.drain_stream,
+                         all_reduce=dist.p_all_reduce_hook(self.device, p_delay) if dist is not None else None,
+                         share=dist.share_prefill if dist is not None and dist.replica is not None else None,
+                         is_leader=dist is None or dist.is_leader, isolate_failures=dist is None,
+                         cpu=self.device.kind == "cpu")
+        self.overlap_decode = (dist is None and not self.traits.mixed_steps
+                               and cfg.scheduler.overlap_decode in (True, "auto"))
+        self.d = DDriver(**common, ctx=self.decode_ctx, p=self.p, overlap=self.overlap_decode, dist=dist)
+        self.d.device_delay_s = d_delay
+        if dist is not None:
+            dist.attach(self)
 
     # ================================================================== turns (the book's)
     @property
@@ -124,10 +148,20 @@ class Engine:
     def history(self):
         return self.book.history
 
+    @property
+    def multi_rank(self) -> bool:
+        """The steps are a rendezvous of ranks (which leave together: :meth:`begin_closing`)."""
+        return self.dist is not None
+
     def check_accepts(self) -> None:
-        """Raise unless this rank takes requests (a multi-rank TP follower does not)."""
+        """Raise unless this rank takes requests (a TP follower serves its replica leader's)."""
+        d = self.dist
+        if d is not None and not d.is_leader:
+            raise InvalidRequestError(f"rank {self.rank} is a TP follower of replica {d.topology.dp_rank}: "
+                                      f"submit to its leader, rank {d.topology.replica_leader}")
 
     def submit(self, turn: Turn) -> None:
+        self.check_accepts()
         self.book.submit(turn)
 
     def abort(self, turn: Turn, reason: str = "abort", *, commit: bool = True) -> None:
@@ -137,73 +171,120 @@ class Engine:
     def record_trajectory(self, group: str, turns: int, tokens: int) -> None:
         self.book.record_trajectory(group, turns, tokens)
 
-    def _notify(self) -> None:
+    # ================================================================== changes
+    def notify(self) -> None:
         """Something the loops wait on changed: wake every waiter (no task is created)."""
         ev, self._changed = self._changed, asyncio.Event()
         ev.set()
 
-    async def _changed_or(self, timeout_s: float) -> None:
-        """Wait until something is notified or ``timeout_s`` passes (a bounded, non-spinning poll)."""
-        ev = self._changed
+    async def changed(self) -> None:
+        """The next change."""
+        await self._changed.wait()
+
+    async def wait_for(self, pred: Callable[[], bool]) -> None:
+        while not pred():
+            await self._changed.wait()
+
+    async def _wait_changed(self, timeout_s: float | None, seen: asyncio.Event | None = None) -> None:
+        """Wait until a change after ``seen`` was taken (now when None), at most ``timeout_s``."""
+        ev = seen if seen is not None else self._changed
+        if timeout_s is None:
+            await ev.wait()
+            return
         try:
             async with asyncio.timeout(timeout_s):
                 await ev.wait()
         except TimeoutError:
             pass
 
-    async def _wait_for(self, pred: Callable[[], bool]) -> None:
-        while not pred():
-            await self._changed.wait()
-
-    # ================================================================== loops
+    # ================================================================== the step
     async def run(self) -> None:
-        """Owns the loops for the worker's TaskGroup."""
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(self._prefill_loop(), name="prefill")
-            tg.create_task(self._decode_loop(), name="decode")
+        """Owns the loops for the worker's TaskGroup; raises one typed error on failure."""
+        if self.traits.mixed_steps:
+            await run_mixed(self)
+            return
+        wd = self.dist.watchdog if self.dist is not None else None
+        if wd is not None:
+            wd.start()
+        self.stepping = True
+        try:
+            async with asyncio.TaskGroup() as tg:
+                prefill = tg.create_task(self.p.run(), name="prefill")
+                watch = tg.create_task(wd.watch(), name="watchdog") if wd is not None else None
+                try:
+                    await self._steps()
+                finally:
+                    self.d.abandon()
+                prefill.cancel()
+                if watch is not None:
+                    watch.cancel()
+        except BaseExceptionGroup as eg:
+            first = first_error(eg)
+            if first is None:
+                raise
+            raise (await self.dist.explain(first) if self.dist is not None else first) from first
+        finally:
+            self.stepping = False
+            if wd is not None:
+                wd.stop()
 
-    # ------------------------------------------------------------------ P
-    async def _prefill_loop(self) -> None:
-        """Background P task. Consumes waiting turns in P epochs (token budget, D-first KV).
-        Waits for: admissible work; per MoE layer the receive counts (P's own device
-        progress) and then the turnstile permit. Unblocked by: submissions, KV freed by
-        finished/aborted turns, D rounds granting permits."""
-        book = self.book
+    async def _steps(self) -> None:
+        """The step loop: announce, agree, decide; then start P, run D, or wait."""
         while True:
-            await self._wait_for(book.p_admissible)
-            chunks, admitted = plan_prefill(book.pending_view(), self.cfg.scheduler.max_prefill_tokens,
-                                            book.available_blocks())
-            work = book.admit(chunks, admitted, self.cfg.scheduler.max_prefill_tokens)
-            if not work:
-                # NOTE: unreachable while the plan and the admission share `fits`; should it happen,
-                # wait for the next change (a turn ending frees KV) instead of polling.
-                await self._changed.wait()
+            self.num_steps += 1
+            seen = self._changed                  # a change from here on ends this step's wait
+            mine = self._inputs()
+            states = await self.coord.exchange(mine, epoch=self.p.epoch)
+            on = self.activation.update(states[0].clock_ms / 1000.0, sum(s.p_tokens for s in states),
+                                        sum(s.d_rows for s in states))
+            dec = decide_step(states, self.traits, self.cfg.mux, activation_on=on, exclusive_running=self._exclusive)
+            self.not_closing = dec.not_closing
+            # agreed: the epoch started exclusive stays so until a step at which no rank runs one
+            self._exclusive = dec.epoch.exclusive if dec.epoch is not None else self._exclusive and dec.p_running
+            if dec.asleep:
+                if not await self._asleep_step(dec, seen):
+                    return
                 continue
-            self._epoch += 1
-            has_d = bool(book.decoding)
-            # NOTE: without the turnstile and with decode rows present, D waits for this epoch (strict P priority).
-            self._exclusive_why = "no-d" if not has_d else (None if self.traits.turnstile else "policy")
-            mode = epoch_mode(self.policy, has_d, has_d and self.traits.turnstile and self._mux_active(work))
-            try:
-                await self._run_epoch(self._epoch, work, mode, d_enqueued=self._d_in_flight)
-            except Exception as exc:
-                # NOTE: one rank, so no peer waits on this epoch: fail its turns (typed), free their
-                # KV once the P stream drained, keep serving everyone else.
-                err = exc if isinstance(exc, AInferPDError) else EpochFailedError(
-                    f"P epoch {self._epoch} failed: {exc!r}")
-                await self._drain_stream(self.prefill_ctx.stream)
-                book.fail_turns([t for t, _, _ in work], err)
-                log.warning("P epoch %d failed, %d turns failed: %s", self._epoch, len(work), err)
+            self.asleep_ranks = ()
+            if dec.stop:
+                log.info("rank %d: every rank is closing and idle after %d steps", self.rank, self.num_steps)
+                await self.d.settle()
+                return
+            await self._act(dec, mine, seen)
 
-    def _p_paced_per_layer(self) -> bool:
-        """``mux.p_host_pacing`` resolved (see there). NOTE: receive counts exist only with expert
-        parallelism; without them a wait after every attention segment is a device bubble per layer
-        (P's host wakes, then launches the experts), so on CUDA P's host enqueues ahead and takes
-        its device time once, at the epoch's end. An injected counts delay needs the wait."""
-        mode = self.cfg.mux.p_host_pacing
-        if mode == "auto":
-            mode = "layer" if self.runner.ep is not None or self.device.kind == "cpu" else "epoch"
-        return mode == "layer" or bool(self.faults.slow_counts_ms)
+    async def _act(self, dec: StepDecision, mine: StepInputs, seen: asyncio.Event) -> None:
+        """One step's decision: start the epoch, then D's iteration, or wait for a change."""
+        if self.dist is not None:
+            self.dist.rows_agreed = self.dist.padded_rows(dec.d_rows, self.runner.graphs)
+        if dec.epoch is not None:
+            if dec.why in COUNTERS:
+                self.rec.count(COUNTERS[dec.why])
+            await self.p.start(dec.epoch, dec.why, d_enqueued=self.d.in_flight)
+        if dec.run_d:
+            await self.d.iteration(limit=mine.d_rows if self.dist is not None else None)
+            return
+        await self.d.settle()
+        if dec.open_gate and self.turnstile.gated_epoch_active:
+            # no D round is owed to a gated epoch while no rank has rows (issue 13, case 2: the last
+            # row finished, was aborted or slept away mid-epoch); new rows appear only when it ends
+            self.turnstile.open_gate()
+        if mine.d_rows:
+            self.d.wanted()                       # D waits for an exclusive epoch
+        if dec.p_running:
+            await self.coord.wait_epoch(seen)
+        else:
+            await self.coord.idle(seen)
+
+    def _inputs(self) -> StepInputs:
+        now = self.rec.now()                # one clock reading: rank 0's clock and its oldest wait agree
+        waiting = self.book.waiting if self.p.is_leader else ()
+        oldest = max((now - t.t_submit for t in waiting), default=0.0)
+        return StepInputs(d_rows=min(len(self.d.live_rows()), self.cfg.scheduler.max_decode_batch),
+                          p_tokens=self.p.admissible_tokens(), p_running=self.p.running, clock_ms=int(now * 1000),
+                          closing=self.closing, waiting_turns=len(waiting),
+                          slowdown_milli=int(self.p.slowdown.value * 1000),
+                          backlog_tokens=sum(t.remaining_prompt for t in waiting), oldest_wait_ms=int(oldest * 1000),
+                          device_ready=self.device_ready())
 
     def _span_inputs(self) -> SpanInputs:
         """What the span policy sees (rank 0's answer is used on every rank)."""
@@ -211,354 +292,71 @@ class Engine:
         return SpanInputs(num_d_rows=len(book.decoding), max_d_rows=self.cfg.scheduler.max_decode_batch,
                           num_p_waiting_tokens=sum(t.remaining_prompt for t in book.waiting),
                           p_budget_tokens=self.cfg.scheduler.max_prefill_tokens,
-                          d_iter_s=self._d_iter_ema, p_boundary_s=self._p_boundary_ema)
+                          d_iter_s=self.timings.d_iter_ema, p_boundary_s=self.timings.p_boundary_ema)
 
-    @staticmethod
-    def _ema(old: float, new: float, a: float = 0.3) -> float:
-        return new if old == 0.0 else (1 - a) * old + a * new
+    # ================================================================== sleep
+    def device_ready(self) -> bool:
+        """This rank can run the model: its KV pool and its weights are on the device, and it is
+        not going to sleep (:meth:`quiesce`)."""
+        st = self.residency.state
+        return bool(st.kv) and st.weights == "device" and not self._pausing
 
-    def _mux_active(self, work) -> bool:
-        backlog = sum(t.remaining_prompt for t in self.book.waiting)
-        tokens = sum(n for _, _, n in work) + backlog
-        rows = len(self.book.decoding)
-        now = self.rec.now()
-        on = self.activation.update(now, tokens, rows)
-        if not on:
-            self._exclusive_why = "inactive"
-        # the epoch's turns are still in `waiting` (they leave it when their first token comes)
-        return on and self._mux_pays(rows, len(self.book.waiting), self.slowdown.value, backlog,
-                                     self._oldest_wait_s(now))
-
-    def _oldest_wait_s(self, now: float) -> float:
-        """How long the longest-waiting turn (its first token not out) has waited; 0 with none."""
-        return max((now - t.t_submit for t in self.book.waiting), default=0.0)
-
-    def _mux_pays(self, rows: int, turns: int, slowdown: float, backlog_tokens: int, oldest_wait_s: float) -> bool:
-        """``mux.exclusive_backlog_tokens``: a backlog (the waiting turns' prompt tokens still to
-        prefill, this epoch's included) above it runs exclusively (:func:`drains_exclusively`);
-        ``mux.exclusive_wait_s``: so does an epoch while a waiting turn has waited longer
-        (:func:`guards_first_token`); then ``mux.activation_cost``: none -> True; measured ->
-        :func:`multiplexing_pays`. Every rank passes the same agreed inputs; an epoch declined
-        runs exclusively."""
-        if drains_exclusively(backlog_tokens, self.cfg.mux.exclusive_backlog_tokens):
-            self.rec.count("backlog_exclusive")
-            self._exclusive_why = "backlog"
+    async def _asleep_step(self, dec: StepDecision, seen: asyncio.Event) -> bool:
+        """A step at which ``dec.asleep`` ranks cannot run the model (same decision on every rank):
+        nothing starts anywhere until all are awake. A sleeping rank that is also closing never
+        wakes: this rank's turns fail with WorkerAsleepError naming it instead of waiting forever
+        (a running epoch, begun before the sleep, still ends first). False: the loop ends."""
+        self.asleep_ranks = dec.asleep
+        if self.rank in dec.asleep:
+            self.asleep_at = self.num_steps
+        await self.d.settle()
+        if self.turnstile.gated_epoch_active:
+            self.turnstile.open_gate()              # no D round is owed while D cannot run anywhere
+        gone = [r for r in dec.asleep if r not in dec.not_closing]
+        if gone and not dec.p_running:
+            stuck = [t for t in list(self.book.waiting) + list(self.book.decoding) if not t.abort_requested]
+            if stuck:
+                self.book.fail_turns(stuck, WorkerAsleepError(
+                    f"rank {self.rank}: rank(s) {', '.join(map(str, gone))} of this replica are asleep and closing: "
+                    f"{len(stuck)} turn(s) cannot run (every step needs every rank awake)"))
+        if dec.stop:
+            log.info("rank %d: every rank is closing and idle after %d steps", self.rank, self.num_steps)
             return False
-        if guards_first_token(oldest_wait_s, self.cfg.mux.exclusive_wait_s):
-            self.rec.count("wait_exclusive")
-            self._exclusive_why = "wait"
-            return False
-        if self.cfg.mux.activation_cost == "none":
-            return True
-        pays = multiplexing_pays(rows, turns, slowdown)
-        if not pays:
-            self.rec.count("activation_declined")
-            self._exclusive_why = "cost"
-        return pays
+        await self.coord.idle(seen)
+        return True
 
-    async def _run_epoch(self, epoch: int, work: list[tuple[Turn, int, int]], mode: EpochMode, *,
-                         d_enqueued: bool, entered: asyncio.Event | None = None, plan: BatchPlan | None = None) -> None:
-        """One P epoch: the model's segments on the P stream (:class:`~.p_walk.EpochWalk`), stopping
-        at safe boundaries for the turnstile (``mode.gated``); then the epoch's tokens. ``entered`` is
-        set once the epoch is registered with the turnstile. ``plan``: the batch when it was not built
-        here from ``work`` (a TP follower runs its leader's)."""
-        plan = plan if plan is not None else self.runner.build(work, [])
-        for t, _, _ in work:
-            t.in_flight += 1
-        L = self.runner.num_layers
-        mux = mode.gated
-        counts = self._p_paced_per_layer()
-        t_permits = 0.0
-        self._p_exclusive = mode.exclusive
-        self._p_running = True
-        self.rec.event("p_epoch", epoch=epoch, tokens=plan.num_tokens, gated=mux, policy=self.policy,
-                       why=None if mux else self._exclusive_why)
-        t_start = self.rec.now()
-        try:
-            async with self.turnstile.epoch(epoch, gated=mux, d_enqueued=d_enqueued) as ep:
-                if entered is not None:
-                    entered.set()
-                walk = EpochWalk(epoch, plan, ep, runner=self.runner, ctx=self.prefill_ctx, rec=self.rec,
-                                 faults=self.faults, timeout_s=self.cfg.parallel.rendezvous_timeout_s,
-                                 all_reduce=self._p_all_reduce if self._p_tensor_parallel else None)
-                await walk.enqueue(self._p_segments, mode, counts)
-                waited = walk.waited
-                self.rec.sample("p_enqueue_s", self.rec.now() - t_start - waited)
-                if plan.num_tokens and counts:
-                    p_time = self.rec.now() - t_start - (waited - walk.counts_waited)
-                    self._p_boundary_ema = self._ema(self._p_boundary_ema, p_time / (2 * L))
-                elif plan.num_tokens:
-                    t_permits = waited
-                if mode.final == "enqueue":
-                    ep.publish(1, final=True)
-                if mode.final == "complete" or not mux:
-                    logits = await walk.done()
-                    if mux:
-                        ep.publish(1, final=True)
-            if mux and mode.final != "complete":
-                logits = await walk.done()
-            if plan.num_tokens and not counts:
-                # P time per boundary without the permit waits: host enqueue and device run overlap,
-                # so this is the device-paced time (with D's work interleaved when multiplexed)
-                p_time = self.rec.now() - t_start - t_permits
-                self._p_boundary_ema = self._ema(self._p_boundary_ema, p_time / (2 * L))
-        finally:
-            for t, _, _ in work:
-                t.in_flight -= 1
-            self._p_running = False
-            self._p_exclusive = False
-            self.book.drain_cleanups()
-            self._notify()
-        self.rec.event("p_epoch_done", epoch=epoch)
-        self.rec.sample("p_epoch_s", self.rec.now() - t_start)
-        self.slowdown.observe(mux, self.rec.now() - t_start, plan.num_tokens)
-        self.rec.sample("p_epoch_tokens", plan.num_tokens)
-        self.book.finish_prefill(plan, logits)
+    async def quiesce(self) -> None:
+        """Before this rank's device memory goes (``sleep(level >= 1)``): announce it asleep and
+        wait until the ranks have agreed on it at a step and no epoch of this rank runs any more,
+        so no epoch or D iteration that needs this rank starts or is left mid-way on the memory
+        being released. Turns then wait for :meth:`resume` (issue 34, item 13)."""
+        self._pausing = True
+        self.notify()
+        mark = self.num_steps           # the step under way announced this rank awake
+        while (self.asleep_at <= mark or self.p.running or self.rank not in self.asleep_ranks) \
+                and not self.closing and self.stepping:
+            await self._wait_changed(IDLE_BACKOFF_S)
 
-    _exclusive_why: str | None = None
-    """Why the epoch being planned runs exclusively (the trace's ``p_epoch`` event): no-d (no decode
-    rows), policy (no turnstile), inactive (activation off), backlog, wait, cost (``_mux_pays``)."""
+    def resume(self) -> None:
+        """Back from sleep: this rank takes part again from its next step (when its memory is back)."""
+        self._pausing = False
+        self.notify()
 
-    _p_tensor_parallel = False
-    """This rank holds a shard of the attention heads: P all-reduces every layer's output."""
-
-    def _p_all_reduce(self, tensor, *, after, epoch: int, boundary: int, gated: bool):  # pragma: no cover
-        raise NotImplementedError("attention TP runs in the lockstep engine")
-
-    # ------------------------------------------------------------------ D
-    def _d_may_run(self) -> bool:
-        if not self.book.has_live_rows():
-            return False
-        if self.traits.p_priority:
-            return not (self._p_running or self.book.p_admissible())
-        return not self._p_exclusive
-
-    async def _await_decode_rows(self) -> None:
-        """Wait for live decode rows. While D has none, it owes a gated P epoch no round: the
-        turnstile opens that epoch's gate (issue 13, case 2: the last row finished, was aborted,
-        cancelled, released or slept away mid-epoch; before, P waited for a permit no D round
-        would grant). New rows appear only when an epoch ends, so the gate stays open to its end."""
-        while not self.book.has_live_rows():
-            if self.turnstile.gated_epoch_active:
-                self.turnstile.open_gate()
-            await self._changed.wait()
-
-    async def _decode_loop(self) -> None:
-        """Foreground D loop. Consumes decoding turns, one iteration at a time.
-        Waits for: decode rows; under ``normal`` no pending P; under the turnstile
-        policies P's next boundary (rendezvous 1) and the enqueue ACK (rendezvous 2).
-        Unblocked by: promotions, P epochs ending, boundaries published, aborts.
-        ``scheduler.overlap_decode``: :meth:`_overlapped_decode_loop` instead."""
-        if self.overlap_decode:
-            await self._overlapped_decode_loop()
-            return
-        while True:
-            await self._await_decode_rows()
-            opened = await self._open_d_round()
-            if opened is None:
-                continue
-            t_ready, rnd, rows = opened
-            if not rows:
-                if rnd is not None:
-                    await self.turnstile.after_decode(rnd)
-                continue
-            await self._decode_once(rows, rnd, t_ready)
-            self._notify()
-
-    async def _open_d_round(self):
-        """Once D may run: (ready time, the turnstile round (None when no gated epoch is
-        active), the rows of the next iteration); None when no live row is left meanwhile."""
-        t_ready = self.rec.now()
-        await self._wait_for(lambda: self._d_may_run() or not self.book.has_live_rows())
-        if not self.book.has_live_rows():
-            return None
-        rnd = await self.turnstile.before_decode()
-        return t_ready, rnd, self._d_rows()
-
-    def _d_rows(self) -> list[Turn]:
-        """The rows of the next D iteration (by priority when more are ready than fit)."""
-        book = self.book
-        ready = book.decoding
-        if len(ready) > self.cfg.scheduler.max_decode_batch:
-            ready = book.by_priority(list(ready), waiting=False)
-        return [t for t in plan_decode(ready, self.cfg.scheduler.max_decode_batch) if not t.abort_requested]
-
-    async def _decode_once(self, rows: list[Turn], rnd, t_ready: float) -> None:
-        """Enqueue one D iteration of ``rows`` (empty on a lockstep rank without rows), inside
-        the turnstile round ``rnd`` when one is open; await completion; emit the tokens."""
-        t_build = self.rec.now()
-        plan = await self._decode_plan(rows)
-        self.rec.sample("d_build_s", self.rec.now() - t_build)
-        w, t_launch = await self._d_launch(rows, rnd, t_ready, self.runner.decode, plan, self.decode_ctx)
-        try:
-            logits = await w.done()
-        finally:
-            self._d_in_flight = False
-            for t in rows:
-                t.in_flight -= 1
-        self._book_d(w, t_launch, plan, logits=logits)
-
-    async def _d_launch(self, rows: list[Turn], rnd, t_ready: float, fn, *args):
-        """Submit the D iteration ``fn(*args)`` of ``rows`` on the D stream inside the round ``rnd``
-        (when one is open: its enqueue ACK follows the launch). Returns (the item, launch time);
-        ``rows`` count it in flight until the caller read it."""
-        if self.faults.active:
-            skew = self.faults.d_skew_s()
-            if skew:
-                await asyncio.sleep(skew)
-        for t in rows:
-            t.in_flight += 1
-        try:
-            self._before_d_launch(rnd)
-            w = self.decode_ctx.stream.submit(fn, *args, label="D.iter",
-                                              attrs={**D_ITEM, "epoch": rnd.epoch if rnd else None},
-                                              delay_s=self._d_device_delay_s)
-            self._d_in_flight = True
-            self._d_last = w
-            if rows:
-                self.rec.sample("d_wait_s", self.rec.now() - t_ready)
-            self.rec.event("d_launch", rows=len(rows), round=rnd is not None, epoch=self._epoch)
-            t_launch = self.rec.now()
-            if rnd is not None:
-                await self.turnstile.after_decode(rnd)
-                p_running = self.prefill_ctx.stream.num_pending
-                if p_running:
-                    # the enqueue ACK came while P work was still running: not a completion fence
-                    self.rec.count("delayed_ack_rounds")
-                self.rec.event("ack", epoch=rnd.epoch, boundary=rnd.boundary, p_running=p_running)
-        except BaseException:
-            self._d_in_flight = False
-            for t in rows:
-                t.in_flight -= 1
-            raise
-        return w, t_launch
-
-    def _book_d(self, w, t_launch: float, plan: BatchPlan, **out) -> None:
-        """A D iteration read: its timing samples, its tokens booked (``out``: the logits, or the
-        tokens sampled on the device), the cleanups it unblocked, and the host time that took."""
-        t_done = self.rec.now()
-        self._d_timed(w, t_launch, t_done)
-        self.book.finish_decode(plan, **out)
-        self.book.drain_cleanups()
-        self.rec.sample("d_post_s", self.rec.now() - t_done)
-
-    _d_last = None
-    """The D stream item launched last (the overlapped loop: D is in flight until it is read)."""
-
-    def _d_timed(self, w, t_launch: float, t_done: float) -> None:
-        """The timing samples of a D iteration read at ``t_done``. Overlapped, launch -> done
-        includes the wait behind the iteration before it, so the D period the span policy and the
-        bound's chain use is the device interval instead."""
-        dur = t_done - t_launch
-        self.rec.sample("d_iter_s", dur)
-        period = dur
-        if self.overlap_decode and w.interval is not None:
-            period = w.interval[1] - w.interval[0]
-        self._d_iter_ema = self._ema(self._d_iter_ema, period)
-        self._split_d_iter(w, t_launch, t_done)
-        if not self._p_running:
-            self.rec.sample("d_iter_alone_s", period)       # no P epoch beside it
-
-    # ------------------------------------------------------------------ D, overlapped
-    async def _overlapped_decode_loop(self) -> None:
-        """The D loop with ``scheduler.overlap_decode`` (see :mod:`.d_overlap`): iteration n+1 is
-        launched before n is read, its rows that were in n fed on the device from n's tokens; n is
-        read and booked while n+1 runs. Every wait that is not for the next iteration (no rows, D
-        may not run, a row needs its history on the host) reads the iteration in flight first."""
-        book = self.book
-        max_ctx = self.cfg.model.max_context_len
-        prev: InFlightD | None = None
-        try:
-            while True:
-                if prev is None:
-                    await self._await_decode_rows()
-                elif not (book.has_live_rows() and self._d_may_run()):
-                    await self._read_d(prev)
-                    prev = None
-                    continue
-                opened = await self._open_d_round()
-                if opened is None:
-                    continue
-                t_ready, rnd, rows = opened
-                if prev is not None and needs_host_history(rows):
-                    await self._read_d(prev)
-                    prev = None
-                    rows = self._d_rows()
-                rows, ahead = rows_after(rows, prev, max_ctx)
-                if not rows:
-                    if rnd is not None:
-                        await self.turnstile.after_decode(rnd)
-                    if prev is not None:
-                        await self._read_d(prev)
-                        prev = None
-                    continue
-                t_build = self.rec.now()
-                plan = self.runner.build([], rows, ahead)
-                sample_rows = [book.sample_row(t, a) for t, a in zip(rows, ahead)]
-                feed = feed_of(rows, ahead, prev, self.runner.device)
-                self.rec.sample("d_build_s", self.rec.now() - t_build)
-                self.rec.count("d_rows_fed", sum(ahead))
-                w, t_launch = await self._d_launch(rows, rnd, t_ready, decode_sampled, self.runner, plan,
-                                                   self.decode_ctx, sample_rows, feed,
-                                                   prev.work if prev is not None else None)
-                launched = InFlightD(plan, w, rows, t_launch, {id(t): i for i, t in enumerate(rows)})
-                if prev is not None:
-                    await self._read_d(prev)
-                prev = launched
-                self._notify()
-        finally:
-            if prev is not None:             # stopped with an iteration unread: nothing books it
-                for t in prev.rows:
-                    t.in_flight -= 1
-                self._d_in_flight = False
-                book.drain_cleanups()
-
-    async def _read_d(self, it: InFlightD) -> None:
-        """Wait for the overlapped iteration ``it``, then book its tokens."""
-        try:
-            ds = await it.work.done()
-        finally:
-            if self._d_last is it.work:
-                self._d_in_flight = False
-            for t in it.rows:
-                t.in_flight -= 1
-        self._book_d(it.work, it.t_launch, it.plan, sampled=ds)
-        self._notify()
-
-    def _split_d_iter(self, w, t_launch: float, t_done: float) -> None:
-        """Where launch -> done went, in four parts that add up to it: ``d_pickup_s`` (submitted ->
-        the launcher began), ``d_to_start_s`` (-> the device began; CUDA: the start event's time
-        on the host clock, so it can read slightly negative), ``d_device_s`` (the device interval)
-        and ``d_resume_s`` (device end -> this coroutine resumed: the waiter's wake-up and the
-        event loop's lag). Also ``d_launch_call_s``, the host launch call itself."""
-        if w.interval is None or w.t_started is None:
-            return
-        a, b = w.interval
-        rec = self.rec
-        rec.sample("d_pickup_s", w.t_started - t_launch)
-        rec.sample("d_to_start_s", a - w.t_started)
-        rec.sample("d_device_s", b - a)
-        rec.sample("d_resume_s", t_done - b)
-        rec.sample("d_launch_call_s", w.t_launched - w.t_started)
-
-    async def _decode_plan(self, rows: list[Turn]) -> BatchPlan:
-        """The D batch of ``rows`` (a lockstep rank pads it and shares it with its TP followers)."""
-        return self.runner.build([], rows)
-
-    def _before_d_launch(self, rnd) -> None:
-        """Host side of the D launch, right before it is enqueued (lockstep: D's collectives)."""
-
-    _d_device_delay_s = 0.0
-    """Fault injection: the D iteration starts this much later on the device (replicas out of phase)."""
+    def begin_closing(self) -> None:
+        """This rank's client is done: the loop ends once every rank is closing and idle."""
+        self.closing = True
+        self.notify()
 
     # ================================================================== ending
-    async def _drain_stream(self, stream) -> None:
+    async def drain_stream(self, stream) -> None:
         """Wait until every item submitted to ``stream`` so far has run (FIFO barrier)."""
         await asyncio.wrap_future(stream.submit(lambda: None, label="barrier").enqueued())
 
     async def aclose(self) -> None:
         """After the loops stopped: release what the engine owns beyond its threads (the
-        lockstep engine's control rendezvous); nothing at world size 1."""
+        multi-rank control rendezvous it created)."""
+        if self.dist is not None:
+            await self.dist.aclose()
 
     def close(self) -> None:
         """After the loops stopped and the streams were joined (no device work in flight):
@@ -572,16 +370,16 @@ class Engine:
     def metrics(self) -> dict[str, Any]:
         m = self.rec.summary()
         p_work, d_work = work_s(self.rec.intervals, "P"), work_s(self.rec.intervals, "D")   # set-up left out
-        m.update({"policy": self.policy, "p_work_s_sum": p_work, "d_work_s_sum": d_work, "num_epochs": self._epoch})
+        m.update({"policy": self.policy, "p_work_s_sum": p_work, "d_work_s_sum": d_work, "num_epochs": self.p.epoch})
         m.update(self.book.metrics())
         m.update({
             "activation_switches": self.activation.switches,
-            "p_gated_slowdown": self.slowdown.value,
+            "p_gated_slowdown": self.p.slowdown.value,
             "d_wait_s_samples": list(self.rec.samples.get("d_wait_s", [])),
             "ttft_s_samples": list(self.rec.samples.get("ttft_s", [])),
         })
         alone = self.rec.samples.get("d_iter_alone_s")
-        if alone:      # the optimistic bound's chain (metrics.report.chain_lower_bound): a fast D iteration alone
+        if alone:      # the optimistic bound's chain (the report's chain_lower_bound): a fast D iteration alone
             m["d_iter_alone_s"] = percentile(alone, 10)
         return m
 
@@ -591,4 +389,3 @@ class Engine:
         self.device.shutdown()
         if self.device.kind == "cuda":
             self.runner.release_cuda()
-

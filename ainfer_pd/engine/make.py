@@ -1,10 +1,11 @@
-"""Which engine a rank runs, and what the engine does not build yet (refused by name).
+"""How a rank's engine is built, and what the engine does not build yet (refused by name).
 
-* World size 1: :class:`~ainfer_pd.engine.engine.Engine` (or the mixed-chunked reference),
-  except under ``torch.distributed`` with ``expert_backend: torch`` (``torchrun --nproc-per-node
-  1 -m ainfer_pd.cli replay``): one lockstep rank with its process groups, the N-rank code path.
-* World size g > 1: :class:`~ainfer_pd.engine.lockstep.LockstepEngine` for any attention split
-  (ATP = g / ADP) with experts expert-parallel over every rank (EP = g). Data groups are NCCL on
+* World size 1: :class:`~ainfer_pd.engine.engine.Engine` with a local coordinator, except under
+  ``torch.distributed`` with ``expert_backend: torch`` (``torchrun --nproc-per-node 1 ...
+  replay``): one rank with its process groups (:class:`~ainfer_pd.engine.loop.ranks.DistRanks`),
+  the N-rank code path.
+* World size g > 1: the same engine with its :class:`~ainfer_pd.engine.loop.ranks.DistRanks`, for
+  any attention split (ATP = g / ADP) with experts expert-parallel over every rank (EP = g). Data groups are NCCL on
   CUDA and gloo on CPU (:func:`ainfer_pd.comm.backend.data_backend_for`); the control group is
   always gloo.
 
@@ -19,13 +20,14 @@ import logging
 from ..config import WorkerConfig
 from ..errors import ConfigError, NotBuiltError
 from ..metrics.recorder import Recorder
+from ..sched.epoch_mode import policy_traits
 from .engine import Engine
 
 log = logging.getLogger("ainfer_pd.make")
 
 
 def lockstep_at_world_size_one(cfg: WorkerConfig) -> bool:
-    """One rank runs the lockstep engine (process groups, torch expert dispatch) when
+    """One rank runs the multi-rank code path (process groups, torch expert dispatch) when
     ``torch.distributed`` is initialised and the config asks for ``expert_backend: torch``."""
     import torch.distributed as dist
     return cfg.parallel.world_size == 1 and cfg.parallel.expert_backend == "torch" and dist.is_initialized()
@@ -35,10 +37,13 @@ def check_engine_support(cfg: WorkerConfig) -> None:
     """Refuse, by name, a multi-rank configuration the engine does not build (pure)."""
     pc = cfg.parallel
     g = pc.world_size
-    if cfg.scheduler.overlap_decode is True:  # the lockstep engine, at any world size (auto: its plain loop)
-        raise NotBuiltError("scheduler.overlap_decode: the lockstep engine steps every rank's D iteration "
-                            "together and reads each before the next; the overlapped D loop runs on one rank "
-                            "without process groups", missing="an overlapped D loop in the lockstep engine")
+    if not policy_traits(cfg.scheduler.policy).multi_rank:
+        raise NotBuiltError(f"scheduler.policy={cfg.scheduler.policy} is the single-rank reference loop; use "
+                            "world_size 1 without torch.distributed", missing="a multi-rank mixed-chunked loop")
+    if cfg.scheduler.overlap_decode is True:  # multi-rank, at any world size (auto: the plain D iteration)
+        raise NotBuiltError("scheduler.overlap_decode: the ranks step every D iteration together and read each "
+                            "before the next; the overlapped D iteration runs on one rank without process "
+                            "groups", missing="an overlapped D iteration across ranks")
     if g == 1:
         return
     if pc.expert_parallel != g:
@@ -50,27 +55,21 @@ def check_engine_support(cfg: WorkerConfig) -> None:
     if pc.expert_backend == "deepep":
         raise NotBuiltError(
             "parallel.expert_backend=deepep: the DeepEP dispatchers (ainfer_pd.comm.experts.deepep) are not wired "
-            "into the lockstep engine, which builds P's torch all-to-all; use parallel.expert_backend: torch",
-            missing="DeepEP expert dispatch in the lockstep engine")
+            "into the multi-rank engine, which builds P's torch all-to-all; use parallel.expert_backend: torch",
+            missing="DeepEP expert dispatch in the multi-rank engine")
     if cfg.cache.routed_experts and g // pc.attn_dp > 1:
         raise NotBuiltError(
             f"cache.routed_experts with attention TP {g // pc.attn_dp}: D's reduce-scatter leaves each TP rank the "
             "routing of its own share of the rows, and the ids are not gathered to the replica's leader",
             missing="routing replay under attention tensor parallelism (a gather of the routed ids)")
-    if cfg.scheduler.policy == "mixed-chunked":
-        raise NotBuiltError("scheduler.policy=mixed-chunked is the single-rank reference loop; use world_size 1",
-                            missing="a multi-rank mixed-chunked loop")
 
 
 def make_engine(cfg: WorkerConfig, recorder: Recorder, *, rank: int = 0, rendezvous=None) -> Engine:
-    """The engine for this rank: :class:`Engine` at world size 1 (unless
-    :func:`lockstep_at_world_size_one`), else the lockstep engine with its process groups,
-    rendezvous and the phase-owned expert dispatchers (P's and D's)."""
+    """The engine for this rank: on one rank (unless :func:`lockstep_at_world_size_one`) with a
+    local coordinator, else with its process groups, rendezvous and the phase-owned expert
+    dispatchers (P's and D's)."""
     g = cfg.parallel.world_size
     if g == 1 and not lockstep_at_world_size_one(cfg):
-        if cfg.scheduler.policy == "mixed-chunked":
-            from .mixed import MixedChunkedEngine
-            return MixedChunkedEngine(cfg, recorder, rendezvous=rendezvous, rank=rank)
         return Engine(cfg, recorder, rendezvous=rendezvous, rank=rank)
     check_engine_support(cfg)
     import torch
@@ -83,7 +82,7 @@ def make_engine(cfg: WorkerConfig, recorder: Recorder, *, rank: int = 0, rendezv
     from ..launch import get_store
     from ..phase import Phase
     from ..turnstile.dist_rendezvous import detect_same_host, make_rendezvous
-    from .lockstep import LockstepEngine
+    from .loop.ranks import DistRanks
     from .tensor_parallel import decode_dispatch_rows
 
     if not dist.is_initialized():
@@ -113,12 +112,19 @@ def make_engine(cfg: WorkerConfig, recorder: Recorder, *, rank: int = 0, rendezv
                                 max_tokens=sc.max_prefill_tokens, **common),
         TorchAllToAllDispatcher(Phase.DECODE, groups[EP_D], topo.ep_rank, pc.expert_parallel, mc.num_experts,
                                 max_tokens=decode_dispatch_rows(sc.max_decode_batch, topo), **common))
-    eng = LockstepEngine(cfg, recorder, rendezvous=rdv, topology=topo, groups=groups, backend=backend,
-                         dispatchers=dispatchers, store=store)
+    if cfg.device.cuda_graphs and cfg.device.device != "cpu":
+        # D's expert exchange is its own dispatcher's all-to-all with host split sizes: not
+        # graph-capturable; decode eagerly through the D dispatcher instead.
+        log.info("expert-parallel multi-rank engine: CUDA-graph decode off (D uses its own all-to-all)")
+        cfg = cfg.replace(**{"device.cuda_graphs": False})
+    dist_ranks = DistRanks(cfg, recorder, topology=topo, groups=groups, backend=backend, rendezvous=rdv,
+                           dispatchers=dispatchers, store=store)
+    eng = Engine(cfg, recorder, rendezvous=rdv, dist=dist_ranks)
     if rendezvous is None:
-        eng.owned_rendezvous = rdv
-    eng.group_backends = {name: group_backend(pg) for name, pg in groups.items() if name != "world"}
-    recorder.event("process_groups", backends=eng.group_backends, rendezvous=getattr(rdv, "kind", type(rdv).__name__),
-                   topology=topo.describe(), registered=eng.colls.registry.describe(), ordering=pc.ordering,
+        dist_ranks.owned_rendezvous = rdv
+    dist_ranks.group_backends = {name: group_backend(pg) for name, pg in groups.items() if name != "world"}
+    recorder.event("process_groups", backends=dist_ranks.group_backends,
+                   rendezvous=getattr(rdv, "kind", type(rdv).__name__),
+                   topology=topo.describe(), registered=dist_ranks.colls.registry.describe(), ordering=pc.ordering,
                    expert_dispatch="P: torch all-to-all (normal); D: its own torch all-to-all (low-latency)")
     return eng

@@ -66,6 +66,13 @@ class TurnBook:
         self.num_aborted = 0
         self.num_failed = 0
 
+    # ================================================================== device work in flight
+    def in_flight(self, turns) -> "InFlight":
+        """Count ``turns`` as touched by device work until the returned hold is released (a
+        context manager, or :meth:`InFlight.release` once the work was read): an aborted or
+        ended turn keeps its KV until then (:meth:`drain_cleanups`)."""
+        return InFlight(list(turns))
+
     # ================================================================== submission and aborts
     def submit(self, turn: Turn) -> None:
         turn.p_mark = self.num_p_admitted_tokens
@@ -399,3 +406,27 @@ class TurnBook:
             "prefix_reused_tokens": kv.num_reused_tokens,      # of those, served from cached KV
             "prefill_tokens": self.num_prefill_tokens,         # prompt tokens computed
         }
+
+
+class InFlight:
+    """Turns counted as touched by submitted device work (:meth:`TurnBook.in_flight`): the one
+    place a turn's ``in_flight`` count changes while it is served."""
+
+    __slots__ = ("turns",)
+
+    def __init__(self, turns: list[Turn]) -> None:
+        self.turns = turns
+        for t in turns:
+            t.in_flight += 1
+
+    def release(self) -> None:
+        """The work was read (or will never be): idempotent."""
+        turns, self.turns = self.turns, []
+        for t in turns:
+            t.in_flight = max(0, t.in_flight - 1)    # a failed / closed turn was reset to 0
+
+    def __enter__(self) -> "InFlight":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

@@ -18,10 +18,20 @@ priority); under ``normal`` every epoch is exclusive.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from ..errors import ConfigError
 
-__all__ = ["PolicyTraits", "EpochMode", "policy_traits", "epoch_mode", "POLICIES", "TURNSTILE_POLICIES"]
+__all__ = ["PolicyTraits", "EpochMode", "EpochFinal", "policy_traits", "epoch_mode", "mode_of", "POLICIES",
+           "TURNSTILE_POLICIES"]
+
+
+class EpochFinal(StrEnum):
+    """When a gated epoch publishes its final boundary."""
+
+    LAYER = "layer"          # per-layer boundaries: the last layer end is final
+    ENQUEUE = "enqueue"      # one boundary: published once P is fully enqueued
+    COMPLETE = "complete"    # one boundary: published once P completed
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,20 +40,24 @@ class PolicyTraits:
     """P epochs may be multiplexed with D through the turnstile."""
     per_layer: bool
     """Boundaries at every expert notification and layer end (and the span policy picks K)."""
-    final: str | None
-    """When a one-boundary gated epoch publishes its final boundary: "enqueue" | "complete";
-    "layer" for per-layer boundaries (the last layer end is final); None without a turnstile."""
+    final: EpochFinal | None
+    """When a gated epoch publishes its final boundary; None without a turnstile."""
     p_priority: bool
     """D runs only while no P is admissible or running (``normal``)."""
+    multi_rank: bool = True
+    """The policy runs on several ranks (the lockstep step); the mixed-chunked reference does not."""
+    mixed_steps: bool = False
+    """No P epochs of its own: each step is one batch of decode rows plus a prefill chunk."""
 
 
 _TRAITS = {
     "normal": PolicyTraits(turnstile=False, per_layer=False, final=None, p_priority=True),
-    "global-complete": PolicyTraits(turnstile=True, per_layer=False, final="complete", p_priority=False),
-    "global-enqueue": PolicyTraits(turnstile=True, per_layer=False, final="enqueue", p_priority=False),
-    "fine-grained": PolicyTraits(turnstile=True, per_layer=True, final="layer", p_priority=False),
+    "global-complete": PolicyTraits(turnstile=True, per_layer=False, final=EpochFinal.COMPLETE, p_priority=False),
+    "global-enqueue": PolicyTraits(turnstile=True, per_layer=False, final=EpochFinal.ENQUEUE, p_priority=False),
+    "fine-grained": PolicyTraits(turnstile=True, per_layer=True, final=EpochFinal.LAYER, p_priority=False),
     # the single-rank reference loop: no P epochs of its own (mixed steps), no turnstile
-    "mixed-chunked": PolicyTraits(turnstile=False, per_layer=False, final=None, p_priority=False),
+    "mixed-chunked": PolicyTraits(turnstile=False, per_layer=False, final=None, p_priority=False,
+                                  multi_rank=False, mixed_steps=True),
 }
 
 POLICIES = tuple(_TRAITS)
@@ -59,8 +73,8 @@ class EpochMode:
     """D waits for the epoch."""
     per_layer: bool
     """Gated at every boundary (fine-grained); else one boundary."""
-    final: str | None
-    """Gated epochs: "layer" | "enqueue" | "complete" (see :class:`PolicyTraits`); else None."""
+    final: EpochFinal | None
+    """Gated epochs: when the final boundary is published (see :class:`PolicyTraits`); else None."""
 
 
 def policy_traits(policy: str) -> PolicyTraits:
@@ -73,7 +87,11 @@ def policy_traits(policy: str) -> PolicyTraits:
 def epoch_mode(policy: str, has_d: bool, active: bool) -> EpochMode:
     """The mode of one P epoch under ``policy`` when decode rows exist (``has_d``) and the
     multiplexing activation is on (``active``)."""
-    t = policy_traits(policy)
+    return mode_of(policy_traits(policy), has_d, active)
+
+
+def mode_of(t: PolicyTraits, has_d: bool, active: bool) -> EpochMode:
+    """:func:`epoch_mode` from a policy's traits."""
     gated = t.turnstile and has_d and active
     return EpochMode(gated=gated, exclusive=t.p_priority or (has_d and not gated),
                      per_layer=gated and t.per_layer, final=t.final if gated else None)

@@ -1,0 +1,183 @@
+"""The D driver: one D iteration per step, with an optional previous iteration in flight.
+
+Plain, an iteration is launched, completes and its tokens are booked before the next one is
+built. Overlapped (``scheduler.overlap_decode``, one rank: :mod:`~ainfer_pd.engine.d_overlap`),
+iteration n+1 is launched before n is read, its rows that were in n fed on the device from n's
+tokens, and n is read and booked while n+1 runs; every step that runs no iteration reads the one
+in flight first (:meth:`DDriver.settle`). Inside a gated epoch the launch is a turnstile round:
+P's next boundary first (rendezvous 1), the enqueue ACK after the launch (rendezvous 2).
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+from ...sched.planner import plan_decode
+from ..d_overlap import InFlightD, decode_sampled, feed_of, needs_host_history, rows_after
+from ..runner import BatchPlan
+from ..state import Turn
+from .timings import EngineTimings
+
+D_ITEM = {"phase": "D", "kind": "iter"}
+
+
+class DDriver:
+    """D iterations of one rank. ``dist``: the multi-rank parts (None on one rank): the padded,
+    shared batch, D's collectives around the launch."""
+
+    def __init__(self, *, cfg, rec, book, runner, ctx, turnstile, timings: EngineTimings, faults, p,
+                 notify: Callable[[], None], overlap: bool, dist=None) -> None:
+        self.cfg, self.rec, self.book, self.runner, self.ctx = cfg, rec, book, runner, ctx
+        self.turnstile, self.timings, self.faults, self.p = turnstile, timings, faults, p
+        self.notify, self.overlap, self.dist = notify, overlap, dist
+        self.prev: InFlightD | None = None    # overlapped: the iteration launched and not read yet
+        self.in_flight = False                # a D iteration is on the device, not read yet
+        self.last = None                      # the D stream item launched last
+        self.t_wanted: float | None = None    # since when D has had rows it could not run
+        self.num_iters = 0
+        self.device_delay_s = 0.0             # fault injection: replicas out of phase on the device
+
+    # ------------------------------------------------------------------ rows
+    def live_rows(self) -> list[Turn]:
+        return [t for t in self.book.decoding if not t.abort_requested]
+
+    def rows(self, limit: int | None = None) -> list[Turn]:
+        """The rows of the next iteration (by priority when more are ready than fit)."""
+        cap = self.cfg.scheduler.max_decode_batch
+        ready = self.book.decoding
+        if len(ready) > cap:
+            ready = self.book.by_priority(list(ready), waiting=False)
+        rows = [t for t in plan_decode(ready, cap) if not t.abort_requested]
+        return rows if limit is None else rows[:limit]
+
+    def wanted(self) -> None:
+        """D has rows but may not run at this step (its wait counts from the first such step)."""
+        if self.t_wanted is None:
+            self.t_wanted = self.rec.now()
+
+    # ------------------------------------------------------------------ one iteration
+    async def iteration(self, *, limit: int | None = None) -> None:
+        """One D iteration of this rank's rows (at most ``limit``; a multi-rank rank runs it even
+        with none: every rank joins D's collectives), through the turnstile round when a gated
+        epoch is active."""
+        t_ready = self.t_wanted if self.t_wanted is not None else self.rec.now()
+        self.t_wanted = None
+        rnd = await self.turnstile.before_decode()
+        rows = self.rows(limit)
+        if self.prev is not None and needs_host_history(rows):
+            await self.settle()
+            rows = self.rows(limit)
+        ahead = [0] * len(rows)
+        if self.overlap:
+            rows, ahead = rows_after(rows, self.prev, self.cfg.model.max_context_len)
+        if not rows and self.dist is None:
+            if rnd is not None:
+                await self.turnstile.after_decode(rnd)
+            await self.settle()
+            return
+        try:
+            if self.overlap:
+                await self._overlapped(rows, ahead, rnd, t_ready)
+            else:
+                await self._plain(rows, rnd, t_ready)
+        finally:
+            if self.dist is not None:
+                self.dist.d_iteration_done()
+        self.num_iters += 1
+        self.notify()
+
+    async def _plain(self, rows: list[Turn], rnd, t_ready: float) -> None:
+        t_build = self.rec.now()
+        plan = await self.dist.decode_plan(rows) if self.dist is not None else self.runner.build([], rows)
+        self.rec.sample("d_build_s", self.rec.now() - t_build)
+        hold = self.book.in_flight(rows)
+        try:
+            w, t_launch = await self._launch(rows, rnd, t_ready, self.runner.decode, plan, self.ctx)
+            logits = await w.done()
+        finally:
+            self.in_flight = False
+            hold.release()
+        self._book(w, t_launch, plan, logits=logits)
+
+    async def _overlapped(self, rows: list[Turn], ahead: list[int], rnd, t_ready: float) -> None:
+        prev = self.prev
+        t_build = self.rec.now()
+        plan = self.runner.build([], rows, ahead)
+        sample_rows = [self.book.sample_row(t, a) for t, a in zip(rows, ahead)]
+        feed = feed_of(rows, ahead, prev, self.runner.device)
+        self.rec.sample("d_build_s", self.rec.now() - t_build)
+        self.rec.count("d_rows_fed", sum(ahead))
+        hold = self.book.in_flight(rows)
+        try:
+            w, t_launch = await self._launch(rows, rnd, t_ready, decode_sampled, self.runner, plan, self.ctx,
+                                             sample_rows, feed, prev.work if prev is not None else None)
+        except BaseException:
+            self.in_flight = False
+            hold.release()
+            raise
+        launched = InFlightD(plan, w, rows, t_launch, {id(t): i for i, t in enumerate(rows)}, hold)
+        if prev is not None:
+            self.prev = None
+            await self._read(prev)
+        self.prev = launched
+
+    async def _launch(self, rows: list[Turn], rnd, t_ready: float, fn, *args):
+        """Submit the iteration ``fn(*args)`` on the D stream inside the round ``rnd`` (when one is
+        open: its enqueue ACK follows the launch). Returns (the item, launch time)."""
+        if self.faults.active:
+            skew = self.faults.d_skew_s()
+            if skew:
+                await asyncio.sleep(skew)
+        if self.dist is not None:
+            self.dist.before_d_launch(rnd)
+        w = self.ctx.stream.submit(fn, *args, label="D.iter", attrs={**D_ITEM, "epoch": rnd.epoch if rnd else None},
+                                   delay_s=self.device_delay_s)
+        self.in_flight = True
+        self.last = w
+        if rows:
+            self.rec.sample("d_wait_s", self.rec.now() - t_ready)
+        self.rec.event("d_launch", rows=len(rows), round=rnd is not None, epoch=self.p.epoch)
+        t_launch = self.rec.now()
+        if rnd is not None:
+            await self.turnstile.after_decode(rnd)
+            p_running = self.p.ctx.stream.num_pending
+            if p_running:
+                # the enqueue ACK came while P work was still running: not a completion fence
+                self.rec.count("delayed_ack_rounds")
+            self.rec.event("ack", epoch=rnd.epoch, boundary=rnd.boundary, p_running=p_running)
+        return w, t_launch
+
+    # ------------------------------------------------------------------ reading
+    async def settle(self) -> None:
+        """Read the iteration in flight, if any (a step that runs no iteration)."""
+        prev, self.prev = self.prev, None
+        if prev is not None:
+            await self._read(prev)
+
+    async def _read(self, it: InFlightD) -> None:
+        """Wait for the overlapped iteration ``it``, then book its tokens."""
+        try:
+            ds = await it.work.done()
+        finally:
+            if self.last is it.work:
+                self.in_flight = False
+            it.hold.release()
+        self._book(it.work, it.t_launch, it.plan, sampled=ds)
+        self.notify()
+
+    def _book(self, w, t_launch: float, plan: BatchPlan, **out) -> None:
+        """An iteration read: its timing samples, its tokens booked (``out``: the logits, or the
+        tokens sampled on the device), the cleanups it unblocked, and the host time that took."""
+        t_done = self.rec.now()
+        self.timings.d_read(w, t_launch, t_done, overlapped=self.overlap, p_running=self.p.running)
+        self.book.finish_decode(plan, **out)
+        self.book.drain_cleanups()
+        self.rec.sample("d_post_s", self.rec.now() - t_done)
+
+    def abandon(self) -> None:
+        """The loop stopped with an iteration unread: nothing books it."""
+        prev, self.prev = self.prev, None
+        if prev is not None:
+            prev.hold.release()
+            self.in_flight = False
+            self.book.drain_cleanups()

@@ -1,0 +1,218 @@
+"""What one rank of a multi-rank worker adds to the engine (any g, ATP, ADP; EP = g).
+
+Ranks are grouped into attention-DP replicas of ATP ranks (:mod:`ainfer_pd.comm.topology`). A
+replica's leader owns its requests; its TP followers hold the other head shards
+(:mod:`~ainfer_pd.engine.tensor_parallel`) and run the same segments on the leader's batches
+(:mod:`~ainfer_pd.engine.replica`: one broadcast per D iteration, two per P epoch). Experts are
+spread over every rank, so every expert exchange and every D collective needs every rank, in the
+same order: the engine's step (:mod:`ainfer_pd.sched.step`) is agreed over the control rendezvous,
+a replica with nothing to prefill runs the epoch with an empty batch, and every replica's D batch
+is padded to the agreed row count (D's collectives gather every replica's rows).
+
+``parallel.ordering`` routes P's attention all-reduce (:func:`~ainfer_pd.comm.ordering.collective_stream`):
+under ``selective`` a registered one goes onto the D stream behind the D launch of the round that
+granted it. A :class:`~ainfer_pd.comm.watchdog.Watchdog` turns a device-progress stall into a
+:class:`~ainfer_pd.errors.StallError` naming the cross-rank frontier; a failure after a peer died
+is raised as :class:`~ainfer_pd.errors.PeerLostError` naming it.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+
+from ...comm.collectives import RankCollectives
+from ...comm.ordering import P_ATP_ALL_REDUCE, collective_stream
+from ...comm.topology import ATTN_DP_D, ATTN_TP_D, REPLICA, Topology
+from ...comm.watchdog import Watchdog
+from ...errors import PeerLostError, StallError
+from ...phase import Phase
+from ..replica import ReplicaChannel, decode_numel, pack_decode, pack_prefill, pad_decode, unpack_decode, unpack_prefill
+from ..runner import BatchPlan
+from ..tensor_parallel import DecodeHooks, PrefillHooks
+
+log = logging.getLogger("ainfer_pd.lockstep")
+_instances = itertools.count()
+
+
+class DistRanks:
+    """The multi-rank parts of one rank's engine: its phase-owned collectives, the replica
+    channel to its TP followers, the watchdog, D's padded batch and collectives, P's attention
+    all-reduce, the ownership audit. Built before the engine; :meth:`install` runs inside the
+    engine's construction (before decode graphs are captured: they bind the phase hooks)."""
+
+    def __init__(self, cfg, recorder, *, topology: Topology, groups: dict, backend: str, rendezvous,
+                 dispatchers=None, store=None) -> None:
+        topo = self.topology = topology
+        self.rec = recorder
+        self.rank, self.world_size, self.is_leader = topo.rank, topo.world_size, topo.is_replica_leader
+        self.ordering = cfg.parallel.ordering
+        self.colls = RankCollectives(topo, groups, backend=backend, recorder=recorder)   # one per phase
+        self.colls.set_booking(False)                # warm-up passes and graph captures are not traced
+        self.dispatchers = dispatchers
+        self.rdv = rendezvous
+        self.store = store
+        self.replica = None
+        if topo.atp > 1:
+            self.replica = ReplicaChannel(groups[REPLICA], rank=topo.rank, leader=topo.replica_leader,
+                                          members=topo.tp_group, timeout_s=cfg.parallel.rendezvous_timeout_s)
+        self.group_backends: dict[str, str] = {}
+        """Process group name -> backend (set by :func:`~ainfer_pd.engine.make.make_engine`)."""
+        self.owned_rendezvous = None  # the control rendezvous make_engine created (closed by aclose)
+        self.rows_agreed = 0          # the padded rows of every replica's D batch at this step
+        # the block-table width of every D broadcast (the widest a row can need, plus the scratch)
+        self.table_width = -(-cfg.model.max_context_len // cfg.cache.block_size) + 1
+        self.stall_s = cfg.parallel.stall_timeout_s
+        self.engine = None
+        self.watchdog: Watchdog | None = None
+        self.decode_hooks: DecodeHooks | None = None
+
+    @property
+    def tp_shard(self) -> tuple[int, int] | None:
+        """(tp_rank, ATP): the shard of the attention heads this rank keeps."""
+        t = self.topology
+        return (t.tp_rank, t.atp) if t.atp > 1 else None
+
+    def install(self, eng) -> None:
+        """Inside the engine's construction, before graph capture: the phase hooks the graphs bind."""
+        from ..expert_parallel import ExpertParallel
+        r = eng.runner
+        if self.dispatchers is not None:
+            r.ep = ExpertParallel(r.model, self.dispatchers, eng.device)
+        self.decode_hooks = DecodeHooks(self.colls.D, r.model, r.ep, eng.decode_ctx)
+        r.hooks = {Phase.PREFILL: PrefillHooks(self.colls.P, r.ep, eng.prefill_ctx).hooks(),
+                   Phase.DECODE: self.decode_hooks.hooks()}
+
+    def attach(self, eng) -> None:
+        """After the engine's construction: trace the collectives, gate them, watch the engine."""
+        self.engine = eng
+        self.rdv = eng.rendezvous                    # (wrapped by fault injection when configured)
+        self.colls.set_booking(True)
+        self.colls.set_gate(eng.device.collective_slot)
+        t = self.topology
+        self.watchdog = Watchdog(rank=t.rank, world_size=t.world_size, stall_s=self.stall_s,
+                                 progress=self._progress_key, probe=self._frontier, store=self.store,
+                                 prefix=f"ainfer_pd/engine/{next(_instances)}", busy=self._device_busy)
+
+    # ------------------------------------------------------------------ watchdog
+    def _progress_key(self) -> tuple:
+        e = self.engine
+        return (sum(s.num_done for s in e.device.streams.values()), self.colls.progress(), e.book.num_finished)
+
+    def _device_busy(self) -> bool:
+        return any(s.num_pending for s in self.engine.device.streams.values())
+
+    def _frontier(self) -> dict:
+        e = self.engine
+        st = e.device.streams
+        return {"d_done": e.d.num_iters, "p_done": st["P"].num_done if "P" in st else 0,
+                "requests_done": e.book.num_finished, "epoch": e.p.epoch, "colls": self.colls.frontier(),
+                "pending": {n: s.num_pending for n, s in st.items()}}
+
+    async def explain(self, exc: BaseException) -> BaseException:
+        """A failure of this rank's loops: a stall stays a stall; after a peer died, name it."""
+        if isinstance(exc, StallError) or not isinstance(exc, Exception):
+            return exc
+        await asyncio.sleep(1.2)                      # let a dead peer's heartbeat go stale
+        lost = self.watchdog.unresponsive(stale_s=1.0)
+        if not lost:
+            return exc
+        names = ", ".join(f"rank {r}" for r in lost)
+        return PeerLostError(f"rank {self.rank}: peer {names} died or stopped responding (no heartbeat for > 1 s); "
+                             f"this rank failed with {type(exc).__name__}: {exc}", ranks=tuple(lost))
+
+    async def aclose(self) -> None:
+        """Close the control rendezvous this engine created (its thread would otherwise outlive
+        the worker; one given by the caller stays theirs) and the replica channel."""
+        if self.replica is not None:
+            self.replica.close()
+        rdv, self.owned_rendezvous = self.owned_rendezvous, None
+        close = getattr(rdv, "close", None)
+        if close is not None:
+            await close()
+
+    # ------------------------------------------------------------------ D
+    def padded_rows(self, rows: int, graphs) -> int:
+        """Every replica's D batch size: the largest announced, up to the graph bucket (on CUDA
+        the replay and the eager path then gather the same shapes everywhere), a multiple of ATP
+        (D's attention reduce-scatter gives each TP rank an equal share; D's DP-attention
+        all-gather, equal shares of every replica)."""
+        atp = self.topology.atp
+        if graphs is not None:
+            fit = [b for b in graphs.batch_sizes if b >= rows and b % atp == 0]
+            if fit:
+                return fit[0]
+        return -(-rows // atp) * atp
+
+    async def decode_plan(self, rows: list) -> BatchPlan:
+        """This replica's D batch; under ATP > 1 padded to the agreed rows (the followers' broadcast
+        has that size) and shared with the TP followers."""
+        e = self.engine
+        B, r, width = self.rows_agreed, e.runner, self.table_width
+        if not self.is_leader:
+            buf = await self.replica.share(None, decode_numel(B, width), "D batch")
+            fb = unpack_decode(buf, B, width, e.device.torch_device, e.kv.block_size)
+            return BatchPlan(fb, [], [], [])
+        plan = r.build([], rows)
+        if self.replica is None and not self.decode_hooks.dp:
+            return plan                  # ATP = 1 and no DP-attention gather: D's dispatcher takes any row count
+        # the DP-attention all-gather / reduce-scatter (attn_dp.D) need every replica at the agreed rows
+        fb = pad_decode(plan.fb, B, r.scratch_slot, r.scratch_block)
+        if self.replica is not None:
+            await self.replica.share(pack_decode(fb, width), decode_numel(B, width), "D batch")
+        return BatchPlan(fb, [], rows, rows)
+
+    def before_d_launch(self, rnd) -> None:
+        """D's collectives in host order, with the round that orders them (trace-check's G)."""
+        self.colls.D.enqueue_schedule(self.decode_hooks.schedule(), stream="D",
+                                      epoch=rnd.epoch if rnd is not None else None,
+                                      boundary=rnd.boundary if rnd is not None else None)
+
+    def d_iteration_done(self) -> None:
+        self.colls.D.complete_pending(ATTN_TP_D)     # a graph replay ran them without host callbacks
+        self.colls.D.complete_pending(ATTN_DP_D)
+
+    # ------------------------------------------------------------------ P
+    async def share_prefill(self, plan: BatchPlan | None) -> BatchPlan:
+        """A replica's P batch: the leader sends ``plan``; a follower receives its leader's."""
+        if plan is not None:
+            await self.replica.share(pack_prefill(plan.fb), None, "P batch")
+            return plan
+        buf = await self.replica.share(None, None, "P batch")
+        e = self.engine
+        return BatchPlan(unpack_prefill(buf, e.device.torch_device, e.kv.block_size), [], [], [])
+
+    def p_all_reduce_hook(self, device, delay_s: float):
+        """P's attention all-reduce of one layer (attention TP; None without), on the stream the
+        ordering gives it (selective: a registered one on the D stream, behind the D launch of the
+        round that granted it)."""
+        if self.topology.atp <= 1:
+            return None
+
+        def all_reduce(tensor, *, after, epoch: int, boundary: int, gated: bool):
+            stream = collective_stream(self.ordering, P_ATP_ALL_REDUCE, self.colls.registry)
+            return self.colls.P.launch(P_ATP_ALL_REDUCE, tensor, device=device, stream=stream, epoch=epoch,
+                                       boundary=boundary, deps=(after,) if stream != "P" else (),
+                                       delay_s=delay_s, extra={"gated": gated})
+        return all_reduce
+
+    # ------------------------------------------------------------------ ownership audit
+    def ownership_registry(self):
+        """Every mutable object of this rank, registered to P, D or the shared set (SPEC 3.4)."""
+        from ...comm.experts.ownership import SHARED, OwnershipRegistry
+        e = self.engine
+        reg = self.dispatchers.registry() if self.dispatchers is not None else OwnershipRegistry()
+        for ctx in (e.prefill_ctx, e.decode_ctx):
+            reg.register("engine_stream", f"{ctx.phase.value}.engine_stream", ctx.phase, ctx.stream)
+        self.colls.register_owned(reg)               # each phase's attention collectives: its own state
+        reg.register("kv_storage", "kv_cache", SHARED, e.runner.kv_cache)
+        for name, p in e.runner.model.named_parameters():
+            reg.register("weights", name, SHARED, p)
+        reg.register("runtime", "control_rendezvous", SHARED, self.rdv)
+        return reg
+
+    def audit(self, *, strict: bool = False):
+        report = self.ownership_registry().audit(strict=strict)
+        self.rec.event("ownership_audit", ok=report.ok, violations=[str(v) for v in report.violations],
+                       phase_memory_bytes=report.phase_memory_bytes)
+        return report
