@@ -28,11 +28,11 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import torch
-
 from ..errors import CapacityError, LifetimeError
 from .block_hash import ROOT, best_tail, block_hash, chain_hashes, release_order
 from .block_pool import BlockPool
+from .kv_addressing import BlockAddressing
+from .kv_audit import KVAudit
 
 _lifetimes = itertools.count(1)
 
@@ -88,8 +88,10 @@ class AdmissionView:
     num_shared: int = 0             # full prompt blocks it shares (the index of next_hash in its hashes)
 
 
-class KVCacheManager:
-    """The KV blocks of one rank: sequences, the prefix cache, admission accounting."""
+class KVCacheManager(BlockAddressing, KVAudit):
+    """The KV blocks of one rank: sequences, the prefix cache, admission accounting (positions ->
+    cache slots and block tables: :class:`.kv_addressing.BlockAddressing`; the consistency audit:
+    :class:`.kv_audit.KVAudit`)."""
 
     def __init__(self, num_blocks: int, block_size: int, *, sharing: bool = True, wait_min_tokens: int = 0) -> None:
         self.alloc = BlockPool(num_blocks, block_size)
@@ -305,32 +307,6 @@ class KVCacheManager:
         if kv is not None:
             self._release_seq(tid, kv.num_tokens)
 
-    def slot_of(self, tid: str, pos: int) -> int:
-        """Cache slot of position ``pos`` of ``tid`` (host int, no tensor)."""
-        bs = self.block_size
-        return self.trajectories[tid].blocks[pos // bs] * bs + pos % bs
-
-    def block_table(self, tids: list[str], num_blocks: int) -> torch.Tensor:
-        """[len(tids), num_blocks] int64: each row's first blocks, padded with block 0 (masked keys)."""
-        if not tids or num_blocks <= 0:
-            return torch.zeros(len(tids), max(0, num_blocks), dtype=torch.int64)
-        out = array("q", bytes(8 * len(tids) * num_blocks))
-        for i, tid in enumerate(tids):
-            arr = self.trajectories[tid].block_arr
-            n = min(len(arr), num_blocks)
-            out[i * num_blocks:i * num_blocks + n] = arr[:n]          # slices of arrays: memcpy
-        return torch.frombuffer(out, dtype=torch.int64).view(len(tids), num_blocks)
-
-    def block_ids(self, tid: str, num_tokens: int) -> torch.Tensor:
-        """Host int64 ids of the blocks holding the first ``num_tokens`` positions of ``tid``."""
-        return torch.tensor(self.trajectories[tid].blocks[:self.alloc.blocks_for(num_tokens)], dtype=torch.int64)
-
-    def slots(self, tid: str, start: int, end: int) -> torch.Tensor:
-        """Cache slots of positions [start, end) of ``tid``: [end - start] int64."""
-        blocks = torch.tensor(self.trajectories[tid].blocks, dtype=torch.int64)
-        pos = torch.arange(start, end, dtype=torch.int64)
-        return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
-
     # -------------------------------------------------------------- internals
     def _done_writing(self, kv: TrajectoryKV, h: bytes) -> bool:
         if h not in kv.writing:
@@ -357,30 +333,3 @@ class KVCacheManager:
                 # the incomplete last block: adoptable by the next sequence continuing these tokens
                 partial = (kv.hashes[j - 1] if j else kv.root, tuple(kv.tokens[j * bs:j * bs + rem]))
             self.alloc.release(b, partial)
-
-    def check_no_leak(self) -> bool:
-        """Block accounting is consistent: every block is free, cached or held, and held exactly
-        as often as the sequences reference it."""
-        return not self.audit()
-
-    def audit(self) -> list[str]:
-        """The inconsistencies :meth:`check_no_leak` looks for ([] when none)."""
-        held: dict[int, int] = {}
-        bad = []
-        for tid, kv in self.trajectories.items():
-            if len(set(kv.blocks)) != len(kv.blocks):
-                bad.append(f"{tid!r} holds a block twice")
-            for b in kv.blocks:
-                held[b] = held.get(b, 0) + 1
-            for j in range(kv.num_shared, len(kv.blocks)):   # shared by others only once complete
-                b = kv.blocks[j]
-                # NOTE: completeness, not registration: invalidate() unregisters a complete block
-                # that a sibling already shares (both sequences are stale from then on)
-                if self.alloc.ref[b] != 1 and (j + 1) * self.block_size > kv.num_tokens:
-                    bad.append(f"{tid!r}: incomplete private block {b} has {self.alloc.ref[b]} references")
-        bad += self.alloc.check(held)
-        for h, n in self.writing.items():
-            if n != sum(kv.writing.count(h) for kv in self.trajectories.values()):
-                bad.append("writer announcements are inconsistent")
-                break
-        return bad
