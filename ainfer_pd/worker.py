@@ -94,7 +94,7 @@ class RolloutWorker(WorkerControl):
         except Exception as exc:
             self._failure = exc
             log.error("rank %d: the engine failed: %r", self.rank, exc)
-            self.engine.fail_all(self._failure_error())
+            self.engine.book.fail_all(self._failure_error())
 
     def _failure_error(self) -> AInferPDError:
         exc = self._failure
@@ -135,7 +135,7 @@ class RolloutWorker(WorkerControl):
         await self._close_control()
         for traj in self.trajectories.values():
             if traj.turn is not None:
-                self.engine.abort(traj.turn)
+                self.engine.book.abort(traj.turn)
         close_error: BaseException | None = None
         try:
             if (self._engine_task is not None and not self._engine_task.done() and et is None
@@ -161,7 +161,7 @@ class RolloutWorker(WorkerControl):
             if self._engine_task is not None and not self._engine_task.done():
                 self._engine_task.cancel()                    # we were cancelled while closing
             await asyncio.to_thread(self.engine.shutdown)     # joins stream threads off the loop
-            self.engine.close()                               # no caller or drain waiter left behind
+            self.engine.book.close()                               # no caller or drain waiter left behind
             try:
                 await self.engine.aclose()                    # the control rendezvous of a lockstep rank
             except Exception as e:                            # noqa: BLE001 - closing must not mask the exit
@@ -305,7 +305,7 @@ class RolloutWorker(WorkerControl):
         except asyncio.CancelledError:
             # NOTE: the caller went away (it never sees the partial tokens): abort this request
             # only, the trajectory keeps its context from before the turn, re-raise.
-            self.engine.abort(turn, commit=False)
+            self.engine.book.abort(turn, commit=False)
             raise
 
     def _get(self, trajectory_id: str, *, releasing_ok: bool = False) -> Trajectory:
@@ -326,7 +326,7 @@ class RolloutWorker(WorkerControl):
         traj = self._get(trajectory_id, releasing_ok=True)
         if traj.turn is None:
             return False
-        self.engine.abort(traj.turn)
+        self.engine.book.abort(traj.turn)
         return True
 
     async def abort_all(self) -> int:
@@ -335,7 +335,7 @@ class RolloutWorker(WorkerControl):
         n = 0
         for traj in list(self.trajectories.values()):
             if traj.turn is not None:
-                self.engine.abort(traj.turn)
+                self.engine.book.abort(traj.turn)
                 n += 1
         return n
 
@@ -351,7 +351,7 @@ class RolloutWorker(WorkerControl):
         try:
             while True:
                 if traj.turn is not None:
-                    self.engine.abort(traj.turn)
+                    self.engine.book.abort(traj.turn)
                 if traj.draining is None:
                     break
                 await traj.draining.drained.wait()
@@ -361,7 +361,7 @@ class RolloutWorker(WorkerControl):
         del self.trajectories[trajectory_id]
         self.engine.kv.release(trajectory_id)
         self.engine.notify()                 # blocks may have come back: admission re-checks
-        self.engine.record_trajectory(traj.group or trajectory_id, traj.num_turns, len(traj.tokens))
+        self.engine.book.record_trajectory(traj.group or trajectory_id, traj.num_turns, len(traj.tokens))
 
     def find_prefix_trajectory(self, prompt_ids: Sequence[int], *, min_tokens: int | None = None) -> tuple[str, int] | None:
         """The idle retained trajectory sharing the longest KV-valid prefix with

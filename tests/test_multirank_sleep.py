@@ -114,14 +114,14 @@ async def _rank_mid_turn(rank: int, world_size: int, d: str):
             return "rank 1 ok", w.kv_leak_free()
         task = asyncio.ensure_future(w.generate(PROMPT, SamplingParams(max_new_tokens=LONG, **GREEDY)))
         deadline = time.monotonic() + 60
-        while not (w.engine.decoding and len(w.engine.decoding[0].out_tokens) >= 2):
+        while not (w.engine.book.decoding and len(w.engine.book.decoding[0].out_tokens) >= 2):
             assert time.monotonic() < deadline and not task.done()
             await asyncio.sleep(0.001)
         await _flag(d, "decoding0")
         await _await_flag(d, "asleep1")
-        n_asleep = len(w.engine.decoding[0].out_tokens) if w.engine.decoding else None
+        n_asleep = len(w.engine.book.decoding[0].out_tokens) if w.engine.book.decoding else None
         await asyncio.sleep(0.5)
-        n_later = len(w.engine.decoding[0].out_tokens) if w.engine.decoding else None
+        n_later = len(w.engine.book.decoding[0].out_tokens) if w.engine.book.decoding else None
         out = await asyncio.wait_for(task, 60)
         await w.release(out.trajectory_id)
         await _flag(d, "done0")

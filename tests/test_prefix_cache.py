@@ -252,7 +252,7 @@ async def test_eviction_under_pressure_with_shared_blocks_loses_nothing_and_leak
                 if not w.engine.kv.check_no_leak():
                     bad.append(str(w.engine.kv.audit()))
                 # the engine's memoized view of the waiting turns equals one computed afresh
-                turns = [t for t in w.engine.waiting if not (t.abort_requested or w.engine.book.behind_drain(t))]
+                turns = [t for t in w.engine.book.waiting if not (t.abort_requested or w.engine.book.behind_drain(t))]
                 memo = prefix.pending_view(w.engine.kv, turns)
                 kept = [t.prefix_view for t in turns]
                 for t in turns:

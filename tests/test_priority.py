@@ -85,7 +85,7 @@ async def test_critical_path_changes_no_output(policy):
             async with asyncio.TaskGroup() as tg:
                 for i in range(8):
                     tg.create_task(conv(i))
-            learnt = w.engine.history.mean(w.engine.history.turns, "*")
+            learnt = w.engine.book.history.mean(w.engine.book.history.turns, "*")
             assert w.kv_leak_free()
         return outs, learnt
     fifo, _ = await run("fifo")

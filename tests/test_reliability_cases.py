@@ -178,7 +178,7 @@ async def test_case02_the_last_decode_row_leaving_mid_epoch_opens_the_gate(how, 
     async with RolloutWorker(cfg) as w:
         d = asyncio.ensure_future(w.generate(rand_ids(rng, 20), SamplingParams(max_new_tokens=4000 - 20, **GREEDY),
                                              trajectory_id="D"))
-        await until(lambda: w.engine.decoding, "D decoding")
+        await until(lambda: w.engine.book.decoding, "D decoding")
         p_prompt = rand_ids(rng, 300)
         p = asyncio.ensure_future(w.generate(p_prompt, SamplingParams(max_new_tokens=3, **GREEDY), trajectory_id="P"))
         ts, ctl = w.engine.turnstile, w.engine.turnstile.controller
@@ -379,7 +379,7 @@ async def test_case05_the_temperature_floor_samples_without_nan_next_to_greedy_r
 async def test_case06_two_concurrent_releases_one_succeeds_the_other_is_unknown(worker):
     task = asyncio.ensure_future(worker.generate(rand_ids(random.Random(7), 40),
                                                  SamplingParams(max_new_tokens=200, **GREEDY), trajectory_id="R"))
-    await until(lambda: worker.engine.decoding, "decoding")
+    await until(lambda: worker.engine.book.decoding, "decoding")
     res = await bounded(asyncio.gather(worker.release("R"), worker.release("R"), return_exceptions=True), "releases")
     assert res.count(None) == 1 and sum(isinstance(r, UnknownTrajectoryError) for r in res) == 1, res
     assert (await task).finish_reason == "abort"
@@ -568,7 +568,7 @@ async def test_decide_retained_kv_does_not_survive_update_weights(cfg):
         a = await w.generate(prompt, SamplingParams(max_new_tokens=5, **GREEDY), trajectory_id="idle")
         running = asyncio.ensure_future(w.generate(rand_ids(rng, 30), SamplingParams(max_new_tokens=300, **GREEDY),
                                                    trajectory_id="busy"))
-        await until(lambda: w.engine.decoding, "decoding")
+        await until(lambda: w.engine.book.decoding, "decoding")
         await w.update_weights(list(new.named_parameters()))
         assert "idle" not in w.engine.kv.trajectories or not w.engine.kv.trajectories["idle"].blocks
         obs = rand_ids(rng, 7)

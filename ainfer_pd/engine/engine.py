@@ -76,8 +76,8 @@ class Engine:
         self.activation = Activation(threshold=cfg.mux.activation_threshold, cooldown_s=cfg.mux.activation_cooldown_s)
         self.timings = EngineTimings(recorder)
         self._build_drivers(cfg, recorder, dist)
-        self.coord = (LocalCoordinator(self._wait_changed) if dist is None else
-                      RankCoordinator(self.rendezvous, recorder, dist.world_size, self._wait_changed))
+        self.coord = (LocalCoordinator(self.wait_changed) if dist is None else
+                      RankCoordinator(self.rendezvous, recorder, dist.world_size, self.wait_changed))
         self.num_steps = 0
         self.closing = False          # this rank's client is done; stop once every rank is
         self.not_closing: tuple[int, ...] = ()    # ranks whose client was still serving at the last step
@@ -117,37 +117,26 @@ class Engine:
             torch.cuda.synchronize()
 
     def _build_drivers(self, cfg: WorkerConfig, recorder: Recorder, dist) -> None:
-        common = dict(cfg=cfg, rec=recorder, book=self.book, runner=self.runner, turnstile=self.turnstile,
+        common = dict(rec=recorder, book=self.book, runner=self.runner, turnstile=self.turnstile,
                       timings=self.timings, faults=self.faults, notify=self.notify)
         d_delay = p_delay = 0.0
         if dist is not None:
             d_delay, p_delay = self.faults.phase_skew_s(dist.topology.dp_rank, dist.topology.tp_rank)
-        self.p = PDriver(**common, ctx=self.prefill_ctx, drain=self.drain_stream,
+        self.p = PDriver(**common, sched=cfg.scheduler, mux=cfg.mux, timeout_s=cfg.parallel.rendezvous_timeout_s,
+                         ctx=self.prefill_ctx, drain=self.drain_stream,
                          all_reduce=dist.p_all_reduce_hook(self.device, p_delay) if dist is not None else None,
                          share=dist.share_prefill if dist is not None and dist.replica is not None else None,
                          is_leader=dist is None or dist.is_leader, isolate_failures=dist is None,
                          cpu=self.device.kind == "cpu")
         self.overlap_decode = (dist is None and not self.traits.mixed_steps
                                and cfg.scheduler.overlap_decode in (True, "auto"))
-        self.d = DDriver(**common, ctx=self.decode_ctx, p=self.p, overlap=self.overlap_decode, dist=dist)
+        self.d = DDriver(**common, sched=cfg.scheduler, max_context_len=cfg.model.max_context_len,
+                         ctx=self.decode_ctx, p=self.p, overlap=self.overlap_decode, dist=dist)
         self.d.device_delay_s = d_delay
         if dist is not None:
             dist.attach(self)
 
-    # ================================================================== turns (the book's)
-    @property
-    def waiting(self):
-        """Turns queued for prefill (:attr:`TurnBook.waiting`)."""
-        return self.book.waiting
-
-    @property
-    def decoding(self) -> list[Turn]:
-        return self.book.decoding
-
-    @property
-    def history(self):
-        return self.book.history
-
+    # ================================================================== turns (the book holds them)
     @property
     def multi_rank(self) -> bool:
         """The steps are a rendezvous of ranks (which leave together: :meth:`begin_closing`)."""
@@ -164,28 +153,17 @@ class Engine:
         self.check_accepts()
         self.book.submit(turn)
 
-    def abort(self, turn: Turn, reason: str = "abort", *, commit: bool = True) -> None:
-        """Abort ``turn`` (:meth:`TurnBook.abort`: partial output, KV cleaned up once drained)."""
-        self.book.abort(turn, reason, commit=commit)
-
-    def record_trajectory(self, group: str, turns: int, tokens: int) -> None:
-        self.book.record_trajectory(group, turns, tokens)
-
     # ================================================================== changes
     def notify(self) -> None:
         """Something the loops wait on changed: wake every waiter (no task is created)."""
         ev, self._changed = self._changed, asyncio.Event()
         ev.set()
 
-    async def changed(self) -> None:
-        """The next change."""
-        await self._changed.wait()
-
     async def wait_for(self, pred: Callable[[], bool]) -> None:
         while not pred():
             await self._changed.wait()
 
-    async def _wait_changed(self, timeout_s: float | None, seen: asyncio.Event | None = None) -> None:
+    async def wait_changed(self, timeout_s: float | None = None, seen: asyncio.Event | None = None) -> None:
         """Wait until a change after ``seen`` was taken (now when None), at most ``timeout_s``."""
         ev = seen if seen is not None else self._changed
         if timeout_s is None:
@@ -335,7 +313,7 @@ class Engine:
         mark = self.num_steps           # the step under way announced this rank awake
         while (self.asleep_at <= mark or self.p.running or self.rank not in self.asleep_ranks) \
                 and not self.closing and self.stepping:
-            await self._wait_changed(IDLE_BACKOFF_S)
+            await self.wait_changed(IDLE_BACKOFF_S)
 
     def resume(self) -> None:
         """Back from sleep: this rank takes part again from its next step (when its memory is back)."""
@@ -357,15 +335,6 @@ class Engine:
         multi-rank control rendezvous it created)."""
         if self.dist is not None:
             await self.dist.aclose()
-
-    def close(self) -> None:
-        """After the loops stopped and the streams were joined (no device work in flight):
-        :meth:`TurnBook.close` (every turn still known ends with "abort")."""
-        self.book.close()
-
-    def fail_all(self, exc: BaseException) -> None:
-        """The engine stopped: every turn in flight ends with ``exc`` (typed)."""
-        self.book.fail_all(exc)
 
     def metrics(self) -> dict[str, Any]:
         m = self.rec.summary()

@@ -73,24 +73,14 @@ def make_engine(cfg: WorkerConfig, recorder: Recorder, *, rank: int = 0, rendezv
         return Engine(cfg, recorder, rendezvous=rendezvous, rank=rank)
     check_engine_support(cfg)
     import torch
-    import torch.distributed as dist
 
     from ..comm.backend import check_backend, data_backend_for, group_backend, local_cuda_index, warm_up_nccl
-    from ..comm.experts.base import PhaseDispatchers
-    from ..comm.experts.torch_a2a import TorchAllToAllDispatcher
-    from ..comm.topology import EP_D, EP_P, Topology, build_process_groups
+    from ..comm.topology import Topology, build_process_groups
     from ..launch import get_store
-    from ..phase import Phase
     from ..turnstile.dist_rendezvous import detect_same_host, make_rendezvous
     from .loop.ranks import DistRanks
-    from .tensor_parallel import decode_dispatch_rows
 
-    if not dist.is_initialized():
-        raise ConfigError("parallel.world_size > 1 needs torch.distributed initialised "
-                          "(torchrun, or ainfer_pd.launch.init_distributed)")
-    if dist.get_world_size() != g:
-        raise ConfigError(f"parallel.world_size={g} but torch.distributed has {dist.get_world_size()} ranks")
-    rank = dist.get_rank()
+    rank = _distributed_rank(g)
     pc = cfg.parallel
     topo = Topology.from_config(pc, rank)
     backend = check_backend(data_backend_for(cfg.device.device))    # cuda -> nccl, cpu -> gloo
@@ -104,14 +94,7 @@ def make_engine(cfg: WorkerConfig, recorder: Recorder, *, rank: int = 0, rendezv
     store = get_store()
     same = detect_same_host(store, rank, g, timeout_s=pc.rendezvous_timeout_s)
     rdv = rendezvous or make_rendezvous(pc, topo, same_host=same, group=groups["control"], store=store)
-    mc, sc = cfg.model, cfg.scheduler
-    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    common = dict(hidden=mc.hidden_size, top_k=mc.top_k, dtype=mc.torch_dtype, device=dev, recorder=recorder)
-    dispatchers = PhaseDispatchers(       # phase-owned: P's normal path, D's low-latency path (SPEC 3.4)
-        TorchAllToAllDispatcher(Phase.PREFILL, groups[EP_P], topo.ep_rank, pc.expert_parallel, mc.num_experts,
-                                max_tokens=sc.max_prefill_tokens, **common),
-        TorchAllToAllDispatcher(Phase.DECODE, groups[EP_D], topo.ep_rank, pc.expert_parallel, mc.num_experts,
-                                max_tokens=decode_dispatch_rows(sc.max_decode_batch, topo), **common))
+    dispatchers = _phase_dispatchers(cfg, topo, groups, cuda, recorder)
     if cfg.device.cuda_graphs and cfg.device.device != "cpu":
         # D's expert exchange is its own dispatcher's all-to-all with host split sizes: not
         # graph-capturable; decode eagerly through the D dispatcher instead.
@@ -128,3 +111,33 @@ def make_engine(cfg: WorkerConfig, recorder: Recorder, *, rank: int = 0, rendezv
                    topology=topo.describe(), registered=dist_ranks.colls.registry.describe(), ordering=pc.ordering,
                    expert_dispatch="P: torch all-to-all (normal); D: its own torch all-to-all (low-latency)")
     return eng
+
+
+def _distributed_rank(g: int) -> int:
+    """This rank, once ``torch.distributed`` is checked to hold the configured ``g`` ranks."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        raise ConfigError("parallel.world_size > 1 needs torch.distributed initialised "
+                          "(torchrun, or ainfer_pd.launch.init_distributed)")
+    if dist.get_world_size() != g:
+        raise ConfigError(f"parallel.world_size={g} but torch.distributed has {dist.get_world_size()} ranks")
+    return dist.get_rank()
+
+
+def _phase_dispatchers(cfg: WorkerConfig, topo, groups: dict, cuda: bool, recorder: Recorder):
+    """The phase-owned expert dispatchers: P's normal path, D's low-latency path (SPEC 3.4)."""
+    import torch
+
+    from ..comm.experts.base import PhaseDispatchers
+    from ..comm.experts.torch_a2a import TorchAllToAllDispatcher
+    from ..comm.topology import EP_D, EP_P
+    from ..phase import Phase
+    from .tensor_parallel import decode_dispatch_rows
+    mc, sc, pc = cfg.model, cfg.scheduler, cfg.parallel
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    common = dict(hidden=mc.hidden_size, top_k=mc.top_k, dtype=mc.torch_dtype, device=dev, recorder=recorder)
+    return PhaseDispatchers(
+        TorchAllToAllDispatcher(Phase.PREFILL, groups[EP_P], topo.ep_rank, pc.expert_parallel, mc.num_experts,
+                                max_tokens=sc.max_prefill_tokens, **common),
+        TorchAllToAllDispatcher(Phase.DECODE, groups[EP_D], topo.ep_rank, pc.expert_parallel, mc.num_experts,
+                                max_tokens=decode_dispatch_rows(sc.max_decode_batch, topo), **common))

@@ -86,3 +86,27 @@ class Turn:
     def seq_len(self) -> int:
         """Tokens whose position is taken (prompt + generated)."""
         return len(self.context) + len(self.out_tokens)
+
+
+class InFlight:
+    """Turns counted as touched by submitted device work (:meth:`TurnBook.in_flight`): the one
+    place a turn's ``in_flight`` count changes while it is served."""
+
+    __slots__ = ("turns",)
+
+    def __init__(self, turns: list[Turn]) -> None:
+        self.turns = turns
+        for t in turns:
+            t.in_flight += 1
+
+    def release(self) -> None:
+        """The work was read (or will never be): idempotent."""
+        turns, self.turns = self.turns, []
+        for t in turns:
+            t.in_flight = max(0, t.in_flight - 1)    # a failed / closed turn was reset to 0
+
+    def __enter__(self) -> "InFlight":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

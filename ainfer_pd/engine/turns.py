@@ -28,7 +28,7 @@ from .kv_cache import KVCacheManager
 from .routed_experts import of_turn
 from .runner import BatchPlan
 from .sampler import DeviceSample, SampleRow, read_sample, sample
-from .state import Turn, TurnState
+from .state import InFlight, Turn, TurnState
 
 log = logging.getLogger("ainfer_pd.engine")
 
@@ -407,26 +407,3 @@ class TurnBook:
             "prefill_tokens": self.num_prefill_tokens,         # prompt tokens computed
         }
 
-
-class InFlight:
-    """Turns counted as touched by submitted device work (:meth:`TurnBook.in_flight`): the one
-    place a turn's ``in_flight`` count changes while it is served."""
-
-    __slots__ = ("turns",)
-
-    def __init__(self, turns: list[Turn]) -> None:
-        self.turns = turns
-        for t in turns:
-            t.in_flight += 1
-
-    def release(self) -> None:
-        """The work was read (or will never be): idempotent."""
-        turns, self.turns = self.turns, []
-        for t in turns:
-            t.in_flight = max(0, t.in_flight - 1)    # a failed / closed turn was reset to 0
-
-    def __enter__(self) -> "InFlight":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()

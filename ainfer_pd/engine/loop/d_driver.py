@@ -25,9 +25,11 @@ class DDriver:
     """D iterations of one rank. ``dist``: the multi-rank parts (None on one rank): the padded,
     shared batch, D's collectives around the launch."""
 
-    def __init__(self, *, cfg, rec, book, runner, ctx, turnstile, timings: EngineTimings, faults, p,
+    def __init__(self, *, sched, max_context_len: int, rec, book, runner, ctx, turnstile, timings: EngineTimings,
+                 faults, p,
                  notify: Callable[[], None], overlap: bool, dist=None) -> None:
-        self.cfg, self.rec, self.book, self.runner, self.ctx = cfg, rec, book, runner, ctx
+        self.sched, self.max_context_len = sched, max_context_len       # the scheduler config section
+        self.rec, self.book, self.runner, self.ctx = rec, book, runner, ctx
         self.turnstile, self.timings, self.faults, self.p = turnstile, timings, faults, p
         self.notify, self.overlap, self.dist = notify, overlap, dist
         self.prev: InFlightD | None = None    # overlapped: the iteration launched and not read yet
@@ -43,7 +45,7 @@ class DDriver:
 
     def rows(self, limit: int | None = None) -> list[Turn]:
         """The rows of the next iteration (by priority when more are ready than fit)."""
-        cap = self.cfg.scheduler.max_decode_batch
+        cap = self.sched.max_decode_batch
         ready = self.book.decoding
         if len(ready) > cap:
             ready = self.book.by_priority(list(ready), waiting=False)
@@ -69,7 +71,7 @@ class DDriver:
             rows = self.rows(limit)
         ahead = [0] * len(rows)
         if self.overlap:
-            rows, ahead = rows_after(rows, self.prev, self.cfg.model.max_context_len)
+            rows, ahead = rows_after(rows, self.prev, self.max_context_len)
         if not rows and self.dist is None:
             if rnd is not None:
                 await self.turnstile.after_decode(rnd)

@@ -28,7 +28,7 @@ async def run_mixed(eng) -> None:
         if not work and not rows:
             # NOTE: nothing runnable (cannot happen while plan and admission share `fits`):
             # wait for a change, never spin a core (issue 13, case 1 spun here).
-            await eng.changed()
+            await eng.wait_changed()
             continue
         await _step(eng, work, rows)
 

@@ -31,10 +31,11 @@ class PDriver:
     holds every head); ``share``: a replica's batch exchange with its TP followers (None without);
     ``isolate_failures``: one rank, so no peer waits on a failed epoch: its turns fail, the rest go on."""
 
-    def __init__(self, *, cfg, rec, book, runner, ctx, turnstile, timings: EngineTimings, faults,
+    def __init__(self, *, sched, mux, timeout_s: float, rec, book, runner, ctx, turnstile, timings: EngineTimings, faults,
                  notify: Callable[[], None], drain: Callable[[Any], Any], all_reduce=None, share=None,
                  is_leader: bool = True, isolate_failures: bool = True, cpu: bool = False) -> None:
-        self.cfg, self.rec, self.book, self.runner, self.ctx = cfg, rec, book, runner, ctx
+        self.sched, self.mux, self.timeout_s = sched, mux, timeout_s     # config sections: scheduler, mux
+        self.rec, self.book, self.runner, self.ctx = rec, book, runner, ctx
         self.turnstile, self.timings, self.faults = turnstile, timings, faults
         self.notify, self.drain = notify, drain
         self.all_reduce, self.share, self.is_leader = all_reduce, share, is_leader
@@ -54,7 +55,7 @@ class PDriver:
         if self.running or not self.is_leader:
             return 0
         book = self.book
-        chunks, _ = plan_prefill(book.pending_view(), self.cfg.scheduler.max_prefill_tokens, book.available_blocks())
+        chunks, _ = plan_prefill(book.pending_view(), self.sched.max_prefill_tokens, book.available_blocks())
         return sum(c.num_tokens for c in chunks)
 
     async def start(self, mode: EpochMode, why: Exclusive | None, *, d_enqueued: bool) -> None:
@@ -90,7 +91,7 @@ class PDriver:
         followers), or a follower's copy of its leader's."""
         if not self.is_leader:
             return [], await self.share(None)
-        sc = self.cfg.scheduler
+        sc = self.sched
         chunks, admitted = plan_prefill(self.book.pending_view(), sc.max_prefill_tokens, self.book.available_blocks())
         work = self.book.admit(chunks, admitted, sc.max_prefill_tokens)
         plan = self.runner.build(work, [])
@@ -117,7 +118,7 @@ class PDriver:
         without them a wait after every attention segment is a device bubble per layer (P's host
         wakes, then launches the experts), so on CUDA P's host enqueues ahead and takes its device
         time once, at the epoch's end. An injected counts delay needs the wait."""
-        mode = self.cfg.mux.p_host_pacing
+        mode = self.mux.p_host_pacing
         if mode == "auto":
             mode = "layer" if self.runner.ep is not None or self.cpu else "epoch"
         return mode == "layer" or bool(self.faults.slow_counts_ms)
@@ -128,7 +129,7 @@ class PDriver:
         plan = plan if plan is not None else self.runner.build(work, [])
         counts = self.paced_per_layer()
         self.running, self.exclusive = True, mode.exclusive
-        self.rec.event("p_epoch", epoch=epoch, tokens=plan.num_tokens, gated=mode.gated, policy=self.cfg.scheduler.policy,
+        self.rec.event("p_epoch", epoch=epoch, tokens=plan.num_tokens, gated=mode.gated, policy=self.sched.policy,
                        why=None if mode.gated else (self.why.value if self.why else None))
         t_start = self.rec.now()
         hold = self.book.in_flight(t for t, _, _ in work)
@@ -152,7 +153,7 @@ class PDriver:
             if entered is not None:
                 entered.set()
             walk = EpochWalk(epoch, plan, ep, runner=self.runner, ctx=self.ctx, rec=self.rec, faults=self.faults,
-                             timeout_s=self.cfg.parallel.rendezvous_timeout_s, all_reduce=self.all_reduce)
+                             timeout_s=self.timeout_s, all_reduce=self.all_reduce)
             await walk.enqueue(self.segments, mode, counts)
             waited = walk.waited
             self.rec.sample("p_enqueue_s", self.rec.now() - t_start - waited)

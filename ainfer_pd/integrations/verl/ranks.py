@@ -106,7 +106,7 @@ async def _follow(rank: int, cfg: dict, conn) -> None:
                     result = await w.update_weights(open_buckets(args[0]), **kw)
                 elif op == "metrics":
                     result = ({k: v for k, v in w.metrics().items() if not isinstance(v, (list, dict))},
-                              len(w.engine.waiting), len(w.engine.decoding))
+                              len(w.engine.book.waiting), len(w.engine.book.decoding))
                 elif op == "start_profile":
                     profile = TorchProfile(args[0], rank=rank, tag=args[1])
                     result = await profile.start()

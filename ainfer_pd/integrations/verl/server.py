@@ -119,7 +119,7 @@ class AInferPDServer(ResidencyControl, WeightSync, TrajectoryReuse, RequestAdmis
                 self.ranks, worker = await ReplicaRanks.start(
                     self.worker_config, lambda: cls(self.worker_config),
                     timeout_s=float(self.engine_kwargs.get("rank_timeout_s", 300.0)))
-                self.ranks.on_failure(lambda err: worker.engine.fail_all(err))
+                self.ranks.on_failure(lambda err: worker.engine.book.fail_all(err))
                 self.stats["rank_start_ms"] = int(self.ranks.started_s * 1000)
             else:
                 worker = cls(self.worker_config)
