@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from .comm.ordering import ORDERINGS  # (its one home)
 from .config_checks import check_positive
 from .errors import ConfigError, TopologyError
-from .sched.epoch_mode import POLICIES  # (its one home: the policy traits table)
+from .sched.epoch_mode import POLICIES, policy_traits  # (its one home: the policy traits table)
 from .sched.span import ACTIVATION_COSTS, FIXED_SPANS, MAX_SPAN, MIN_SPAN  # (their one home)
 
 EXPERT_BACKENDS = ("local", "torch", "deepep")
@@ -107,7 +107,7 @@ class SchedulerConfig:
             raise ConfigError("scheduler.priority_aging_s must be > 0")
         if self.overlap_decode not in (True, False, "auto"):
             raise ConfigError(f"scheduler.overlap_decode={self.overlap_decode!r}: expected true, false or auto")
-        if self.overlap_decode is True and self.policy == "mixed-chunked":
+        if self.overlap_decode is True and policy_traits(self.policy).mixed_steps:
             raise ConfigError("scheduler.overlap_decode runs the D loop of the P/D policies; mixed-chunked has "
                               "one loop of its own")
 

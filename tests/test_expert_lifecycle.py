@@ -8,6 +8,7 @@ import pytest
 
 from ainfer_pd import RolloutWorker, SamplingParams
 from ainfer_pd.errors import OwnershipAuditError
+from ainfer_pd.comm.experts.ownership import rank_registry
 from ainfer_pd.phase import Phase
 from tests._dist_util import run_ranks
 from tests.conftest import rand_ids, tiny_cfg
@@ -89,7 +90,7 @@ async def _rank_storm(rank, world_size, trace_dir):
         report = w.audit()
         completed = await _storm(w, seed=10 + rank, n=10, cancel_p=0.4)
         leak_free = w.kv_leak_free() and w.engine.kv.num_free_blocks == 128
-        planted = w.engine.dist.ownership_registry()
+        planted = rank_registry(w.engine)
         planted.register("counters", "planted.shared_counter", Phase.PREFILL,
                          identity=id(w.engine.dist.dispatchers.decode._recv_counts))
         planted.register("counters", "planted.shared_counter", Phase.DECODE,

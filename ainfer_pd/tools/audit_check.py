@@ -24,7 +24,8 @@ async def _rank_audit(rank: int, world_size: int) -> dict[str, Any]:
         out = await w.generate(list(range(2, 40)), SamplingParams(max_new_tokens=4, temperature=0.0))
         await w.release(out.trajectory_id)
         report = w.audit()
-        reg = w.engine.dist.ownership_registry()
+        from ..comm.experts.ownership import rank_registry
+        reg = rank_registry(w.engine)
         counter = w.engine.dist.dispatchers.decode._recv_counts
         reg.register("counters", "planted.shared", Phase.PREFILL, identity=id(counter))
         reg.register("counters", "planted.shared", Phase.DECODE, identity=id(counter))

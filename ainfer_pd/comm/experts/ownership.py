@@ -283,3 +283,27 @@ def _is_tensor(obj: Any) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return isinstance(obj, torch.Tensor)
+
+
+def rank_registry(engine) -> OwnershipRegistry:
+    """Every mutable object of one rank's engine, registered to P, D or the shared set (SPEC 3.4):
+    the expert dispatchers' own state, each phase's engine stream and attention collectives, and
+    the shared KV storage, weights and control rendezvous."""
+    dist = engine.dist
+    reg = dist.dispatchers.registry() if dist.dispatchers is not None else OwnershipRegistry()
+    for ctx in (engine.prefill_ctx, engine.decode_ctx):
+        reg.register("engine_stream", f"{ctx.phase.value}.engine_stream", ctx.phase, ctx.stream)
+    dist.colls.register_owned(reg)               # each phase's attention collectives: its own state
+    reg.register("kv_storage", "kv_cache", SHARED, engine.runner.kv_cache)
+    for name, p in engine.runner.model.named_parameters():
+        reg.register("weights", name, SHARED, p)
+    reg.register("runtime", "control_rendezvous", SHARED, dist.rdv)
+    return reg
+
+
+def audit_rank(engine, *, strict: bool = False) -> AuditReport:
+    """:func:`rank_registry`'s audit, recorded as the ``ownership_audit`` event."""
+    report = rank_registry(engine).audit(strict=strict)
+    engine.rec.event("ownership_audit", ok=report.ok, violations=[str(v) for v in report.violations],
+                     phase_memory_bytes=report.phase_memory_bytes)
+    return report

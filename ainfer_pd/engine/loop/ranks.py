@@ -197,22 +197,7 @@ class DistRanks:
         return all_reduce
 
     # ------------------------------------------------------------------ ownership audit
-    def ownership_registry(self):
-        """Every mutable object of this rank, registered to P, D or the shared set (SPEC 3.4)."""
-        from ...comm.experts.ownership import SHARED, OwnershipRegistry
-        e = self.engine
-        reg = self.dispatchers.registry() if self.dispatchers is not None else OwnershipRegistry()
-        for ctx in (e.prefill_ctx, e.decode_ctx):
-            reg.register("engine_stream", f"{ctx.phase.value}.engine_stream", ctx.phase, ctx.stream)
-        self.colls.register_owned(reg)               # each phase's attention collectives: its own state
-        reg.register("kv_storage", "kv_cache", SHARED, e.runner.kv_cache)
-        for name, p in e.runner.model.named_parameters():
-            reg.register("weights", name, SHARED, p)
-        reg.register("runtime", "control_rendezvous", SHARED, self.rdv)
-        return reg
-
     def audit(self, *, strict: bool = False):
-        report = self.ownership_registry().audit(strict=strict)
-        self.rec.event("ownership_audit", ok=report.ok, violations=[str(v) for v in report.violations],
-                       phase_memory_bytes=report.phase_memory_bytes)
-        return report
+        """The phase-ownership audit of this rank (:func:`~ainfer_pd.comm.experts.ownership.audit_rank`)."""
+        from ...comm.experts.ownership import audit_rank
+        return audit_rank(self.engine, strict=strict)
