@@ -142,62 +142,96 @@ async def run_bench(cfg: WorkerConfig, trace: Trace, *, variants: Sequence[Varia
             raise ConfigError(f"unknown cell {c!r}: expected one of {', '.join(CELLS)}")
     if repeats < 1:
         raise ConfigError("repeats must be >= 1")
-    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     names = [v.name for v in variants]
     base = baseline or ("normal" if "normal" in names else names[0])
     cfgs = {v.name: v.config(cfg) for v in variants}          # validate every config up front
     res = BenchResult(variants=names, cells=list(cells), baseline=base, trace_summary=trace.summary())
     out = Path(out_dir) if out_dir else None
-    runs_file = None
+    run = _BenchRun(trace=trace, variants=list(variants), cfgs=cfgs, repeats=repeats, seed=seed, time_scale=time_scale,
+                    progress=progress, worker_factory=worker_factory, total=len(cells) * repeats * len(variants),
+                    log=log or (lambda s: print(s, file=sys.stderr, flush=True)))
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        runs_file = (out / "runs.jsonl").open("w")
+        run.runs_file = (out / "runs.jsonl").open("w")
     t_start = time.perf_counter()
-    total = len(cells) * repeats * len(variants)
-    done = 0
     try:
         for cell in cells:
-            res.summaries[cell] = {n: [] for n in names}
-            res.results[cell] = {n: [] for n in names}
-            for r in range(repeats):
-                for v in variants:
-                    done += 1
-                    label = f"{cell} {v.name} #{r + 1}"
-                    rr = await run_one(cfgs[v.name], trace, cell=cell, seed=seed, time_scale=time_scale,
-                                       label=label, progress=progress, worker_factory=worker_factory)
-                    s = report.summarize(rr)
-                    if r > 0:
-                        rr.timeline = None                    # keep memory bounded
-                    res.summaries[cell][v.name].append(s)
-                    res.results[cell][v.name].append(rr)
-                    log(f"[{done}/{total}] {label}: makespan {s['makespan_s']:.3f} s, "
-                        f"{s['requests_per_s']:.2f} req/s, p99 TTFT {_f(s['ttft_p99_s'])} s, "
-                        f"D wait {_f(s['d_wait_mean_s'] * 1e3)} ms, failures {int(s['failures'])}")
-                    log("    " + report.breakdown(rr.metrics))
-                    if rr.timeline:
-                        log("    " + report.interval_stats(rr.timeline))
-                        log(f"    device: P beside D {s['both_s']:.2f} s, D alone {s['d_alone_s']:.2f} s, "
-                            f"P alone {s['p_alone_s']:.2f} s, idle {s['idle_s']:.2f} s")
-                    if runs_file is not None:
-                        runs_file.write(json.dumps({"cell": cell, "variant": v.name, "repeat": r,
-                                                    "summary": s, **rr.to_dict()}, default=str) + "\n")
-                        runs_file.flush()
-            res.aggregates[cell] = {n: report.aggregate(res.summaries[cell][n]) for n in names}
-            base_out = res.results[cell][base][0].outputs
-            res.output_mismatches[cell] = {
-                n: len(report.compare_outputs(base_out, res.results[cell][n][0].outputs)) for n in names}
+            await run.cell(res, cell)
     finally:
-        if runs_file is not None:
-            runs_file.close()
+        if run.runs_file is not None:
+            run.runs_file.close()
     res.wall_s = time.perf_counter() - t_start
     if out is not None:
-        (out / "results.json").write_text(json.dumps(_finite(res.to_dict()), indent=1, default=str))
-        if plots:
-            from . import plots as _plots
-            for cell in res.cells:
-                _plots.plot_all(out, res.aggregates[cell], res.results[cell], prefix=cell,
-                                title=f"cell {cell}")
+        _write_results(out, res, plots)
     return res
+
+
+@dataclass
+class _BenchRun:
+    """What every run of one :func:`run_bench` shares, and its progress count."""
+    trace: Trace
+    variants: list[Variant]
+    cfgs: dict[str, WorkerConfig]
+    repeats: int
+    seed: int
+    time_scale: float
+    progress: bool
+    worker_factory: Callable[[WorkerConfig], Any] | None
+    total: int
+    log: Callable[[str], None]
+    runs_file: Any = None
+    done: int = 0
+
+    async def cell(self, res: BenchResult, cell: str) -> None:
+        """Every repeat of every variant in ``cell``; then its aggregates and output mismatches."""
+        names = [v.name for v in self.variants]
+        res.summaries[cell] = {n: [] for n in names}
+        res.results[cell] = {n: [] for n in names}
+        for r in range(self.repeats):
+            for v in self.variants:
+                await self.one(res, cell, v, r)
+        res.aggregates[cell] = {n: report.aggregate(res.summaries[cell][n]) for n in names}
+        base_out = res.results[cell][res.baseline][0].outputs
+        res.output_mismatches[cell] = {
+            n: len(report.compare_outputs(base_out, res.results[cell][n][0].outputs)) for n in names}
+
+    async def one(self, res: BenchResult, cell: str, v: Variant, r: int) -> None:
+        """Repeat ``r`` of variant ``v`` in ``cell``: run, summarize, log, append to runs.jsonl."""
+        self.done += 1
+        label = f"{cell} {v.name} #{r + 1}"
+        rr = await run_one(self.cfgs[v.name], self.trace, cell=cell, seed=self.seed, time_scale=self.time_scale,
+                           label=label, progress=self.progress, worker_factory=self.worker_factory)
+        s = report.summarize(rr)
+        if r > 0:
+            rr.timeline = None                    # keep memory bounded
+        res.summaries[cell][v.name].append(s)
+        res.results[cell][v.name].append(rr)
+        self._log_run(label, s, rr)
+        if self.runs_file is not None:
+            self.runs_file.write(json.dumps({"cell": cell, "variant": v.name, "repeat": r,
+                                             "summary": s, **rr.to_dict()}, default=str) + "\n")
+            self.runs_file.flush()
+
+    def _log_run(self, label: str, s: dict[str, float], rr: ReplayResult) -> None:
+        """A run's progress line, its time breakdown and (with a timeline) where the device time went."""
+        self.log(f"[{self.done}/{self.total}] {label}: makespan {s['makespan_s']:.3f} s, "
+                 f"{s['requests_per_s']:.2f} req/s, p99 TTFT {_f(s['ttft_p99_s'])} s, "
+                 f"D wait {_f(s['d_wait_mean_s'] * 1e3)} ms, failures {int(s['failures'])}")
+        self.log("    " + report.breakdown(rr.metrics))
+        if rr.timeline:
+            self.log("    " + report.interval_stats(rr.timeline))
+            self.log(f"    device: P beside D {s['both_s']:.2f} s, D alone {s['d_alone_s']:.2f} s, "
+                     f"P alone {s['p_alone_s']:.2f} s, idle {s['idle_s']:.2f} s")
+
+
+def _write_results(out: Path, res: BenchResult, plots: bool) -> None:
+    """``results.json`` and (with ``plots``) each cell's plots in ``out``."""
+    (out / "results.json").write_text(json.dumps(_finite(res.to_dict()), indent=1, default=str))
+    if plots:
+        from . import plots as _plots
+        for cell in res.cells:
+            _plots.plot_all(out, res.aggregates[cell], res.results[cell], prefix=cell,
+                            title=f"cell {cell}")
 
 
 def _f(x: float) -> str:

@@ -180,99 +180,127 @@ async def replay(worker: Any, trace: Trace, *, cell: str = "P1", seed: int = 0, 
         raise InvalidRequestError("time_scale must be >= 0")
     if vocab_size is None:
         vocab_size = _vocab_of(worker) or 512
-    n_req = trace.num_requests
-    records: list[RequestRecord] = []
-    trajs: list[TrajectoryRecord] = [
-        TrajectoryRecord(conversation=c.conv_id, turns_total=c.num_turns) for c in trace.conversations]
-    outputs: dict[tuple[int, int], list[int]] = {}
-    errors: list[str] = []
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=n_req, desc=label or "replay", unit="req", leave=False, dynamic_ncols=True)
-    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    t0 = time.perf_counter()
+    run = _ReplayRun(worker, trace, seed=seed, vocab_size=vocab_size, factor=factor, raise_errors=raise_errors,
+                     progress=progress, label=label, max_concurrency=max_concurrency, on_request=on_request)
+    try:
+        await _run_all([run.conversation(i) for i in range(len(trace.conversations))])
+    finally:
+        if run.bar is not None:
+            run.bar.close()
+    makespan = run.now()
+    records = sorted(run.records, key=lambda r: (r.conversation, r.turn))
+    return ReplayResult(records=records, trajectories=run.trajs, outputs=run.outputs, metrics=_safe_metrics(worker),
+                        makespan_s=makespan, cell=cell, seed=seed, time_scale=time_scale, label=label,
+                        failures=sum(1 for r in records if not r.ok), planned_requests=trace.num_requests,
+                        timeline=_safe_timeline(worker), errors=run.errors)
 
-    def now() -> float:
-        return time.perf_counter() - t0
 
-    async def run_conversation(ci: int) -> None:
-        conv = trace.conversations[ci]
-        tr = trajs[ci]
-        ids = conversation_token_ids(trace, ci, seed=seed, vocab_size=vocab_size)
-        tid: str | None = None
+class _ReplayRun:
+    """One :func:`replay` in progress: its conversation tasks fill in the request records, the
+    trajectory records and the outputs."""
+
+    def __init__(self, worker: Any, trace: Trace, *, seed: int, vocab_size: int, factor: float,
+                 raise_errors: bool, progress: bool, label: str, max_concurrency: int | None,
+                 on_request: Callable[[RequestRecord], None] | None) -> None:
+        self.worker, self.trace, self.seed, self.vocab_size = worker, trace, seed, vocab_size
+        self.factor, self.raise_errors, self.on_request = factor, raise_errors, on_request
+        self.records: list[RequestRecord] = []
+        self.trajs = [TrajectoryRecord(conversation=c.conv_id, turns_total=c.num_turns) for c in trace.conversations]
+        self.outputs: dict[tuple[int, int], list[int]] = {}
+        self.errors: list[str] = []
+        self.tids: dict[int, str] = {}
+        """Conversation index -> its trajectory id, from its first turn's result until released."""
+        self.bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            self.bar = tqdm(total=trace.num_requests, desc=label or "replay", unit="req", leave=False,
+                            dynamic_ncols=True)
+        self.sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        self.t0 = time.perf_counter()
+
+    def now(self) -> float:
+        """Seconds since the replay started."""
+        return time.perf_counter() - self.t0
+
+    async def conversation(self, ci: int) -> None:
+        """Conversation ``ci``'s turns in order (a failed turn ends it), then its release."""
+        conv = self.trace.conversations[ci]
+        ids = conversation_token_ids(self.trace, ci, seed=self.seed, vocab_size=self.vocab_size)
         acquired = False
         try:
-            if sem is not None:
-                await sem.acquire()
+            if self.sem is not None:
+                await self.sem.acquire()
                 acquired = True
-            tr.start_s = now()
+            self.trajs[ci].start_s = self.now()
             for ti, turn in enumerate(conv.turns):
-                wait = 0.0 if ti == 0 else turn.tool_wait_s * factor
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                    tr.total_wait_s += wait
-                params = turn_params(trace, ci, ti, turn.gen_tokens, seed=seed)
-                rec = RequestRecord(conversation=conv.conv_id, turn=ti, submit_s=now(), wait_s=wait,
-                                    new_tokens=turn.new_tokens, gen_tokens=turn.gen_tokens)
-                records.append(rec)
-                try:
-                    if ti == 0:
-                        out = await worker.generate(ids[0], params)
-                        tid = out.trajectory_id
-                        tr.trajectory_id = tid
-                    else:
-                        out = await worker.continue_(tid, ids[ti], params)
-                except AInferPDError as exc:
-                    rec.error = f"{type(exc).__name__}: {exc}"
-                    errors.append(f"conv {conv.conv_id} turn {ti}: {rec.error}")
-                    tr.failed = True
-                    if bar is not None:
-                        bar.update(conv.num_turns - ti)
-                    if raise_errors:
-                        raise
+                if not await self._turn(ci, ti, turn, ids[ti]):
                     return
-                rec.done_s = now()
-                rec.latency_s = rec.done_s - rec.submit_s
-                rec.ttft_s = float(getattr(out, "ttft_s", float("nan")))
-                rec.num_output_tokens = len(out.token_ids)
-                rec.num_prompt_tokens = int(getattr(out, "num_prompt_tokens", 0))
-                rec.num_cached_tokens = int(getattr(out, "num_cached_tokens", 0))
-                rec.finish_reason = str(getattr(out, "finish_reason", ""))
-                outputs[(conv.conv_id, ti)] = list(out.token_ids)
-                tr.turns_done = ti + 1
-                tr.end_s = rec.done_s
-                if on_request is not None:
-                    on_request(rec)
-                if bar is not None:
-                    bar.update(1)
         finally:
             if acquired:
-                sem.release()
-            if tid is not None:
+                self.sem.release()
+            if ci in self.tids:
                 try:
-                    await worker.release(tid)
+                    await self.worker.release(self.tids.pop(ci))
                 except AInferPDError:
                     pass
 
-    try:
-        await _run_all([run_conversation(i) for i in range(len(trace.conversations))])
-    finally:
-        if bar is not None:
-            bar.close()
-    makespan = now()
-    records.sort(key=lambda r: (r.conversation, r.turn))
-    metrics = _safe_metrics(worker)
-    timeline = None
-    tl = getattr(worker, "timeline", None)
-    if callable(tl):
+    async def _turn(self, ci: int, ti: int, turn: Any, ids: list[int]) -> bool:
+        """Turn ``ti`` of conversation ``ci``: its tool wait, then the request; False when it failed."""
+        conv, tr = self.trace.conversations[ci], self.trajs[ci]
+        wait = 0.0 if ti == 0 else turn.tool_wait_s * self.factor
+        if wait > 0:
+            await asyncio.sleep(wait)
+            tr.total_wait_s += wait
+        params = turn_params(self.trace, ci, ti, turn.gen_tokens, seed=self.seed)
+        rec = RequestRecord(conversation=conv.conv_id, turn=ti, submit_s=self.now(), wait_s=wait,
+                            new_tokens=turn.new_tokens, gen_tokens=turn.gen_tokens)
+        self.records.append(rec)
         try:
-            timeline = list(tl())
-        except Exception:  # noqa: BLE001 - a timeline is optional diagnostics
-            timeline = None
-    return ReplayResult(records=records, trajectories=trajs, outputs=outputs, metrics=metrics,
-                        makespan_s=makespan, cell=cell, seed=seed, time_scale=time_scale, label=label,
-                        failures=sum(1 for r in records if not r.ok), planned_requests=n_req, timeline=timeline, errors=errors)
+            if ti == 0:
+                out = await self.worker.generate(ids, params)
+                self.tids[ci] = tr.trajectory_id = out.trajectory_id
+            else:
+                out = await self.worker.continue_(self.tids[ci], ids, params)
+        except AInferPDError as exc:
+            rec.error = f"{type(exc).__name__}: {exc}"
+            self.errors.append(f"conv {conv.conv_id} turn {ti}: {rec.error}")
+            tr.failed = True
+            if self.bar is not None:
+                self.bar.update(conv.num_turns - ti)
+            if self.raise_errors:
+                raise
+            return False
+        self._completed(rec, ci, ti, out)
+        return True
+
+    def _completed(self, rec: RequestRecord, ci: int, ti: int, out: Any) -> None:
+        """Record turn ``ti`` of conversation ``ci`` as done with result ``out``."""
+        conv, tr = self.trace.conversations[ci], self.trajs[ci]
+        rec.done_s = self.now()
+        rec.latency_s = rec.done_s - rec.submit_s
+        rec.ttft_s = float(getattr(out, "ttft_s", float("nan")))
+        rec.num_output_tokens = len(out.token_ids)
+        rec.num_prompt_tokens = int(getattr(out, "num_prompt_tokens", 0))
+        rec.num_cached_tokens = int(getattr(out, "num_cached_tokens", 0))
+        rec.finish_reason = str(getattr(out, "finish_reason", ""))
+        self.outputs[(conv.conv_id, ti)] = list(out.token_ids)
+        tr.turns_done = ti + 1
+        tr.end_s = rec.done_s
+        if self.on_request is not None:
+            self.on_request(rec)
+        if self.bar is not None:
+            self.bar.update(1)
+
+
+def _safe_timeline(worker: Any) -> list | None:
+    """``worker.timeline()`` when the worker offers it (optional diagnostics: None on any error)."""
+    tl = getattr(worker, "timeline", None)
+    if not callable(tl):
+        return None
+    try:
+        return list(tl())
+    except Exception:  # noqa: BLE001 - a timeline is optional diagnostics
+        return None
 
 
 def _safe_metrics(worker: Any) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from ..metrics.overlap import device_split
 from ..metrics.stats import SETUP_ITEMS, percentile, work_s  # noqa: F401  (re-exported)
 
 NAN = float("nan")
@@ -108,12 +109,25 @@ def summarize(result: Any, *, chain_s: float | None = None) -> dict[str, float]:
     """The SPEC section 5 metrics of one replay (flat dict of floats; NaN where unknown)."""
     m: Mapping[str, Any] = getattr(result, "metrics", None) or {}
     recs = list(getattr(result, "records", []))
-    ok = [r for r in recs if r.ok]
-    trajs = list(getattr(result, "trajectories", []))
-    done_trajs = completed(trajs)
     makespan = float(result.makespan_s)
-    failures = float(getattr(result, "failures", sum(1 for r in recs if not r.ok)))
-    s: dict[str, float] = {
+    s = _client_metrics(result, recs, makespan)
+    s["prefill_tokens"] = _num(m, "prefill_tokens")          # prompt tokens P computed (issue 15)
+    s["prefix_reused_tokens"] = _num(m, "prefix_reused_tokens")
+    s["failures"] = float(getattr(result, "failures", sum(1 for r in recs if not r.ok)))
+    s.update(_worker_metrics(m))
+    s["cached_fraction"] = s["cached_tokens"] / s["input_tokens"] if s["input_tokens"] > 0 else NAN
+    s.update(_bound_terms(result, m, makespan, chain_s))
+    s.update(last_chain(result))
+    s.update(_device_split(getattr(result, "timeline", None)))
+    return s
+
+
+def _client_metrics(result: Any, recs: list[Any], makespan: float) -> dict[str, float]:
+    """What the client measured: makespan, request rate, TTFT, request and trajectory completion
+    times, token counts."""
+    ok = [r for r in recs if r.ok]
+    done_trajs = completed(getattr(result, "trajectories", []))
+    return {
         "makespan_s": makespan,
         "requests": float(getattr(result, "planned_requests", 0) or len(recs)),
         "completed_requests": float(len(ok)),
@@ -129,9 +143,13 @@ def summarize(result: Any, *, chain_s: float | None = None) -> dict[str, float]:
         "input_tokens": float(sum(r.num_prompt_tokens for r in ok)),
         "output_tokens": float(sum(r.num_output_tokens for r in ok)),
         "cached_tokens": float(sum(r.num_cached_tokens for r in ok)),
-        "prefill_tokens": _num(m, "prefill_tokens"),          # prompt tokens P computed (issue 15)
-        "prefix_reused_tokens": _num(m, "prefix_reused_tokens"),
-        "failures": failures,
+    }
+
+
+def _worker_metrics(m: Mapping[str, Any]) -> dict[str, float]:
+    """What the worker's ``metrics()`` reported: failures, D wait, P / D waits, rendezvous, device
+    fractions, D iteration time."""
+    return {
         "worker_failures": _num(m, "failures", default=0.0),
         "d_wait_mean_s": _num(m, "d_wait_s_mean"),
         "d_wait_count": _num(m, "d_wait_s_count"),
@@ -144,26 +162,25 @@ def summarize(result: Any, *, chain_s: float | None = None) -> dict[str, float]:
         "concurrent_fraction": _num(m, "concurrent_fraction"),
         "d_iter_mean_s": _num(m, "d_iter_s_mean"),
     }
-    s["cached_fraction"] = s["cached_tokens"] / s["input_tokens"] if s["input_tokens"] > 0 else NAN
+
+
+def _bound_terms(result: Any, m: Mapping[str, Any], makespan: float, chain_s: float | None) -> dict[str, float]:
+    """The optimistic bound's terms (P work, D work, the longest chain), the bound and the makespan's
+    ratio to it."""
     p_work = _num(m, "p_work_s_sum")
     d_work = _num(m, "d_work_s_sum")
     chain = chain_lower_bound(result, m) if chain_s is None else float(chain_s)
     bound = optimistic_bound(p_work_s=p_work, d_work_s=d_work, chain_s=chain)
-    s["p_work_s"] = p_work
-    s["d_work_s"] = d_work
-    s["chain_s"] = chain
-    s["bound_s"] = bound
-    s["bound_ratio"] = makespan / bound if bound > 0 else NAN
-    s.update(last_chain(result))
-    timeline = getattr(result, "timeline", None)
-    if timeline:     # where the device time went (metrics.overlap; NaN for a result without a timeline)
-        from ..metrics.overlap import device_split
-        split = device_split(timeline)
-        for k in ("both_s", "d_alone_s", "p_alone_s", "idle_s"):
-            s[k] = split[k]
-    else:
-        s.update(both_s=NAN, d_alone_s=NAN, p_alone_s=NAN, idle_s=NAN)
-    return s
+    return {"p_work_s": p_work, "d_work_s": d_work, "chain_s": chain, "bound_s": bound,
+            "bound_ratio": makespan / bound if bound > 0 else NAN}
+
+
+def _device_split(timeline: Any) -> dict[str, float]:
+    """Where the device time went (metrics.overlap; NaN for a result without a timeline)."""
+    if not timeline:
+        return {"both_s": NAN, "d_alone_s": NAN, "p_alone_s": NAN, "idle_s": NAN}
+    split = device_split(timeline)
+    return {k: split[k] for k in ("both_s", "d_alone_s", "p_alone_s", "idle_s")}
 
 
 def aggregate(summaries: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]]:

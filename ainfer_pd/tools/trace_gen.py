@@ -231,15 +231,7 @@ def grpo_agentic_trace(num_groups: int = GRPO_GROUPS, group_size: int = GRPO_GRO
     version), ``wait_scale`` the waits, and ``max_context`` truncates each sibling's turns so its
     whole context stays within the model's (the group keeps one prompt length).
     """
-    for name, v in (("num_groups", num_groups), ("group_size", group_size), ("max_turns", max_turns),
-                    ("min_turns", min_turns)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise InvalidRequestError(f"grpo_agentic_trace: {name} must be a positive integer, got {v!r}")
-    if min_turns > max_turns:
-        raise InvalidRequestError(f"grpo_agentic_trace: min_turns {min_turns} > max_turns {max_turns}")
-    if context_limit <= CONTEXT_KNOTS[-1][1]:
-        raise InvalidRequestError(f"grpo_agentic_trace: context_limit must be > {CONTEXT_KNOTS[-1][1]:.0f} "
-                                  "(the largest retained context); use max_context to truncate")
+    _check_grpo_args(num_groups, group_size, max_turns, min_turns, context_limit)
     rng = np.random.default_rng([seed, 0x6770])
     n_conv = num_groups * group_size
     turns = rng.integers(min_turns, max_turns + 1, size=n_conv)
@@ -249,10 +241,40 @@ def grpo_agentic_trace(num_groups: int = GRPO_GROUPS, group_size: int = GRPO_GRO
     n_cont = total - n_conv
     obs = np.maximum(1, np.round(QuantileDistribution(GRPO_OBSERVATION_KNOTS).sample(rng, n_cont, stratified=stratified)))
     waits = QuantileDistribution(TOOL_WAIT_KNOTS).sample(rng, n_cont, stratified=stratified)
-    # latent chains: retained context before each continuation
+    chains = _latent_chains(turns.tolist(), prompts, gen, obs, waits, group_size)
+    mapped = _mapped_contexts(rng, chains[3], n_cont, stratified)
+    convs: list[Conversation] = []
+    for gi in range(num_groups):
+        convs += _group_conversations(gi, group_size, chains, mapped, int(prompts[gi]), context_limit)
+    trace = Trace(conversations=convs, meta={
+        "kind": "grpo-long", "num_groups": num_groups, "group_size": group_size, "min_turns": min_turns,
+        "max_turns": max_turns, "seed": seed, "context_limit": context_limit, "samples_per_prompt": group_size})
+    if token_scale != 1.0 or wait_scale != 1.0 or max_context is not None:
+        trace = trace.scaled(token_scale=token_scale, wait_scale=wait_scale, max_context=max_context)
+    return trace
+
+
+def _check_grpo_args(num_groups: int, group_size: int, max_turns: int, min_turns: int, context_limit: int) -> None:
+    """:class:`InvalidRequestError` for counts that are not positive integers, ``min_turns`` above
+    ``max_turns``, or a context limit the target distribution does not fit in."""
+    for name, v in (("num_groups", num_groups), ("group_size", group_size), ("max_turns", max_turns),
+                    ("min_turns", min_turns)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise InvalidRequestError(f"grpo_agentic_trace: {name} must be a positive integer, got {v!r}")
+    if min_turns > max_turns:
+        raise InvalidRequestError(f"grpo_agentic_trace: min_turns {min_turns} > max_turns {max_turns}")
+    if context_limit <= CONTEXT_KNOTS[-1][1]:
+        raise InvalidRequestError(f"grpo_agentic_trace: context_limit must be > {CONTEXT_KNOTS[-1][1]:.0f} "
+                                  "(the largest retained context); use max_context to truncate")
+
+
+def _latent_chains(turns: list[int], prompts: np.ndarray, gen: np.ndarray, obs: np.ndarray, waits: np.ndarray,
+                   group_size: int) -> tuple[list, list, list, list]:
+    """Per sibling: its generations, observations, tool waits and latent retained context before
+    each continuation (the group's prompt, then generation + observation per turn)."""
     gens, observations, tool_waits, latent = [], [], [], []
     pos = opos = 0
-    for i, t in enumerate(turns.tolist()):
+    for i, t in enumerate(turns):
         g, o, w = gen[pos:pos + t], obs[opos:opos + t - 1], waits[opos:opos + t - 1]
         pos, opos = pos + t, opos + t - 1
         ctx = np.cumsum(np.concatenate([[prompts[i // group_size] + g[0]], o + g[1:]]))[:-1]
@@ -260,6 +282,12 @@ def grpo_agentic_trace(num_groups: int = GRPO_GROUPS, group_size: int = GRPO_GRO
         observations.append(o.astype(np.int64))
         tool_waits.append([float(x) for x in w])
         latent.append(ctx)
+    return gens, observations, tool_waits, latent
+
+
+def _mapped_contexts(rng: np.random.Generator, latent: list[np.ndarray], n_cont: int, stratified: bool) -> list:
+    """The latent retained contexts replaced rank for rank by a stratified draw of
+    :data:`CONTEXT_KNOTS`, per sibling."""
     flat = np.concatenate(latent) if n_cont else np.zeros(0)
     mapped_flat = np.empty(n_cont)
     if n_cont:          # rank for rank onto a stratified draw of the target distribution
@@ -269,36 +297,43 @@ def grpo_agentic_trace(num_groups: int = GRPO_GROUPS, group_size: int = GRPO_GRO
     for ctx in latent:
         mapped.append(mapped_flat[pos:pos + len(ctx)])
         pos += len(ctx)
-    convs: list[Conversation] = []
-    for gi in range(num_groups):
-        members = range(gi * group_size, (gi + 1) * group_size)
-        firsts = [mapped[i][0] - gens[i][0] for i in members if len(mapped[i])]
-        prompt = int(np.round(np.median(firsts))) if firsts else int(prompts[gi])
-        prompt = max(1, min(prompt, context_limit // 2))
-        for i in members:
-            g, o, m = gens[i], observations[i], mapped[i]
-            ts = [Turn(prompt, int(g[0]), 0.0)]
-            ctx = prompt + int(g[0])
-            for k in range(1, len(g)):
-                gk = int(g[k])
-                if k < len(m):             # take the chain to its next mapped context
-                    ok = int(m[k]) - ctx - gk
-                else:                      # the last turn: its own observation, within the limit
-                    ok = min(int(o[k - 1]), context_limit - ctx - gk)
-                    if ok < 1:
-                        gk = max(1, context_limit - ctx - 1)
-                ok = max(1, ok)
-                if ctx + ok + gk > context_limit:
-                    break
-                ts.append(Turn(ok, gk, tool_waits[i][k - 1]))
-                ctx += ok + gk
-            convs.append(Conversation(turns=ts, conv_id=i))
-    trace = Trace(conversations=convs, meta={
-        "kind": "grpo-long", "num_groups": num_groups, "group_size": group_size, "min_turns": min_turns,
-        "max_turns": max_turns, "seed": seed, "context_limit": context_limit, "samples_per_prompt": group_size})
-    if token_scale != 1.0 or wait_scale != 1.0 or max_context is not None:
-        trace = trace.scaled(token_scale=token_scale, wait_scale=wait_scale, max_context=max_context)
-    return trace
+    return mapped
+
+
+def _group_conversations(gi: int, group_size: int, chains: tuple[list, list, list, list], mapped: list,
+                         drawn_prompt: int, context_limit: int) -> list[Conversation]:
+    """Group ``gi``'s siblings: one shared prompt (the median of what their first mapped contexts
+    leave after their first generation; the drawn prompt when none continues), each sibling's turns."""
+    gens, observations, tool_waits, _ = chains
+    members = range(gi * group_size, (gi + 1) * group_size)
+    firsts = [mapped[i][0] - gens[i][0] for i in members if len(mapped[i])]
+    prompt = int(np.round(np.median(firsts))) if firsts else drawn_prompt
+    prompt = max(1, min(prompt, context_limit // 2))
+    return [Conversation(turns=_sibling_turns(prompt, gens[i], observations[i], mapped[i], tool_waits[i],
+                                              context_limit), conv_id=i)
+            for i in members]
+
+
+def _sibling_turns(prompt: int, g: np.ndarray, o: np.ndarray, m: np.ndarray, waits: list[float],
+                   context_limit: int) -> list[Turn]:
+    """One sibling's turns: each observation takes its chain to the next mapped context; the last
+    turn keeps its own observation, within ``context_limit``."""
+    ts = [Turn(prompt, int(g[0]), 0.0)]
+    ctx = prompt + int(g[0])
+    for k in range(1, len(g)):
+        gk = int(g[k])
+        if k < len(m):             # take the chain to its next mapped context
+            ok = int(m[k]) - ctx - gk
+        else:                      # the last turn: its own observation, within the limit
+            ok = min(int(o[k - 1]), context_limit - ctx - gk)
+            if ok < 1:
+                gk = max(1, context_limit - ctx - 1)
+        ok = max(1, ok)
+        if ctx + ok + gk > context_limit:
+            break
+        ts.append(Turn(ok, gk, waits[k - 1]))
+        ctx += ok + gk
+    return ts
 
 
 def grpo_percentile_targets(token_scale: float = 1.0) -> dict[str, tuple[float, float, float]]:

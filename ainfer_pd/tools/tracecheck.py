@@ -33,6 +33,7 @@ import argparse
 import json
 import sys
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -84,92 +85,128 @@ def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) 
     return tot
 
 
-def check_traces(traces: dict[int, list[dict]], meta: dict | None = None) -> dict[str, Any]:
-    """Check the ordering contract over per-rank event lists; returns the report dict."""
-    violations: list[str] = []
-    directions: dict[tuple[int, int], dict[int, str]] = defaultdict(dict)
-    registered_seen = False
-    per_rank: dict[int, dict] = {}
-    rdv_seqs: dict[int, list[tuple]] = {}
-    rdv_costs: list[float] = []
-    delayed_ack = acks = 0
-    reg_overlap = other_overlap = p_other_busy = 0.0
-    pairs_checked = pairs_exclusive = 0
+Pair = tuple[int, dict]
 
-    for rank, evs in sorted(traces.items()):
-        enq = [(i, e) for i, e in enumerate(evs) if e.get("ev") == "coll_enqueue"]
-        g_by_round: dict[tuple[int, int], list[tuple[int, dict]]] = defaultdict(list)
-        p_reg: list[tuple[int, dict]] = []
-        for i, e in enq:
-            if not e.get("registered"):
-                continue
-            registered_seen = True
-            if e.get("phase") == "D" and e.get("epoch") is not None:
-                g_by_round[(e["epoch"], e["boundary"])].append((i, e))
-            elif e.get("phase") == "P":
-                if e.get("gated") is False:
-                    pairs_exclusive += 1          # ungated epoch: no D in flight while it runs
-                    continue
-                p_reg.append((i, e))
-        rounds_by_epoch: dict[int, list[int]] = defaultdict(list)
-        for (ep, b) in g_by_round:
-            rounds_by_epoch[ep].append(b)
-        for ep in rounds_by_epoch:
-            rounds_by_epoch[ep].sort()
-        for i, e in p_reg:
-            ep, j = e.get("epoch"), e.get("boundary")
-            key = (ep, j)
-            bs = [b for b in rounds_by_epoch.get(ep, []) if b <= j] if ep is not None and j is not None else []
-            if not bs:
-                d = "no-round"
+
+@dataclass
+class _Totals:
+    """What :func:`check_traces` adds up over the ranks."""
+    registered_seen: bool = False
+    pairs_checked: int = 0
+    pairs_exclusive: int = 0
+    acks: int = 0
+    delayed_ack: int = 0
+    reg_overlap: float = 0.0
+    other_overlap: float = 0.0
+    p_other_busy: float = 0.0
+    rdv_costs: list[float] = field(default_factory=list)
+
+
+def _registered_enqueues(evs: list[dict]) -> tuple[dict[tuple[int, int], list[Pair]], list[Pair], int, bool]:
+    """A rank's registered collective enqueues: D launches by turnstile round ``(epoch, boundary)``,
+    the P collectives of gated epochs (with their trace positions), the count of P collectives of
+    ungated epochs, and whether any registered enqueue is there at all."""
+    g_by_round: dict[tuple[int, int], list[Pair]] = defaultdict(list)
+    p_reg: list[Pair] = []
+    exclusive, seen = 0, False
+    for i, e in enumerate(evs):
+        if e.get("ev") != "coll_enqueue" or not e.get("registered"):
+            continue
+        seen = True
+        if e.get("phase") == "D" and e.get("epoch") is not None:
+            g_by_round[(e["epoch"], e["boundary"])].append((i, e))
+        elif e.get("phase") == "P":
+            if e.get("gated") is False:
+                exclusive += 1                    # ungated epoch: no D in flight while it runs
             else:
-                gs = g_by_round[(ep, bs[-1])]
-                gi, g = gs[-1]
-                if g.get("stream") != e.get("stream"):
-                    d = "unordered"
-                else:
-                    d = "D->P" if gi < i else "P->D"
-            directions[key][rank] = d
-            pairs_checked += 1
-            # R- < G: this P collective precedes every later round's D launch on its stream
-            if ep is not None and j is not None:
-                for b in rounds_by_epoch.get(ep, []):
-                    if b > j:
-                        for gi, g in g_by_round[(ep, b)]:
-                            if g.get("stream") == e.get("stream") and gi < i:
-                                violations.append(f"rank {rank}: registered P {e.get('comm')}#{e.get('cseq')} of "
-                                                  f"(epoch {ep}, segment {j}) enqueued after the D launch of round "
-                                                  f"(epoch {ep}, boundary {b}) (R- must precede G)")
-                        break
-        # rendezvous
-        seq = []
-        for e in evs:
-            if e.get("ev") in ("rdv1", "rdv2"):
-                seq.append((e["ev"], e.get("epoch"), e.get("boundary"), e.get("permit")))
-                if e.get("rdv_s") is not None:
-                    rdv_costs.append(float(e["rdv_s"]))
-            elif e.get("ev") == "ack":
-                acks += 1
-                delayed_ack += 1 if e.get("p_running") else 0
-        rdv_seqs[rank] = seq
-        # overlap
-        works = [e for e in evs if e.get("ev") == "work" and "t0" in e and "t1" in e]
-        p_reg_iv = [(w["t0"], w["t1"]) for w in works if w.get("phase") == "P" and w.get("kind") == "coll"
-                    and w.get("registered")]
-        d_reg_iv = [(w["t0"], w["t1"]) for w in works if w.get("phase") == "D" and w.get("kind") == "coll"
-                    and w.get("registered")]
-        p_other = [(w["t0"], w["t1"]) for w in works if w.get("phase") == "P"
-                   and not (w.get("kind") == "coll" and w.get("registered"))]
-        d_all = [(w["t0"], w["t1"]) for w in works if w.get("phase") == "D"]
-        ro, oo = overlap_seconds(p_reg_iv, d_reg_iv), overlap_seconds(p_other, d_all)
-        reg_overlap += ro
-        other_overlap += oo
-        p_other_busy += sum(b - a for a, b in union(p_other))
-        per_rank[rank] = {"events": len(evs), "registered_p": len(p_reg), "rounds": len(seq) // 2,
-                          "registered_pair_overlap_ms": 1e3 * ro, "other_p_vs_d_overlap_ms": 1e3 * oo}
+                p_reg.append((i, e))
+    return g_by_round, p_reg, exclusive, seen
 
-    # direction agreement
-    ranks = sorted(traces)
+
+def _direction(i: int, e: dict, g_by_round: dict, rounds: dict[int, list[int]]) -> str:
+    """The device order of registered P collective ``e`` (trace position ``i``) against the D launch
+    of the round that granted it: ``D->P``, ``P->D``, ``unordered`` (another stream) or ``no-round``."""
+    ep, j = e.get("epoch"), e.get("boundary")
+    bs = [b for b in rounds.get(ep, []) if b <= j] if ep is not None and j is not None else []
+    if not bs:
+        return "no-round"
+    gi, g = g_by_round[(ep, bs[-1])][-1]
+    if g.get("stream") != e.get("stream"):
+        return "unordered"
+    return "D->P" if gi < i else "P->D"
+
+
+def _later_round_violations(rank: int, i: int, e: dict, g_by_round: dict, rounds: dict[int, list[int]]) -> list[str]:
+    """R- < G: registered P collective ``e`` precedes the next round's D launches on its stream."""
+    ep, j = e.get("epoch"), e.get("boundary")
+    if ep is None or j is None:
+        return []
+    out = []
+    for b in rounds.get(ep, []):
+        if b > j:
+            for gi, g in g_by_round[(ep, b)]:
+                if g.get("stream") == e.get("stream") and gi < i:
+                    out.append(f"rank {rank}: registered P {e.get('comm')}#{e.get('cseq')} of "
+                               f"(epoch {ep}, segment {j}) enqueued after the D launch of round "
+                               f"(epoch {ep}, boundary {b}) (R- must precede G)")
+            break
+    return out
+
+
+def _check_rank_pairs(rank: int, evs: list[dict], directions: dict, violations: list[str], t: _Totals) -> int:
+    """Check 1 on one rank: record each registered P collective's direction in ``directions`` and
+    append its R- < G violations; returns the rank's registered P collectives of gated epochs."""
+    g_by_round, p_reg, exclusive, seen = _registered_enqueues(evs)
+    rounds: dict[int, list[int]] = defaultdict(list)
+    for (ep, b) in g_by_round:
+        rounds[ep].append(b)
+    for ep in rounds:
+        rounds[ep].sort()
+    for i, e in p_reg:
+        directions[(e.get("epoch"), e.get("boundary"))][rank] = _direction(i, e, g_by_round, rounds)
+        violations += _later_round_violations(rank, i, e, g_by_round, rounds)
+    t.registered_seen = t.registered_seen or seen
+    t.pairs_checked += len(p_reg)
+    t.pairs_exclusive += exclusive
+    return len(p_reg)
+
+
+def _rank_rendezvous(evs: list[dict], t: _Totals) -> list[tuple]:
+    """A rank's ``rdv1`` / ``rdv2`` sequence ``(ev, epoch, boundary, permit)``; their costs and the
+    ACK rounds (delayed: P still running) go to ``t``."""
+    seq = []
+    for e in evs:
+        if e.get("ev") in ("rdv1", "rdv2"):
+            seq.append((e["ev"], e.get("epoch"), e.get("boundary"), e.get("permit")))
+            if e.get("rdv_s") is not None:
+                t.rdv_costs.append(float(e["rdv_s"]))
+        elif e.get("ev") == "ack":
+            t.acks += 1
+            t.delayed_ack += 1 if e.get("p_running") else 0
+    return seq
+
+
+def _rank_overlap(evs: list[dict], t: _Totals) -> tuple[float, float]:
+    """Seconds a rank's registered P and D collectives overlap, and its other P work overlaps any D
+    work (both added to ``t``, with the rank's other P work time)."""
+    works = [e for e in evs if e.get("ev") == "work" and "t0" in e and "t1" in e]
+    p_reg_iv = [(w["t0"], w["t1"]) for w in works if w.get("phase") == "P" and w.get("kind") == "coll"
+                and w.get("registered")]
+    d_reg_iv = [(w["t0"], w["t1"]) for w in works if w.get("phase") == "D" and w.get("kind") == "coll"
+                and w.get("registered")]
+    p_other = [(w["t0"], w["t1"]) for w in works if w.get("phase") == "P"
+               and not (w.get("kind") == "coll" and w.get("registered"))]
+    d_all = [(w["t0"], w["t1"]) for w in works if w.get("phase") == "D"]
+    ro, oo = overlap_seconds(p_reg_iv, d_reg_iv), overlap_seconds(p_other, d_all)
+    t.reg_overlap += ro
+    t.other_overlap += oo
+    t.p_other_busy += sum(b - a for a, b in union(p_other))
+    return ro, oo
+
+
+def _direction_violations(directions: dict[tuple, dict[int, str]], ranks: list[int]) -> list[str]:
+    """Checks 1 and 2 across ranks: every registered pair D->P on every rank, issued by every rank."""
+    out: list[str] = []
     bad_dirs = 0
     for key in sorted(directions, key=lambda k: (k[0] if k[0] is not None else -1, k[1] if k[1] is not None else -1)):
         dirs = directions[key]
@@ -179,45 +216,74 @@ def check_traces(traces: dict[int, list[dict]], meta: dict | None = None) -> dic
             if bad_dirs <= MAX_LISTED:
                 detail = ", ".join(f"rank {r}: {d}" for r, d in sorted(dirs.items()))
                 what = "ranks disagree on the direction" if len(kinds) > 1 else "no D->P device order"
-                violations.append(f"(epoch {key[0]}, segment {key[1]}): {what}: {detail}")
+                out.append(f"(epoch {key[0]}, segment {key[1]}): {what}: {detail}")
         missing = [r for r in ranks if r not in dirs]
         if missing and len(dirs) > 0:
-            violations.append(f"(epoch {key[0]}, segment {key[1]}): registered P collective missing on ranks {missing} "
-                              f"(mismatched participation)")
+            out.append(f"(epoch {key[0]}, segment {key[1]}): registered P collective missing on ranks {missing} "
+                       f"(mismatched participation)")
     if bad_dirs > MAX_LISTED:
-        violations.append(f"... and {bad_dirs - MAX_LISTED} more registered pairs without a common D->P order")
+        out.append(f"... and {bad_dirs - MAX_LISTED} more registered pairs without a common D->P order")
+    return out
 
-    # rendezvous alignment
-    if rdv_seqs:
-        ref_rank = ranks[0]
-        ref = rdv_seqs[ref_rank]
-        for r in ranks[1:]:
-            s = rdv_seqs[r]
-            if s != ref:
-                k = next((i for i, (a, b) in enumerate(zip(ref, s)) if a != b), min(len(ref), len(s)))
-                a = ref[k] if k < len(ref) else None
-                b = s[k] if k < len(s) else None
-                violations.append(f"rendezvous sequences differ between rank {ref_rank} and rank {r} at #{k}: "
-                                  f"{a} vs {b} ({len(ref)} vs {len(s)} rendezvous)")
 
+def _rendezvous_violations(rdv_seqs: dict[int, list[tuple]], ranks: list[int]) -> list[str]:
+    """Check 3: every rank passes the same rendezvous sequence as the first rank."""
+    if not rdv_seqs:
+        return []
+    out = []
+    ref_rank = ranks[0]
+    ref = rdv_seqs[ref_rank]
+    for r in ranks[1:]:
+        s = rdv_seqs[r]
+        if s != ref:
+            k = next((i for i, (a, b) in enumerate(zip(ref, s)) if a != b), min(len(ref), len(s)))
+            a = ref[k] if k < len(ref) else None
+            b = s[k] if k < len(s) else None
+            out.append(f"rendezvous sequences differ between rank {ref_rank} and rank {r} at #{k}: "
+                       f"{a} vs {b} ({len(ref)} vs {len(s)} rendezvous)")
+    return out
+
+
+def check_traces(traces: dict[int, list[dict]], meta: dict | None = None) -> dict[str, Any]:
+    """Check the ordering contract over per-rank event lists; returns the report dict."""
+    violations: list[str] = []
+    directions: dict[tuple, dict[int, str]] = defaultdict(dict)
+    per_rank: dict[int, dict] = {}
+    rdv_seqs: dict[int, list[tuple]] = {}
+    t = _Totals()
+    for rank, evs in sorted(traces.items()):
+        n_reg = _check_rank_pairs(rank, evs, directions, violations, t)
+        rdv_seqs[rank] = seq = _rank_rendezvous(evs, t)
+        ro, oo = _rank_overlap(evs, t)
+        per_rank[rank] = {"events": len(evs), "registered_p": n_reg, "rounds": len(seq) // 2,
+                          "registered_pair_overlap_ms": 1e3 * ro, "other_p_vs_d_overlap_ms": 1e3 * oo}
+    ranks = sorted(traces)
+    violations += _direction_violations(directions, ranks)
+    violations += _rendezvous_violations(rdv_seqs, ranks)
     n_rdv = len(rdv_seqs.get(ranks[0], [])) if ranks else 0
+    return _report(ranks, meta, t, violations, n_rdv, per_rank)
+
+
+def _report(ranks: list[int], meta: dict | None, t: _Totals, violations: list[str], n_rdv: int,
+            per_rank: dict[int, dict]) -> dict[str, Any]:
+    """The report dict of :func:`check_traces`."""
     return {
         "ranks": ranks,
         "registered_pairs": (meta or {}).get("registered_pairs") if meta else None,
-        "registered_seen": registered_seen,
-        "pairs_checked": pairs_checked,
-        "pairs_exclusive": pairs_exclusive,
+        "registered_seen": t.registered_seen,
+        "pairs_checked": t.pairs_checked,
+        "pairs_exclusive": t.pairs_exclusive,
         "violations": violations,
         "ok": not violations,
         "rendezvous_per_rank": n_rdv,
         "rounds_per_rank": n_rdv // 2,
-        "rendezvous_mean_ms": 1e3 * sum(rdv_costs) / len(rdv_costs) if rdv_costs else 0.0,
-        "ack_rounds": acks,
-        "delayed_ack_rounds": delayed_ack,
-        "registered_pair_overlap_ms": 1e3 * reg_overlap,
-        "other_p_vs_d_overlap_ms": 1e3 * other_overlap,
-        "p_work_ms": 1e3 * p_other_busy,
-        "p_overlap_fraction": other_overlap / p_other_busy if p_other_busy else 0.0,
+        "rendezvous_mean_ms": 1e3 * sum(t.rdv_costs) / len(t.rdv_costs) if t.rdv_costs else 0.0,
+        "ack_rounds": t.acks,
+        "delayed_ack_rounds": t.delayed_ack,
+        "registered_pair_overlap_ms": 1e3 * t.reg_overlap,
+        "other_p_vs_d_overlap_ms": 1e3 * t.other_overlap,
+        "p_work_ms": 1e3 * t.p_other_busy,
+        "p_overlap_fraction": t.other_overlap / t.p_other_busy if t.p_other_busy else 0.0,
         "per_rank": per_rank,
     }
 

@@ -109,12 +109,23 @@ def merge_metrics(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
       work; any other number: averaged over the ranks holding it; lists: concatenated; anything
       else: the first rank's value.
     """
-    out: dict[str, Any] = {}
     keys: list[str] = []
     for m in per_rank:
         keys += [k for k in m if k not in keys]
-    fams = {k[: -len(suf)] for k in keys for suf in ("_count", "_sum", "_mean") if k.endswith(suf)}
+    out = _merge_sample_families(per_rank, keys)
     worked = [m for m in per_rank if (m.get("p_work_s_sum") or 0) > 0 or (m.get("d_work_s_sum") or 0) > 0]
+    agree = True
+    for k in keys:
+        if k not in out:
+            agree = _merge_key(out, k, per_rank, worked) and agree
+    out["world_events_agree"] = agree
+    return out
+
+
+def _merge_sample_families(per_rank: list[dict[str, Any]], keys: list[str]) -> dict[str, Any]:
+    """``X_count`` / ``X_sum`` / ``X_mean`` of every sample family ``X`` (see :func:`merge_metrics`)."""
+    out: dict[str, Any] = {}
+    fams = {k[: -len(suf)] for k in keys for suf in ("_count", "_sum", "_mean") if k.endswith(suf)}
     for fam in fams:
         holders = [m for m in per_rank if _num(m.get(f"{fam}_count")) and m[f"{fam}_count"] > 0
                    and _num(m.get(f"{fam}_sum"))]
@@ -127,30 +138,39 @@ def merge_metrics(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             out[f"{fam}_count"] = max(m[f"{fam}_count"] for m in holders)
             out[f"{fam}_sum"] = tot / len(holders)
         out[f"{fam}_mean"] = tot / n
-    agree = True
-    for k in keys:
-        if k in out:
-            continue
-        vals = [m[k] for m in per_rank if k in m]
-        nums = [v for v in vals if _num(v)]
-        if nums and len(nums) == len(vals):
-            if k in WORLD_EVENTS:
-                out[k] = max(nums)
-                out[f"{k}_per_rank"] = [m.get(k) for m in per_rank]
-                agree = agree and len(set(nums)) == 1 and len(nums) == len(per_rank)
-            elif k in RANK_COUNTERS:
-                out[k] = sum(nums)
-            elif k in DEVICE_FRACTIONS:
-                src = [m[k] for m in worked if _num(m.get(k))] or nums
-                out[k] = sum(src) / len(src)
-            else:
-                out[k] = sum(nums) / len(nums)
-        elif vals and all(isinstance(v, list) for v in vals):
-            out[k] = [x for v in vals for x in v]
-        elif vals:
-            out[k] = vals[0]
-    out["world_events_agree"] = agree
     return out
+
+
+def _merge_key(out: dict[str, Any], k: str, per_rank: list[dict[str, Any]], worked: list[dict[str, Any]]) -> bool:
+    """Merge key ``k`` into ``out`` (numbers by :func:`_merge_number`, lists concatenated, anything
+    else the first rank's); False when it is a world event the ranks counted differently."""
+    vals = [m[k] for m in per_rank if k in m]
+    nums = [v for v in vals if _num(v)]
+    if nums and len(nums) == len(vals):
+        return _merge_number(out, k, nums, per_rank, worked)
+    if vals and all(isinstance(v, list) for v in vals):
+        out[k] = [x for v in vals for x in v]
+    elif vals:
+        out[k] = vals[0]
+    return True
+
+
+def _merge_number(out: dict[str, Any], k: str, nums: list, per_rank: list[dict[str, Any]],
+                  worked: list[dict[str, Any]]) -> bool:
+    """A numeric key by what it counts (see :func:`merge_metrics`); False when it is a world event
+    the ranks counted differently."""
+    if k in WORLD_EVENTS:
+        out[k] = max(nums)
+        out[f"{k}_per_rank"] = [m.get(k) for m in per_rank]
+        return len(set(nums)) == 1 and len(nums) == len(per_rank)
+    if k in RANK_COUNTERS:
+        out[k] = sum(nums)
+    elif k in DEVICE_FRACTIONS:
+        src = [m[k] for m in worked if _num(m.get(k))] or nums
+        out[k] = sum(src) / len(src)
+    else:
+        out[k] = sum(nums) / len(nums)
+    return True
 
 
 def merge(results: list[ReplayResult]) -> ReplayResult:
