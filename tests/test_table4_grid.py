@@ -9,7 +9,7 @@ import pytest
 
 from ainfer_pd.errors import ConfigError, StallError
 from ainfer_pd.faults import Faults
-from ainfer_pd.tools.selftest import GRID_ORDERINGS, GRID_TOPOLOGIES, _cycle_of, format_grid, table4_expect
+from ainfer_pd.tools.selftest_grid import GRID_ORDERINGS, GRID_TOPOLOGIES, _cycle_of, format_grid, table4_expect
 
 
 def test_phase_skew_by_rank_parity_or_by_replica():

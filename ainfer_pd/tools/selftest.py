@@ -4,7 +4,7 @@ Runs the real lockstep engine on the tiny model (``configs/tiny-crossed-cpu.yaml
 slot per device; real CPU rank processes, gloo) through the multi-rank replay
 (:mod:`ainfer_pd.tools.world`) and prints / saves a summary table:
 
-1. the paper's Table 4 grid (:func:`run_grid`): ATP2 x ADP2 (g = 4), ATP2 x ADP1 and ATP1 x ADP2
+1. the paper's Table 4 grid (:mod:`.selftest_grid`): ATP2 x ADP2 (g = 4), ATP2 x ADP1 and ATP1 x ADP2
    (g = 2), each under ``none`` / ``global-implicit`` / ``selective`` with the replicas out of phase
    (``faults.phase_skew_ms``, by replica unless ``--grid-skew-by rank``): each cell completes (tokens
    vs world size 1, trace-check) or stalls (the watchdog's cycle: ranks and collectives; the
@@ -22,7 +22,6 @@ every row passed, 1 otherwise. Runtime about 15 minutes on 2 cores (``--no-grid`
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import tempfile
@@ -30,11 +29,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["EXTRA_CHECKS", "register_check", "crossed_config", "small_trace", "run_selftest",
+from .selftest_grid import GRID_ORDERINGS, GRID_TOPOLOGIES, format_grid, run_grid
+from .selftest_scenarios import TIME_SCALE, crossed_config, single_rank_outputs, small_trace
+
+__all__ = ["EXTRA_CHECKS", "register_check", "crossed_config", "small_trace", "single_rank_outputs", "run_selftest",
            "format_table", "setup_parser", "run"]
 
 Row = dict[str, Any]
-TIME_SCALE = 0.1
 
 EXTRA_CHECKS: list[Callable[[argparse.Namespace], Row | list[Row]]] = []
 """Hook: callables ``check(args) -> row | [rows]`` appended to the table (row keys: ``check``,
@@ -45,34 +46,6 @@ def register_check(fn: Callable[[argparse.Namespace], Row | list[Row]]) -> Calla
     """Decorator / function adding an extra self-test row producer."""
     EXTRA_CHECKS.append(fn)
     return fn
-
-
-# ---------------------------------------------------------------------- scenarios
-def crossed_config(run_dir: Path | str, **over: Any):
-    """``configs/tiny-crossed-cpu.yaml`` (fine-grained, traced to ``run_dir``) with ``over``."""
-    from ..config import WorkerConfig
-    from ..config_files import config_path
-    base = {"scheduler.policy": "fine-grained", "trace_dir": str(run_dir)}
-    base.update(over)
-    return WorkerConfig.from_yaml(config_path("tiny-crossed-cpu")).replace(**base)
-
-
-def small_trace(n: int = 6, turns: int = 3, seed: int = 0):
-    from .trace import make_trace
-    return make_trace(n, turns, token_scale=0.25, max_context=4096, seed=seed)
-
-
-def single_rank_outputs(trace) -> dict:
-    """Greedy tokens of every turn of ``trace`` at world size 1 (``configs/tiny-cpu.yaml``)."""
-    from .. import RolloutWorker
-    from ..config import WorkerConfig
-    from ..config_files import config_path
-    from .replay import replay
-
-    async def go():
-        async with RolloutWorker(WorkerConfig.from_yaml(config_path("tiny-cpu"))) as w:
-            return await replay(w, trace, cell="trace", seed=0, time_scale=TIME_SCALE)
-    return asyncio.run(go()).outputs
 
 
 # ---------------------------------------------------------------------- runner
@@ -119,124 +92,7 @@ def _complete(name: str, out: Path, cfg: Any, trace: Any, ref: dict, timeout_s: 
                 f"world size 1: {same}", res.failures == 0 and same, runs=1, stalls=0), Path(cfg.trace_dir)
 
 
-# ---------------------------------------------------------------------- Table 4 grid
-GRID_TOPOLOGIES: tuple[tuple[str, int, int], ...] = (("ATP2 x ADP2", 4, 2), ("ATP2 x ADP1", 2, 1),
-                                                     ("ATP1 x ADP2", 2, 2))
-"""The paper's Table 4 topologies: (name, world size, attention-DP width); experts over every rank."""
-GRID_ORDERINGS = ("none", "global-implicit", "selective")
-
-
-def table4_expect(topology: str, ordering: str) -> str:
-    """The paper's Table 4 outcome of a cell: only isolation (``none``) on the crossed topology stalls."""
-    return "stall" if (topology == "ATP2 x ADP2" and ordering == "none") else "complete"
-
-
-def _cycle_of(err: Any) -> tuple[list[int], list[str]]:
-    """The wait cycle of a :class:`StallError` (its ranks, and per hop the collective its rank holds)."""
-    import re
-    text = str(err)
-    line = next((ln for ln in text.splitlines() if "device-progress cycle:" in ln), "")
-    hops = re.findall(r"rank (\d+) \[([^\]]*)\] waits for rank (\d+)", line)
-    cycle = list(getattr(err, "cycle", None) or ([int(h[0]) for h in hops] + [int(hops[-1][2])] if hops else []))
-    return cycle, [f"rank {a}: {c}" for a, c, _ in hops]
-
-
-def grid_cell(out: Path, topology: str, ws: int, d: int, ordering: str, trace: Any, ref: dict, *,
-              skew_ms: float, timeout_s: float, skew_by: str = "replica", seed: int = 0) -> Row:
-    """One cell of the Table 4 grid: the crossed config's engine at (ws, d) under ``ordering`` with
-    the replicas out of phase (``faults.phase_skew_ms``); completes (tokens vs world size 1,
-    trace-check) or stalls (the watchdog's cycle and the frontier: completed requests)."""
-    from ..errors import RankFailedError, StallError
-    from ..launch import spawn
-    from .tracecheck import check_run_dir
-    from .world import merge, rank_replay
-    run_dir = out / f"grid-{topology.replace(' ', '')}-{ordering}"
-    cfg = crossed_config(run_dir, **{"parallel.world_size": ws, "parallel.attn_dp": d, "parallel.expert_parallel": ws,
-                                     "parallel.ordering": ordering, "parallel.stall_timeout_s": 3.0,
-                                     "parallel.rendezvous_timeout_s": 10.0,
-                                     "faults": {"phase_skew_ms": skew_ms, "phase_skew_by": skew_by, "seed": seed}})
-    expect = table4_expect(topology, ordering)
-    cell: Row = {"topology": topology, "ordering": ordering, "expect": expect, "requests": trace.num_requests,
-                 "skew_ms": skew_ms, "skew_by": skew_by}
-    t0 = time.perf_counter()
-    try:
-        res = merge(spawn(rank_replay, ws, (cfg.to_dict(), trace, "trace", 0, TIME_SCALE), timeout_s,
-                          fail_grace_s=20))
-    except RankFailedError as exc:
-        cell["wall_s"] = time.perf_counter() - t0
-        errs = [e for e in (exc.results or []) if isinstance(e, BaseException)]
-        stalls = [e for e in errs if isinstance(e, StallError)]
-        if not stalls:
-            cell.update(outcome="failed", detail=f"{type(errs[0]).__name__ if errs else 'RankFailedError'}: "
-                                                 f"{str(errs[0] if errs else exc)[:200]}")
-        else:
-            cycle, held = _cycle_of(stalls[0])
-            front = getattr(stalls[0], "frontier", None) or {}
-            done = sum(int(f.get("requests_done") or 0) for f in front.values()) if front else None
-            cell.update(outcome="stall", cycle=cycle, cycle_ranks=len(set(cycle)), held=held, frontier_requests=done,
-                        detail=f"stall at {done}/{trace.num_requests} requests; cycle {' -> '.join(map(str, cycle))} "
-                               f"({len(set(cycle))} ranks): " + "; ".join(held))
-    else:
-        cell["wall_s"] = time.perf_counter() - t0
-        rep = check_run_dir(run_dir)
-        same = res.outputs == ref
-        # under isolation only nothing orders the registered pairs: trace-check reports them (expected);
-        # an ordering that completes must leave a clean trace
-        clean = rep["ok"] or ordering == "none"
-        ok = res.failures == 0 and same and clean
-        cell.update(outcome="complete" if ok else "failed", completed=res.completed, makespan_s=res.makespan_s,
-                    tokens_equal=same, violations=len(rep["violations"]), pairs_checked=rep["pairs_checked"],
-                    registered_overlap_ms=rep["registered_pair_overlap_ms"],
-                    detail=f"{res.completed}/{res.planned_requests} requests, makespan {res.makespan_s:.1f} s, tokens = "
-                           f"ws1: {same}, trace-check {len(rep['violations'])} violations"
-                           f"{' (unordered registered pairs: no device order)' if ordering == 'none' else ''}, "
-                           f"{rep['pairs_checked']} registered pairs checked")
-    cell["ok"] = cell["outcome"] == expect
-    return cell
-
-
-def run_grid(out: Path, *, skew_ms: float = 30.0, timeout_s: float = 200.0, skew_by: str = "replica",
-             say: Callable[[str], None] = lambda s: None) -> list[Row]:
-    """The Table 4 grid: :data:`GRID_TOPOLOGIES` x :data:`GRID_ORDERINGS`, one :func:`grid_cell` each."""
-    trace = small_trace(4, 3, seed=3)
-    ref = single_rank_outputs(trace)
-    cells = []
-    for topology, ws, d in GRID_TOPOLOGIES:
-        for ordering in GRID_ORDERINGS:
-            say(f"  grid: {topology}, {ordering} ...")
-            cells.append(grid_cell(out, topology, ws, d, ordering, trace, ref, skew_ms=skew_ms, timeout_s=timeout_s,
-                                   skew_by=skew_by))
-    return cells
-
-
-def format_grid(cells: list[Row], *, markdown: bool = False) -> str:
-    """The grid as one table: a row per topology, a column per ordering (outcome, wall time)."""
-    topos = list(dict.fromkeys(c["topology"] for c in cells))
-    ords = list(dict.fromkeys(c["ordering"] for c in cells))
-    at = {(c["topology"], c["ordering"]): c for c in cells}
-
-    def cell_text(c: Row | None) -> str:
-        if c is None:
-            return "-"
-        what = c["outcome"]
-        if what == "stall":
-            what = f"stall @{c.get('frontier_requests')}/{c['requests']}, {c.get('cycle_ranks')}-rank cycle"
-        elif what == "complete":
-            what = f"complete {c.get('completed')}/{c['requests']}"
-        mark = "" if c["ok"] else f" (paper: {c['expect']})"
-        return f"{what}, {c['wall_s']:.1f} s{mark}"
-    if markdown:
-        lines = ["| topology | " + " | ".join(ords) + " |", "|---|" + "---|" * len(ords)]
-        lines += ["| " + t + " | " + " | ".join(cell_text(at.get((t, o))) for o in ords) + " |" for t in topos]
-        return "\n".join(lines)
-    w = max(len(t) for t in topos)
-    cols = [[cell_text(at.get((t, o))) for o in ords] for t in topos]
-    cw = [max(len(o), *(len(r[i]) for r in cols)) for i, o in enumerate(ords)]
-    lines = [f"{'topology':<{w}}  " + "  ".join(f"{o:<{cw[i]}}" for i, o in enumerate(ords))]
-    lines += [f"{t:<{w}}  " + "  ".join(f"{r[i]:<{cw[i]}}" for i in range(len(ords))) for t, r in zip(topos, cols)]
-    return "\n".join(lines)
-
-
+# ---------------------------------------------------------------------- the acceptance list
 def run_selftest(out: str | Path, *, stall_runs: int = 2, seeds: int = 5, skew_ms: float = 20.0,
                  timeout_s: float = 200.0, args: argparse.Namespace | None = None, grid: bool = True,
                  grid_skew_ms: float = 30.0, grid_skew_by: str = "replica",
@@ -249,19 +105,40 @@ def run_selftest(out: str | Path, *, stall_runs: int = 2, seeds: int = 5, skew_m
     2. ``selective`` under ``skew_ms`` phase skew + 5 ms random rank skew x ``seeds`` seeds;
     3. trace-check of every completed run, and of the isolation-only crossed trace;
     4. the extra checks (:data:`EXTRA_CHECKS`)."""
-    from .tracecheck import check_run_dir
-
     say = progress or (lambda s: None)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    trace = small_trace(4, 3, seed=3)
+    ref = single_rank_outputs(trace)
+    rows, traced, cells, isolation_dir = _isolation_rows(out, say, grid=grid, stall_runs=stall_runs,
+                                                         timeout_s=timeout_s, grid_skew_ms=grid_skew_ms,
+                                                         grid_skew_by=grid_skew_by)
+    say(f"2/4 selective under {skew_ms:g} ms phase skew + 5 ms random rank skew x {seeds} seeds ...")
+    for s_ in range(seeds):
+        cfg = crossed_config(out / f"selective-skew-{s_}", faults={"phase_skew_ms": skew_ms, "d_skew_random_ms": 5.0,
+                                                                  "seed": s_})
+        row, d_ = _complete(f"crossed, selective, skew seed {s_}", out, cfg, trace, ref, timeout_s)
+        rows.append(row)
+        traced += [d_] if d_ else []
+    say("3/4 trace-check ...")
+    rows += _trace_check_rows(traced, isolation_dir)
+    say("4/4 extra checks ...")
+    rows += _extra_rows(args if args is not None else argparse.Namespace(out=str(out)))
+    summary = {"rows": rows, "grid": cells, "ok": all(r["ok"] for r in rows), "wall_s": time.perf_counter() - t0,
+               "out": str(out)}
+    _write_summary(out, summary)
+    return summary
+
+
+def _isolation_rows(out: Path, say: Callable[[str], None], *, grid: bool, stall_runs: int, timeout_s: float,
+                    grid_skew_ms: float, grid_skew_by: str) -> tuple[list[Row], list[Path], list[Row], Path | None]:
+    """Step 1: the Table 4 grid (or the older crossed-stall row): its rows, the ordered runs whose
+    traces must be clean, the grid's cells, and the isolation-only crossed run trace-check must flag."""
     rows: list[Row] = []
     traced: list[Path] = []
     cells: list[Row] = []
     isolation_dir: Path | None = None
-
-    trace = small_trace(4, 3, seed=3)
-    ref = single_rank_outputs(trace)
     if grid:
         say(f"1/4 the Table 4 grid: {len(GRID_TOPOLOGIES)} topologies x {', '.join(GRID_ORDERINGS)} "
             f"({grid_skew_ms:g} ms phase skew by {grid_skew_by}) ...")
@@ -279,15 +156,13 @@ def run_selftest(out: str | Path, *, stall_runs: int = 2, seeds: int = 5, skew_m
         say("1/4 crossed topology under isolation only, replicas out of phase (expect a stall) ...")
         rows.append(_stall_row(out, stall_runs, timeout_s))
         isolation_dir = out / "none-crossed-0"
-    say(f"2/4 selective under {skew_ms:g} ms phase skew + 5 ms random rank skew x {seeds} seeds ...")
-    for s_ in range(seeds):
-        cfg = crossed_config(out / f"selective-skew-{s_}", faults={"phase_skew_ms": skew_ms, "d_skew_random_ms": 5.0,
-                                                                  "seed": s_})
-        row, d_ = _complete(f"crossed, selective, skew seed {s_}", out, cfg, trace, ref, timeout_s)
-        rows.append(row)
-        traced += [d_] if d_ else []
+    return rows, traced, cells, isolation_dir
 
-    say("3/4 trace-check ...")
+
+def _trace_check_rows(traced: list[Path], isolation_dir: Path | None) -> list[Row]:
+    """Step 3: trace-check of the completed ordered runs (clean, registered pairs never overlap, other
+    P work overlaps D), and of the isolation-only crossed run (flagged)."""
+    from .tracecheck import check_run_dir
     viol = n_rdv = checked = 0
     cost: list[float] = []
     reg_ov = other_ov = 0.0
@@ -301,36 +176,42 @@ def run_selftest(out: str | Path, *, stall_runs: int = 2, seeds: int = 5, skew_m
         reg_ov += rep["registered_pair_overlap_ms"]
         other_ov += rep["other_p_vs_d_overlap_ms"]
     mean_cost = sum(cost) / len(cost) if cost else 0.0
-    rows.append(_row("trace-check of the completed engine runs",
-                     "0 violations; registered-pair overlap 0; other P/D overlap > 0",
-                     f"{checked} runs, {viol} violations, {n_rdv} rendezvous per rank (mean {mean_cost:.2f} ms); "
-                     f"registered-pair overlap {reg_ov:.3f} ms, other P work vs D {other_ov:.1f} ms",
-                     checked > 0 and viol == 0 and reg_ov == 0.0 and other_ov > 0.0, runs=checked, violations=viol,
-                     rendezvous=n_rdv, rendezvous_mean_ms=mean_cost, registered_overlap_ms=reg_ov,
-                     other_overlap_ms=other_ov))
+    rows = [_row("trace-check of the completed engine runs",
+                 "0 violations; registered-pair overlap 0; other P/D overlap > 0",
+                 f"{checked} runs, {viol} violations, {n_rdv} rendezvous per rank (mean {mean_cost:.2f} ms); "
+                 f"registered-pair overlap {reg_ov:.3f} ms, other P work vs D {other_ov:.1f} ms",
+                 checked > 0 and viol == 0 and reg_ov == 0.0 and other_ov > 0.0, runs=checked, violations=viol,
+                 rendezvous=n_rdv, rendezvous_mean_ms=mean_cost, registered_overlap_ms=reg_ov,
+                 other_overlap_ms=other_ov)]
     if isolation_dir is not None and any(isolation_dir.glob("rank*.jsonl")):
         rep = check_run_dir(isolation_dir)
         rows.append(_row("trace-check flags the isolation-only crossed trace", "violations > 0 (no device order)",
                          f"{len(rep['violations'])} violations", len(rep["violations"]) > 0,
                          violations=len(rep["violations"])))
+    return rows
 
-    say("4/4 extra checks ...")
+
+def _extra_rows(args: argparse.Namespace) -> list[Row]:
+    """Step 4: the rows of :data:`EXTRA_CHECKS` (a check that raises is a failed row)."""
+    rows: list[Row] = []
     for fn in EXTRA_CHECKS:
         try:
-            got = fn(args if args is not None else argparse.Namespace(out=str(out)))
+            got = fn(args)
         except Exception as exc:  # a broken extra check is a failed row, not a crash
             got = _row(getattr(fn, "__name__", "extra check"), "passes", f"raised {type(exc).__name__}: {exc}", False)
         rows.extend(got if isinstance(got, list) else [got])
+    return rows
 
-    summary = {"rows": rows, "grid": cells, "ok": all(r["ok"] for r in rows), "wall_s": time.perf_counter() - t0,
-               "out": str(out)}
+
+def _write_summary(out: Path, summary: dict) -> None:
+    """``selftest.json`` and ``selftest.md`` (the grid, its cells' details, the checks) in ``out``."""
     (out / "selftest.json").write_text(json.dumps(summary, indent=1, default=str))
-    md = format_table(rows, markdown=True) + "\n"
+    md = format_table(summary["rows"], markdown=True) + "\n"
+    cells = summary["grid"]
     if cells:
         details = "\n".join(f"- {c['topology']}, {c['ordering']}: {c.get('detail', '')}" for c in cells)
         md = f"## Table 4 grid\n\n{format_grid(cells, markdown=True)}\n\n{details}\n\n## Checks\n\n{md}"
     (out / "selftest.md").write_text(md)
-    return summary
 
 
 def format_table(rows: list[Row], *, markdown: bool = False) -> str:
