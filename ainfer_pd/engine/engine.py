@@ -133,6 +133,8 @@ class Engine:
         self.d = DDriver(**common, sched=cfg.scheduler, max_context_len=cfg.model.max_context_len,
                          ctx=self.decode_ctx, p=self.p, overlap=self.overlap_decode, dist=dist)
         self.d.device_delay_s = d_delay
+        if dist is None:
+            self.p.chain = self._chain_epoch
         if dist is not None:
             dist.attach(self)
 
@@ -252,6 +254,18 @@ class Engine:
             await self.coord.wait_epoch(seen)
         else:
             await self.coord.idle(seen)
+
+    def _chain_epoch(self) -> tuple | None:
+        """One rank, as an epoch ends: the step's P decision at once (the next epoch's item, or None)."""
+        mine = self._inputs()
+        on = self.activation.update(mine.clock_ms / 1000.0, mine.p_tokens, mine.d_rows)
+        dec = decide_step([mine], self.traits, self.cfg.mux, activation_on=on, exclusive_running=self._exclusive)
+        if dec.asleep or dec.stop or dec.epoch is None:
+            return None
+        self._exclusive = dec.epoch.exclusive
+        if dec.why in COUNTERS:
+            self.rec.count(COUNTERS[dec.why])
+        return self.p.begin(dec.epoch, dec.why, d_enqueued=self.d.in_flight)
 
     def _inputs(self) -> StepInputs:
         now = self.rec.now()                # one clock reading: rank 0's clock and its oldest wait agree

@@ -58,21 +58,32 @@ class PDriver:
         chunks, _ = plan_prefill(book.pending_view(), self.sched.max_prefill_tokens, book.available_blocks())
         return sum(c.num_tokens for c in chunks)
 
-    async def start(self, mode: EpochMode, why: Exclusive | None, *, d_enqueued: bool) -> None:
-        """Start the next epoch on the P task; returns once it is registered with the turnstile
-        (so the step's D round sees it)."""
+    def begin(self, mode: EpochMode, why: Exclusive | None, *, d_enqueued: bool) -> tuple:
+        """The next epoch, decided: counted as running from now (the item the P task runs)."""
         self.epoch += 1
         self.exclusive = mode.exclusive
         self.why = why
         self.running = True
-        entered = asyncio.Event()
-        await self._go.put((self.epoch, mode, entered, d_enqueued))
-        await entered.wait()
+        return self.epoch, mode, asyncio.Event(), d_enqueued
+
+    async def start(self, mode: EpochMode, why: Exclusive | None, *, d_enqueued: bool) -> None:
+        """Start the next epoch on the P task; returns once it is registered with the turnstile
+        (so the step's D round sees it)."""
+        item = self.begin(mode, why, d_enqueued=d_enqueued)
+        await self._go.put(item)
+        await item[2].wait()
+
+    chain: Callable[[], tuple | None] | None = None
+    """One rank: the decision an epoch's end makes at once (:meth:`begin`'s item of the next epoch,
+    or None). The coordinator is local, so the P task may take the step's P decision itself instead
+    of waiting for the step loop to come round after the D iteration it is in."""
 
     # ------------------------------------------------------------------ the P task
     async def run(self) -> None:
+        item = None
         while True:
-            epoch, mode, entered, d_enqueued = await self._go.get()
+            epoch, mode, entered, d_enqueued = item if item is not None else await self._go.get()
+            item = None
             try:
                 work, plan = await self._batch()
                 if not work and self.isolate_failures:
@@ -85,6 +96,8 @@ class PDriver:
                 if self.running and self.epoch == epoch:
                     self.running = self.exclusive = False
                     self.notify()
+            if self.chain is not None:
+                item = self.chain()
 
     async def _batch(self) -> tuple[list, BatchPlan]:
         """This epoch's batch: planned and admitted here (a replica leader shares it with its TP
