@@ -11,20 +11,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import Self
 
 from .errors import AInferPDError, WorkerClosedError, WrongEventLoopError, first_error
 
-if TYPE_CHECKING:
-    from .worker import RolloutWorker
-
 log = logging.getLogger("ainfer_pd.worker")
-
 
 class WorkerLifecycle:
     """``async with`` and the open / loop / thread checks of a worker (mixin)."""
 
-    async def __aenter__(self) -> "RolloutWorker":
+    async def __aenter__(self) -> Self:
         if self._loop is not None:
             raise WorkerClosedError("a RolloutWorker can be entered once (create a new one)")
         self._loop = asyncio.get_running_loop()

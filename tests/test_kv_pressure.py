@@ -173,7 +173,7 @@ async def test_a_chunked_prompt_admitted_during_a_drain_finishes_when_the_draine
             assert (await bounded(a_task, "the aborted turn")).finish_reason == "abort"
             assert w.trajectories["A"].draining is not None
             b_task = asyncio.ensure_future(w.continue_("A", rand_ids(rng, 100), SamplingParams(max_new_tokens=8, **GREEDY)))
-            await until(lambda: any(t.tid == "A" for t in eng.waiting), "B queued behind the drain")
+            await until(lambda: any(t.tid == "A" for t in eng.book.waiting), "B queued behind the drain")
             p_hold = hold(w, "P")
             l_task = asyncio.ensure_future(w.generate(rand_ids(rng, 1700), SamplingParams(max_new_tokens=8, **GREEDY),
                                                       trajectory_id="L"))
@@ -182,7 +182,7 @@ async def test_a_chunked_prompt_admitted_during_a_drain_finishes_when_the_draine
                         "L admitted, its first chunk submitted")
             release(d_hold)
             await until(lambda: w.trajectories["A"].draining is None, "the drain ends")
-            b = next(t for t in eng.waiting if t.tid == "A")
+            b = next(t for t in eng.book.waiting if t.tid == "A")
             from ainfer_pd.engine import prefix
             assert prefix.demand(eng.kv, b) > eng.kv.pool_blocks(), "B must not fit beside L for the repro"
         finally:

@@ -10,7 +10,7 @@ import torch
 
 if TYPE_CHECKING:
     from .block_pool import BlockPool
-    from .kv_cache import TrajectoryKV
+    from .kv_sequence import TrajectoryKV
 
 
 class BlockAddressing:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .block_pool import BlockPool
-    from .kv_cache import TrajectoryKV
+    from .kv_sequence import TrajectoryKV
 
 
 class KVAudit:

@@ -84,7 +84,7 @@ class Observability:
         w = s.worker
         if w is not None:
             eng = w.engine
-            samples += worker_families(w.metrics(), rank=w.rank, waiting=len(eng.waiting), decoding=len(eng.decoding))
+            samples += worker_families(w.metrics(), rank=w.rank, waiting=len(eng.book.waiting), decoding=len(eng.book.decoding))
         if s.ranks is not None and s.ranks.failure is None:
             for r, (m, waiting, decoding) in zip(sorted(s.ranks.procs), await s.ranks.call("metrics")):
                 samples += worker_families(m, rank=r, waiting=waiting, decoding=decoding)
