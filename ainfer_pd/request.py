@@ -63,7 +63,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Every field in range, so that a request that passes can be sampled without NaN
-        (:mod:`ainfer_pd.engine.sampler` still isolates a row that is not)."""
+        (:mod:`ainfer_pd.engine.model.sampler` still isolates a row that is not)."""
         def bad(msg: str) -> InvalidRequestError:
             return InvalidRequestError(f"invalid SamplingParams: {msg}")
 
@@ -140,4 +140,4 @@ class TurnOutput:
     forward pass fed, an int16 CPU tensor ``[len(prompt) + len(token_ids) - 1, moe_layers, top_k]``
     (row p = position p of prompt + token_ids; the last generated token was never fed; an aborted
     turn has the rows its completed passes computed). Layers: the MoE layers in order (dense
-    layers have no router). None when not asked for. See :mod:`ainfer_pd.engine.routed_experts`."""
+    layers have no router). None when not asked for. See :mod:`ainfer_pd.engine.model.routed_experts`."""

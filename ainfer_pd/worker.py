@@ -27,10 +27,10 @@ from typing import Any, Sequence
 import torch
 
 from .config import WorkerConfig
-from .engine.block_hash import common_prefix
+from .engine.kv.block_hash import common_prefix
 from .engine.make import make_engine
-from .engine.sampler import sample_seed
-from .engine.state import Trajectory, Turn
+from .engine.model.sampler import sample_seed
+from .engine.loop.state import Trajectory, Turn
 from .errors import (CapacityError, ContextLengthError, InvalidRequestError, TrajectoryBusyError,
                      UnknownTrajectoryError)
 from .metrics.recorder import Recorder

@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-from .engine.weights import WeightStage
+from .engine.model.weights import WeightStage
 from .errors import AInferPDError, InvalidRequestError, WeightUpdateError, WorkerAsleepError, WorkerClosedError
 from .worker_sync import WeightSync
 
@@ -40,7 +40,7 @@ class WorkerControl(WeightSync):
         self._active_stages: set[WeightStage] = set()
         self._agreement = None           # SyncAgreement of a multi-rank worker (built on first use)
         self.last_weight_sync = None
-        """The :class:`~ainfer_pd.engine.weights.SyncReport` of the last applied weight sync."""
+        """The :class:`~ainfer_pd.engine.model.weights.SyncReport` of the last applied weight sync."""
 
     # ================================================================== one control call at a time
     @contextlib.asynccontextmanager
@@ -185,7 +185,7 @@ class WorkerControl(WeightSync):
         self._check_open()
         if tags is not None and (isinstance(tags, (str, bytes)) or not all(isinstance(t, str) for t in tags)):
             raise InvalidRequestError(f"wake_up tags must be a list of strings, got {tags!r}")
-        from .engine.residency import KV_CACHE, TAGS, WEIGHTS
+        from .engine.kv.residency import KV_CACHE, TAGS, WEIGHTS
         want = set(TAGS if tags is None else tags)
         if want - set(TAGS):
             raise InvalidRequestError(f"unknown wake_up tags {sorted(want - set(TAGS))}: expected some of {TAGS}")

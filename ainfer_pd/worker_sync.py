@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .engine.weights import WeightStage, is_bucket
+from .engine.model.weights import WeightStage, is_bucket
 from .errors import AInferPDError, InvalidRequestError, WeightUpdateError, WorkerAsleepError, WorkerClosedError
 from .weight_transfer import StageClosed, SyncAgreement
 

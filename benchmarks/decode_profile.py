@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpu_gate import bench_ms, decode_fb, model_cfg  # noqa: E402
 
-from ainfer_pd.engine.kv_cache import KVCacheManager  # noqa: E402
-from ainfer_pd.engine.runner import ModelRunner  # noqa: E402
+from ainfer_pd.engine.kv.kv_cache import KVCacheManager  # noqa: E402
+from ainfer_pd.engine.runtime.runner import ModelRunner  # noqa: E402
 from ainfer_pd.phase import Phase, PhaseContext  # noqa: E402
 
 

@@ -36,9 +36,9 @@ from ainfer_pd.engine.attention import (DecodeMeta, ForwardBatch, PrefillSeq, To
                                         paged_attention)
 from ainfer_pd.engine.attention.triton_backend import TritonAttention  # noqa: E402
 from ainfer_pd.engine.fused_moe import fused_experts, fused_softmax_route  # noqa: E402
-from ainfer_pd.engine.kv_cache import KVCacheManager  # noqa: E402
-from ainfer_pd.engine.moe import Routing, experts_local, route  # noqa: E402
-from ainfer_pd.engine.runner import ModelRunner  # noqa: E402
+from ainfer_pd.engine.kv.kv_cache import KVCacheManager  # noqa: E402
+from ainfer_pd.engine.model.moe import Routing, experts_local, route  # noqa: E402
+from ainfer_pd.engine.runtime.runner import ModelRunner  # noqa: E402
 from ainfer_pd.phase import Phase, PhaseContext  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -291,7 +291,7 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
     kv_tok = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 2
     with torch.inference_mode():
         if capture_all:
-            from ainfer_pd.engine.cuda_graphs import graph_buckets
+            from ainfer_pd.engine.runtime.cuda_graphs import graph_buckets
             t0 = time.time()
             n = runner.capture_decode_graphs(dctx)
             dc = cfg.device

@@ -72,7 +72,7 @@ def run_case(case: str, root: Path) -> dict:
     import torch
 
     from ainfer_pd import WorkerConfig
-    from ainfer_pd.engine.model import MoETransformer, build_model
+    from ainfer_pd.engine.model.model import MoETransformer, build_model
     torch.set_num_threads(os.cpu_count() or 1)
     out: dict = {"case": case}
     if case == "meta":

@@ -26,7 +26,7 @@ from _gate_cases import paged_case, uniform_decode  # noqa: E402
 from ainfer_pd.engine.attention.plan import PrefillPlan  # noqa: E402
 from ainfer_pd.engine.attention.triton_backend import TritonAttention  # noqa: E402
 from ainfer_pd.engine.fused_moe import GemmPlan, align_blocks, launch_down, launch_gate_up  # noqa: E402
-from ainfer_pd.engine.moe import route  # noqa: E402
+from ainfer_pd.engine.model.moe import route  # noqa: E402
 
 DEV = torch.device("cuda")
 H, Hk, hd, D, E, K, I = 32, 4, 128, 2048, 128, 8, 768

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from ainfer_pd.engine.sampler import SampleRow, sample, sample_seed
+from ainfer_pd.engine.model.sampler import SampleRow, sample, sample_seed
 from ainfer_pd.request import SamplingParams
 
 KINDS = {

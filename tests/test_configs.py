@@ -81,7 +81,7 @@ def test_cli_set_overrides_and_stream_priority_validation():
 
 def test_p_stream_sm_partition_is_validated_and_refused_off_cuda():
     from ainfer_pd.tools.options import load_config
-    from ainfer_pd.engine.device import make_device
+    from ainfer_pd.engine.runtime.device import make_device
     from ainfer_pd.errors import ConfigError
     from ainfer_pd.metrics.recorder import Recorder
     assert load_config("configs/h200-bench.yaml", ["device.p_stream_sms=96"]).device.p_stream_sms == 96

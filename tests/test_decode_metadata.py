@@ -4,8 +4,8 @@ import random
 import torch
 
 from ainfer_pd.engine.attention import DecodeMeta
-from ainfer_pd.engine.kv_cache import KVCacheManager
-from ainfer_pd.engine.runner import ModelRunner
+from ainfer_pd.engine.kv.kv_cache import KVCacheManager
+from ainfer_pd.engine.runtime.runner import ModelRunner
 from ainfer_pd.tools.report import breakdown, interval_stats
 from ainfer_pd.phase import Phase, PhaseContext
 from tests.conftest import tiny_cfg

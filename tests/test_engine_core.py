@@ -8,7 +8,7 @@ import torch
 
 from ainfer_pd import RolloutWorker, SamplingParams
 from ainfer_pd.engine.attention import ForwardBatch, PrefillSeq
-from ainfer_pd.engine.model import build_model
+from ainfer_pd.engine.model.model import build_model
 from tests.conftest import rand_ids, tiny_cfg
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

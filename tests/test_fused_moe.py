@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ainfer_pd.engine.fused_moe import GemmPlan, MoEPlan, align_blocks, fused_experts
-from ainfer_pd.engine.moe import experts_local, route
+from ainfer_pd.engine.model.moe import experts_local, route
 
 
 def weights(E, D, I, seed=0):
@@ -76,8 +76,8 @@ def test_fused_softmax_router_equals_the_torch_router(T, E, k, norm):
     """The one-launch softmax top-k (``fused_softmax_route``) against ``engine.routing.route``:
     the same experts in the same (descending) order, the same weights and receive counts."""
     from ainfer_pd.engine.fused_moe import fused_softmax_route
-    from ainfer_pd.engine.routing import RouterSpec
-    from ainfer_pd.engine.routing import route as torch_route
+    from ainfer_pd.engine.model.routing import RouterSpec
+    from ainfer_pd.engine.model.routing import route as torch_route
     D = 64
     g = torch.Generator().manual_seed(T * 31 + E)
     x = torch.randn(T, D, generator=g)

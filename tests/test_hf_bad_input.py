@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ainfer_pd import RolloutWorker, SamplingParams, WorkerConfig
-from ainfer_pd.engine.model import build_model
+from ainfer_pd.engine.model.model import build_model
 from ainfer_pd.errors import AInferPDError, CheckpointError, ConfigError, UnsupportedModelError
 from tests.conftest import hf_worker_cfg
 

@@ -130,7 +130,7 @@ def test_export_round_trips_config_and_weights_through_transformers(name, hf_mod
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ainfer_pd.engine.model import build_model
+    from ainfer_pd.engine.model.model import build_model
     from ainfer_pd.hf.config import fields_from_hf
     from ainfer_pd.hf.export import config_json, save_pretrained, state_dict, transformers_config
     c = WorkerConfig.from_pretrained(hf_model_dir(name)).model

@@ -48,8 +48,8 @@ def test_triton_backends_match_reference_per_architecture(arch, hf_model_dir):
 
     from ainfer_pd import WorkerConfig
     from ainfer_pd.engine.attention import DecodeMeta, ForwardBatch, PrefillSeq
-    from ainfer_pd.engine.kv_cache import KVCacheManager
-    from ainfer_pd.engine.runner import ModelRunner
+    from ainfer_pd.engine.kv.kv_cache import KVCacheManager
+    from ainfer_pd.engine.runtime.runner import ModelRunner
     from ainfer_pd.phase import Phase, PhaseContext
     logits = []
     for be in ("torch", "triton"):

@@ -13,9 +13,9 @@ import random
 import pytest
 
 from ainfer_pd import RolloutWorker, SamplingParams
-from ainfer_pd.engine.kv_cache import KVCacheManager
-from ainfer_pd.engine.state import Trajectory, Turn
-from ainfer_pd.engine.turns import TurnBook
+from ainfer_pd.engine.kv.kv_cache import KVCacheManager
+from ainfer_pd.engine.loop.state import Trajectory, Turn
+from ainfer_pd.engine.loop.turns import TurnBook
 from ainfer_pd.metrics.recorder import Recorder
 from ainfer_pd.sched.planner import PendingPrefill, plan_prefill
 from tests.conftest import rand_ids, tiny_cfg
@@ -135,7 +135,7 @@ def test_an_admitted_remainder_is_not_stuck_behind_a_head_that_does_not_fit(loop
 
 
 def _plan(prefill, rows):
-    from ainfer_pd.engine.runner import BatchPlan
+    from ainfer_pd.engine.runtime.runner import BatchPlan
     done = [t for t, s, k in prefill if s + k == len(t.context)]
     return BatchPlan(None, prefill, rows, done if prefill else rows)
 
@@ -183,7 +183,7 @@ async def test_a_chunked_prompt_admitted_during_a_drain_finishes_when_the_draine
             release(d_hold)
             await until(lambda: w.trajectories["A"].draining is None, "the drain ends")
             b = next(t for t in eng.book.waiting if t.tid == "A")
-            from ainfer_pd.engine import prefix
+            from ainfer_pd.engine.kv import prefix
             assert prefix.demand(eng.kv, b) > eng.kv.pool_blocks(), "B must not fit beside L for the repro"
         finally:
             release(d_hold)

@@ -7,8 +7,8 @@ import torch
 from ainfer_pd.engine.attention import TorchAttention
 from ainfer_pd.engine.attention.triton_backend import TritonAttention
 from ainfer_pd.engine.fused_moe import align_blocks, align_blocks_triton
-from ainfer_pd.engine.moe import route
-from ainfer_pd.engine.rope import rope_cos_sin
+from ainfer_pd.engine.model.moe import route
+from ainfer_pd.engine.model.rope import rope_cos_sin
 
 TRI, REF = TritonAttention(torch.device("cpu")), TorchAttention()
 

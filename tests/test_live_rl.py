@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ainfer_pd import RolloutWorker, SamplingParams, WorkerConfig
-from ainfer_pd.engine.model import build_model
-from ainfer_pd.engine.weights import apply_named_tensors
+from ainfer_pd.engine.model.model import build_model
+from ainfer_pd.engine.model.weights import apply_named_tensors
 from ainfer_pd.hf.export import state_dict
 from ainfer_pd.errors import BackendUnavailableError, ConfigError, WeightUpdateError
 from trainer_examples.live_rl.env import EnvConfig, Episode, Task, ToolEnv

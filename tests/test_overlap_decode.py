@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from ainfer_pd import RolloutWorker, SamplingParams
-from ainfer_pd.engine.d_overlap import InFlightD, ends_at, rows_after
+from ainfer_pd.engine.loop.d_overlap import InFlightD, ends_at, rows_after
 from ainfer_pd.errors import ConfigError
 from ainfer_pd.tools.replay import replay
 from ainfer_pd.tools.trace import p_heavy_trace
@@ -167,7 +167,7 @@ def test_a_row_whose_distribution_turns_nan_fails_alone_overlapped(policy, monke
     finish with the plain loop's tokens, and nothing leaks."""
     import math
 
-    from ainfer_pd.engine import d_overlap
+    from ainfer_pd.engine.loop import d_overlap
     from ainfer_pd.errors import SamplingError
     real = d_overlap.sample_on_device
     steps = {"n": 0}

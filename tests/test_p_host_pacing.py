@@ -71,9 +71,9 @@ def test_unknown_pacing_is_refused():
 async def test_gated_epochs_run_on_the_gated_lane_and_exclusive_ones_on_the_stream_itself(monkeypatch):
     """device.p_stream_sms puts the P stream's gated-lane items on a green context (CUDA); which
     items are on that lane is the walk's: every item of a gated epoch, none of an exclusive one."""
-    from ainfer_pd.engine.device import Stream
+    from ainfer_pd.engine.runtime.device import Stream
     from ainfer_pd.engine.loop.p_driver import PDriver
-    from ainfer_pd.engine.p_walk import GATED_LANE
+    from ainfer_pd.engine.loop.p_walk import GATED_LANE
     lanes: list[tuple[str, str | None]] = []           # (label, lane) of every P item, in order
     gated: list[bool] = []                             # each epoch's mode, in order
     submit, run_epoch = Stream.submit, PDriver.run_epoch

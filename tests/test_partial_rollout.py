@@ -9,7 +9,7 @@ import random
 import pytest
 
 from ainfer_pd import RolloutWorker, SamplingParams
-from ainfer_pd.engine.model import build_model
+from ainfer_pd.engine.model.model import build_model
 from tests.conftest import rand_ids, tiny_cfg
 from tests.test_engine_core import recompute_greedy
 

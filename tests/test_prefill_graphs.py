@@ -1,9 +1,9 @@
 """The P graphs' host-side rules (the capture and replay themselves run on the GPU gate)."""
 from ainfer_pd import WorkerConfig
-from ainfer_pd.engine.cuda_graphs import graph_buckets
-from ainfer_pd.engine.kv_cache import KVCacheManager
-from ainfer_pd.engine.prefill_graphs import prefill_graph_buckets
-from ainfer_pd.engine.runner import ModelRunner
+from ainfer_pd.engine.runtime.cuda_graphs import graph_buckets
+from ainfer_pd.engine.kv.kv_cache import KVCacheManager
+from ainfer_pd.engine.runtime.prefill_graphs import prefill_graph_buckets
+from ainfer_pd.engine.runtime.runner import ModelRunner
 
 
 def test_prefill_graph_buckets_stop_at_the_prefill_budget():

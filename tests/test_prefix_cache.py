@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from ainfer_pd import RolloutWorker, SamplingParams
-from ainfer_pd.engine.block_hash import ROOT, best_tail, block_hash, chain_hashes, release_order
-from ainfer_pd.engine import prefix
-from ainfer_pd.engine.kv_cache import KVCacheManager
-from ainfer_pd.engine.model import build_model
+from ainfer_pd.engine.kv.block_hash import ROOT, best_tail, block_hash, chain_hashes, release_order
+from ainfer_pd.engine.kv import prefix
+from ainfer_pd.engine.kv.kv_cache import KVCacheManager
+from ainfer_pd.engine.model.model import build_model
 from ainfer_pd.errors import CapacityError, LifetimeError
 from ainfer_pd.sched.planner import fits
 from tests.conftest import rand_ids, tiny_cfg

@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 
 from ainfer_pd import AInferPDError, RolloutWorker, SamplingParams
 from ainfer_pd.engine.loop.d_driver import DDriver
-from ainfer_pd.engine import turns as turns_mod
-from ainfer_pd.engine.kv_cache import KVCacheManager
-from ainfer_pd.engine.model import build_model
-from ainfer_pd.engine.sampler import SampleRow, sample
+from ainfer_pd.engine.loop import turns as turns_mod
+from ainfer_pd.engine.kv.kv_cache import KVCacheManager
+from ainfer_pd.engine.model.model import build_model
+from ainfer_pd.engine.model.sampler import SampleRow, sample
 from ainfer_pd.errors import (CapacityError, InvalidRequestError, SamplingError, TrajectoryBusyError,
                               UnknownTrajectoryError, WeightUpdateError, WorkerClosedError, WrongEventLoopError)
 from ainfer_pd.request import MIN_TEMPERATURE

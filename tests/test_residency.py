@@ -7,7 +7,7 @@ import random
 import pytest
 
 from ainfer_pd import RolloutWorker, SamplingParams
-from ainfer_pd.engine.residency import kv_blocks_for_budget
+from ainfer_pd.engine.kv.residency import kv_blocks_for_budget
 from ainfer_pd.errors import InvalidRequestError, WorkerAsleepError
 from tests.conftest import rand_ids, tiny_cfg
 

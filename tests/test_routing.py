@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from ainfer_pd.engine.routing import RouterSpec, route
+from ainfer_pd.engine.model.routing import RouterSpec, route
 
 
 def _combine(idx, w, E):

@@ -13,7 +13,7 @@ import torch
 
 from ainfer_pd import RolloutWorker, SamplingParams
 from ainfer_pd.engine.attention import ForwardBatch, PrefillSeq
-from ainfer_pd.engine.model import build_model
+from ainfer_pd.engine.model.model import build_model
 from ainfer_pd.errors import InvalidRequestError
 from tests import _hf_models
 from tests.conftest import hf_worker_cfg, rand_ids, tiny_cfg

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from ainfer_pd.engine.sampler import SampleRow, sample, sample_seed, uniform
+from ainfer_pd.engine.model.sampler import SampleRow, sample, sample_seed, uniform
 from ainfer_pd.request import SamplingParams
 
 

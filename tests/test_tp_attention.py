@@ -19,9 +19,9 @@ def _tp_prefill_rank(rank: int, world_size: int, cfg_path: str) -> dict:
     from ainfer_pd.comm.topology import Topology, build_process_groups
     from ainfer_pd.config import WorkerConfig
     from ainfer_pd.engine.attention import ForwardBatch, PrefillSeq
-    from ainfer_pd.engine.model import build_model
+    from ainfer_pd.engine.model.model import build_model
     from ainfer_pd.comm.collectives import PhaseCollectives
-    from ainfer_pd.engine.tensor_parallel import PrefillHooks, shard_attention_
+    from ainfer_pd.engine.runtime.tensor_parallel import PrefillHooks, shard_attention_
 
     mc = WorkerConfig.from_yaml(cfg_path).model
     topo = Topology(world_size=world_size, attn_dp=1, expert_parallel=1, rank=rank)   # ATP = world_size
@@ -134,7 +134,7 @@ def test_decode_schedule_has_the_dp_attention_pair_on_moe_layers_only():
 
     from ainfer_pd.comm.ordering import D_ADP_ALL_GATHER, D_ADP_REDUCE_SCATTER, D_ATP_ALL_GATHER, D_ATP_REDUCE_SCATTER
     from ainfer_pd.comm.topology import Topology
-    from ainfer_pd.engine.tensor_parallel import DecodeHooks, decode_dispatch_rows
+    from ainfer_pd.engine.runtime.tensor_parallel import DecodeHooks, decode_dispatch_rows
 
     topo = Topology(world_size=4, attn_dp=2, expert_parallel=4, rank=3)          # tp (2, 3), dp (1, 3)
     sizes = {"attn_tp.D": 2, "attn_dp.D": 2}

@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 
-from ainfer_pd.engine.kv_cache import KVCacheManager
-from ainfer_pd.engine.runner import BatchPlan
-from ainfer_pd.engine.state import Trajectory, Turn, TurnState
-from ainfer_pd.engine.turns import TurnBook
+from ainfer_pd.engine.kv.kv_cache import KVCacheManager
+from ainfer_pd.engine.runtime.runner import BatchPlan
+from ainfer_pd.engine.loop.state import Trajectory, Turn, TurnState
+from ainfer_pd.engine.loop.turns import TurnBook
 from ainfer_pd.errors import SamplingError
 from ainfer_pd.metrics.recorder import Recorder
 from ainfer_pd.request import SamplingParams

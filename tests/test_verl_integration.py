@@ -406,7 +406,7 @@ async def test_fully_async_client_partial_rollout_resumes_without_recompute(ray_
         assert stats["cached_tokens"] == len(prompt) + k - 1
         # routing replay: [every fed token, MoE layers, top_k], merged contiguously across the resume
         from ainfer_pd import WorkerConfig
-        from ainfer_pd.engine.model import build_model
+        from ainfer_pd.engine.model.model import build_model
         from tests.test_routing_replay import _same, reference_routing
         wc = WorkerConfig.from_yaml(TINY)
         assert isinstance(ref.routed_experts, np.ndarray)

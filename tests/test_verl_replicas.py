@@ -74,7 +74,7 @@ def _trainer_weights(cfg_path: str) -> list:
     """The weights the served model starts from (the seeded init of ``cfg_path``), as a trainer's
     (name, tensor) list."""
     from ainfer_pd.config import WorkerConfig
-    from ainfer_pd.engine.model import build_model
+    from ainfer_pd.engine.model.model import build_model
     return [(n, p.detach().clone()) for n, p in build_model(WorkerConfig.from_yaml(cfg_path).model).named_parameters()]
 
 

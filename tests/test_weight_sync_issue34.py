@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from ainfer_pd import RolloutWorker, SamplingParams
-from ainfer_pd.engine.model import build_model
+from ainfer_pd.engine.model.model import build_model
 from ainfer_pd.errors import WeightUpdateError, WorkerAsleepError, WorkerClosedError
 from tests.conftest import rand_ids, tiny_cfg
 from tests.test_engine_core import recompute_greedy
@@ -248,7 +248,7 @@ async def test_item12_update_racing_sleep2_is_refused_and_later_syncs_succeed(ke
 async def test_item12_a_name_table_of_released_weights_is_never_used():
     """A table built while the weights were released (by any caller of ``name_table``) is not
     trusted after wake_up: the stage rebuilds it; a stage on released weights is refused."""
-    from ainfer_pd.engine.weights import WeightStage
+    from ainfer_pd.engine.model.weights import WeightStage
     from ainfer_pd.hf.names import name_table
     cfg = tiny_cfg()
     named = _new_weights(cfg, 83)

@@ -12,7 +12,7 @@ import time
 import torch
 
 from ainfer_pd import RolloutWorker, SamplingParams
-from ainfer_pd.engine.model import build_model
+from ainfer_pd.engine.model.model import build_model
 from ainfer_pd.errors import (WeightSyncError, WeightSyncMismatchError, WeightSyncTimeout, WeightUpdateError,
                               WorkerAsleepError)
 from tests._dist_util import run_ranks

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from ainfer_pd import RolloutWorker, SamplingParams
-from ainfer_pd.engine.device import CpuDevice
-from ainfer_pd.engine.model import build_model
+from ainfer_pd.engine.runtime.device import CpuDevice
+from ainfer_pd.engine.model.model import build_model
 from ainfer_pd.errors import WeightUpdateError
 from ainfer_pd.metrics.recorder import Recorder
 from tests.conftest import rand_ids, tiny_cfg
@@ -148,7 +148,7 @@ async def test_cancelled_update_while_checking_writes_nothing_and_reraises():
 async def test_cancelled_update_finishes_its_copy_before_streams_move_and_reraises(monkeypatch):
     """Cancelled while the copies run (every stream parked), they finish before the streams move
     again - never half-written weights - and the cancellation is re-raised."""
-    from ainfer_pd.engine import weights as weights_mod
+    from ainfer_pd.engine.model import weights as weights_mod
     cfg = tiny_cfg()
     rng = random.Random(12)
     new = build_model(dataclasses.replace(cfg.model, seed=99))

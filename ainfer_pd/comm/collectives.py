@@ -4,10 +4,10 @@
   (``attn_tp.P``), launched as its own stream item (:meth:`PhaseCollectives.launch`) so the
   ordering can route it (:func:`~ainfer_pd.comm.ordering.collective_stream`).
 * D (inside its iteration): its own attention-TP **reduce-scatter / all-gather** around the
-  experts (``attn_tp.D``: :class:`~ainfer_pd.engine.tensor_parallel.DecodeHooks`) and, with
+  experts (``attn_tp.D``: :class:`~ainfer_pd.engine.runtime.tensor_parallel.DecodeHooks`) and, with
   ADP > 1 and expert parallelism, the DP-attention **all-gather / reduce-scatter** across the
   replicas around each MoE layer's routed experts (``attn_dp.D``:
-  :meth:`~ainfer_pd.engine.tensor_parallel.DecodeHooks.experts_dp`; with P's all-reduce the
+  :meth:`~ainfer_pd.engine.runtime.tensor_parallel.DecodeHooks.experts_dp`; with P's all-reduce the
   crossed pair of SPEC 2).
 
 The state is phase-owned (SPEC 3.4): one :class:`PhaseCollectives` per phase holds only that

@@ -8,7 +8,7 @@ The one home of :data:`ORDERINGS` and of the collective kinds the engine issues:
   its share of the rows through the experts, then the shares are gathered: the bytes of one
   all-reduce), and ``D:all_gather@attn_dp.D`` / ``D:reduce_scatter@attn_dp.D`` (the DP-attention
   gather / scatter of every replica's rows around each MoE layer's routed experts, ADP > 1:
-  :meth:`~ainfer_pd.engine.tensor_parallel.DecodeHooks.experts_dp`).
+  :meth:`~ainfer_pd.engine.runtime.tensor_parallel.DecodeHooks.experts_dp`).
 
 A *conflicting pair* is a P and a D collective on different communicators that share at least
 two ranks: if two ranks launch them in opposite device order, a device-progress cycle can close.

@@ -38,18 +38,18 @@ from ..sched.span import Activation, SpanInputs, make_span_policy
 from ..sched.step import COUNTERS, StepDecision, StepInputs, decide_step
 from ..turnstile.rendezvous import LocalRendezvous
 from ..turnstile.turnstile import Turnstile
-from .device import Device, make_device
-from .kv_cache import KVCacheManager
+from .runtime.device import Device, make_device
+from .kv.kv_cache import KVCacheManager
 from .loop.coordinator import IDLE_BACKOFF_S, LocalCoordinator, RankCoordinator
 from .loop.d_driver import DDriver
 from .loop.mixed import run_mixed
 from .loop.p_driver import PDriver
 from .loop.timings import EngineTimings
-from .p_walk import GATED_LANE
-from .residency import Residency, kv_blocks_from_memory
-from .runner import ModelRunner
-from .state import Turn
-from .turns import TurnBook
+from .loop.p_walk import GATED_LANE
+from .kv.residency import Residency, kv_blocks_from_memory
+from .runtime.runner import ModelRunner
+from .loop.state import Turn
+from .loop.turns import TurnBook
 
 log = logging.getLogger("ainfer_pd.engine")
 

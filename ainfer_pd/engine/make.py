@@ -132,7 +132,7 @@ def _phase_dispatchers(cfg: WorkerConfig, topo, groups: dict, cuda: bool, record
     from ..comm.experts.torch_a2a import TorchAllToAllDispatcher
     from ..comm.topology import EP_D, EP_P
     from ..phase import Phase
-    from .tensor_parallel import decode_dispatch_rows
+    from .runtime.tensor_parallel import decode_dispatch_rows
     mc, sc, pc = cfg.model, cfg.scheduler, cfg.parallel
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     common = dict(hidden=mc.hidden_size, top_k=mc.top_k, dtype=mc.torch_dtype, device=dev, recorder=recorder)

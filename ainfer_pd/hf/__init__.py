@@ -3,5 +3,5 @@
 (:mod:`.names`), and the lazy, expert-parallel-aware safetensors reader (:mod:`.checkpoint`).
 
 Supported ``model_type``: ``qwen3_moe``, ``qwen2_moe``, ``mixtral``, ``glm4_moe``: each one
-config-driven variant of the single segmented decoder in :mod:`ainfer_pd.engine.model`.
+config-driven variant of the single segmented decoder in :mod:`ainfer_pd.engine.model.model`.
 """

@@ -18,7 +18,7 @@ gate off (pure hardware behaviour; the outcome of the crossed run then depends o
 * :class:`ResidencyGate`: the slots (held by CUDA end events; polled, never blocks the loop).
 * :class:`CompletionPoller`: one daemon thread per device that turns CUDA events into
   completion callbacks (collective bookkeeping, work intervals for the trace).
-* :class:`DepCudaDevice`: :class:`~ainfer_pd.engine.device.CudaDevice` (its items' ``deps``
+* :class:`DepCudaDevice`: :class:`~ainfer_pd.engine.runtime.device.CudaDevice` (its items' ``deps``
   are device-side waits, ``cudaStreamWaitEvent``) plus the gate, the poller and :meth:`close`
   (releases every stream thread blocked in the gate after a stall).
 * :func:`cuda_collective_item`: the stream item of one phase collective on CUDA, built from the
@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from ainfer_pd.comm.backend import require_cuda
-from ainfer_pd.engine.device import CudaDevice, Work
+from ainfer_pd.engine.runtime.device import CudaDevice, Work
 from ainfer_pd.errors import DistributedError
 
 __all__ = ["CompletionPoller", "DepCudaDevice", "ResidencyGate", "cuda_collective_item", "device_sleep"]

@@ -7,7 +7,7 @@ loop with a device, the library's phase-owned attention collectives over separat
 :class:`~ainfer_pd.turnstile.Turnstile` over the real distributed rendezvous (gloo / shared
 memory), and a synthetic per-replica schedule. Devices:
 
-* ``backend="gloo"``: the library's CPU stand-in (:class:`~ainfer_pd.engine.device.CpuDevice`:
+* ``backend="gloo"``: the library's CPU stand-in (:class:`~ainfer_pd.engine.runtime.device.CpuDevice`:
   P stream, D stream, a collective stream ``C`` for ``global-implicit``, ``residency_slots``
   shared by all streams, cross-stream dependencies waited for outside the slots);
 * ``backend="nccl"``: ``cuda:LOCAL_RANK`` with real CUDA streams and NCCL communicators
@@ -101,7 +101,7 @@ def make_device(spec: HarnessSpec, recorder: Any) -> Any:
 
         from .cuda_device import DepCudaDevice
         return DepCudaDevice(recorder, local_cuda_index(), residency_slots=spec.residency_slots)
-    from ainfer_pd.engine.device import CpuDevice
+    from ainfer_pd.engine.runtime.device import CpuDevice
     return CpuDevice(recorder, residency_slots=spec.residency_slots)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ainfer_pd.engine.model import MoETransformer
+from ainfer_pd.engine.model.model import MoETransformer
 from ainfer_pd.hf.export import state_dict, transformers_config
 
 

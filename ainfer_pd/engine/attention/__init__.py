@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ..rope import apply_rope, rope_cos_sin
+from ..model.rope import apply_rope, rope_cos_sin
 from .backend import AttentionBackend, select_backend
 from .batch import DecodeMeta, ForwardBatch, PrefillMeta, PrefillSeq, blocks_of_slots, slots_of_blocks
 from .reference import TorchAttention

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
-from ..norm import rms_norm
-from ..rope import apply_rope
+from ..model.norm import rms_norm
+from ..model.rope import apply_rope
 from .batch import ForwardBatch, slots_of_blocks
 
 

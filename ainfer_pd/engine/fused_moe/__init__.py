@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..moe import Routing
+from ..model.moe import Routing
 from .plan import GemmPlan, MoEPlan, moe_plan
 
 __all__ = ["GemmPlan", "MoEPlan", "align_blocks", "align_blocks_triton", "fused_experts", "fused_softmax_route",

@@ -1,7 +1,7 @@
 """The D driver: one D iteration per step, with an optional previous iteration in flight.
 
 Plain, an iteration is launched, completes and its tokens are booked before the next one is
-built. Overlapped (``scheduler.overlap_decode``, one rank: :mod:`~ainfer_pd.engine.d_overlap`),
+built. Overlapped (``scheduler.overlap_decode``, one rank: :mod:`~ainfer_pd.engine.loop.d_overlap`),
 iteration n+1 is launched before n is read, its rows that were in n fed on the device from n's
 tokens, and n is read and booked while n+1 runs; every step that runs no iteration reads the one
 in flight first (:meth:`DDriver.settle`). Inside a gated epoch the launch is a turnstile round:
@@ -13,9 +13,9 @@ import asyncio
 from typing import Callable
 
 from ...sched.planner import plan_decode
-from ..d_overlap import InFlightD, decode_sampled, feed_of, needs_host_history, rows_after
-from ..runner import BatchPlan
-from ..state import Turn
+from .d_overlap import InFlightD, decode_sampled, feed_of, needs_host_history, rows_after
+from ..runtime.runner import BatchPlan
+from .state import Turn
 from .timings import EngineTimings
 
 D_ITEM = {"phase": "D", "kind": "iter"}

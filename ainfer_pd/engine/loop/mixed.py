@@ -9,8 +9,8 @@ shows as a longer step, ``m_step_s``). It is composed of the engine's book, runn
 from __future__ import annotations
 
 from ...sched.planner import plan_step
-from ..runner import BatchPlan
-from ..state import TurnState
+from ..runtime.runner import BatchPlan
+from .state import TurnState
 
 
 async def run_mixed(eng) -> None:

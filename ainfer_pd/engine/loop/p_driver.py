@@ -2,7 +2,7 @@
 
 An epoch is started by the step (the same step on every rank) and run here, on its own task, so
 the step goes on to D while P walks: its batch (planned and admitted here; a TP follower receives
-its leader's), the model's segments on the P stream (:class:`~ainfer_pd.engine.p_walk.EpochWalk`),
+its leader's), the model's segments on the P stream (:class:`~ainfer_pd.engine.loop.p_walk.EpochWalk`),
 stopping at safe boundaries for the turnstile when the epoch is gated, then the epoch's tokens.
 Waits for: the step starting an epoch; per MoE layer the receive counts (P's own device progress)
 and then the turnstile permit.
@@ -18,8 +18,8 @@ from ...sched.epoch_mode import EpochFinal, EpochMode
 from ...sched.planner import plan_prefill
 from ...sched.span import SlowdownMeter
 from ...sched.step import Exclusive
-from ..p_walk import EpochWalk, p_segments
-from ..runner import BatchPlan
+from .p_walk import EpochWalk, p_segments
+from ..runtime.runner import BatchPlan
 from .timings import EngineTimings
 
 log = logging.getLogger("ainfer_pd.engine")

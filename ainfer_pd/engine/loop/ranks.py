@@ -2,8 +2,8 @@
 
 Ranks are grouped into attention-DP replicas of ATP ranks (:mod:`ainfer_pd.comm.topology`). A
 replica's leader owns its requests; its TP followers hold the other head shards
-(:mod:`~ainfer_pd.engine.tensor_parallel`) and run the same segments on the leader's batches
-(:mod:`~ainfer_pd.engine.replica`: one broadcast per D iteration, two per P epoch). Experts are
+(:mod:`~ainfer_pd.engine.runtime.tensor_parallel`) and run the same segments on the leader's batches
+(:mod:`~ainfer_pd.engine.runtime.replica`: one broadcast per D iteration, two per P epoch). Experts are
 spread over every rank, so every expert exchange and every D collective needs every rank, in the
 same order: the engine's step (:mod:`ainfer_pd.sched.step`) is agreed over the control rendezvous,
 a replica with nothing to prefill runs the epoch with an empty batch, and every replica's D batch
@@ -27,9 +27,9 @@ from ...comm.topology import ATTN_DP_D, ATTN_TP_D, REPLICA, Topology
 from ...comm.watchdog import Watchdog
 from ...errors import PeerLostError, StallError
 from ...phase import Phase
-from ..replica import ReplicaChannel, decode_numel, pack_decode, pack_prefill, pad_decode, unpack_decode, unpack_prefill
-from ..runner import BatchPlan
-from ..tensor_parallel import DecodeHooks, PrefillHooks
+from ..runtime.replica import ReplicaChannel, decode_numel, pack_decode, pack_prefill, pad_decode, unpack_decode, unpack_prefill
+from ..runtime.runner import BatchPlan
+from ..runtime.tensor_parallel import DecodeHooks, PrefillHooks
 
 log = logging.getLogger("ainfer_pd.lockstep")
 _instances = itertools.count()
@@ -75,7 +75,7 @@ class DistRanks:
 
     def install(self, eng) -> None:
         """Inside the engine's construction, before graph capture: the phase hooks the graphs bind."""
-        from ..expert_parallel import ExpertParallel
+        from ..runtime.expert_parallel import ExpertParallel
         r = eng.runner
         if self.dispatchers is not None:
             r.ep = ExpertParallel(r.model, self.dispatchers, eng.device)

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..errors import DistributedError, RendezvousTimeout
-from .attention import DecodeMeta, ForwardBatch, PrefillSeq
+from ...errors import DistributedError, RendezvousTimeout
+from ..attention import DecodeMeta, ForwardBatch, PrefillSeq
 
 __all__ = ["ReplicaChannel", "pack_prefill", "unpack_prefill", "pad_decode", "pack_decode", "unpack_decode"]
 

@@ -6,7 +6,7 @@ submission, the admissible view the planner sees and the KV reservation of what 
 (:meth:`TurnBook.admit`), the tokens a pass's logits give (:meth:`TurnBook.finish_prefill`,
 :meth:`TurnBook.finish_decode`), and every ending (stop / length, abort and its drain, failure)
 with its :class:`~ainfer_pd.request.TurnOutput` (abort, failure and close are the mixin
-:class:`~ainfer_pd.engine.turn_endings.TurnEndings`). The engine's loops (:mod:`.engine`) decide
+:class:`~ainfer_pd.engine.loop.turn_endings.TurnEndings`). The engine's loops (:mod:`.engine`) decide
 when device work runs and call in here before and after it; whatever they wait on that
 changes here is reported through ``notify``.
 """
@@ -18,16 +18,16 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import WorkerConfig
-from ..errors import SamplingError
-from ..metrics.recorder import Recorder
-from ..sched.planner import PendingPrefill, fits, plan_prefill
-from ..sched.priority import History, PriorityConfig, Work, order
-from . import prefix
-from .kv_cache import KVCacheManager
-from .routed_experts import of_turn
-from .runner import BatchPlan
-from .sampler import DeviceSample, SampleRow, read_sample, sample
+from ...config import WorkerConfig
+from ...errors import SamplingError
+from ...metrics.recorder import Recorder
+from ...sched.planner import PendingPrefill, fits, plan_prefill
+from ...sched.priority import History, PriorityConfig, Work, order
+from ..kv import prefix
+from ..kv.kv_cache import KVCacheManager
+from ..model.routed_experts import of_turn
+from ..runtime.runner import BatchPlan
+from ..model.sampler import DeviceSample, SampleRow, read_sample, sample
 from .state import InFlight, Turn, TurnState
 from .turn_endings import TurnEndings
 

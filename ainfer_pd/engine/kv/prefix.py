@@ -6,10 +6,10 @@ feeds it a turn's prompt, with the prompt's block hashes computed once per turn.
 """
 from __future__ import annotations
 
-from ..sched.planner import PendingPrefill
+from ...sched.planner import PendingPrefill
 from .block_hash import worth_waiting
 from .kv_cache import KVCacheManager
-from .state import SeqTokens, Turn
+from ..loop.state import SeqTokens, Turn
 
 
 def prompt_hashes(kv: KVCacheManager, t: Turn) -> list:

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config import ModelConfig
-from .attention import AttentionBackend, ForwardBatch, TorchAttention, attend
+from ...config import ModelConfig
+from ..attention import AttentionBackend, ForwardBatch, TorchAttention, attend
 from .norm import rms_norm
 from .rope import rope_cos_sin
 from .moe import Routing, experts_local, swiglu_dense
@@ -139,7 +139,7 @@ class MoETransformer(nn.Module):
         """A fused softmax router (``fused_moe.fused_softmax_route``, set with the Triton MoE
         backend); None: ``engine.routing.route``."""
         self.routing_sink = None
-        """:class:`~ainfer_pd.engine.routed_experts.RoutedExpertsCache` recording every fed token's
+        """:class:`~ainfer_pd.engine.model.routed_experts.RoutedExpertsCache` recording every fed token's
         top-k expert ids (routing replay, ``cache.routed_experts``); None: nothing recorded."""
         self.load_report = None
         """What building the model read (:class:`ainfer_pd.hf.checkpoint.LoadReport`), if it loaded a checkpoint."""
@@ -323,7 +323,7 @@ def build_model(c: ModelConfig, device: torch.device | str = "cpu",
         torch.set_default_dtype(prev)
     model.requires_grad_(False)
     if c.path:
-        from ..hf.checkpoint import load_pretrained
+        from ...hf.checkpoint import load_pretrained
         load_pretrained(model, c.path)           # random init (logged) when the directory has no weights
     else:
         model.init_weights(c.seed)

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .attention import ForwardBatch
-from .model import MoETransformer, SegmentState
+from ..attention import ForwardBatch
+from ..model.model import MoETransformer, SegmentState
 
 log = logging.getLogger("ainfer_pd.prefill_graphs")
 

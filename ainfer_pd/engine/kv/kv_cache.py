@@ -28,7 +28,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ..errors import CapacityError, LifetimeError
+from ...errors import CapacityError, LifetimeError
 from .block_hash import ROOT, best_tail, block_hash, chain_hashes, release_order
 from .block_pool import BlockPool
 from .kv_addressing import BlockAddressing

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..metrics.recorder import Recorder
+from ...metrics.recorder import Recorder
 
 __all__ = ["Work", "StreamHold", "Stream", "Device"]
 

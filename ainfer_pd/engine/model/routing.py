@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..config import ModelConfig
+from ...config import ModelConfig
 from .moe import Routing, routing_of
 
 

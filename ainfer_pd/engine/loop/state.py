@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..request import SamplingParams
+from ...request import SamplingParams
 
 
 class TurnState(enum.Enum):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..request import SamplingParams
+from ...request import SamplingParams
 
 _M64 = (1 << 64) - 1
 

@@ -20,7 +20,7 @@ import logging
 import torch
 from torch import Tensor
 
-from .attention import DecodeMeta, ForwardBatch
+from ..attention import DecodeMeta, ForwardBatch
 
 log = logging.getLogger("ainfer_pd.cuda_graphs")
 

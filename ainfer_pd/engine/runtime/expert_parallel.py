@@ -8,9 +8,9 @@ Prefill splits a MoE layer at the notification (SPEC 3.4): ``notify`` (counts ex
 peers learn the shape) -> the P task awaits the receive counts and then the turnstile
 permit -> ``finish`` (routed data movement, local experts, combine). Decode runs the
 three steps back to back inside its iteration (under attention TP on its TP rank's share of
-the replica's rows: :class:`~ainfer_pd.engine.tensor_parallel.DecodeHooks`). The data movement
+the replica's rows: :class:`~ainfer_pd.engine.runtime.tensor_parallel.DecodeHooks`). The data movement
 runs on the device's communication budget
-(:meth:`~ainfer_pd.engine.device.Device.comm_budget`), not in a compute residency slot.
+(:meth:`~ainfer_pd.engine.runtime.device.Device.comm_budget`), not in a compute residency slot.
 """
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..comm.experts.base import Notified, PhaseDispatchers
-from ..phase import PhaseContext
-from .model import MoETransformer
-from .moe import Routing, swiglu_grouped
+from ...comm.experts.base import Notified, PhaseDispatchers
+from ...phase import PhaseContext
+from ..model.model import MoETransformer
+from ..model.moe import Routing, swiglu_grouped
 
 
 def expert_shard(cfg: Any, rank: int | None = None) -> tuple[int, int] | None:
@@ -37,7 +37,7 @@ def expert_shard(cfg: Any, rank: int | None = None) -> tuple[int, int] | None:
         if not dist.is_initialized():
             return None                  # make_engine refuses this configuration with its own error
         rank = dist.get_rank()
-    from ..comm.topology import Topology
+    from ...comm.topology import Topology
     ep_rank = Topology.from_config(pc, rank).ep_rank
     n = cfg.model.num_experts // pc.expert_parallel
     return ep_rank * n, (ep_rank + 1) * n

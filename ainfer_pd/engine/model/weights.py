@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import ConfigError, WeightUpdateError, WorkerAsleepError
+from ...errors import ConfigError, WeightUpdateError, WorkerAsleepError
 
 
 def save_safetensors(model: nn.Module, path: str | Path) -> None:
@@ -104,7 +104,7 @@ class WeightStage:
     """
 
     def __init__(self, model: nn.Module, *, partial: bool = False, copy: bool = False) -> None:
-        from ..hf.names import name_table
+        from ...hf.names import name_table
         released = [n for n, p in model.named_parameters() if p.numel() == 0]
         if released:
             raise WorkerAsleepError(f"the weights are off the device ({len(released)} parameters released, e.g. "

@@ -58,9 +58,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..comm.ordering import D_ADP_ALL_GATHER, D_ADP_REDUCE_SCATTER, D_ATP_ALL_GATHER, D_ATP_REDUCE_SCATTER, P_ATP_ALL_REDUCE
-from ..errors import TopologyError
-from .moe import Routing
+from ...comm.ordering import D_ADP_ALL_GATHER, D_ADP_REDUCE_SCATTER, D_ATP_ALL_GATHER, D_ATP_REDUCE_SCATTER, P_ATP_ALL_REDUCE
+from ...errors import TopologyError
+from ..model.moe import Routing
 
 __all__ = ["PhaseHooks", "DecodeHooks", "PrefillHooks", "shard_attention_", "decode_dispatch_rows"]
 
@@ -130,7 +130,7 @@ def decode_dispatch_rows(max_decode_batch: int, topology: Any) -> int:
 class DecodeHooks:
     """D's collectives and expert path inside its iteration (module docstring). ``colls``: the
     rank's D-phase :class:`~ainfer_pd.comm.collectives.PhaseCollectives`; ``model``: the (sharded)
-    model; ``ep``: the :class:`~ainfer_pd.engine.expert_parallel.ExpertParallel` (D's dispatcher
+    model; ``ep``: the :class:`~ainfer_pd.engine.runtime.expert_parallel.ExpertParallel` (D's dispatcher
     chosen by ``ctx``, D's phase context). With ADP > 1 and expert parallelism the routed experts
     run on the rows of every replica (:meth:`experts_dp`)."""
 

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from .runner import BatchPlan
-from .sampler import DeviceSample, SampleRow, sample_on_device
+from ..runtime.runner import BatchPlan
+from ..model.sampler import DeviceSample, SampleRow, sample_on_device
 from .state import Turn
 
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable
 
-from ..metrics.export import set_log_context
-from ..sched.epoch_mode import EpochMode
-from .model import ATTENTION, EMBED, EXPERTS, HEAD, Segment
+from ...metrics.export import set_log_context
+from ...sched.epoch_mode import EpochMode
+from ..model.model import ATTENTION, EMBED, EXPERTS, HEAD, Segment
 
 P_ITEM = {"phase": "P", "kind": "compute"}
 

@@ -12,14 +12,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..config import WorkerConfig
-from .attention import DecodeMeta, ForwardBatch, PrefillSeq, select_backend
-from .attention.backend import resolve_kernel_backend
-from .kv_cache import KVCacheManager
-from .model import MoETransformer, SegmentState, build_model
+from ...config import WorkerConfig
+from ..attention import DecodeMeta, ForwardBatch, PrefillSeq, select_backend
+from ..attention.backend import resolve_kernel_backend
+from ..kv.kv_cache import KVCacheManager
+from ..model.model import MoETransformer, SegmentState, build_model
 from .prefill_graphs import prefill_graph_buckets
-from ..phase import Phase, PhaseContext
-from .state import Turn
+from ...phase import Phase, PhaseContext
+from ..loop.state import Turn
 from .tensor_parallel import LOCAL, PhaseHooks
 
 log = logging.getLogger("ainfer_pd.runner")
@@ -71,7 +71,7 @@ class ModelRunner:
         self.routed = None
         """Per-slot expert ids (routing replay), allocated with the KV pool when ``cache.routed_experts``."""
         if cfg.cache.routed_experts:
-            from .routed_experts import RoutedExpertsCache
+            from ..model.routed_experts import RoutedExpertsCache
             self.routed = RoutedExpertsCache(mc, (kv.alloc.num_blocks + 1) * kv.block_size, device)
             self.model.routing_sink = self.routed
         self.kv_cache = self.new_kv_cache()
@@ -79,7 +79,7 @@ class ModelRunner:
         self.model.attn_backend = select_backend(dc.attention_backend, device, mc.head_dim)
         self.moe_backend = resolve_kernel_backend("moe_backend", dc.moe_backend, device)
         if self.moe_backend == "triton":
-            from .fused_moe import fused_experts, fused_softmax_route
+            from ..fused_moe import fused_experts, fused_softmax_route
             self.model.expert_kernel = fused_experts
             self.model.route_kernel = fused_softmax_route
         log.info("attention backend %s, MoE backend %s", self.model.attn_backend.name, self.moe_backend)

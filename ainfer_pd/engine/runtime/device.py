@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..metrics.recorder import Recorder
+from ...metrics.recorder import Recorder
 from .streams import Device, Stream, StreamHold, Work  # noqa: F401 - importable from here
 
 
@@ -157,7 +157,7 @@ class CudaDevice(Device):
         """A stream of a CUDA green context holding ``sms`` of the device's SMs: its kernels run on
         those SMs only, so another stream's kernels always find the rest free. Checked at creation:
         an event recorded on it can be timed against the device's reference event (the intervals)."""
-        from ..errors import BackendUnavailableError, ConfigError
+        from ...errors import BackendUnavailableError, ConfigError
         total = torch.cuda.get_device_properties(self.index).multi_processor_count
         if not 0 < sms < total:
             raise ConfigError(f"stream {key[0]} lane {key[1]}: {sms} SMs for its green context; "
@@ -226,12 +226,12 @@ def make_device(kind: str, recorder: Recorder, *, residency_slots: int = 2, thre
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda":
         if not torch.cuda.is_available():
-            from ..errors import BackendUnavailableError
+            from ...errors import BackendUnavailableError
             raise BackendUnavailableError("device.device=cuda but CUDA is not available on this host")
         return CudaDevice(recorder, torch.cuda.current_device() if index is None else index, high_priority_stream,
                           lane_sms)
     if any((lane_sms or {}).values()):
-        from ..errors import ConfigError
+        from ...errors import ConfigError
         raise ConfigError(f"an SM partition of stream lanes {sorted(lane_sms)} needs a CUDA device; this one is {kind}")
     return CpuDevice(recorder, residency_slots=residency_slots, threads_per_stream=threads_per_stream,
                      collective_slots=collective_slots)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..config import ModelConfig
+from ...config import ModelConfig
 
 
 class RoutedExpertsCache:

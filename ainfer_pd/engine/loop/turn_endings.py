@@ -1,4 +1,4 @@
-"""The endings of a :class:`~ainfer_pd.engine.turns.TurnBook`'s turns: abort and its drain,
+"""The endings of a :class:`~ainfer_pd.engine.loop.turns.TurnBook`'s turns: abort and its drain,
 failure, the caller's :class:`~ainfer_pd.request.TurnOutput`, and the book's close. A mixin of
 the book (its state is the book's); every method stays callable on it (``engine.book.abort``...).
 """
@@ -7,13 +7,13 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..request import TurnOutput
-from .routed_experts import of_turn
+from ...request import TurnOutput
+from ..model.routed_experts import of_turn
 from .state import Turn, TurnState
 
 if TYPE_CHECKING:
-    from ..metrics.recorder import Recorder
-    from .kv_cache import KVCacheManager
+    from ...metrics.recorder import Recorder
+    from ..kv.kv_cache import KVCacheManager
 
 
 class TurnEndings:

@@ -1,0 +1,1 @@
+"""The paged KV cache: blocks, prefix sharing, addressing, its audit, device residency."""

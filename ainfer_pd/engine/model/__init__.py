@@ -1,0 +1,1 @@
+"""The model as walkable segments: layers, experts, routing, weights, sampling."""

@@ -1,0 +1,1 @@
+"""Running the model on a device: streams, the runner, CUDA graphs, replica and parallel hooks."""
