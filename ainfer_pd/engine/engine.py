@@ -134,7 +134,7 @@ class Engine:
                          ctx=self.decode_ctx, p=self.p, overlap=self.overlap_decode, dist=dist)
         self.d.device_delay_s = d_delay
         if dist is None:
-            self.p.chain = self._chain_epoch
+            self.p.decide, self.p.changed = self._decide_epoch, lambda: self._changed
         if dist is not None:
             dist.attach(self)
 
@@ -217,7 +217,7 @@ class Engine:
             states = await self.coord.exchange(mine, epoch=self.p.epoch)
             on = self.activation.update(states[0].clock_ms / 1000.0, sum(s.p_tokens for s in states),
                                         sum(s.d_rows for s in states))
-            dec = decide_step(states, self.traits, self.cfg.mux, activation_on=on, exclusive_running=self._exclusive)
+            dec = decide_step(states, self.traits, self.cfg.mux, activation_on=on, exclusive_running=self._excl())
             self.not_closing = dec.not_closing
             # agreed: the epoch started exclusive stays so until a step at which no rank runs one
             self._exclusive = dec.epoch.exclusive if dec.epoch is not None else self._exclusive and dec.p_running
@@ -236,7 +236,7 @@ class Engine:
         """One step's decision: start the epoch, then D's iteration, or wait for a change."""
         if self.dist is not None:
             self.dist.rows_agreed = self.dist.padded_rows(dec.d_rows, self.runner.graphs)
-        if dec.epoch is not None:
+        if dec.epoch is not None and self.dist is not None:     # one rank: the P task starts it
             if dec.why in COUNTERS:
                 self.rec.count(COUNTERS[dec.why])
             await self.p.start(dec.epoch, dec.why, d_enqueued=self.d.in_flight)
@@ -255,14 +255,17 @@ class Engine:
         else:
             await self.coord.idle(seen)
 
-    def _chain_epoch(self) -> tuple | None:
-        """One rank, as an epoch ends: the step's P decision at once (the next epoch's item, or None)."""
+    def _excl(self) -> bool:
+        """The epoch running was started exclusive: one rank's own epoch, or the agreed flag."""
+        return self.p.exclusive if self.dist is None else self._exclusive
+
+    def _decide_epoch(self) -> tuple | None:
+        """One rank, on the P task: the step's P decision (the next epoch's item, or None)."""
         mine = self._inputs()
         on = self.activation.update(mine.clock_ms / 1000.0, mine.p_tokens, mine.d_rows)
-        dec = decide_step([mine], self.traits, self.cfg.mux, activation_on=on, exclusive_running=self._exclusive)
+        dec = decide_step([mine], self.traits, self.cfg.mux, activation_on=on, exclusive_running=self._excl())
         if dec.asleep or dec.stop or dec.epoch is None:
             return None
-        self._exclusive = dec.epoch.exclusive
         if dec.why in COUNTERS:
             self.rec.count(COUNTERS[dec.why])
         return self.p.begin(dec.epoch, dec.why, d_enqueued=self.d.in_flight)

@@ -73,31 +73,40 @@ class PDriver:
         await self._go.put(item)
         await item[2].wait()
 
-    chain: Callable[[], tuple | None] | None = None
-    """One rank: the decision an epoch's end makes at once (:meth:`begin`'s item of the next epoch,
-    or None). The coordinator is local, so the P task may take the step's P decision itself instead
-    of waiting for the step loop to come round after the D iteration it is in."""
+    decide: Callable[[], tuple | None] | None = None
+    """One rank: the step's P decision, taken by the P task itself (:meth:`begin`'s item of the next
+    epoch, or None). The coordinator is local, so P need not wait for the step loop to come round
+    after the D iteration it is in; several ranks agree every epoch at a step (:meth:`start`)."""
+    changed: Callable[[], asyncio.Event] | None = None
+    """One rank: the engine's current change event (set by the next change)."""
 
     # ------------------------------------------------------------------ the P task
     async def run(self) -> None:
-        item = None
         while True:
-            epoch, mode, entered, d_enqueued = item if item is not None else await self._go.get()
-            item = None
+            if self.decide is not None:
+                seen = self.changed()
+                item = self.decide()
+                if item is None:
+                    await seen.wait()
+                    continue
+            else:
+                item = await self._go.get()
+            epoch, mode, entered, d_enqueued = item
+            admitted = True
             try:
                 work, plan = await self._batch()
-                if not work and self.isolate_failures:
-                    # NOTE: unreachable while the plan and the admission share `fits` (one rank: no
-                    # peer joins this epoch); should it happen, the step plans again after a change.
-                    continue
-                await self._run_isolated(epoch, work, plan, mode, d_enqueued, entered)
+                # NOTE: an empty batch is unreachable while the plan and the admission share `fits`
+                # (one rank: no peer joins this epoch); should it happen, P decides again after a change.
+                admitted = bool(work) or not self.isolate_failures
+                if admitted:
+                    await self._run_isolated(epoch, work, plan, mode, d_enqueued, entered)
             finally:
                 entered.set()
                 if self.running and self.epoch == epoch:
                     self.running = self.exclusive = False
                     self.notify()
-            if self.chain is not None:
-                item = self.chain()
+            if not admitted and self.changed is not None:
+                await self.changed().wait()      # after the notify above: the next change
 
     async def _batch(self) -> tuple[list, BatchPlan]:
         """This epoch's batch: planned and admitted here (a replica leader shares it with its TP
