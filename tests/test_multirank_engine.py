@@ -63,6 +63,14 @@ async def _single(plans, policy):
         return await _drive(w, plans)
 
 
+@pytest.fixture(scope="module")
+def single_rank_ref():
+    """The plans and their world-size-1 ``normal`` run, shared by every case below (the same
+    deterministic reference each case used to recompute)."""
+    plans = _plans(8, seed=11)
+    return plans, asyncio.run(_single(plans, "normal"))
+
+
 @pytest.mark.parametrize("world_size,policy,extra", [
     (2, "fine-grained", None), (4, "fine-grained", None), (2, "normal", None), (2, "global-enqueue", None),
     (2, "fine-grained", {"mux.activation_cost": "measured", "mux.activation_threshold": 1}),
@@ -70,9 +78,8 @@ async def _single(plans, policy):
     (2, "fine-grained", {"mux.exclusive_wait_s": 0.05, "mux.activation_threshold": 1})],
     ids=["2-fine-grained", "4-fine-grained", "2-normal", "2-global-enqueue", "2-fine-grained-cost-measured",
          "2-fine-grained-backlog", "2-fine-grained-wait"])
-def test_expert_parallel_greedy_outputs_equal_the_single_rank_run(tmp_path, world_size, policy, extra):
-    plans = _plans(8, seed=11)
-    ref = asyncio.run(_single(plans, "normal"))
+def test_expert_parallel_greedy_outputs_equal_the_single_rank_run(tmp_path, world_size, policy, extra, single_rank_ref):
+    plans, ref = single_rank_ref
     res = run_ranks(_rank_main, world_size, policy, plans, extra, str(tmp_path), timeout_s=240)
     got = [None] * len(plans)
     declined = [r[4] for r in res]
