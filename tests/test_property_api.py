@@ -1200,19 +1200,26 @@ async def _agen(items):
 
 async def recompute(checked: list[Checked], versions: dict[int, dict[str, torch.Tensor]]) -> list:
     """Recompute every checked turn on a fresh fault-free worker with the same weights; returns
-    the mismatches."""
+    the mismatches. One weight version's turns run together (fp32 greedy and seeded tokens do not
+    depend on the batch a turn shares: the programs' own turns ran in arbitrary batches), about
+    five times faster than one after another."""
     bad = []
     if not checked:
         return bad
+
+    async def one(ref, c: Checked) -> list[int]:
+        out = await ref.generate(c.context, c.params)
+        await ref.release(out.trajectory_id)
+        return out.token_ids
+
     async with RolloutWorker(tiny_cfg()) as ref:
         for v in sorted({c.version for c in checked}):
             if v:
                 await ref.update_weights(list(versions[v].items()), partial=True)
-            for c in (c for c in checked if c.version == v):
-                out = await ref.generate(c.context, c.params)
-                await ref.release(out.trajectory_id)
-                if (out.token_ids[:len(c.tokens)] if c.partial else out.token_ids) != c.tokens:
-                    bad.append((v, len(c.context), c.params, c.tokens, out.token_ids))
+            group = [c for c in checked if c.version == v]
+            for c, tokens in zip(group, await asyncio.gather(*(one(ref, c) for c in group))):
+                if (tokens[:len(c.tokens)] if c.partial else tokens) != c.tokens:
+                    bad.append((v, len(c.context), c.params, c.tokens, tokens))
     return bad
 
 
