@@ -1,6 +1,8 @@
 import asyncio
+import importlib.util
 import os
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,6 +72,38 @@ def hf_worker_cfg(path, policy: str = "normal", **sections) -> WorkerConfig:
     for k, v in sections.items():
         over.setdefault(k, {}).update(v)
     return WorkerConfig.from_pretrained(path, over)
+
+
+# ---------------------------------------------------------------------------- Ray (the verl tests)
+HAVE_VERL = importlib.util.find_spec("verl") is not None and importlib.util.find_spec("ray") is not None
+_RAY_LAST_USER: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray instance for the verl tests (tests/test_verl_*.py): started by the first test that
+    needs it and shut down right after the last one (``pytest_runtest_teardown`` below), instead of a
+    start (~4 s on the 2-core VM) and a shutdown per module."""
+    if not HAVE_VERL:
+        pytest.skip("verl/ray not installed: pip install -e '.[verl]'")
+    import ray
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    users = [it.nodeid for it in items if "ray_cluster" in getattr(it, "fixturenames", ())]
+    _RAY_LAST_USER[:] = users[-1:]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    if _RAY_LAST_USER and item.nodeid == _RAY_LAST_USER[0] and "ray" in sys.modules:
+        import ray
+        ray.shutdown()             # no Ray processes beside the tests after the last verl one
 
 
 def pytest_addoption(parser):

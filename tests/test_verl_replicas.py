@@ -18,13 +18,12 @@ from ainfer_pd.errors import ConfigError
 from ainfer_pd.integrations.verl import residency_plan as rp
 from ainfer_pd.integrations.verl.settings import build_worker_config
 from tests.test_verl_integration import (GREEDY, HAVE_VERL, TINY, _register_test_parts, _tokenizer, kill,
-                                         needs_verl, ray_cluster, rollout_config, trainer_config)  # noqa: F401
+                                         needs_verl, rollout_config, trainer_config)
 
 ROOT = Path(__file__).resolve().parents[1]
 TWO = str(ROOT / "configs" / "tiny-2rank-cpu.yaml")
 PROMPT = [5, 17, 33, 2, 99, 41, 7, 8, 250, 12]
 REQ = {**GREEDY, "max_tokens": 8, "ignore_eos": True}
-__all__ = ["ray_cluster"]     # the module-scoped Ray fixture, shared
 
 
 # ---------------------------------------------------------------------------- pure policy
