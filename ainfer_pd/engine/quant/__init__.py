@@ -1,0 +1,1 @@
+"""Quantized weights and activations (blockwise FP8: :mod:`.fp8`)."""
