@@ -112,3 +112,53 @@ def check_scale(name: str, weight_shape: tuple[int, ...] | torch.Size, scale_sha
     if tuple(scale_shape_) != want:
         raise CheckpointError(f"{name}: weight_scale_inv has shape {tuple(scale_shape_)}, expected {want} "
                               f"(one scale per {block} x {block} block of the weight {tuple(weight_shape)})")
+
+
+# ====================================================================== routed experts in FP8
+# Layout: w13 [E, 2I, D] (gate rows, then up rows: Hugging Face's gate_proj / up_proj stacked) with
+# scale_inv [E, 2 nb(I), nb(D)] (the gate's block rows, then the up's: each half has its own grid,
+# so a partial last block of the gate never shares a scale with the up); w2 [E, D, I] with
+# scale_inv [E, nb(D), nb(I)].
+def w13_scale_shape(num_experts: int, inter: int, hidden: int, block: int = BLOCK) -> tuple[int, int, int]:
+    return num_experts, 2 * blocks(inter, block), blocks(hidden, block)
+
+
+def quantize_w13(gate: Tensor, up: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
+    """gate, up [E, I, D] -> (q [E, 2I, D] float8, scale_inv [E, 2 nb(I), nb(D)])."""
+    qg, sg = quantize_blockwise(gate, block)
+    qu, su = quantize_blockwise(up, block)
+    return torch.cat([qg, qu], dim=-2), torch.cat([sg, su], dim=-2)
+
+
+def dequantize_w13(q: Tensor, scale_inv: Tensor, dtype: torch.dtype = torch.float32,
+                   block: int = BLOCK) -> tuple[Tensor, Tensor]:
+    """The inverse of :func:`quantize_w13`: (gate, up), each [E, I, D] in ``dtype``."""
+    inter = q.shape[-2] // 2
+    nb = blocks(inter, block)
+    return (dequantize_blockwise(q[..., :inter, :], scale_inv[..., :nb, :], dtype, block),
+            dequantize_blockwise(q[..., inter:, :], scale_inv[..., nb:, :], dtype, block))
+
+
+def experts_fp8_reference(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w13_scale: Tensor,
+                          w2: Tensor, w2_scale: Tensor, block: int = BLOCK) -> Tensor:
+    """The FP8 fused MoE's math in torch (the kernels' oracle): x [T, D] -> [T, D] in x's dtype.
+
+    Every (token, slot) row: x quantized in 1 x 128 groups, ``act = silu(x W_gate^T) * (x W_up^T)``
+    with the dequantized block weights (float32), ``act`` quantized in 1 x 128 groups, times
+    ``W_down^T``, scaled by its top-k weight; a token's k rows summed in slot order."""
+    T, D = x.shape
+    k = topk_idx.shape[1]
+    if T == 0:
+        return torch.zeros_like(x)
+    xd = dequantize_token_groups(*quantize_token_groups(x, block), torch.float32, block)     # [T, D]
+    gate, up = dequantize_w13(w13, w13_scale, torch.float32, block)                          # [E, I, D]
+    down = dequantize_blockwise(w2, w2_scale, torch.float32, block)                          # [E, D, I]
+    flat = topk_idx.reshape(-1)
+    xr = xd.repeat_interleave(k, dim=0)                                                      # [N, D]
+    g = torch.bmm(gate.index_select(0, flat), xr.unsqueeze(-1)).squeeze(-1)                 # [N, I]
+    u = torch.bmm(up.index_select(0, flat), xr.unsqueeze(-1)).squeeze(-1)
+    act = torch.nn.functional.silu(g) * u
+    act = dequantize_token_groups(*quantize_token_groups(act, block), torch.float32, block)
+    rows = torch.bmm(down.index_select(0, flat), act.unsqueeze(-1)).squeeze(-1)            # [N, D]
+    rows = rows * topk_weights.reshape(-1, 1).float()
+    return rows.view(T, k, D).sum(dim=1).to(x.dtype)
