@@ -1,0 +1,214 @@
+"""Triton kernels of blockwise FP8 (e4m3): activation quantization, the dense GEMM and the fused
+MoE's two expert GEMMs. The torch oracle of each is in :mod:`.fp8`; the launchers are in
+:mod:`.fp8_ops`.
+
+Formats (see :mod:`.fp8`): weights ``[.., N, K]`` float8_e4m3fn (K contiguous, Hugging Face's
+layout) with one float32 scale per 128 x 128 block; activations ``[T, K]`` float8 with one float32
+scale per token per 128 columns (``GROUP``). Every K step of the GEMMs covers at most one scale
+column (``GROUP % BLOCK_K == 0``) and is accumulated as ``acc += dot(a, b) * a_s[:, None] *
+b_s[None, :]``: the FP8 product of one step is promoted to the float32 accumulator with both
+scales applied (on Hopper the fp8 MMA's own accumulation is reduced-precision, so one promotion
+per <= 128 K keeps the error at the quantization's). B tiles are loaded ``[BLOCK_K, BLOCK_N]``
+through transposed pointers of the ``[N, K]`` weight, so both dot operands are K-major, as
+Hopper's FP8 MMA wants.
+
+Fused MoE layout: the aligned rows of :mod:`..fused_moe` (``SORTED`` pair ids grouped by expert,
+``BLOCK_EXPERT``, ``NUM_POST``; pair = token * TOPK + slot). ``fp8_moe_gate_up_kernel`` reads the
+token's quantized row in place, accumulates gate and up in one program over ``w13 [E, 2I, D]``
+(gate rows [0, I), up rows [I, 2I); scale rows: the gate's nb(I), then the up's) and writes
+``act = silu(g) * u``, either already quantized in 1 x 128 groups (``FUSE_QUANT``: needs
+``BLOCK_N == GROUP``, one group per program row) or in float32 for a separate quantization
+launch. ``fp8_moe_down_kernel`` multiplies the quantized act by ``w2 [E, D, I]`` and scales each
+row by its top-k weight.
+
+Division is ``tl.math.div_rn`` (IEEE round to nearest, as torch's), so the activation
+quantization is bit-exact against :func:`.fp8.quantize_token_groups` on the GPU.
+
+Under ``TRITON_INTERPRET=1`` (Triton 3.9 on CPU):
+* FP8 ``tl.dot`` runs natively (the interpreter widens both operands to float16, exactly, and
+  multiplies in float32), so the kernels run unchanged; no bf16 upcast is needed (and bf16
+  ``tl.dot`` is itself wrong under this interpreter: it returns garbage of order 1e10).
+* The float32 -> float8e4nv cast is wrong: the interpreter rounds by adding the first dropped
+  bit to the 3-bit mantissa without carrying into the exponent (127.94 -> 64, not 128) and
+  without ties-to-even. The constexpr ``EXACT`` (set by the launchers only when interpreting)
+  first rounds to the e4m3 grid in float32 arithmetic (:func:`_e4m3_grid`), so the cast that
+  follows is exact. On the GPU ``EXACT`` is False and the cast is the native round-to-nearest-
+  even conversion.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..fused_moe.kernels import _expert_block, _tile_ids
+
+FP8_MAX = tl.constexpr(448.0)
+TINY = tl.constexpr(1e-12)
+
+
+@triton.jit
+def _e4m3_grid(v):
+    """float32 v (|v| <= 448) rounded to nearest even on the e4m3 grid, still float32: 3 mantissa
+    bits at or above 2^-6 (integer rounding of the float32 bits; a carry moves into the exponent),
+    multiples of 2^-9 below (subnormals: float32 addition of 2^14 rounds there); v's sign bit kept
+    (-0.0 stays -0.0)."""
+    a = tl.abs(v)
+    bits = a.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+    normal = bits.to(tl.float32, bitcast=True)
+    sub = (a + 16384.0) - 16384.0
+    r = tl.where(a < 0.015625, sub, normal).to(tl.int32, bitcast=True)
+    sign = v.to(tl.int32, bitcast=True) & -0x80000000
+    return (r | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quant_tile(v, EXACT: tl.constexpr):
+    """v [R, G] float32 (zeros where masked) -> (q [R, G] float8e4nv, scale [R] float32), one
+    group per row: scale = max(amax / 448, 1e-12), q = clamp(v / scale, +-448) rounded to e4m3."""
+    amax = tl.max(tl.abs(v), axis=1)
+    scale = tl.maximum(tl.math.div_rn(amax, tl.zeros_like(amax) + FP8_MAX), TINY)
+    q = tl.math.div_rn(v, tl.zeros_like(v) + scale[:, None])
+    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+    if EXACT:
+        q = _e4m3_grid(q)
+    return q.to(tl.float8e4nv), scale
+
+
+@triton.jit(do_not_specialize=["T"])
+def token_group_quant_kernel(X, Q, S, T, K, stride_x, stride_q, stride_s,
+                             ROWS: tl.constexpr, GROUP: tl.constexpr, EXACT: tl.constexpr):
+    """ROWS tokens x one group of GROUP columns: x [T, K] -> q [T, K] float8, s [T, nb(K)] float32."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    g = tl.program_id(1)
+    cols = g * GROUP + tl.arange(0, GROUP)
+    rmask = rows < T
+    m = rmask[:, None] & (cols < K)[None, :]
+    r64 = rows.to(tl.int64)
+    v = tl.load(X + r64[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    q, s = _quant_tile(v, EXACT)
+    tl.store(Q + r64[:, None] * stride_q + cols[None, :], q, mask=m)
+    tl.store(S + r64 * stride_s + g, s, mask=rmask)
+
+
+@triton.jit
+def _scaled_dot(a_rows, as_rows, rmask, b_cols, bs_cols, nmask, K,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] float32 = sum over k of (a[m, k] a_s[m, k // GROUP]) (b[n, k] b_s[n, k // GROUP]).
+
+    a_rows [BLOCK_M] / b_cols [BLOCK_N]: pointers to the rows' (columns') first K element (K
+    contiguous); as_rows / bs_cols: pointers to their first scale (scale columns contiguous)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        kmask = kk < K
+        a = tl.load(a_rows[:, None] + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_cols[None, :] + kk[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
+        sa = tl.load(as_rows + k0 // GROUP, mask=rmask, other=0.0)
+        sb = tl.load(bs_cols + k0 // GROUP, mask=nmask, other=0.0)
+        acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+    return acc
+
+
+@triton.jit
+def _scaled_dot_pair(a_rows, as_rows, rmask, g_cols, gs_cols, u_cols, us_cols, nmask, K,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """:func:`_scaled_dot` against two weights (gate and up) sharing each A tile: (acc_g, acc_u)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        kmask = kk < K
+        bmask = kmask[:, None] & nmask[None, :]
+        a = tl.load(a_rows[:, None] + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        bg = tl.load(g_cols[None, :] + kk[:, None], mask=bmask, other=0.0)
+        bu = tl.load(u_cols[None, :] + kk[:, None], mask=bmask, other=0.0)
+        sa = tl.load(as_rows + k0 // GROUP, mask=rmask, other=0.0)[:, None]
+        sg = tl.load(gs_cols + k0 // GROUP, mask=nmask, other=0.0)[None, :]
+        su = tl.load(us_cols + k0 // GROUP, mask=nmask, other=0.0)[None, :]
+        acc_g += tl.dot(a, bg) * sa * sg
+        acc_u += tl.dot(a, bu) * sa * su
+    return acc_g, acc_u
+
+
+@triton.jit(do_not_specialize=["M"])
+def fp8_gemm_kernel(A, AS, B, BS, BIAS, C, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
+                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_M: tl.constexpr, GROUP: tl.constexpr):
+    """C [M, N] = (A [M, K] * AS [M, nb(K)]) @ (B [N, K] * BS [nb(N), nb(K)])^T (+ BIAS [N]), in C's dtype."""
+    pid_m, pid_n = _tile_ids(tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mmask = offs_m < M
+    nmask = offs_n < N
+    acc = _scaled_dot(A + offs_m * stride_am, AS + offs_m * stride_asm, mmask,
+                      B + offs_n * stride_bn, BS + (offs_n // GROUP) * stride_bsn, nmask, K,
+                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(C + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(C.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _store_act(act, ACT, ACTS, prow, rmask, offs_n, nmask, stride_an, stride_asn,
+               FUSE_QUANT: tl.constexpr, GROUP: tl.constexpr, EXACT: tl.constexpr):
+    """act [BLOCK_M, BLOCK_N] float32 -> ACT rows ``prow``: quantized (one 1 x GROUP group per row,
+    BLOCK_N == GROUP, its scale into ACTS [N, nb(I)]) when FUSE_QUANT, else as is (ACT float32)."""
+    mask = rmask[:, None] & nmask[None, :]
+    ptr = ACT + prow[:, None] * stride_an + offs_n[None, :]
+    if FUSE_QUANT:
+        q, s = _quant_tile(tl.where(mask, act, 0.0), EXACT)
+        tl.store(ptr, q, mask=mask)
+        tl.store(ACTS + prow * stride_asn + tl.min(offs_n, axis=0) // GROUP, s, mask=rmask)
+    else:
+        tl.store(ptr, act.to(ACT.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "P"])
+def fp8_moe_gate_up_kernel(
+    SORTED, BLOCK_EXPERT, NUM_POST, X, XS, W, WS, ACT, ACTS,
+    num_pairs, P, K, I,
+    stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_an, stride_asn,
+    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, GROUP: tl.constexpr, FUSE_QUANT: tl.constexpr, EXACT: tl.constexpr,
+):
+    """ACT[pair, n] = silu(g) * u, g / u = x_q[tok] . W[e, n] / W[e, I + n] (block scales applied)."""
+    active, e, pairs, rmask, offs_n, nmask = _expert_block(SORTED, BLOCK_EXPERT, NUM_POST, num_pairs, P, I,
+                                                           BLOCK_M, BLOCK_N, GROUP_M)
+    if not active:
+        return
+    tok = (pairs // TOPK).to(tl.int64)
+    n64 = offs_n.to(tl.int64)
+    g_cols = W + e * stride_we + n64 * stride_wn
+    gs_cols = WS + e * stride_wse + (n64 // GROUP) * stride_wsn
+    acc_g, acc_u = _scaled_dot_pair(X + tok * stride_xt, XS + tok * stride_xst, rmask,
+                                    g_cols, gs_cols, g_cols + I * stride_wn, gs_cols + tl.cdiv(I, GROUP) * stride_wsn,
+                                    nmask, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP)
+    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    _store_act(act, ACT, ACTS, pairs.to(tl.int64), rmask, n64, nmask, stride_an, stride_asn, FUSE_QUANT, GROUP, EXACT)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "P"])
+def fp8_moe_down_kernel(
+    SORTED, BLOCK_EXPERT, NUM_POST, A, AS, W, WS, OUT, TOPW,
+    num_pairs, P, K, N,
+    stride_an, stride_asn, stride_we, stride_wn, stride_wse, stride_wsn, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    """OUT[pair, n] = topw[pair] * act_q[pair] . W[e, n] (block scales applied), in OUT's dtype."""
+    active, e, pairs, rmask, offs_n, nmask = _expert_block(SORTED, BLOCK_EXPERT, NUM_POST, num_pairs, P, N,
+                                                           BLOCK_M, BLOCK_N, GROUP_M)
+    if not active:
+        return
+    prow = pairs.to(tl.int64)
+    n64 = offs_n.to(tl.int64)
+    acc = _scaled_dot(A + prow * stride_an, AS + prow * stride_asn, rmask,
+                      W + e * stride_we + n64 * stride_wn, WS + e * stride_wse + (n64 // GROUP) * stride_wsn,
+                      nmask, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP)
+    w = tl.load(TOPW + prow, mask=rmask, other=0.0).to(tl.float32)
+    tl.store(OUT + prow[:, None] * stride_on + n64[None, :], (acc * w[:, None]).to(OUT.dtype.element_ty),
+             mask=rmask[:, None] & nmask[None, :])

@@ -1,0 +1,183 @@
+"""The blockwise-FP8 Triton kernels (engine/quant/fp8_kernels.py, run on CPU under
+TRITON_INTERPRET=1: conftest) against their torch oracles in engine/quant/fp8.py.
+
+* Activation quantization: bit-exact (scales and e4m3 bytes), including every e4m3 value and
+  every midpoint between two (ties to even, carries into the exponent, subnormals, -0.0).
+* The FP8 GEMM and the FP8 fused MoE: the same quantized operands as the oracle, so they differ
+  only by float32 summation order (and the act quantization of values that order moves across a
+  rounding midpoint): relative error ||out - ref|| / ||ref|| <= 1e-4 with float32 outputs, 1e-2
+  with bf16 ones. Weights get a different power-of-two magnitude per 128 x 128 block (and the
+  activations per 1 x 128 group), so a scale read from the wrong block is an O(1) error.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ainfer_pd.engine.fused_moe.plan import GemmPlan, MoEPlan
+from ainfer_pd.engine.model.moe import route
+from ainfer_pd.engine.quant import fp8
+from ainfer_pd.engine.quant.fp8_ops import fp8_gemm, fp8_linear, fused_experts_fp8, per_token_group_quant
+from ainfer_pd.engine.quant.fp8_plan import check_fp8_plan, fp8_gemm_plan, fp8_moe_plan, fuses_act_quant
+from ainfer_pd.errors import CheckpointError
+
+F32, BF16 = torch.float32, torch.bfloat16
+# The interpreter evaluates tl.sigmoid as 1 / (1 + exp(-g)) in numpy: exp overflows (to inf, the
+# right limit: silu(g) -> -0) for gates below -88, which these wide-range activations reach.
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+
+def blocky(shape, seed: int, rows: int = 128) -> torch.Tensor:
+    """Gaussian [..., N, K] (scaled by K^-1/2) times 2^j, j in [-3, 3], drawn per rows x 128 block."""
+    g = torch.Generator().manual_seed(seed)
+    *lead, n, k = shape
+    w = torch.randn(*shape, generator=g) * k ** -0.5
+    f = 2.0 ** torch.randint(-3, 4, (*lead, fp8.blocks(n, rows), fp8.blocks(k)), generator=g).float()
+    return w * f.repeat_interleave(rows, -2).repeat_interleave(128, -1)[..., :n, :k]
+
+
+def activations(T: int, K: int, dtype, seed: int) -> torch.Tensor:
+    """x [T, K]: a different magnitude per token and per 128-column group."""
+    if T == 0:
+        return torch.zeros(0, K, dtype=dtype)
+    return (blocky((T, K), seed, rows=1) * K ** 0.5 * 4).to(dtype)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30)).item()
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype == fp8.FP8 and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+# ---------------------------------------------------------------------------- activation quantization
+@pytest.mark.parametrize("T,K,dtype", [(0, 256, F32), (1, 128, F32), (5, 200, F32), (33, 300, BF16),
+                                       (3, 1000, torch.float16)])
+def test_activation_quant_is_bit_exact(T, K, dtype):
+    x = activations(T, K, dtype, seed=T + K)
+    if T > 2:
+        x[1] = 0                                           # all-zero groups: the 1e-12 scale floor
+        x[2, :5] = torch.tensor([1e-30, -1e-30, 3e-38, -0.0, 0.0]).to(dtype)
+    q, s = per_token_group_quant(x)
+    rq, rs = fp8.quantize_token_groups(x)
+    assert q.shape == (T, K) and s.shape == (T, fp8.blocks(K)) and s.dtype == F32
+    assert torch.equal(s, rs)
+    assert same_bytes(q, rq)
+
+
+def test_activation_quant_rounds_every_e4m3_midpoint_like_torch():
+    """Groups whose amax is 448 have scale 1: the kernel's cast itself is compared, on every e4m3
+    value, every midpoint between neighbours (ties to even; 127.94 -> 128 carries into the
+    exponent), and just above and below each midpoint."""
+    vals = torch.arange(256, dtype=torch.uint8).view(fp8.FP8).float()
+    vals = vals[torch.isfinite(vals)].unique()
+    mids = (vals[1:] + vals[:-1]) / 2
+    eps = mids.abs() * 1e-6
+    x = torch.cat([vals, mids, mids + eps, mids - eps, torch.tensor([-0.0, 127.9366, -127.9366, 447.9])])
+    x = torch.cat([x, torch.zeros(-len(x) % 127)]).view(-1, 127)
+    x = torch.cat([torch.full((x.shape[0], 1), 448.0), x], dim=1)          # amax 448 in every group
+    q, s = per_token_group_quant(x)
+    rq, rs = fp8.quantize_token_groups(x)
+    assert torch.equal(s, torch.ones_like(s)) and torch.equal(s, rs)
+    assert same_bytes(q, rq)
+
+
+# ---------------------------------------------------------------------------- dense GEMM
+@pytest.mark.parametrize("M,N,K,dtype,bias", [(1, 200, 300, F32, True), (19, 130, 257, F32, False),
+                                              (19, 130, 257, BF16, True), (0, 64, 128, F32, True),
+                                              (70, 256, 384, F32, False)])
+def test_fp8_linear_matches_reference(M, N, K, dtype, bias):
+    x = activations(M, K, dtype, seed=M)
+    wq, ws = fp8.quantize_blockwise(blocky((N, K), seed=N))
+    b = torch.randn(N).to(dtype) if bias else None
+    y = fp8_linear(x, wq, ws, b)
+    ref = fp8.fp8_linear_reference(x, wq, ws, b)
+    assert y.shape == (M, N) and y.dtype == dtype
+    if M:
+        assert rel_err(y, ref) <= (1e-4 if dtype == F32 else 1e-2)
+
+
+@pytest.mark.parametrize("plan", [GemmPlan(16, 32, 64, 2, 4, 1), GemmPlan(32, 16, 32, 3, 4, 1),
+                                  GemmPlan(16, 128, 128, 1, 4, 1)])
+def test_fp8_gemm_tiles_smaller_than_a_scale_block(plan):
+    """K steps of 32 / 64 (several steps per scale column), tiles that straddle weight blocks
+    (N tile 16 or 32 against 128-row blocks), grouped programs; leading dims on x."""
+    x = activations(2 * 23, 300, F32, seed=5)
+    wq, ws = fp8.quantize_blockwise(blocky((150, 300), seed=6))
+    bias = torch.randn(150)
+    y = fp8_linear(x.view(2, 23, 300), wq, ws, bias, plan=plan)
+    assert y.shape == (2, 23, 150)
+    assert rel_err(y.view(46, 150), fp8.fp8_linear_reference(x, wq, ws, bias)) <= 1e-4
+
+
+def test_fp8_gemm_rejects_bad_operands():
+    wq, ws = fp8.quantize_blockwise(torch.randn(130, 256))
+    xq, xs = per_token_group_quant(torch.randn(4, 256))
+    with pytest.raises(CheckpointError, match="weight_scale_inv"):
+        fp8_gemm(xq, xs, wq, ws[:1])
+    with pytest.raises(ValueError, match="K"):
+        fp8_gemm(xq[:, :128], xs[:, :1], wq, ws)
+    with pytest.raises(ValueError, match="contiguous"):
+        fp8_gemm(xq, xs, wq.t().contiguous().t(), ws)
+    with pytest.raises(ValueError, match="block_k"):
+        fp8_gemm(xq, xs, wq, ws, plan=GemmPlan(16, 32, 256, 1, 4, 1))
+
+
+# ---------------------------------------------------------------------------- fused MoE
+def expert_weights(E: int, D: int, inter: int, seed: int):
+    """(w13_q [E, 2I, D], w13_scale, w2_q [E, D, I], w2_scale): gate and up with their own block magnitudes."""
+    w13_q, w13_s = fp8.quantize_w13(blocky((E, inter, D), seed), blocky((E, inter, D), seed + 1))
+    w2_q, w2_s = fp8.quantize_blockwise(blocky((E, D, inter), seed + 2))
+    return w13_q, w13_s, w2_q, w2_s
+
+
+UNFUSED = MoEPlan(GemmPlan(16, 32, 64, 2, 4, 1), GemmPlan(16, 64, 128, 2, 4, 1))
+FUSED = MoEPlan(GemmPlan(16, 128, 128, 1, 4, 1), GemmPlan(16, 128, 64, 1, 4, 1))
+
+
+@pytest.mark.parametrize("T,E,k,D,inter,dtype,plan", [
+    (1, 8, 1, 200, 96, F32, None),          # decode: one row, 7 idle experts
+    (3, 16, 2, 256, 130, F32, None),        # most experts idle; I one past a block
+    (0, 4, 2, 128, 64, F32, None),          # no tokens
+    (40, 4, 2, 160, 136, F32, UNFUSED),     # 20 rows per expert: 2 row blocks each; act quantized apart
+    (40, 4, 2, 160, 136, F32, FUSED),       # the same with act quantized in the gate_up epilogue
+    (9, 8, 3, 160, 200, BF16, FUSED),       # bf16 activations, top-3
+])
+def test_fused_experts_fp8_matches_reference(T, E, k, D, inter, dtype, plan):
+    ws = expert_weights(E, D, inter, seed=T + E)
+    x = activations(T, D, dtype, seed=k)
+    r = route(x, torch.randn(E, D).to(dtype), k)
+    out = fused_experts_fp8(x, r, *ws, plan=plan)
+    ref = fp8.experts_fp8_reference(x, r.topk_idx, r.topk_weights, *ws)
+    assert out.shape == (T, D) and out.dtype == dtype
+    if T:
+        assert rel_err(out, ref) <= (1e-4 if dtype == F32 else 1e-2)
+
+
+def test_fused_experts_fp8_rejects_the_bf16_layout():
+    """w13 [E, D, 2I] (the bf16 kernels' layout) is refused, not silently misread."""
+    E, D, inter = 4, 160, 64
+    w13_q, w13_s, w2_q, w2_s = expert_weights(E, D, inter, seed=0)
+    x = torch.randn(2, D)
+    r = route(x, torch.randn(E, D), 2)
+    with pytest.raises(ValueError, match="w13"):
+        fused_experts_fp8(x, r, w13_q.transpose(1, 2).contiguous(), w13_s, w2_q, w2_s)
+    with pytest.raises(ValueError, match="contiguous"):
+        fused_experts_fp8(x, r, w13_q, w13_s, w2_q.transpose(1, 2).contiguous().transpose(1, 2), w2_s)
+
+
+def test_fp8_plan_table():
+    """Small row blocks for decode, large for prefill; every K step within one scale column."""
+    decode, prefill = fp8_moe_plan(8, 128), fp8_moe_plan(8 * 8192, 128)
+    assert decode.block_m <= 16 < prefill.block_m
+    assert fuses_act_quant(prefill.gate_up)
+    assert fp8_gemm_plan(1).block_m <= 16 < fp8_gemm_plan(8192).block_m
+    for n in (1, 64, 1024, 65536):
+        moe = fp8_moe_plan(n, 128)
+        assert moe.gate_up.block_m == moe.down.block_m
+        for g in (moe.gate_up, moe.down, fp8_gemm_plan(n)):
+            check_fp8_plan(g)
+    for bad in (256, 96, 16):
+        with pytest.raises(ValueError):
+            check_fp8_plan(GemmPlan(16, 64, bad, 1, 4, 1))
