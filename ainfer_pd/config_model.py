@@ -14,6 +14,7 @@ from .errors import ConfigError
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
+QUANTIZATIONS = ("none", "fp8")
 ROUTERS = ("softmax", "sigmoid")
 
 # What each architecture's Hugging Face layout can hold (its weight names have a place for it).
@@ -87,6 +88,13 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     """The output head is the embedding matrix (one tensor)."""
     dtype: str = "float32"
+    quantization: str = "none"
+    """Weight format of the projections: ``none`` (the model dtype) or ``fp8`` (blockwise e4m3,
+    128 x 128 weight blocks with float32 scales, activations quantized per token in 1 x 128
+    groups: :mod:`ainfer_pd.engine.model.linear`). ``fp8`` on a checkpoint in a float dtype or a
+    random init quantizes at load (the random init: drawn in ``dtype``, then quantized); an FP8
+    checkpoint (``quantization_config.quant_method: fp8``) sets it. The router, the embedding,
+    the head, the norms and the biases stay in ``dtype``."""
     seed: int = 0
     """Seed of the deterministic random initialisation."""
     weights_path: str | None = None
@@ -137,6 +145,8 @@ class ModelConfig:
             raise ConfigError("model.routed_scaling_factor must be > 0")
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.dtype={self.dtype!r} not one of {DTYPES}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"model.quantization={self.quantization!r}: expected one of {QUANTIZATIONS}")
         if self.eos_token_id is not None and not 0 <= self.eos_token_id < self.vocab_size:
             raise ConfigError("model.eos_token_id outside the vocabulary")
         bad_stops = [i for i in self.stop_token_ids if not 0 <= i < self.vocab_size]

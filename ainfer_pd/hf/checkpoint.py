@@ -11,6 +11,13 @@ the whole checkpoint is checked against the model: every tensor name known, ever
 Pickled weights (``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``) are never unpickled: a directory
 with only those is refused. A directory with ``config.json`` and no weight files at all gives
 the seeded random init of the real shapes (benchmarks), and says so in the log.
+
+FP8 (``model.quantization: fp8``): a weight stored in a float dtype (a bf16 checkpoint, or the
+modules an FP8 checkpoint keeps unquantized: ``modules_to_not_convert`` / ``ignored_layers``) is
+cast to the model dtype and quantized at load, on the device; a float8_e4m3fn weight (an FP8
+checkpoint) is copied with its ``weight_scale_inv``, whose absence or wrong shape is a
+CheckpointError naming the tensor. A float8 tensor for a model-dtype parameter, or any float8
+tensor in a model without ``quantization: fp8``, is refused by name.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..engine.quant.fp8 import FP8, check_scale
 from ..errors import CheckpointError
 from .config import num_extra_layers, read_config_json
 from .names import name_table
@@ -33,7 +41,7 @@ log = logging.getLogger("ainfer_pd.hf")
 
 INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
-_FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64, "F8_E4M3": FP8}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -150,12 +158,13 @@ def load_pretrained(model: nn.Module, model_dir: str | Path) -> "LoadReport":
         with safe_open(str(d / fname), framework="pt", device="cpu") as h:
             for name, target in items:
                 t = h.get_slice(name)[lo:hi] if target.expert_axis else h.get_tensor(name)
-                p = table.params[target.param]
-                src = _layout(t, target.transpose, p.device)
-                (p[target.index] if target.index else p).copy_(src)
+                dev = table.params[target.param].device
+                for pname, index, v in target.writes(_layout(t, target.transpose, dev), dev, model.cfg.torch_dtype):
+                    p = table.params[pname]
+                    (p[index] if index else p).copy_(v)
                 report.tensors_read.append(name)
                 report.bytes_read += t.numel() * t.element_size()
-                del t, src
+                del t
     report.seconds = time.perf_counter() - t0
     model.load_report = report
     log.info("loaded %s: %d tensors, %.2f GB in %.2f s (%.2f GB/s)%s", d.name, len(report.tensors_read),
@@ -206,20 +215,14 @@ def _check(where: dict[str, str], handles: dict, table, extra_from: int | None, 
             unexpected.append(name)
             continue
         sl = handles[where[name]].get_slice(name)
-        shape = tuple(sl.get_shape())
-        if shape != target.shape:
-            raise CheckpointError(f"{dname}: tensor {name!r} in {where[name]} has shape {shape}, but config.json "
-                                  f"({c.architecture}) implies {target.shape}")
-        dt = sl.get_dtype()
-        if dt not in _FLOAT_DTYPES:
-            raise CheckpointError(f"{dname}: tensor {name!r} has dtype {dt}; only floating checkpoints are supported")
+        dtype = _check_tensor(name, tuple(sl.get_shape()), sl.get_dtype(), target, where, table, dname)
         if not target.mine:
             report.tensors_skipped.append(name)
             continue
         if target.param is None:                          # the tied lm_head: the embedding serves
             report.tensors_skipped.append(name)
             continue
-        for u in target.units:
+        for u in target.units_for(dtype):
             if u in covered:
                 raise CheckpointError(f"{dname}: tensor {name!r} fills a part of {target.param!r} that "
                                       f"{covered[u]!r} already fills")
@@ -233,3 +236,28 @@ def _check(where: dict[str, str], handles: dict, table, extra_from: int | None, 
         raise CheckpointError(f"{dname}: the checkpoint lacks {table.describe_missing(missing)} "
                               f"({len(missing)} of {len(table.required)} parts of the model)")
     return plan
+
+
+def _check_tensor(name: str, shape: tuple, dt: str, target, where: dict[str, str], table, dname: str) -> torch.dtype:
+    """One tensor's header against its target: shape, dtype (float8 only into an FP8 projection,
+    with its ``weight_scale_inv`` present), a block-scale grid of the right shape. Its dtype."""
+    c = table.model.cfg
+    if target.scale_of is not None:
+        check_scale(f"{dname}: {name!r} in {where[name]}", target.scale_of, shape)
+    if shape != target.shape:
+        raise CheckpointError(f"{dname}: tensor {name!r} in {where[name]} has shape {shape}, but config.json "
+                              f"({c.architecture}) implies {target.shape}")
+    dtype = _DTYPES.get(dt)
+    if dtype is None:
+        raise CheckpointError(f"{dname}: tensor {name!r} has dtype {dt}; only floating and float8_e4m3fn (blockwise "
+                              "FP8) checkpoints are supported")
+    if dtype == FP8 and target.fp8 is None:
+        why = ("this engine keeps it in the model dtype" if c.quantization == "fp8"
+               else "an FP8 checkpoint loads with model.quantization: fp8")
+        raise CheckpointError(f"{dname}: tensor {name!r} is stored in float8_e4m3fn; {why}")
+    if dtype == FP8 and name + "_scale_inv" not in where:
+        raise CheckpointError(f"{dname}: tensor {name!r} is stored in float8_e4m3fn but the checkpoint has no "
+                              f"{name + '_scale_inv'!r} (its block scales)")
+    if target.scale_of is not None and dtype == FP8:
+        raise CheckpointError(f"{dname}: block scales {name!r} are float8; expected float32")
+    return dtype

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, UnsupportedModelError
+from .quant_config import quantization_of
 
 log = logging.getLogger("ainfer_pd.hf")
 
@@ -139,11 +140,7 @@ def fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise UnsupportedModelError(f"config.json ({mt}) has key(s) ainfer-pd does not know: {', '.join(unknown)}; "
                                     "they may change the model's math, so the model is refused")
-    q = hf.get("quantization_config")
-    if q:
-        how = q.get("quant_method", "?") if isinstance(q, dict) else q
-        raise UnsupportedModelError(f"config.json quantization_config ({how!r}): quantized checkpoints "
-                                    "are not supported")
+    quantization = quantization_of(hf)         # blockwise fp8 or none; anything else refused by name
     act = _str(hf, "hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModelError(f"config.json hidden_act={act!r}: only silu (SwiGLU) is supported")
@@ -169,6 +166,7 @@ def fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "max_context_len": _int(hf, "max_position_embeddings", 4096),
         "tie_word_embeddings": _bool(hf, "tie_word_embeddings", False),
         "dtype": _dtype(hf),
+        "quantization": quantization,
         "eos_token_id": eos[0] if eos else None,
         "stop_token_ids": tuple(eos),
     }

@@ -19,17 +19,41 @@ skipped without being read.
 
 Layouts: this engine keeps ``wqkv`` [(H + 2Hk) hd, D] = [q; k; v] rows, ``w13`` [El, D, 2I]
 (gate columns, then up), ``w2`` [El, I, D], dense / shared ``*_w13`` [D, 2I] and ``*_w2`` [I, D].
+
+FP8 models (``model.quantization: fp8``, :mod:`ainfer_pd.engine.model.linear`): every projection
+``P`` is ``P_fp8`` (out, in: the checkpoint's layout, no transposes) and ``P_scale_inv``; a weight
+name's target is a row block of ``P_fp8`` (one part: q, k, v, gate, up, or the whole) with the
+matching block rows of ``P_scale_inv`` (:class:`Fp8Part`). A weight arriving in a float dtype is
+quantized into both (a bf16 checkpoint, a trainer's bf16 sync); one arriving in float8_e4m3fn
+(an FP8 checkpoint) is copied, and its ``weight_scale_inv`` (a name of its own here) fills the
+scales. Each is a unit of its own, so a load or a complete sync needs every scale exactly once.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterator
 
+import torch
 from torch import Tensor, nn
 
 from ..config import ModelConfig
+from ..engine.model.linear import (FLOAT8, FP8_SUFFIX, SCALE_SUFFIX, Projection, layer_projections, projection_of,
+                                   quantize_parts)
+from ..engine.quant.fp8 import FP8, scale_shape
 
 Unit = tuple
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Part:
+    """The block scales a weight fills with its FP8 values when it arrives in a float dtype and is
+    quantized: ``scale[index]``, its ``units``; each of the ``split`` row parts (empty: one)
+    on its own block grid (the packed ``gate_up_proj``: gate, then up)."""
+
+    scale: str
+    index: tuple
+    units: tuple[Unit, ...]
+    split: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,12 +68,41 @@ class Target:
     expert: int | None = None         # per-expert tensor: the global expert id
     mine: bool = True                 # False: another expert-parallel rank's expert
     units: tuple[Unit, ...] = ()      # the model units this tensor fills (on this rank)
+    fp8: Fp8Part | None = None        # an FP8 projection's values: a float tensor is quantized (FP8 models)
+    scale_of: tuple[int, ...] | None = None   # a weight_scale_inv: the shape of the weight it scales
 
     def source(self, t: Tensor, lo: int, hi: int) -> Tensor:
         """The part of ``t`` this rank keeps, in the region's layout (a view)."""
         if self.expert_axis:
             t = t[lo:hi]
         return t.transpose(-1, -2) if self.transpose else t
+
+    def quantizes(self, dtype: torch.dtype) -> bool:
+        """A tensor of ``dtype`` is quantized on its way in (an FP8 projection, a float tensor)."""
+        return self.fp8 is not None and dtype not in FLOAT8
+
+    def units_for(self, dtype: torch.dtype) -> tuple[Unit, ...]:
+        """The units a tensor of ``dtype`` fills: a quantized one fills its scales too."""
+        return self.units + self.fp8.units if self.quantizes(dtype) else self.units
+
+    def accepts(self, dtype: torch.dtype, param_dtype: torch.dtype) -> bool:
+        """A tensor of ``dtype`` may fill this target's parameter (of ``param_dtype``): the same
+        dtype; a float one into an FP8 projection (quantized) or into a float parameter (cast);
+        never a float8 one into anything but float8_e4m3fn, nor a cast into float8."""
+        if dtype == param_dtype:
+            return True
+        if dtype in FLOAT8 or param_dtype in FLOAT8:
+            return param_dtype == FP8 and self.quantizes(dtype) and dtype.is_floating_point
+        return dtype.is_floating_point and param_dtype.is_floating_point
+
+    def writes(self, src: Tensor, device: torch.device, dtype: torch.dtype) -> list[tuple[str, tuple, Tensor]]:
+        """(parameter, index, tensor) of ``src`` (:meth:`source`'s view): itself, or its FP8 values
+        and their block scales: cast to the model ``dtype`` on ``device``, then quantized (an FP8
+        model's weights are the quantized weights the model-dtype model would hold)."""
+        if not self.quantizes(src.dtype):
+            return [(self.param, self.index, src)]
+        q, s = quantize_parts(src.to(device=device, dtype=dtype), self.fp8.split)
+        return [(self.param, self.index, q), (self.fp8.scale, self.fp8.index, s)]
 
 
 class NameTable:
@@ -58,7 +111,7 @@ class NameTable:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.params = dict(model.named_parameters())
-        self.hf: dict[str, Target] = dict(_hf_targets(model.cfg, model.expert_range, self.params))
+        self.hf: dict[str, Target] = dict(_hf_targets(model.cfg, model.expert_range))
         # the engine's own names: whole parameters (EP: this rank's expert shard)
         self.own = {n: Target(n, (), tuple(p.shape), units=tuple(_units_of(model, n, p)))
                     for n, p in self.params.items()}
@@ -72,6 +125,16 @@ class NameTable:
     def lookup(self, name: str) -> Target | None:
         t = self.hf.get(name)
         return t if t is not None else self.own.get(name)
+
+    def cast_dtype(self, target: Target, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a tensor of ``dtype`` for ``target`` may be cast to before it is staged: its
+        parameter's, or for a float tensor of an FP8 projection the model dtype (it is quantized
+        after; a cast to float8 would drop the block scales)."""
+        if target.param is None:
+            return dtype
+        if target.quantizes(dtype):
+            return self.model.cfg.torch_dtype
+        return self.params[target.param].dtype
 
     def is_hf(self, name: str) -> bool:
         return name in self.hf
@@ -99,19 +162,17 @@ def name_table(model: nn.Module) -> NameTable:
 
 # ---------------------------------------------------------------------------- units
 def _units_of(model: nn.Module, name: str, p: Tensor) -> Iterator[Unit]:
-    """Units of one engine parameter: the parts a name in another family may fill separately."""
-    leaf = name.rsplit(".", 1)[-1]
-    lo, hi = model.expert_range
-    if leaf in ("wqkv", "bqkv"):
+    """Units of one engine parameter: the parts a name in another family may fill separately
+    (an FP8 projection's values and scales: each its own)."""
+    if name.rsplit(".", 1)[-1] == "bqkv":
         yield from ((name, part) for part in ("q", "k", "v"))
-    elif leaf == "w13" and p.dim() == 3:                  # routed experts [El, D, 2I]
-        yield from ((name, e, part) for e in range(lo, hi) for part in ("gate", "up"))
-    elif leaf == "w2" and p.dim() == 3:
-        yield from ((name, e) for e in range(lo, hi))
-    elif leaf in ("shared_w13", "dense_w13"):
-        yield from ((name, part) for part in ("gate", "up"))
-    else:
+        return
+    pr = projection_of(model, name)
+    if pr is None:
         yield (name,)
+        return
+    lo, hi = model.expert_range
+    yield from ((name, *k) for k in pr.unit_keys(range(lo, hi)))
 
 
 # ---------------------------------------------------------------------------- checkpoint / transformers names
@@ -119,7 +180,42 @@ def _whole(p: str, shape: tuple, transpose: bool = False) -> Target:
     return Target(p, (), shape, transpose=transpose, units=((p,),))
 
 
-def _hf_targets(c: ModelConfig, experts: tuple[int, int], params: dict) -> Iterator[tuple[str, Target]]:
+def _proj(c: ModelConfig, pr: Projection, ip: str, part: str | None, shape: tuple, *, j: int | None = None,
+          expert: int | None = None, mine: bool = True, experts: range | None = None) -> tuple[Target, Target | None]:
+    """Where a checkpoint's (out, in) tensor of projection ``pr``'s ``part`` (None: all its rows)
+    lands, in the model's format: ``j`` the local index of one expert's tensor, ``experts`` the
+    local experts of a packed one (axis 0 over all E). With the target of its
+    ``weight_scale_inv`` in an FP8 model (None otherwise)."""
+    name = ip + pr.leaf
+    a, b, sa, sb = pr.part(part)
+    lead = () if j is None else (j,)
+    keys = pr.unit_keys(experts) if experts is not None else [tuple(x for x in (expert, part) if x is not None)]
+    packed = experts is not None
+    if c.quantization != "fp8":
+        index = lead if part is None else (*lead, slice(None), slice(a, b)) if pr.transposed else (*lead, slice(a, b))
+        units = tuple((name, *k) for k in keys) if mine else ()
+        return Target(name, index, shape, transpose=pr.transposed, expert_axis=packed, expert=expert, mine=mine,
+                      units=units), None
+    qn, sn = name + FP8_SUFFIX, name + SCALE_SUFFIX
+    index, sindex = (lead, lead) if part is None else ((*lead, slice(a, b)), (*lead, slice(sa, sb)))
+    units, sunits = (tuple((qn, *k) for k in keys), tuple((sn, *k) for k in keys)) if mine else ((), ())
+    split = pr.rows if part is None and len(pr.rows) > 1 else ()
+    weight = Target(qn, index, shape, expert_axis=packed, expert=expert, mine=mine, units=units,
+                    fp8=Fp8Part(sn, sindex, sunits, split))
+    scale = Target(sn, sindex, scale_shape(shape), expert_axis=packed, expert=expert, mine=mine, units=sunits,
+                   scale_of=shape)
+    return weight, scale
+
+
+def _named(hf_name: str, targets: tuple[Target, Target | None]) -> Iterator[tuple[str, Target]]:
+    """A checkpoint weight's target and, in an FP8 model, its ``weight_scale_inv``'s."""
+    weight, scale = targets
+    yield hf_name, weight
+    if scale is not None and hf_name.endswith(".weight"):
+        yield hf_name + "_scale_inv", scale
+
+
+def _hf_targets(c: ModelConfig, experts: tuple[int, int]) -> Iterator[tuple[str, Target]]:
     D = c.hidden_size
     yield "model.embed_tokens.weight", _whole("embed", (c.vocab_size, D))
     yield "model.norm.weight", _whole("final_norm", (D,))
@@ -127,26 +223,26 @@ def _hf_targets(c: ModelConfig, experts: tuple[int, int], params: dict) -> Itera
                              else _whole("lm_head", (c.vocab_size, D)))
     for i in range(c.num_layers):
         hp, ip = f"model.layers.{i}.", f"layers.{i}."
-        yield from _attention_targets(c, hp, ip)
+        prs = layer_projections(c, i, experts[1] - experts[0])     # c: the attention TP shard's heads
+        yield from _attention_targets(c, hp, ip, prs)
         if not c.is_moe_layer(i):
-            yield from _mlp(hp + "mlp.", ip + "dense_w13", ip + "dense_w2", D, c.dense_intermediate)
+            yield from _mlp(c, hp + "mlp.", ip, prs, "dense")
             continue
-        yield from _moe_targets(c, hp, ip, experts)
+        yield from _moe_targets(c, hp, ip, experts, prs)
 
 
-def _attention_targets(c: ModelConfig, hp: str, ip: str) -> Iterator[tuple[str, Target]]:
+def _attention_targets(c: ModelConfig, hp: str, ip: str, prs: dict) -> Iterator[tuple[str, Target]]:
     """One layer's norms and attention (``hp``: its checkpoint prefix, ``ip``: the engine's)."""
     D, H, Hk, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
     rows = {"q": (0, H * hd), "k": (H * hd, (H + Hk) * hd), "v": ((H + Hk) * hd, (H + 2 * Hk) * hd)}
     yield hp + "input_layernorm.weight", _whole(ip + "attn_norm", (D,))
     yield hp + "post_attention_layernorm.weight", _whole(ip + "ffn_norm", (D,))
     for part, (a, b) in rows.items():
-        yield (hp + f"self_attn.{part}_proj.weight",
-               Target(ip + "wqkv", (slice(a, b),), (b - a, D), units=((ip + "wqkv", part),)))
+        yield from _named(hp + f"self_attn.{part}_proj.weight", _proj(c, prs["wqkv"], ip, part, (b - a, D)))
         if c.qkv_bias:
             yield (hp + f"self_attn.{part}_proj.bias",
                    Target(ip + "bqkv", (slice(a, b),), (b - a,), units=((ip + "bqkv", part),)))
-    yield hp + "self_attn.o_proj.weight", _whole(ip + "wo", (D, H * hd))
+    yield from _named(hp + "self_attn.o_proj.weight", _proj(c, prs["wo"], ip, None, (D, H * hd)))
     if c.o_bias:
         yield hp + "self_attn.o_proj.bias", _whole(ip + "bo", (D,))
     if c.qk_norm:
@@ -154,7 +250,8 @@ def _attention_targets(c: ModelConfig, hp: str, ip: str) -> Iterator[tuple[str, 
         yield hp + "self_attn.k_norm.weight", _whole(ip + "k_norm", (hd,))
 
 
-def _moe_targets(c: ModelConfig, hp: str, ip: str, experts: tuple[int, int]) -> Iterator[tuple[str, Target]]:
+def _moe_targets(c: ModelConfig, hp: str, ip: str, experts: tuple[int, int],
+                 prs: dict) -> Iterator[tuple[str, Target]]:
     """One MoE layer's router, routed experts (packed and per expert) and shared expert."""
     D, E, I = c.hidden_size, c.num_experts, c.expert_intermediate
     lo, hi = experts
@@ -163,24 +260,20 @@ def _moe_targets(c: ModelConfig, hp: str, ip: str, experts: tuple[int, int]) -> 
         yield mp + "gate.weight", _whole(ip + "router", (E, D))
     if c.router == "sigmoid":
         yield hp + "mlp.gate.e_score_correction_bias", _whole(ip + "router_bias", (E,))
-    w13, w2 = ip + "w13", ip + "w2"
     # transformers' packed experts (named_parameters of the installed version)
-    yield (hp + "mlp.experts.gate_up_proj",
-           Target(w13, (), (E, 2 * I, D), transpose=True, expert_axis=True,
-                  units=tuple((w13, e, part) for e in range(lo, hi) for part in ("gate", "up"))))
-    yield (hp + "mlp.experts.down_proj",
-           Target(w2, (), (E, D, I), transpose=True, expert_axis=True, units=tuple((w2, e) for e in range(lo, hi))))
-    yield from _expert_targets(c, hp, w13, w2, experts)
-    Is = c.shared_expert_intermediate
-    if Is:
+    local = range(lo, hi)
+    yield hp + "mlp.experts.gate_up_proj", _proj(c, prs["w13"], ip, None, (E, 2 * I, D), experts=local)[0]
+    yield hp + "mlp.experts.down_proj", _proj(c, prs["w2"], ip, None, (E, D, I), experts=local)[0]
+    yield from _expert_targets(c, hp, ip, experts, prs)
+    if c.shared_expert_intermediate:
         shared = "mlp.shared_expert." if c.architecture == "qwen2_moe" else "mlp.shared_experts."
-        yield from _mlp(hp + shared, ip + "shared_w13", ip + "shared_w2", D, Is)
+        yield from _mlp(c, hp + shared, ip, prs, "shared")
         if c.shared_expert_gate:
             yield hp + "mlp.shared_expert_gate.weight", _whole(ip + "shared_gate", (1, D))
 
 
-def _expert_targets(c: ModelConfig, hp: str, w13: str, w2: str,
-                    experts: tuple[int, int]) -> Iterator[tuple[str, Target]]:
+def _expert_targets(c: ModelConfig, hp: str, ip: str, experts: tuple[int, int],
+                    prs: dict) -> Iterator[tuple[str, Target]]:
     """The checkpoint's per-expert tensors of one layer (other ranks' experts: ``mine`` False)."""
     D, E, I = c.hidden_size, c.num_experts, c.expert_intermediate
     lo, hi = experts
@@ -190,22 +283,16 @@ def _expert_targets(c: ModelConfig, hp: str, w13: str, w2: str,
     else:
         names = {p: f"mlp.experts.{{e}}.{p}_proj.weight" for p in ("gate", "up", "down")}
     for e in range(E):
-        mine = lo <= e < hi
-        j = e - lo
-        yield (hp + names["gate"].format(e=e),
-               Target(w13, (j, slice(None), slice(0, I)), (I, D), transpose=True, expert=e, mine=mine,
-                      units=((w13, e, "gate"),) if mine else ()))
-        yield (hp + names["up"].format(e=e),
-               Target(w13, (j, slice(None), slice(I, 2 * I)), (I, D), transpose=True, expert=e, mine=mine,
-                      units=((w13, e, "up"),) if mine else ()))
-        yield (hp + names["down"].format(e=e),
-               Target(w2, (j,), (D, I), transpose=True, expert=e, mine=mine, units=((w2, e),) if mine else ()))
+        kw = dict(j=e - lo, expert=e, mine=lo <= e < hi)
+        for part in ("gate", "up"):
+            yield from _named(hp + names[part].format(e=e), _proj(c, prs["w13"], ip, part, (I, D), **kw))
+        yield from _named(hp + names["down"].format(e=e), _proj(c, prs["w2"], ip, None, (D, I), **kw))
 
 
-def _mlp(prefix: str, w13: str, w2: str, D: int, I: int) -> Iterator[tuple[str, Target]]:
-    """A SwiGLU MLP stored as gate_proj / up_proj [I, D] and down_proj [D, I]."""
-    yield prefix + "gate_proj.weight", Target(w13, (slice(None), slice(0, I)), (I, D), transpose=True,
-                                              units=((w13, "gate"),))
-    yield prefix + "up_proj.weight", Target(w13, (slice(None), slice(I, 2 * I)), (I, D), transpose=True,
-                                            units=((w13, "up"),))
-    yield prefix + "down_proj.weight", Target(w2, (), (D, I), transpose=True, units=((w2,),))
+def _mlp(c: ModelConfig, prefix: str, ip: str, prs: dict, kind: str) -> Iterator[tuple[str, Target]]:
+    """A SwiGLU MLP (``kind`` dense or shared) stored as gate_proj / up_proj [I, D] and down_proj [D, I]."""
+    w13, w2 = prs[kind + "_w13"], prs[kind + "_w2"]
+    I, D = w13.rows[0], w2.rows[0]
+    for part in ("gate", "up"):
+        yield from _named(prefix + f"{part}_proj.weight", _proj(c, w13, ip, part, (I, D)))
+    yield from _named(prefix + "down_proj.weight", _proj(c, w2, ip, None, (D, I)))

@@ -23,7 +23,9 @@ from ...config import ModelConfig
 from ..attention import AttentionBackend, ForwardBatch, TorchAttention, attend
 from .norm import rms_norm
 from .rope import rope_cos_sin
-from .moe import Routing, experts_local, swiglu_dense
+from .linear import (SCALE_SUFFIX, Fp8Kernels, add_projection, base_leaf, layer_projections, mlp, project, routed,
+                     store)
+from .moe import Routing, experts_local
 from .routing import RouterSpec, route
 
 # An expert backend maps (x [T, D], routing, layer index) -> routed expert output [T, D].
@@ -42,6 +44,16 @@ class DecoderLayer(nn.Module):
     with the gate columns first, ``w2`` [El, I, D], an optional shared expert ``shared_w13``
     [D, 2Is] / ``shared_w2`` [Is, D] / ``shared_gate`` [1, D]) or, for a dense layer, ``dense_w13``
     [D, 2Id] / ``dense_w2`` [Id, D]. El = the experts this rank holds (all without EP).
+
+    ``model.quantization: fp8`` (``fp8`` True): every projection ``P`` above (``wqkv``, ``wo``,
+    ``w13``, ``w2``, ``shared_w13``, ``shared_w2``, ``dense_w13``, ``dense_w2``) is None and
+    held as ``P_fp8`` float8_e4m3fn in (out, in) layout plus ``P_scale_inv`` float32 block scales
+    (:mod:`.linear`): ``wqkv_fp8`` [(H + 2Hk) hd, D] with the q, k and v rows each on its own
+    block grid, ``wo_fp8`` [D, H hd], ``w13_fp8`` [El, 2I, D] (gate rows, then up rows, each half
+    its own grid: scale [El, 2 nb(I), nb(D)]), ``w2_fp8`` [El, D, I] (scale [El, nb(D), nb(I)]),
+    ``*_w13_fp8`` [2I, D] and ``*_w2_fp8`` [D, I] likewise; nb(n) = ceil(n / 128). The router,
+    ``shared_gate``, norms and biases stay in the model dtype (:mod:`.linear` says why).
+    ``projections``: each projection's shapes and parts.
     """
 
     def __init__(self, c: ModelConfig, i: int, experts: tuple[int, int]) -> None:
@@ -49,30 +61,32 @@ class DecoderLayer(nn.Module):
         D, hd = c.hidden_size, c.head_dim
         nqkv = (c.num_heads + 2 * c.num_kv_heads) * hd
         self.is_moe = c.is_moe_layer(i)
+        self.fp8 = c.quantization == "fp8"
+        self.model_dtype = c.torch_dtype
+        pr = self.projections = layer_projections(c, i, experts[1] - experts[0])
         self.attn_norm = nn.Parameter(torch.ones(D))
-        self.wqkv = nn.Parameter(torch.empty(nqkv, D))
+        add_projection(self, pr["wqkv"], self.fp8)
         self.bqkv = nn.Parameter(torch.zeros(nqkv)) if c.qkv_bias else None
         self.q_norm = nn.Parameter(torch.ones(hd)) if c.qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(hd)) if c.qk_norm else None
-        self.wo = nn.Parameter(torch.empty(D, c.num_heads * hd))
+        add_projection(self, pr["wo"], self.fp8)
         self.bo = nn.Parameter(torch.zeros(D)) if c.o_bias else None
         self.ffn_norm = nn.Parameter(torch.ones(D))
         self.router = self.router_bias = self.w13 = self.w2 = None
         self.shared_w13 = self.shared_w2 = self.shared_gate = None
         self.dense_w13 = self.dense_w2 = None
         if not self.is_moe:
-            self.dense_w13 = nn.Parameter(torch.empty(D, 2 * c.dense_intermediate))
-            self.dense_w2 = nn.Parameter(torch.empty(c.dense_intermediate, D))
+            add_projection(self, pr["dense_w13"], self.fp8)
+            add_projection(self, pr["dense_w2"], self.fp8)
             return
-        n_local = experts[1] - experts[0]
         self.router = nn.Parameter(torch.empty(c.num_experts, D))
         if c.router == "sigmoid":      # e_score_correction_bias: float32 in every checkpoint and model dtype
             self.router_bias = nn.Parameter(torch.zeros(c.num_experts, dtype=torch.float32))
-        self.w13 = nn.Parameter(torch.empty(n_local, D, 2 * c.expert_intermediate))
-        self.w2 = nn.Parameter(torch.empty(n_local, c.expert_intermediate, D))
+        add_projection(self, pr["w13"], self.fp8)
+        add_projection(self, pr["w2"], self.fp8)
         if c.shared_expert_intermediate:
-            self.shared_w13 = nn.Parameter(torch.empty(D, 2 * c.shared_expert_intermediate))
-            self.shared_w2 = nn.Parameter(torch.empty(c.shared_expert_intermediate, D))
+            add_projection(self, pr["shared_w13"], self.fp8)
+            add_projection(self, pr["shared_w2"], self.fp8)
             if c.shared_expert_gate:
                 self.shared_gate = nn.Parameter(torch.empty(1, D))
 
@@ -135,6 +149,9 @@ class MoETransformer(nn.Module):
         self.lm_head = self.embed if c.tie_word_embeddings else nn.Parameter(torch.empty(c.vocab_size, c.hidden_size))
         self.attn_backend: AttentionBackend | None = None   # None: the torch reference path
         self.expert_kernel: Callable[[Tensor, Routing, Tensor, Tensor], Tensor] = experts_local
+        self.fp8_kernels = Fp8Kernels()
+        """What the FP8 projections run (``model.quantization: fp8``): the torch references unless the
+        runner selects the Triton MoE backend (:mod:`.linear`)."""
         self.route_kernel: Callable[[Tensor, Tensor, int, bool], Routing] | None = None
         """A fused softmax router (``fused_moe.fused_softmax_route``, set with the Triton MoE
         backend); None: ``engine.routing.route``."""
@@ -158,9 +175,11 @@ class MoETransformer(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Deterministic random init: same seed and device type -> same weights (one generator
         per parameter, and per expert for routed-expert tensors, so an expert-parallel shard
-        holds exactly its slice of the whole model's init). Norms 1, biases 0."""
-        lo = self.expert_range[0]
-        for idx, (name, p) in enumerate(self.named_parameters()):
+        holds exactly its slice of the whole model's init). Norms 1, biases 0. An FP8 model draws
+        the same values, casts them to the model dtype and quantizes them: its weights are the
+        quantized weights of the model-dtype model of the same seed."""
+        lo, dev = self.expert_range[0], self.embed.device
+        for idx, (name, p, lyr, pr) in enumerate(self._logical_parameters()):
             base = seed * 100003 + idx
             leaf = name.rsplit(".", 1)[-1]
             if leaf.endswith("norm"):
@@ -169,18 +188,36 @@ class MoETransformer(nn.Module):
             if leaf in ("bqkv", "bo", "router_bias"):
                 p.zero_()
                 continue
-            if leaf in ("w13", "w2") and p.dim() == 3:            # routed experts [El, in, out]
-                std = p.shape[-2] ** -0.5
-                for j in range(p.shape[0]):
-                    g = torch.Generator(device=p.device).manual_seed(base * 1_000_003 + lo + j)
-                    p[j].copy_(torch.randn(p.shape[1:], generator=g, dtype=torch.float32, device=p.device).mul_(std))
+            shape = pr.model_shape if pr is not None else tuple(p.shape)
+            if pr is not None and pr.routed:                 # routed experts [El, in, out]
+                std = shape[-2] ** -0.5
+                for j in range(shape[0]):
+                    g = torch.Generator(device=dev).manual_seed(base * 1_000_003 + lo + j)
+                    store(lyr, pr, torch.randn(shape[1:], generator=g, dtype=torch.float32, device=dev).mul_(std), (j,))
                 continue
-            g = torch.Generator(device=p.device).manual_seed(base)
-            fan_in = p.shape[0] if leaf.endswith(("w13", "w2")) else p.shape[-1]   # dense/shared [in, out]
+            g = torch.Generator(device=dev).manual_seed(base)
+            fan_in = shape[0] if leaf.endswith(("w13", "w2")) else shape[-1]   # dense/shared [in, out]
             std = 1.0 if name == "embed" else fan_in ** -0.5
-            t = torch.randn(p.shape, generator=g, dtype=torch.float32, device=p.device)
-            p.copy_(t.mul_(std))
+            t = torch.randn(shape, generator=g, dtype=torch.float32, device=dev).mul_(std)
+            if pr is None:
+                p.copy_(t)
+            else:
+                store(lyr, pr, t)
             del t
+
+    def _logical_parameters(self):
+        """(name, parameter, layer, projection) in the model-dtype model's parameter order: an FP8
+        projection once, under its model-dtype name (its scales are written with its values)."""
+        for name, p in self.named_parameters():
+            parts = name.split(".")
+            if len(parts) != 3 or parts[0] != "layers":
+                yield name, p, None, None
+                continue
+            if parts[2].endswith(SCALE_SUFFIX):
+                continue
+            lyr = self.layers[int(parts[1])]
+            pr = lyr.projections.get(base_leaf(parts[2]))
+            yield (f"layers.{parts[1]}.{pr.leaf}" if pr is not None else name), p, lyr, pr
 
     # ------------------------------------------------------------------ segments
     def embed_tokens(self, fb: ForwardBatch) -> SegmentState:
@@ -204,7 +241,7 @@ class MoETransformer(nn.Module):
         c, lyr, kn = self.cfg, self.layers[i], self.kernels
         T = st.h.shape[0]
         x = kn.rms_norm(st.h, lyr.attn_norm, c.rms_eps)
-        qkv = F.linear(x, lyr.wqkv, lyr.bqkv)                              # [T, (H+2Hk)*hd]
+        qkv = project(lyr, "wqkv", x, lyr.bqkv, self.fp8_kernels)          # [T, (H+2Hk)*hd]
         H, Hk, hd = c.num_heads, c.num_kv_heads, c.head_dim
         q, k, v = qkv.split([H * hd, Hk * hd, Hk * hd], dim=-1)
         q, k, v = q.view(T, H, hd), k.view(T, Hk, hd), v.view(T, Hk, hd)
@@ -215,7 +252,7 @@ class MoETransformer(nn.Module):
     def attention_out(self, i: int, o: Tensor) -> Tensor:
         """The output projection of layer i's attention o [T, H hd] -> [T, D]."""
         lyr = self.layers[i]
-        return F.linear(o, lyr.wo, lyr.bo)
+        return project(lyr, "wo", o, lyr.bo, self.fp8_kernels)
 
     def after_attention(self, i: int, st: SegmentState, o: Tensor, write_slots: Tensor) -> SegmentState:
         """Residual add of the (reduced) attention output, FFN norm, then the router of layer i's
@@ -258,17 +295,17 @@ class MoETransformer(nn.Module):
         lyr = self.layers[i]
         assert st.xn is not None
         if not lyr.is_moe:
-            return SegmentState(h=st.h + swiglu_dense(st.xn, lyr.dense_w13, lyr.dense_w2))
+            return SegmentState(h=st.h + mlp(lyr, "dense", st.xn, self.fp8_kernels))
         assert st.routing is not None
         if expert_fn is None:
             if not self.holds_all_experts:
                 raise RuntimeError(f"this model holds experts {self.expert_range} only: the routed experts "
                                    "need the expert-parallel backend")
-            y = self.expert_kernel(st.xn, st.routing, lyr.w13, lyr.w2)
+            y = routed(self, lyr, st.xn, st.routing)
         else:
             y = expert_fn(st.xn, st.routing, i)
-        if lyr.shared_w13 is not None:
-            s = swiglu_dense(st.xn, lyr.shared_w13, lyr.shared_w2)
+        if "shared_w13" in lyr.projections:
+            s = mlp(lyr, "shared", st.xn, self.fp8_kernels)
             if lyr.shared_gate is not None:                                # qwen2_moe: sigmoid-gated
                 s = torch.sigmoid(F.linear(st.xn, lyr.shared_gate)) * s
             y = y + s

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from ...errors import ConfigError, WeightUpdateError, WorkerAsleepError
+from .linear import FLOAT8, has_nan, is_routed_expert
 
 
 def save_safetensors(model: nn.Module, path: str | Path) -> None:
@@ -44,14 +45,9 @@ def check_named_tensors(model: nn.Module, named: Iterable[tuple[str, Tensor]]) -
             raise WeightUpdateError(f"weight {name!r} is not a tensor")
         if tuple(t.shape) != tuple(p.shape):
             raise WeightUpdateError(f"weight {name!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
-        if not (t.dtype == p.dtype or (t.is_floating_point() and p.is_floating_point())):
+        if not _dtype_ok(t.dtype, p.dtype):
             raise WeightUpdateError(f"weight {name!r} has dtype {t.dtype}, expected {p.dtype}")
-        if not torch.isfinite(t).all():
-            raise WeightUpdateError(f"weight {name!r} has non-finite values")
-        if t.is_floating_point() and p.is_floating_point() and torch.finfo(p.dtype).max < torch.finfo(t.dtype).max:
-            big = float(t.detach().abs().max()) if t.numel() else 0.0
-            if big > torch.finfo(p.dtype).max:     # would become inf in the parameter's dtype
-                raise WeightUpdateError(f"weight {name!r} has a value of magnitude {big:.3g}, beyond {p.dtype}")
+        _check_values(name, t, p.dtype)
         plan.append((p, t))
     return plan
 
@@ -126,8 +122,7 @@ class WeightStage:
         self._manifest: list[tuple[str, tuple[int, ...], str]] = []
         # the engine's own names of expert-parallel shards ([E/e, ...] on each rank): the manifest
         # records them at the whole experts' shape, so every rank of one sync publishes the same
-        self._expert_shards = {n for n, p in table.params.items()
-                               if n.rsplit(".", 1)[-1] in ("w13", "w2") and p.dim() == 3}
+        self._expert_shards = {n for n in table.params if is_routed_expert(model, n)}
         self._items = 0
 
     # ------------------------------------------------------------------ input forms
@@ -191,22 +186,24 @@ class WeightStage:
             self.report.ignored.append(name)
             return
         p = self.table.params[target.param]
-        if not (t.dtype == p.dtype or (t.is_floating_point() and p.is_floating_point())):
-            raise WeightUpdateError(f"weight {name!r} has dtype {t.dtype}, expected {p.dtype}")
+        if not target.accepts(t.dtype, p.dtype):
+            raise WeightUpdateError(f"weight {name!r} has dtype {t.dtype}, expected {_expected(target, p.dtype)}")
         lo, hi = self.model.expert_range
         src = target.source(t, lo, hi)
-        _check_values(name, src, p.dtype)
-        for u in target.units:
+        _check_values(name, src, t.dtype if target.quantizes(t.dtype) else p.dtype)
+        units = target.units_for(t.dtype)
+        for u in units:
             prev = self._covered.get(u)
             if prev is not None:
                 raise WeightUpdateError(f"weight {name!r} fills a part of {target.param!r} that {prev!r} already "
                                         "filled in this sync")
-        for u in target.units:
+        for u in units:
             self._covered[u] = name
-        if self.copy:        # the source's memory may be reused by the next bucket: keep our own copy
-            src = src.detach().to(device=p.device, dtype=p.dtype, copy=True)
-        region = p[target.index] if target.index else p
-        self._plan.append((region, src))
+        for pname, index, v in target.writes(src, p.device, self.model.cfg.torch_dtype):
+            q = self.table.params[pname]
+            if self.copy and v is src:     # the source's memory may be reused by the next bucket: our own copy
+                v = v.detach().to(device=q.device, dtype=q.dtype, copy=True)
+            self._plan.append((q[index] if index else q, v))       # a quantized tensor is already our own
         self.report.applied.append(name)
 
     # ------------------------------------------------------------------ completeness, manifest, apply
@@ -272,8 +269,22 @@ def manifest_digest(manifest: list[tuple[str, tuple[int, ...], str]], partial: b
     return h.hexdigest()
 
 
+def _dtype_ok(t: torch.dtype, p: torch.dtype) -> bool:
+    """A same-name copy: the same dtype, or float into float; never into or out of float8 (a cast
+    would drop the block scales)."""
+    if t == p:
+        return True
+    return t.is_floating_point and p.is_floating_point and not {t, p} & set(FLOAT8)
+
+
+def _expected(target: Any, dtype: torch.dtype) -> str:
+    if target.fp8 is not None:
+        return f"{dtype} (with its weight_scale_inv) or a float dtype (quantized on the way in)"
+    return str(dtype)
+
+
 def _check_values(name: str, t: Tensor, dtype: torch.dtype) -> None:
-    if t.is_floating_point() and t.numel() and not torch.isfinite(t).all():
+    if has_nan(t):
         raise WeightUpdateError(f"weight {name!r} has non-finite values")
     if t.is_floating_point() and dtype.is_floating_point and torch.finfo(dtype).max < torch.finfo(t.dtype).max:
         big = float(t.detach().abs().max()) if t.numel() else 0.0

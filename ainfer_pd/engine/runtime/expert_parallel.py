@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from ...comm.experts.base import Notified, PhaseDispatchers
 from ...phase import PhaseContext
 from ..model.model import MoETransformer
-from ..model.moe import Routing, swiglu_grouped
+from ..model.linear import grouped
+from ..model.moe import Routing
 
 
 def expert_shard(cfg: Any, rank: int | None = None) -> tuple[int, int] | None:
@@ -62,14 +62,10 @@ class ExpertParallel:
         base, top = self.model.expert_range        # the experts this model holds (its shard, or all)
         if not base <= lo < hi <= top:
             raise RuntimeError(f"dispatcher serves experts [{lo}, {hi}) but the model holds [{base}, {top})")
-        lyr = self.model.layers[layer]
-        w13, w2 = lyr.w13[lo - base:hi - base], lyr.w2[lo - base:hi - base]
+        lyr, kernels = self.model.layers[layer], self.model.fp8_kernels
 
         def fn(xg: Tensor, counts: Tensor) -> Tensor:       # xg [N, D] grouped by local expert
-            offs = torch.cumsum(counts, 0).to(torch.int32)
-            n = xg.shape[0]
-            out = swiglu_grouped(xg, w13, w2, offs)
-            return out if out.shape[0] == n else torch.cat([out, xg.new_zeros(n - out.shape[0], xg.shape[1])])
+            return grouped(lyr, lo - base, hi - base, xg, counts, kernels)   # in the layer's format (FP8 too)
         return fn
 
     def notify(self, ctx: PhaseContext, routing: Routing, tokens=()) -> Notified:

@@ -59,6 +59,11 @@ class ModelRunner:
         self.kv = kv
         mc = cfg.model
         from .expert_parallel import expert_shard
+        if mc.quantization == "fp8" and tp_shard is not None and tp_shard[1] > 1:
+            from ...errors import UnsupportedOptionError
+            raise UnsupportedOptionError("model.quantization=fp8 with attention tensor parallelism (ATP > 1) is not "
+                                         "built: the FP8 q/k/v and o projections are not split by heads",
+                                         key="quantization")
         self.model: MoETransformer = build_model(mc, device, experts=expert_shard(cfg))   # EP: this rank's experts
         if tp_shard is not None:                     # attention TP: this rank's heads (and their KV) only
             from .tensor_parallel import shard_attention_
@@ -82,6 +87,10 @@ class ModelRunner:
             from ..fused_moe import fused_experts, fused_softmax_route
             self.model.expert_kernel = fused_experts
             self.model.route_kernel = fused_softmax_route
+            if mc.quantization == "fp8":      # the FP8 kernels: imported here only (CPU runs never need Triton)
+                from ..model.linear import Fp8Kernels
+                from ..quant.fp8_ops import fp8_linear, fused_experts_fp8
+                self.model.fp8_kernels = Fp8Kernels(linear=fp8_linear, experts=fused_experts_fp8)
         log.info("attention backend %s, MoE backend %s", self.model.attn_backend.name, self.moe_backend)
         self.graphs = None
         self.pgraphs = None
