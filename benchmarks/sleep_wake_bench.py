@@ -94,6 +94,19 @@ def buckets(named: list, bucket_bytes: int) -> list[list]:
     return out
 
 
+def pinned_views(buf: torch.Tensor, named) -> list:
+    """(name, copy of the parameter) for every parameter, each a view into ``buf`` (the kept
+    host buffer of sleep level 2, pinned on CUDA)."""
+    out, off = [], 0
+    for n, p in named:
+        nbytes = p.numel() * p.element_size()
+        view = buf[off:off + nbytes].view(p.dtype).view(p.shape)
+        view.copy_(p.detach())
+        out.append((n, view))
+        off += -(-nbytes // 256) * 256
+    return out
+
+
 async def agen(items):
     for b in items:
         yield b
@@ -149,10 +162,13 @@ async def main() -> None:
         res["host_buffer_allocations"] = w.engine.residency.host_allocations
         if not args.skip_dropped:
             # level 2, weights dropped (vLLM's level 2); the sync refills them, as verl's hybrid mode does
-            w.engine.residency.free_host_buffer()
+            # the trainer's side of a hybrid sync: the weights in page-locked host memory. Staged in
+            # the worker's own kept pinned buffer (a second 61 GB pageable copy ended the process on
+            # the H200's 128 GB host), as views laid out like residency's (256-byte aligned)
             t = time.perf_counter()
-            host = [(n, p.detach().to("cpu", copy=True)) for n, p in w.model.named_parameters()]
+            host = pinned_views(w.engine.residency.reserve_host_buffer(), w.model.named_parameters())
             res["host_copy_for_sync_s"] = round(time.perf_counter() - t, 3)
+            res["host_pinned"] = bool(host and host[0][1].is_pinned())
             bks = buckets(host, args.bucket_mb << 20)
             res["sync_buckets"] = len(bks)
             await timed(res, "sleep2_drop_s", w.sleep(2, keep_weights=False))
