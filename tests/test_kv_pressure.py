@@ -77,7 +77,7 @@ def test_a_chunk_is_sized_from_the_cache_after_the_steps_earlier_admissions(loop
     bs, n = 16, 12
     cfg = tiny_cfg(**{"cache.num_blocks": n, "cache.block_size": bs})
     kv = KVCacheManager(n, bs)
-    book = TurnBook(cfg, Recorder(), kv)
+    book = TurnBook(cfg.model, cfg.scheduler, Recorder(), kv)
     rng = random.Random(4)
     base = rand_ids(rng, 40)
     _cache(kv, "old", base)
@@ -104,7 +104,7 @@ def test_an_admitted_remainder_is_not_stuck_behind_a_head_that_does_not_fit(loop
     bs, n = 16, 12
     cfg = tiny_cfg(**{"cache.num_blocks": n, "cache.block_size": bs, "scheduler.max_prefill_tokens": 32})
     kv = KVCacheManager(n, bs)
-    book = TurnBook(cfg, Recorder(), kv)
+    book = TurnBook(cfg.model, cfg.scheduler, Recorder(), kv)
     rng = random.Random(5)
     long = _turn(book, loop, "L", rand_ids(rng, 100), 4)        # 7 blocks, prefilled in 4 chunks
     chunks, admitted = plan_prefill(book.pending_view(), 32, book.available_blocks())
@@ -206,7 +206,7 @@ def _book_storm(seed: int, loop, *, num_blocks: int = 12, budget: int = 2048, st
     cfg = tiny_cfg(**{"cache.num_blocks": num_blocks, "cache.block_size": bs,
                       "scheduler.max_prefill_tokens": budget})
     kv = KVCacheManager(num_blocks, bs)
-    book = TurnBook(cfg, Recorder(), kv)
+    book = TurnBook(cfg.model, cfg.scheduler, Recorder(), kv)
     rng = random.Random(seed)
     trajs: list[Trajectory] = []
     bases = [rand_ids(rng, 40) for _ in range(3)]

@@ -35,7 +35,7 @@ class Book:
         self.cfg = tiny_cfg(**{"cache.num_blocks": num_blocks, "cache.block_size": BS})
         self.kv = KVCacheManager(num_blocks, BS)
         self.notified = 0
-        self.book = TurnBook(self.cfg, Recorder(), self.kv, notify=self._count)
+        self.book = TurnBook(self.cfg.model, self.cfg.scheduler, Recorder(), self.kv, notify=self._count)
         self.loop = loop
         self.rng = random.Random(0)
 

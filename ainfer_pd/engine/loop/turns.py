@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from ...config import WorkerConfig
+from ...config import ModelConfig, SchedulerConfig
 from ...errors import SamplingError
 from ...metrics.recorder import Recorder
 from ...sched.planner import PendingPrefill, fits, plan_prefill
@@ -41,18 +41,19 @@ class TurnBook(TurnEndings):
     as it ends, or None; ``notify()``: called whenever the queues, the KV pool or a turn's
     state changed in a way the engine's loops may be waiting on."""
 
-    def __init__(self, cfg: WorkerConfig, recorder: Recorder, kv: KVCacheManager, *, routed=None,
-                 notify: Callable[[], None] = lambda: None) -> None:
-        self.cfg = cfg
+    def __init__(self, model: ModelConfig, scheduler: SchedulerConfig, recorder: Recorder, kv: KVCacheManager, *,
+                 routed=None, notify: Callable[[], None] = lambda: None) -> None:
+        self.max_context_len = model.max_context_len
+        self.max_prefill_tokens = scheduler.max_prefill_tokens
         self.rec = recorder
         self.kv = kv
         self.routed = routed
         self.notify = notify
         self.waiting: deque[Turn] = deque()
         self.decoding: list[Turn] = []
-        self.model_stops = cfg.model.stop_set
+        self.model_stops = model.stop_set
         """The model's whole stop set (``eos_token_id`` + ``stop_token_ids``: issue 34, item 2)."""
-        sc = cfg.scheduler
+        sc = scheduler
         self.priority = PriorityConfig(sc.priority, sc.priority_aging_s, sc.ttft_bound_tokens, sc.short_prefill_tokens)
         self.history = History()           # finished trajectories: the critical-path predictor
         self.num_p_admitted_tokens = 0     # prefill tokens admitted so far (the first-token bound)
@@ -123,7 +124,7 @@ class TurnBook(TurnEndings):
         pend = self.pending_view()
         if not pend:
             return False
-        chunks, _ = plan_prefill(pend, self.cfg.scheduler.max_prefill_tokens, self.available_blocks())
+        chunks, _ = plan_prefill(pend, self.max_prefill_tokens, self.available_blocks())
         return bool(chunks)
 
     def admit(self, chunks, admitted, budget: int | None = None) -> list[tuple[Turn, int, int]]:
@@ -241,7 +242,7 @@ class TurnBook(TurnEndings):
         reason = None
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.model_stops):
             reason = "stop"
-        elif len(t.out_tokens) >= p.max_new_tokens or t.seq_len >= self.cfg.model.max_context_len:
+        elif len(t.out_tokens) >= p.max_new_tokens or t.seq_len >= self.max_context_len:
             reason = "length"
         if reason is None:
             if t.state is TurnState.DECODING and t not in self.decoding:
