@@ -12,8 +12,10 @@ timings against the HBM bound, and a decode tile sweep (one H200, < 120 s).
   eager for prefill), median of CUDA-event timings, against the HBM bound of the touched
   experts' weights (1 byte per FP8 weight + its float32 block scales; 2 per bf16 weight) at
   4.8 TB/s, and a FLOP bound (H200 dense: 1979 TFLOP/s FP8, 989 bf16) for the roofline ratio.
-* ``sweep_T*``: a few fused-MoE plans at the decode sizes; the best is printed (the plan table in
-  ``engine/quant/fp8_plan.py`` holds untuned guesses until this is read).
+* ``sweep_T*`` / ``sweep_linear_*``: a few fused-MoE plans at the decode sizes and dense-GEMM
+  plans at one row (graph-timed); the best is printed (the plan table in
+  ``engine/quant/fp8_plan.py`` holds untuned guesses until this is read). The sweeps stop past
+  ``--budget-s``.
 
 Every figure is a ``FIG name = json`` line.
 
@@ -76,6 +78,10 @@ SWEEP = {   # name -> plan: (block_m, block_n, block_k, group_m, num_warps, num_
     "w8": MoEPlan(GemmPlan(16, 64, 128, 1, 8, 4), GemmPlan(16, 128, 128, 1, 8, 4)),
     "medium": MoEPlan(GemmPlan(64, 128, 128, 8, 4, 3), GemmPlan(64, 128, 128, 8, 4, 3)),
 }
+
+
+LINEAR_SWEEP = (GemmPlan(16, 32, 128, 1, 4, 4), GemmPlan(16, 64, 128, 1, 4, 4), GemmPlan(16, 128, 128, 1, 4, 3),
+                GemmPlan(16, 64, 64, 1, 4, 6))
 
 
 def fig(name: str, value) -> None:
@@ -289,6 +295,25 @@ def sweep(s: Shape, ex: Experts, budget: float) -> None:
                                 "all_ms": rows})
 
 
+def sweep_linear(s: Shape, budget: float) -> None:
+    """A few dense-GEMM plans for one decode row (x quantization included), the best per layer."""
+    for N, K in s.linears:
+        w = (torch.randn(N, K, device=DEV) * K ** -0.5).to(BF16)
+        wq, ws = fp8.quantize_blockwise(w)
+        x = torch.randn(1, K, device=DEV).to(BF16)
+        rows = {}
+        for plan in LINEAR_SWEEP:
+            if over_budget(budget):
+                break
+            rows[str(_plan_tuple(plan))] = round(median_ms(graphed(lambda: fp8_linear(x, wq, ws, plan=plan)), s.iters), 4)
+        if rows:
+            best = min(rows, key=rows.get)
+            bound = (N * K + 4 * ws.numel()) / HBM_BW * 1e3
+            fig(f"sweep_linear_N{N}_K{K}_M1", {"best_plan": json.loads(best), "ms": rows[best],
+                                               "hbm_bound_ms": round(bound, 4), "ratio": round(rows[best] / bound, 2),
+                                               "all_ms": rows})
+
+
 def _plan_tuple(g: GemmPlan) -> list[int]:
     return [g.block_m, g.block_n, g.block_k, g.group_m, g.num_warps, g.num_stages]
 
@@ -313,6 +338,7 @@ def main() -> None:
         for T in s.decode + s.prefill:
             fig(f"moe_T{T}", time_moe(s, ex, T))
         sweep(s, ex, args.budget_s)
+        sweep_linear(s, args.budget_s)
     fig("elapsed_s", round(time.time() - T0, 1))
     if args.out:
         Path(args.out).write_text(json.dumps(RES, indent=1))

@@ -159,8 +159,9 @@ def fused_experts_fp8(x: Tensor, r: Routing, w13_q: Tensor, w13_scale: Tensor, w
                       plan: MoEPlan | None = None) -> Tensor:
     """Routed experts in blockwise FP8 (:func:`.fp8.experts_fp8_reference` on the GPU): x [T, D],
     w13_q [E, 2I, D] float8 + w13_scale [E, 2 nb(I), nb(D)], w2_q [E, D, I] float8 + w2_scale
-    [E, nb(D), nb(I)] -> [T, D] in x's dtype. Four launches and the layout's two (three and two
-    with a gate_up plan that quantizes act itself); a token's k rows are summed in slot order."""
+    [E, nb(D), nb(I)] -> [T, D] in x's dtype. Launches: the layout (2), x's quantization, gate_up,
+    act's quantization (unless the gate_up plan does it in its epilogue), down, and the sum of each
+    token's k rows (in slot order: a token's output does not depend on its batch)."""
     T, D = x.shape
     k = r.topk_idx.shape[1]
     E = w13_q.shape[0]
