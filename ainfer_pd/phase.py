@@ -20,19 +20,40 @@ class Phase(enum.Enum):
         return Phase.DECODE if self is Phase.PREFILL else Phase.PREFILL
 
 
+@dataclass(slots=True)
+class PhaseComm:
+    """One phase's communication state on one rank (:attr:`PhaseContext.comm`).
+
+    ``collectives``: the phase's attention collectives (``comm.collectives.PhaseCollectives``;
+    None at one rank), ``dispatcher``: its expert dispatcher (None without expert parallelism),
+    ``hooks``: what its whole forward pass calls between segments
+    (``engine.runtime.tensor_parallel.PhaseHooks``; None: nothing, the pass is local). Empty at one
+    rank; filled once by :meth:`install` (the multi-rank parts, before any graph is captured: the
+    graphs bind the hooks)."""
+
+    collectives: Any = None
+    dispatcher: Any = None
+    hooks: Any = None
+
+    def install(self, collectives: Any, dispatcher: Any, hooks: Any) -> None:
+        if self.hooks is not None:
+            raise RuntimeError("a phase's communication state is installed once")
+        self.collectives, self.dispatcher, self.hooks = collectives, dispatcher, hooks
+
+
 @dataclass(frozen=True, slots=True)
 class PhaseContext:
     """What one phase owns on one rank.
 
     ``stream`` is the phase's execution stream (a CUDA stream wrapper or the CPU
-    stand-in), ``comm`` its phase-owned communication state (attention process
-    groups, expert dispatcher). The same context object is handed to every layer
-    of a forward pass of that phase.
+    stand-in), ``comm`` its phase-owned communication state (:class:`PhaseComm`: attention
+    collectives, expert dispatcher, the pass's hooks). The same context object is handed to
+    every layer of a forward pass of that phase.
     """
 
     phase: Phase
     stream: Any
-    comm: Any = None
+    comm: PhaseComm = field(default_factory=PhaseComm, compare=False, hash=False)
     extras: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property

@@ -5,6 +5,7 @@ import random
 import pytest
 
 from ainfer_pd import RolloutWorker, SamplingParams
+from ainfer_pd.phase import Phase
 from tests._dist_util import run_ranks
 from tests.conftest import rand_ids, tiny_cfg
 
@@ -47,6 +48,10 @@ async def _rank_main(rank, world_size, policy, plans, extra=None, trace_dir=None
         outs = await _drive(w, mine)
         m = w.metrics()
         leak_free = w.kv_leak_free() and w.engine.kv.num_free_blocks == cfg.cache.num_blocks
+        # phase-owned communication state, on each phase's context: its own collectives, dispatcher, hooks
+        pc, dc = w.engine.prefill_ctx.comm, w.engine.decode_ctx.comm
+        assert pc.dispatcher.phase is Phase.PREFILL and dc.dispatcher.phase is Phase.DECODE, (pc, dc)
+        assert pc.collectives is not dc.collectives and pc.hooks.experts is not None and dc.hooks.experts is not None
     # each epoch's cause as its trace names it (gated, or why it ran exclusively)
     causes = []
     if trace_dir:

@@ -26,7 +26,6 @@ from ...comm.ordering import P_ATP_ALL_REDUCE, collective_stream
 from ...comm.topology import ATTN_DP_D, ATTN_TP_D, REPLICA, Topology
 from ...comm.watchdog import Watchdog
 from ...errors import PeerLostError, StallError
-from ...phase import Phase
 from ..runtime.replica import ReplicaChannel, decode_numel, pack_decode, pack_prefill, pad_decode, unpack_decode, unpack_prefill
 from ..runtime.runner import BatchPlan
 from ..runtime.tensor_parallel import DecodeHooks, PrefillHooks
@@ -80,15 +79,16 @@ class DistRanks:
         if self.dispatchers is not None:
             r.ep = ExpertParallel(r.model, self.dispatchers, eng.device)
         self.decode_hooks = DecodeHooks(self.colls.D, r.model, r.ep, eng.decode_ctx)
-        r.hooks = {Phase.PREFILL: PrefillHooks(self.colls.P, r.ep, eng.prefill_ctx).hooks(),
-                   Phase.DECODE: self.decode_hooks.hooks()}
+        for ctx, colls, hooks in ((eng.prefill_ctx, self.colls.P, PrefillHooks(self.colls.P, r.ep, eng.prefill_ctx)),
+                                  (eng.decode_ctx, self.colls.D, self.decode_hooks)):
+            ctx.comm.install(colls, None if self.dispatchers is None else self.dispatchers.get(ctx), hooks.hooks())
 
     def attach(self, eng) -> None:
         """After the engine's construction: trace the collectives, gate them, watch the engine."""
         self.engine = eng
         self.rdv = eng.rendezvous                    # (wrapped by fault injection when configured)
         self.colls.set_booking(True)
-        self.colls.set_gate(eng.device.collective_slot)
+        self.colls.set_device(eng.device)        # its collective residency (and what it makes conflict)
         t = self.topology
         self.watchdog = Watchdog(rank=t.rank, world_size=t.world_size, stall_s=self.stall_s,
                                  progress=self._progress_key, probe=self._frontier, store=self.store,

@@ -20,7 +20,7 @@ from ..model.model import MoETransformer, SegmentState, build_model
 from .prefill_graphs import prefill_graph_buckets
 from ...phase import Phase, PhaseContext
 from ..loop.state import Turn
-from .tensor_parallel import LOCAL, PhaseHooks
+from .tensor_parallel import LOCAL
 
 log = logging.getLogger("ainfer_pd.runner")
 
@@ -98,9 +98,6 @@ class ModelRunner:
         self.decode_paths: dict[str, int] = {"graph": 0, "eager-no-graphs": 0, "eager-past-graphs": 0}
         """D iterations by the path they took (runner.decode)."""
         self.ep = None                 # P's ExpertParallel when experts are spread over ranks
-        self.hooks: dict[Phase, PhaseHooks] = {Phase.PREFILL: LOCAL, Phase.DECODE: LOCAL}
-        """What each phase's whole forward pass calls between segments (multi-rank: the attention
-        reduce and the expert path; single rank: nothing)."""
 
     def new_kv_cache(self) -> Tensor:
         """The KV pool, zeroed: ``[layers, 2, (num_blocks + 1) * block_size, Hk, hd]`` (Hk: this rank's
@@ -209,7 +206,7 @@ class ModelRunner:
         if type(st) is Replayed:
             st.binding.experts(layer)
             return st
-        fn = self.hooks[ctx.phase].experts
+        fn = (ctx.comm.hooks or LOCAL).experts
         if notified is not None:
             ep = self.ep
             fn = lambda x, r, i: ep.finish(ctx, notified, x, r, i)      # noqa: E731
@@ -233,7 +230,7 @@ class ModelRunner:
                     binding.attn_route(layer, self.kv_cache[layer])
                     binding.experts(layer)
                 return binding.head()
-        h = self.hooks[ctx.phase]
+        h = ctx.comm.hooks or LOCAL                  # the phase's own hooks (multi-rank), else local
         return self.model.forward_batch(fb, self.kv_cache, h.experts, h.attn_reduce, h.gather)
 
     def decode(self, plan: BatchPlan, ctx: PhaseContext) -> Tensor:
@@ -325,8 +322,7 @@ class ModelRunner:
             return "fp32 model (the oracle path stays eager)"
         if self.model.attn_backend is None or self.model.attn_backend.name != "triton" or self.moe_backend != "triton":
             return "needs the triton attention and MoE backends"
-        if self.ep is not None or not self.model.holds_all_experts or self.model.tp_shard[1] != 1 \
-                or self.hooks[Phase.PREFILL] is not LOCAL:
+        if self.ep is not None or not self.model.holds_all_experts or self.model.tp_shard[1] != 1:
             return "P is not local (expert parallelism or attention TP)"
         if self.routed is not None:
             return "routing replay records in the eager pass"
