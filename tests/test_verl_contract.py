@@ -271,7 +271,8 @@ def test_every_listed_rollout_key_gets_its_meaning_or_a_typed_error():
     # the config's cap stands below verl's default max_num_seqs / max_num_batched_tokens: said
     notes = " ".join(rollout_notes(_dataclass_config(), base))
     assert "max_num_seqs=1024" in notes and "max_num_batched_tokens=8192" in notes
-    for bad, key in [(dict(quantization="fp8"), "quantization"),
+    assert rollout_overrides(_dataclass_config(quantization="fp8"), base, {})["model.quantization"] == "fp8"
+    for bad, key in [(dict(quantization="torchao"), "quantization"),
                      (dict(mtp=MtpConfig(enable=True, enable_rollout=True)), "mtp"),
                      (dict(load_format="gguf"), "load_format"),
                      (dict(max_model_len=base.model.max_context_len + 1), "max_model_len")]:

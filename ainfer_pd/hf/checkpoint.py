@@ -251,6 +251,8 @@ def _check_tensor(name: str, shape: tuple, dt: str, target, where: dict[str, str
     if dtype is None:
         raise CheckpointError(f"{dname}: tensor {name!r} has dtype {dt}; only floating and float8_e4m3fn (blockwise "
                               "FP8) checkpoints are supported")
+    if target.scale_of is not None and dtype == FP8:
+        raise CheckpointError(f"{dname}: block scales {name!r} are float8; expected float32")
     if dtype == FP8 and target.fp8 is None:
         why = ("this engine keeps it in the model dtype" if c.quantization == "fp8"
                else "an FP8 checkpoint loads with model.quantization: fp8")
@@ -258,6 +260,4 @@ def _check_tensor(name: str, shape: tuple, dt: str, target, where: dict[str, str
     if dtype == FP8 and name + "_scale_inv" not in where:
         raise CheckpointError(f"{dname}: tensor {name!r} is stored in float8_e4m3fn but the checkpoint has no "
                               f"{name + '_scale_inv'!r} (its block scales)")
-    if target.scale_of is not None and dtype == FP8:
-        raise CheckpointError(f"{dname}: block scales {name!r} are float8; expected float32")
     return dtype

@@ -4,6 +4,13 @@ the installed transformers' layout, and a sharded safetensors directory.
 The inverse of :mod:`.config` and :mod:`.checkpoint`: ``fields_from_hf(config_json(c))`` gives
 ``c``'s model fields back, and a directory written by :func:`save_pretrained` loads with
 ``transformers.AutoModelForCausalLM.from_pretrained`` and with ``WorkerConfig.from_pretrained``.
+
+An FP8 model (``model.quantization: fp8``) is written in the Hugging Face blockwise FP8 format:
+its ``config.json`` carries ``quantization_config`` (:data:`.quant_config.FP8_CONFIG`), every
+projection's ``*.weight`` is its float8_e4m3fn values and ``*.weight_scale_inv`` their float32
+block scales, exactly as held (loading the directory back gives the same bytes); the other
+tensors are in the model dtype. The ``transformers`` layout (packed experts, what a float
+transformers model's ``state_dict()`` holds) has no FP8 form: refused (UnsupportedOptionError).
 """
 from __future__ import annotations
 
@@ -16,7 +23,9 @@ from torch import Tensor, nn
 
 from ..config import ModelConfig
 from .checkpoint import INDEX
+from ..errors import UnsupportedOptionError
 from .config import CAUSAL_LM
+from .quant_config import FP8_CONFIG
 from .names import name_table
 
 LAYOUTS = ("checkpoint", "transformers")
@@ -34,6 +43,8 @@ def config_json(c: ModelConfig) -> dict[str, Any]:
         "dtype": c.dtype, "eos_token_id": c.eos_token_id, "num_experts_per_tok": c.top_k,
         "rope_parameters": rope,
     }
+    if c.quantization == "fp8":
+        out["quantization_config"] = dict(FP8_CONFIG)
     dense = c.dense_intermediate or 4 * c.hidden_size    # unused by a model without dense layers
     if a in ("qwen3_moe", "qwen2_moe"):
         out.update(num_experts=c.num_experts, moe_intermediate_size=c.expert_intermediate, intermediate_size=dense,
@@ -78,6 +89,9 @@ def _tensors(model: nn.Module, layout: str):
     """(name, bytes, () -> view of the engine's storage in that name's layout), lazily."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r}: expected one of {LAYOUTS}")
+    if layout == "transformers" and model.cfg.quantization == "fp8":
+        raise UnsupportedOptionError("an FP8 model has no transformers-layout state dict (packed float experts); "
+                                     "export it in the checkpoint layout (FP8 + weight_scale_inv)", key="layout")
     if not model.holds_all_experts:
         raise ValueError("the Hugging Face state needs the whole model (this one holds an expert-parallel shard)")
     table = name_table(model)

@@ -118,7 +118,9 @@ ROLLOUT_KEYS = {
     "enable_prefix_caching": "cache.prefix_sharing",
     "enforce_eager": "true: device.cuda_graphs false (decode without CUDA graphs)",
     "cudagraph_capture_sizes": "device.graph_batch_sizes",
-    "quantization": "refused (UnsupportedOptionError): quantized rollout is not built",
+    "quantization": "fp8: model.quantization fp8 (blockwise FP8 weights, quantized at load and at every weight "
+                    "sync; the returned logprobs are the FP8 model's own); any other value refused "
+                    "(UnsupportedOptionError)",
     "mtp": "mtp.enable_rollout refused (UnsupportedOptionError): no multi-token-prediction drafts",
     "load_format": "auto / safetensors / hf: the checkpoint is read; dummy: read anyway, verl's first sync "
                    "replaces it (one warning); other formats refused",
@@ -146,8 +148,10 @@ def rollout_overrides(rollout_config: Any, cfg: Any, overrides: dict) -> dict:
 
     quant = field(rollout_config, "quantization")
     if quant:
-        raise UnsupportedOptionError(f"rollout.quantization={quant!r}: ainfer-pd serves unquantized weights only",
-                                     key="quantization")
+        if str(quant).lower() != "fp8":
+            raise UnsupportedOptionError(f"rollout.quantization={quant!r}: ainfer-pd serves the model dtype or fp8 "
+                                         "(blockwise, 128 x 128 weight blocks) only", key="quantization")
+        put("model.quantization", "fp8")
     if _sub(rollout_config, "mtp", "enable_rollout", False):
         raise UnsupportedOptionError("rollout.mtp.enable_rollout: ainfer-pd has no multi-token-prediction drafts",
                                      key="mtp")
@@ -207,6 +211,9 @@ def rollout_notes(rollout_config: Any, cfg: Any) -> list[str]:
                      "replaces them)")
     if field(rollout_config, "enable_sleep_mode", True) is False:
         notes.append("rollout.enable_sleep_mode=False: sleep() keeps weights and KV on the device")
+    if field(rollout_config, "quantization_config_file") is not None:
+        notes.append("rollout.quantization_config_file is not read: rollout.quantization fp8 quantizes every attention "
+                     "and MLP projection blockwise (router, embedding and head stay in the model dtype)")
     tool = _sub(rollout_config, "profiler", "tool")
     if tool not in (None, "torch"):
         notes.append(f"rollout.profiler.tool={tool!r}: start_profile writes torch.profiler traces")

@@ -35,7 +35,7 @@ def prepare_bucket(worker: Any, named: Iterable[tuple[str, Any]], *, cast_dtype:
                                         + (f"; similar: {close}" if close else "") + ")")
             if tuple(t.shape) != target.shape:
                 raise WeightUpdateError(f"weight {name!r}: shape {tuple(t.shape)} != model shape {target.shape}")
-            dtype = table.params[target.param].dtype if target.param is not None else t.dtype
+            dtype = table.cast_dtype(target, t.dtype)     # FP8 projections: the model dtype (quantized later)
             if t.dtype != dtype:
                 if cast_dtype and t.is_floating_point() and dtype.is_floating_point:
                     t = t.to(dtype)
