@@ -12,8 +12,8 @@ timings against the HBM bound, and a decode tile sweep (one H200, < 120 s).
   eager for prefill), median of CUDA-event timings, against the HBM bound of the touched
   experts' weights (1 byte per FP8 weight + its float32 block scales; 2 per bf16 weight) at
   4.8 TB/s, and a FLOP bound (H200 dense: 1979 TFLOP/s FP8, 989 bf16) for the roofline ratio.
-* ``sweep_T*`` / ``sweep_linear_*``: a few fused-MoE plans at the decode sizes and dense-GEMM
-  plans at one row (graph-timed); the best is printed (the plan table in
+* ``sweep_T*`` / ``sweep_linear_*``: a few fused-MoE plans at the decode sizes (graph-timed) and
+  the prefill sizes, and dense-GEMM plans at one row (graph-timed); the best is printed (the plan table in
   ``engine/quant/fp8_plan.py`` holds untuned guesses until this is read). The sweeps stop past
   ``--budget-s``.
 
@@ -80,6 +80,12 @@ SWEEP = {   # name -> plan: (block_m, block_n, block_k, group_m, num_warps, num_
 }
 
 
+PREFILL_SWEEP = {
+    "table": None,
+    "m64_w8": MoEPlan(GemmPlan(64, 128, 128, 8, 8, 3), GemmPlan(64, 128, 128, 8, 4, 4)),
+    "m128_k64": MoEPlan(GemmPlan(128, 128, 64, 8, 8, 4), GemmPlan(128, 128, 64, 8, 8, 4)),
+    "m128_n64": MoEPlan(GemmPlan(128, 64, 128, 8, 4, 3), GemmPlan(128, 128, 128, 8, 8, 3)),
+}
 LINEAR_SWEEP = (GemmPlan(16, 32, 128, 1, 4, 4), GemmPlan(16, 64, 128, 1, 4, 4), GemmPlan(16, 128, 128, 1, 4, 3),
                 GemmPlan(16, 64, 64, 1, 4, 6))
 
@@ -272,14 +278,14 @@ def time_moe(s: Shape, ex: Experts, T: int) -> dict:
     return out
 
 
-def sweep(s: Shape, ex: Experts, budget: float) -> None:
-    """The plans of SWEEP at each decode size (graph-timed); the best per size."""
-    for T in s.decode:
-        cases = [tokens(s, ex, T, seed=100 * T + i) for i in range(s.reps)]
+def sweep(s: Shape, ex: Experts, budget: float, sizes: tuple[int, ...], plans: dict) -> None:
+    """The fused-MoE ``plans`` at each of ``sizes`` tokens (graph-timed up to 128); the best per size."""
+    for T in sizes:
+        cases = [tokens(s, ex, T, seed=100 * T + i) for i in range(s.reps if T <= 128 else 1)]
         touched = statistics.mean(int((r.counts > 0).sum()) for _, r in cases)
         hbm = touched * expert_bytes(s)["fp8"] / HBM_BW * 1e3
         rows = {}
-        for name, plan in SWEEP.items():
+        for name, plan in plans.items():
             if over_budget(budget):
                 print(f"  sweep T{T}: budget reached", flush=True)
                 break
@@ -289,23 +295,24 @@ def sweep(s: Shape, ex: Experts, budget: float) -> None:
                 print(f"  sweep T{T} {name}: {type(exc).__name__} {str(exc)[:120]}", flush=True)
         if rows:
             best = min(rows, key=rows.get)
-            plan = SWEEP[best] or fp8_moe_plan(T * s.k, s.E)
+            plan = plans[best] or fp8_moe_plan(T * s.k, s.E)
             fig(f"sweep_T{T}", {"best": best, "best_plan": [_plan_tuple(plan.gate_up), _plan_tuple(plan.down)],
                                 "ms": rows[best], "hbm_bound_ms": round(hbm, 4), "ratio": round(rows[best] / hbm, 2),
                                 "all_ms": rows})
 
 
-def sweep_linear(s: Shape, budget: float) -> None:
+def sweep_linear(s: Shape, budget: float, plans: tuple[GemmPlan, ...]) -> None:
     """A few dense-GEMM plans for one decode row (x quantization included), the best per layer."""
     for N, K in s.linears:
         w = (torch.randn(N, K, device=DEV) * K ** -0.5).to(BF16)
         wq, ws = fp8.quantize_blockwise(w)
         x = torch.randn(1, K, device=DEV).to(BF16)
         rows = {}
-        for plan in LINEAR_SWEEP:
+        for plan in plans:
             if over_budget(budget):
                 break
-            rows[str(_plan_tuple(plan))] = round(median_ms(graphed(lambda: fp8_linear(x, wq, ws, plan=plan)), s.iters), 4)
+            run = graphed(lambda: fp8_linear(x, wq, ws, plan=plan))
+            rows[str(_plan_tuple(plan))] = round(median_ms(run, s.iters), 4)
         if rows:
             best = min(rows, key=rows.get)
             bound = (N * K + 4 * ws.numel()) / HBM_BW * 1e3
@@ -337,8 +344,10 @@ def main() -> None:
         check_graph(s, ex)
         for T in s.decode + s.prefill:
             fig(f"moe_T{T}", time_moe(s, ex, T))
-        sweep(s, ex, args.budget_s)
-        sweep_linear(s, args.budget_s)
+        few = 2 if args.smoke else None                # the smoke run: the sweeps' code, not their figures
+        sweep(s, ex, args.budget_s, s.decode, dict(list(SWEEP.items())[:few]))
+        sweep(s, ex, args.budget_s, s.prefill, dict(list(PREFILL_SWEEP.items())[:few]))
+        sweep_linear(s, args.budget_s, LINEAR_SWEEP[:few])
     fig("elapsed_s", round(time.time() - T0, 1))
     if args.out:
         Path(args.out).write_text(json.dumps(RES, indent=1))
