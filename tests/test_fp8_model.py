@@ -10,7 +10,8 @@ import torch
 
 from ainfer_pd import RolloutWorker, SamplingParams
 from ainfer_pd.config import ModelConfig
-from ainfer_pd.engine.model.linear import FP8_SUFFIX, SCALE_SUFFIX, grouped, layer_projections, quantize_parts
+from ainfer_pd.engine.model.linear import (FP8_SUFFIX, SCALE_SUFFIX, Fp8Kernels, grouped, layer_projections,
+                                           quantize_parts)
 from ainfer_pd.engine.model.model import build_model
 from ainfer_pd.engine.model.moe import routing_of
 from ainfer_pd.engine.model.weights import WeightStage
@@ -226,3 +227,22 @@ async def test_a_worker_serves_fp8_greedily_and_its_logprobs_are_the_fp8_models_
         toks, lps = recompute_greedy(ref_model, cfg, ctx, len(out.token_ids))
         assert out.token_ids == toks
         assert max(abs(a - b) for a, b in zip(out.logprobs, lps)) < 2e-3, (out.logprobs, lps)
+
+
+async def test_the_triton_moe_backend_runs_the_fp8_kernels_and_agrees_with_the_torch_path():
+    """``device.moe_backend: triton`` (under the interpreter here) gives an FP8 model the Triton FP8
+    GEMM and fused MoE: the same greedy tokens as the torch references, logprobs within 2e-3."""
+    from ainfer_pd.engine.quant.fp8_ops import fp8_linear, fused_experts_fp8
+    import random
+    rng = random.Random(4)
+    prompt = rand_ids(rng, 12)
+    outs = []
+    for backend in ("torch", "triton"):
+        cfg = tiny_cfg(**{"model.quantization": "fp8", "device.moe_backend": backend, "model.num_layers": 2})
+        async with RolloutWorker(cfg) as w:
+            k = w.model.fp8_kernels
+            assert (k.linear, k.experts) == ((fp8_linear, fused_experts_fp8) if backend == "triton" else
+                                             (Fp8Kernels().linear, Fp8Kernels().experts))
+            outs.append(await w.generate(prompt, SamplingParams(max_new_tokens=3, **GREEDY)))
+    assert outs[0].token_ids == outs[1].token_ids
+    assert max(abs(a - b) for a, b in zip(outs[0].logprobs, outs[1].logprobs)) < 2e-3
