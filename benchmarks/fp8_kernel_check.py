@@ -184,11 +184,12 @@ def reference(x: torch.Tensor, r: Routing, ex: Experts, chunk: int = 64) -> torc
 # --------------------------------------------------------------------------- correctness
 def check_act_quant(s: Shape) -> None:
     """Bytes and scales against the oracle: bf16 activations, and groups of amax 448 (scale 1)
-    holding every e4m3 value and every midpoint (the cast's rounding itself)."""
+    holding every e4m3 value, every midpoint and its float32 neighbours (the cast's rounding itself)."""
     x = torch.randn(2048 if DEV.type == "cuda" else 33, s.D, device=DEV).to(BF16) * 3
     vals = torch.arange(256, dtype=torch.uint8).view(fp8.FP8).float()
     vals = vals[torch.isfinite(vals)].unique()
-    grid = torch.cat([vals, (vals[1:] + vals[:-1]) / 2])
+    mids = (vals[1:] + vals[:-1]) / 2
+    grid = torch.cat([vals, mids, mids * (1 + 1e-6), mids * (1 - 1e-6)])    # a cast through fp16 rounds twice
     grid = torch.cat([grid, torch.zeros(-len(grid) % 127)]).view(-1, 127)
     grid = torch.cat([torch.full((grid.shape[0], 1), 448.0), grid], dim=1).to(DEV)
     out = {}
