@@ -155,7 +155,7 @@ def _check_experts(x: Tensor, w13_q: Tensor, w13_scale: Tensor, w2_q: Tensor, w2
     _require(w13_q.dtype == FP8 and w2_q.dtype == FP8, f"expert weights must be {FP8}, got {w13_q.dtype}, {w2_q.dtype}")
 
 
-def fused_experts_fp8(x: Tensor, r: Routing, w13_q: Tensor, w13_scale: Tensor, w2_q: Tensor, w2_scale: Tensor,
+def fused_experts_fp8(x: Tensor, routing: Routing, w13_q: Tensor, w13_scale: Tensor, w2_q: Tensor, w2_scale: Tensor,
                       plan: MoEPlan | None = None) -> Tensor:
     """Routed experts in blockwise FP8 (:func:`.fp8.experts_fp8_reference` on the GPU): x [T, D],
     w13_q [E, 2I, D] float8 + w13_scale [E, 2 nb(I), nb(D)], w2_q [E, D, I] float8 + w2_scale
@@ -163,7 +163,7 @@ def fused_experts_fp8(x: Tensor, r: Routing, w13_q: Tensor, w13_scale: Tensor, w
     act's quantization (unless the gate_up plan does it in its epilogue), down, and the sum of each
     token's k rows (in slot order: a token's output does not depend on its batch)."""
     T, D = x.shape
-    k = r.topk_idx.shape[1]
+    k = routing.topk_idx.shape[1]
     E = w13_q.shape[0]
     _check_experts(x, w13_q, w13_scale, w2_q, w2_scale)
     N = T * k
@@ -171,9 +171,9 @@ def fused_experts_fp8(x: Tensor, r: Routing, w13_q: Tensor, w13_scale: Tensor, w
         return torch.zeros_like(x)
     plan = plan or fp8_moe_plan(N, E)
     _require(plan.gate_up.block_m == plan.down.block_m, "both GEMMs walk the same aligned blocks")
-    layout = align_blocks_triton(r, plan.block_m)
+    layout = align_blocks_triton(routing, plan.block_m)
     x_q, x_s = per_token_group_quant(x)
     act_q, act_s = launch_fp8_gate_up(x_q, x_s, w13_q, w13_scale, layout, k, plan.gate_up)
     rows = torch.empty(N, D, dtype=x.dtype, device=x.device)
-    launch_fp8_down(act_q, act_s, w2_q, w2_scale, rows, layout, r.topk_weights.reshape(-1).contiguous(), plan.down)
+    launch_fp8_down(act_q, act_s, w2_q, w2_scale, rows, layout, routing.topk_weights.reshape(-1).contiguous(), plan.down)
     return rows.view(T, k, D).sum(dim=1)          # float32 accumulation, one rounding
