@@ -212,7 +212,8 @@ def test_engine_name_syncs_of_fp8_parameters_are_checked_and_all_or_nothing():
 async def test_a_worker_serves_fp8_greedily_and_its_logprobs_are_the_fp8_models_own():
     """``model.quantization: fp8`` on the tiny config (random init quantized at load): generate and
     continue_ under the fine-grained policy, tokens and logprobs equal to a full recompute
-    through the FP8 torch forward."""
+    through the FP8 torch forward; the same after sleep level 2 (weights kept on the host, or
+    dropped and synced back under the engine's FP8 names)."""
     cfg = tiny_cfg(**{"model.quantization": "fp8", "scheduler.policy": "fine-grained"})
     ref_model = build_model(cfg.model)
     import random
@@ -223,6 +224,14 @@ async def test_a_worker_serves_fp8_greedily_and_its_logprobs_are_the_fp8_models_
         o = await w.generate(prompt, SamplingParams(max_new_tokens=6, **GREEDY))
         o2 = await w.continue_(o.trajectory_id, obs, SamplingParams(max_new_tokens=5, **GREEDY))
         await w.release(o.trajectory_id)
+        await w.sleep(2)                                        # FP8 values and scales to host memory and back
+        await w.wake_up()
+        assert (await w.generate(prompt, SamplingParams(max_new_tokens=6, **GREEDY))).token_ids == o.token_ids
+        await w.sleep(2, keep_weights=False)                    # verl's hybrid mode: dropped, then synced back
+        await w.wake_up(["weights"])
+        await w.update_weights(ref_model.named_parameters())     # the engine's own FP8 names: e4m3 + scales
+        await w.wake_up(["kv_cache"])
+        assert (await w.generate(prompt, SamplingParams(max_new_tokens=6, **GREEDY))).token_ids == o.token_ids
     for out, ctx in ((o, prompt), (o2, prompt + o.token_ids + obs)):
         toks, lps = recompute_greedy(ref_model, cfg, ctx, len(out.token_ids))
         assert out.token_ids == toks
@@ -246,3 +255,18 @@ async def test_the_triton_moe_backend_runs_the_fp8_kernels_and_agrees_with_the_t
             outs.append(await w.generate(prompt, SamplingParams(max_new_tokens=3, **GREEDY)))
     assert outs[0].token_ids == outs[1].token_ids
     assert max(abs(a - b) for a, b in zip(outs[0].logprobs, outs[1].logprobs)) < 2e-3
+
+
+async def test_expert_parallel_ranks_serve_fp8_like_one_rank():
+    """Two real gloo ranks, each holding half the experts in FP8 (its shard's quantized init) and
+    computing them through the expert exchange in FP8: the greedy outputs of the one-rank FP8 run."""
+    import asyncio
+    from tests._dist_util import run_ranks
+    from tests.test_multirank_engine import _drive, _plans, _rank_main
+    plans = _plans(4, seed=5)
+    async with RolloutWorker(tiny_cfg(**{"model.quantization": "fp8"})) as w:
+        ref = await _drive(w, plans)
+    res = await asyncio.to_thread(run_ranks, _rank_main, 2, "fine-grained", plans, {"model.quantization": "fp8"},
+                                  timeout_s=120)
+    for rank, (outs, leak_free, *_rest) in enumerate(res):
+        assert leak_free and outs == ref[rank::2], rank

@@ -146,12 +146,8 @@ def rollout_overrides(rollout_config: Any, cfg: Any, overrides: dict) -> dict:
         if key not in overrides:
             out[key] = value
 
-    quant = field(rollout_config, "quantization")
-    if quant:
-        if str(quant).lower() != "fp8":
-            raise UnsupportedOptionError(f"rollout.quantization={quant!r}: ainfer-pd serves the model dtype or fp8 "
-                                         "(blockwise, 128 x 128 weight blocks) only", key="quantization")
-        put("model.quantization", "fp8")
+    if field(rollout_config, "quantization"):
+        put("model.quantization", _quantization(field(rollout_config, "quantization")))
     if _sub(rollout_config, "mtp", "enable_rollout", False):
         raise UnsupportedOptionError("rollout.mtp.enable_rollout: ainfer-pd has no multi-token-prediction drafts",
                                      key="mtp")
@@ -188,6 +184,14 @@ def rollout_overrides(rollout_config: Any, cfg: Any, overrides: dict) -> dict:
     if eps is not None and int(eps) > 1:
         put("parallel.expert_parallel", int(eps))
     return out
+
+
+def _quantization(quant: Any) -> str:
+    """``model.quantization`` of verl's ``rollout.quantization``: fp8; anything else refused by name."""
+    if str(quant).lower() != "fp8":
+        raise UnsupportedOptionError(f"rollout.quantization={quant!r}: ainfer-pd serves the model dtype or fp8 "
+                                     "(blockwise, 128 x 128 weight blocks) only", key="quantization")
+    return "fp8"
 
 
 def rollout_notes(rollout_config: Any, cfg: Any) -> list[str]:
