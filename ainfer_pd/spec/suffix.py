@@ -1,0 +1,280 @@
+"""Model-free drafts: the continuation of the longest earlier match of a trajectory's context suffix,
+in its own context or in its GRPO siblings' (issue 38; SuffixDecoding, Seer's grouped drafts).
+
+A :class:`SuffixIndex` holds one group: the sequences of trajectories that share a first prompt
+(the worker's ``Trajectory.group``), each extended as its tokens are produced. :meth:`draft`
+looks up the occurrences of the context's last ``min_match`` tokens, measures how far back each
+one agrees with the context (up to ``max_match``), keeps the longest agreeing ones, and builds the
+draft token by token from their continuations by majority (ties: the most recent occurrence). An
+occurrence in the row's own sequence may run into its end: it then continues with the draft built
+so far (a repeating pattern drafts through its period).
+
+Why an n-gram index with hash-chained position lists, not a suffix automaton or a suffix tree:
+both find the longest match in O(match), but a suffix automaton cannot forget a sequence (the
+memory cap and ``forget`` would rebuild it) and a depth-D suffix tree adds up to D Python nodes per
+token (a few KB each in CPython). Here a token costs one dict lookup and one list append to add,
+the memory per token is about 4 B (its id in an ``array``) plus one list entry and one int
+(~45 B), plus ~150 B for an n-gram never seen before (dict slot, key, list): at most ~200 B per
+token, less on repetitive text (``benchmarks/suffix_draft_bench.py`` measures it). The longest
+match is exact among the ``max_candidates`` most recent occurrences of the key (older ones are
+dropped from the key's list); its length is found by comparing ``array`` slices (a binary search,
+C-level compares), so a draft is O(candidates x (log max_match + k)) Python steps.
+
+Memory is bounded per group: past ``cap_tokens`` the least recently extended sequences are
+evicted (finished siblings first; a sequence extended after its eviction starts again from the
+new tokens); one sequence longer than the cap keeps its last ``cap_tokens // 2`` tokens.
+Forgetting removes a sequence's occurrences eagerly (one list filter per distinct key it holds).
+Drafts are suggestions: verification (:mod:`.verify`) makes the output exact whatever they are.
+"""
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable
+
+from . import SpecInputError
+
+MIN_MATCH = 3
+"""Context tokens a draft's match must agree on (the index's key length)."""
+MAX_MATCH = 32
+"""Longest agreement measured (a longer one counts as this long)."""
+MAX_CANDIDATES = 32
+"""Most recent occurrences kept, and scanned, per key."""
+CAP_TOKENS = 1 << 16
+"""Tokens one group keeps before evicting its least recently extended sequences."""
+
+_POS_BITS = 32
+_POS_MASK = (1 << _POS_BITS) - 1
+
+
+class SuffixIndex:
+    """One group's sequences (a trajectory and its GRPO siblings) and the index over them."""
+
+    def __init__(self, *, cap_tokens: int = CAP_TOKENS, min_match: int = MIN_MATCH,
+                 max_match: int = MAX_MATCH, max_candidates: int = MAX_CANDIDATES) -> None:
+        if not 1 <= min_match <= max_match:
+            raise SpecInputError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
+        if max_candidates < 1 or cap_tokens < 2 * max_match:
+            raise SpecInputError(f"need max_candidates >= 1 and cap_tokens >= 2 * max_match, got "
+                                 f"{max_candidates}, {cap_tokens}")
+        self.cap_tokens, self.min_match, self.max_match = cap_tokens, min_match, max_match
+        self.max_candidates = max_candidates
+        self._slot: dict[object, int] = {}          # seq id -> slot (dict order: least recently extended first)
+        self._tokens: dict[int, array] = {}         # slot -> its token ids
+        self._index: dict[int, list[int]] = {}      # hash of an n-gram -> (slot << 32 | last position), oldest first
+        self._next_slot = 0
+        self.num_tokens = 0
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._slot
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def tokens(self, seq_id: object) -> list[int]:
+        """The tokens held for ``seq_id`` (empty if none)."""
+        slot = self._slot.get(seq_id)
+        return [] if slot is None else self._tokens[slot].tolist()
+
+    def extend(self, seq_id: object, tokens: Iterable[int]) -> None:
+        """Append ``tokens`` to ``seq_id``'s sequence (a new one if unknown) and index them."""
+        new = _checked(tokens)
+        slot = self._slot.pop(seq_id, None)
+        if slot is None:
+            slot, self._next_slot = self._next_slot, self._next_slot + 1
+            self._tokens[slot] = array("i")
+        self._slot[seq_id] = slot                   # most recently extended: last to go
+        seq = self._tokens[slot]
+        start = len(seq)
+        seq.extend(new)
+        self.num_tokens += len(new)
+        for p in range(max(start, self.min_match - 1), len(seq)):
+            self._add(seq, slot, p)
+        if self.num_tokens > self.cap_tokens:
+            self._evict(seq_id)
+
+    def forget(self, seq_id: object) -> None:
+        """Drop ``seq_id``'s sequence and its occurrences (no-op if unknown)."""
+        slot = self._slot.pop(seq_id, None)
+        if slot is None:
+            return
+        seq = self._tokens.pop(slot)
+        self.num_tokens -= len(seq)
+        n = self.min_match
+        for key in {hash(tuple(seq[p - n + 1:p + 1])) for p in range(n - 1, len(seq))}:
+            occ = self._index.get(key)
+            if occ is None:
+                continue
+            occ[:] = [e for e in occ if e >> _POS_BITS != slot]
+            if not occ:
+                del self._index[key]
+
+    def draft(self, seq_id: object, k: int) -> list[int]:
+        """Up to ``k`` tokens likely to follow ``seq_id``'s sequence ([] when no earlier occurrence
+        of its last ``min_match`` tokens has a continuation)."""
+        slot = self._slot.get(seq_id)
+        if slot is None or k <= 0:
+            return []
+        ctx = self._tokens[slot]
+        L, n = len(ctx), self.min_match
+        if L < n:
+            return []
+        occ = self._index.get(hash(tuple(ctx[L - n:])))
+        if not occ:
+            return []
+        starts = self._longest(ctx, slot, occ)
+        return self._vote(ctx, starts, k) if starts else []
+
+    # ------------------------------------------------------------------------------ internals
+    def _add(self, seq: array, slot: int, p: int) -> None:
+        """Index the n-gram of ``seq`` ending at position ``p``."""
+        key = hash(tuple(seq[p - self.min_match + 1:p + 1]))
+        occ = self._index.get(key)
+        if occ is None:
+            self._index[key] = [slot << _POS_BITS | p]
+            return
+        occ.append(slot << _POS_BITS | p)
+        if len(occ) > self.max_candidates:
+            del occ[0]
+
+    def _longest(self, ctx: array, slot: int, occ: list[int]) -> list[tuple[array, int, bool]]:
+        """(sequence, continuation start, own sequence?) of the occurrences agreeing longest with
+        the end of ``ctx``, newest first."""
+        L, best, out = len(ctx), 0, []
+        for e in reversed(occ):
+            s, p = e >> _POS_BITS, e & _POS_MASK
+            own = s == slot
+            if own and p == L - 1:
+                continue                              # the context's own end
+            seq = ctx if own else self._tokens[s]
+            if p + 1 >= len(seq):
+                continue                              # a sibling's end: nothing follows yet
+            m = self._agreement(seq, p, ctx)
+            if m > best:
+                best, out = m, [(seq, p + 1, own)]
+            elif m == best and m:
+                out.append((seq, p + 1, own))
+        return out
+
+    def _agreement(self, seq: array, p: int, ctx: array) -> int:
+        """How many tokens ending at ``seq[p]`` equal the end of ``ctx`` (0 below ``min_match``)."""
+        L, n = len(ctx), self.min_match
+        if seq[p + 1 - n:p + 1] != ctx[L - n:]:
+            return 0                                  # a hash collision
+        hi = min(self.max_match, p + 1, L)
+        if seq[p + 1 - hi:p + 1] == ctx[L - hi:]:
+            return hi
+        lo = n                                        # agrees on lo tokens, not on hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if seq[p + 1 - mid:p + 1] == ctx[L - mid:]:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def _vote(self, ctx: array, starts: list[tuple[array, int, bool]], k: int) -> list[int]:
+        """The draft: at each step the token most of the still-agreeing continuations take."""
+        out: list[int] = []
+        L, live = len(ctx), starts
+        for j in range(k):
+            if len(live) == 1 and not live[0][2]:
+                seq, c, _ = live[0]
+                out.extend(seq[c + j:c + k])          # one continuation left: copy it
+                break
+            votes: dict[int, int] = {}
+            nxt = []
+            for entry in live:
+                seq, c, own = entry
+                i = c + j
+                if i < len(seq):
+                    t = seq[i]
+                elif own:
+                    t = out[i - L]                    # through the context's end: the draft so far
+                else:
+                    continue
+                votes[t] = votes.get(t, 0) + 1
+                nxt.append((t, entry))
+            if not votes:
+                break
+            tok = max(votes, key=votes.__getitem__)   # ties: the newest occurrence's token
+            out.append(tok)
+            live = [e for t, e in nxt if t == tok]
+        return out
+
+    def _evict(self, keep: object) -> None:
+        """Back under the cap: the least recently extended sequences go first (not ``keep``);
+        ``keep`` alone over the cap restarts from its last ``cap_tokens // 2`` tokens."""
+        for sid in list(self._slot):
+            if self.num_tokens <= self.cap_tokens:
+                return
+            if sid != keep:
+                self.forget(sid)
+        if self.num_tokens > self.cap_tokens:
+            tail = self._tokens[self._slot[keep]][-(self.cap_tokens // 2):]
+            self.forget(keep)
+            self.extend(keep, tail)
+
+
+class SuffixDrafter:
+    """Drafts for many trajectories: one :class:`SuffixIndex` per group of siblings. A trajectory
+    joins its group on its first :meth:`extend` (``group=None``: a group of its own)."""
+
+    def __init__(self, **index_kw) -> None:
+        self._index_kw = index_kw
+        SuffixIndex(**index_kw)                       # check the arguments once, here
+        self.groups: dict[object, SuffixIndex] = {}
+        self._group_of: dict[object, object] = {}
+
+    def extend(self, seq_id: object, tokens: Iterable[int], *, group: object = None) -> None:
+        g = self._group_of.get(seq_id)
+        if g is None:
+            g = seq_id if group is None else group
+            self._group_of[seq_id] = g
+        elif group is not None and group != g:
+            raise SpecInputError(f"sequence {seq_id!r} is in group {g!r}, not {group!r}")
+        idx = self.groups.get(g)
+        if idx is None:
+            idx = self.groups[g] = SuffixIndex(**self._index_kw)
+        idx.extend(seq_id, tokens)
+
+    def forget(self, seq_id: object) -> None:
+        """Drop a sequence (its siblings keep drafting from theirs); an emptied group goes."""
+        g = self._group_of.pop(seq_id, None)
+        if g is None:
+            return
+        idx = self.groups[g]
+        idx.forget(seq_id)
+        if not len(idx):
+            del self.groups[g]                        # (a member evicted from it starts it again)
+
+    def forget_group(self, group: object) -> None:
+        """Drop a whole group (all its siblings ended)."""
+        self.groups.pop(group, None)
+        for sid in [s for s, g in self._group_of.items() if g == group]:
+            del self._group_of[sid]
+
+    def draft(self, seq_id: object, k: int) -> list[int]:
+        g = self._group_of.get(seq_id)
+        return [] if g is None else self.groups[g].draft(seq_id, k)
+
+    def draft_batch(self, seq_ids: list, ks: int | list[int]) -> list[list[int]]:
+        """One draft per row (``ks``: one k for all, or one per row)."""
+        if isinstance(ks, int):
+            ks = [ks] * len(seq_ids)
+        if len(ks) != len(seq_ids):
+            raise SpecInputError(f"{len(seq_ids)} rows but {len(ks)} draft lengths")
+        return [self.draft(s, k) for s, k in zip(seq_ids, ks)]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(idx.num_tokens for idx in self.groups.values())
+
+
+def _checked(tokens: Iterable[int]) -> array:
+    try:
+        out = array("i", tokens)
+    except (TypeError, OverflowError) as e:
+        raise SpecInputError(f"token ids must be integers in [0, 2**31): {e}") from None
+    if out and min(out) < 0:
+        raise SpecInputError(f"token ids must be non-negative, got {min(out)}")
+    return out
