@@ -214,6 +214,20 @@ class ModelConfig:
             * self.expert_intermediate
         return self.num_params - routed + routed // max(1, expert_parallel)
 
+    def rank_weight_bytes(self, expert_parallel: int) -> int:
+        """Bytes of one rank's weights (:meth:`rank_params` in ``dtype``); with ``quantization: fp8``
+        the projections take 1 byte per value plus a float32 scale per 128 x 128 block."""
+        nbytes = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}[self.dtype]
+        total = self.rank_params(expert_parallel) * nbytes
+        if self.quantization != "fp8":
+            return total
+        h, L, nd = self.hidden_size, self.num_layers, len(self.dense_layers)
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        proj = L * h * (2 * q + 2 * kv) + nd * 3 * h * self.dense_intermediate
+        proj += (L - nd) * 3 * h * (self.num_experts // max(1, expert_parallel) * self.expert_intermediate
+                                    + self.shared_expert_intermediate)
+        return total - proj * nbytes + proj + 4 * -(-proj // (128 * 128))
+
     @property
     def num_params(self) -> int:
         h, L = self.hidden_size, self.num_layers

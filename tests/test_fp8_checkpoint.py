@@ -259,6 +259,15 @@ def test_a_gate_half_alone_quantizes_into_its_own_half(hf_model_dir, tmp_path):
     assert torch.equal(after["layers.0.w13_fp8"][5, :I], _bytes(q)) and torch.equal(m.layers[0].w13_scale_inv[5, :1], s)
     changed = (after["layers.0.w13_fp8"] != before["layers.0.w13_fp8"]).nonzero()
     assert set(changed[:, 0].tolist()) == {5} and int(changed[:, 1].max()) < I          # the up half untouched
+    # an e4m3 half (a checkpoint's bytes) needs its weight_scale_inv in the same sync, even a partial one
+    stage = WeightStage(m, partial=True)
+    stage.add("model.layers.0.mlp.experts.5.up_proj.weight", q)
+    with pytest.raises(WeightUpdateError, match="up_proj.weight' arrived in float8_e4m3fn without its weight_scale"):
+        stage.apply()
+    stage = WeightStage(m, partial=True)
+    stage.add_all([("model.layers.0.mlp.experts.5.up_proj.weight", q),
+                   ("model.layers.0.mlp.experts.5.up_proj.weight_scale_inv", s)]).apply()
+    assert torch.equal(_bytes(m.layers[0].w13_fp8[5, I:]), _bytes(q)) and torch.equal(m.layers[0].w13_scale_inv[5, 1:], s)
 
 
 def test_an_expert_parallel_rank_reads_and_quantizes_only_its_own_experts(hf_model_dir, tmp_path, monkeypatch):

@@ -13,7 +13,6 @@ from ainfer_pd.config import ModelConfig
 from ainfer_pd.engine.model.linear import (FP8_SUFFIX, SCALE_SUFFIX, Fp8Kernels, grouped, layer_projections,
                                            quantize_parts)
 from ainfer_pd.engine.model.model import build_model
-from ainfer_pd.engine.model.moe import routing_of
 from ainfer_pd.engine.model.weights import WeightStage
 from ainfer_pd.engine.quant.fp8 import FP8, FP8_MAX, dequantize_blockwise, experts_fp8_reference, quantize_blockwise
 from ainfer_pd.errors import ConfigError, UnsupportedOptionError, WeightUpdateError
@@ -270,3 +269,14 @@ async def test_expert_parallel_ranks_serve_fp8_like_one_rank():
                                   timeout_s=120)
     for rank, (outs, leak_free, *_rest) in enumerate(res):
         assert leak_free and outs == ref[rank::2], rank
+
+
+def test_the_weight_bytes_estimate_counts_fp8_projections_at_one_byte():
+    """What the KV pool's sizing can subtract for the weights (``ModelConfig.rank_weight_bytes``),
+    against the bytes an FP8 model and its expert-parallel shard hold (within 1%)."""
+    for c in (ModelConfig(**WIDE), dataclasses.replace(ModelConfig(**WIDE), quantization="fp8")):
+        for ep, experts in ((1, None), (2, (0, 4))):
+            held = sum(p.numel() * p.element_size() for p in build_model(c, experts=experts).parameters())
+            assert abs(c.rank_weight_bytes(ep) - held) <= 0.01 * held, (c.quantization, ep)
+    fp8, bf16 = dataclasses.replace(ModelConfig(**WIDE), quantization="fp8"), ModelConfig(**WIDE)
+    assert fp8.rank_weight_bytes(1) < 0.75 * bf16.rank_weight_bytes(1)

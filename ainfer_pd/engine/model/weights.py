@@ -118,6 +118,7 @@ class WeightStage:
         """Set from another thread to stop :meth:`add_all` at its next item (:class:`StageCancelled`)."""
         self._plan: list[tuple[Tensor, Tensor]] = []     # (parameter region, source view or copy)
         self._covered: dict = {}                          # unit -> the name that filled it
+        self._unscaled: list[tuple[str, tuple]] = []      # e4m3 values by a checkpoint name: (name, its scale's units)
         self._hf_names = False
         self._manifest: list[tuple[str, tuple[int, ...], str]] = []
         # the engine's own names of expert-parallel shards ([E/e, ...] on each rank): the manifest
@@ -199,6 +200,8 @@ class WeightStage:
                                         "filled in this sync")
         for u in units:
             self._covered[u] = name
+        if target.fp8 is not None and not target.quantizes(t.dtype):
+            self._unscaled.append((name, target.fp8.units))
         for pname, index, v in target.writes(src, p.device, self.model.cfg.torch_dtype):
             q = self.table.params[pname]
             if self.copy and v is src:     # the source's memory may be reused by the next bucket: our own copy
@@ -239,6 +242,10 @@ class WeightStage:
         parameter's dtype and device; storages are never rebound, so captured CUDA graphs stay
         valid). Returns the number of tensors written."""
         self.check_complete()
+        alone = [n for n, units in self._unscaled if any(u not in self._covered for u in units)]
+        if alone:            # e4m3 values under the previous scales would be other weights (partial syncs too)
+            raise WeightUpdateError(f"weight {alone[0]!r} arrived in float8_e4m3fn without its weight_scale_inv "
+                                    f"({len(alone)} such; nothing was written)")
         for region, src in self._plan:
             region.copy_(src)
         return len(self._plan)
