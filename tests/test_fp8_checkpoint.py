@@ -267,7 +267,8 @@ def test_a_gate_half_alone_quantizes_into_its_own_half(hf_model_dir, tmp_path):
     stage = WeightStage(m, partial=True)
     stage.add_all([("model.layers.0.mlp.experts.5.up_proj.weight", q),
                    ("model.layers.0.mlp.experts.5.up_proj.weight_scale_inv", s)]).apply()
-    assert torch.equal(_bytes(m.layers[0].w13_fp8[5, I:]), _bytes(q)) and torch.equal(m.layers[0].w13_scale_inv[5, 1:], s)
+    lyr = m.layers[0]
+    assert torch.equal(_bytes(lyr.w13_fp8[5, I:]), _bytes(q)) and torch.equal(lyr.w13_scale_inv[5, 1:], s)
 
 
 def test_an_expert_parallel_rank_reads_and_quantizes_only_its_own_experts(hf_model_dir, tmp_path, monkeypatch):
