@@ -226,13 +226,22 @@ def model_cfg(path: str, num_blocks: int, extra: dict | None = None) -> WorkerCo
     return cfg.replace(**kw)
 
 
-def weight_bytes(mc) -> tuple[float, float, float]:
-    """(attention + router + norms bytes of all layers, bytes of one routed expert, embed + head bytes)."""
-    b = 2
-    D, hd = mc.hidden_size, mc.head_dim
-    attn = mc.num_layers * b * (D * (mc.num_heads + 2 * mc.num_kv_heads) * hd + mc.num_heads * hd * D
-                                + mc.num_experts * D + 3 * D * mc.shared_expert_intermediate)
-    return attn, b * 3 * D * mc.expert_intermediate, b * mc.vocab_size * D
+def weight_bytes(model) -> tuple[float, float, float]:
+    """(bytes of every layer tensor but the routed experts, bytes of one routed expert with its
+    scales, embed + head bytes) of the model as built: bf16 or FP8 (1 byte a weight + its block scales)."""
+    c = model.cfg
+    expert = other = 0
+    for name, p in model.layers.named_parameters():
+        n = p.numel() * p.element_size()
+        leaf = name.rsplit(".", 1)[-1]
+        if p.dim() == 3 and leaf.startswith(("w13", "w2")):     # w13 / w2, or w13_fp8 / w13_scale_inv ...
+            expert += n
+        else:
+            other += n
+    moe_layers = sum(c.is_moe_layer(i) for i in range(c.num_layers))
+    local = model.expert_range[1] - model.expert_range[0]
+    eh = model.embed.numel() * model.embed.element_size() * (1 if c.tie_word_embeddings else 2)
+    return other, expert / max(1, moe_layers * local), eh
 
 
 def touched_experts(runner, fb) -> int:
@@ -275,10 +284,11 @@ def prefill_fb(runner, n: int, cached: int, seed: int = 0) -> ForwardBatch:
                         torch.tensor([n - 1], device=DEV), block_size=bs)
 
 
-def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: bool) -> None:
+def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: bool, extra: dict | None = None) -> None:
+    """The model-level checks and figures of one config (``extra``: settings on top, e.g. FP8)."""
     mc0 = WorkerConfig.from_yaml(cfg_path).model
     num_blocks = max(ITER_B) * ITER_CTX // 16 + 1024
-    cfg = model_cfg(cfg_path, num_blocks)
+    cfg = model_cfg(cfg_path, num_blocks, extra)
     t0 = time.time()
     kv = KVCacheManager(num_blocks, 16)
     runner = ModelRunner(cfg, DEV, kv)
@@ -287,7 +297,8 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
     fig(f"{tag}_model_build_s", round(time.time() - t0, 1), f"({mc0.num_params / 1e9:.1f} B params)")
     mc = cfg.model
     dctx, pctx = PhaseContext(Phase.DECODE, None), PhaseContext(Phase.PREFILL, None)
-    attn_b, exp_b, eh_b = weight_bytes(mc)
+    attn_b, exp_b, eh_b = weight_bytes(runner.model)
+    fp8 = mc.quantization == "fp8"
     kv_tok = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 2
     with torch.inference_mode():
         if capture_all:
@@ -394,16 +405,21 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
                 return runner.forward_fb(pfb, pctx)
             t = bench_ms(step, 300)
             ctx = n + cached
-            flops = 2 * n * lin * L + L * 4 * H * hd * (n * cached + n * n / 2) + 2 * D * mc.vocab_size
+            lin_flops, attn_flops = 2 * n * lin * L, L * 4 * H * hd * (n * cached + n * n / 2) + 2 * D * mc.vocab_size
+            flops = lin_flops + attn_flops
             e_touch = mc.num_experts * (1 - (1 - mc.top_k / mc.num_experts) ** n)
             bytes_ = attn_b + L * e_touch * exp_b + eh_b + ctx * kv_tok
-            roof = max(flops / peak, bytes_ / bw)
+            # FP8 projections run at twice the bf16 tensor-core peak; attention stays bf16
+            roof = max(lin_flops / (peak * (2 if fp8 else 1)) + attn_flops / peak, bytes_ / bw)
             busy = gpu_busy_ms(step)
             pre[f"{n}+{cached}"] = {"ms": round(t, 2), "roofline_ms": round(roof * 1e3, 2),
                                     "roofline_fraction": round(roof * 1e3 / t, 3), "TFLOPs": round(flops / t / 1e9, 1),
                                     "gpu_busy_ms": round(busy, 2), "gpu_busy_roofline_fraction": round(roof * 1e3 / busy, 3)}
             fig(f"{tag}_prefill_{n}_cached_{cached}", pre[f"{n}+{cached}"])
         R[f"{tag}_prefill_rows"] = pre
+        if fp8:                     # the FP8 kernels' parts: benchmarks/fp8_kernel_check.py
+            release(runner)
+            return
         # ---- per-layer parts: decode attention (eager and graph) and MoE decode
         tri = runner.model.attn_backend
         attn = {}
@@ -563,7 +579,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--commit", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--only", default="kernels,qwen3,paper,profile,smoke,bench")
+    ap.add_argument("--only", default="kernels,qwen3,fp8,paper,profile,smoke,bench")
     ap.add_argument("--bench-conversations", type=int, default=24)
     ap.add_argument("--bench-token-scale", type=float, default=0.5)
     ap.add_argument("--bench-timeout", type=int, default=240)
@@ -584,6 +600,12 @@ def main() -> None:
     if "qwen3" in only:
         guarded("qwen3_figures", model_figures, "qwen3", "configs/qwen3-30b-a3b-shape.yaml", bw, peak, True)
         summarize_targets()
+    if "fp8" in only:
+        from _gate_fp8 import fp8_kernel_checks, summarize_fp8
+        guarded("fp8_kernel_checks", fp8_kernel_checks, check, DEV)
+        guarded("qwen3fp8_figures", model_figures, "qwen3fp8", "configs/qwen3-30b-a3b-shape.yaml", bw, peak, True,
+                {"model.quantization": "fp8"})
+        summarize_fp8(R["figures"], target)
     if "paper" in only:
         guarded("paper_figures", model_figures, "paper", "configs/h200-bench.yaml", bw, peak, True)
     if "profile" in only:

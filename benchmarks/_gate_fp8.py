@@ -1,0 +1,78 @@
+"""The GPU gate's FP8 part (issue 37): the blockwise-FP8 kernels against their torch oracle, and
+the FP8 decode targets read from the gate's ``qwen3fp8`` model figures.
+
+Checks: per-token-group quantization byte-equal on float32 input (the e4m3 cast and the IEEE
+division), the fused MoE (decode sizes and a prefill size) and the dense GEMM within 2e-2 of
+:func:`~ainfer_pd.engine.quant.fp8.experts_fp8_reference` / ``fp8_linear_reference`` (the oracle's
+own distance to bf16 is reported beside), and the fused MoE replayed in a CUDA graph equal to eager.
+"""
+from __future__ import annotations
+
+import torch
+
+from _gate_cases import rel_err
+from ainfer_pd.engine.model.moe import route
+from ainfer_pd.engine.quant.fp8 import (experts_fp8_reference, fp8_linear_reference, quantize_blockwise,
+                                        quantize_token_groups, quantize_w13)
+from ainfer_pd.engine.quant.fp8_ops import fp8_linear, fused_experts_fp8, per_token_group_quant
+
+E, D, I, K = 128, 2048, 768, 8          # the Qwen3-30B-A3B expert shape
+TOL = 2e-2
+
+
+def _experts(dev):
+    g = torch.Generator(device=dev).manual_seed(0)
+    gate, up = (torch.randn(E, I, D, device=dev, generator=g) * D ** -0.5 for _ in range(2))
+    w13, s13 = quantize_w13(gate, up)
+    w2, s2 = quantize_blockwise(torch.randn(E, D, I, device=dev, generator=g) * I ** -0.5)
+    router = torch.randn(E, D, device=dev, generator=g).to(torch.bfloat16)
+    return w13, s13, w2, s2, router, g
+
+
+def fp8_kernel_checks(check, dev) -> None:
+    x = torch.randn(4096, 1000, device=dev) * torch.logspace(-3, 3, 1000, device=dev)
+    q, s = per_token_group_quant(x)
+    qr, sr = quantize_token_groups(x)
+    check("fp8_act_quant_equals_oracle_fp32", torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+          and torch.equal(s, sr), f"{int((q.view(torch.uint8) != qr.view(torch.uint8)).sum())} bytes differ")
+    w13, s13, w2, s2, router, g = _experts(dev)
+    for T in (1, 64, 2048):
+        xb = torch.randn(T, D, device=dev, generator=g).to(torch.bfloat16)
+        r = route(xb, router, K)
+        out = fused_experts_fp8(xb, r, w13, s13, w2, s2)
+        ref = experts_fp8_reference(xb.float(), r.topk_idx, r.topk_weights, w13, s13, w2, s2)
+        e = rel_err(out, ref)
+        check(f"fp8_moe_T{T}", e <= TOL, f"rel err {e:.2e} against the FP8 oracle (bound {TOL:.0e})")
+    xb = torch.randn(64, D, device=dev, generator=g).to(torch.bfloat16)
+    r = route(xb, router, K)
+    eager = fused_experts_fp8(xb, r, w13, s13, w2, s2)
+    box = {}
+    graph = torch.cuda.CUDAGraph()
+    fused_experts_fp8(xb, r, w13, s13, w2, s2)                 # warm (compile) outside the capture
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        box["o"] = fused_experts_fp8(xb, r, w13, s13, w2, s2)
+    graph.replay()
+    torch.cuda.synchronize()
+    check("fp8_moe_graph_equals_eager", torch.equal(box["o"], eager))
+    for N, Kd in ((5120, 2048), (2048, 4096)):
+        wq, ws = quantize_blockwise(torch.randn(N, Kd, device=dev, generator=g) * Kd ** -0.5)
+        for M in (1, 64, 2048):
+            xm = torch.randn(M, Kd, device=dev, generator=g).to(torch.bfloat16)
+            e = rel_err(fp8_linear(xm, wq, ws), fp8_linear_reference(xm.float(), wq, ws))
+            check(f"fp8_linear_N{N}_K{Kd}_M{M}", e <= TOL, f"rel err {e:.2e} against the FP8 oracle")
+    torch.cuda.empty_cache()
+
+
+def summarize_fp8(f: dict, target) -> None:
+    """FP8 decode against its bound (<= 1.25x) and against bf16 (tokens/s >= 1.6x) at B 64 / 128."""
+    for B in (64, 128):
+        q, b = f.get(f"qwen3fp8_decode_iteration_b{B}"), f.get(f"qwen3_decode_iteration_b{B}")
+        if not q:
+            continue
+        target(f"fp8_decode_iteration_b{B}_le_1.25x", q["ratio"] <= 1.25,
+               f"{q['graph_ms']} ms vs FP8 bound {q['bound_ms']} ms")
+        if b:
+            speed = b["graph_ms"] / q["graph_ms"]
+            target(f"fp8_over_bf16_tokens_per_s_b{B}_ge_1.6", speed >= 1.6,
+                   f"{speed:.2f}x ({b['graph_ms']} ms bf16 / {q['graph_ms']} ms fp8)")
