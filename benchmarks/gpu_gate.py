@@ -618,6 +618,14 @@ def main() -> None:
         guarded("qwen3_p1_bench", bench, out, args, sets=("scheduler.overlap_decode=false",))
         guarded("qwen3_p1_overlap_bench", bench, out, args, tag="_overlap", policies="normal,fine-grained",
                 sets=("scheduler.overlap_decode=true",))
+        if "fp8" in only:          # the same cell on the FP8 model: makespan against the bf16 run above
+            guarded("qwen3_p1_fp8_bench", bench, out, args, tag="_fp8", policies="normal,fine-grained",
+                    sets=("scheduler.overlap_decode=false", "model.quantization=fp8"))
+            f = R["figures"]
+            if "qwen3_p1_fp8_makespan_s" in f and "qwen3_p1_makespan_s" in f:
+                ratio = {v: round(t / f["qwen3_p1_makespan_s"][v], 3) for v, t in f["qwen3_p1_fp8_makespan_s"].items()}
+                fig("qwen3_p1_fp8_over_bf16_makespan", ratio)
+                target("fp8_p1_makespan_le_0.75x_bf16", max(ratio.values()) <= 0.75, f"{ratio}")
     R["wall_s"] = round(time.time() - t0, 1)
     save()
     n_fail = sum(not v for v in R["checks"].values())
