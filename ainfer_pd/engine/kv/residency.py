@@ -49,7 +49,7 @@ def kv_blocks_from_memory(cfg) -> int:  # pragma: no cover - CUDA only
     free, total = torch.cuda.mem_get_info()
     nbytes = torch.finfo(mc.torch_dtype).bits // 8
     per_block = mc.num_layers * 2 * cc.block_size * mc.num_kv_heads * mc.head_dim * nbytes
-    weights = mc.rank_params(cfg.parallel.expert_parallel) * nbytes      # this rank's experts only
+    weights = mc.rank_weight_bytes(cfg.parallel.expert_parallel)         # this rank's experts only (FP8: 1 byte + scales)
     if cc.gpu_memory_utilization > 0:
         return kv_blocks_for_budget(total, cc.gpu_memory_utilization, weights, per_block, reserve_bytes=2 << 30)
     return max(16, int((free - weights) * cc.gpu_memory_fraction) // per_block)
