@@ -1,0 +1,135 @@
+"""How many drafts to verify: the batch's speculation length from the measured verify cost at its
+size and each row's recent acceptance, never slower than no speculation under those costs (issue 38;
+FastGRPO: at high concurrency naive speculation is slower than none).
+
+One verify pass scores every row at the same width K + 1 (one graph per (batch bucket, K)), so its
+cost is the batch's, ``cost(B, K + 1)``; :class:`VerifyCosts` holds the measured times, and their
+ratio to one token per row. A row whose drafts are accepted independently with probability a
+emits E(a, n) = 1 + a + ... + a^n tokens from n drafts (Leviathan et al.), n = min(K, its draft's
+length). :func:`choose` takes the K that maximises the batch's expected tokens per unit of time,
+sum_r E(a_r, n_r) / (B * cost(B, K + 1) / cost(B, 1)), against 1 for K = 0 (one token per row per
+iteration), and keeps K = 0 unless the best gains at least ``min_gain``. Each row then verifies
+min(K, its draft's length) drafts (padding costs the batch nothing more: it pays K + 1 anyway).
+
+A row's acceptance a is :class:`Acceptance`: discounted sums of drafts accepted and drafts tried
+(the maximum-likelihood rate of the geometric run: a verify that accepts j of n drafts tried j + 1
+of them if it rejected one, else n), from a prior of ``PRIOR_RATE`` over ``PRIOR_TRIALS`` tries,
+so a new row is tried and a row that stops matching fades out within a few iterations.
+A batch size above the table's largest measured one never speculates (no cost, no promise).
+"""
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from . import SpecInputError
+
+DECAY = 0.7
+"""Weight of the past in a row's acceptance sums, per verify."""
+PRIOR_RATE = 0.5
+PRIOR_TRIALS = 2.0
+"""A new row's acceptance: PRIOR_RATE over PRIOR_TRIALS draft tokens tried."""
+MIN_GAIN = 1.05
+"""Speculate only when the expected tokens per unit of time beat no speculation by this factor
+(a margin for the timing noise in the cost table and the drafting's host time)."""
+K_MAX = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Acceptance:
+    """A row's recent acceptance: discounted sums of drafts accepted and drafts tried."""
+
+    accepted: float = PRIOR_RATE * PRIOR_TRIALS
+    tried: float = PRIOR_TRIALS
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.tried if self.tried > 0 else 0.0
+
+
+def observe(acc: Acceptance, drafted: int, accepted: int, *, decay: float = DECAY) -> Acceptance:
+    """``acc`` after a verify that accepted ``accepted`` of ``drafted`` drafts (none: unchanged)."""
+    if not 0 <= accepted <= drafted:
+        raise SpecInputError(f"accepted {accepted} of {drafted} drafts")
+    if drafted == 0:
+        return acc
+    tried = accepted + (1 if accepted < drafted else 0)
+    return Acceptance(decay * acc.accepted + accepted, decay * acc.tried + tried)
+
+
+def expected_tokens(rate: float, drafts: int) -> float:
+    """Tokens one row emits on average from ``drafts`` drafts each accepted with ``rate``:
+    1 + rate + ... + rate**drafts (the accepted run, then the corrected or bonus token)."""
+    if rate >= 1.0:
+        return drafts + 1.0
+    return (1.0 - rate ** (drafts + 1)) / (1.0 - rate)
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyCosts:
+    """Measured verify times: ``times[B][w]`` = seconds of one pass over B rows of w tokens each
+    (w = K + 1; w = 1 is plain decoding). Build it with :meth:`from_times`."""
+
+    batches: tuple[int, ...]                       # the measured batch sizes, ascending
+    ratios: tuple[Mapping[int, float], ...]        # per batch size: width -> time(w) / time(1)
+
+    @classmethod
+    def from_times(cls, times: Mapping[int, Mapping[int, float]]) -> "VerifyCosts":
+        if not times:
+            raise SpecInputError("the verify cost table is empty")
+        batches, ratios = [], []
+        for B in sorted(times):
+            row = times[B]
+            if isinstance(B, bool) or not isinstance(B, int) or B < 1:
+                raise SpecInputError(f"batch sizes must be positive integers, got {B!r}")
+            for w, t in row.items():
+                if isinstance(w, bool) or not isinstance(w, int) or w < 1 or not (math.isfinite(t) and t > 0):
+                    raise SpecInputError(f"batch {B}: width {w!r} has time {t!r} (need an int >= 1, a time > 0)")
+            if 1 not in row:
+                raise SpecInputError(f"batch {B}: no time for width 1 (plain decoding), nothing to compare with")
+            batches.append(B)
+            ratios.append({w: t / row[1] for w, t in row.items()})
+        return cls(tuple(batches), tuple(ratios))
+
+    def at(self, batch: int) -> Mapping[int, float]:
+        """Width -> relative cost at ``batch`` rows: the smallest measured size >= ``batch`` (the
+        bucket its graph runs at); {} above the largest measured size."""
+        i = bisect_left(self.batches, batch)
+        return self.ratios[i] if i < len(self.batches) else {}
+
+
+@dataclass(frozen=True, slots=True)
+class SpecPlan:
+    """The batch's choice: ``k`` drafts wide (0 = no speculation), ``per_row`` drafts each row
+    verifies, ``gain`` = expected tokens per unit of time over no speculation (1.0 for k = 0)."""
+
+    k: int
+    per_row: tuple[int, ...]
+    gain: float
+
+
+def choose(costs: VerifyCosts, rates: list[float], available: list[int], *, k_max: int = K_MAX,
+           min_gain: float = MIN_GAIN) -> SpecPlan:
+    """The speculation length for a batch: ``rates`` each row's acceptance rate, ``available``
+    the drafts each row has (its drafter's output, up to ``k_max``)."""
+    if len(rates) != len(available):
+        raise SpecInputError(f"{len(rates)} acceptance rates but {len(available)} draft counts")
+    if any(n < 0 for n in available) or any(not 0.0 <= a <= 1.0 for a in rates):
+        raise SpecInputError("draft counts must be >= 0 and acceptance rates in [0, 1]")
+    if not min_gain >= 1.0:
+        raise SpecInputError(f"min_gain must be >= 1 (below, speculation may be slower than none), got {min_gain}")
+    B = len(rates)
+    best = SpecPlan(0, (0,) * B, 1.0)
+    if B == 0:
+        return best
+    longest = min(k_max, max(available))
+    for w, ratio in sorted(costs.at(B).items()):
+        k = w - 1
+        if not 1 <= k <= longest:
+            continue
+        gain = sum(expected_tokens(a, min(k, n)) for a, n in zip(rates, available)) / (B * ratio)
+        if gain >= min_gain and gain > best.gain:
+            best = SpecPlan(k, tuple(min(k, n) for n in available), gain)
+    return best

@@ -1,0 +1,93 @@
+"""The speculation-length policy (ainfer_pd.spec.adaptive): no speculation when the measured verify
+costs say it cannot pay, longer drafts as acceptance grows, never a plan slower than none under the
+supplied costs, the acceptance estimate, and the cost table's checks."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ainfer_pd.spec import SpecInputError
+from ainfer_pd.spec.adaptive import (Acceptance, VerifyCosts, choose, expected_tokens, observe)
+
+# a decode-bound shape: more tokens per row are almost free at B = 16, expensive at B = 128
+TIMES = {16: {1: 10.0, 2: 10.3, 4: 10.9, 5: 11.2, 9: 12.5},
+         128: {1: 13.0, 2: 20.0, 4: 34.0, 5: 41.0, 9: 70.0}}
+COSTS = VerifyCosts.from_times(TIMES)
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 3) == 4.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_no_speculation_when_the_costs_say_it_cannot_pay():
+    # at B = 128 a width of 2 costs 1.54x: even rate 0.5 (1.5 tokens) does not pay
+    plan = choose(COSTS, [0.5] * 128, [8] * 128)
+    assert plan.k == 0 and plan.per_row == (0,) * 128 and plan.gain == 1.0
+    # nor with no drafts, nor with zero acceptance where it is cheap
+    assert choose(COSTS, [0.9] * 16, [0] * 16).k == 0
+    assert choose(COSTS, [0.0] * 16, [8] * 16).k == 0
+    # above the largest measured batch: no promise, no speculation
+    assert choose(COSTS, [0.99] * 200, [8] * 200).k == 0
+
+
+def test_k_grows_with_acceptance():
+    ks = [choose(COSTS, [a] * 16, [8] * 16).k for a in (0.02, 0.2, 0.5, 0.8, 0.95)]
+    assert ks[0] == 0 and ks == sorted(ks) and ks[-1] == 8 and len(set(ks)) >= 3
+
+
+def test_a_chosen_plan_is_never_slower_than_none_under_the_costs():
+    rng = random.Random(0)
+    for _ in range(300):
+        B = rng.choice([1, 5, 16, 100, 128])
+        rates = [rng.random() ** rng.choice([0.3, 1, 3]) for _ in range(B)]
+        avail = [rng.randrange(9) for _ in range(B)]
+        plan = choose(COSTS, rates, avail)
+        if plan.k:
+            ratio = COSTS.at(B)[plan.k + 1]
+            tokens = sum(expected_tokens(a, n) for a, n in zip(rates, plan.per_row))
+            assert tokens / (B * ratio) == pytest.approx(plan.gain) and plan.gain >= 1.05
+            assert all(n == min(plan.k, m) for n, m in zip(plan.per_row, avail))
+
+
+def test_the_batch_bucket_and_short_drafts():
+    assert COSTS.at(3) is COSTS.at(16) and COSTS.at(129) == {}
+    # rows with short drafts cap k at the longest draft on offer
+    assert choose(COSTS, [0.95] * 16, [3] * 16).k == 3
+    plan = choose(COSTS, [0.95] * 16, [8] + [1] * 15)
+    assert plan.per_row[0] == plan.k and set(plan.per_row[1:]) == {1}
+
+
+def test_acceptance_tracks_recent_verifies():
+    acc = Acceptance()
+    assert acc.rate == 0.5
+    assert observe(acc, 0, 0) is acc
+    hi = acc
+    for _ in range(10):
+        hi = observe(hi, 4, 4)
+    assert hi.rate > 0.95
+    lo = hi
+    for _ in range(10):
+        lo = observe(lo, 4, 0)
+    assert lo.rate < 0.15
+    one = observe(Acceptance(0.0, 0.0), 4, 2)     # 2 accepted, the third rejected: 2 of 3 tried
+    assert one.rate == pytest.approx(2 / 3)
+    with pytest.raises(SpecInputError):
+        observe(acc, 2, 3)
+
+
+def test_the_cost_table_and_the_inputs_are_checked():
+    with pytest.raises(SpecInputError, match="width 1"):
+        VerifyCosts.from_times({16: {2: 1.0}})
+    with pytest.raises(SpecInputError, match="time"):
+        VerifyCosts.from_times({16: {1: 1.0, 2: -1.0}})
+    with pytest.raises(SpecInputError, match="empty"):
+        VerifyCosts.from_times({})
+    with pytest.raises(SpecInputError, match="batch sizes"):
+        VerifyCosts.from_times({0: {1: 1.0}})
+    with pytest.raises(SpecInputError, match="draft counts"):
+        choose(COSTS, [0.5], [1, 2])
+    with pytest.raises(SpecInputError, match="min_gain"):
+        choose(COSTS, [0.5], [1], min_gain=0.9)
