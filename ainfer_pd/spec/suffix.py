@@ -70,6 +70,11 @@ class SuffixIndex:
     def __len__(self) -> int:
         return len(self._slot)
 
+    @property
+    def occurrences(self) -> int:
+        """Positions indexed (at most one per token held)."""
+        return sum(len(occ) for occ in self._index.values())
+
     def tokens(self, seq_id: object) -> list[int]:
         """The tokens held for ``seq_id`` (empty if none)."""
         slot = self._slot.get(seq_id)

@@ -1,0 +1,177 @@
+"""The suffix drafter (ainfer_pd.spec.suffix): drafts from repeats of a trajectory's own context and
+from its GRPO siblings' outputs, the longest match first and the most frequent continuation, a
+brute-force reference on random sequences, the memory bound (eviction) and forget."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ainfer_pd.spec import SpecInputError
+from ainfer_pd.spec.suffix import SuffixDrafter, SuffixIndex
+
+
+def test_a_repeat_in_the_own_context_is_drafted():
+    ix = SuffixIndex()
+    ix.extend("a", [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3])
+    assert ix.draft("a", 4) == [4, 5, 6, 7]
+    assert ix.draft("a", 20) == [4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5]
+    assert ix.draft("a", 0) == [] and ix.draft("unknown", 4) == []
+
+
+def test_a_periodic_context_drafts_through_its_period():
+    ix = SuffixIndex()
+    ix.extend("p", [9, 8, 5, 6, 7, 5, 6, 7])
+    assert ix.draft("p", 8) == [5, 6, 7, 5, 6, 7, 5, 6]
+
+
+def test_no_earlier_match_no_draft():
+    ix = SuffixIndex(min_match=3)
+    ix.extend("a", [1, 2, 3, 4, 5, 6])
+    assert ix.draft("a", 4) == []
+    ix.extend("b", [1, 2])                       # shorter than the key
+    assert ix.draft("b", 4) == []
+
+
+def test_siblings_outputs_are_drafted_and_groups_do_not_mix():
+    prompt = [11, 12, 13, 14, 15]
+    d = SuffixDrafter()
+    d.extend("s1", prompt + [20, 21, 22, 23, 24], group="g")
+    d.extend("s2", prompt, group="g")
+    d.extend("x", prompt + [30, 31, 32], group="other")
+    assert d.draft("s2", 4) == [20, 21, 22, 23]
+    d.extend("x2", prompt, group="other")
+    assert d.draft("x2", 4) == [30, 31, 32]      # its own group's sibling, to its end
+    assert d.draft_batch(["s2", "x2", "none"], [2, 1, 3]) == [[20, 21], [30], []]
+    with pytest.raises(SpecInputError, match="group"):
+        d.extend("s2", [1], group="other")
+    with pytest.raises(SpecInputError, match="draft lengths"):
+        d.draft_batch(["s2"], [1, 2])
+
+
+def test_the_longest_match_wins_then_the_most_frequent_continuation():
+    ix = SuffixIndex(min_match=2)
+    # "7 8" is followed by 1 three times, but "5 6 7 8" (a longer match) by 2
+    ix.extend("a", [7, 8, 1, 0, 7, 8, 1, 0, 7, 8, 1, 0, 5, 6, 7, 8, 2, 3])
+    ix.extend("b", [4, 4, 5, 6, 7, 8])
+    assert ix.draft("b", 2) == [2, 3]
+    # equal matches: the continuation seen most often (two siblings against one)
+    ix2 = SuffixIndex()
+    ix2.extend("a", [1, 2, 3, 40])
+    ix2.extend("b", [1, 2, 3, 50])
+    ix2.extend("c", [1, 2, 3, 50])
+    ix2.extend("d", [1, 2, 3])
+    assert ix2.draft("d", 1) == [50]
+    # a tie: the most recent occurrence
+    ix3 = SuffixIndex()
+    ix3.extend("a", [1, 2, 3, 40])
+    ix3.extend("b", [1, 2, 3, 50])
+    ix3.extend("d", [1, 2, 3])
+    assert ix3.draft("d", 1) == [50]
+
+
+def _reference_check(seqs: dict, me: str, draft: list[int], k: int, n: int, cap: int) -> None:
+    """Brute force: the draft's match is the longest (capped) and each token has the most votes."""
+    ctx = seqs[me]
+    occ = []
+    for sid, s in seqs.items():
+        for p in range(n - 1, len(s)):
+            own = sid == me
+            if (own and p == len(ctx) - 1) or (not own and p + 1 >= len(s)):
+                continue
+            m = 0
+            while m < min(cap, p + 1, len(ctx)) and s[p - m] == ctx[len(ctx) - 1 - m]:
+                m += 1
+            if m >= n:
+                occ.append((m, s, p + 1, own))
+    if not occ:
+        assert draft == []
+        return
+    best = max(o[0] for o in occ)
+    live = [o[1:] for o in occ if o[0] == best]
+    for j in range(k):
+        votes = {}
+        for s, c, own in live:
+            i = c + j
+            t = s[i] if i < len(s) else (draft[i - len(ctx)] if own else None)
+            if t is not None:
+                votes[t] = votes.get(t, 0) + 1
+        if not votes:
+            assert len(draft) == j
+            return
+        assert draft[j] in votes and votes[draft[j]] == max(votes.values()), (j, votes, draft)
+        live = [(s, c, own) for s, c, own in live
+                if (s[c + j] if c + j < len(s) else (draft[c + j - len(ctx)] if own else None)) == draft[j]]
+    assert len(draft) == k
+
+
+def test_drafts_agree_with_a_brute_force_reference():
+    rng = random.Random(1)
+    for trial in range(60):
+        vocab = rng.choice([3, 4, 6])
+        ix = SuffixIndex(min_match=2, max_match=6, max_candidates=10_000)
+        seqs = {}
+        for _ in range(rng.randrange(1, 5)):
+            sid = f"s{len(seqs)}"
+            seqs[sid] = [rng.randrange(vocab) for _ in range(rng.randrange(2, 40))]
+        for sid, s in seqs.items():                           # extended in pieces, interleaved
+            cut = rng.randrange(len(s) + 1)
+            ix.extend(sid, s[:cut])
+            ix.extend(sid, s[cut:])
+        for sid in seqs:
+            k = rng.randrange(1, 9)
+            _reference_check(seqs, sid, ix.draft(sid, k), k, 2, 6)
+
+
+def test_memory_is_bounded_the_least_recently_extended_go_first():
+    ix = SuffixIndex(cap_tokens=256, max_match=8)
+    rng = random.Random(2)
+    for i in range(40):
+        ix.extend(f"s{i}", [rng.randrange(50) for _ in range(30)])
+        assert ix.num_tokens <= 256 and ix.occurrences <= ix.num_tokens
+    assert "s39" in ix and "s0" not in ix and len(ix) == 256 // 30
+    ix.extend("s33", [1, 2, 3])                  # touched: now the last to go
+    ix.extend("new", [rng.randrange(50) for _ in range(60)])
+    assert "s33" in ix and "s34" not in ix and ix.num_tokens <= 256
+
+
+def test_one_sequence_over_the_cap_keeps_its_tail():
+    ix = SuffixIndex(cap_tokens=128, max_match=8)
+    seq = list(range(1000))
+    for i in range(0, 1000, 7):
+        ix.extend("long", seq[i:i + 7])
+        assert ix.num_tokens <= 128 and len(ix.tokens("long")) >= min(i + 7, 64)
+    held = ix.tokens("long")
+    assert held == seq[-len(held):] and len(held) >= 64
+    ix.extend("long", [held[-5], held[-4], held[-3]])   # a repeat inside the tail it kept
+    assert ix.draft("long", 2) == [held[-2], held[-1]]
+
+
+def test_forget_drops_a_sibling_and_its_occurrences():
+    d = SuffixDrafter()
+    d.extend("a", [1, 2, 3, 4, 5], group="g")
+    d.extend("b", [1, 2, 3], group="g")
+    assert d.draft("b", 2) == [4, 5]
+    before = d.groups["g"].occurrences
+    d.forget("a")
+    assert d.draft("b", 2) == [] and d.groups["g"].occurrences == before - 3
+    d.forget("a")                                 # unknown: a no-op
+    d.forget("b")
+    assert "g" not in d.groups and d.num_tokens == 0
+    d.extend("c", [1, 2, 3, 1, 2], group="h")
+    d.forget_group("h")
+    assert d.draft("c", 2) == [] and not d.groups
+
+
+def test_bad_tokens_and_arguments_are_refused():
+    ix = SuffixIndex()
+    with pytest.raises(SpecInputError, match="non-negative"):
+        ix.extend("a", [1, -2])
+    with pytest.raises(SpecInputError, match="integers"):
+        ix.extend("a", [1, 2.5])
+    with pytest.raises(SpecInputError, match="integers"):
+        ix.extend("a", [1 << 40])
+    with pytest.raises(SpecInputError, match="min_match"):
+        SuffixIndex(min_match=5, max_match=4)
+    with pytest.raises(SpecInputError, match="cap_tokens"):
+        SuffixDrafter(cap_tokens=10)
