@@ -125,11 +125,21 @@ def choose(costs: VerifyCosts, rates: list[float], available: list[int], *, k_ma
     if B == 0:
         return best
     longest = min(k_max, max(available))
+    runs = [_partial_sums(a, min(n, longest)) for a, n in zip(rates, available)]   # E(a, 0..n) per row
     for w, ratio in sorted(costs.at(B).items()):
         k = w - 1
         if not 1 <= k <= longest:
             continue
-        gain = sum(expected_tokens(a, min(k, n)) for a, n in zip(rates, available)) / (B * ratio)
+        gain = sum(run[min(k, len(run) - 1)] for run in runs) / (B * ratio)
         if gain >= min_gain and gain > best.gain:
             best = SpecPlan(k, tuple(min(k, n) for n in available), gain)
     return best
+
+
+def _partial_sums(rate: float, n: int) -> list[float]:
+    """[E(rate, 0), ..., E(rate, n)]."""
+    out, term = [1.0], 1.0
+    for _ in range(n):
+        term *= rate
+        out.append(out[-1] + term)
+    return out

@@ -12,10 +12,10 @@ so far (a repeating pattern drafts through its period).
 Why an n-gram index with hash-chained position lists, not a suffix automaton or a suffix tree:
 both find the longest match in O(match), but a suffix automaton cannot forget a sequence (the
 memory cap and ``forget`` would rebuild it) and a depth-D suffix tree adds up to D Python nodes per
-token (a few KB each in CPython). Here a token costs one dict lookup and one list append to add,
-the memory per token is about 4 B (its id in an ``array``) plus one list entry and one int
-(~45 B), plus ~150 B for an n-gram never seen before (dict slot, key, list): at most ~200 B per
-token, less on repetitive text (``benchmarks/suffix_draft_bench.py`` measures it). The longest
+token (a few KB each in CPython). Here a token costs one tuple hash, one dict lookup and one list
+append to add (~2 us), and about 4 B (its id in an ``array``) plus one list entry and one int
+(~45 B), plus ~120 B more for an n-gram never seen before (dict slot, list): ~170 B per token on
+random tokens, ~90 B on a repetitive trace (``benchmarks/suffix_draft_bench.py``). The longest
 match is exact among the ``max_candidates`` most recent occurrences of the key (older ones are
 dropped from the key's list); its length is found by comparing ``array`` slices (a binary search,
 C-level compares), so a draft is O(candidates x (log max_match + k)) Python steps.
