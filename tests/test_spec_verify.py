@@ -96,6 +96,17 @@ def test_greedy_drafts_that_are_the_argmax_are_all_accepted_and_a_bonus_follows(
     assert res.accepted == [4, 4] and res.tokens == refs and not res.bad
 
 
+
+def test_greedy_rows_among_sampled_drafts_still_decode_greedily():
+    prompt, params = [5, 6, 7], SamplingParams(temperature=0.0)
+    ref = decode_plain(prompt, params, 0, 4)[0]
+    drafts = [[ref[0], (ref[1] + 1) % V_TOY, ref[2]], [1, 2, 3]]
+    logits = torch.stack([torch.stack([toy_logits(prompt + drafts[0][:j]) for j in range(4)]),
+                          torch.stack([toy_logits(prompt + drafts[1][:j]) for j in range(4)])])
+    q = torch.softmax(torch.randn(2, 3, V_TOY, generator=torch.Generator().manual_seed(0)), -1)
+    res = verify(logits, drafts, [SampleRow(params), SampleRow(SamplingParams(temperature=1.0), 9)], draft_probs=q)
+    assert res.tokens[0] == ref[:2] and res.accepted[0] == 1
+
 # ----------------------------------------------------------------------------- bookkeeping
 def test_accepted_lengths_tokens_and_logprobs_per_row():
     V = 8
