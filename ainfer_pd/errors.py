@@ -207,6 +207,12 @@ class SamplingError(AInferPDError):
     mass, e.g. non-finite logits); only this request fails, the rest of its batch goes on."""
 
 
+class SpecInputError(AInferPDError, ValueError):
+    """A speculative-decoding function (:mod:`ainfer_pd.spec`) got malformed input: a token that is
+    not a token id, a draft longer than the verification's width, logits and rows that disagree, a
+    cost table without its one-token time."""
+
+
 class WrongEventLoopError(AInferPDError, RuntimeError):
     """The worker was used from an event loop (or thread) other than the one that entered
     ``async with RolloutWorker(...)``; a worker belongs to one loop for its whole life."""

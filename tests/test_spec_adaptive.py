@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from ainfer_pd.spec import SpecInputError
+from ainfer_pd.errors import SpecInputError
 from ainfer_pd.spec.adaptive import (Acceptance, VerifyCosts, choose, expected_tokens, observe)
 
 # a decode-bound shape: more tokens per row are almost free at B = 16, expensive at B = 128

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from ainfer_pd.spec import SpecInputError
+from ainfer_pd.errors import SpecInputError
 from ainfer_pd.spec.suffix import SuffixDrafter, SuffixIndex
 
 

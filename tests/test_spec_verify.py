@@ -12,7 +12,7 @@ import torch
 
 from ainfer_pd.engine.model.sampler import SampleRow, sample, uniform
 from ainfer_pd.request import SamplingParams
-from ainfer_pd.spec import SpecInputError
+from ainfer_pd.errors import SpecInputError
 from ainfer_pd.spec.verify import verify, verify_on_device
 from tests.test_sampler import ref_logprobs
 

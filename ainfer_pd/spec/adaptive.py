@@ -24,7 +24,7 @@ from bisect import bisect_left
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from . import SpecInputError
+from ..errors import SpecInputError
 
 DECAY = 0.7
 """Weight of the past in a row's acceptance sums, per verify."""

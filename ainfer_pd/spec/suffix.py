@@ -31,7 +31,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable
 
-from . import SpecInputError
+from ..errors import SpecInputError
 
 MIN_MATCH = 3
 """Context tokens a draft's match must agree on (the index's key length)."""

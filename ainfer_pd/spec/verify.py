@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from ..engine.model.sampler import SampleRow, _to_device, _why_not_a_distribution, sample_on_device, uniform
-from . import SpecInputError
+from ..errors import SpecInputError
 
 ACCEPT_SALT = 0xA5A5_5A5A_C3C3_3C3C
 """Mixed into a row's seed for the acceptance noise of sampled drafts (independent of the draws)."""
