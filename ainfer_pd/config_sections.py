@@ -234,9 +234,15 @@ class DeviceConfig:
     residency_slots: int = 2
     """CPU stand-in: work items (kernels) a device runs at once across its streams."""
     collective_slots: int = 0
-    """CPU stand-in: attention collectives resident on a device at once (0 = no limit). A resident
-    collective holds its slot until every peer joined, as a spinning NCCL kernel holds SMs; with one
-    slot, collectives of crossed groups launched in opposite orders on two ranks stall for real."""
+    """CPU stand-in: units of the device's collective residency (0 = no limit; SPEC 7.1). A resident
+    attention collective keeps its units until every peer joined, as a spinning NCCL kernel keeps its
+    SMs; one that does not fit beside the resident ones waits. An attention-TP collective (P's
+    all-reduce, D's reduce-scatter / all-gather) takes one unit."""
+    dp_collective_slots: int = 1
+    """CPU stand-in: the units D's DP-attention all-gather / reduce-scatter (``attn_dp.D``) take. With
+    ``collective_slots: 2`` and 2 it fits beside no other collective: P's all-reduce and it, launched
+    in opposite orders on crossed ranks, stall for real (the paper's Table 4), while P's and D's
+    attention-TP collectives fit together; 1 is the paper's limited residency (no stall)."""
     cuda_graphs: bool = True
     """CUDA: decode by graph replay of batch-size buckets."""
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -298,6 +304,10 @@ class DeviceConfig:
             raise ConfigError(f"device.graph_context_tiers must be positive integers, got {self.graph_context_tiers!r}")
         if isinstance(self.collective_slots, bool) or not isinstance(self.collective_slots, int) or self.collective_slots < 0:
             raise ConfigError(f"device.collective_slots must be an integer >= 0, got {self.collective_slots!r}")
+        dps = self.dp_collective_slots
+        if isinstance(dps, bool) or not isinstance(dps, int) or dps < 1 or (self.collective_slots and
+                                                                            dps > self.collective_slots):
+            raise ConfigError(f"device.dp_collective_slots must be an integer in [1, collective_slots], got {dps!r}")
         for key in ("attention_backend", "moe_backend"):
             if getattr(self, key) not in KERNEL_BACKENDS:
                 raise ConfigError(f"device.{key}={getattr(self, key)!r}: expected one of {KERNEL_BACKENDS}")

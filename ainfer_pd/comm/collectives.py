@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -84,8 +85,13 @@ class PhaseCollectives:
         """Per communicator: collectives enqueued by the host, not started yet (FIFO)."""
         self.booking = True
         """Trace and track every collective (off while warm-up passes / graph captures run them)."""
-        self.gate: Callable[[], Any] = contextlib.nullcontext
-        """The device's collective residency (``Device.collective_slot``): held while resident."""
+        self.skew_s: dict[str, float] = {}
+        """Fault injection (``faults.phase_skew_ms``): seconds the first collective of one of these
+        communicators in each enqueued schedule (a D iteration) waits on its stream before it asks
+        the device for residency."""
+        self._skew_due = False
+        self.gate: Callable[[str], Any] = lambda comm: contextlib.nullcontext()
+        """The device's collective residency (``Device.collective_slot(comm)``): held while resident."""
 
     # ------------------------------------------------------------------ identity
     def size(self, comm: str) -> int:
@@ -94,6 +100,13 @@ class PhaseCollectives:
     def active(self, kind: CollectiveKind) -> bool:
         """The collective exists on this topology (its group has more than one rank)."""
         return self.size(kind.comm) > 1
+
+    def crossed_comms(self) -> list[str]:
+        """This phase's communicators whose groups cross the other phase's (ATP > 1 and ADP > 1:
+        D's ``attn_dp.D`` against P's ``attn_tp.P``)."""
+        if not self.topology.crossed:
+            return []
+        return [ATTN_DP_D] if self.phase is Phase.DECODE else [ATTN_TP_P]
 
     def _own(self, kind: CollectiveKind) -> None:
         if kind not in KINDS:
@@ -133,6 +146,7 @@ class PhaseCollectives:
     def enqueue_schedule(self, kinds: Iterable[CollectiveKind], *, stream: str, epoch: int | None,
                          boundary: int | None, extra: dict | None = None) -> list[dict]:
         """A D iteration's collectives, in the order its item will run them."""
+        self._skew_due = bool(self.skew_s)
         return [self.enqueue(k, stream=stream, epoch=epoch, boundary=boundary, extra=extra) for k in kinds]
 
     # ------------------------------------------------------------------ device half
@@ -143,7 +157,10 @@ class PhaseCollectives:
         if not self.booking:
             return self.apply(kind, t)
         info = self.take(kind)
-        with self.gate():                           # resident until every peer joined
+        if self._skew_due and self.skew_s.get(kind.comm):
+            self._skew_due = False
+            time.sleep(self.skew_s[kind.comm])
+        with self.gate(kind.comm):                  # resident until every peer joined
             t0 = self.mark_started(info)
             try:
                 out = self.apply(kind, t)
@@ -286,8 +303,16 @@ class RankCollectives:
     def set_booking(self, on: bool) -> None:
         self.P.booking = self.D.booking = on
 
-    def set_gate(self, gate: Callable[[], Any]) -> None:
+    def set_gate(self, gate: Callable[[str], Any]) -> None:
         self.P.gate = self.D.gate = gate
+
+    def set_device(self, device: Any) -> None:
+        """Gate the collectives by ``device``'s collective residency; where P's and D's attention-TP
+        collectives cannot both be resident on it, register the same-group pair too (a two-rank
+        cycle would close: :mod:`~ainfer_pd.comm.ordering`). Before any collective is booked."""
+        self.set_gate(device.collective_slot)
+        if self.P.topology.atp > 1 and not device.coresident(ATTN_TP_P, ATTN_TP_D):
+            self.registry.register_same_group()
 
     def register_owned(self, reg: Any) -> None:
         self.P.register_owned(reg)

@@ -10,12 +10,16 @@ The one home of :data:`ORDERINGS` and of the collective kinds the engine issues:
   gather / scatter of every replica's rows around each MoE layer's routed experts, ADP > 1:
   :meth:`~ainfer_pd.engine.runtime.tensor_parallel.DecodeHooks.experts_dp`).
 
-A *conflicting pair* is a P and a D collective on different communicators that share at least
-two ranks: if two ranks launch them in opposite device order, a device-progress cycle can close.
-SPEC 2's crossed pair (P attention-TP all-reduce x D DP-attention collectives, ATP > 1 and
-ADP > 1: the groups intersect, neither contains the other) closes a cycle through four ranks;
-D's own attention-TP reduce-scatter / all-gather share every rank with P's all-reduce (ATP > 1)
-and close one through two. Only registered pairs are serialised by the device-order edge; every other P work item
+A *conflicting pair* is a P and a D collective on different communicators that share ranks and
+cannot both be resident on a device (SPEC 7.1): if ranks launch them in opposite device orders, a
+device-progress cycle can close. SPEC 2's crossed pair (P attention-TP all-reduce x D DP-attention
+collectives, ATP > 1 and ADP > 1: the groups intersect, neither contains the other) closes a cycle
+through four ranks; it is always registered. D's own attention-TP reduce-scatter / all-gather share
+every rank with P's all-reduce (ATP > 1): on a device where the two can be resident together (a
+GPU, per the paper's Table 4: ADP1 completes; the CPU stand-in's default model) they close no
+cycle and are not registered; on a device model where they cannot (``same_group``: e.g. the CPU
+stand-in with one collective unit) they would close one through two ranks, and are registered too.
+Only registered pairs are serialised by the device-order edge; every other P work item
 keeps its own stream and overlaps D. Expert exchanges are never registered: they run on their
 own communication budget (phase-owned DeepEP-style state, SPEC 3.4).
 
@@ -87,20 +91,26 @@ class ConflictRegistry:
     def __bool__(self) -> bool:
         return bool(self.pairs)
 
+    def register_same_group(self) -> None:
+        """Register the same-group pair (P ATP all-reduce x D ATP reduce-scatter / all-gather): for
+        a device on which they cannot both be resident (module docstring)."""
+        self.register(P_ATP_ALL_REDUCE, D_ATP_REDUCE_SCATTER)
+        self.register(P_ATP_ALL_REDUCE, D_ATP_ALL_GATHER)
+
     @classmethod
-    def for_topology(cls, topology: Topology, *, force: bool = False) -> ConflictRegistry:
+    def for_topology(cls, topology: Topology, *, same_group: bool = False, force: bool = False) -> ConflictRegistry:
         """The pairs of ``topology``: (P ATP all-reduce x D DP-attention all-gather /
         reduce-scatter) when the attention-TP and DP-attention groups cross (ATP > 1 and
-        ADP > 1); (P ATP all-reduce x D ATP reduce-scatter / all-gather) whenever ATP > 1 (the
-        same ranks on two communicators). ``force`` registers every pair (exercises the selective route where
+        ADP > 1); with ``same_group`` also (P ATP all-reduce x D ATP reduce-scatter / all-gather)
+        whenever ATP > 1 (the same ranks on two communicators, on a device where the two cannot be
+        resident together). ``force`` registers every pair (exercises the selective route where
         nothing conflicts, e.g. one rank)."""
         reg = cls()
         if force or (topology.crossed and groups_cross(topology.all_tp_groups(), topology.all_dp_groups())):
             reg.register(P_ATP_ALL_REDUCE, D_ADP_ALL_GATHER)
             reg.register(P_ATP_ALL_REDUCE, D_ADP_REDUCE_SCATTER)
-        if force or topology.atp > 1:
-            reg.register(P_ATP_ALL_REDUCE, D_ATP_REDUCE_SCATTER)
-            reg.register(P_ATP_ALL_REDUCE, D_ATP_ALL_GATHER)
+        if force or (same_group and topology.atp > 1):
+            reg.register_same_group()
         return reg
 
 

@@ -93,6 +93,8 @@ class Engine:
         dc = cfg.device
         self.device: Device = make_device(dc.device, recorder, residency_slots=dc.residency_slots,
                                           collective_slots=dc.collective_slots,
+                                          dp_collective_slots=dc.dp_collective_slots,
+                                          collective_wait_s=cfg.parallel.rendezvous_timeout_s,
                                           threads_per_stream=dc.cpu_threads_per_stream,
                                           high_priority_stream=dc.high_priority_stream,
                                           lane_sms={("P", GATED_LANE): dc.p_stream_sms})
@@ -132,7 +134,12 @@ class Engine:
                                and cfg.scheduler.overlap_decode in (True, "auto"))
         self.d = DDriver(**common, sched=cfg.scheduler, max_context_len=cfg.model.max_context_len,
                          ctx=self.decode_ctx, p=self.p, overlap=self.overlap_decode, dist=dist)
-        self.d.device_delay_s = d_delay
+        # replicas out of phase: D waits before its first crossed collective of each iteration where
+        # the groups cross (the four-rank cycle's pair), else before the iteration
+        crossed = dist.colls.D.crossed_comms() if dist is not None else []
+        self.d.device_delay_s = 0.0 if crossed else d_delay
+        if crossed and d_delay:
+            dist.colls.D.skew_s = {c: d_delay for c in crossed}
         if dist is None:
             self.p.decide, self.p.changed = self._decide_epoch, lambda: self._changed
         if dist is not None:

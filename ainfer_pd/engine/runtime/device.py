@@ -11,10 +11,12 @@
   switch waits for the stream's previous item, so the stream stays FIFO.
 * :class:`CpuDevice` - a **CPU stand-in** for a GPU, named as such. Each stream is a
   FIFO executor thread; ``submit`` only enqueues. A device-wide *residency* semaphore
-  of N slots is held by every running item, the way kernels hold SMs; a collective
-  (see ``hold_until``) keeps its slot until every peer has joined, as spinning NCCL /
-  DeepEP kernels do. torch releases the GIL inside ops, so the P and D streams really
-  run at once on two cores.
+  of N slots is held by every running item, the way kernels hold SMs; an attention collective
+  is also resident in the device's collective residency
+  (:class:`~.collective_residency.CollectiveResidency`: ``collective_slots`` units, D's
+  DP-attention gather / scatter taking ``dp_collective_slots`` of them) until every peer has
+  joined, as spinning NCCL / DeepEP kernels are. torch releases the GIL inside ops, so the P and
+  D streams really run at once on two cores.
 
 Both devices take per-item ``deps`` (items of other streams this one must wait for, like
 ``cudaStreamWaitEvent``: a waiting stream holds no residency slot and no SMs) and ``attrs``
@@ -34,7 +36,9 @@ from typing import Any, Callable
 
 import torch
 
+from ...comm.topology import ATTN_DP_D
 from ...metrics.recorder import Recorder
+from .collective_residency import CollectiveResidency
 from .streams import Device, Stream, StreamHold, Work  # noqa: F401 - importable from here
 
 
@@ -44,24 +48,25 @@ class CpuDevice(Device):
     kind = "cpu"
 
     def __init__(self, recorder: Recorder, *, residency_slots: int = 2, threads_per_stream: int = 1,
-                 collective_slots: int = 0) -> None:
+                 collective_slots: int = 0, dp_collective_slots: int = 1, collective_wait_s: float | None = None) -> None:
         super().__init__(recorder)
         self.residency = threading.BoundedSemaphore(residency_slots)
         self.residency_slots = residency_slots
         self.threads_per_stream = threads_per_stream
-        self.collective_slots = collective_slots
-        self._collectives = threading.BoundedSemaphore(collective_slots) if collective_slots else None
+        self.collectives = CollectiveResidency(collective_slots, {ATTN_DP_D: dp_collective_slots} if collective_slots
+                                               else None, wait_s=collective_wait_s)
         self._holding = threading.local()
 
     @contextlib.contextmanager
-    def collective_slot(self):
-        """A resident collective holds one of ``collective_slots`` until it returned (every peer
-        joined); waiting for the slot, its item keeps its residency slot (SMs stay occupied)."""
-        if self._collectives is None:
+    def collective_slot(self, comm: str | None = None):
+        """A collective of family ``comm`` is resident in :attr:`collectives` until it returned
+        (every peer joined); waiting for admission, its item keeps its residency slot (SMs stay
+        occupied)."""
+        with self.collectives.hold(comm):
             yield
-            return
-        with self._collectives:
-            yield
+
+    def coresident(self, *comms: str) -> bool:
+        return self.collectives.fits(*comms)
 
     @property
     def torch_device(self) -> torch.device:
@@ -219,9 +224,12 @@ class CudaDevice(Device):
 
 def make_device(kind: str, recorder: Recorder, *, residency_slots: int = 2, threads_per_stream: int = 1,
                 index: int | None = None, high_priority_stream: str = "none", collective_slots: int = 0,
+                dp_collective_slots: int = 1, collective_wait_s: float | None = None,
                 lane_sms: dict[tuple[str, str], int] | None = None) -> Device:
     """``index`` None: the current CUDA device (a lockstep rank has set it to its local GPU).
-    ``lane_sms``: CUDA only, (stream, lane) -> SMs of the green context that lane's items run in."""
+    ``lane_sms``: CUDA only, (stream, lane) -> SMs of the green context that lane's items run in.
+    ``collective_slots`` / ``dp_collective_slots`` / ``collective_wait_s``: the CPU stand-in's
+    collective residency (:class:`~.collective_residency.CollectiveResidency`)."""
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda":
@@ -234,4 +242,5 @@ def make_device(kind: str, recorder: Recorder, *, residency_slots: int = 2, thre
         from ...errors import ConfigError
         raise ConfigError(f"an SM partition of stream lanes {sorted(lane_sms)} needs a CUDA device; this one is {kind}")
     return CpuDevice(recorder, residency_slots=residency_slots, threads_per_stream=threads_per_stream,
-                     collective_slots=collective_slots)
+                     collective_slots=collective_slots, dp_collective_slots=dp_collective_slots,
+                     collective_wait_s=collective_wait_s)

@@ -181,10 +181,17 @@ class Device:
         yield
 
     @contextlib.contextmanager
-    def collective_slot(self):
-        """Hold one of the device's collective slots while an attention collective is resident
-        (CPU stand-in with ``collective_slots``; a no-op elsewhere: the hardware decides)."""
+    def collective_slot(self, comm: str | None = None):
+        """Keep an attention collective of communicator family ``comm`` resident in the device's
+        collective residency while it runs (the CPU stand-in's model; a no-op elsewhere: the
+        hardware decides)."""
         yield
+
+    def coresident(self, *comms: str) -> bool:
+        """Collectives of these communicator families can be resident at once on this device (a
+        GPU: assumed, as the paper's Table 4 finds for an attention-TP pair; the CPU stand-in: its
+        collective residency decides)."""
+        return True
 
     def _record(self, work: Work, stream: "Stream", t0: float, t1: float) -> None:
         """The interval of a completed item; with trace attributes also a ``work`` trace event."""
