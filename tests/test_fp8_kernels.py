@@ -11,14 +11,19 @@ TRITON_INTERPRET=1: conftest) against their torch oracles in engine/quant/fp8.py
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from ainfer_pd.engine.fused_moe import align_blocks_triton
 from ainfer_pd.engine.fused_moe.plan import GemmPlan, MoEPlan
-from ainfer_pd.engine.model.moe import route
+from ainfer_pd.engine.model.moe import route, routing_of
 from ainfer_pd.engine.quant import fp8
-from ainfer_pd.engine.quant.fp8_ops import fp8_gemm, fp8_linear, fused_experts_fp8, per_token_group_quant
-from ainfer_pd.engine.quant.fp8_plan import check_fp8_plan, fp8_gemm_plan, fp8_moe_plan, fuses_act_quant
+from ainfer_pd.engine.quant.fp8_ops import (fp8_gemm, fp8_linear, fused_experts_fp8, launch_fp8_down, launch_fp8_gate_up,
+                                            per_token_group_quant)
+from ainfer_pd.engine.quant.fp8_plan import (Fp8MoEPlan, as_fp8_moe_plan, check_fp8_moe_plan, check_fp8_plan,
+                                             fp8_gemm_plan, fp8_moe_plan, fuses_act_quant)
 from ainfer_pd.errors import CheckpointError
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -132,27 +137,87 @@ def expert_weights(E: int, D: int, inter: int, seed: int):
     return w13_q, w13_s, w2_q, w2_s
 
 
+# The paths (fp8_plan's flags): x and act quantized by launches of their own (a plain MoEPlan:
+# act by a second launch when gate_up's block_n is not 128, in its epilogue when it is), on load
+# by the GEMM that reads them, mixed, and down folding the k-slot sum.
 UNFUSED = MoEPlan(GemmPlan(16, 32, 64, 2, 4, 1), GemmPlan(16, 64, 128, 2, 4, 1))
 FUSED = MoEPlan(GemmPlan(16, 128, 128, 1, 4, 1), GemmPlan(16, 128, 64, 1, 4, 1))
+LOAD = Fp8MoEPlan(GemmPlan(16, 32, 128, 2, 4, 1), GemmPlan(16, 64, 128, 2, 4, 1))
+LOAD_FOLD = Fp8MoEPlan(GemmPlan(16, 32, 128, 2, 4, 1), GemmPlan(16, 64, 128, 2, 4, 1), fold_sum=True)
+X_LOAD_ACT_EPILOGUE = Fp8MoEPlan(GemmPlan(32, 128, 128, 1, 4, 1), GemmPlan(32, 32, 64, 1, 4, 1),
+                                 quant_act_on_load=False, fold_sum=True)
+X_LAUNCH_ACT_LOAD = Fp8MoEPlan(GemmPlan(16, 64, 32, 1, 4, 1), GemmPlan(16, 32, 128, 1, 4, 1), quant_x_on_load=False)
+
+
+def moe_case(T, E, k, D, inter, dtype):
+    ws = expert_weights(E, D, inter, seed=T + E)
+    x = activations(T, D, dtype, seed=k)
+    return x, route(x, torch.randn(E, D).to(dtype), k), ws
 
 
 @pytest.mark.parametrize("T,E,k,D,inter,dtype,plan", [
-    (1, 8, 1, 200, 96, F32, None),          # decode: one row, 7 idle experts
-    (3, 16, 2, 256, 130, F32, None),        # most experts idle; I one past a block
-    (0, 4, 2, 128, 64, F32, None),          # no tokens
-    (40, 4, 2, 160, 136, F32, UNFUSED),     # 20 rows per expert: 2 row blocks each; act quantized apart
-    (40, 4, 2, 160, 136, F32, FUSED),       # the same with act quantized in the gate_up epilogue
-    (9, 8, 3, 160, 200, BF16, FUSED),       # bf16 activations, top-3
+    (1, 8, 1, 200, 96, F32, None),                  # decode (the table: both on load): one row, 7 idle experts
+    (1, 8, 1, 200, 96, F32, LOAD_FOLD),
+    (3, 16, 2, 256, 130, F32, None),                # most experts idle; I one past a block
+    (3, 16, 2, 256, 130, F32, UNFUSED),
+    (0, 4, 2, 128, 64, F32, None),                  # no tokens
+    (0, 4, 2, 128, 64, F32, LOAD_FOLD),
+    (40, 4, 2, 160, 136, F32, UNFUSED),             # 20 rows per expert: 2 row blocks each; act quantized apart
+    (40, 4, 2, 160, 136, F32, FUSED),               # act quantized in the gate_up epilogue
+    (40, 4, 2, 160, 136, F32, LOAD),                # x and act quantized on load
+    (40, 4, 2, 160, 136, F32, X_LOAD_ACT_EPILOGUE),  # 32-row blocks, fold
+    (9, 8, 3, 160, 200, BF16, FUSED),               # bf16 activations, top-3
+    (9, 8, 3, 160, 200, BF16, LOAD_FOLD),
+    (9, 8, 3, 160, 200, BF16, X_LAUNCH_ACT_LOAD),
 ])
 def test_fused_experts_fp8_matches_reference(T, E, k, D, inter, dtype, plan):
-    ws = expert_weights(E, D, inter, seed=T + E)
-    x = activations(T, D, dtype, seed=k)
-    r = route(x, torch.randn(E, D).to(dtype), k)
+    x, r, ws = moe_case(T, E, k, D, inter, dtype)
     out = fused_experts_fp8(x, r, *ws, plan=plan)
     ref = fp8.experts_fp8_reference(x, r.topk_idx, r.topk_weights, *ws)
     assert out.shape == (T, D) and out.dtype == dtype
     if T:
         assert rel_err(out, ref) <= (1e-4 if dtype == F32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_quantizing_on_load_gives_the_separate_launches_bytes(dtype):
+    """The same tiles with x and act quantized on load or by launches of their own: the GEMMs see
+    the same e4m3 bytes and scales, so the outputs are equal bit for bit; folding the k-slot sum
+    into down changes only the summation (float32 rows, slot order): within 1e-6 with float32 x."""
+    x, r, ws = moe_case(21, 6, 3, 200, 136, dtype)
+    launched = fused_experts_fp8(x, r, *ws, plan=dataclasses.replace(LOAD, quant_x_on_load=False,
+                                                                       quant_act_on_load=False))
+    on_load = fused_experts_fp8(x, r, *ws, plan=LOAD)
+    assert torch.equal(on_load, launched)
+    folded = fused_experts_fp8(x, r, *ws, plan=LOAD_FOLD)
+    assert rel_err(folded, on_load) <= (1e-6 if dtype == F32 else 1e-2)
+    assert rel_err(folded, fp8.experts_fp8_reference(x, r.topk_idx, r.topk_weights, *ws)) <= (1e-4 if dtype == F32
+                                                                                                 else 1e-2)
+
+
+@pytest.mark.parametrize("plan", [LOAD, LOAD_FOLD], ids=["load", "fold"])
+def test_a_tokens_output_does_not_depend_on_its_batch(plan):
+    """Token rows taken out of a batch of 13 into one of 4 (other row blocks, other programs,
+    with fold another last arriver): their outputs are bit-equal."""
+    x, r, ws = moe_case(13, 6, 3, 160, 96, F32)
+    sub = torch.tensor([12, 0, 7, 3])
+    rs = routing_of(r.topk_idx[sub], r.topk_weights[sub], 6)
+    assert torch.equal(fused_experts_fp8(x[sub], rs, *ws, plan=plan), fused_experts_fp8(x, r, *ws, plan=plan)[sub])
+
+
+def test_gate_up_zeroes_the_fold_counters():
+    """The fold's counters come from torch.empty: gate_up zeroes them (here filled with garbage
+    first), and down leaves each at k (every pair counted once)."""
+    x, r, (w13_q, w13_s, w2_q, w2_s) = moe_case(5, 4, 2, 160, 96, F32)
+    layout = align_blocks_triton(r, LOAD_FOLD.block_m)
+    ncnt = fp8.blocks(160, 64)
+    counters = torch.full((5, ncnt), 7, dtype=torch.int32)
+    act, act_s = launch_fp8_gate_up(x, None, w13_q, w13_s, layout, 2, LOAD_FOLD, counters)
+    assert act.dtype == F32 and act_s is None and torch.equal(counters, torch.zeros_like(counters))
+    rows, out = torch.empty(10, 160), torch.empty(5, 160)
+    launch_fp8_down(act, None, w2_q, w2_s, rows, layout, r.topk_weights.reshape(-1), LOAD_FOLD.down, 2, (counters, out))
+    assert torch.equal(counters, torch.full_like(counters, 2))
+    assert torch.allclose(out, rows.view(5, 2, 160).sum(1), rtol=1e-6, atol=0)
 
 
 def test_fused_experts_fp8_rejects_the_bf16_layout():
@@ -168,16 +233,24 @@ def test_fused_experts_fp8_rejects_the_bf16_layout():
 
 
 def test_fp8_plan_table():
-    """Small row blocks for decode, large for prefill; every K step within one scale column."""
+    """Decode quantizes on load (5 launches), prefill by launches of their own with act in the
+    gate_up epilogue; every K step within one scale column; on load needs K steps of 128."""
     decode, prefill = fp8_moe_plan(8, 128), fp8_moe_plan(8 * 8192, 128)
     assert decode.block_m <= 16 < prefill.block_m
-    assert fuses_act_quant(prefill.gate_up)
+    assert decode.quant_x_on_load and decode.quant_act_on_load
+    assert not prefill.quant_x_on_load and fuses_act_quant(prefill)
     assert fp8_gemm_plan(1).block_m <= 16 < fp8_gemm_plan(8192).block_m
     for n in (1, 64, 1024, 65536):
-        moe = fp8_moe_plan(n, 128)
-        assert moe.gate_up.block_m == moe.down.block_m
-        for g in (moe.gate_up, moe.down, fp8_gemm_plan(n)):
-            check_fp8_plan(g)
+        check_fp8_moe_plan(fp8_moe_plan(n, 128))
+        check_fp8_plan(fp8_gemm_plan(n))
     for bad in (256, 96, 16):
         with pytest.raises(ValueError):
             check_fp8_plan(GemmPlan(16, 64, bad, 1, 4, 1))
+    with pytest.raises(ValueError, match="on load"):
+        check_fp8_plan(GemmPlan(16, 64, 64, 1, 4, 1), on_load=True)
+    with pytest.raises(ValueError, match="block_m"):
+        check_fp8_moe_plan(Fp8MoEPlan(GemmPlan(16, 32, 128, 1, 4, 1), GemmPlan(32, 32, 128, 1, 4, 1)))
+    old = as_fp8_moe_plan(UNFUSED)
+    assert (old.gate_up, old.down) == (UNFUSED.gate_up, UNFUSED.down)
+    assert not (old.quant_x_on_load or old.quant_act_on_load or old.fold_sum)
+    assert as_fp8_moe_plan(LOAD) is LOAD

@@ -92,20 +92,37 @@ def token_group_quant_kernel(X, Q, S, T, K, stride_x, stride_q, stride_s,
 
 
 @triton.jit
+def _a_tile(a_rows, as_rows, rmask, kk, kmask, k0, ON_LOAD: tl.constexpr, GROUP: tl.constexpr,
+            EXACT: tl.constexpr):
+    """One K step's A operand and its per-row scale: (a [BLOCK_M, BLOCK_K] float8, s [BLOCK_M]).
+    ON_LOAD: ``a_rows`` point at float rows, quantized here (``BLOCK_K == GROUP``: the step is
+    one whole group; zeros past K, as the oracle's padding), ``as_rows`` unused; else at float8
+    rows whose scales start at ``as_rows``."""
+    a = tl.load(a_rows[:, None] + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+    if ON_LOAD:
+        q, s = _quant_tile(a.to(tl.float32), EXACT)
+    else:
+        q = a
+        s = tl.load(as_rows + k0 // GROUP, mask=rmask, other=0.0)
+    return q, s
+
+
+@triton.jit
 def _scaled_dot(a_rows, as_rows, rmask, b_cols, bs_cols, nmask, K,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                ON_LOAD: tl.constexpr, EXACT: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] float32 = sum over k of (a[m, k] a_s[m, k // GROUP]) (b[n, k] b_s[n, k // GROUP]).
 
     a_rows [BLOCK_M] / b_cols [BLOCK_N]: pointers to the rows' (columns') first K element (K
-    contiguous); as_rows / bs_cols: pointers to their first scale (scale columns contiguous)."""
+    contiguous); as_rows / bs_cols: pointers to their first scale (scale columns contiguous).
+    ON_LOAD: A is float, quantized per K step (:func:`_a_tile`)."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         kmask = kk < K
-        a = tl.load(a_rows[:, None] + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        a, sa = _a_tile(a_rows, as_rows, rmask, kk, kmask, k0, ON_LOAD, GROUP, EXACT)
         b = tl.load(b_cols[None, :] + kk[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-        sa = tl.load(as_rows + k0 // GROUP, mask=rmask, other=0.0)
         sb = tl.load(bs_cols + k0 // GROUP, mask=nmask, other=0.0)
         acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
     return acc
@@ -113,7 +130,8 @@ def _scaled_dot(a_rows, as_rows, rmask, b_cols, bs_cols, nmask, K,
 
 @triton.jit
 def _scaled_dot_pair(a_rows, as_rows, rmask, g_cols, gs_cols, u_cols, us_cols, nmask, K,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                     ON_LOAD: tl.constexpr, EXACT: tl.constexpr):
     """:func:`_scaled_dot` against two weights (gate and up) sharing each A tile: (acc_g, acc_u)."""
     offs_k = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -122,22 +140,22 @@ def _scaled_dot_pair(a_rows, as_rows, rmask, g_cols, gs_cols, u_cols, us_cols, n
         kk = k0 + offs_k
         kmask = kk < K
         bmask = kmask[:, None] & nmask[None, :]
-        a = tl.load(a_rows[:, None] + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        a, sa = _a_tile(a_rows, as_rows, rmask, kk, kmask, k0, ON_LOAD, GROUP, EXACT)
         bg = tl.load(g_cols[None, :] + kk[:, None], mask=bmask, other=0.0)
         bu = tl.load(u_cols[None, :] + kk[:, None], mask=bmask, other=0.0)
-        sa = tl.load(as_rows + k0 // GROUP, mask=rmask, other=0.0)[:, None]
         sg = tl.load(gs_cols + k0 // GROUP, mask=nmask, other=0.0)[None, :]
         su = tl.load(us_cols + k0 // GROUP, mask=nmask, other=0.0)[None, :]
-        acc_g += tl.dot(a, bg) * sa * sg
-        acc_u += tl.dot(a, bu) * sa * su
+        acc_g += tl.dot(a, bg) * sa[:, None] * sg
+        acc_u += tl.dot(a, bu) * sa[:, None] * su
     return acc_g, acc_u
 
 
 @triton.jit(do_not_specialize=["M"])
 def fp8_gemm_kernel(A, AS, B, BS, BIAS, C, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_M: tl.constexpr, GROUP: tl.constexpr):
-    """C [M, N] = (A [M, K] * AS [M, nb(K)]) @ (B [N, K] * BS [nb(N), nb(K)])^T (+ BIAS [N]), in C's dtype."""
+                    GROUP_M: tl.constexpr, GROUP: tl.constexpr, ON_LOAD: tl.constexpr, EXACT: tl.constexpr):
+    """C [M, N] = (A [M, K] * AS [M, nb(K)]) @ (B [N, K] * BS [nb(N), nb(K)])^T (+ BIAS [N]), in C's
+    dtype; ON_LOAD: A is float [M, K], quantized per 128-column K step (AS unused)."""
     pid_m, pid_n = _tile_ids(tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -145,7 +163,7 @@ def fp8_gemm_kernel(A, AS, B, BS, BIAS, C, M, N, K, stride_am, stride_asm, strid
     nmask = offs_n < N
     acc = _scaled_dot(A + offs_m * stride_am, AS + offs_m * stride_asm, mmask,
                       B + offs_n * stride_bn, BS + (offs_n // GROUP) * stride_bsn, nmask, K,
-                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP)
+                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP, ON_LOAD, EXACT)
     if HAS_BIAS:
         acc += tl.load(BIAS + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     tl.store(C + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(C.dtype.element_ty),
@@ -169,37 +187,71 @@ def _store_act(act, ACT, ACTS, prow, rmask, offs_n, nmask, stride_an, stride_asn
 
 @triton.jit(do_not_specialize=["num_pairs", "P"])
 def fp8_moe_gate_up_kernel(
-    SORTED, BLOCK_EXPERT, NUM_POST, X, XS, W, WS, ACT, ACTS,
-    num_pairs, P, K, I,
+    SORTED, BLOCK_EXPERT, NUM_POST, X, XS, W, WS, ACT, ACTS, CNT,
+    num_pairs, P, K, I, NCNT,
     stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_an, stride_asn,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, GROUP: tl.constexpr, FUSE_QUANT: tl.constexpr, EXACT: tl.constexpr,
+    GROUP_M: tl.constexpr, GROUP: tl.constexpr, ON_LOAD: tl.constexpr, FUSE_QUANT: tl.constexpr,
+    FOLD: tl.constexpr, NCNT_PAD: tl.constexpr, EXACT: tl.constexpr,
 ):
-    """ACT[pair, n] = silu(g) * u, g / u = x_q[tok] . W[e, n] / W[e, I + n] (block scales applied)."""
+    """ACT[pair, n] = silu(g) * u, g / u = x_q[tok] . W[e, n] / W[e, I + n] (block scales applied);
+    ON_LOAD: X is the float x, quantized here (XS unused). FOLD: the first column tile's programs
+    zero the NCNT fold counters of their tokens (CNT [T, NCNT], for :func:`_fold_slots`)."""
     active, e, pairs, rmask, offs_n, nmask = _expert_block(SORTED, BLOCK_EXPERT, NUM_POST, num_pairs, P, I,
                                                            BLOCK_M, BLOCK_N, GROUP_M)
     if not active:
         return
     tok = (pairs // TOPK).to(tl.int64)
+    if FOLD:
+        if tl.min(offs_n, axis=0) == 0:
+            c = tl.arange(0, NCNT_PAD)
+            tl.store(CNT + tok[:, None] * NCNT + c[None, :], tl.zeros([BLOCK_M, NCNT_PAD], tl.int32),
+                     mask=rmask[:, None] & (c < NCNT)[None, :])
     n64 = offs_n.to(tl.int64)
     g_cols = W + e * stride_we + n64 * stride_wn
     gs_cols = WS + e * stride_wse + (n64 // GROUP) * stride_wsn
     acc_g, acc_u = _scaled_dot_pair(X + tok * stride_xt, XS + tok * stride_xst, rmask,
                                     g_cols, gs_cols, g_cols + I * stride_wn, gs_cols + tl.cdiv(I, GROUP) * stride_wsn,
-                                    nmask, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP)
+                                    nmask, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, ON_LOAD, EXACT)
     act = acc_g * tl.sigmoid(acc_g) * acc_u
     _store_act(act, ACT, ACTS, pairs.to(tl.int64), rmask, n64, nmask, stride_an, stride_asn, FUSE_QUANT, GROUP, EXACT)
 
 
+@triton.jit
+def _fold_slots(ROWS, CNT, OUT, pairs, rmask, offs_n, nmask, NCNT, stride_rn, stride_ot,
+                TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Called after this program stored its rows' tile: each row whose token's other k - 1 rows
+    of this column tile are stored already (its program is the last of the token's k to count
+    itself in CNT [T, NCNT]) writes OUT[token] = the token's k rows summed in slot order, float32.
+    Which program sums depends on run order; the sum does not (no atomic touches a value).
+
+    Memory order: the barrier puts every thread's row stores before the count's release (the
+    count is a gpu-scope acq_rel atomic, one thread a row); the rows of other programs are read
+    after its acquire, around L1 (``.cg``: an SM's L1 is not coherent with the other SMs')."""
+    tl.debug_barrier()
+    tok = (pairs // TOPK).to(tl.int64)
+    tile = tl.min(offs_n, axis=0) // BLOCK_N
+    seen = tl.atomic_add(CNT + tok * NCNT + tile, 1, mask=rmask, sem="acq_rel", scope="gpu")
+    last = rmask & (seen == TOPK - 1)
+    m = last[:, None] & nmask[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for j in tl.static_range(TOPK):
+        ptr = ROWS + (tok * TOPK + j)[:, None] * stride_rn + offs_n[None, :]
+        acc += tl.load(ptr, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+    tl.store(OUT + tok[:, None] * stride_ot + offs_n[None, :], acc.to(OUT.dtype.element_ty), mask=m)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "P"])
 def fp8_moe_down_kernel(
-    SORTED, BLOCK_EXPERT, NUM_POST, A, AS, W, WS, OUT, TOPW,
-    num_pairs, P, K, N,
-    stride_an, stride_asn, stride_we, stride_wn, stride_wse, stride_wsn, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    GROUP: tl.constexpr,
+    SORTED, BLOCK_EXPERT, NUM_POST, A, AS, W, WS, ROWS, TOPW, CNT, OUT,
+    num_pairs, P, K, N, NCNT,
+    stride_an, stride_asn, stride_we, stride_wn, stride_wse, stride_wsn, stride_rn, stride_ot,
+    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, GROUP: tl.constexpr, ON_LOAD: tl.constexpr, FOLD: tl.constexpr, EXACT: tl.constexpr,
 ):
-    """OUT[pair, n] = topw[pair] * act_q[pair] . W[e, n] (block scales applied), in OUT's dtype."""
+    """ROWS[pair, n] = topw[pair] * act_q[pair] . W[e, n] (block scales applied), in ROWS' dtype;
+    ON_LOAD: A is the float32 act, quantized here (AS unused). FOLD: OUT[token] = the sum of its
+    k rows too (:func:`_fold_slots`)."""
     active, e, pairs, rmask, offs_n, nmask = _expert_block(SORTED, BLOCK_EXPERT, NUM_POST, num_pairs, P, N,
                                                            BLOCK_M, BLOCK_N, GROUP_M)
     if not active:
@@ -208,7 +260,9 @@ def fp8_moe_down_kernel(
     n64 = offs_n.to(tl.int64)
     acc = _scaled_dot(A + prow * stride_an, AS + prow * stride_asn, rmask,
                       W + e * stride_we + n64 * stride_wn, WS + e * stride_wse + (n64 // GROUP) * stride_wsn,
-                      nmask, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP)
+                      nmask, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, ON_LOAD, EXACT)
     w = tl.load(TOPW + prow, mask=rmask, other=0.0).to(tl.float32)
-    tl.store(OUT + prow[:, None] * stride_on + n64[None, :], (acc * w[:, None]).to(OUT.dtype.element_ty),
+    tl.store(ROWS + prow[:, None] * stride_rn + n64[None, :], (acc * w[:, None]).to(ROWS.dtype.element_ty),
              mask=rmask[:, None] & nmask[None, :])
+    if FOLD:
+        _fold_slots(ROWS, CNT, OUT, pairs, rmask, n64, nmask, NCNT, stride_rn, stride_ot, TOPK, BLOCK_M, BLOCK_N)

@@ -3,20 +3,55 @@ shapes, so a captured decode graph replays the plan it was captured with.
 
 Tiles from the H200 sweep of ``benchmarks/fp8_kernel_check.py`` (Qwen3-30B-A3B shape, d957096):
 decode (T = 1-128) best with 16 x 32 gate_up / 16 x 64 down tiles (0.030 / 0.118 / 0.169 / 0.180 ms
-at T = 1 / 16 / 64 / 128, 1.38-1.45x the FP8 weight-bytes bound, 1.6-1.67x faster than bf16);
-prefill (T = 2,048 / 8,192) best of the four tried with 64 x 128 tiles, 8 warps (0.52 / 1.60 ms,
-against bf16's 0.49 / 1.33: the 128-row tiles with two float32 accumulators spill). Every ``block_k`` divides 128 (one activation / weight scale column per K step).
-A gate_up plan with ``block_n == 128`` quantizes ``act`` in its epilogue (one 1 x 128 group per
-program row); any other width writes float32 ``act`` and quantizes it in a separate launch.
+at T = 1 / 16 / 64 / 128, 1.38-1.45x the FP8 weight-bytes bound, 1.6-1.67x faster than bf16, with
+x and act quantized by launches of their own); prefill (T = 2,048 / 8,192) best of the four tried
+with 64 x 128 tiles, 8 warps (0.52 / 1.60 ms, against bf16's 0.49 / 1.33: the 128-row tiles with
+two float32 accumulators spill). Every ``block_k`` divides 128 (one activation / weight scale
+column per K step).
+
+Where activations are quantized (:class:`Fp8MoEPlan`'s flags; the results are the same bytes
+either way, only launches and traffic differ):
+
+* ``quant_x_on_load``: gate_up reads x's float rows and quantizes each 128-column K step in
+  registers (no x-quantization launch, no x_q buffer; each row is re-quantized by each of its k
+  pairs and each N tile: cheap at decode sizes). Needs gate_up ``block_k == 128``. Off: one
+  launch quantizes x first.
+* ``quant_act_on_load``: gate_up writes float32 act and down quantizes each 128-column group as it
+  loads it (needs down ``block_k == 128``). Off: a gate_up of ``block_n == 128`` quantizes act in
+  its epilogue, any other writes float32 act and a separate launch quantizes it.
+* ``fold_sum``: down sums each token's k rows itself (the last of its programs to finish for a
+  token's column tile adds the k rows in slot order; no sum launch). Off: a torch sum.
+
+The decode plan quantizes both on load (5 launches a call, was 7: the layout's 2, gate_up, down,
+the sum); ``fold_sum`` and the prefill on-load paths are plan options until the H200 sweep
+(``fp8_kernel_check.py``'s ``sweep_*`` figures) has timed them.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from ..fused_moe.plan import GemmPlan, MoEPlan
 from .fp8 import BLOCK
 
+
+@dataclass(frozen=True, slots=True)
+class Fp8MoEPlan:
+    """The FP8 fused MoE's tiles and where it quantizes (see the module docstring)."""
+    gate_up: GemmPlan
+    down: GemmPlan
+    quant_x_on_load: bool = True
+    quant_act_on_load: bool = True
+    fold_sum: bool = False
+
+    @property
+    def block_m(self) -> int:
+        return self.gate_up.block_m
+
+
 # fused MoE: (rows per expert on average) -> plans
-_MOE_SMALL = MoEPlan(GemmPlan(16, 32, 128, 1, 4, 4), GemmPlan(16, 64, 128, 1, 4, 4))
-_MOE_MEDIUM = MoEPlan(GemmPlan(64, 128, 128, 8, 8, 3), GemmPlan(64, 128, 128, 8, 4, 4))
+_MOE_SMALL = Fp8MoEPlan(GemmPlan(16, 32, 128, 1, 4, 4), GemmPlan(16, 64, 128, 1, 4, 4))
+_MOE_MEDIUM = Fp8MoEPlan(GemmPlan(64, 128, 128, 8, 8, 3), GemmPlan(64, 128, 128, 8, 4, 4),
+                         quant_x_on_load=False, quant_act_on_load=False)
 _MOE_LARGE = _MOE_MEDIUM
 # dense GEMM: (rows) -> plan
 _GEMM_SMALL = GemmPlan(16, 32, 128, 1, 4, 4)
@@ -24,7 +59,7 @@ _GEMM_MEDIUM = GemmPlan(64, 128, 128, 8, 4, 3)
 _GEMM_LARGE = GemmPlan(128, 128, 128, 8, 8, 3)
 
 
-def fp8_moe_plan(num_pairs: int, num_experts: int) -> MoEPlan:
+def fp8_moe_plan(num_pairs: int, num_experts: int) -> Fp8MoEPlan:
     """The fused MoE's plan for ``num_pairs`` (token, slot) rows over ``num_experts`` experts."""
     per_expert = num_pairs / max(1, num_experts)
     if per_expert <= 8:
@@ -32,6 +67,14 @@ def fp8_moe_plan(num_pairs: int, num_experts: int) -> MoEPlan:
     if per_expert <= 64:
         return _MOE_MEDIUM
     return _MOE_LARGE
+
+
+def as_fp8_moe_plan(plan: MoEPlan | Fp8MoEPlan) -> Fp8MoEPlan:
+    """A plain :class:`MoEPlan` (tiles only) is the separate-launch path: x and act quantized by
+    launches of their own (act in gate_up's epilogue when its block_n is 128), a torch sum."""
+    if isinstance(plan, Fp8MoEPlan):
+        return plan
+    return Fp8MoEPlan(plan.gate_up, plan.down, quant_x_on_load=False, quant_act_on_load=False)
 
 
 def fp8_gemm_plan(rows: int) -> GemmPlan:
@@ -43,12 +86,24 @@ def fp8_gemm_plan(rows: int) -> GemmPlan:
     return _GEMM_LARGE
 
 
-def fuses_act_quant(gate_up: GemmPlan) -> bool:
-    """Whether a gate_up tile quantizes ``act`` itself (its columns are exactly one 1 x 128 group)."""
-    return gate_up.block_n == BLOCK
+def fuses_act_quant(plan: Fp8MoEPlan) -> bool:
+    """Whether gate_up quantizes ``act`` in its epilogue (act not quantized on load by down, and
+    gate_up's columns exactly one 1 x 128 group)."""
+    return not plan.quant_act_on_load and plan.gate_up.block_n == BLOCK
 
 
-def check_fp8_plan(g: GemmPlan) -> None:
-    """A plan whose K step straddles two scale columns is a ValueError."""
+def check_fp8_plan(g: GemmPlan, on_load: bool = False) -> None:
+    """A plan whose K step straddles two scale columns is a ValueError; so is a plan quantizing on
+    load (``on_load``) whose K step is not exactly one 128-column group."""
     if g.block_k <= 0 or BLOCK % g.block_k or g.block_k < 32:
         raise ValueError(f"FP8 block_k must divide {BLOCK} (and be >= 32, the FP8 MMA's K), got {g.block_k}")
+    if on_load and g.block_k != BLOCK:
+        raise ValueError(f"quantizing on load needs block_k == {BLOCK} (one group per K step), got {g.block_k}")
+
+
+def check_fp8_moe_plan(plan: Fp8MoEPlan) -> None:
+    """Both GEMMs' tiles (:func:`check_fp8_plan`) and one row block for both."""
+    if plan.gate_up.block_m != plan.down.block_m:
+        raise ValueError("both GEMMs walk the same aligned blocks: gate_up and down need one block_m")
+    check_fp8_plan(plan.gate_up, plan.quant_x_on_load)
+    check_fp8_plan(plan.down, plan.quant_act_on_load)
