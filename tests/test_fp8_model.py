@@ -1,7 +1,9 @@
 """FP8 models (``model.quantization: fp8``, issue 37) without checkpoints: the blockwise round trip,
-the quantized random init, the forward's FP8 dispatch (local and expert-parallel), weight sync in
-FP8 (bf16 in, quantized on the way, all-or-nothing, halves alone, engine names checked), and a
-worker serving greedily whose logprobs are the FP8 model's own."""
+which projections are FP8 (the routed experts; the dense ones too with ``model.fp8_dense``), the
+quantized random init, the forward's FP8 dispatch (local, expert-parallel, attention TP), weight
+sync in FP8 (bf16 in, quantized on the way, all-or-nothing, halves alone, engine names checked),
+and a worker serving greedily whose logprobs are the FP8 model's own. The tests that depend on the
+dense format run under both settings (``DENSE``)."""
 import dataclasses
 import math
 
@@ -20,6 +22,8 @@ from tests.conftest import rand_ids, tiny_cfg
 from tests.test_engine_core import recompute_greedy
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+DENSE = pytest.mark.parametrize("fp8_dense", [False, True], ids=["experts-fp8", "all-fp8"])
+DENSE_LEAVES = ("wqkv", "wo", "dense_w13", "dense_w2", "shared_w13", "shared_w2")
 # glm4_moe: a dense first layer, a shared expert, a sigmoid router; widths past one 128-block with
 # partial edge blocks (192 = 128 + 64, 320 = 2 x 128 + 64), q rows 256 and k / v rows 128 each
 WIDE = dict(architecture="glm4_moe", vocab_size=300, hidden_size=256, num_layers=3, num_heads=4, num_kv_heads=2,
@@ -85,26 +89,73 @@ def test_a_fused_projection_quantizes_each_part_on_its_own_grid():
 
 
 # ---------------------------------------------------------------------------- config, init
-def test_quantization_is_validated_and_attention_tp_is_refused():
+def test_quantization_and_fp8_dense_are_validated_and_attention_tp_is_refused_with_fp8_dense():
     with pytest.raises(ConfigError, match="model.quantization='int4'"):
         ModelConfig(quantization="int4").validate()
     with pytest.raises(ConfigError, match="quantization"):
         tiny_cfg(**{"model.quantization": 8})
+    with pytest.raises(ConfigError, match="model.fp8_dense .* needs model.quantization: fp8"):
+        ModelConfig(fp8_dense=True).validate()
+    with pytest.raises(ConfigError, match="model.fp8_dense .* needs model.quantization: fp8"):
+        tiny_cfg(**{"model.fp8_dense": True})
+    with pytest.raises(ConfigError, match="model.fp8_dense must be true/false"):
+        tiny_cfg(**{"model.quantization": "fp8", "model.fp8_dense": "yes"})
     from ainfer_pd.engine.runtime.runner import ModelRunner
-    with pytest.raises(UnsupportedOptionError, match="tensor parallelism"):
-        ModelRunner(tiny_cfg(**{"model.quantization": "fp8"}), torch.device("cpu"), None, tp_shard=(0, 2))
+    with pytest.raises(UnsupportedOptionError, match="fp8_dense with attention tensor parallelism"):
+        ModelRunner(tiny_cfg(**{"model.quantization": "fp8", "model.fp8_dense": True}), torch.device("cpu"), None,
+                    tp_shard=(0, 2))
 
 
-def test_fp8_random_init_is_the_quantized_model_dtype_init_and_an_ep_shard_its_slice():
+def test_attention_tp_shards_the_model_dtype_attention_of_an_fp8_model(tmp_path):
+    """Without ``fp8_dense`` the attention is in the model dtype: two gloo TP ranks, each holding
+    half the heads, compute the unsharded FP8 model's logits (the experts FP8 on both)."""
+    import yaml
+    from tests._dist_util import run_ranks
+    from tests.test_tp_attention import TINY, _tp_prefill_rank
+    cfg = yaml.safe_load(TINY.read_text())
+    cfg["model"]["quantization"] = "fp8"
+    path = tmp_path / "fp8.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    res = run_ranks(_tp_prefill_rank, 2, str(path), timeout_s=90)
+    for r, x in enumerate(res):
+        assert x["shard_heads"] == (2, 1) and x["kv_ok"], r
+        assert x["max_abs"] < 1e-3 and x["tp_tok"] == x["ref_tok"], (r, x["max_abs"])
+
+
+def test_which_projections_are_fp8():
+    """Default: the routed experts FP8, every dense projection (attention, shared expert, dense
+    MLP) a model-dtype parameter; ``fp8_dense``: every projection FP8. Never the router, the
+    shared gate, the embedding or the head."""
+    for dense in (False, True):
+        c = dataclasses.replace(ModelConfig(**WIDE), quantization="fp8", fp8_dense=dense)
+        m = build_model(c)
+        params = dict(m.named_parameters())
+        for i, lyr in enumerate(m.layers):
+            assert {leaf: pr.fp8 for leaf, pr in lyr.projections.items()} == {
+                leaf: dense or leaf in ("w13", "w2") for leaf in lyr.projections}
+            for leaf, pr in lyr.projections.items():
+                fp8 = f"layers.{i}.{leaf}{FP8_SUFFIX}"
+                if pr.fp8:
+                    assert getattr(lyr, leaf) is None and params[fp8].dtype == FP8, (dense, leaf)
+                else:
+                    assert getattr(lyr, leaf).dtype == torch.bfloat16 and fp8 not in params, (dense, leaf)
+        assert set(DENSE_LEAVES) <= set(m.layers[0].projections) | set(m.layers[1].projections)
+        assert all(params[n].dtype == torch.bfloat16 for n in ("embed", "lm_head", "layers.1.router"))
+
+
+@DENSE
+def test_fp8_random_init_is_the_quantized_model_dtype_init_and_an_ep_shard_its_slice(fp8_dense):
+    """Each FP8 projection is the quantized projection of the model-dtype model of the same seed;
+    everything else (the dense projections without ``fp8_dense`` too) equals it."""
     c16 = ModelConfig(**WIDE)
-    c8 = dataclasses.replace(c16, quantization="fp8")
+    c8 = dataclasses.replace(c16, quantization="fp8", fp8_dense=fp8_dense)
     m16, m8, shard = build_model(c16), build_model(c8), build_model(c8, experts=(2, 6))
     p16, p8, ps = dict(m16.named_parameters()), dict(m8.named_parameters()), dict(shard.named_parameters())
     n_fp8 = 0
     for name, p in p16.items():
         i, leaf = (int(name.split(".")[1]), name.split(".")[2]) if name.startswith("layers.") else (None, name)
         pr = m8.layers[i].projections.get(leaf) if i is not None else None
-        if pr is None:
+        if pr is None or not pr.fp8:
             assert torch.equal(p8[name], p), name                  # router, norms, biases, embed, head
             continue
         w = p.transpose(-1, -2) if pr.transposed else p
@@ -116,18 +167,20 @@ def test_fp8_random_init_is_the_quantized_model_dtype_init_and_an_ep_shard_its_s
             assert torch.equal(_bytes(ps[name + FP8_SUFFIX]), _bytes(q[2:6])), name
             assert torch.equal(ps[name + SCALE_SUFFIX], s[2:6]), name
         n_fp8 += 1
-    assert n_fp8 == 3 * 2 + 2 + 2 * 4                             # attention x3, dense MLP, 2 MoE layers x4
-    again = build_model(c8)
-    assert not _same(_snapshot(m8), _snapshot(again))              # seed-stable
+    # all: attention x3, dense MLP, 2 MoE layers x4 (experts, shared); else the 2 MoE layers' experts
+    assert n_fp8 == (3 * 2 + 2 + 2 * 4 if fp8_dense else 2 * 2)
+    if not fp8_dense:
+        assert not _same(_snapshot(m8), _snapshot(build_model(c8)))          # seed-stable
 
 
 # ---------------------------------------------------------------------------- forward
-def test_fp8_forward_runs_the_fp8_math_locally_and_expert_parallel():
+@DENSE
+def test_fp8_forward_runs_the_fp8_math_locally_and_expert_parallel(fp8_dense):
     """The local FP8 experts are the torch oracle's; an expert-parallel rank's grouped local
     experts give each row its expert's output (rows past the counts zero); the layer's
     projections run on the FP8 values (a model-dtype forward on the dequantized weights is close,
     not equal: the activations are quantized in 1 x 128 groups)."""
-    c8 = dataclasses.replace(ModelConfig(**WIDE), dtype="float32", quantization="fp8")
+    c8 = dataclasses.replace(ModelConfig(**WIDE), dtype="float32", quantization="fp8", fp8_dense=fp8_dense)
     m = build_model(c8)
     lyr = m.layers[1]
     g = torch.Generator().manual_seed(2)
@@ -155,6 +208,14 @@ def test_fp8_forward_runs_the_fp8_math_locally_and_expert_parallel():
     a, b = _logits(m, list(range(3, 40))), _logits(deq, list(range(3, 40)))
     err = (a - b).abs().amax(dim=-1) / b.std()                    # per position, in logit standard deviations
     assert 0 < float(err.median()) < 0.35 and float((err < 0.5).float().mean()) >= 0.8, err
+    # the dense projections' format: dequantizing the FP8 ones gives a model whose math differs
+    # only by the activations' rounding; a model-dtype projection's math is exactly the model's
+    lyr0 = m.layers[0]
+    x0 = torch.randn(5, c8.hidden_size, generator=g)
+    from ainfer_pd.engine.model.linear import project
+    got = project(lyr0, "wqkv", x0, lyr0.bqkv, m.fp8_kernels)
+    plain = project(deq.layers[0], "wqkv", x0, deq.layers[0].bqkv, deq.fp8_kernels)
+    assert torch.equal(got, plain) != fp8_dense
 
 
 @torch.no_grad()
@@ -163,8 +224,8 @@ def _load_dequantized(dst, src) -> None:
     from ainfer_pd.engine.quant.fp8 import dequantize_blockwise as dq
     for name, p in dst.named_parameters():
         i, leaf = (int(name.split(".")[1]), name.split(".")[2]) if name.startswith("layers.") else (None, name)
-        pr = dst.layers[i].projections.get(leaf) if i is not None else None
-        if pr is None:
+        pr = src.layers[i].projections.get(leaf) if i is not None else None
+        if pr is None or not pr.fp8:
             p.copy_(dict(src.named_parameters())[name])
             continue
         q, s = getattr(src.layers[i], leaf + FP8_SUFFIX), getattr(src.layers[i], leaf + SCALE_SUFFIX)
@@ -173,7 +234,7 @@ def _load_dequantized(dst, src) -> None:
             a, b, sa, sb = pr.part(part)
             parts.append(dq(q[..., a:b, :], s[..., sa:sb, :]))
         w = torch.cat(parts, dim=-2)
-        store(dst.layers[i], pr, w.transpose(-1, -2) if pr.transposed else w)
+        store(dst.layers[i], dst.layers[i].projections[leaf], w.transpose(-1, -2) if pr.transposed else w)
 
 
 def _logits(model, ids: list[int]) -> torch.Tensor:
@@ -188,15 +249,21 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------- weight sync (engine names)
 def test_engine_name_syncs_of_fp8_parameters_are_checked_and_all_or_nothing():
+    """The engine's own names: FP8 experts as e4m3 + scales, the model-dtype dense projections
+    (default) as they are, never in float8 (their engine names have no scales)."""
     c8 = dataclasses.replace(ModelConfig(**WIDE), quantization="fp8")
     src, m = build_model(dataclasses.replace(c8, seed=9)), build_model(c8)
     before = _snapshot(m)
     named = dict(src.named_parameters())
+    assert named["layers.0.wqkv"].dtype == torch.bfloat16 and "layers.0.wqkv_scale_inv" not in named
     w13 = "layers.1.w13_fp8"
     bad = [({w13: named[w13].float()}, "dtype torch.float32, expected torch.float8_e4m3fn"),
            ({"layers.1.w13_scale_inv": torch.ones(8, 3, 2)}, "shape"),
            ({w13: torch.full_like(named[w13].view(torch.uint8), 0x7F).view(FP8)}, "non-finite"),
-           ({"layers.1.router": named["layers.1.router"].to(FP8)}, "dtype")]
+           ({"layers.1.router": named["layers.1.router"].to(FP8)}, "dtype"),
+           ({"layers.0.wqkv": named["layers.0.wqkv"].to(FP8)}, "dtype torch.float8_e4m3fn, expected torch.bfloat16"),
+           ({"layers.0.wqkv_scale_inv": torch.ones(4, 2)}, "unknown weight name"),
+           ({"layers.1.shared_w2": named["layers.1.shared_w2"] * float("inf")}, "non-finite")]
     for items, match in bad:
         with pytest.raises(WeightUpdateError, match=match):
             WeightStage(m, partial=True).add_all({**named, **items}.items()).apply()
@@ -208,18 +275,20 @@ def test_engine_name_syncs_of_fp8_parameters_are_checked_and_all_or_nothing():
     assert not _same(_snapshot(src), _snapshot(m))
 
 
-async def test_a_worker_serves_fp8_greedily_and_its_logprobs_are_the_fp8_models_own():
+@DENSE
+async def test_a_worker_serves_fp8_greedily_and_its_logprobs_are_the_fp8_models_own(fp8_dense):
     """``model.quantization: fp8`` on the tiny config (random init quantized at load): generate and
     continue_ under the fine-grained policy, tokens and logprobs equal to a full recompute
     through the FP8 torch forward; the same after sleep level 2 (weights kept on the host, or
-    dropped and synced back under the engine's FP8 names)."""
-    cfg = tiny_cfg(**{"model.quantization": "fp8", "scheduler.policy": "fine-grained"})
+    dropped and synced back under the engine's names: FP8 e4m3 + scales, model-dtype as they are)."""
+    cfg = tiny_cfg(**{"model.quantization": "fp8", "model.fp8_dense": fp8_dense, "scheduler.policy": "fine-grained"})
     ref_model = build_model(cfg.model)
     import random
     rng = random.Random(3)
     prompt, obs = rand_ids(rng, 37), rand_ids(rng, 9)
     async with RolloutWorker(cfg) as w:
-        assert w.model.layers[0].wo_fp8.dtype == FP8
+        assert w.model.layers[0].w13_fp8.dtype == FP8
+        assert (w.model.layers[0].wo_fp8.dtype == FP8) if fp8_dense else (w.model.layers[0].wo.dtype == torch.float32)
         o = await w.generate(prompt, SamplingParams(max_new_tokens=6, **GREEDY))
         o2 = await w.continue_(o.trajectory_id, obs, SamplingParams(max_new_tokens=5, **GREEDY))
         await w.release(o.trajectory_id)
@@ -239,14 +308,16 @@ async def test_a_worker_serves_fp8_greedily_and_its_logprobs_are_the_fp8_models_
 
 async def test_the_triton_moe_backend_runs_the_fp8_kernels_and_agrees_with_the_torch_path():
     """``device.moe_backend: triton`` (under the interpreter here) gives an FP8 model the Triton FP8
-    GEMM and fused MoE: the same greedy tokens as the torch references, logprobs within 2e-3."""
+    GEMM and fused MoE: the same greedy tokens as the torch references, logprobs within 2e-3
+    (``fp8_dense``: the GEMM runs too; the default runs the fused MoE only)."""
     from ainfer_pd.engine.quant.fp8_ops import fp8_linear, fused_experts_fp8
     import random
     rng = random.Random(4)
     prompt = rand_ids(rng, 12)
     outs = []
     for backend in ("torch", "triton"):
-        cfg = tiny_cfg(**{"model.quantization": "fp8", "device.moe_backend": backend, "model.num_layers": 2})
+        cfg = tiny_cfg(**{"model.quantization": "fp8", "model.fp8_dense": True, "device.moe_backend": backend,
+                          "model.num_layers": 2})
         async with RolloutWorker(cfg) as w:
             k = w.model.fp8_kernels
             assert (k.linear, k.experts) == ((fp8_linear, fused_experts_fp8) if backend == "triton" else
@@ -273,10 +344,12 @@ async def test_expert_parallel_ranks_serve_fp8_like_one_rank():
 
 def test_the_weight_bytes_estimate_counts_fp8_projections_at_one_byte():
     """What the KV pool's sizing can subtract for the weights (``ModelConfig.rank_weight_bytes``),
-    against the bytes an FP8 model and its expert-parallel shard hold (within 1%)."""
-    for c in (ModelConfig(**WIDE), dataclasses.replace(ModelConfig(**WIDE), quantization="fp8")):
-        for ep, experts in ((1, None), (2, (0, 4))):
-            held = sum(p.numel() * p.element_size() for p in build_model(c, experts=experts).parameters())
-            assert abs(c.rank_weight_bytes(ep) - held) <= 0.01 * held, (c.quantization, ep)
-    fp8, bf16 = dataclasses.replace(ModelConfig(**WIDE), quantization="fp8"), ModelConfig(**WIDE)
-    assert fp8.rank_weight_bytes(1) < 0.75 * bf16.rank_weight_bytes(1)
+    against the bytes the model-dtype model, the default FP8 model (experts FP8), the all-FP8 model
+    and their expert-parallel shards hold (within 1%)."""
+    bf16 = ModelConfig(**WIDE)
+    experts, every = (dataclasses.replace(bf16, quantization="fp8", fp8_dense=d) for d in (False, True))
+    for c in (bf16, experts, every):
+        for ep, shard in ((1, None), (2, (0, 4))):
+            held = sum(p.numel() * p.element_size() for p in build_model(c, experts=shard).parameters())
+            assert abs(c.rank_weight_bytes(ep) - held) <= 0.01 * held, (c.quantization, c.fp8_dense, ep)
+    assert every.rank_weight_bytes(1) < experts.rank_weight_bytes(1) < 0.85 * bf16.rank_weight_bytes(1)

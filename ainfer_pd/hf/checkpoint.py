@@ -12,12 +12,16 @@ Pickled weights (``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``) are never unpickled
 with only those is refused. A directory with ``config.json`` and no weight files at all gives
 the seeded random init of the real shapes (benchmarks), and says so in the log.
 
-FP8 (``model.quantization: fp8``): a weight stored in a float dtype (a bf16 checkpoint, or the
-modules an FP8 checkpoint keeps unquantized: ``modules_to_not_convert`` / ``ignored_layers``) is
-cast to the model dtype and quantized at load, on the device; a float8_e4m3fn weight (an FP8
-checkpoint) is copied with its ``weight_scale_inv``, whose absence or wrong shape is a
-CheckpointError naming the tensor. A float8 tensor for a model-dtype parameter, or any float8
-tensor in a model without ``quantization: fp8``, is refused by name.
+FP8 (``model.quantization: fp8``), for an FP8 projection (the routed experts; the dense ones too
+with ``model.fp8_dense``): a weight stored in a float dtype (a bf16 checkpoint, or the modules an
+FP8 checkpoint keeps unquantized: ``modules_to_not_convert`` / ``ignored_layers``) is cast to the
+model dtype and quantized at load, on the device; a float8_e4m3fn weight (an FP8 checkpoint) is
+copied with its ``weight_scale_inv``. For a projection the FP8 model keeps in the model dtype (the
+dense ones by default) a float weight is copied as it is and a float8_e4m3fn one is dequantized
+with its ``weight_scale_inv`` into the model dtype, on the device. Either way a missing or
+misshaped ``weight_scale_inv``, or one beside a weight stored in a float dtype, is a
+CheckpointError naming the tensor. A float8 tensor for any other model-dtype parameter (the
+router, ...), or any float8 tensor in a model without ``quantization: fp8``, is refused by name.
 """
 from __future__ import annotations
 
@@ -28,11 +32,13 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..engine.quant.fp8 import FP8, check_scale
+from ..engine.model.linear import SCALE_SUFFIX
 from ..errors import CheckpointError
 from .config import num_extra_layers, read_config_json
 from .names import name_table
@@ -151,26 +157,54 @@ def load_pretrained(model: nn.Module, model_dir: str | Path) -> "LoadReport":
             report.files.append(f.name)
         where = _locate(handles, index, d.name)
         plan = _check(where, handles, table, extra_from, d.name, report)
-    by_file: dict[str, list] = {}
-    for name, fname, target in plan:
-        by_file.setdefault(fname, []).append((name, target))
-    for fname, items in by_file.items():           # pass 2: one file mapped at a time, this rank's tensors only
-        with safe_open(str(d / fname), framework="pt", device="cpu") as h:
-            for name, target in items:
-                t = h.get_slice(name)[lo:hi] if target.expert_axis else h.get_tensor(name)
-                dev = table.params[target.param].device
-                for pname, index, v in target.writes(_layout(t, target.transpose, dev), dev, model.cfg.torch_dtype):
-                    p = table.params[pname]
-                    (p[index] if index else p).copy_(v)
-                report.tensors_read.append(name)
-                report.bytes_read += t.numel() * t.element_size()
-                del t
+    _read(d, plan, where, table, report)
     report.seconds = time.perf_counter() - t0
     model.load_report = report
     log.info("loaded %s: %d tensors, %.2f GB in %.2f s (%.2f GB/s)%s", d.name, len(report.tensors_read),
              report.bytes_read / 1e9, report.seconds, report.gb_per_s,
              f"; experts {lo}..{hi - 1} of {model.cfg.num_experts}" if not model.holds_all_experts else "")
     return report
+
+
+def _read(d: Path, plan: list, where: dict[str, str], table, report: LoadReport) -> None:
+    """Pass 2: one file mapped at a time, this rank's tensors only, each written into its
+    parameter(s); an e4m3 weight of a model-dtype projection with its ``weight_scale_inv`` (from
+    whichever file holds it), dequantized."""
+    from safetensors import safe_open
+    lo, hi = table.model.expert_range
+    dtype = table.model.cfg.torch_dtype
+    by_file: dict[str, list] = {}
+    for name, fname, target in plan:
+        by_file.setdefault(fname, []).append((name, target))
+    with ExitStack() as stack:
+        scale_files: dict[str, Any] = {}          # the files scales are read from, opened once
+        for fname, items in by_file.items():
+            with safe_open(str(d / fname), framework="pt", device="cpu") as h:
+                for name, target in items:
+                    t = _get(h, name, target.expert_axis, lo, hi)
+                    dev = table.params[target.param].device
+                    if target.dequantizes(t.dtype):
+                        sname = name + SCALE_SUFFIX
+                        sf = where[sname]
+                        if sf not in scale_files:
+                            scale_files[sf] = stack.enter_context(safe_open(str(d / sf), framework="pt", device="cpu"))
+                        s = _get(scale_files[sf], sname, target.expert_axis, lo, hi)
+                        src = target.dequantized(t, s, dev, dtype)
+                        report.tensors_read.append(sname)
+                        report.bytes_read += s.numel() * s.element_size()
+                    else:
+                        src = _layout(t, target.transpose, dev)
+                    for pname, index, v in target.writes(src, dev, dtype):
+                        p = table.params[pname]
+                        (p[index] if index else p).copy_(v)
+                    report.tensors_read.append(name)
+                    report.bytes_read += t.numel() * t.element_size()
+                    del t, src
+
+
+def _get(h: Any, name: str, expert_axis: bool, lo: int, hi: int) -> torch.Tensor:
+    """Tensor ``name`` of an open file: the experts [lo, hi) of a packed one, else all of it."""
+    return h.get_slice(name)[lo:hi] if expert_axis else h.get_tensor(name)
 
 
 def _layout(t, transpose: bool, device) -> "torch.Tensor":
@@ -216,6 +250,9 @@ def _check(where: dict[str, str], handles: dict, table, extra_from: int | None, 
             continue
         sl = handles[where[name]].get_slice(name)
         dtype = _check_tensor(name, tuple(sl.get_shape()), sl.get_dtype(), target, where, table, dname)
+        if target.pairs_scale:                            # read with its e4m3 weight, which it must have
+            _check_paired_scale(name, where, handles, dname)
+            continue
         if not target.mine:
             report.tensors_skipped.append(name)
             continue
@@ -253,7 +290,7 @@ def _check_tensor(name: str, shape: tuple, dt: str, target, where: dict[str, str
                               "FP8) checkpoints are supported")
     if target.scale_of is not None and dtype == FP8:
         raise CheckpointError(f"{dname}: block scales {name!r} are float8; expected float32")
-    if dtype == FP8 and target.fp8 is None:
+    if dtype == FP8 and target.fp8 is None and not target.dequantizes(dtype):
         why = ("this engine keeps it in the model dtype" if c.quantization == "fp8"
                else "an FP8 checkpoint loads with model.quantization: fp8")
         raise CheckpointError(f"{dname}: tensor {name!r} is stored in float8_e4m3fn; {why}")
@@ -261,3 +298,15 @@ def _check_tensor(name: str, shape: tuple, dt: str, target, where: dict[str, str
         raise CheckpointError(f"{dname}: tensor {name!r} is stored in float8_e4m3fn but the checkpoint has no "
                               f"{name + '_scale_inv'!r} (its block scales)")
     return dtype
+
+
+def _check_paired_scale(name: str, where: dict[str, str], handles: dict, dname: str) -> None:
+    """A ``weight_scale_inv`` of a projection the FP8 model keeps in the model dtype scales an e4m3
+    weight (dequantized at load); beside a weight stored in a float dtype it would be ignored, so
+    it is refused (the weight's absence is reported as missing)."""
+    weight = name.removesuffix(SCALE_SUFFIX)
+    if weight in where:
+        dt = handles[where[weight]].get_slice(weight).get_dtype()
+        if _DTYPES.get(dt) != FP8:
+            raise CheckpointError(f"{dname}: {name!r} scales {weight!r}, which is stored in {dt}, not "
+                                  "float8_e4m3fn (block scales belong to FP8 weights only)")

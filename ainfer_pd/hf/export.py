@@ -6,16 +6,20 @@ The inverse of :mod:`.config` and :mod:`.checkpoint`: ``fields_from_hf(config_js
 ``transformers.AutoModelForCausalLM.from_pretrained`` and with ``WorkerConfig.from_pretrained``.
 
 An FP8 model (``model.quantization: fp8``) is written in the Hugging Face blockwise FP8 format:
-its ``config.json`` carries ``quantization_config`` (:data:`.quant_config.FP8_CONFIG`), every
+its ``config.json`` carries ``quantization_config`` (:data:`.quant_config.FP8_CONFIG`), every FP8
 projection's ``*.weight`` is its float8_e4m3fn values and ``*.weight_scale_inv`` their float32
 block scales, exactly as held (loading the directory back gives the same bytes); the other
-tensors are in the model dtype. The ``transformers`` layout (packed experts, what a float
+tensors are in the model dtype, and every Linear module written in the model dtype (the dense
+projections without ``model.fp8_dense``, the routers, ``lm_head``, ...) is listed by its full name
+in ``modules_to_not_convert``, as Qwen's FP8 checkpoints list theirs (transformers and vLLM
+leave those modules unquantized). The ``transformers`` layout (packed experts, what a float
 transformers model's ``state_dict()`` holds) has no FP8 form: refused (UnsupportedOptionError).
 """
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +30,7 @@ from .checkpoint import INDEX
 from ..errors import UnsupportedOptionError
 from .config import CAUSAL_LM
 from .quant_config import FP8_CONFIG
-from .names import name_table
+from .names import Target, hf_targets, name_table
 
 LAYOUTS = ("checkpoint", "transformers")
 
@@ -44,7 +48,7 @@ def config_json(c: ModelConfig) -> dict[str, Any]:
         "rope_parameters": rope,
     }
     if c.quantization == "fp8":
-        out["quantization_config"] = dict(FP8_CONFIG)
+        out["quantization_config"] = {**FP8_CONFIG, "modules_to_not_convert": unquantized_modules(c)}
     dense = c.dense_intermediate or 4 * c.hidden_size    # unused by a model without dense layers
     if a in ("qwen3_moe", "qwen2_moe"):
         out.update(num_experts=c.num_experts, moe_intermediate_size=c.expert_intermediate, intermediate_size=dense,
@@ -67,6 +71,32 @@ def config_json(c: ModelConfig) -> dict[str, Any]:
                    routed_scaling_factor=c.routed_scaling_factor, use_qk_norm=c.qk_norm, attention_bias=c.qkv_bias,
                    partial_rotary_factor=c.partial_rotary_factor)
     return out
+
+
+def unquantized_modules(c: ModelConfig) -> list[str]:
+    """The full names of the Linear modules an FP8 model of ``c`` is exported with in the model
+    dtype: the projections it keeps in ``dtype``, the routers, qwen2's shared-expert gate and
+    ``lm_head`` (the embedding is no Linear)."""
+    out = [] if not c.tie_word_embeddings else ["lm_head"]
+    for name, t in _written(hf_targets(c, (0, c.num_experts)), packed=False):
+        if (name.endswith(".weight") and t.fp8 is None and t.scale_of is None and len(t.shape) == 2
+                and name != "model.embed_tokens.weight"):
+            out.append(name.removesuffix(".weight"))
+    return out
+
+
+def _written(targets: Iterable[tuple[str, Target]], packed: bool) -> Iterator[tuple[str, Target]]:
+    """The (name, target) pairs a state dict of this layout holds, each part of the model once."""
+    seen: set = set()
+    for name, t in targets:
+        if t.param is None or (packed and t.expert is not None) or (not packed and t.expert_axis):
+            continue
+        if packed and ".block_sparse_moe." in name:
+            continue                              # transformers 5 names mixtral's MoE mlp.*
+        if any(u in seen for u in t.units):
+            continue
+        seen.update(t.units)
+        yield name, t
 
 
 def transformers_config(c: ModelConfig):
@@ -95,16 +125,7 @@ def _tensors(model: nn.Module, layout: str):
     if not model.holds_all_experts:
         raise ValueError("the Hugging Face state needs the whole model (this one holds an expert-parallel shard)")
     table = name_table(model)
-    packed = layout == "transformers"
-    seen: set = set()
-    for name, t in table.hf.items():
-        if t.param is None or (packed and t.expert is not None) or (not packed and t.expert_axis):
-            continue
-        if packed and ".block_sparse_moe." in name:
-            continue                              # transformers 5 names mixtral's MoE mlp.*
-        if any(u in seen for u in t.units):
-            continue
-        seen.update(t.units)
+    for name, t in _written(table.hf.items(), packed=layout == "transformers"):
         p = table.params[t.param]
 
         def view(p=p, t=t) -> Tensor:

@@ -20,13 +20,17 @@ skipped without being read.
 Layouts: this engine keeps ``wqkv`` [(H + 2Hk) hd, D] = [q; k; v] rows, ``w13`` [El, D, 2I]
 (gate columns, then up), ``w2`` [El, I, D], dense / shared ``*_w13`` [D, 2I] and ``*_w2`` [I, D].
 
-FP8 models (``model.quantization: fp8``, :mod:`ainfer_pd.engine.model.linear`): every projection
-``P`` is ``P_fp8`` (out, in: the checkpoint's layout, no transposes) and ``P_scale_inv``; a weight
-name's target is a row block of ``P_fp8`` (one part: q, k, v, gate, up, or the whole) with the
-matching block rows of ``P_scale_inv`` (:class:`Fp8Part`). A weight arriving in a float dtype is
-quantized into both (a bf16 checkpoint, a trainer's bf16 sync); one arriving in float8_e4m3fn
-(an FP8 checkpoint) is copied, and its ``weight_scale_inv`` (a name of its own here) fills the
-scales. Each is a unit of its own, so a load or a complete sync needs every scale exactly once.
+FP8 models (``model.quantization: fp8``, :mod:`ainfer_pd.engine.model.linear`): an FP8
+projection ``P`` (the routed experts; the dense ones too with ``model.fp8_dense``) is ``P_fp8``
+(out, in: the checkpoint's layout, no transposes) and ``P_scale_inv``; a weight name's target is a
+row block of ``P_fp8`` (one part: q, k, v, gate, up, or the whole) with the matching block rows of
+``P_scale_inv`` (:class:`Fp8Part`). A weight arriving in a float dtype is quantized into both (a
+bf16 checkpoint, a trainer's bf16 sync); one arriving in float8_e4m3fn (an FP8 checkpoint) is
+copied, and its ``weight_scale_inv`` (a name of its own here) fills the scales. Each is a unit of
+its own, so a load or a complete sync needs every scale exactly once. A projection an FP8 model
+keeps in the model dtype (the dense ones without ``fp8_dense``) takes a float weight as it is and
+a float8_e4m3fn one with its ``weight_scale_inv`` (the pair *dequantized* into the model dtype:
+``Target.dequant``; the scale's target writes nothing alone, it is read with its weight).
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ from torch import Tensor, nn
 from ..config import ModelConfig
 from ..engine.model.linear import (FLOAT8, FP8_SUFFIX, SCALE_SUFFIX, Projection, layer_projections, projection_of,
                                    quantize_parts)
-from ..engine.quant.fp8 import FP8, scale_shape
+from ..engine.quant.fp8 import FP8, dequantize_blockwise, scale_shape
 
 Unit = tuple
 
@@ -70,6 +74,18 @@ class Target:
     units: tuple[Unit, ...] = ()      # the model units this tensor fills (on this rank)
     fp8: Fp8Part | None = None        # an FP8 projection's values: a float tensor is quantized (FP8 models)
     scale_of: tuple[int, ...] | None = None   # a weight_scale_inv: the shape of the weight it scales
+    dequant: bool = False             # a model-dtype projection of an FP8 model: an e4m3 weight is dequantized
+                                      # with its weight_scale_inv (whose own target has param None)
+
+    def dequantizes(self, dtype: torch.dtype) -> bool:
+        """A weight of ``dtype`` is dequantized on its way in (with its ``weight_scale_inv``, the
+        same name + ``_scale_inv``): float8_e4m3fn into a model-dtype projection of an FP8 model."""
+        return self.dequant and self.scale_of is None and dtype == FP8
+
+    @property
+    def pairs_scale(self) -> bool:
+        """A ``weight_scale_inv`` of a model-dtype projection: read with its e4m3 weight, never alone."""
+        return self.dequant and self.scale_of is not None
 
     def source(self, t: Tensor, lo: int, hi: int) -> Tensor:
         """The part of ``t`` this rank keeps, in the region's layout (a view)."""
@@ -91,6 +107,8 @@ class Target:
         never a float8 one into anything but float8_e4m3fn, nor a cast into float8."""
         if dtype == param_dtype:
             return True
+        if self.dequantizes(dtype):
+            return True
         if dtype in FLOAT8 or param_dtype in FLOAT8:
             return param_dtype == FP8 and self.quantizes(dtype) and dtype.is_floating_point
         return dtype.is_floating_point and param_dtype.is_floating_point
@@ -104,6 +122,12 @@ class Target:
         q, s = quantize_parts(src.to(device=device, dtype=dtype), self.fp8.split)
         return [(self.param, self.index, q), (self.fp8.scale, self.fp8.index, s)]
 
+    def dequantized(self, q: Tensor, scale_inv: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """An e4m3 weight of this target and its ``weight_scale_inv`` (checkpoint layout, this rank's
+        part) -> the weight in ``dtype`` on ``device``, in the region's layout (:meth:`source`'s)."""
+        w = dequantize_blockwise(q.to(device), scale_inv.to(device), dtype)
+        return w.transpose(-1, -2) if self.transpose else w
+
 
 class NameTable:
     """Every name the model accepts (checkpoint, transformers and engine families)."""
@@ -111,7 +135,7 @@ class NameTable:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.params = dict(model.named_parameters())
-        self.hf: dict[str, Target] = dict(_hf_targets(model.cfg, model.expert_range))
+        self.hf: dict[str, Target] = dict(hf_targets(model.cfg, model.expert_range))
         # the engine's own names: whole parameters (EP: this rank's expert shard)
         self.own = {n: Target(n, (), tuple(p.shape), units=tuple(_units_of(model, n, p)))
                     for n, p in self.params.items()}
@@ -130,7 +154,7 @@ class NameTable:
         """The dtype a tensor of ``dtype`` for ``target`` may be cast to before it is staged: its
         parameter's, or for a float tensor of an FP8 projection the model dtype (it is quantized
         after; a cast to float8 would drop the block scales)."""
-        if target.param is None:
+        if target.param is None or target.dequantizes(dtype):      # e4m3 + its scales: dequantized after
             return dtype
         if target.quantizes(dtype):
             return self.model.cfg.torch_dtype
@@ -185,17 +209,22 @@ def _proj(c: ModelConfig, pr: Projection, ip: str, part: str | None, shape: tupl
     """Where a checkpoint's (out, in) tensor of projection ``pr``'s ``part`` (None: all its rows)
     lands, in the model's format: ``j`` the local index of one expert's tensor, ``experts`` the
     local experts of a packed one (axis 0 over all E). With the target of its
-    ``weight_scale_inv`` in an FP8 model (None otherwise)."""
+    ``weight_scale_inv`` in an FP8 model (None otherwise): the FP8 projection's scales, or for a
+    projection the FP8 model keeps in the model dtype the scales of an e4m3 weight to dequantize."""
     name = ip + pr.leaf
     a, b, sa, sb = pr.part(part)
     lead = () if j is None else (j,)
     keys = pr.unit_keys(experts) if experts is not None else [tuple(x for x in (expert, part) if x is not None)]
     packed = experts is not None
-    if c.quantization != "fp8":
+    if not pr.fp8:
         index = lead if part is None else (*lead, slice(None), slice(a, b)) if pr.transposed else (*lead, slice(a, b))
         units = tuple((name, *k) for k in keys) if mine else ()
-        return Target(name, index, shape, transpose=pr.transposed, expert_axis=packed, expert=expert, mine=mine,
-                      units=units), None
+        fp8_model = c.quantization == "fp8"
+        weight = Target(name, index, shape, transpose=pr.transposed, expert_axis=packed, expert=expert, mine=mine,
+                        units=units, dequant=fp8_model)
+        scale = Target(None, (), scale_shape(shape), expert_axis=packed, expert=expert, mine=mine, scale_of=shape,
+                       dequant=True)
+        return weight, scale if fp8_model else None
     qn, sn = name + FP8_SUFFIX, name + SCALE_SUFFIX
     index, sindex = (lead, lead) if part is None else ((*lead, slice(a, b)), (*lead, slice(sa, sb)))
     units, sunits = (tuple((qn, *k) for k in keys), tuple((sn, *k) for k in keys)) if mine else ((), ())
@@ -215,7 +244,8 @@ def _named(hf_name: str, targets: tuple[Target, Target | None]) -> Iterator[tupl
         yield hf_name + "_scale_inv", scale
 
 
-def _hf_targets(c: ModelConfig, experts: tuple[int, int]) -> Iterator[tuple[str, Target]]:
+def hf_targets(c: ModelConfig, experts: tuple[int, int]) -> Iterator[tuple[str, Target]]:
+    """(checkpoint or transformers name, its target) of a model of ``c`` holding ``experts`` [lo, hi)."""
     D = c.hidden_size
     yield "model.embed_tokens.weight", _whole("embed", (c.vocab_size, D))
     yield "model.norm.weight", _whole("final_norm", (D,))

@@ -8,8 +8,11 @@ FP8, as DeepSeek-V3-style checkpoints (Qwen3-30B-A3B-FP8, ...) and transformers'
 with ``*.weight`` tensors in float8_e4m3fn and float32 ``*.weight_scale_inv`` per 128 x 128 block.
 Every other method (gptq, awq, compressed-tensors, bitsandbytes, ...), block size, activation
 scheme, element format or unknown key is refused by name (:class:`UnsupportedModelError`).
-``modules_to_not_convert`` / ``ignored_layers`` need no reading: those weights are stored in a
-float dtype, and the loader quantizes them at load like any float weight of an FP8 model.
+``modules_to_not_convert`` / ``ignored_layers`` (full module names or patterns) need no
+reading beyond their type: the loader goes by each tensor's stored dtype (a float weight is
+quantized at load into an FP8 projection, copied into a model-dtype one; an e4m3 weight is
+copied, or dequantized into a model-dtype projection). The export lists every Linear it writes
+in a float dtype there (:func:`ainfer_pd.hf.export.unquantized_modules`).
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ from ..errors import CheckpointError, UnsupportedModelError
 
 FP8_CONFIG: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                               "weight_block_size": [128, 128]}
-"""What an FP8 model's exported ``config.json`` says (:func:`ainfer_pd.hf.export.config_json`)."""
+"""What an FP8 model's exported ``config.json`` says (:func:`ainfer_pd.hf.export.config_json`), with
+its ``modules_to_not_convert``."""
 
 _KNOWN = {"quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert",
           "ignored_layers", "dequantize", "scale_fmt"}

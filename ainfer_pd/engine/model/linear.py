@@ -3,8 +3,11 @@
 
 A *projection* is a weight matrix the attention or the FFN multiplies by: ``wqkv``, ``wo``, the
 routed experts' ``w13`` / ``w2``, the shared expert's ``shared_w13`` / ``shared_w2`` and a dense
-layer's ``dense_w13`` / ``dense_w2`` (:class:`Projection`: their shapes and parts). In FP8 a
-projection ``P`` is two parameters:
+layer's ``dense_w13`` / ``dense_w2`` (:class:`Projection`: their shapes, parts and format). Each
+has its own format (``Projection.fp8``): under ``model.quantization: fp8`` the routed experts are
+FP8, the *dense* projections (all the others: every token runs them) only with
+``model.fp8_dense`` (:meth:`~ainfer_pd.config.ModelConfig.fp8_projection`; the field says what
+was measured). In FP8 a projection ``P`` is two parameters:
 
 * ``P_fp8`` [..., N, K] float8_e4m3fn, always (out, in): Hugging Face's layout, so an FP8
   checkpoint's tensors copy in unchanged (the model-dtype MLP weights are (in, out));
@@ -18,9 +21,9 @@ its own (a gate arriving without its up quantizes into its own half), and a chec
 blocks (real models: 128-wide heads and intermediates) the stacked grids are the grid of the
 whole matrix and one GEMM runs; otherwise one per part.
 
-What stays in the model dtype, and why: the router (``[E, D]``: small, and its top-k choice is
-what routing replay records: an FP8 router would change which experts run, not just their
-values), the shared expert's gate (``[1, D]``: one row, below any block), the embedding (a
+What stays in the model dtype in any case, and why: the router (``[E, D]``: small, and its
+top-k choice is what routing replay records: an FP8 router would change which experts run, not
+just their values), the shared expert's gate (``[1, D]``: one row, below any block), the embedding (a
 lookup, no GEMM) and the head (the logits whose log-softmax the trainer's importance ratios
 read), the norms and the biases.
 
@@ -58,6 +61,7 @@ class Projection:
     k: int                           # K (in features)
     part_names: tuple[str, ...]      # names of the parts: ("q", "k", "v"), ("gate", "up"), or () for one
     transposed: bool                 # the model-dtype parameter is [..., K, N] (in, out)
+    fp8: bool = False                # held in FP8 (P_fp8 + P_scale_inv), else in the model dtype (P)
 
     @property
     def routed(self) -> bool:
@@ -97,28 +101,29 @@ class Projection:
 def layer_projections(c: Any, i: int, n_local: int) -> dict[str, Projection]:
     """Layer ``i``'s projections (``c``: its ModelConfig; ``n_local``: the routed experts it holds)."""
     D, H, Hk, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-    out = {"wqkv": Projection("wqkv", (), (H * hd, Hk * hd, Hk * hd), D, ("q", "k", "v"), False),
-           "wo": Projection("wo", (), (D,), H * hd, (), False)}
+    dense, experts = c.fp8_projection(routed=False), c.fp8_projection(routed=True)
+    out = {"wqkv": Projection("wqkv", (), (H * hd, Hk * hd, Hk * hd), D, ("q", "k", "v"), False, dense),
+           "wo": Projection("wo", (), (D,), H * hd, (), False, dense)}
     if not c.is_moe_layer(i):
-        out.update(_mlp("dense", c.dense_intermediate, D))
+        out.update(_mlp("dense", c.dense_intermediate, D, dense))
         return out
     I = c.expert_intermediate
-    out["w13"] = Projection("w13", (n_local,), (I, I), D, ("gate", "up"), True)
-    out["w2"] = Projection("w2", (n_local,), (D,), I, (), True)
+    out["w13"] = Projection("w13", (n_local,), (I, I), D, ("gate", "up"), True, experts)
+    out["w2"] = Projection("w2", (n_local,), (D,), I, (), True, experts)
     if c.shared_expert_intermediate:
-        out.update(_mlp("shared", c.shared_expert_intermediate, D))
+        out.update(_mlp("shared", c.shared_expert_intermediate, D, dense))
     return out
 
 
-def _mlp(prefix: str, inter: int, D: int) -> dict[str, Projection]:
-    return {prefix + "_w13": Projection(prefix + "_w13", (), (inter, inter), D, ("gate", "up"), True),
-            prefix + "_w2": Projection(prefix + "_w2", (), (D,), inter, (), True)}
+def _mlp(prefix: str, inter: int, D: int, fp8: bool) -> dict[str, Projection]:
+    return {prefix + "_w13": Projection(prefix + "_w13", (), (inter, inter), D, ("gate", "up"), True, fp8),
+            prefix + "_w2": Projection(prefix + "_w2", (), (D,), inter, (), True, fp8)}
 
 
-def add_projection(layer: nn.Module, pr: Projection, fp8: bool) -> None:
+def add_projection(layer: nn.Module, pr: Projection) -> None:
     """Register projection ``pr``'s parameter(s) on ``layer``, in the model dtype or in FP8 (the
     model-dtype name is then None)."""
-    if not fp8:
+    if not pr.fp8:
         setattr(layer, pr.leaf, nn.Parameter(torch.empty(pr.model_shape)))
         return
     setattr(layer, pr.leaf, None)
@@ -163,7 +168,7 @@ def store(layer: nn.Module, pr: Projection, value: Tensor, index: tuple = ()) ->
     """Write a model-layout value of projection ``pr`` (``index``: one expert's, e.g. ``(j,)``)
     into ``layer`` in its format: copied (cast to the parameter's dtype), or cast to the model
     dtype, then quantized (the FP8 weights are the quantized model-dtype weights)."""
-    if not layer.fp8:
+    if not pr.fp8:
         p = getattr(layer, pr.leaf)
         (p[index] if index else p).copy_(value)
         return
@@ -205,9 +210,9 @@ class Fp8Kernels:
 
 def project(layer: nn.Module, leaf: str, x: Tensor, bias: Tensor | None, kernels: Fp8Kernels) -> Tensor:
     """x [T, K] times projection ``leaf`` of ``layer`` (plus ``bias``) -> [T, N]."""
-    if not layer.fp8:
-        return F.linear(x, getattr(layer, leaf), bias)
     pr = layer.projections[leaf]
+    if not pr.fp8:
+        return F.linear(x, getattr(layer, leaf), bias)
     q, s = getattr(layer, leaf + FP8_SUFFIX), getattr(layer, leaf + SCALE_SUFFIX)
     if pr.one_grid:
         return kernels.linear(x, q, s, bias)
@@ -220,7 +225,7 @@ def project(layer: nn.Module, leaf: str, x: Tensor, bias: Tensor | None, kernels
 
 def mlp(layer: nn.Module, prefix: str, x: Tensor, kernels: Fp8Kernels) -> Tensor:
     """The SwiGLU MLP ``prefix`` (``dense`` or ``shared``) of ``layer``: x [T, D] -> [T, D]."""
-    if not layer.fp8:
+    if not layer.projections[prefix + "_w13"].fp8:
         return swiglu_dense(x, getattr(layer, prefix + "_w13"), getattr(layer, prefix + "_w2"))
     g, u = project(layer, prefix + "_w13", x, None, kernels).chunk(2, dim=-1)
     return project(layer, prefix + "_w2", F.silu(g) * u, None, kernels)
@@ -228,7 +233,7 @@ def mlp(layer: nn.Module, prefix: str, x: Tensor, kernels: Fp8Kernels) -> Tensor
 
 def routed(model: nn.Module, layer: nn.Module, x: Tensor, r: Routing) -> Tensor:
     """Every routed expert of ``layer`` on this model (no expert parallelism): x [T, D] -> [T, D]."""
-    if not layer.fp8:
+    if not layer.projections["w13"].fp8:
         return model.expert_kernel(x, r, layer.w13, layer.w2)
     return model.fp8_kernels.experts(x, r, layer.w13_fp8, layer.w13_scale_inv, layer.w2_fp8, layer.w2_scale_inv)
 
@@ -239,7 +244,7 @@ def grouped(layer: nn.Module, j0: int, j1: int, xg: Tensor, counts: Tensor, kern
     (the expert exchange's combine applies them). No host synchronisation."""
     offs = torch.cumsum(counts, 0).to(torch.int32)
     n = xg.shape[0]
-    if not layer.fp8:
+    if not layer.projections["w13"].fp8:
         out = swiglu_grouped(xg, layer.w13[j0:j1], layer.w2[j0:j1], offs)
         return out if out.shape[0] == n else torch.cat([out, xg.new_zeros(n - out.shape[0], xg.shape[1])])
     e = torch.searchsorted(offs, torch.arange(n, dtype=torch.int32, device=xg.device), right=True)

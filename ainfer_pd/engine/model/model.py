@@ -45,15 +45,16 @@ class DecoderLayer(nn.Module):
     [D, 2Is] / ``shared_w2`` [Is, D] / ``shared_gate`` [1, D]) or, for a dense layer, ``dense_w13``
     [D, 2Id] / ``dense_w2`` [Id, D]. El = the experts this rank holds (all without EP).
 
-    ``model.quantization: fp8`` (``fp8`` True): every projection ``P`` above (``wqkv``, ``wo``,
-    ``w13``, ``w2``, ``shared_w13``, ``shared_w2``, ``dense_w13``, ``dense_w2``) is None and
-    held as ``P_fp8`` float8_e4m3fn in (out, in) layout plus ``P_scale_inv`` float32 block scales
-    (:mod:`.linear`): ``wqkv_fp8`` [(H + 2Hk) hd, D] with the q, k and v rows each on its own
-    block grid, ``wo_fp8`` [D, H hd], ``w13_fp8`` [El, 2I, D] (gate rows, then up rows, each half
-    its own grid: scale [El, 2 nb(I), nb(D)]), ``w2_fp8`` [El, D, I] (scale [El, nb(D), nb(I)]),
-    ``*_w13_fp8`` [2I, D] and ``*_w2_fp8`` [D, I] likewise; nb(n) = ceil(n / 128). The router,
+    ``model.quantization: fp8``: the routed experts' ``w13`` / ``w2`` and, with ``model.fp8_dense``,
+    the dense projections (``wqkv``, ``wo``, ``shared_w13``, ``shared_w2``, ``dense_w13``,
+    ``dense_w2``) are None, each projection ``P`` held as ``P_fp8`` float8_e4m3fn in (out, in)
+    layout plus ``P_scale_inv`` float32 block scales (:mod:`.linear`): ``w13_fp8`` [El, 2I, D]
+    (gate rows, then up rows, each half its own grid: scale [El, 2 nb(I), nb(D)]), ``w2_fp8``
+    [El, D, I] (scale [El, nb(D), nb(I)]), ``wqkv_fp8`` [(H + 2Hk) hd, D] with the q, k and v rows
+    each on its own block grid, ``wo_fp8`` [D, H hd], ``*_w13_fp8`` [2I, D] and ``*_w2_fp8`` [D, I]
+    likewise; nb(n) = ceil(n / 128). The router,
     ``shared_gate``, norms and biases stay in the model dtype (:mod:`.linear` says why).
-    ``projections``: each projection's shapes and parts.
+    ``projections``: each projection's shapes, parts and format (``Projection.fp8``).
     """
 
     def __init__(self, c: ModelConfig, i: int, experts: tuple[int, int]) -> None:
@@ -61,32 +62,31 @@ class DecoderLayer(nn.Module):
         D, hd = c.hidden_size, c.head_dim
         nqkv = (c.num_heads + 2 * c.num_kv_heads) * hd
         self.is_moe = c.is_moe_layer(i)
-        self.fp8 = c.quantization == "fp8"
         self.model_dtype = c.torch_dtype
         pr = self.projections = layer_projections(c, i, experts[1] - experts[0])
         self.attn_norm = nn.Parameter(torch.ones(D))
-        add_projection(self, pr["wqkv"], self.fp8)
+        add_projection(self, pr["wqkv"])
         self.bqkv = nn.Parameter(torch.zeros(nqkv)) if c.qkv_bias else None
         self.q_norm = nn.Parameter(torch.ones(hd)) if c.qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(hd)) if c.qk_norm else None
-        add_projection(self, pr["wo"], self.fp8)
+        add_projection(self, pr["wo"])
         self.bo = nn.Parameter(torch.zeros(D)) if c.o_bias else None
         self.ffn_norm = nn.Parameter(torch.ones(D))
         self.router = self.router_bias = self.w13 = self.w2 = None
         self.shared_w13 = self.shared_w2 = self.shared_gate = None
         self.dense_w13 = self.dense_w2 = None
         if not self.is_moe:
-            add_projection(self, pr["dense_w13"], self.fp8)
-            add_projection(self, pr["dense_w2"], self.fp8)
+            add_projection(self, pr["dense_w13"])
+            add_projection(self, pr["dense_w2"])
             return
         self.router = nn.Parameter(torch.empty(c.num_experts, D))
         if c.router == "sigmoid":      # e_score_correction_bias: float32 in every checkpoint and model dtype
             self.router_bias = nn.Parameter(torch.zeros(c.num_experts, dtype=torch.float32))
-        add_projection(self, pr["w13"], self.fp8)
-        add_projection(self, pr["w2"], self.fp8)
+        add_projection(self, pr["w13"])
+        add_projection(self, pr["w2"])
         if c.shared_expert_intermediate:
-            add_projection(self, pr["shared_w13"], self.fp8)
-            add_projection(self, pr["shared_w2"], self.fp8)
+            add_projection(self, pr["shared_w13"])
+            add_projection(self, pr["shared_w2"])
             if c.shared_expert_gate:
                 self.shared_gate = nn.Parameter(torch.empty(1, D))
 

@@ -14,7 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from ...errors import ConfigError, WeightUpdateError, WorkerAsleepError
-from .linear import FLOAT8, has_nan, is_routed_expert
+from ..quant.fp8 import FP8
+from .linear import FLOAT8, SCALE_SUFFIX, has_nan, is_routed_expert
 
 
 def save_safetensors(model: nn.Module, path: str | Path) -> None:
@@ -93,6 +94,12 @@ class WeightStage:
     whose last bucket is bad leaves every weight as it was. Without ``copy`` the caller must not
     reuse a tensor's memory for another one of the same sync (the copies happen at the end).
 
+    FP8 models (:mod:`ainfer_pd.hf.names`): a float tensor for an FP8 projection is quantized as it
+    is staged; an e4m3 one needs its ``weight_scale_inv`` in the same sync. For a projection the
+    FP8 model keeps in the model dtype a float tensor is copied as it is, and an e4m3 one and its
+    ``weight_scale_inv`` (in any order, any buckets) are dequantized when both have arrived; one of
+    the two without the other fails :meth:`apply` (partial syncs too), nothing written.
+
     The stage refuses a model whose weights are released (sleep level 2: every parameter has
     shape ``(0,)``) with :class:`~ainfer_pd.errors.WorkerAsleepError`, and never uses a name
     table built from released parameters (issue 34, item 12: such a table, cached on the model,
@@ -119,6 +126,8 @@ class WeightStage:
         self._plan: list[tuple[Tensor, Tensor]] = []     # (parameter region, source view or copy)
         self._covered: dict = {}                          # unit -> the name that filled it
         self._unscaled: list[tuple[str, tuple]] = []      # e4m3 values by a checkpoint name: (name, its scale's units)
+        self._pairs: dict[str, dict[str, Tensor]] = {}    # weight name -> its e4m3 "q" / scale "s" waiting for the other
+        self._paired: set[str] = set()                    # weight names whose e4m3 + scale were dequantized
         self._hf_names = False
         self._manifest: list[tuple[str, tuple[int, ...], str]] = []
         # the engine's own names of expert-parallel shards ([E/e, ...] on each rank): the manifest
@@ -159,6 +168,40 @@ class WeightStage:
         self.add(*item)
 
     def add(self, name: str, t: Tensor) -> None:
+        target = self._target(name, t)
+        shape = tuple(t.shape)
+        if name in self._expert_shards:     # this rank's shard of the experts: the manifest says the whole
+            shape = (self.model.cfg.num_experts, *shape[1:])
+        self._manifest.append((name, shape, str(t.dtype).removeprefix("torch.")))
+        self._hf_names |= self.table.is_hf(name)
+        if not target.mine:
+            self.report.skipped.append(name)
+            return
+        if target.pairs_scale or target.dequantizes(t.dtype):
+            self._add_to_pair(name, target, t)
+            return
+        if target.param is None:
+            self.report.ignored.append(name)
+            return
+        p = self.table.params[target.param]
+        if not target.accepts(t.dtype, p.dtype):
+            raise WeightUpdateError(f"weight {name!r} has dtype {t.dtype}, expected {_expected(target, p.dtype)}")
+        lo, hi = self.model.expert_range
+        src = target.source(t, lo, hi)
+        _check_values(name, src, t.dtype if target.quantizes(t.dtype) else p.dtype)
+        self._cover(name, target, target.units_for(t.dtype))
+        if target.fp8 is not None and not target.quantizes(t.dtype):
+            self._unscaled.append((name, target.fp8.units))
+        for pname, index, v in target.writes(src, p.device, self.model.cfg.torch_dtype):
+            q = self.table.params[pname]
+            if self.copy and v is src:     # the source's memory may be reused by the next bucket: our own copy
+                v = v.detach().to(device=q.device, dtype=q.dtype, copy=True)
+            self._plan.append((q[index] if index else q, v))       # a quantized tensor is already our own
+        self.report.applied.append(name)
+
+    def _target(self, name: str, t: Tensor) -> Any:
+        """The target of ``name``, after the checks that need no parameter: a known name, a dense
+        tensor with values, of the name's shape."""
         if not isinstance(name, str):
             raise WeightUpdateError(f"weight name {name!r} is not a string")
         target = self.table.lookup(name)
@@ -175,24 +218,10 @@ class WeightStage:
             raise WeightUpdateError(f"weight {name!r} is on the meta device (it has no values)")
         if tuple(t.shape) != target.shape:
             raise WeightUpdateError(f"weight {name!r} has shape {tuple(t.shape)}, expected {target.shape}")
-        shape = tuple(t.shape)
-        if name in self._expert_shards:     # this rank's shard of the experts: the manifest says the whole
-            shape = (self.model.cfg.num_experts, *shape[1:])
-        self._manifest.append((name, shape, str(t.dtype).removeprefix("torch.")))
-        self._hf_names |= self.table.is_hf(name)
-        if not target.mine:
-            self.report.skipped.append(name)
-            return
-        if target.param is None:
-            self.report.ignored.append(name)
-            return
-        p = self.table.params[target.param]
-        if not target.accepts(t.dtype, p.dtype):
-            raise WeightUpdateError(f"weight {name!r} has dtype {t.dtype}, expected {_expected(target, p.dtype)}")
-        lo, hi = self.model.expert_range
-        src = target.source(t, lo, hi)
-        _check_values(name, src, t.dtype if target.quantizes(t.dtype) else p.dtype)
-        units = target.units_for(t.dtype)
+        return target
+
+    def _cover(self, name: str, target: Any, units: tuple) -> None:
+        """Mark ``units`` filled by ``name``; a unit filled twice in one sync is a WeightUpdateError."""
         for u in units:
             prev = self._covered.get(u)
             if prev is not None:
@@ -200,14 +229,34 @@ class WeightStage:
                                         "filled in this sync")
         for u in units:
             self._covered[u] = name
-        if target.fp8 is not None and not target.quantizes(t.dtype):
-            self._unscaled.append((name, target.fp8.units))
-        for pname, index, v in target.writes(src, p.device, self.model.cfg.torch_dtype):
-            q = self.table.params[pname]
-            if self.copy and v is src:     # the source's memory may be reused by the next bucket: our own copy
-                v = v.detach().to(device=q.device, dtype=q.dtype, copy=True)
-            self._plan.append((q[index] if index else q, v))       # a quantized tensor is already our own
+
+    def _add_to_pair(self, name: str, target: Any, t: Tensor) -> None:
+        """An e4m3 weight of a projection this FP8 model keeps in the model dtype, or its
+        ``weight_scale_inv``: kept (a copy with ``copy``) until the other half arrives, then
+        dequantized into the model dtype and staged."""
+        scale = target.pairs_scale
+        weight = name.removesuffix(SCALE_SUFFIX) if scale else name
+        wt = self.table.lookup(weight)
+        p = self.table.params[wt.param]
+        if scale and (t.dtype in FLOAT8 or not t.is_floating_point()):
+            raise WeightUpdateError(f"block scales {name!r} have dtype {t.dtype}; expected float32")
+        _check_values(name, t, FP8 if not scale else torch.float32)
+        if not scale:
+            self._cover(name, wt, wt.units)
+        pair = self._pairs.setdefault(weight, {})
+        if ("s" if scale else "q") in pair or weight in self._paired:
+            raise WeightUpdateError(f"weight {name!r} was given twice in this sync")
+        pair["s" if scale else "q"] = t.detach().to(p.device, copy=True) if self.copy else t
         self.report.applied.append(name)
+        if len(pair) < 2:
+            return
+        del self._pairs[weight]
+        self._paired.add(weight)
+        lo, hi = self.model.expert_range
+        q, s = (pair["q"][lo:hi], pair["s"][lo:hi]) if wt.expert_axis else (pair["q"], pair["s"])
+        w = wt.dequantized(q, s, p.device, p.dtype)
+        _check_values(weight, w, p.dtype)                    # a scale too large for the model dtype: inf
+        self._plan.append((p[wt.index] if wt.index else p, w))
 
     # ------------------------------------------------------------------ completeness, manifest, apply
     def missing(self) -> set:
@@ -243,9 +292,14 @@ class WeightStage:
         valid). Returns the number of tensors written."""
         self.check_complete()
         alone = [n for n, units in self._unscaled if any(u not in self._covered for u in units)]
+        alone += [n for n, pair in self._pairs.items() if "q" in pair]
         if alone:            # e4m3 values under the previous scales would be other weights (partial syncs too)
             raise WeightUpdateError(f"weight {alone[0]!r} arrived in float8_e4m3fn without its weight_scale_inv "
                                     f"({len(alone)} such; nothing was written)")
+        unpaired = [n for n, pair in self._pairs.items() if "q" not in pair]
+        if unpaired:         # scales of a weight sent in a float dtype (or not sent): they scale nothing
+            raise WeightUpdateError(f"{unpaired[0] + SCALE_SUFFIX!r} arrived without its weight in float8_e4m3fn "
+                                    f"({len(unpaired)} such; nothing was written)")
         for region, src in self._plan:
             region.copy_(src)
         return len(self._plan)
@@ -287,6 +341,8 @@ def _dtype_ok(t: torch.dtype, p: torch.dtype) -> bool:
 def _expected(target: Any, dtype: torch.dtype) -> str:
     if target.fp8 is not None:
         return f"{dtype} (with its weight_scale_inv) or a float dtype (quantized on the way in)"
+    if target.dequant:
+        return f"{dtype} or float8_e4m3fn with its weight_scale_inv (dequantized on the way in)"
     return str(dtype)
 
 

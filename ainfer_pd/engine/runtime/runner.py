@@ -59,11 +59,11 @@ class ModelRunner:
         self.kv = kv
         mc = cfg.model
         from .expert_parallel import expert_shard
-        if mc.quantization == "fp8" and tp_shard is not None and tp_shard[1] > 1:
+        if mc.fp8_dense and tp_shard is not None and tp_shard[1] > 1:
             from ...errors import UnsupportedOptionError
-            raise UnsupportedOptionError("model.quantization=fp8 with attention tensor parallelism (ATP > 1) is not "
-                                         "built: the FP8 q/k/v and o projections are not split by heads",
-                                         key="quantization")
+            raise UnsupportedOptionError("model.fp8_dense with attention tensor parallelism (ATP > 1) is not built: "
+                                         "the FP8 q/k/v and o projections are not split by heads (without fp8_dense "
+                                         "they are in the model dtype and shard as usual)", key="fp8_dense")
         self.model: MoETransformer = build_model(mc, device, experts=expert_shard(cfg))   # EP: this rank's experts
         if tp_shard is not None:                     # attention TP: this rank's heads (and their KV) only
             from .tensor_parallel import shard_attention_
