@@ -7,6 +7,7 @@ dense projections dequantized into the model dtype) and into the all-FP8 one (``
 quantize-at-load, the typed refusals, weight sync of bf16 tensors (bit-exact with loading them)
 and of e4m3 + scale pairs, expert-parallel shards, export, and verl's ``rollout.quantization``."""
 import json
+import random
 import re
 import types
 
@@ -83,6 +84,11 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
     return run(model, ids)
 
 
+def _n_dense(c) -> int:
+    """Checkpoint tensors of the dense projections: q, k, v, o per layer, 3 per shared expert and dense MLP."""
+    return 4 * c.num_layers + 3 * (len(c.dense_layers) + bool(c.shared_expert_intermediate) * len(c.moe_layers))
+
+
 def _dense_is(m, want: dict[str, torch.Tensor]) -> int:
     """Every model-dtype projection of the FP8 model ``m`` a checkpoint name fills holds exactly
     ``want[name]`` (the dequantized e4m3 tensor, or the float one as stored). How many it checked."""
@@ -146,10 +152,9 @@ def test_an_fp8_checkpoint_loads_and_computes_what_its_dequantized_weights_compu
     if fp8_dense:
         assert torch.equal(_bytes(lyr.wqkv_fp8[:H]), _bytes(ck["model.layers.2.self_attn.q_proj.weight"]))
         assert _dense_is(m, deq) == 0
-    else:                 # q, k, v, o per layer, plus the shared experts' and dense MLPs' 3 each
+    else:
         assert ck["model.layers.2.self_attn.q_proj.weight"].dtype == FP8
-        assert _dense_is(m, deq) == 4 * c.num_layers + 3 * (len(c.dense_layers) + bool(c.shared_expert_intermediate)
-                                                            * len(c.moe_layers))
+        assert _dense_is(m, deq) == _n_dense(c)
     assert torch.equal(_bytes(lyr.w13_fp8[3, I:]), _bytes(ck[up]))
     assert torch.equal(lyr.w13_scale_inv[3, 1:], ck[up + "_scale_inv"])
     dq = tmp_path / f"{name}-dequantized"
@@ -236,6 +241,12 @@ def _set(name, value):
     (_set("model.layers.2.mlp.gate.weight", lambda t: t.to(FP8)), r"'model.layers.2.mlp.gate.weight' is stored in "
      "float8_e4m3fn; this engine keeps it in the model dtype"),
     (_set("model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv", lambda s: s.to(FP8)), "block scales .* float8"),
+    # the dense projections, dequantized at load into the default model: the same checks
+    (_drop("model.layers.1.self_attn.o_proj.weight_scale_inv"), r"'model.layers.1.self_attn.o_proj.weight' is stored "
+     r"in float8_e4m3fn but the checkpoint has no 'model.layers.1.self_attn.o_proj.weight_scale_inv'"),
+    (_set("model.layers.1.self_attn.o_proj.weight", lambda q: q.float()), r"'model.layers.1.self_attn.o_proj."
+     r"weight_scale_inv' scales 'model.layers.1.self_attn.o_proj.weight', which is stored in F32"),
+    (_set("model.layers.1.self_attn.v_proj.weight_scale_inv", lambda s: s.to(FP8)), "block scales .* float8"),
 ])
 def test_a_bad_or_missing_weight_scale_inv_is_a_checkpoint_error_naming_the_tensor(hf_model_dir, tmp_path, mutate,
                                                                                     match):
@@ -257,18 +268,22 @@ def _trainer():
     return t
 
 
-async def test_a_bf16_sync_into_an_fp8_worker_equals_loading_those_weights_quantized(hf_model_dir, tmp_path):
+@DENSE
+async def test_a_bf16_sync_into_an_fp8_worker_equals_loading_those_weights_quantized(fp8_dense, hf_model_dir,
+                                                                                     tmp_path):
     """verl's flow: the trainer's float weights under checkpoint names (buckets) into a worker
-    serving an FP8 checkpoint: quantized on the way in, bit-exact with an FP8 model loaded from a
+    serving an FP8 checkpoint: the FP8 projections quantized on the way in, the model-dtype ones
+    (default: the dense projections) copied as they are; bit-exact with an FP8 model loaded from a
     checkpoint of those weights; transformers' packed names give the same bytes. A sync with one
     bad tensor (its last) and an incomplete one leave the model as it was."""
     trainer = _trainer()
     saved = _hf_models.save(trainer, tmp_path / "trainer")
-    want = _snapshot(_model(saved, quantization="fp8"))
+    want = _snapshot(_model(saved, quantization="fp8", fp8_dense=fp8_dense))
     path, _ = _fp8_dir(hf_model_dir, tmp_path, "qwen3_moe")
     named = [(n, p.detach().clone()) for n, p in trainer.named_parameters()]
     per_expert = list(_hf_models.per_expert(named))
-    async with RolloutWorker(hf_worker_cfg(path)) as w:
+    async with RolloutWorker(hf_worker_cfg(path, model={"fp8_dense": fp8_dense})) as w:
+        assert (w.model.layers[0].wqkv is None) == fp8_dense
         before = _snapshot(w.model)
         bad = per_expert[:-1] + [(per_expert[-1][0], per_expert[-1][1] * float("nan"))]
         with pytest.raises(WeightUpdateError, match="non-finite"):
@@ -278,9 +293,53 @@ async def test_a_bf16_sync_into_an_fp8_worker_equals_loading_those_weights_quant
         assert not _same(before, _snapshot(w.model))
         await w.update_weights([per_expert[i:i + 5] for i in range(0, len(per_expert), 5)])
         assert not _same(want, _snapshot(w.model))
-    packed = _model(path)
+    packed = _model(path, fp8_dense=fp8_dense)
     WeightStage(packed).add_all(named).apply()
     assert not _same(want, _snapshot(packed))
+
+
+def test_e4m3_and_scale_pairs_sync_into_model_dtype_projections_dequantized(hf_model_dir, tmp_path):
+    """An FP8 checkpoint's own tensors synced into the default FP8 model: the dense projections'
+    e4m3 + ``weight_scale_inv`` pairs (in any order, split over buckets, the buffers reused after
+    each bucket under ``copy``) are dequantized: bit-exact with loading that checkpoint. One of a
+    pair without the other, a scale beside a float weight, a scale given twice or misshaped: a
+    WeightUpdateError, nothing written (partial syncs too)."""
+    trainer = _hf_models.save(_trainer(), tmp_path / "trainer")
+    fp8_trainer = tmp_path / "trainer-fp8"
+    write_fp8(trainer, fp8_trainer)
+    want = _snapshot(_model(fp8_trainer))
+    path, _ = _fp8_dir(hf_model_dir, tmp_path, "qwen3_moe")
+    m = _model(path)
+    before = _snapshot(m)
+    items = sorted(_tensors(fp8_trainer).items())
+    random.Random(0).shuffle(items)                 # scales before and after their weights, in other buckets
+    at = {n: i for i, (n, _) in enumerate(items)}
+    assert {at[n + "_scale_inv"] < at[n] for n in at if n + "_scale_inv" in at} == {True, False}
+    o = "model.layers.1.self_attn.o_proj.weight"
+    ck = dict(items)
+    bad = [([(o, ck[o])], r"'model.layers.1.self_attn.o_proj.weight' arrived in float8_e4m3fn without its "
+                          "weight_scale_inv"),
+           ([(o + "_scale_inv", ck[o + "_scale_inv"])], r"'model.layers.1.self_attn.o_proj.weight_scale_inv' arrived "
+                                                         "without its weight in float8_e4m3fn"),
+           ([(o, ck[o].float()), (o + "_scale_inv", ck[o + "_scale_inv"])], "arrived without its weight"),
+           ([(o, ck[o]), (o + "_scale_inv", ck[o + "_scale_inv"])] * 2, "given twice|already filled"),
+           ([(o + "_scale_inv", ck[o + "_scale_inv"]), (o + "_scale_inv", ck[o + "_scale_inv"])], "given twice"),
+           ([(o, ck[o]), (o + "_scale_inv", torch.ones(2, 2))], "shape"),
+           ([(o, ck[o]), (o + "_scale_inv", ck[o + "_scale_inv"].to(FP8))], "expected float32")]
+    for pairs, match in bad:
+        with pytest.raises(WeightUpdateError, match=match):
+            WeightStage(m, partial=True).add_all(pairs).apply()
+    assert not _same(before, _snapshot(m))
+    stage = WeightStage(m, copy=True)
+    buffers = [(n, t.clone()) for n, t in items]
+    for k in range(0, len(buffers), 7):
+        stage.add_all(buffers[k:k + 7])
+        for _, t in buffers[k:k + 7]:                 # the source reuses its buffers for the next bucket
+            t.view(torch.uint8).zero_()
+    assert stage.apply() > 0 and stage.report.applied
+    assert not _same(want, _snapshot(m))
+    assert _dense_is(m, {n: dequantize_blockwise(t, ck[n + "_scale_inv"]) for n, t in ck.items()
+                         if n + "_scale_inv" in ck}) == _n_dense(m.cfg)
 
 
 def test_a_gate_half_alone_quantizes_into_its_own_half(hf_model_dir, tmp_path):
@@ -380,3 +439,8 @@ def test_verl_rollout_quantization_fp8_maps_to_the_model_and_its_bf16_buckets_ar
     name = "model.layers.0.mlp.experts.1.down_proj.weight"
     [(_, got)] = prepare_bucket(types.SimpleNamespace(model=m), [(name, t.t().contiguous())], cast_dtype=True)
     assert got.dtype == torch.bfloat16
+    # a model-dtype (bf16) projection: e4m3 + its float32 scales pass uncast (dequantized at commit)
+    o = "model.layers.0.self_attn.o_proj.weight"
+    q, s = quantize_blockwise(torch.randn(m.cfg.hidden_size, m.cfg.num_heads * m.cfg.head_dim))
+    got = prepare_bucket(types.SimpleNamespace(model=m), [(o, q), (o + "_scale_inv", s)], cast_dtype=True)
+    assert [t.dtype for _, t in got] == [FP8, torch.float32]
