@@ -216,8 +216,9 @@ def rollout_notes(rollout_config: Any, cfg: Any) -> list[str]:
     if field(rollout_config, "enable_sleep_mode", True) is False:
         notes.append("rollout.enable_sleep_mode=False: sleep() keeps weights and KV on the device")
     if field(rollout_config, "quantization_config_file") is not None:
-        notes.append("rollout.quantization_config_file is not read: rollout.quantization fp8 quantizes every attention "
-                     "and MLP projection blockwise (router, embedding and head stay in the model dtype)")
+        notes.append("rollout.quantization_config_file is not read: rollout.quantization fp8 quantizes the routed "
+                     "experts blockwise (with model.fp8_dense every attention and MLP projection; router, embedding "
+                     "and head stay in the model dtype)")
     tool = _sub(rollout_config, "profiler", "tool")
     if tool not in (None, "torch"):
         notes.append(f"rollout.profiler.tool={tool!r}: start_profile writes torch.profiler traces")
