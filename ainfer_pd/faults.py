@@ -7,10 +7,11 @@ Switched on by ``WorkerConfig.faults`` (a mapping) or the environment variable
 * ``p_delay_ms``          - delayed P completion: every P segment sleeps this long on its stream;
 * ``slow_counts_ms``      - the receive counts arrive this much later;
 * ``p_error_epoch``       - raise inside a P segment of this epoch (``p_error_layer``, default 0);
-* ``phase_skew_ms``       - multi-rank, replicas out of phase on the device: on ranks with an even
-  ``dp_rank + tp_rank`` every D iteration, on the others every P attention collective, waits this
-  long on its stream before taking the device (neighbours in every group reach their P and D
-  collectives in opposite orders: the adversarial schedule of SPEC 2);
+* ``phase_skew_ms``       - multi-rank, ranks out of phase on the device: on ranks with an even
+  ``dp_rank + tp_rank`` every D iteration (where the groups cross: D's first DP-attention collective
+  of each iteration, the crossed pair's D side), on the others every P attention collective, waits
+  this long on its stream before taking the device (neighbours in every group reach their P and D
+  collectives in opposite orders: the adversarial schedule of SPEC 2, Figure 2's four-rank cycle);
 * ``phase_skew_by``       - ``"rank"`` (default: the parity of ``dp_rank + tp_rank`` above) or
   ``"replica"``: the parity of ``dp_rank`` alone, so the TP peers of one replica share their delays
   (one scheduler, the same batch and kernels) and only the replicas are out of phase;
@@ -86,7 +87,8 @@ class Faults:
         return s / 1e3
 
     def phase_skew_s(self, dp_rank: int, tp_rank: int) -> tuple[float, float]:
-        """(D iteration delay, P collective delay) of this rank, seconds (``phase_skew_ms``)."""
+        """(D delay, P collective delay) of this rank, seconds (``phase_skew_ms``; the D delay goes
+        before the iteration, or before its first crossed collective where the groups cross)."""
         s = self.phase_skew_ms / 1e3
         parity = dp_rank if self.phase_skew_by == "replica" else dp_rank + tp_rank
         return (s, 0.0) if parity % 2 == 0 else (0.0, s)

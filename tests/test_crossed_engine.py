@@ -1,13 +1,16 @@
-"""The crossed topology (g = 4, ATP2 / ADP2, EP4) inside the real lockstep engine (issue 14).
+"""The crossed topology (g = 4, ATP2 / ADP2, EP4) inside the real lockstep engine (issues 14, 36).
 
-Real processes, gloo, the tiny model of ``configs/tiny-crossed-cpu.yaml``:
+Real processes, gloo, the tiny model of ``configs/tiny-crossed-cpu.yaml`` on the CPU stand-in's
+device model (SPEC 7.1):
 
-* under ``selective`` the multi-rank replay's greedy tokens equal world size 1 on the same trace,
-  multiplexing happened (turnstile rounds, P work overlapping D) and ``trace-check`` finds the
-  registered pairs in device order and never overlapping; the same under 20 ms phase skew x seeds;
-* under ``none`` with the replicas out of phase the run stops making progress and the watchdog
-  turns it into a :class:`StallError` naming the frontier (bounded: the test never hangs);
-  ATP1 and ADP1 variants complete under ``none``;
+* under ``selective`` the multi-rank replay's greedy tokens equal world size 1 on the Table 4 trace
+  (twin conversations on the two replicas), multiplexing happened (turnstile rounds, P work
+  overlapping D) and ``trace-check`` finds the registered pairs in device order and never
+  overlapping; the same under 20 ms phase skew;
+* the paper's Table 4 under ``none`` (communicator isolation only), ranks out of phase: ATP2 x ADP2
+  stalls and the watchdog names the four-rank cycle (P's attention-TP all-reduce on two ranks, D's
+  DP-attention collective on the other two), bounded (the test never hangs); ATP2 x ADP1 and
+  ATP1 x ADP2 complete with tokens equal to world size 1;
 * a rank killed mid-run makes every other rank fail with a typed error naming it.
 """
 from __future__ import annotations
@@ -27,7 +30,9 @@ from ainfer_pd.errors import AInferPDError, DistributedError, PeerLostError, Ran
 from ainfer_pd.launch import spawn
 from ainfer_pd.tools.tracecheck import check_run_dir
 from ainfer_pd.tools.selftest import crossed_config, single_rank_outputs, small_trace
-from ainfer_pd.tools.world import rank_replay, run_world
+from ainfer_pd.tools.selftest_grid import run_grid
+from ainfer_pd.tools.selftest_scenarios import table4_trace
+from ainfer_pd.tools.world import run_world
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -35,14 +40,11 @@ TIME_SCALE = 0.1
 _trace = small_trace
 _single_outputs = single_rank_outputs
 
-# The traces' seeds are picked for a short longest conversation (the lockstep world's D iterations follow
-# its chain of decode steps, ~0.1 s each over 4 ranks on the 2-core VM) at the same shape and about the
-# same total tokens as the selftest's: 6 x 3 seed 11 (longest chain 186 decode tokens, 681 in all) for
-# seed 0 (305, 682), 4 x 3 seed 8 (146, 433) for seed 3 (207, 448), 4 x 2 seed 7 (112, 278) for seed 5
-# (152, 302).
-SEL_TRACE = (6, 3, 11)
+# The skew trace's seed is picked for a short longest conversation (the lockstep world's D iterations
+# follow its chain of decode steps, ~0.1 s each over 4 ranks on the 2-core VM): 4 x 3 seed 8 (longest
+# chain 146 decode tokens, 433 in all) for seed 3 (207, 448). The Table 4 runs use the selftest's own
+# trace (table4_trace: twins of 3 x 2 seed 8, 12 requests).
 SKEW_TRACE = (4, 3, 8)
-AXIS_ONE_TRACE = (4, 2, 7)
 
 
 def _trace_of(shape: tuple[int, int, int]):
@@ -52,9 +54,14 @@ def _trace_of(shape: tuple[int, int, int]):
 
 @functools.lru_cache(maxsize=None)
 def _reference(shape: tuple[int, int, int]) -> dict:
-    """World size 1's greedy tokens of the trace ``shape`` (computed once per module: ATP1 and ADP1
-    compare with the same one)."""
+    """World size 1's greedy tokens of the trace ``shape`` (computed once per module)."""
     return _single_outputs(_trace_of(shape))
+
+
+@functools.lru_cache(maxsize=None)
+def _table4_reference() -> dict:
+    """World size 1's greedy tokens of :func:`table4_trace` (once per module)."""
+    return _single_outputs(table4_trace())
 
 
 def _crossed(run_dir: Path, **over):
@@ -62,11 +69,11 @@ def _crossed(run_dir: Path, **over):
 
 
 def test_crossed_selective_replay_equals_world_size_one_and_trace_check_is_clean(tmp_path):
-    trace = _trace_of(SEL_TRACE)
-    res = run_world(_crossed(tmp_path / "sel"), trace, 4, cell="trace", seed=0, time_scale=TIME_SCALE,
-                    timeout_s=200)
+    trace = table4_trace()          # the trace on which isolation only stalls (below)
+    res = run_world(_crossed(tmp_path / "sel", faults={"phase_skew_ms": 30.0}), trace, 4, cell="trace", seed=0,
+                    time_scale=TIME_SCALE, timeout_s=200)
     assert res.failures == 0 and res.completed == res.planned_requests == trace.num_requests
-    ref = _reference(SEL_TRACE)
+    ref = _table4_reference()
     assert res.outputs == ref                                    # greedy tokens of every turn
     rep = check_run_dir(tmp_path / "sel")
     assert rep["ok"], rep["violations"][:5]
@@ -109,42 +116,28 @@ def test_crossed_selective_under_phase_skew_completes_with_a_clean_trace(tmp_pat
         assert rep["registered_pair_overlap_ms"] == 0.0
 
 
-def test_crossed_ordering_none_out_of_phase_stalls_and_the_watchdog_names_the_frontier(tmp_path):
-    # the stalled collectives' threads end at the data groups' timeout (rendezvous_timeout_s): only
-    # then do the ranks exit, so a shorter one than the default 30 s ends the test sooner
-    cfg = _crossed(tmp_path / "none", **{"parallel.ordering": "none", "parallel.stall_timeout_s": 3.0,
-                                         "parallel.rendezvous_timeout_s": 10.0,
-                                         "faults": {"phase_skew_ms": 30.0}})
+def test_table4_under_isolation_only_the_crossed_world_stalls_on_the_four_rank_cycle(tmp_path):
+    """The paper's Table 4, communicator isolation only (``none``), ranks out of phase (30 ms by rank
+    parity): ATP2 x ADP2 stalls at a frontier and the watchdog names the four-rank cycle; a topology
+    with an axis at 1 completes (ATP2 x ADP1: P's and D's attention-TP collectives are resident
+    together; ATP1 x ADP2: P issues no attention collective). One grid run (three launches)."""
     t0 = time.monotonic()
-    with pytest.raises(RankFailedError) as ei:
-        spawn(rank_replay, 4, (cfg.to_dict(), _trace(), "trace", 0, TIME_SCALE), 150, fail_grace_s=20)
-    assert time.monotonic() - t0 < 150
-    errs = ei.value.results
-    assert all(isinstance(e, StallError) for e in errs), [repr(e)[:200] for e in errs]
-    msg = str(errs[0])
-    assert "device-progress" in msg and "peers not joined" in msg
-    assert "P all_reduce attn_tp.P" in msg                    # the registered pair, on the P stream
-    assert "attn_dp.D" in msg or "attn_tp.D" in msg
-    assert "completed requests" in msg and all(f"rank {r}:" in msg for r in range(4))
-
-
-# ATP1: nothing to order (P has no attention collective): completes under ``none`` with the replicas
-# out of phase. ADP1: nothing crosses, but P's and D's attention-TP all-reduces share both ranks on two
-# communicators (a two-rank cycle under the one-slot stand-in, registered whenever ATP > 1): it
-# completes under ``selective`` with the TP peers out of phase.
-@pytest.mark.parametrize("world_size,attn_dp,ordering", [(2, 2, "none"), (2, 1, "selective")], ids=["ATP1", "ADP1"])
-def test_any_axis_one_completes(tmp_path, world_size, attn_dp, ordering):
-    trace = _trace_of(AXIS_ONE_TRACE)
-    cfg = _crossed(tmp_path / "run", **{"parallel.world_size": world_size, "parallel.attn_dp": attn_dp,
-                                        "parallel.expert_parallel": world_size, "parallel.ordering": ordering,
-                                        "faults": {"phase_skew_ms": 30.0}})
-    res = run_world(cfg, trace, world_size, cell="trace", seed=0, time_scale=TIME_SCALE, timeout_s=150)
-    assert res.failures == 0 and res.outputs == _reference(AXIS_ONE_TRACE)
-    rep = check_run_dir(tmp_path / "run")
-    assert rep["ok"], rep["violations"][:5]
-    assert rep["registered_pair_overlap_ms"] == 0.0
-    if attn_dp == world_size:
-        assert rep["pairs_checked"] == 0 and rep["per_rank"][0]["registered_p"] == 0    # nothing to order
+    cells = {c["topology"]: c for c in run_grid(tmp_path, orderings=("none",), timeout_s=150, trace=table4_trace(),
+                                                ref=_table4_reference())}
+    assert time.monotonic() - t0 < 240
+    crossed = cells["ATP2 x ADP2"]
+    assert crossed["outcome"] == "stall", crossed.get("detail")
+    assert 0 <= crossed["frontier_requests"] < crossed["requests"]
+    cycle, held = crossed["cycle"], dict(h.split(": ", 1) for h in crossed["held"])
+    assert cycle[0] == cycle[-1] and sorted(set(cycle)) == [0, 1, 2, 3], crossed["detail"]
+    p_ranks = {int(r.split()[1]) for r, c in held.items() if c.startswith("P all_reduce attn_tp.P")}
+    d_ranks = {int(r.split()[1]) for r, c in held.items() if c.startswith("D ") and "attn_dp.D" in c}
+    # one TP peer of each replica in P's all-reduce, the other in D's DP-attention collective
+    assert len(p_ranks) == len(d_ranks) == 2 and {r // 2 for r in p_ranks} == {r // 2 for r in d_ranks} == {0, 1}
+    for topology in ("ATP2 x ADP1", "ATP1 x ADP2"):
+        c = cells[topology]
+        assert c["outcome"] == "complete" and c["tokens_equal"], (topology, c.get("detail"))
+        assert c["pairs_checked"] == 0                   # nothing registered: no pair conflicts there
 
 
 async def _kill_rank(rank: int, world_size: int, cfg_dict: dict, kill_rank: int, kill_after_s: float, stamp: str):

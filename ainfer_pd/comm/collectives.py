@@ -160,6 +160,7 @@ class PhaseCollectives:
         if self._skew_due and self.skew_s.get(kind.comm):
             self._skew_due = False
             time.sleep(self.skew_s[kind.comm])
+        info["state"] = "admitting"                 # its stream reached it: waiting for device residency
         with self.gate(kind.comm):                  # resident until every peer joined
             t0 = self.mark_started(info)
             try:

@@ -221,6 +221,11 @@ def describe_frontier(frontiers: dict[int, dict], world_size: int) -> tuple[str,
                      f"{', ' + f['note'] if f.get('note') else ''}")
         queued = []
         for c in f.get("colls", {}).get("inflight", []):
+            if c["state"] == "admitting":
+                lines.append(f"    {c['phase']} {c['op']} {c['comm']}#{c['seq']} group {tuple(c['group'])} on stream "
+                             f"{c['stream']}: NOT ADMITTED (its stream reached it; it does not fit beside the "
+                             f"collectives resident on this device)")
+                continue
             if c["state"] != "running":
                 queued.append(c)
                 continue

@@ -1,13 +1,14 @@
 """``ainfer-pd selftest``: the SPEC section 7 ordering-contract acceptance list as one command.
 
-Runs the real lockstep engine on the tiny model (``configs/tiny-crossed-cpu.yaml``: one collective
-slot per device; real CPU rank processes, gloo) through the multi-rank replay
-(:mod:`ainfer_pd.tools.world`) and prints / saves a summary table:
+Runs the real lockstep engine on the tiny model (``configs/tiny-crossed-cpu.yaml``: the CPU
+stand-in's device model of SPEC 7.1; real CPU rank processes, gloo) through the multi-rank replay
+(:mod:`ainfer_pd.tools.world`) over :func:`~.selftest_scenarios.table4_trace` (twin conversations on
+the two replicas) and prints / saves a summary table:
 
 1. the paper's Table 4 grid (:mod:`.selftest_grid`): ATP2 x ADP2 (g = 4), ATP2 x ADP1 and ATP1 x ADP2
-   (g = 2), each under ``none`` / ``global-implicit`` / ``selective`` with the replicas out of phase
-   (``faults.phase_skew_ms``, by replica unless ``--grid-skew-by rank``): each cell completes (tokens
-   vs world size 1, trace-check) or stalls (the watchdog's cycle: ranks and collectives; the
+   (g = 2), each under ``none`` / ``global-implicit`` / ``selective`` with the ranks out of phase
+   (``faults.phase_skew_ms``, by rank parity unless ``--grid-skew-by replica``): each cell completes
+   (tokens vs world size 1, trace-check) or stalls (the watchdog's cycle: ranks and collectives; the
    frontier: completed requests), with its wall time; one table (:func:`format_grid`), each cell
    marked where it differs from the paper;
 2. ``selective`` under 20 ms phase skew + random rank skew x ``--seeds`` (5) seeds: completes,
@@ -17,7 +18,7 @@ slot per device; real CPU rank processes, gloo) through the multi-rank replay
 4. extra checks registered by other modules (:data:`EXTRA_CHECKS`, e.g. the ownership audit).
 
 The table goes to ``--out DIR`` as ``selftest.json`` and ``selftest.md``. Exit code 0 when
-every row passed, 1 otherwise. Runtime about 15 minutes on 2 cores (``--no-grid``: about 5).
+every row passed, 1 otherwise. Runtime about 8 minutes on 2 cores (``--no-grid``: about 3).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .selftest_grid import GRID_ORDERINGS, GRID_TOPOLOGIES, format_grid, run_grid
-from .selftest_scenarios import TIME_SCALE, crossed_config, single_rank_outputs, small_trace
+from .selftest_scenarios import TIME_SCALE, crossed_config, single_rank_outputs, small_trace, table4_trace
 
 __all__ = ["EXTRA_CHECKS", "register_check", "crossed_config", "small_trace", "single_rank_outputs", "run_selftest",
            "format_table", "setup_parser", "run"]
@@ -61,9 +62,10 @@ def _stall_row(out: Path, runs: int, timeout_s: float) -> Row:
     first = ""
     for i in range(runs):
         cfg = crossed_config(out / f"none-crossed-{i}", **{"parallel.ordering": "none", "parallel.stall_timeout_s": 3.0,
+                                                           "parallel.rendezvous_timeout_s": 10.0,
                                                            "faults": {"phase_skew_ms": 30.0, "seed": i}})
         try:
-            spawn(rank_replay, 4, (cfg.to_dict(), small_trace(seed=i), "trace", 0, TIME_SCALE), timeout_s,
+            spawn(rank_replay, 4, (cfg.to_dict(), table4_trace(), "trace", 0, TIME_SCALE), timeout_s,
                   fail_grace_s=20)
             continue
         except RankFailedError as exc:
@@ -71,7 +73,7 @@ def _stall_row(out: Path, runs: int, timeout_s: float) -> Row:
         if all(isinstance(e, StallError) for e in errs):
             stalled += 1
             msg = str(errs[0])
-            named += "peers not joined" in msg and "P all_reduce attn_tp.P" in msg
+            named += "peers not joined" in msg and "P all_reduce attn_tp.P" in msg and "attn_dp.D" in msg
             first = first or msg.splitlines()[-1]
     return _row("crossed g=4 ATP2/ADP2, ordering none, replicas out of phase", "stalls; watchdog names the frontier",
                 f"stalled {stalled}/{runs} (every rank StallError), frontier named in {named}/{runs}; {first}",
@@ -95,7 +97,7 @@ def _complete(name: str, out: Path, cfg: Any, trace: Any, ref: dict, timeout_s: 
 # ---------------------------------------------------------------------- the acceptance list
 def run_selftest(out: str | Path, *, stall_runs: int = 2, seeds: int = 5, skew_ms: float = 20.0,
                  timeout_s: float = 200.0, args: argparse.Namespace | None = None, grid: bool = True,
-                 grid_skew_ms: float = 30.0, grid_skew_by: str = "replica",
+                 grid_skew_ms: float = 30.0, grid_skew_by: str = "rank",
                  progress: Callable[[str], None] | None = None) -> dict:
     """Run the acceptance list; returns ``{"rows": [...], "grid": [...], "ok": bool, "wall_s": ...}``
     and writes ``selftest.json`` / ``selftest.md`` into ``out``.
@@ -109,11 +111,11 @@ def run_selftest(out: str | Path, *, stall_runs: int = 2, seeds: int = 5, skew_m
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    trace = small_trace(4, 3, seed=3)
+    trace = table4_trace()
     ref = single_rank_outputs(trace)
     rows, traced, cells, isolation_dir = _isolation_rows(out, say, grid=grid, stall_runs=stall_runs,
                                                          timeout_s=timeout_s, grid_skew_ms=grid_skew_ms,
-                                                         grid_skew_by=grid_skew_by)
+                                                         grid_skew_by=grid_skew_by, trace=trace, ref=ref)
     say(f"2/4 selective under {skew_ms:g} ms phase skew + 5 ms random rank skew x {seeds} seeds ...")
     for s_ in range(seeds):
         cfg = crossed_config(out / f"selective-skew-{s_}", faults={"phase_skew_ms": skew_ms, "d_skew_random_ms": 5.0,
@@ -132,7 +134,8 @@ def run_selftest(out: str | Path, *, stall_runs: int = 2, seeds: int = 5, skew_m
 
 
 def _isolation_rows(out: Path, say: Callable[[str], None], *, grid: bool, stall_runs: int, timeout_s: float,
-                    grid_skew_ms: float, grid_skew_by: str) -> tuple[list[Row], list[Path], list[Row], Path | None]:
+                    grid_skew_ms: float, grid_skew_by: str, trace: Any = None,
+                    ref: dict | None = None) -> tuple[list[Row], list[Path], list[Row], Path | None]:
     """Step 1: the Table 4 grid (or the older crossed-stall row): its rows, the ordered runs whose
     traces must be clean, the grid's cells, and the isolation-only crossed run trace-check must flag."""
     rows: list[Row] = []
@@ -142,7 +145,8 @@ def _isolation_rows(out: Path, say: Callable[[str], None], *, grid: bool, stall_
     if grid:
         say(f"1/4 the Table 4 grid: {len(GRID_TOPOLOGIES)} topologies x {', '.join(GRID_ORDERINGS)} "
             f"({grid_skew_ms:g} ms phase skew by {grid_skew_by}) ...")
-        cells = run_grid(out, skew_ms=grid_skew_ms, timeout_s=timeout_s, skew_by=grid_skew_by, say=say)
+        cells = run_grid(out, skew_ms=grid_skew_ms, timeout_s=timeout_s, skew_by=grid_skew_by, say=say, trace=trace,
+                         ref=ref)
         for c in cells:
             rows.append(_row(f"Table 4: {c['topology']}, ordering {c['ordering']}", f"{c['expect']} (paper)",
                              f"{c['outcome']}: {c.get('detail', '')} ({c['wall_s']:.1f} s)", c["ok"],
@@ -235,8 +239,9 @@ def setup_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, default=5, help="seeds of the selective skew scenario")
     parser.add_argument("--no-grid", action="store_true", help="skip the Table 4 grid (run the older crossed-stall "
                                                                   "row --stall-runs times instead)")
-    parser.add_argument("--grid-skew-by", choices=("replica", "rank"), default="replica",
-                        help="the grid's phase skew: per replica (TP peers share it) or by rank parity")
+    parser.add_argument("--grid-skew-by", choices=("replica", "rank"), default="rank",
+                        help="the grid's phase skew: by rank parity (the TP peers of a replica in opposite orders, "
+                             "the schedule of the four-rank cycle) or per replica (TP peers share it)")
     parser.add_argument("--skew-ms", type=float, default=20.0, help="phase skew of the replicas (ms)")
     parser.add_argument("--timeout-s", type=float, default=200.0, help="hard deadline of each launch")
     parser.add_argument("--soak", action="store_true",
@@ -272,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="ainfer-pd-selftest-"))
     summary = run_selftest(out, stall_runs=args.stall_runs, seeds=args.seeds, skew_ms=args.skew_ms,
                            timeout_s=args.timeout_s, args=args, grid=not getattr(args, "no_grid", False),
-                           grid_skew_by=getattr(args, "grid_skew_by", "replica"),
+                           grid_skew_by=getattr(args, "grid_skew_by", "rank"),
                            progress=lambda s: print(s, file=sys.stderr, flush=True))
     if summary.get("grid"):
         print(format_grid(summary["grid"]) + "\n")

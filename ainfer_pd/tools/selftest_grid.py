@@ -1,7 +1,14 @@
 """The paper's Table 4 grid of ``ainfer-pd selftest`` (:mod:`.selftest`): ATP2 x ADP2 (g = 4),
 ATP2 x ADP1 and ATP1 x ADP2 (g = 2), each under ``none`` / ``global-implicit`` / ``selective`` with
-the replicas out of phase; each cell completes (tokens vs world size 1, trace-check) or stalls (the
+the ranks out of phase; each cell completes (tokens vs world size 1, trace-check) or stalls (the
 watchdog's cycle: ranks and collectives; the frontier: completed requests), with its wall time.
+
+The cells run ``configs/tiny-crossed-cpu.yaml`` on the CPU stand-in's device model (SPEC 7.1: P's and
+D's attention-TP collectives can be resident together, P's all-reduce and D's DP-attention collective
+cannot) over :func:`~.selftest_scenarios.table4_trace` (twin conversations on the two replicas, so
+both replicas prefill beside D). The phase skew is by rank parity (``faults.phase_skew_by: rank``):
+the TP peers of each replica reach P's all-reduce and D's collectives in opposite orders, the
+schedule of SPEC 2's four-rank cycle (with the TP peers alike, ``replica``, no cycle can close).
 """
 from __future__ import annotations
 
@@ -10,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .selftest_scenarios import TIME_SCALE, crossed_config, single_rank_outputs, small_trace
+from .selftest_scenarios import TIME_SCALE, crossed_config, single_rank_outputs, table4_trace
 
 Row = dict[str, Any]
 
@@ -35,7 +42,7 @@ def _cycle_of(err: Any) -> tuple[list[int], list[str]]:
 
 
 def grid_cell(out: Path, topology: str, ws: int, d: int, ordering: str, trace: Any, ref: dict, *,
-              skew_ms: float, timeout_s: float, skew_by: str = "replica", seed: int = 0) -> Row:
+              skew_ms: float, timeout_s: float, skew_by: str = "rank", seed: int = 0) -> Row:
     """One cell of the Table 4 grid: the crossed config's engine at (ws, d) under ``ordering`` with
     the replicas out of phase (``faults.phase_skew_ms``); completes (tokens vs world size 1,
     trace-check) or stalls (the watchdog's cycle and the frontier: completed requests)."""
@@ -101,14 +108,16 @@ def _completed_cell(cell: Row, res: Any, run_dir: Path, ref: dict, ordering: str
                        f"{rep['pairs_checked']} registered pairs checked")
 
 
-def run_grid(out: Path, *, skew_ms: float = 30.0, timeout_s: float = 200.0, skew_by: str = "replica",
-             say: Callable[[str], None] = lambda s: None) -> list[Row]:
-    """The Table 4 grid: :data:`GRID_TOPOLOGIES` x :data:`GRID_ORDERINGS`, one :func:`grid_cell` each."""
-    trace = small_trace(4, 3, seed=3)
-    ref = single_rank_outputs(trace)
+def run_grid(out: Path, *, skew_ms: float = 30.0, timeout_s: float = 200.0, skew_by: str = "rank",
+             say: Callable[[str], None] = lambda s: None, trace: Any = None, ref: dict | None = None,
+             orderings: tuple[str, ...] = GRID_ORDERINGS) -> list[Row]:
+    """The Table 4 grid: :data:`GRID_TOPOLOGIES` x ``orderings``, one :func:`grid_cell` each, on
+    ``trace`` (default :func:`table4_trace`; ``ref``: its greedy tokens at world size 1)."""
+    trace = trace if trace is not None else table4_trace()
+    ref = ref if ref is not None else single_rank_outputs(trace)
     cells = []
     for topology, ws, d in GRID_TOPOLOGIES:
-        for ordering in GRID_ORDERINGS:
+        for ordering in orderings:
             say(f"  grid: {topology}, {ordering} ...")
             cells.append(grid_cell(out, topology, ws, d, ordering, trace, ref, skew_ms=skew_ms, timeout_s=timeout_s,
                                    skew_by=skew_by))
