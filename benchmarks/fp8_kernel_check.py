@@ -1,21 +1,32 @@
 """Blockwise-FP8 kernels (issue 37) on the Qwen3-30B-A3B shape: errors against the torch oracle,
-timings against the HBM bound, and a decode tile sweep (one H200, < 120 s).
+timings against the HBM bound, and tile / path sweeps (one H200, < 120 s).
 
-* ``act_quant``: :func:`per_token_group_quant` against ``fp8.quantize_token_groups`` (mismatching
-  e4m3 bytes and scales: 0 expected, the GPU's native cast and IEEE division).
-* ``err_moe_*`` / ``err_linear_*``: :func:`fused_experts_fp8` against ``experts_fp8_reference``
-  (decode sizes with every plan of the table; 2048 tokens chunked by token) and
-  :func:`fp8_linear` against ``fp8_linear_reference``: ||out - ref|| / ||ref|| and max |out - ref|;
-  beside them the FP8 oracle's own distance to the bf16 torch path (the quantization's error).
-* ``moe_T*``: fused_experts_fp8 and the bf16 ``fused_experts`` at T tokens (a CUDA graph of
-  ``REPS`` calls on distinct routings for T <= 128, so the touched experts are not L2-resident;
-  eager for prefill), median of CUDA-event timings, against the HBM bound of the touched
-  experts' weights (1 byte per FP8 weight + its float32 block scales; 2 per bf16 weight) at
-  4.8 TB/s, and a FLOP bound (H200 dense: 1979 TFLOP/s FP8, 989 bf16) for the roofline ratio.
-* ``sweep_T*`` / ``sweep_linear_*``: a few fused-MoE plans at the decode sizes (graph-timed) and
-  the prefill sizes, and dense-GEMM plans at one row (graph-timed); the best is printed (the plan table in
-  ``engine/quant/fp8_plan.py`` holds untuned guesses until this is read). The sweeps stop past
-  ``--budget-s``.
+* ``act_quant``: :func:`per_token_group_quant` against ``fp8.quantize_token_groups`` and against
+  the same math with an IEEE division (``quantize_ieee``): scale mismatches (count, max ulps) and
+  e4m3 byte mismatches (count, max distance in e4m3 steps). On CUDA the oracle's ``amax / 448``
+  multiplies by fl(1/448) (torch divides by a Python float that way), one ulp off for about half
+  the scales, and x / scale then rounds 1 step apart near e4m3 midpoints (many with bf16 input):
+  see ``engine/quant/fp8_kernels.py``. Against ``quantize_ieee`` 0 mismatches are expected; a
+  non-zero count there would be the hardware cast.
+* ``err_moe``: :func:`fused_experts_fp8` against ``experts_fp8_reference`` with every plan of the
+  table and each path (quantization on load, by separate launches, the k-slot sum folded into
+  down), and ``paths_bit_equal``: the on-load and separate-launch paths with the same tiles
+  (equal bytes into equal dots: equal outputs expected). ``err_linear``: :func:`fp8_linear`
+  (x quantized on load up to 16 rows) against ``fp8_linear_reference``. Beside them the FP8
+  oracle's own distance to the bf16 torch path (the quantization's error).
+* ``fold``: the fold path in a CUDA graph replayed on two alternating inputs against eager (a
+  stale or racy read of another program's rows shows as a mismatch), and batch invariance (a
+  token's output taken out of its batch, bit for bit) of the on-load and fold paths.
+* ``moe_T*``: fused_experts_fp8 (the table's plan) and the bf16 ``fused_experts`` at T tokens (a
+  CUDA graph of ``REPS`` calls on distinct routings for T <= 128, so the touched experts are not
+  L2-resident; eager for prefill), median of CUDA-event timings, against the HBM bound of the
+  touched experts' weights (1 byte per FP8 weight + its float32 block scales; 2 per bf16 weight)
+  at 4.8 TB/s, and a FLOP bound (H200 dense: 1979 TFLOP/s FP8, 989 bf16) for the roofline ratio.
+* ``sweep_T*``: the quantize-on-load path against the separate-launch path (the previous best
+  tiles, 16 x 32 gate_up / 16 x 64 down, 4 warps, 4 stages; prefill 64 x 128, 8 warps, 3 stages),
+  the fold, and a few tiles around them, graph-timed up to T = 128; the best per size.
+  ``sweep_linear_*``: dense-GEMM plans at one row, x quantized on load or by its own launch.
+  The sweeps stop past ``--budget-s``.
 
 Every figure is a ``FIG name = json`` line.
 
@@ -42,10 +53,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ainfer_pd.engine.fused_moe import fused_experts  # noqa: E402
 from ainfer_pd.engine.fused_moe.plan import GemmPlan, MoEPlan  # noqa: E402
-from ainfer_pd.engine.model.moe import Routing, experts_local, route  # noqa: E402
+from ainfer_pd.engine.model.moe import Routing, experts_local, route, routing_of  # noqa: E402
 from ainfer_pd.engine.quant import fp8  # noqa: E402
 from ainfer_pd.engine.quant.fp8_ops import fp8_linear, fused_experts_fp8, per_token_group_quant  # noqa: E402
-from ainfer_pd.engine.quant.fp8_plan import fp8_moe_plan  # noqa: E402
+from ainfer_pd.engine.quant.fp8_plan import Fp8MoEPlan, as_fp8_moe_plan, fp8_moe_plan  # noqa: E402
 
 HBM_BW = 4.8e12
 PEAK = {"fp8": 1979e12, "bf16": 989e12}
@@ -68,26 +79,26 @@ class Shape:
 
 
 FULL = Shape(2048, 128, 8, 768, (1, 16, 64, 128), (2048, 8192), (1, 16, 64), ((5120, 2048), (2048, 4096)), 16, 30)
-SMOKE = Shape(256, 8, 2, 192, (1, 4), (24,), (1, 5), ((320, 256), (256, 200)), 2, 1)
-SWEEP = {   # name -> plan: (block_m, block_n, block_k, group_m, num_warps, num_stages) for gate_up, down
-    "table": None,
-    "n32": MoEPlan(GemmPlan(16, 32, 128, 1, 4, 4), GemmPlan(16, 64, 128, 1, 4, 4)),
-    "n64_k64": MoEPlan(GemmPlan(16, 64, 64, 1, 4, 5), GemmPlan(16, 64, 64, 1, 4, 5)),
-    "fused_n128": MoEPlan(GemmPlan(16, 128, 128, 1, 4, 3), GemmPlan(16, 128, 128, 1, 4, 3)),
-    "m32": MoEPlan(GemmPlan(32, 64, 128, 4, 4, 3), GemmPlan(32, 128, 128, 4, 4, 3)),
-    "w8": MoEPlan(GemmPlan(16, 64, 128, 1, 8, 4), GemmPlan(16, 128, 128, 1, 8, 4)),
-    "medium": MoEPlan(GemmPlan(64, 128, 128, 8, 4, 3), GemmPlan(64, 128, 128, 8, 4, 3)),
+SMOKE = Shape(256, 8, 2, 192, (1, 4), (24,), (1, 5), ((320, 256), (256, 200)), 1, 1)
+_D_GU, _D_DN = GemmPlan(16, 32, 128, 1, 4, 4), GemmPlan(16, 64, 128, 1, 4, 4)     # the previous decode best
+_P_GU, _P_DN = GemmPlan(64, 128, 128, 8, 8, 3), GemmPlan(64, 128, 128, 8, 4, 4)    # the previous prefill best
+SWEEP = {   # name -> plan (a plain MoEPlan: x / act quantized by launches of their own, a torch sum)
+    "separate": MoEPlan(_D_GU, _D_DN),
+    "load": Fp8MoEPlan(_D_GU, _D_DN),
+    "load_fold": Fp8MoEPlan(_D_GU, _D_DN, fold_sum=True),
+    "load_w2": Fp8MoEPlan(GemmPlan(16, 32, 128, 1, 2, 4), GemmPlan(16, 64, 128, 1, 2, 4)),
+    "load_n64": Fp8MoEPlan(GemmPlan(16, 64, 128, 1, 4, 4), GemmPlan(16, 128, 128, 1, 4, 4)),
+    "load_dn32_fold": Fp8MoEPlan(_D_GU, GemmPlan(16, 32, 128, 1, 4, 4), fold_sum=True),
 }
-
-
 PREFILL_SWEEP = {
-    "table": None,
-    "m64_w8": MoEPlan(GemmPlan(64, 128, 128, 8, 8, 3), GemmPlan(64, 128, 128, 8, 4, 4)),
-    "m128_k64": MoEPlan(GemmPlan(128, 128, 64, 8, 8, 4), GemmPlan(128, 128, 64, 8, 8, 4)),
-    "m128_n64": MoEPlan(GemmPlan(128, 64, 128, 8, 4, 3), GemmPlan(128, 128, 128, 8, 8, 3)),
+    "separate": MoEPlan(_P_GU, _P_DN),                         # act quantized in gate_up's epilogue
+    "load": Fp8MoEPlan(_P_GU, _P_DN),
+    "x_load": Fp8MoEPlan(_P_GU, _P_DN, quant_act_on_load=False),
+    "load_fold": Fp8MoEPlan(_P_GU, _P_DN, fold_sum=True),
+    "x_load_w4": Fp8MoEPlan(GemmPlan(64, 128, 128, 8, 4, 3), _P_DN, quant_act_on_load=False),
 }
-LINEAR_SWEEP = (GemmPlan(16, 32, 128, 1, 4, 4), GemmPlan(16, 64, 128, 1, 4, 4), GemmPlan(16, 128, 128, 1, 4, 3),
-                GemmPlan(16, 64, 64, 1, 4, 6))
+LINEAR_SWEEP = ((GemmPlan(16, 32, 128, 1, 4, 4), True), (GemmPlan(16, 32, 128, 1, 4, 4), False),
+                (GemmPlan(16, 64, 128, 1, 4, 4), True), (GemmPlan(16, 128, 128, 1, 4, 3), True))
 
 
 def fig(name: str, value) -> None:
@@ -182,10 +193,42 @@ def reference(x: torch.Tensor, r: Routing, ex: Experts, chunk: int = 64) -> torc
 
 
 # --------------------------------------------------------------------------- correctness
+def quantize_ieee(x: torch.Tensor, group: int = fp8.BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp8.quantize_token_groups`` with ``amax / 448`` divided by a device tensor: an IEEE
+    division on CUDA too (torch multiplies by the reciprocal of a Python-float divisor there)."""
+    t, k = x.shape
+    kb = fp8.blocks(k, group)
+    xg = torch.nn.functional.pad(x.float(), (0, kb * group - k)).view(t, kb, group)
+    amax = xg.abs().amax(dim=-1, keepdim=True)
+    scale = (amax / torch.full_like(amax, fp8.FP8_MAX)).clamp_(min=1e-12)
+    q = (xg / scale).clamp_(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8).view(t, kb * group)[:, :k].contiguous()
+    return q, scale.view(t, kb).contiguous()
+
+
+def e4m3_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in e4m3 steps, elementwise (codes ordered by value: sign-magnitude to signed)."""
+    def code(t):
+        u = t.view(torch.uint8).int()
+        return torch.where(u >= 128, -(u & 0x7F), u & 0x7F)
+    return (code(a) - code(b)).abs()
+
+
+def mismatch(q, sc, rq, rs) -> dict:
+    """Scale mismatches (count, max ulps: float32 bit patterns of positive scales) and e4m3 byte
+    mismatches (count, max distance in e4m3 steps) of (q, sc) against (rq, rs)."""
+    ulps = (sc.view(torch.int32).long() - rs.view(torch.int32).long()).abs()
+    steps = e4m3_steps(q, rq)
+    return {"scale_mismatches": int((ulps > 0).sum()), "scale_max_ulps": int(ulps.max()) if ulps.numel() else 0,
+            "byte_mismatches": int((steps > 0).sum()), "max_e4m3_steps": int(steps.max()) if steps.numel() else 0}
+
+
 def check_act_quant(s: Shape) -> None:
-    """Bytes and scales against the oracle: bf16 activations, and groups of amax 448 (scale 1)
-    holding every e4m3 value, every midpoint and its float32 neighbours (the cast's rounding itself)."""
-    x = torch.randn(2048 if DEV.type == "cuda" else 33, s.D, device=DEV).to(BF16) * 3
+    """Bytes and scales against the oracle and its IEEE-division twin: bf16 and float32 activations
+    (the GPU gate's log-spaced magnitudes), and groups of amax 448 (scale 1) holding every e4m3
+    value, every midpoint and its float32 neighbours (the cast's rounding itself)."""
+    rows = 2048 if DEV.type == "cuda" else 33
+    x = torch.randn(rows, s.D, device=DEV).to(BF16) * 3
+    xf = torch.randn(rows, 1000, device=DEV) * torch.logspace(-3, 3, 1000, device=DEV)
     vals = torch.arange(256, dtype=torch.uint8).view(fp8.FP8).float()
     vals = vals[torch.isfinite(vals)].unique()
     mids = (vals[1:] + vals[:-1]) / 2
@@ -193,11 +236,11 @@ def check_act_quant(s: Shape) -> None:
     grid = torch.cat([grid, torch.zeros(-len(grid) % 127)]).view(-1, 127)
     grid = torch.cat([torch.full((grid.shape[0], 1), 448.0), grid], dim=1).to(DEV)
     out = {}
-    for name, t in (("bf16_random", x), ("fp32_e4m3_midpoints", grid)):
+    for name, t in (("bf16_random", x), ("fp32_logspaced", xf), ("fp32_e4m3_midpoints", grid)):
         q, sc = per_token_group_quant(t)
-        rq, rs = fp8.quantize_token_groups(t)
-        out[name] = {"byte_mismatches": int((q.view(torch.uint8) != rq.view(torch.uint8)).sum()),
-                     "scale_mismatches": int((sc != rs).sum()), "elements": t.numel()}
+        out[name] = {"elements": t.numel(), "groups": sc.numel(),
+                     "vs_oracle": mismatch(q, sc, *fp8.quantize_token_groups(t)),
+                     "vs_ieee_oracle": mismatch(q, sc, *quantize_ieee(t))}
     fig("act_quant", out)
 
 
@@ -210,7 +253,10 @@ def check_linear(s: Shape) -> None:
             x = torch.randn(M, K, device=DEV).to(BF16)
             y, ref = fp8_linear(x, wq, ws), fp8.fp8_linear_reference(x, wq, ws)
             rows[f"N{N}_K{K}_M{M}"] = {"rel": rel_err(y, ref), "max": max_err(y, ref),
-                                       "quant_rel_vs_bf16": rel_err(ref, torch.nn.functional.linear(x, w))}
+                                       "quant_rel_vs_bf16": rel_err(ref, torch.nn.functional.linear(x, w)),
+                                       "on_load_equals_launch": bool(torch.equal(
+                                           fp8_linear(x, wq, ws, quant_on_load=True),
+                                           fp8_linear(x, wq, ws, quant_on_load=False)))}
         for M in (1, 2048 if DEV.type == "cuda" else 9):
             x = torch.randn(M, K, device=DEV).to(BF16)
             t8 = median_ms(lambda: fp8_linear(x, wq, ws), s.iters)
@@ -222,27 +268,67 @@ def check_linear(s: Shape) -> None:
 
 
 def check_moe(s: Shape, ex: Experts) -> None:
-    """Every plan of the table at the decode sizes, the table's own at a prefill size."""
-    plans = {"small": fp8_moe_plan(1, s.E), "medium": fp8_moe_plan(32 * s.E, s.E), "large": fp8_moe_plan(1 << 30, s.E)}
-    rows = {}
+    """Every plan of the table and each path at the decode sizes, the table's and the on-load
+    path at a prefill size; the on-load and separate paths with the same tiles bit for bit."""
+    plans = {"small": fp8_moe_plan(1, s.E), "medium": fp8_moe_plan(32 * s.E, s.E), "large": fp8_moe_plan(1 << 30, s.E),
+             "separate": SWEEP["separate"], "load_fold": SWEEP["load_fold"]}
+    rows, equal = {}, {}
     for T in s.err_T + s.prefill[:1]:
         x, r = tokens(s, ex, T, seed=T)
         ref = reference(x, r, ex)
         rows[f"T{T}_quant_rel_vs_bf16"] = rel_err(ref, experts_local(x, r, ex.w13, ex.w2))
-        for name, plan in (plans.items() if T in s.err_T else [("table", None)]):
+        todo = plans if T in s.err_T else {"table": None, "load": PREFILL_SWEEP["load"],
+                                           "load_fold": PREFILL_SWEEP["load_fold"]}
+        for name, plan in todo.items():
             out = fused_experts_fp8(x, r, *ex.fp8, plan=plan)
             rows[f"T{T}_{name}"] = {"rel": rel_err(out, ref), "max": max_err(out, ref)}
+        for name, sw in (("decode", SWEEP), ("prefill", PREFILL_SWEEP)):      # same tiles, both paths
+            equal[f"T{T}_{name}_tiles"] = bool(torch.equal(fused_experts_fp8(x, r, *ex.fp8, plan=sw["load"]),
+                                                           fused_experts_fp8(x, r, *ex.fp8, plan=sw["separate"])))
     fig("err_moe", rows)
+    fig("paths_bit_equal", equal)
 
 
 def check_graph(s: Shape, ex: Experts) -> None:
     """fused_experts_fp8 captured in a CUDA graph (no host sync) gives the eager result, bit for bit."""
     x, r = tokens(s, ex, s.decode[-1], seed=7)
-    eager = fused_experts_fp8(x, r, *ex.fp8)
+    out = {}
+    for name, plan in (("table", None), ("separate", SWEEP["separate"]), ("load_fold", SWEEP["load_fold"])):
+        eager = fused_experts_fp8(x, r, *ex.fp8, plan=plan)
+        box = {}
+        replay = graphed(lambda: box.__setitem__("out", fused_experts_fp8(x, r, *ex.fp8, plan=plan)))
+        replay()
+        out[name] = bool(torch.equal(box["out"], eager))
+    fig("graph_equals_eager", out)
+
+
+def check_fold(s: Shape, ex: Experts, replays: int) -> None:
+    """The fold in a graph replayed on two alternating inputs, each replay against its eager output
+    (a read of another program's rows before they land, or of the last replay's, mismatches);
+    batch invariance of the on-load and fold paths (a token's output alone = in its batch)."""
+    T = s.decode[-1]
+    plan = SWEEP["load_fold"]
+    cases = [tokens(s, ex, T, seed=50 + i) for i in range(2)]
+    want = [fused_experts_fp8(x, r, *ex.fp8, plan=plan) for x, r in cases]
+    x0, r0 = cases[0]
+    sx, si, sw = x0.clone(), r0.topk_idx.clone(), r0.topk_weights.clone()
+    sr = Routing(si, sw, None, r0.counts.clone())
     box = {}
-    replay = graphed(lambda: box.__setitem__("out", fused_experts_fp8(x, r, *ex.fp8)))
-    replay()
-    fig("graph_equals_eager", bool(torch.equal(box["out"], eager)))
+    replay = graphed(lambda: box.__setitem__("out", fused_experts_fp8(sx, sr, *ex.fp8, plan=plan)))
+    bad = 0
+    for i in range(replays):
+        x, r = cases[i % 2]
+        for dst, src in ((sx, x), (si, r.topk_idx), (sw, r.topk_weights), (sr.counts, r.counts)):
+            dst.copy_(src)
+        replay()
+        bad += int(not torch.equal(box["out"], want[i % 2]))
+    sub = torch.tensor([T - 1, 0, T // 2, 3], device=DEV)
+    rs = routing_of(r0.topk_idx[sub], r0.topk_weights[sub], s.E)
+    inv = {name: bool(torch.equal(fused_experts_fp8(x0[sub], rs, *ex.fp8, plan=p),
+                                  fused_experts_fp8(x0, r0, *ex.fp8, plan=p)[sub]))
+           for name, p in (("load", SWEEP["load"]), ("load_fold", plan), ("separate", SWEEP["separate"]))}
+    fig("fold", {"graph_replays": replays, "replay_mismatches": bad, "batch_invariant": inv,
+                 "fold_rel_vs_torch_sum": rel_err(want[0], fused_experts_fp8(x0, r0, *ex.fp8, plan=SWEEP["load"]))})
 
 
 # --------------------------------------------------------------------------- timing
@@ -296,34 +382,41 @@ def sweep(s: Shape, ex: Experts, budget: float, sizes: tuple[int, ...], plans: d
                 print(f"  sweep T{T} {name}: {type(exc).__name__} {str(exc)[:120]}", flush=True)
         if rows:
             best = min(rows, key=rows.get)
-            plan = plans[best] or fp8_moe_plan(T * s.k, s.E)
-            fig(f"sweep_T{T}", {"best": best, "best_plan": [_plan_tuple(plan.gate_up), _plan_tuple(plan.down)],
-                                "ms": rows[best], "hbm_bound_ms": round(hbm, 4), "ratio": round(rows[best] / hbm, 2),
-                                "all_ms": rows})
+            fig(f"sweep_T{T}", {"best": best, "best_plan": _moe_plan_desc(plans[best]), "ms": rows[best],
+                                "hbm_bound_ms": round(hbm, 4), "ratio": round(rows[best] / hbm, 2),
+                                "load_over_separate": round(rows["load"] / rows["separate"], 3)
+                                if {"load", "separate"} <= rows.keys() else None, "all_ms": rows})
 
 
-def sweep_linear(s: Shape, budget: float, plans: tuple[GemmPlan, ...]) -> None:
-    """A few dense-GEMM plans for one decode row (x quantization included), the best per layer."""
+def sweep_linear(s: Shape, budget: float, plans: tuple[tuple[GemmPlan, bool], ...]) -> None:
+    """A few dense-GEMM plans for one decode row, x quantized on load or by its own launch
+    (included in the time); the best per layer."""
     for N, K in s.linears:
         w = (torch.randn(N, K, device=DEV) * K ** -0.5).to(BF16)
         wq, ws = fp8.quantize_blockwise(w)
         x = torch.randn(1, K, device=DEV).to(BF16)
         rows = {}
-        for plan in plans:
+        for plan, on_load in plans:
             if over_budget(budget):
                 break
-            run = graphed(lambda: fp8_linear(x, wq, ws, plan=plan))
-            rows[str(_plan_tuple(plan))] = round(median_ms(run, s.iters), 4)
+            run = graphed(lambda: fp8_linear(x, wq, ws, plan=plan, quant_on_load=on_load))
+            rows[json.dumps(_plan_tuple(plan) + [int(on_load)])] = round(median_ms(run, s.iters), 4)
         if rows:
             best = min(rows, key=rows.get)
             bound = (N * K + 4 * ws.numel()) / HBM_BW * 1e3
-            fig(f"sweep_linear_N{N}_K{K}_M1", {"best_plan": json.loads(best), "ms": rows[best],
+            fig(f"sweep_linear_N{N}_K{K}_M1", {"best_plan_on_load": json.loads(best), "ms": rows[best],
                                                "hbm_bound_ms": round(bound, 4), "ratio": round(rows[best] / bound, 2),
                                                "all_ms": rows})
 
 
 def _plan_tuple(g: GemmPlan) -> list[int]:
     return [g.block_m, g.block_n, g.block_k, g.group_m, g.num_warps, g.num_stages]
+
+
+def _moe_plan_desc(plan: MoEPlan | Fp8MoEPlan) -> dict:
+    p = as_fp8_moe_plan(plan)
+    return {"gate_up": _plan_tuple(p.gate_up), "down": _plan_tuple(p.down), "x_on_load": p.quant_x_on_load,
+            "act_on_load": p.quant_act_on_load, "fold_sum": p.fold_sum}
 
 
 def main() -> None:
@@ -343,12 +436,14 @@ def main() -> None:
         check_linear(s)
         check_moe(s, ex)
         check_graph(s, ex)
+        check_fold(s, ex, replays=40 if DEV.type == "cuda" else 2)
         for T in s.decode + s.prefill:
             fig(f"moe_T{T}", time_moe(s, ex, T))
-        few = 2 if args.smoke else None                # the smoke run: the sweeps' code, not their figures
-        sweep(s, ex, args.budget_s, s.decode, dict(list(SWEEP.items())[:few]))
-        sweep(s, ex, args.budget_s, s.prefill, dict(list(PREFILL_SWEEP.items())[:few]))
-        sweep_linear(s, args.budget_s, LINEAR_SWEEP[:few])
+        few = 3 if args.smoke else None                # the smoke run: the sweeps' code, not their figures
+        budget = float("inf") if args.smoke else args.budget_s
+        sweep(s, ex, budget, s.decode, dict(list(SWEEP.items())[:few]))
+        sweep(s, ex, budget, s.prefill, dict(list(PREFILL_SWEEP.items())[:few]))
+        sweep_linear(s, budget, LINEAR_SWEEP[:few])
     fig("elapsed_s", round(time.time() - T0, 1))
     if args.out:
         Path(args.out).write_text(json.dumps(RES, indent=1))

@@ -159,7 +159,6 @@ def moe_case(T, E, k, D, inter, dtype):
     (1, 8, 1, 200, 96, F32, None),                  # decode (the table: both on load): one row, 7 idle experts
     (1, 8, 1, 200, 96, F32, LOAD_FOLD),
     (3, 16, 2, 256, 130, F32, None),                # most experts idle; I one past a block
-    (3, 16, 2, 256, 130, F32, UNFUSED),
     (0, 4, 2, 128, 64, F32, None),                  # no tokens
     (0, 4, 2, 128, 64, F32, LOAD_FOLD),
     (40, 4, 2, 160, 136, F32, UNFUSED),             # 20 rows per expert: 2 row blocks each; act quantized apart
@@ -184,7 +183,7 @@ def test_quantizing_on_load_gives_the_separate_launches_bytes(dtype):
     """The same tiles with x and act quantized on load or by launches of their own: the GEMMs see
     the same e4m3 bytes and scales, so the outputs are equal bit for bit; folding the k-slot sum
     into down changes only the summation (float32 rows, slot order): within 1e-6 with float32 x."""
-    x, r, ws = moe_case(21, 6, 3, 200, 136, dtype)
+    x, r, ws = moe_case(9, 6, 3, 200, 136, dtype)
     launched = fused_experts_fp8(x, r, *ws, plan=dataclasses.replace(LOAD, quant_x_on_load=False,
                                                                        quant_act_on_load=False))
     on_load = fused_experts_fp8(x, r, *ws, plan=LOAD)
@@ -197,10 +196,10 @@ def test_quantizing_on_load_gives_the_separate_launches_bytes(dtype):
 
 @pytest.mark.parametrize("plan", [LOAD, LOAD_FOLD], ids=["load", "fold"])
 def test_a_tokens_output_does_not_depend_on_its_batch(plan):
-    """Token rows taken out of a batch of 13 into one of 4 (other row blocks, other programs,
+    """Token rows taken out of a batch of 9 into one of 4 (other row blocks, other programs,
     with fold another last arriver): their outputs are bit-equal."""
-    x, r, ws = moe_case(13, 6, 3, 160, 96, F32)
-    sub = torch.tensor([12, 0, 7, 3])
+    x, r, ws = moe_case(9, 6, 3, 160, 96, F32)
+    sub = torch.tensor([8, 0, 5, 3])
     rs = routing_of(r.topk_idx[sub], r.topk_weights[sub], 6)
     assert torch.equal(fused_experts_fp8(x[sub], rs, *ws, plan=plan), fused_experts_fp8(x, r, *ws, plan=plan)[sub])
 

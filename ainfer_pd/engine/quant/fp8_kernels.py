@@ -14,15 +14,32 @@ Hopper's FP8 MMA wants.
 
 Fused MoE layout: the aligned rows of :mod:`..fused_moe` (``SORTED`` pair ids grouped by expert,
 ``BLOCK_EXPERT``, ``NUM_POST``; pair = token * TOPK + slot). ``fp8_moe_gate_up_kernel`` reads the
-token's quantized row in place, accumulates gate and up in one program over ``w13 [E, 2I, D]``
-(gate rows [0, I), up rows [I, 2I); scale rows: the gate's nb(I), then the up's) and writes
-``act = silu(g) * u``, either already quantized in 1 x 128 groups (``FUSE_QUANT``: needs
-``BLOCK_N == GROUP``, one group per program row) or in float32 for a separate quantization
-launch. ``fp8_moe_down_kernel`` multiplies the quantized act by ``w2 [E, D, I]`` and scales each
-row by its top-k weight.
+token's row in place (through pair // TOPK), accumulates gate and up in one program over ``w13
+[E, 2I, D]`` (gate rows [0, I), up rows [I, 2I); scale rows: the gate's nb(I), then the up's) and
+writes ``act = silu(g) * u``, either already quantized in 1 x 128 groups (``FUSE_QUANT``: needs
+``BLOCK_N == GROUP``, one group per program row) or in float32 (for a separate quantization
+launch, or for down to quantize on load). ``fp8_moe_down_kernel`` multiplies act by ``w2 [E, D,
+I]`` and scales each row by its top-k weight; with ``FOLD`` it also sums each token's k rows
+(:func:`_fold_slots`: the last program to count itself in for a token sums the k rows in slot
+order, so the sum is the same whoever runs last; no atomic touches a value).
 
-Division is ``tl.math.div_rn`` (IEEE round to nearest, as torch's), so the activation
-quantization is bit-exact against :func:`.fp8.quantize_token_groups` on the GPU.
+Quantization on load (``ON_LOAD``, :func:`_a_tile`): the GEMM reads the float A rows (x, or the
+float32 act) and quantizes each K step of one whole 128-column group in registers with
+:func:`_quant_tile`, the code of ``token_group_quant_kernel``: the same scale and e4m3 bytes
+as the separate launch, so the same dot products (the fused MoE's paths are bit-equal).
+
+Division is ``tl.math.div_rn`` (IEEE round to nearest), so scales and bytes equal
+:func:`.fp8.quantize_token_groups` run on the CPU. On CUDA, torch's ``tensor / python_float``
+multiplies by the float32 reciprocal (ATen's div_true_kernel_cuda does so for a CPU-scalar
+divisor), so the oracle's ``amax / 448`` is ``amax * fl(1/448)``: one ulp off the quotient for
+about half of all amaxes. With that scale x / scale crosses an e4m3 rounding midpoint for a few
+values per million with float32 input, and ~2.5e-4 of the values with bf16 input (8-bit
+mantissas often land exactly on a midpoint, where one ulp decides). That is the H200's 15,401
+scale and 1,057 byte mismatches of 4M bf16 values (2 of 4M float32): emulated on the CPU it gives
+15,499 / 987 (4 of 4M float32), every one 1 ulp / 1 e4m3 step. The amax (bf16 -> float32 is
+exact) and the hardware cast (``cvt.rn.satfinite``, subnormals included) are not the cause:
+``benchmarks/fp8_kernel_check.py``'s ``act_quant`` figure also compares against the oracle with
+an IEEE division, where it expects no mismatch.
 
 Under ``TRITON_INTERPRET=1`` (Triton 3.9 on CPU):
 * FP8 ``tl.dot`` runs natively (the interpreter widens both operands to float16, exactly, and

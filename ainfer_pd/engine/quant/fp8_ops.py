@@ -44,6 +44,14 @@ def _exact_cast() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _fold_supported() -> bool:
+    """Down's k-slot fold reads each row's atomic count in every thread of the row's layout: Triton
+    before 3.5 returned a tensor atomic's result only to the thread that issued it (triton-lang/
+    triton#7402, fixed by #7460), the others saw 0 and never summed."""
+    import triton
+    return _exact_cast() or tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 5)
+
+
 def _require(ok: bool, msg: str) -> None:
     if not ok:
         raise ValueError(msg)
@@ -214,6 +222,7 @@ def fused_experts_fp8(x: Tensor, routing: Routing, w13_q: Tensor, w13_scale: Ten
         return torch.zeros_like(x)
     p = fp8_moe_plan(N, w13_q.shape[0]) if plan is None else as_fp8_moe_plan(plan)
     check_fp8_moe_plan(p)
+    _require(not p.fold_sum or _fold_supported(), "fold_sum needs Triton >= 3.5 (tensor atomics' results broadcast)")
     layout = align_blocks_triton(routing, p.block_m)
     x = x if x.stride(-1) == 1 else x.contiguous()
     xa, xs = (x, None) if p.quant_x_on_load else per_token_group_quant(x)
