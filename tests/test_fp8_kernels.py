@@ -116,6 +116,20 @@ def test_fp8_gemm_tiles_smaller_than_a_scale_block(plan):
     assert rel_err(y.view(46, 150), fp8.fp8_linear_reference(x, wq, ws, bias)) <= 1e-4
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_fp8_linear_quantizing_on_load_gives_the_launchs_bytes(dtype):
+    """x quantized inside the GEMM (one launch) or by its own launch: bit-equal outputs (partial
+    last group, partial row and column tiles); on load needs K steps of one whole group."""
+    x = activations(19, 257, dtype, seed=3)
+    wq, ws = fp8.quantize_blockwise(blocky((130, 257), seed=4))
+    plan = GemmPlan(16, 32, 128, 1, 4, 1)
+    y = fp8_linear(x, wq, ws, plan=plan, quant_on_load=True)
+    assert torch.equal(y, fp8_linear(x, wq, ws, plan=plan, quant_on_load=False))
+    assert rel_err(y, fp8.fp8_linear_reference(x, wq, ws)) <= (1e-4 if dtype == F32 else 1e-2)
+    with pytest.raises(ValueError, match="on load"):
+        fp8_linear(x, wq, ws, plan=GemmPlan(16, 32, 64, 1, 4, 1), quant_on_load=True)
+
+
 def test_fp8_gemm_rejects_bad_operands():
     wq, ws = fp8.quantize_blockwise(torch.randn(130, 256))
     xq, xs = per_token_group_quant(torch.randn(4, 256))
