@@ -13,6 +13,7 @@ intermediate, E = experts, nb(n) = ceil(n / 128).
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -44,6 +45,7 @@ def _exact_cast() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@functools.cache
 def _fold_supported() -> bool:
     """Down's k-slot fold reads each row's atomic count in every thread of the row's layout: Triton
     before 3.5 returned a tensor atomic's result only to the thread that issued it (triton-lang/
