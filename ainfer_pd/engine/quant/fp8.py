@@ -54,7 +54,7 @@ def quantize_blockwise(w: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
         raise ValueError(f"a blockwise FP8 weight has at least 2 dimensions, got shape {tuple(w.shape)}")
     wb, n, k = _padded_blocks(w, block)
     amax = wb.abs().amax(dim=(-3, -1), keepdim=True)                   # [..., nb, 1, kb, 1]
-    scale = (amax / FP8_MAX).clamp_(min=_TINY)
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_(min=_TINY)     # a tensor divisor: IEEE division on CUDA too
     q = (wb / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
     *lead, nb, _, kb, _ = wb.shape
     q = q.reshape(*lead, nb * block, kb * block)[..., :n, :k].contiguous()
@@ -80,7 +80,8 @@ def quantize_token_groups(x: Tensor, group: int = BLOCK) -> tuple[Tensor, Tensor
     if k % group:
         xp = torch.nn.functional.pad(xp, (0, kb * group - k))
     xg = xp.view(t, kb, group)
-    scale = (xg.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_(min=_TINY)
+    amax = xg.abs().amax(dim=-1, keepdim=True)
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_(min=_TINY)   # not amax / 448.0: CUDA multiplies by its reciprocal
     q = (xg / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8).view(t, kb * group)[:, :k].contiguous()
     return q, scale.view(t, kb).contiguous()
 
