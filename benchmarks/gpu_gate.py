@@ -458,6 +458,10 @@ def release(runner) -> None:
     """Free a runner's GPU memory now (runner <-> DecodeGraphs is a reference cycle)."""
     import gc
     runner.graphs = None
+    runner.release_prefill_graphs()          # the P graphs hold the runner too (their KV getter)
+    runner.kv_cache = None
+    for p in runner.model.parameters():      # the caller's frame still holds the runner: free its storage now
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     del runner
     gc.collect()
     torch.cuda.empty_cache()
