@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from ainfer_pd.errors import ConfigError, StallError
+from ainfer_pd.errors import ConfigError, RankFailedError, StallError
 from ainfer_pd.faults import Faults
-from ainfer_pd.tools.selftest_grid import GRID_ORDERINGS, GRID_TOPOLOGIES, _cycle_of, format_grid, table4_expect
+from ainfer_pd.tools.selftest_grid import (GRID_ORDERINGS, GRID_TOPOLOGIES, _cycle_of, _stalled_cell, format_grid,
+                                           table4_expect)
 
 
 def test_phase_skew_by_rank_parity_or_by_replica():
@@ -48,3 +49,20 @@ def test_a_stall_cell_names_its_cycle_and_the_table_marks_deviations_from_the_pa
     text = format_grid(cells, markdown=True)
     assert "| ATP2 x ADP2 | stall @3/12, 4-rank cycle, 14.2 s |" in text
     assert "stall @1/12, 2-rank cycle, 14.0 s (paper: complete)" in text
+
+
+def test_a_stalled_cell_takes_the_rank_report_that_names_the_whole_cycle():
+    cycle = ("  device-progress cycle: rank 0 [P all_reduce attn_tp.P#5] waits for rank 1 -> rank 1 [D all_gather "
+             "attn_dp.D#25] waits for rank 3 -> rank 3 [P all_reduce attn_tp.P#5] waits for rank 2 -> rank 2 "
+             "[D all_gather attn_dp.D#25] waits for rank 0")
+    partial = StallError("rank 0: device-progress stall.\n  no wait cycle found among the reported ranks")
+    partial.frontier = {"0": {"requests_done": 1}}
+    whole = StallError(f"rank 2: device-progress stall.\n{cycle}")
+    whole.frontier = {str(r): {"requests_done": r % 2} for r in range(4)}
+    cell = {"requests": 12}
+    _stalled_cell(cell, RankFailedError("stalled", results=[partial, None, whole, partial]), type("T", (), {
+        "num_requests": 12})())
+    assert cell["outcome"] == "stall" and cell["cycle"] == [0, 1, 3, 2, 0] and cell["cycle_ranks"] == 4
+    assert cell["frontier_requests"] == 2 and "rank 1: D all_gather attn_dp.D#25" in cell["held"]
+    _stalled_cell(cell, RankFailedError("died", results=[ValueError("boom")]), type("T", (), {"num_requests": 12})())
+    assert cell["outcome"] == "failed" and "ValueError: boom" in cell["detail"]

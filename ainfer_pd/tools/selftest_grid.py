@@ -81,8 +81,11 @@ def _stalled_cell(cell: Row, exc: Any, trace: Any) -> None:
         cell.update(outcome="failed", detail=f"{type(errs[0]).__name__ if errs else 'RankFailedError'}: "
                                              f"{str(errs[0] if errs else exc)[:200]}")
         return
-    cycle, held = _cycle_of(stalls[0])
-    front = getattr(stalls[0], "frontier", None) or {}
+    # every rank reports the stall; a rank that heard from fewer peers in time may name no cycle:
+    # the report naming the longest cycle (the most complete) stands for the cell
+    best = max(stalls, key=lambda e: (len(_cycle_of(e)[0]), len(getattr(e, "frontier", None) or {})))
+    cycle, held = _cycle_of(best)
+    front = getattr(best, "frontier", None) or {}
     done = sum(int(f.get("requests_done") or 0) for f in front.values()) if front else None
     cell.update(outcome="stall", cycle=cycle, cycle_ranks=len(set(cycle)), held=held, frontier_requests=done,
                 detail=f"stall at {done}/{trace.num_requests} requests; cycle {' -> '.join(map(str, cycle))} "
