@@ -234,7 +234,7 @@ class DeviceConfig:
     residency_slots: int = 2
     """CPU stand-in: work items (kernels) a device runs at once across its streams."""
     collective_slots: int = 0
-    """CPU stand-in: units of the device's collective residency (0 = no limit; SPEC 7.1). A resident
+    """CPU stand-in: units of the device's collective residency (0 = no limit; ARCHITECTURE.md). A resident
     attention collective keeps its units until every peer joined, as a spinning NCCL kernel keeps its
     SMs; one that does not fit beside the resident ones waits. An attention-TP collective (P's
     all-reduce, D's reduce-scatter / all-gather) takes one unit."""

@@ -1,4 +1,4 @@
-"""The CPU stand-in's device model (SPEC 7.1, issue 36 item 2): collective residency in units, and
+"""The CPU stand-in's device model (ARCHITECTURE.md, issue 36 item 2): collective residency in units, and
 the conflicting pairs it implies (pure and threaded; no rank processes).
 
 On ``configs/tiny-crossed-cpu.yaml`` (2 units; D's DP-attention collectives take 2) P's and D's

@@ -1,7 +1,7 @@
 """The crossed topology (g = 4, ATP2 / ADP2, EP4) inside the real lockstep engine (issues 14, 36).
 
 Real processes, gloo, the tiny model of ``configs/tiny-crossed-cpu.yaml`` on the CPU stand-in's
-device model (SPEC 7.1):
+device model (ARCHITECTURE.md):
 
 * under ``selective`` the multi-rank replay's greedy tokens equal world size 1 on the Table 4 trace
   (twin conversations on the two replicas), multiplexing happened (turnstile rounds, P work

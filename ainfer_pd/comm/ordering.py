@@ -11,7 +11,7 @@ The one home of :data:`ORDERINGS` and of the collective kinds the engine issues:
   :meth:`~ainfer_pd.engine.runtime.tensor_parallel.DecodeHooks.experts_dp`).
 
 A *conflicting pair* is a P and a D collective on different communicators that share ranks and
-cannot both be resident on a device (SPEC 7.1): if ranks launch them in opposite device orders, a
+cannot both be resident on a device (ARCHITECTURE.md): if ranks launch them in opposite device orders, a
 device-progress cycle can close. SPEC 2's crossed pair (P attention-TP all-reduce x D DP-attention
 collectives, ATP > 1 and ADP > 1: the groups intersect, neither contains the other) closes a cycle
 through four ranks; it is always registered. D's own attention-TP reduce-scatter / all-gather share

@@ -1,7 +1,7 @@
 """``ainfer-pd selftest``: the SPEC section 7 ordering-contract acceptance list as one command.
 
 Runs the real lockstep engine on the tiny model (``configs/tiny-crossed-cpu.yaml``: the CPU
-stand-in's device model of SPEC 7.1; real CPU rank processes, gloo) through the multi-rank replay
+stand-in's device model of ARCHITECTURE.md; real CPU rank processes, gloo) through the multi-rank replay
 (:mod:`ainfer_pd.tools.world`) over :func:`~.selftest_scenarios.table4_trace` (twin conversations on
 the two replicas) and prints / saves a summary table:
 

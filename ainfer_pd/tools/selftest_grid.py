@@ -3,7 +3,7 @@ ATP2 x ADP1 and ATP1 x ADP2 (g = 2), each under ``none`` / ``global-implicit`` /
 the ranks out of phase; each cell completes (tokens vs world size 1, trace-check) or stalls (the
 watchdog's cycle: ranks and collectives; the frontier: completed requests), with its wall time.
 
-The cells run ``configs/tiny-crossed-cpu.yaml`` on the CPU stand-in's device model (SPEC 7.1: P's and
+The cells run ``configs/tiny-crossed-cpu.yaml`` on the CPU stand-in's device model (ARCHITECTURE.md: P's and
 D's attention-TP collectives can be resident together, P's all-reduce and D's DP-attention collective
 cannot) over :func:`~.selftest_scenarios.table4_trace` (twin conversations on the two replicas, so
 both replicas prefill beside D). The phase skew is by rank parity (``faults.phase_skew_by: rank``):
