@@ -14,3 +14,18 @@ def cuda_time_s(fn, iters: int, warmup: int = 3) -> float:
     b.record()
     torch.cuda.synchronize()
     return a.elapsed_time(b) / 1e3 / iters
+
+
+def graph_of(fn):
+    """``fn`` captured in a CUDA graph (warm-up on a side stream first); returns the graph. The
+    capture fails if ``fn`` syncs with the host."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g

@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _cuda_timing import graph_of  # noqa: E402
 from _gate_cases import dense_attention, paged_case, rel_err, topk_choice_error, uniform_decode  # noqa: E402
 
 from ainfer_pd.tools.bench import _finite  # noqa: E402
@@ -100,20 +101,6 @@ def gpu_busy_ms(fn) -> float:
         torch.cuda.synchronize()
     key = "self_device_time_total" if hasattr(prof.key_averages()[0], "self_device_time_total") else "self_cuda_time_total"
     return sum(getattr(e, key) for e in prof.key_averages()) / 1e3
-
-
-def graph_of(fn):
-    """Capture ``fn`` (warm-up on a side stream first); returns the graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
 
 
 # --------------------------------------------------------------------------- ceilings
