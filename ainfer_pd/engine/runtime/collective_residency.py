@@ -1,4 +1,4 @@
-"""The CPU stand-in of a GPU's residency for spinning collective kernels ("the CPU device model" in docs/ARCHITECTURE.md).
+"""The CPU stand-in of a GPU's residency for spinning collective kernels (SPEC 7.1, "the device model").
 
 On a GPU a collective kernel (NCCL, or a DeepEP-style cooperative launch) spins on its SMs from the
 moment it is resident until every peer has joined. Two collectives on separate communicators can
