@@ -294,9 +294,9 @@ def _check_tensor(name: str, shape: tuple, dt: str, target, where: dict[str, str
         why = ("this engine keeps it in the model dtype" if c.quantization == "fp8"
                else "an FP8 checkpoint loads with model.quantization: fp8")
         raise CheckpointError(f"{dname}: tensor {name!r} is stored in float8_e4m3fn; {why}")
-    if dtype == FP8 and name + "_scale_inv" not in where:
+    if dtype == FP8 and name + SCALE_SUFFIX not in where:
         raise CheckpointError(f"{dname}: tensor {name!r} is stored in float8_e4m3fn but the checkpoint has no "
-                              f"{name + '_scale_inv'!r} (its block scales)")
+                              f"{name + SCALE_SUFFIX!r} (its block scales)")
     return dtype
 
 

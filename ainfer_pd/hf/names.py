@@ -241,7 +241,7 @@ def _named(hf_name: str, targets: tuple[Target, Target | None]) -> Iterator[tupl
     weight, scale = targets
     yield hf_name, weight
     if scale is not None and hf_name.endswith(".weight"):
-        yield hf_name + "_scale_inv", scale
+        yield hf_name + SCALE_SUFFIX, scale
 
 
 def hf_targets(c: ModelConfig, experts: tuple[int, int]) -> Iterator[tuple[str, Target]]:
