@@ -103,3 +103,11 @@ def topk_choice_error(idx: torch.Tensor, weights: torch.Tensor, probs: torch.Ten
     gap = float((took.sort(dim=-1, descending=True).values - ref).abs().max())
     want = took / took.sum(dim=-1, keepdim=True) if norm else took
     return gap, float((weights.double() - want).abs().max())
+
+
+def e4m3_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in e4m3 steps, elementwise (codes ordered by value: sign-magnitude to signed)."""
+    def code(t):
+        u = t.view(torch.uint8).int()
+        return torch.where(u >= 128, -(u & 0x7F), u & 0x7F)
+    return (code(a) - code(b)).abs()

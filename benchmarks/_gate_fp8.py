@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from _gate_cases import rel_err
+from _gate_cases import e4m3_steps, rel_err
 from ainfer_pd.engine.model.moe import route
 from ainfer_pd.engine.quant.fp8 import (experts_fp8_reference, fp8_linear_reference, quantize_blockwise,
                                         quantize_token_groups, quantize_w13)
@@ -27,14 +27,6 @@ def _experts(dev):
     w2, s2 = quantize_blockwise(torch.randn(E, D, I, device=dev, generator=g) * I ** -0.5)
     router = torch.randn(E, D, device=dev, generator=g).to(torch.bfloat16)
     return w13, s13, w2, s2, router, g
-
-
-def e4m3_steps(a, b):
-    """|a - b| in e4m3 steps, elementwise (codes ordered by value: sign-magnitude to signed)."""
-    def code(t):
-        u = t.view(torch.uint8).int()
-        return torch.where(u >= 128, -(u & 0x7F), u & 0x7F)
-    return (code(a) - code(b)).abs()
 
 
 def fp8_kernel_checks(check, dev) -> None:

@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ainfer_pd.engine.fused_moe import fused_experts  # noqa: E402
 from ainfer_pd.engine.fused_moe.plan import GemmPlan, MoEPlan  # noqa: E402
 from ainfer_pd.engine.model.moe import Routing, experts_local, route, routing_of  # noqa: E402
+from _gate_cases import e4m3_steps  # noqa: E402
 from ainfer_pd.engine.quant import fp8  # noqa: E402
 from ainfer_pd.engine.quant.fp8_ops import fp8_linear, fused_experts_fp8, per_token_group_quant  # noqa: E402
 from ainfer_pd.engine.quant.fp8_plan import Fp8MoEPlan, as_fp8_moe_plan, fp8_moe_plan  # noqa: E402
@@ -193,14 +194,6 @@ def quantize_ieee(x: torch.Tensor, group: int = fp8.BLOCK) -> tuple[torch.Tensor
     scale = (amax / torch.full_like(amax, fp8.FP8_MAX)).clamp_(min=1e-12)
     q = (xg / scale).clamp_(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8).view(t, kb * group)[:, :k].contiguous()
     return q, scale.view(t, kb).contiguous()
-
-
-def e4m3_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """|a - b| in e4m3 steps, elementwise (codes ordered by value: sign-magnitude to signed)."""
-    def code(t):
-        u = t.view(torch.uint8).int()
-        return torch.where(u >= 128, -(u & 0x7F), u & 0x7F)
-    return (code(a) - code(b)).abs()
 
 
 def mismatch(q, sc, rq, rs) -> dict:
