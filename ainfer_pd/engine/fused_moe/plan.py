@@ -35,13 +35,13 @@ _LARGE = MoEPlan(GemmPlan(128, 128, 32, 8, 8, 4), GemmPlan(128, 128, 32, 16, 8, 
 _FP32 = MoEPlan(GemmPlan(16, 32, 32, 1, 4, 1), GemmPlan(16, 32, 32, 1, 4, 1))
 
 
+def by_rows_per_expert(num_pairs: int, num_experts: int, small, medium, large):
+    """A plan table's tier by (token, slot) rows per expert: up to 8 ``small`` (decode), up to 64
+    ``medium``, else ``large`` (prefill)."""
+    per_expert = num_pairs / max(1, num_experts)
+    return small if per_expert <= 8 else medium if per_expert <= 64 else large
+
+
 def moe_plan(num_pairs: int, num_experts: int, fp32: bool) -> MoEPlan:
     """Small row blocks when experts get a few rows each (decode), large ones for prefill."""
-    if fp32:
-        return _FP32
-    per_expert = num_pairs / max(1, num_experts)
-    if per_expert <= 8:
-        return _SMALL
-    if per_expert <= 64:
-        return _MEDIUM
-    return _LARGE
+    return _FP32 if fp32 else by_rows_per_expert(num_pairs, num_experts, _SMALL, _MEDIUM, _LARGE)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..fused_moe.plan import GemmPlan, MoEPlan
+from ..fused_moe.plan import GemmPlan, MoEPlan, by_rows_per_expert
 from .fp8 import BLOCK
 
 
@@ -70,12 +70,7 @@ _GEMM_LARGE = GemmPlan(128, 128, 128, 8, 8, 3)
 
 def fp8_moe_plan(num_pairs: int, num_experts: int) -> Fp8MoEPlan:
     """The fused MoE's plan for ``num_pairs`` (token, slot) rows over ``num_experts`` experts."""
-    per_expert = num_pairs / max(1, num_experts)
-    if per_expert <= 8:
-        return _MOE_SMALL
-    if per_expert <= 64:
-        return _MOE_MEDIUM
-    return _MOE_LARGE
+    return by_rows_per_expert(num_pairs, num_experts, _MOE_SMALL, _MOE_MEDIUM, _MOE_LARGE)
 
 
 def as_fp8_moe_plan(plan: MoEPlan | Fp8MoEPlan) -> Fp8MoEPlan:
