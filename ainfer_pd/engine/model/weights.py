@@ -5,6 +5,8 @@ names (:mod:`ainfer_pd.hf.names`); ``apply_named_tensors`` the plain same-name c
 """
 from __future__ import annotations
 
+import math
+
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +17,7 @@ from torch import Tensor, nn
 
 from ...errors import ConfigError, WeightUpdateError, WorkerAsleepError
 from ..quant.fp8 import FP8
-from .linear import FLOAT8, SCALE_SUFFIX, has_nan, is_routed_expert
+from .linear import FLOAT8, SCALE_SUFFIX, has_nan, is_routed_expert, value_range
 
 
 def save_safetensors(model: nn.Module, path: str | Path) -> None:
@@ -347,9 +349,15 @@ def _expected(target: Any, dtype: torch.dtype) -> str:
 
 
 def _check_values(name: str, t: Tensor, dtype: torch.dtype) -> None:
-    if has_nan(t):
+    if not t.is_floating_point() or t.numel() == 0:
+        return
+    if t.dtype in FLOAT8:
+        if has_nan(t):
+            raise WeightUpdateError(f"weight {name!r} has non-finite values")
+        return
+    lo, hi = value_range(t)                          # one pass: finiteness and magnitude
+    if not (math.isfinite(lo) and math.isfinite(hi)):
         raise WeightUpdateError(f"weight {name!r} has non-finite values")
-    if t.is_floating_point() and dtype.is_floating_point and torch.finfo(dtype).max < torch.finfo(t.dtype).max:
-        big = float(t.detach().abs().max()) if t.numel() else 0.0
-        if big > torch.finfo(dtype).max:          # would become inf in the parameter's dtype
-            raise WeightUpdateError(f"weight {name!r} has a value of magnitude {big:.3g}, beyond {dtype}")
+    big = max(-lo, hi)
+    if dtype.is_floating_point and big > torch.finfo(dtype).max:    # would become inf in the parameter's dtype
+        raise WeightUpdateError(f"weight {name!r} has a value of magnitude {big:.3g}, beyond {dtype}")
