@@ -5,7 +5,7 @@ Prints one ``PASS name`` / ``FAIL name`` line per check (a check that raises is 
 error) and ``FIG`` lines for the figures, then writes ``latest.json``: ``commit``, ``checks``
 (name -> bool), ``figures``, ``targets`` (issue 11's targets, name -> met), ``errors``.
 
-    python benchmarks/gpu_gate.py --commit HASH --out DIR [--skip-bench] [--only kernels,qwen3,...]
+    python benchmarks/gpu_gate.py --commit HASH --out DIR [--skip-bench] [--only kernels,qwen3,...,nccl]
 
 Bounds use the HBM copy bandwidth and the bf16 matmul peak measured in the same run.
 Tolerances: fp32 kernels <= 1e-4 relative (||out - ref|| / ||ref||, ref in float64);
@@ -505,6 +505,14 @@ def smoke(out: Path) -> None:
     check("cuda_smoke", rc == 0, "(fp32 policies identical; bf16 graph vs eager)")
 
 
+def nccl(out: Path) -> None:
+    """The NCCL path of the crossed pair's collectives at world size 1 (issue 36, item 5): a real NCCL
+    world through ainfer_pd.launch, the phase collectives on their own communicators, and the multi-rank
+    engine with D's DP-attention collectives issued (benchmarks/_gate_nccl.py, as a subprocess)."""
+    from _gate_nccl import section
+    section(out, run_sub, check, fig)
+
+
 def bench(out: Path, args, *, tag: str = "", policies: str = "normal,fine-grained,mixed-chunked",
           sets: tuple[str, ...] = ()) -> None:
     """The P1 cell on the Qwen3 shape, one run a policy; ``tag`` names a variant's figures and
@@ -570,7 +578,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--commit", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--only", default="kernels,qwen3,fp8,paper,profile,smoke,bench")
+    ap.add_argument("--only", default="kernels,qwen3,fp8,paper,profile,smoke,nccl,bench")
     ap.add_argument("--bench-conversations", type=int, default=24)
     ap.add_argument("--bench-token-scale", type=float, default=0.5)
     ap.add_argument("--bench-timeout", type=int, default=240)
@@ -603,6 +611,8 @@ def main() -> None:
         guarded("profiles", profiles, out)
     if "smoke" in only:
         guarded("cuda_smoke", smoke, out)
+    if "nccl" in only:
+        guarded("nccl_section", nccl, out)
     if "bench" in only:
         # the plain D loop, then the overlapped one (scheduler.overlap_decode's default, auto, runs it
         # under normal and fine-grained; mixed-chunked has its own loop)

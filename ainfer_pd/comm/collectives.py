@@ -22,13 +22,19 @@ half, on the stream thread: ``coll_launch`` when it joins its communicator's cur
 the CPU stand-in it holds a residency slot until every peer joined, as a spinning NCCL kernel
 holds SMs), the blocking call, ``coll_done`` and a ``work`` interval. A D iteration enqueues
 every collective of its schedule at its launch (:meth:`enqueue_schedule`) and runs them in that
-order. Groups of one rank issue nothing. The phase is always explicit: a kind of the other phase
-is refused by name.
+order. Groups of one rank issue nothing (:meth:`PhaseCollectives.active`), except the
+communicators named in ``AINFER_PD_ONE_RANK_COLLECTIVES`` (:data:`ONE_RANK_ENV`, read when a
+:class:`PhaseCollectives` is built): there a one-rank group issues its collectives too, identity
+operations on a real communicator, so one GPU runs D's attention-TP and DP-attention path on NCCL
+(the GPU gate's ``nccl`` section). :attr:`PhaseCollectives.issued` counts the operations handed to
+``torch.distributed`` per communicator (warm-up and graph-capture passes included). The phase is
+always explicit: a kind of the other phase is refused by name.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -42,11 +48,28 @@ from .ordering import (D_ADP_ALL_GATHER, D_ADP_REDUCE_SCATTER, D_ATP_ALL_GATHER,
                        ConflictRegistry)
 from .topology import ATTN_DP_D, ATTN_TP_D, ATTN_TP_P, Topology
 
-__all__ = ["PhaseCollectives", "RankCollectives", "KINDS", "PHASE_COMMS"]
+__all__ = ["PhaseCollectives", "RankCollectives", "KINDS", "PHASE_COMMS", "ONE_RANK_ENV", "one_rank_comms"]
 
 KINDS = (P_ATP_ALL_REDUCE, D_ATP_REDUCE_SCATTER, D_ATP_ALL_GATHER, D_ADP_ALL_GATHER, D_ADP_REDUCE_SCATTER)
 PHASE_COMMS: dict[Phase, tuple[str, ...]] = {Phase.PREFILL: (ATTN_TP_P,), Phase.DECODE: (ATTN_TP_D, ATTN_DP_D)}
 """The communicators each phase owns."""
+ONE_RANK_ENV = "AINFER_PD_ONE_RANK_COLLECTIVES"
+"""Comma-separated communicator names (``attn_tp.D,attn_dp.D``; ``all``: every one) whose groups
+issue their collectives even with one rank (identity operations): the NCCL path at world size 1."""
+
+
+def one_rank_comms() -> frozenset[str]:
+    """The communicators :data:`ONE_RANK_ENV` names (:class:`TopologyError` for an unknown name)."""
+    raw = os.environ.get(ONE_RANK_ENV, "").strip()
+    known = {c for cs in PHASE_COMMS.values() for c in cs}
+    names = {n.strip() for n in raw.split(",") if n.strip()}
+    if "all" in names:
+        return frozenset(known)
+    bad = sorted(names - known)
+    if bad:
+        raise TopologyError(f"{ONE_RANK_ENV}={raw!r}: unknown communicator(s) {bad}; expected names of "
+                            f"{sorted(known)} or 'all'")
+    return frozenset(names)
 
 
 class PhaseCollectives:
@@ -80,6 +103,10 @@ class PhaseCollectives:
         self.enqueued = {c: 0 for c in self.members}
         self.joined = {c: 0 for c in self.members}
         self.completed = {c: 0 for c in self.members}
+        self.issued = {c: 0 for c in self.members}
+        """Operations handed to ``torch.distributed`` per communicator (:meth:`apply`; booked or not)."""
+        self.one_rank = one_rank_comms() & set(comms)
+        """This phase's communicators that issue even over one rank (:data:`ONE_RANK_ENV`)."""
         self.inflight: dict[tuple[str, int], dict] = {}
         self._pending: dict[str, collections.deque] = {c: collections.deque() for c in self.members}
         """Per communicator: collectives enqueued by the host, not started yet (FIFO)."""
@@ -98,8 +125,9 @@ class PhaseCollectives:
         return self._sizes[comm]
 
     def active(self, kind: CollectiveKind) -> bool:
-        """The collective exists on this topology (its group has more than one rank)."""
-        return self.size(kind.comm) > 1
+        """The collective exists on this topology (its group has more than one rank, or its
+        communicator is named in :data:`ONE_RANK_ENV`)."""
+        return self.size(kind.comm) > 1 or kind.comm in self.one_rank
 
     def crossed_comms(self) -> list[str]:
         """This phase's communicators whose groups cross the other phase's (ATP > 1 and ADP > 1:
@@ -120,7 +148,7 @@ class PhaseCollectives:
         ph, tag = self.phase, f"{self.phase.value}.attn_colls"
         for name, pg in self.groups.items():
             reg.register("process_group", f"{name}.group", ph, pg)
-        for name in ("enqueued", "joined", "completed"):
+        for name in ("enqueued", "joined", "completed", "issued"):
             reg.register("counters", f"{tag}.{name}", ph, getattr(self, name))
         reg.register("workspace", f"{tag}.inflight", ph, self.inflight)
         reg.register("workspace", f"{tag}.pending", ph, self._pending)
@@ -217,6 +245,8 @@ class PhaseCollectives:
         import torch.distributed as dist
         pg, members = self.groups[kind.comm], self.members[kind.comm]
         n = len(members)
+        with self._lock:
+            self.issued[kind.comm] += 1
         if kind.op == "all_reduce":
             t = t.contiguous()
             dist.all_reduce(t, group=pg)
