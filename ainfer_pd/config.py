@@ -6,7 +6,8 @@ naming the offending key. No flag silently changes another; derived values are
 properties.
 
 The sections live in :mod:`.config_model` (``ModelConfig``) and :mod:`.config_sections`
-(cache, scheduler, mux, parallel, device); this module holds the whole :class:`WorkerConfig`,
+(cache, scheduler, mux, parallel, device) and :mod:`.config_spec` (speculative decoding); this
+module holds the whole :class:`WorkerConfig`,
 its cross-section checks and the YAML / dict loading, and re-exports every section.
 """
 from __future__ import annotations
@@ -26,7 +27,8 @@ from .config_model import ARCHITECTURES, DTYPES, ROUTERS, ModelConfig  # noqa: F
 from .config_sections import (EXPERT_BACKENDS, KERNEL_BACKENDS, P_HOST_PACINGS, POLICIES,  # noqa: F401
                               SPANS, CacheConfig, DeviceConfig, MuxConfig, ParallelConfig,
                               SchedulerConfig)
-from .errors import ConfigError, TopologyError
+from .config_spec import SPEC_METHODS, SpecConfig  # noqa: F401
+from .errors import ConfigError, TopologyError, UnsupportedOptionError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,6 +39,7 @@ class WorkerConfig:
     mux: MuxConfig = field(default_factory=MuxConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
     trace_dir: str | None = None
     """Directory for the per-rank JSONL control trace (None = no file)."""
     faults: dict = field(default_factory=dict)
@@ -46,8 +49,13 @@ class WorkerConfig:
         self.validate()
 
     def validate(self) -> None:
-        for sub in (self.model, self.cache, self.scheduler, self.mux, self.parallel, self.device):
+        for sub in (self.model, self.cache, self.scheduler, self.mux, self.parallel, self.device, self.spec):
             sub.validate()
+        if self.spec.enabled and self.scheduler.overlap_decode is True:
+            raise UnsupportedOptionError("spec.method with scheduler.overlap_decode=true: a speculating D iteration "
+                                         "needs the previous one's tokens on the host (its drafts continue them); "
+                                         "use overlap_decode auto (overlapped while no row speculates) or false",
+                                         key="spec.method")
         if self.parallel.expert_parallel > 1 and self.model.num_experts % self.parallel.expert_parallel:
             raise TopologyError(f"model.num_experts={self.model.num_experts} is not divisible by "
                                 f"expert_parallel={self.parallel.expert_parallel}")

@@ -205,6 +205,8 @@ class RolloutWorker(WorkerLifecycle, WorkerControl):
             raise
         del self.trajectories[trajectory_id]
         self.engine.kv.release(trajectory_id)
+        if self.engine.spec is not None:
+            self.engine.spec.forget(trajectory_id)       # its drafts' sequence goes with its KV
         self.engine.notify()                 # blocks may have come back: admission re-checks
         self.engine.book.record_trajectory(traj.group or trajectory_id, traj.num_turns, len(traj.tokens))
 

@@ -36,6 +36,7 @@ from ..phase import Phase, PhaseContext
 from ..sched.epoch_mode import policy_traits
 from ..sched.span import Activation, SpanInputs, make_span_policy
 from ..sched.step import COUNTERS, StepDecision, StepInputs, decide_step
+from ..spec.speculator import make_speculator
 from ..turnstile.rendezvous import LocalRendezvous
 from ..turnstile.turnstile import Turnstile
 from .runtime.device import Device, make_device
@@ -132,8 +133,9 @@ class Engine:
                          cpu=self.device.kind == "cpu")
         self.overlap_decode = (dist is None and not self.traits.mixed_steps
                                and cfg.scheduler.overlap_decode in (True, "auto"))
+        self.spec = make_speculator(cfg, self.runner, self.decode_ctx, recorder, dist)
         self.d = DDriver(**common, sched=cfg.scheduler, max_context_len=cfg.model.max_context_len,
-                         ctx=self.decode_ctx, p=self.p, overlap=self.overlap_decode, dist=dist)
+                         ctx=self.decode_ctx, p=self.p, overlap=self.overlap_decode, dist=dist, spec=self.spec)
         # replicas out of phase: D waits before its first crossed collective of each iteration where
         # the groups cross (the four-rank cycle's pair), else before the iteration
         crossed = dist.colls.D.crossed_comms() if dist is not None else []
@@ -365,6 +367,8 @@ class Engine:
         p_work, d_work = work_s(self.rec.intervals, "P"), work_s(self.rec.intervals, "D")   # set-up left out
         m.update({"policy": self.policy, "p_work_s_sum": p_work, "d_work_s_sum": d_work, "num_epochs": self.p.epoch})
         m.update(self.book.metrics())
+        if self.spec is not None:
+            m.update(self.spec.metrics())
         m.update({
             "activation_switches": self.activation.switches,
             "p_gated_slowdown": self.p.slowdown.value,

@@ -15,7 +15,7 @@ from typing import Callable
 from ...sched.planner import plan_decode
 from .d_overlap import InFlightD, decode_sampled, feed_of, needs_host_history, rows_after
 from ..runtime.runner import BatchPlan
-from .state import Turn
+from .state import Turn, TurnState
 from .timings import EngineTimings
 
 D_ITEM = {"phase": "D", "kind": "iter"}
@@ -27,11 +27,12 @@ class DDriver:
 
     def __init__(self, *, sched, max_context_len: int, rec, book, runner, ctx, turnstile, timings: EngineTimings,
                  faults, p,
-                 notify: Callable[[], None], overlap: bool, dist=None) -> None:
+                 notify: Callable[[], None], overlap: bool, dist=None, spec=None) -> None:
         self.sched, self.max_context_len = sched, max_context_len       # the scheduler config section
         self.rec, self.book, self.runner, self.ctx = rec, book, runner, ctx
         self.turnstile, self.timings, self.faults, self.p = turnstile, timings, faults, p
         self.notify, self.overlap, self.dist = notify, overlap, dist
+        self.spec = spec                      # the Speculator (spec.method), or None
         self.prev: InFlightD | None = None    # overlapped: the iteration launched and not read yet
         self.in_flight = False                # a D iteration is on the device, not read yet
         self.last = None                      # the D stream item launched last
@@ -66,11 +67,17 @@ class DDriver:
         self.t_wanted = None
         rnd = await self.turnstile.before_decode()
         rows = self.rows(limit)
+        batch = None
+        if self.spec is not None and self.spec.worth_drafting(rows):
+            if self.prev is not None:        # drafts continue the rows' last tokens: read them first
+                await self.settle()
+                rows = self.rows(limit)
+            batch = self.spec.plan(rows)
         if self.prev is not None and needs_host_history(rows):
             await self.settle()
             rows = self.rows(limit)
         ahead = [0] * len(rows)
-        if self.overlap:
+        if self.overlap and batch is None:
             rows, ahead = rows_after(rows, self.prev, self.max_context_len)
         if not rows and self.dist is None:
             if rnd is not None:
@@ -78,7 +85,9 @@ class DDriver:
             await self.settle()
             return
         try:
-            if self.overlap:
+            if batch is not None:
+                await self._plain(rows, rnd, t_ready, batch)
+            elif self.overlap:
                 await self._overlapped(rows, ahead, rnd, t_ready)
             else:
                 await self._plain(rows, rnd, t_ready)
@@ -88,9 +97,14 @@ class DDriver:
         self.num_iters += 1
         self.notify()
 
-    async def _plain(self, rows: list[Turn], rnd, t_ready: float) -> None:
+    async def _plain(self, rows: list[Turn], rnd, t_ready: float, batch=None) -> None:
+        """An iteration launched, read and booked; ``batch`` (a :class:`~ainfer_pd.spec.speculator.SpecBatch`):
+        the rows verify their drafts in it (one pass of 1 + len(draft) positions per row)."""
         t_build = self.rec.now()
-        plan = await self.dist.decode_plan(rows) if self.dist is not None else self.runner.build([], rows)
+        if batch is not None:
+            plan = self.runner.build([], rows, drafts=batch.drafts)
+        else:
+            plan = await self.dist.decode_plan(rows) if self.dist is not None else self.runner.build([], rows)
         self.rec.sample("d_build_s", self.rec.now() - t_build)
         hold = self.book.in_flight(rows)
         try:
@@ -99,7 +113,7 @@ class DDriver:
         finally:
             self.in_flight = False
             hold.release()
-        self._book(w, t_launch, plan, logits=logits)
+        self._book(w, t_launch, plan, logits=logits, batch=batch)
 
     async def _overlapped(self, rows: list[Turn], ahead: list[int], rnd, t_ready: float) -> None:
         prev = self.prev
@@ -167,12 +181,20 @@ class DDriver:
         self._book(it.work, it.t_launch, it.plan, sampled=ds)
         self.notify()
 
-    def _book(self, w, t_launch: float, plan: BatchPlan, **out) -> None:
+    def _book(self, w, t_launch: float, plan: BatchPlan, batch=None, **out) -> None:
         """An iteration read: its timing samples, its tokens booked (``out``: the logits, or the
-        tokens sampled on the device), the cleanups it unblocked, and the host time that took."""
+        tokens sampled on the device; a verify batch's runs through the speculator), the cleanups
+        it unblocked, and the host time that took."""
         t_done = self.rec.now()
         self.timings.d_read(w, t_launch, t_done, overlapped=self.overlap, p_running=self.p.running)
-        self.book.finish_decode(plan, **out)
+        if batch is not None:
+            self.spec.observe(batch, self.book.finish_verify(plan, out["logits"]))
+        else:
+            self.book.finish_decode(plan, **out)
+            if self.spec is not None:       # ended rows' last tokens reach their siblings' drafts
+                for t in plan.decode:
+                    if t.state is TurnState.DONE:
+                        self.spec.sync(t)
         self.book.drain_cleanups()
         self.rec.sample("d_post_s", self.rec.now() - t_done)
 

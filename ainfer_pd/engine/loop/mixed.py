@@ -34,9 +34,11 @@ async def run_mixed(eng) -> None:
 
 
 async def _step(eng, work, rows) -> None:
-    """One mixed step: the batch on the D stream, then P's and D's tokens booked."""
-    book, rec = eng.book, eng.rec
-    plan = eng.runner.build(work, rows)
+    """One mixed step: the batch on the D stream, then P's and D's tokens booked (the decode rows
+    verify their drafts in it when the speculator gives them some)."""
+    book, rec, spec = eng.book, eng.rec, eng.spec
+    batch = spec.plan(rows) if spec is not None and spec.worth_drafting(rows) else None
+    plan = eng.runner.build(work, rows, drafts=batch.drafts if batch is not None else None)
     t0 = rec.now()
     # a step without a prefill chunk is a plain decode iteration (graph replay when captured)
     step = eng.runner.decode if not work else eng.runner.forward
@@ -45,7 +47,11 @@ async def _step(eng, work, rows) -> None:
         logits = await w.done()
     rec.sample("m_step_s", rec.now() - t0)
     n_p = len([1 for t in plan.logit_turns if t.state is TurnState.WAITING])
-    book.finish_decode(BatchPlan(plan.fb, [], plan.decode, plan.logit_turns[n_p:]), logits[n_p:])
+    d_plan = BatchPlan(plan.fb, [], plan.decode, plan.logit_turns[n_p:], drafts=plan.drafts)
+    if batch is not None:
+        spec.observe(batch, book.finish_verify(d_plan, logits[n_p:]))
+    else:
+        book.finish_decode(d_plan, logits[n_p:])
     book.finish_prefill(BatchPlan(plan.fb, plan.prefill, [], plan.logit_turns[:n_p]), logits[:n_p])
     book.drain_cleanups()
     eng.notify()

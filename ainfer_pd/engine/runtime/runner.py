@@ -35,6 +35,9 @@ class BatchPlan:
     logit_turns: list[Turn]                   # owner of each logits row
     replay: "PrefillBinding | None" = None
     """A P pass replayed through the captured P graphs (``device.prefill_graphs``); None: eager."""
+    drafts: list[list[int]] | None = None
+    """A verify batch (speculative decoding): decode row i runs 1 + len(drafts[i]) positions, its
+    last token then its drafts (``logit_turns`` then owns each position's logits row)."""
 
     @property
     def num_tokens(self) -> int:
@@ -111,10 +114,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ batches
     def build(self, prefill: list[tuple[Turn, int, int]], decode: list[Turn],
-              ahead: list[int] | None = None) -> BatchPlan:
+              ahead: list[int] | None = None, drafts: list[list[int]] | None = None) -> BatchPlan:
         """Host-side metadata for a flat batch: prefill chunks first, then decode rows.
         ``ahead[i]`` = 1: decode row i's last token is still on the device (the overlapped D loop):
-        it is fed at position seq_len, and its input id is a placeholder the launch fills in."""
+        it is fed at position seq_len, and its input id is a placeholder the launch fills in.
+        ``drafts[i]`` (a verify batch, not with ``ahead``): decode row i also feeds its drafts, each a
+        decode row of its own at the next position (:meth:`_verify_rows`)."""
         ids: list[int] = []
         pos: list[int] = []
         write: list[Tensor] = []
@@ -122,7 +127,10 @@ class ModelRunner:
         rows: list[int] = []
         logit_turns: list[Turn] = []
         self._prefill_rows(prefill, ids, pos, write, seqs, rows, logit_turns)
-        decode_meta, host_write = self._decode_rows(decode, ahead, ids, pos, rows, logit_turns)
+        if drafts is None:
+            decode_meta, host_write = self._decode_rows(decode, ahead, ids, pos, rows, logit_turns)
+        else:
+            decode_meta, host_write = self._verify_rows(decode, drafts, ids, pos, rows, logit_turns)
         if host_write:
             write.append(torch.tensor(host_write, dtype=torch.int64))
         d = self.device
@@ -134,7 +142,7 @@ class ModelRunner:
             logits_rows=torch.tensor(rows, dtype=torch.int64, device=d),
             block_size=self.kv.block_size,
         )
-        plan = BatchPlan(fb, prefill, decode, logit_turns)
+        plan = BatchPlan(fb, prefill, decode, logit_turns, drafts=drafts)
         if self.pgraphs is not None and not decode:
             plan.replay = self.pgraphs.binding(fb)
         return plan
@@ -175,6 +183,30 @@ class ModelRunner:
             decode_meta = DecodeMeta(None, torch.tensor(lens, dtype=torch.int64, device=self.device),
                                      block_table=table.to(self.device), block_size=bs)
         return decode_meta, host_write
+
+    def _verify_rows(self, decode: list[Turn], drafts: list[list[int]], ids: list[int], pos: list[int],
+                     rows: list[int], logit_turns: list[Turn]) -> tuple[DecodeMeta | None, list[int]]:
+        """Append 1 + len(drafts[i]) rows per decode turn: its last token at position seq_len - 1,
+        then draft j at seq_len - 1 + j, each a decode row whose context ends at its own position
+        (the paged decode kernel is unchanged: a layer writes every row's key before it attends).
+        The positions lie inside the turn's reservation (the speculator drafts at most the tokens
+        left less one); a rejected draft's KV is never marked written, the next pass overwrites it."""
+        if not decode:
+            return None, []
+        bs, lens, tids, host_write = self.kv.block_size, [], [], []
+        for t, d in zip(decode, drafts):
+            n = t.seq_len
+            for j, tok in enumerate([t.out_tokens[-1], *d]):
+                ids.append(tok)
+                pos.append(n - 1 + j)
+                host_write.append(self.kv.slot_of(t.tid, n - 1 + j))
+                lens.append(n + j)
+                tids.append(t.tid)
+                rows.append(len(ids) - 1)
+                logit_turns.append(t)
+        table = self.kv.block_table(tids, -(-max(lens) // bs))
+        return DecodeMeta(None, torch.tensor(lens, dtype=torch.int64, device=self.device),
+                          block_table=table.to(self.device), block_size=bs), host_write
 
     # ------------------------------------------------------------------ segments (run on a stream)
     def embed(self, plan: BatchPlan) -> SegmentState | Replayed:
@@ -299,7 +331,10 @@ class ModelRunner:
             log.warning("CUDA graphs with the torch MoE path need bf16 experts (grouped GEMM); %s decodes eagerly",
                         self.cfg.model.dtype)
             return 0
-        sizes, ctxs = graph_buckets(dc.graph_batch_sizes, self.cfg.scheduler.max_decode_batch, dc.graph_context_tiers,
+        rows = self.cfg.scheduler.max_decode_batch     # a verify pass has 1 + K rows per turn
+        if self.cfg.spec.enabled:
+            rows *= 1 + self.cfg.spec.num_draft_tokens
+        sizes, ctxs = graph_buckets(dc.graph_batch_sizes, rows, dc.graph_context_tiers,
                                     dc.graph_max_context, self.cfg.model.max_context_len)
         if ctxs[-1] < self.cfg.model.max_context_len:
             log.warning("decode graphs cover %d of the model's %d context tokens (device.graph_max_context): rows "

@@ -1,0 +1,54 @@
+"""The speculative-decoding section of the config (``spec``; issue 38, ``docs/SPECULATIVE.md``)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .errors import ConfigError, UnsupportedOptionError
+
+SPEC_METHODS = ("none", "suffix", "mtp")
+MAX_DRAFT_TOKENS = 8
+"""The widest verification (K + 1 = 9 positions per row)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SpecConfig:
+    method: str = "none"
+    """none | suffix | mtp. ``suffix``: model-free drafts from the trajectory's own context and its
+    GRPO siblings' (``ainfer_pd.spec.suffix``), verified inside the D iteration. ``mtp`` (MTP heads)
+    is not built: refused by name."""
+    num_draft_tokens: int = 4
+    """The most drafts a row verifies in one D iteration (K <= this)."""
+    adaptive: bool = True
+    """Choose K per iteration from the measured verify cost at the batch's size and the rows' recent
+    acceptance (``spec.adaptive.choose``: K = 0 unless it beats plain decoding); false: every row
+    with a draft verifies up to ``num_draft_tokens`` of it whatever the cost (for tests and for
+    measuring the verify curve)."""
+    siblings: bool = True
+    """Draft from the trajectory's GRPO siblings (trajectories sharing its ``group``) as well as
+    from its own context."""
+    verify_costs: dict = field(default_factory=dict)
+    """The verify cost table, ``{batch: {width: seconds}}`` (width = K + 1, with width 1 present);
+    empty (the default): measured when the engine starts (``ModelRunner.measure_verify_costs``)."""
+
+    def validate(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(f"spec.method={self.method!r}: expected one of {SPEC_METHODS}")
+        if self.method == "mtp":
+            raise UnsupportedOptionError("spec.method=mtp: MTP draft heads are not built; use suffix (model-free "
+                                         "drafts) or none", key="spec.method")
+        k = self.num_draft_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS:
+            raise ConfigError(f"spec.num_draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], got {k!r}")
+        for B, row in self.verify_costs.items():
+            if isinstance(B, bool) or not isinstance(B, int) or B < 1 or not isinstance(row, dict) or 1 not in row:
+                raise ConfigError(f"spec.verify_costs: {B!r}: expected a batch size >= 1 mapping widths to "
+                                  f"seconds, width 1 included, got {row!r}")
+            for w, t in row.items():
+                if isinstance(w, bool) or not isinstance(w, int) or w < 1 or isinstance(t, bool) \
+                        or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
+                    raise ConfigError(f"spec.verify_costs[{B}]: width {w!r} -> {t!r} (need an int >= 1 -> seconds > 0)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"

@@ -1,0 +1,157 @@
+"""The engine's speculator: which rows of a D iteration verify drafts, and how many (issue 38).
+
+One per rank, owned by the D driver (and the mixed-chunked loop), touched only from the event
+loop. It keeps the :class:`~.suffix.SuffixDrafter` in step with the turns: a trajectory's sequence
+(its turn's prompt, then what the turn generated) is extended lazily, the tokens it does not hold
+yet, each time the trajectory is a row (:meth:`Speculator.sync`), and forgotten when the worker
+releases the trajectory. Drafts are suggestions: verification keeps the output exact whatever they
+are, so a sequence the drafter holds stale (a cancelled turn's tokens) only costs acceptance.
+
+:meth:`Speculator.plan` gives a batch's drafts: each row's draft is capped at the tokens it has
+left less one (``max_new_tokens`` and the context limit: the K + 1 positions a verify writes stay
+inside the turn's KV reservation, and the tokens it emits never pass the turn's limit), then
+:func:`~.adaptive.choose` takes K from the measured verify cost at the batch's size and the rows'
+acceptance (``spec.adaptive``; else every row verifies its whole draft). :meth:`observe` feeds the
+acceptance back. :meth:`worth_drafting` says, before any drafting, whether the cost table could
+let the batch speculate at all (at high batch it cannot: the D loop then stays overlapped).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ..config_spec import SpecConfig
+from ..engine.loop.state import SeqTokens, Turn
+from ..errors import UnsupportedOptionError
+from .adaptive import Acceptance, VerifyCosts, choose, observe
+from .suffix import SuffixDrafter
+
+log = logging.getLogger("ainfer_pd.spec")
+
+
+@dataclass(slots=True)
+class SpecBatch:
+    """A verify batch: ``drafts[i]`` for ``rows[i]`` (empty: the row decodes one token), ``k`` the
+    longest, ``gain`` the expected tokens per unit of time over plain decoding (1.0: not adaptive)."""
+
+    rows: list[Turn]
+    drafts: list[list[int]]
+    k: int
+    gain: float
+
+
+class Speculator:
+    def __init__(self, cfg: SpecConfig, max_context_len: int, costs: VerifyCosts | None, rec) -> None:
+        self.cfg, self.max_context_len, self.costs, self.rec = cfg, max_context_len, costs, rec
+        self.k_max = cfg.num_draft_tokens
+        self.drafter = SuffixDrafter()
+        self.held: dict[str, tuple[Turn, int]] = {}        # tid -> (the turn last synced, tokens the drafter holds)
+        self.acc: dict[str, Acceptance] = {}
+        self.num_verifies = 0
+        self.num_drafted = 0
+        self.num_accepted = 0
+        self.num_emitted = 0
+
+    # ------------------------------------------------------------------ the drafter's sequences
+    def sync(self, t: Turn) -> None:
+        """Give the drafter the tokens of ``t``'s sequence it does not hold yet."""
+        tid = t.tid
+        turn, n = self.held.get(tid, (None, 0))
+        total = t.seq_len
+        if n > total or (turn is not t and n > len(t.context)):     # rolled back (a cancelled turn): start again
+            self.drafter.forget(tid)
+            n = 0
+        if n < total:
+            group = (t.traj.group or tid) if self.cfg.siblings else tid
+            self.drafter.extend(tid, SeqTokens(t)[n:total], group=group)
+        self.held[tid] = (t, total)
+
+    def forget(self, tid: str) -> None:
+        """The trajectory was released: its sequence and acceptance go."""
+        self.drafter.forget(tid)
+        self.held.pop(tid, None)
+        self.acc.pop(tid, None)
+
+    # ------------------------------------------------------------------ a batch
+    def rates(self, rows: list[Turn]) -> list[float]:
+        default = Acceptance().rate
+        return [self.acc[t.tid].rate if t.tid in self.acc else default for t in rows]
+
+    def worth_drafting(self, rows: list[Turn]) -> bool:
+        """Could the batch speculate, were every row to bring a whole draft? (False: no drafting,
+        the iteration decodes one token per row.)"""
+        if not rows:
+            return False
+        if not self.cfg.adaptive:
+            return True
+        if self.costs is None:
+            return False
+        return choose(self.costs, self.rates(rows), [self.k_max] * len(rows), k_max=self.k_max).k > 0
+
+    def cap(self, t: Turn) -> int:
+        """The most drafts ``t`` may verify: its tokens left (length, context) less one."""
+        left = min(t.params.max_new_tokens - len(t.out_tokens), self.max_context_len - t.seq_len)
+        return max(0, min(self.k_max, left - 1))
+
+    def plan(self, rows: list[Turn]) -> SpecBatch | None:
+        """The drafts of a batch of ``rows``; None when no row verifies any (plain decoding)."""
+        caps = [self.cap(t) for t in rows]
+        drafts = []
+        for t, c in zip(rows, caps):
+            self.sync(t)
+            drafts.append(self.drafter.draft(t.tid, c) if c > 0 else [])
+        gain = 1.0
+        if self.cfg.adaptive:
+            choice = choose(self.costs, self.rates(rows), [len(d) for d in drafts], k_max=self.k_max)
+            drafts = [d[:n] for d, n in zip(drafts, choice.per_row)]
+            gain = choice.gain
+        k = max((len(d) for d in drafts), default=0)
+        if k == 0:
+            return None
+        return SpecBatch(rows, drafts, k, gain)
+
+    def observe(self, batch: SpecBatch, accepted: list[int | None]) -> None:
+        """A verify was read: row i accepted ``accepted[i]`` of its drafts (None: the row was not
+        booked, ended or aborted since the launch); the drafter gets the rows' new tokens."""
+        self.num_verifies += 1
+        for t, d, a in zip(batch.rows, batch.drafts, accepted):
+            if a is None:
+                continue
+            self.num_drafted += len(d)
+            self.num_accepted += a
+            self.num_emitted += a + 1
+            if d:
+                self.acc[t.tid] = observe(self.acc.get(t.tid, Acceptance()), len(d), a)
+            self.sync(t)
+        self.rec.count("spec_verifies")
+
+    def metrics(self) -> dict[str, float]:
+        """Drafts verified and accepted so far, and the tokens a verifying row emitted per pass."""
+        rows = self.num_emitted - self.num_accepted                  # one row-verify emits accepted + 1
+        return {"spec_verifies": self.num_verifies, "spec_drafted": self.num_drafted,
+                "spec_accepted": self.num_accepted,
+                "spec_acceptance": self.num_accepted / self.num_drafted if self.num_drafted else 0.0,
+                "spec_tokens_per_row_pass": self.num_emitted / rows if rows else 0.0}
+
+
+def make_speculator(cfg, runner, decode_ctx, recorder, dist) -> Speculator | None:
+    """The engine's speculator (``spec.method``; None: off), with its verify cost table: the
+    config's, or measured now on the D stream (``spec.adaptive`` without a table)."""
+    sc = cfg.spec
+    if not sc.enabled:
+        return None
+    if dist is not None:
+        raise UnsupportedOptionError("spec.method on several ranks is not built: a verify batch's row count "
+                                     "would have to be agreed across replicas (DP attention, ATP) each "
+                                     "iteration", key="spec.method")
+    times = sc.verify_costs
+    if not times and sc.adaptive:
+        from ..engine.runtime.verify_costs import measure_verify_costs
+        top = cfg.scheduler.max_decode_batch
+        batches = sorted({b for b in (1, 4, 16, 64, 128) if b < top} | {top})
+        widths = sorted({w for w in (1, 2, 3, 5, 9) if w <= sc.num_draft_tokens + 1} | {sc.num_draft_tokens + 1})
+        times = decode_ctx.stream.submit(measure_verify_costs, runner, decode_ctx, tuple(batches), tuple(widths),
+                                         min(2048, cfg.model.max_context_len // 2),
+                                         label="D.verify_costs").enqueued().result()
+        log.info("verify costs (s) by batch and width: %s", times)
+    return Speculator(sc, cfg.model.max_context_len, VerifyCosts.from_times(times) if times else None, recorder)

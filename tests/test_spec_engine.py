@@ -1,0 +1,152 @@
+"""Speculative decoding inside the D iteration (issue 38), on the committed small real model (its
+rollouts repeat themselves and their siblings, so drafts are accepted and rejected): greedy and
+seeded outputs and logprobs equal decoding without speculation under every policy, stop tokens
+and length limits inside an accepted run, aborts mid-verify and a partial-rollout resume, no KV
+leak, the adaptive choice from the verify cost table, and the refusals."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ainfer_pd import RolloutWorker, SamplingParams
+from ainfer_pd.errors import ConfigError, UnsupportedOptionError
+from tests.conftest import hf_worker_cfg, tiny_cfg
+from tests.test_small_model import DIR, OBSERVATION, PROMPT
+
+SPEC = {"method": "suffix", "adaptive": False, "num_draft_tokens": 4}
+N = 48
+
+
+@pytest.fixture(scope="module")
+def ids():
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(DIR)
+    return tok(PROMPT)["input_ids"], tok(OBSERVATION)["input_ids"]
+
+
+def _params(stop_at: list[int] | None = None) -> list[SamplingParams]:
+    """Two greedy siblings, a greedy one with a stop token, one with an odd length limit, and
+    seeded samples (temperature, top-k / top-p, repetition penalty)."""
+    g = dict(temperature=0.0, ignore_eos=True)
+    out = [SamplingParams(max_new_tokens=N, **g), SamplingParams(max_new_tokens=N, **g),
+           SamplingParams(max_new_tokens=7, **g)]
+    if stop_at:
+        out.append(SamplingParams(max_new_tokens=N, stop_token_ids=stop_at, **g))
+    out += [SamplingParams(max_new_tokens=N, temperature=0.8, seed=11, ignore_eos=True),
+            SamplingParams(max_new_tokens=N, temperature=0.7, top_k=20, top_p=0.9, seed=12, ignore_eos=True),
+            SamplingParams(max_new_tokens=N, temperature=0.0, repetition_penalty=1.2, ignore_eos=True)]
+    return out
+
+
+async def _rollout(cfg, prompt, obs, params):
+    """Every row's two turns (generate, then continue_ on its retained KV), then release."""
+    async with RolloutWorker(cfg) as w:
+        outs = await asyncio.gather(*(w.generate(prompt, p) for p in params))
+        nxt = await asyncio.gather(*(w.continue_(o.trajectory_id, obs, p) for o, p in zip(outs, params)))
+        res = [(o.token_ids, o.finish_reason, o.logprobs) for o in outs + nxt]
+        for o in nxt:
+            await w.release(o.trajectory_id)
+        assert w.kv_leak_free() and w.engine.kv.num_free_blocks == w.engine.kv.alloc.num_blocks
+        if w.engine.spec is not None:
+            assert not w.engine.spec.drafter.groups and not w.engine.spec.held   # released: forgotten
+        return res, w.metrics()
+
+
+def _same(a, b) -> None:
+    assert [(t, r) for t, r, _ in a] == [(t, r) for t, r, _ in b]
+    for (_, _, la), (_, _, lb) in zip(a, b):
+        assert la == pytest.approx(lb, abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def plain(ids):
+    prompt, obs = ids
+    probe, _ = asyncio.run(_rollout(hf_worker_cfg(DIR), prompt, obs, _params()))
+    stop = [probe[0][0][12]]                       # the 13th greedy token: a stop inside a run
+    params = _params(stop)
+    res, _ = asyncio.run(_rollout(hf_worker_cfg(DIR), prompt, obs, params))
+    return params, res
+
+
+@pytest.mark.parametrize("policy", ["normal", "global-enqueue", "fine-grained", "mixed-chunked"])
+def test_speculation_gives_plain_decoding_s_tokens_and_logprobs(ids, plain, policy):
+    prompt, obs = ids
+    params, want = plain
+    got, m = asyncio.run(_rollout(hf_worker_cfg(DIR, policy, spec=SPEC), prompt, obs, params))
+    _same(got, want)
+    assert any(r == "stop" for _, r, _ in got) and any(r == "length" and len(t) == 7 for t, r, _ in got)
+    # drafts were verified, some accepted, some rejected
+    assert m["spec_verifies"] > 0 and 0 < m["spec_accepted"] < m["spec_drafted"]
+    assert m["spec_tokens_per_row_pass"] > 1.2
+
+
+def test_abort_mid_verify_keeps_committed_tokens_and_resume_equals_the_whole_run(ids):
+    prompt, _ = ids
+    greedy = dict(temperature=0.0, ignore_eos=True)
+
+    async def go():
+        async with RolloutWorker(hf_worker_cfg(DIR, spec=SPEC)) as w:
+            full = await w.generate(prompt, SamplingParams(max_new_tokens=N, **greedy), trajectory_id="F")
+            task = asyncio.ensure_future(w.generate(prompt, SamplingParams(max_new_tokens=N, **greedy),
+                                                    trajectory_id="A"))
+            async with asyncio.timeout(30):
+                # abort while a verify pass of A is on the device
+                while not (w.engine.d.in_flight and w.trajectories.get("A") is not None
+                           and w.trajectories["A"].turn is not None
+                           and len(w.trajectories["A"].turn.out_tokens) >= 6):
+                    await asyncio.sleep(0)
+            verifies = w.engine.spec.num_verifies
+            assert await w.abort("A") is True
+            part = await task
+            k = len(part.token_ids)
+            assert part.finish_reason == "abort" and 6 <= k < N and verifies > 0
+            assert part.token_ids == full.token_ids[:k]
+            async with asyncio.timeout(30):
+                while w.trajectories["A"].draining is not None:
+                    await asyncio.sleep(0.001)
+            rest = await w.continue_("A", [], SamplingParams(max_new_tokens=N - k, **greedy))
+            assert part.token_ids + rest.token_ids == full.token_ids
+            assert rest.num_cached_tokens == len(prompt) + k - 1       # only committed KV was kept
+            for tid in ("A", "F"):
+                await w.release(tid)
+            assert w.kv_leak_free() and w.engine.kv.num_free_blocks == w.engine.kv.alloc.num_blocks
+
+    asyncio.run(go())
+
+
+def test_the_adaptive_choice_follows_the_verify_cost_table(ids, plain):
+    """Widths that cost as much as their tokens: never speculate (and the output is the same);
+    nearly free widths: speculate."""
+    prompt, obs = ids
+    params, want = plain
+    dear = {B: {1: 0.01, 2: 0.02, 3: 0.03, 5: 0.05} for B in (1, 4, 16)}
+    cheap = {B: {1: 0.01, 2: 0.0101, 3: 0.0102, 5: 0.0104} for B in (1, 4, 16)}
+    for table, speculates in ((dear, False), (cheap, True)):
+        spec = {**SPEC, "adaptive": True, "verify_costs": table}
+        got, m = asyncio.run(_rollout(hf_worker_cfg(DIR, spec=spec), prompt, obs, params))
+        _same(got, want)
+        assert (m.get("spec_verifies", 0) > 0) is speculates
+
+
+def test_measured_verify_costs_at_start(ids):
+    """Adaptive without a table: the engine measures one at start (width 1 included)."""
+    async def go():
+        async with RolloutWorker(tiny_cfg(**{"spec.method": "suffix", "spec.num_draft_tokens": 2,
+                                             "scheduler.max_decode_batch": 4, "model.num_layers": 1})) as w:
+            costs = w.engine.spec.costs
+            assert costs.batches == (1, 4) and all(set(r) == {1, 2, 3} and r[1] == 1.0 for r in costs.ratios)
+            out = await w.generate([1, 2, 3], SamplingParams(max_new_tokens=5, temperature=0.0))
+            assert len(out.token_ids) == 5
+    asyncio.run(go())
+
+
+def test_refusals():
+    with pytest.raises(UnsupportedOptionError, match="mtp"):
+        tiny_cfg(**{"spec.method": "mtp"})
+    with pytest.raises(UnsupportedOptionError, match="overlap_decode"):
+        tiny_cfg(**{"spec.method": "suffix", "scheduler.overlap_decode": True})
+    with pytest.raises(ConfigError, match="num_draft_tokens"):
+        tiny_cfg(**{"spec.method": "suffix", "spec.num_draft_tokens": 9})
+    with pytest.raises(ConfigError, match="verify_costs"):
+        tiny_cfg(**{"spec.method": "suffix", "spec.verify_costs": {4: {2: 0.1}}})
