@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from .comm.ordering import ORDERINGS  # (its one home)
 from .config_checks import check_positive
-from .errors import ConfigError, TopologyError
+from .errors import ConfigError, TopologyError, UnsupportedOptionError
 from .sched.epoch_mode import POLICIES, policy_traits  # (its one home: the policy traits table)
 from .sched.span import ACTIVATION_COSTS, FIXED_SPANS, MAX_SPAN, MIN_SPAN  # (their one home)
 
@@ -17,6 +17,9 @@ EXPERT_BACKENDS = ("local", "torch", "deepep")
 SPANS = (*(str(k) for k in FIXED_SPANS), "auto", "measured")
 P_HOST_PACINGS = ("auto", "layer", "epoch")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
+KV_DTYPES = ("auto", "fp8_e4m3")
+"""``cache.kv_dtype``: ``auto`` the model dtype; ``fp8_e4m3`` FP8 with per-layer K / V scales
+(the format: ``engine.attention.kv_fp8``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,9 +49,16 @@ class CacheConfig:
     """When > 0 (and ``num_blocks`` is 0): the share of the device's *total* memory the whole
     rollout may hold, weights of this rank included (verl's ``rollout.gpu_memory_utilization``);
     the KV pool gets what is left after the weights and a 2 GiB activation / graph reserve."""
+    kv_dtype: str = "auto"
+    """The KV pool's element type: ``auto`` the model dtype; ``fp8_e4m3`` float8_e4m3fn with one
+    float32 scale per layer for K and one for V (static 1.0, kept in a small device tensor:
+    ``engine/attention/kv_fp8.py``), 1 byte an element: twice the blocks in the same memory."""
 
     def validate(self) -> None:
         check_positive(self, "block_size")
+        if self.kv_dtype not in KV_DTYPES:
+            raise UnsupportedOptionError(f"cache.kv_dtype={self.kv_dtype!r}: expected one of {KV_DTYPES} "
+                                         "(auto: the model dtype)", key="cache.kv_dtype")
         if not isinstance(self.prefix_sharing, bool):
             raise ConfigError("cache.prefix_sharing must be a bool")
         if isinstance(self.prefix_wait_min_tokens, bool) or not isinstance(self.prefix_wait_min_tokens, int) \

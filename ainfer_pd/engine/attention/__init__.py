@@ -13,6 +13,7 @@ from torch import Tensor
 from ..model.rope import apply_rope, rope_cos_sin
 from .backend import AttentionBackend, select_backend
 from .batch import DecodeMeta, ForwardBatch, PrefillMeta, PrefillSeq, blocks_of_slots, slots_of_blocks
+from .kv_fp8 import store_kv
 from .reference import TorchAttention
 
 __all__ = ["AttentionBackend", "DecodeMeta", "ForwardBatch", "PrefillMeta", "PrefillSeq", "TorchAttention",
@@ -23,18 +24,20 @@ _REFERENCE = TorchAttention()
 
 
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, fb: ForwardBatch,
-                    backend: AttentionBackend | None = None) -> Tensor:
-    """Write the new K/V into the cache, then attend.
+                    backend: AttentionBackend | None = None, kv_scale: Tensor | None = None) -> Tensor:
+    """Write the new K/V into the cache (quantized with ``kv_scale`` [2] into an FP8 pool), then attend.
 
     q [T, H, hd], k/v [T, Hk, hd], kv [2, S, Hk, hd] -> [T, H, hd]
     """
-    kv[0].index_copy_(0, fb.write_slots, k)
-    kv[1].index_copy_(0, fb.write_slots, v)
-    return attend(q, kv, fb, backend)
+    store_kv(kv[0], fb.write_slots, k, None if kv_scale is None else kv_scale[0])
+    store_kv(kv[1], fb.write_slots, v, None if kv_scale is None else kv_scale[1])
+    return attend(q, kv, fb, backend, kv_scale)
 
 
-def attend(q: Tensor, kv: Tensor, fb: ForwardBatch, backend: AttentionBackend | None = None) -> Tensor:
-    """Attention of every row of ``fb`` over the cache (the batch's own K/V already written).
+def attend(q: Tensor, kv: Tensor, fb: ForwardBatch, backend: AttentionBackend | None = None,
+           kv_scale: Tensor | None = None) -> Tensor:
+    """Attention of every row of ``fb`` over the cache (the batch's own K/V already written);
+    ``kv_scale``: the layer's [2] (K, V) scales of an FP8 pool (:mod:`.kv_fp8`), else None.
 
     q [T, H, hd], kv [2, S, Hk, hd] -> [T, H, hd]
     """
@@ -44,12 +47,12 @@ def attend(q: Tensor, kv: Tensor, fb: ForwardBatch, backend: AttentionBackend | 
     if fb.decode is None:
         out = q.new_empty(q.shape)
         if fb.prefill:
-            be.prefill(q, kc, vc, fb, out)
+            be.prefill(q, kc, vc, fb, out, kv_scale=kv_scale)
         return out
-    od = be.decode(q[n_p:], kc, vc, fb)
+    od = be.decode(q[n_p:], kc, vc, fb, kv_scale=kv_scale)
     if not fb.prefill:
         return od
     out = q.new_empty(q.shape)
-    be.prefill(q, kc, vc, fb, out)
+    be.prefill(q, kc, vc, fb, out, kv_scale=kv_scale)
     out[n_p:] = od
     return out

@@ -19,7 +19,9 @@ from ...config import KERNEL_BACKENDS as ATTENTION_BACKENDS
 class AttentionBackend(Protocol):
     """Attends the rows of a flat batch over the paged KV cache (K/V of the batch already written).
 
-    kc / vc: one layer's cache ``[S, Hk, hd]``; q ``[T, H, hd]``.
+    kc / vc: one layer's cache ``[S, Hk, hd]``; q ``[T, H, hd]``. ``kv_scale``: the layer's
+    ``[2]`` float32 (K, V) scales when the pool is FP8 (``cache.kv_dtype: fp8_e4m3``, :mod:`.kv_fp8`):
+    stores quantize with them, reads dequantize; None for a pool in the model dtype.
     """
 
     name: str
@@ -31,14 +33,15 @@ class AttentionBackend(Protocol):
         """``h = residual + x`` and ``rms_norm(h) * w`` (the residual add fused into the norm)."""
 
     def prologue(self, q: Tensor, k: Tensor, v: Tensor, q_w: Tensor | None, k_w: Tensor | None, eps: float,
-                 rope: tuple[Tensor, Tensor], kv: Tensor, slots: Tensor) -> Tensor:
+                 rope: tuple[Tensor, Tensor], kv: Tensor, slots: Tensor, kv_scale: Tensor | None = None) -> Tensor:
         """Optional QK-norm (weights ``q_w`` / ``k_w`` [hd]), RoPE of q and k (half-split over the
         first ``2 * cos.shape[-1]`` dims), K/V written into ``kv`` [2, S, Hk, hd] at ``slots``; returns q."""
 
-    def prefill(self, q: Tensor, kc: Tensor, vc: Tensor, fb: ForwardBatch, out: Tensor) -> None:
+    def prefill(self, q: Tensor, kc: Tensor, vc: Tensor, fb: ForwardBatch, out: Tensor,
+                kv_scale: Tensor | None = None) -> None:
         """Every prefill sequence of ``fb`` (causal, lower-right aligned): rows into ``out``."""
 
-    def decode(self, q: Tensor, kc: Tensor, vc: Tensor, fb: ForwardBatch) -> Tensor:
+    def decode(self, q: Tensor, kc: Tensor, vc: Tensor, fb: ForwardBatch, kv_scale: Tensor | None = None) -> Tensor:
         """The decode rows ``q [B, H, hd]`` -> ``[B, H, hd]``; fixed shapes (graph-capturable)."""
 
 

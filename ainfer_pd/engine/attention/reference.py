@@ -14,6 +14,7 @@ from torch.nn.attention.bias import causal_lower_right
 from ..model.norm import rms_norm
 from ..model.rope import apply_rope
 from .batch import ForwardBatch, slots_of_blocks
+from .kv_fp8 import gather_kv, store_kv
 
 
 def _expand_kv(t: Tensor, groups: int) -> Tensor:
@@ -73,38 +74,43 @@ class TorchAttention:
         return h, rms_norm(h, w, eps)
 
     def prologue(self, q: Tensor, k: Tensor, v: Tensor, q_w: Tensor | None, k_w: Tensor | None, eps: float,
-                 rope: tuple[Tensor, Tensor], kv: Tensor, slots: Tensor) -> Tensor:
-        """Optional QK-norm, RoPE of q and k, K/V written into the cache at ``slots``; returns q."""
+                 rope: tuple[Tensor, Tensor], kv: Tensor, slots: Tensor, kv_scale: Tensor | None = None) -> Tensor:
+        """Optional QK-norm, RoPE of q and k, K/V written into the cache at ``slots`` (quantized
+        with ``kv_scale`` [2] into an FP8 pool); returns q."""
         if q_w is not None:
             q, k = rms_norm(q, q_w, eps), rms_norm(k, k_w, eps)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        kv[0].index_copy_(0, slots, k)
-        kv[1].index_copy_(0, slots, v)
+        store_kv(kv[0], slots, k, None if kv_scale is None else kv_scale[0])
+        store_kv(kv[1], slots, v, None if kv_scale is None else kv_scale[1])
         return q
 
     # ---------------------------------------------------------------- attention
 
-    def prefill(self, q: Tensor, kc: Tensor, vc: Tensor, fb: ForwardBatch, out: Tensor) -> None:
-        """Rows of every prefill sequence of ``fb``: q [T, H, hd] -> out [T, H, hd] (in place)."""
+    def prefill(self, q: Tensor, kc: Tensor, vc: Tensor, fb: ForwardBatch, out: Tensor,
+                kv_scale: Tensor | None = None) -> None:
+        """Rows of every prefill sequence of ``fb``: q [T, H, hd] -> out [T, H, hd] (in place).
+        An FP8 pool is dequantized with ``kv_scale`` [2] (K, V) as it is gathered."""
         groups = q.shape[1] // kc.shape[1]
+        k_s, v_s = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
         for s in fb.prefill:
             slots = s.key_slots
             if slots is None:
                 slots = slots_of_blocks(s.block_ids, fb.block_size, s.ctx_len).to(q.device)
             qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1).unsqueeze(0)        # [1, H, q, hd]
-            ks = _expand_kv(kc.index_select(0, slots).transpose(0, 1), groups).unsqueeze(0)  # [1, H, ctx, hd]
-            vs = _expand_kv(vc.index_select(0, slots).transpose(0, 1), groups).unsqueeze(0)
-            out[s.q_start:s.q_start + s.q_len] = _causal_prefill(qs, ks, vs, s.ctx_len - s.q_len)[0].transpose(0, 1)
+            kd = _expand_kv(gather_kv(kc, slots, k_s, q.dtype).transpose(0, 1), groups).unsqueeze(0)  # [1, H, ctx, hd]
+            vd = _expand_kv(gather_kv(vc, slots, v_s, q.dtype).transpose(0, 1), groups).unsqueeze(0)
+            out[s.q_start:s.q_start + s.q_len] = _causal_prefill(qs, kd, vd, s.ctx_len - s.q_len)[0].transpose(0, 1)
 
-    def decode(self, q: Tensor, kc: Tensor, vc: Tensor, fb: ForwardBatch) -> Tensor:
-        """Decode rows: q [B, H, hd] -> [B, H, hd]."""
+    def decode(self, q: Tensor, kc: Tensor, vc: Tensor, fb: ForwardBatch, kv_scale: Tensor | None = None) -> Tensor:
+        """Decode rows: q [B, H, hd] -> [B, H, hd] (an FP8 pool dequantized with ``kv_scale`` [2])."""
         d = fb.decode
         d.resolve()
         groups = q.shape[1] // kc.shape[1]
         B, L = d.key_slots.shape
         flat = d.key_slots.reshape(-1)
-        kd = kc.index_select(0, flat).view(B, L, *kc.shape[1:]).transpose(1, 2)   # [B, Hk, L, hd]
-        vd = vc.index_select(0, flat).view(B, L, *vc.shape[1:]).transpose(1, 2)
+        k_s, v_s = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
+        kd = gather_kv(kc, flat, k_s, q.dtype).view(B, L, *kc.shape[1:]).transpose(1, 2)   # [B, Hk, L, hd]
+        vd = gather_kv(vc, flat, v_s, q.dtype).view(B, L, *vc.shape[1:]).transpose(1, 2)
         mask = (torch.arange(L, device=q.device).unsqueeze(0) < d.ctx_lens.unsqueeze(1))  # [B, L]
         return _decode_sdpa(q.unsqueeze(2), kd, vd, mask, groups).squeeze(2)

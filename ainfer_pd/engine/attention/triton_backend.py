@@ -7,12 +7,14 @@ replays inside CUDA graphs; prefill is one launch for every sequence of a P segm
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import Tensor
 
 from ...errors import ConfigError
 from .batch import ForwardBatch
+from .kv_fp8 import is_fp8
 from .plan import DecodePlan, PrefillPlan, decode_plan, prefill_plan
 from .triton_kernels import (decode_merge_kernel, paged_decode_kernel, paged_prefill_kernel, qkv_prologue_kernel,
                              rms_norm_kernel)
@@ -22,6 +24,16 @@ _LOG2E = 1.4426950408889634
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def _kv_format(cache: Tensor, kv_scale: Tensor | None, dummy: Tensor) -> tuple[bool, Tensor]:
+    """(the pool is FP8, the pointer the kernels read its [2] float32 scales from; ``dummy``, never
+    read, for a pool in the model dtype)."""
+    if not is_fp8(cache):
+        return False, dummy
+    if kv_scale is None or kv_scale.dtype != torch.float32 or kv_scale.numel() != 2 or not kv_scale.is_contiguous():
+        raise ValueError("an FP8 KV pool needs its layer's scales: a contiguous [2] float32 tensor (K, V)")
+    return True, kv_scale
 
 
 class TritonAttention:
@@ -62,7 +74,7 @@ class TritonAttention:
                                  HAS_RES=res is not None, BLOCK_D=_pow2(D), num_warps=4 if D <= 4096 else 8)
 
     def prologue(self, q: Tensor, k: Tensor, v: Tensor, q_w: Tensor | None, k_w: Tensor | None, eps: float,
-                 rope: tuple[Tensor, Tensor], kv: Tensor, slots: Tensor) -> Tensor:
+                 rope: tuple[Tensor, Tensor], kv: Tensor, slots: Tensor, kv_scale: Tensor | None = None) -> Tensor:
         T, H, hd = q.shape
         if T == 0:
             return q
@@ -70,18 +82,20 @@ class TritonAttention:
         cos, sin = rope
         kc, vc = kv[0], kv[1]
         has_norm = q_w is not None
+        fp8, ks = _kv_format(kc, kv_scale, cos)
         qkv_prologue_kernel[(T, H + k.shape[1])](
-            q, k, v, q_w if has_norm else q, k_w if has_norm else k, cos, sin, slots, kc, vc,
+            q, k, v, q_w if has_norm else q, k_w if has_norm else k, cos, sin, slots, kc, vc, ks,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
             kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), H, eps,
-            HEAD_DIM=hd, HALF=cos.shape[-1], HAS_NORM=has_norm, num_warps=1)
+            HEAD_DIM=hd, HALF=cos.shape[-1], HAS_NORM=has_norm, KV_FP8=fp8,
+            EXACT=fp8 and os.environ.get("TRITON_INTERPRET") == "1", num_warps=1)
         return q
 
     # ------------------------------------------------------------------ decode
     def decode_plan(self, max_keys: int) -> DecodePlan:
         return decode_plan(max_keys, **self.decode_overrides)
 
-    def decode(self, q: Tensor, kc: Tensor, vc: Tensor, fb: ForwardBatch) -> Tensor:
+    def decode(self, q: Tensor, kc: Tensor, vc: Tensor, fb: ForwardBatch, kv_scale: Tensor | None = None) -> Tensor:
         d = fb.decode
         assert d.block_table is not None, "the paged decode kernel reads a block table"
         B, H, hd = q.shape
@@ -100,15 +114,16 @@ class TritonAttention:
         else:
             op, lse = out, out            # unused
         scale = _LOG2E / math.sqrt(hd)
+        fp8, ks = _kv_format(kc, kv_scale, lse)
         paged_decode_kernel[(B, Hk, plan.num_splits)](
-            q, kc, vc, table, d.ctx_lens, out, op, lse, scale, plan.num_splits,
+            q, kc, vc, table, d.ctx_lens, out, op, lse, ks, scale, plan.num_splits,
             q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
             table.stride(0), out.stride(0), out.stride(1),
             op.stride(0), op.stride(1), op.stride(2) if plan.num_splits > 1 else 0,
             lse.stride(0), lse.stride(1),
             GROUP=G, GROUP_PAD=max(16, _pow2(G)), HEAD_DIM=hd, PAGE=d.block_size,
             BLOCK_N=plan.block_n, SPLIT_KEYS=plan.split_keys, MAX_SPLITS=plan.max_splits, SINGLE=plan.num_splits == 1,
-            IEEE=ieee,
+            IEEE=ieee, KV_FP8=fp8,
             num_warps=plan.num_warps, num_stages=plan.num_stages)
         if plan.num_splits > 1:
             decode_merge_kernel[(B, H)](
@@ -122,7 +137,8 @@ class TritonAttention:
     def prefill_plan(self, head_dim: int, dtype: torch.dtype) -> PrefillPlan:
         return self.prefill_override or prefill_plan(head_dim, dtype == torch.float32)
 
-    def prefill(self, q: Tensor, kc: Tensor, vc: Tensor, fb: ForwardBatch, out: Tensor) -> None:
+    def prefill(self, q: Tensor, kc: Tensor, vc: Tensor, fb: ForwardBatch, out: Tensor,
+                kv_scale: Tensor | None = None) -> None:
         T, H, hd = q.shape
         Hk = kc.shape[1]
         self.check_head_dim(hd)
@@ -132,9 +148,10 @@ class TritonAttention:
         if NT == 0:
             return
         scale = _LOG2E / math.sqrt(hd)
+        fp8, ks = _kv_format(kc, kv_scale, out)
         paged_prefill_kernel[(NT, H)](
-            q, kc, vc, out, pm.block_table, pm.q_start, pm.q_len, pm.ctx_len, pm.tile_seq, pm.tile_m, scale,
+            q, kc, vc, out, pm.block_table, pm.q_start, pm.q_len, pm.ctx_len, pm.tile_seq, pm.tile_m, ks, scale,
             q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
             out.stride(0), out.stride(1), pm.block_table.stride(0),
             GROUP=H // Hk, HEAD_DIM=hd, PAGE=fb.block_size, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-            IEEE=q.dtype == torch.float32, num_warps=plan.num_warps, num_stages=plan.num_stages)
+            IEEE=q.dtype == torch.float32, KV_FP8=fp8, num_warps=plan.num_warps, num_stages=plan.num_stages)

@@ -18,12 +18,22 @@ seen on the H200).
   query i of a sequence with ``cached`` earlier keys sees keys ``0 .. cached + i``.
 
 Softmax runs in base 2 with the scale folded into ``scale_log2 = log2(e) / sqrt(hd)``.
+
+An FP8 pool (``KV_FP8``, ``cache.kv_dtype: fp8_e4m3``; :mod:`.kv_fp8`): K and V tiles load as e4m3
+and widen exactly (through float32) to the query's dtype; the layer's scales ``KV_SCALE [2]``
+(K, V; read from device memory, so graphs replay whatever they hold) fold into the scores
+(``scale_log2 * k_scale``) and into the output (``acc * v_scale``, linear in V): the same math as
+multiplying every element by its scale. The QKV prologue quantizes what it stores:
+``e4m3(clamp(x / scale, +-448))``, rounded to nearest even (under the interpreter, ``EXACT``
+rounds on the e4m3 grid first: its own cast is wrong, see :mod:`..quant.fp8_kernels`).
 These run on CUDA, and on CPU tensors under ``TRITON_INTERPRET=1`` (the CI checks their logic).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from ..quant.fp8_kernels import FP8_MAX, _e4m3_grid
 
 
 @triton.jit
@@ -43,7 +53,26 @@ def _softmax_step(qk, v, m_i, l_i, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _scores(q, k, scale_log2, IEEE: tl.constexpr):
+def _widen(x, like, KV_FP8: tl.constexpr):
+    """A K or V tile in the dtype of ``like`` (the queries): e4m3 bytes widened exactly, else as loaded."""
+    if KV_FP8:
+        return x.to(tl.float32).to(like.dtype)
+    return x
+
+
+@triton.jit
+def _to_e4m3(x, scale, EXACT: tl.constexpr):
+    """float32 x -> e4m3 ``clamp(x / scale, +-448)`` rounded to nearest even (``EXACT``: on the grid first)."""
+    y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
+    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    if EXACT:
+        y = _e4m3_grid(y)
+    return y.to(tl.float8e4nv)
+
+
+@triton.jit
+def _scores(q, k, scale_log2, IEEE: tl.constexpr, KV_FP8: tl.constexpr):
+    k = _widen(k, q, KV_FP8)
     if IEEE:
         return tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
     return tl.dot(q, tl.trans(k)) * scale_log2
@@ -60,7 +89,7 @@ def _split_len(ctx, SPLIT_KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_N:
 
 @triton.jit(do_not_specialize=["num_splits", "stride_tb"])
 def paged_decode_kernel(
-    Q, K, V, TABLE, LENS, O, OP, LSE,
+    Q, K, V, TABLE, LENS, O, OP, LSE, KV_SCALE,
     scale_log2, num_splits,
     stride_qb, stride_qh,
     stride_kn, stride_kh, stride_vn, stride_vh,
@@ -70,7 +99,7 @@ def paged_decode_kernel(
     stride_lb, stride_lh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr, SINGLE: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -86,6 +115,8 @@ def paged_decode_kernel(
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None], other=0.0)
     start = sp * split
     end = tl.minimum(start + split, ctx)
+    if KV_FP8:
+        scale_log2 = scale_log2 * tl.load(KV_SCALE)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -95,9 +126,11 @@ def paged_decode_kernel(
         blk = tl.load(TABLE + b * stride_tb + offs_n // PAGE, mask=nmask, other=0)
         slot = blk.to(tl.int64) * PAGE + offs_n % PAGE
         k = tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        qk = tl.where(nmask[None, :], _scores(q, k, scale_log2, IEEE), float("-inf"))
+        qk = tl.where(nmask[None, :], _scores(q, k, scale_log2, IEEE, KV_FP8), float("-inf"))
         v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        m_i, l_i, acc = _softmax_step(qk, v, m_i, l_i, acc, IEEE)
+        m_i, l_i, acc = _softmax_step(qk, _widen(v, q, KV_FP8), m_i, l_i, acc, IEEE)
+    if KV_FP8:
+        acc = acc * tl.load(KV_SCALE + 1)
     safe_l = tl.where(l_i == 0.0, 1.0, l_i)
     if SINGLE:
         out = acc / safe_l[:, None]
@@ -141,14 +174,14 @@ def decode_merge_kernel(
 
 @triton.jit(do_not_specialize=["stride_ts"])
 def paged_prefill_kernel(
-    Q, K, V, O, TABLE, QSTART, QLEN, CTX, TSEQ, TM,
+    Q, K, V, O, TABLE, QSTART, QLEN, CTX, TSEQ, TM, KV_SCALE,
     scale_log2,
     stride_qt, stride_qh,
     stride_kn, stride_kh, stride_vn, stride_vh,
     stride_ot, stride_oh,
     stride_ts,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -159,6 +192,8 @@ def paged_prefill_kernel(
     qlen = tl.load(QLEN + seq)
     ctx = tl.load(CTX + seq)
     cached = ctx - qlen
+    if KV_FP8:
+        scale_log2 = scale_log2 * tl.load(KV_SCALE)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     mmask = offs_m < qlen
@@ -176,8 +211,8 @@ def paged_prefill_kernel(
         blk = tl.load(tbl + offs_n // PAGE)
         slot = blk.to(tl.int64) * PAGE + offs_n % PAGE
         k = tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :])
-        v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :])
-        m_i, l_i, acc = _softmax_step(_scores(q, k, scale_log2, IEEE), v, m_i, l_i, acc, IEEE)
+        v = _widen(tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :]), q, KV_FP8)
+        m_i, l_i, acc = _softmax_step(_scores(q, k, scale_log2, IEEE, KV_FP8), v, m_i, l_i, acc, IEEE)
     # the diagonal tiles: causal mask (key <= cached + row) and the end of the keys
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -186,9 +221,11 @@ def paged_prefill_kernel(
         slot = blk.to(tl.int64) * PAGE + offs_n % PAGE
         k = tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :], mask=nmask[:, None], other=0.0)
         vis = (offs_n[None, :] <= cached + offs_m[:, None]) & nmask[None, :]
-        qk = tl.where(vis, _scores(q, k, scale_log2, IEEE), float("-inf"))
+        qk = tl.where(vis, _scores(q, k, scale_log2, IEEE, KV_FP8), float("-inf"))
         v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        m_i, l_i, acc = _softmax_step(qk, v, m_i, l_i, acc, IEEE)
+        m_i, l_i, acc = _softmax_step(qk, _widen(v, q, KV_FP8), m_i, l_i, acc, IEEE)
+    if KV_FP8:
+        acc = acc * tl.load(KV_SCALE + 1)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(O + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=mmask[:, None])
@@ -238,14 +275,15 @@ def _norm_rope(ptr, w_ptr, cs_t, SIN_OFF, offs, eps, HEAD_DIM: tl.constexpr, HAL
 
 @triton.jit
 def qkv_prologue_kernel(
-    Q, K, V, QW, KW, COS, SIN, SLOTS, KC, VC,
+    Q, K, V, QW, KW, COS, SIN, SLOTS, KC, VC, KV_SCALE,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
     stride_kcn, stride_kch, stride_vcn, stride_vch,
     H, eps,
-    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr, KV_FP8: tl.constexpr, EXACT: tl.constexpr,
 ):
     """Program (token t, head h): h < H rotates query head h in place; h >= H rotates key head
-    h - H and writes it, and the value head, into the cache slot of token t (no [T, Hk, hd] copy)."""
+    h - H and writes it, and the value head, into the cache slot of token t (no [T, Hk, hd] copy);
+    an FP8 pool gets them quantized with the layer's scales ``KV_SCALE`` [2]."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, HEAD_DIM)
@@ -259,6 +297,9 @@ def qkv_prologue_kernel(
         slot = tl.load(SLOTS + t).to(tl.int64)
         out = _norm_rope(K + t * stride_kt + kh * stride_kh, KW, cs_t, 0, offs, eps, HEAD_DIM, HALF, HAS_NORM,
                          COS, SIN)
-        tl.store(KC + slot * stride_kcn + kh * stride_kch + offs, out.to(KC.dtype.element_ty))
         v = tl.load(V + t * stride_vt + kh * stride_vh + offs)
+        if KV_FP8:
+            out = _to_e4m3(out, tl.load(KV_SCALE), EXACT)
+            v = _to_e4m3(v.to(tl.float32), tl.load(KV_SCALE + 1), EXACT)
+        tl.store(KC + slot * stride_kcn + kh * stride_kch + offs, out.to(KC.dtype.element_ty))
         tl.store(VC + slot * stride_vcn + kh * stride_vch + offs, v)

@@ -41,14 +41,22 @@ def kv_blocks_for_budget(total_bytes: int, utilization: float, weight_bytes: int
     return max(16, budget // block_bytes)
 
 
+def kv_block_bytes(cfg) -> int:
+    """Bytes of one KV block of ``cfg`` over every layer (K and V): 1 byte an element with
+    ``cache.kv_dtype: fp8_e4m3`` (its per-layer scales are not per block), else the model dtype's."""
+    from ..attention.kv_fp8 import kv_element_bytes
+    mc, cc = cfg.model, cfg.cache
+    return mc.num_layers * 2 * cc.block_size * mc.num_kv_heads * mc.head_dim \
+        * kv_element_bytes(cc.kv_dtype, mc.torch_dtype)
+
+
 def kv_blocks_from_memory(cfg) -> int:  # pragma: no cover - CUDA only
     """KV blocks for ``cfg`` (a :class:`~ainfer_pd.config.WorkerConfig` without ``cache.num_blocks``)
     on the current CUDA device: :func:`kv_blocks_for_budget` under ``cache.gpu_memory_utilization``,
     else ``cache.gpu_memory_fraction`` of the memory free now after this rank's weights."""
     mc, cc = cfg.model, cfg.cache
     free, total = torch.cuda.mem_get_info()
-    nbytes = torch.finfo(mc.torch_dtype).bits // 8
-    per_block = mc.num_layers * 2 * cc.block_size * mc.num_kv_heads * mc.head_dim * nbytes
+    per_block = kv_block_bytes(cfg)
     weights = mc.rank_weight_bytes(cfg.parallel.expert_parallel)         # this rank's experts only (FP8: 1 byte + scales)
     if cc.gpu_memory_utilization > 0:
         return kv_blocks_for_budget(total, cc.gpu_memory_utilization, weights, per_block, reserve_bytes=2 << 30)

@@ -155,6 +155,9 @@ class MoETransformer(nn.Module):
         self.route_kernel: Callable[[Tensor, Tensor, int, bool], Routing] | None = None
         """A fused softmax router (``fused_moe.fused_softmax_route``, set with the Triton MoE
         backend); None: ``engine.routing.route``."""
+        self.kv_scales: Tensor | None = None
+        """[num_layers, 2] float32 (K, V) scales of an FP8 KV pool (``cache.kv_dtype: fp8_e4m3``, set
+        by the runner with the pool; :mod:`..attention.kv_fp8`); None: the pool is in the model dtype."""
         self.routing_sink = None
         """:class:`~ainfer_pd.engine.model.routed_experts.RoutedExpertsCache` recording every fed token's
         top-k expert ids (routing replay, ``cache.routed_experts``); None: nothing recorded."""
@@ -165,6 +168,10 @@ class MoETransformer(nn.Module):
     def kernels(self) -> AttentionBackend:
         """The backend whose kernels run this model's attention, norms and QKV prologue."""
         return self.attn_backend or _REFERENCE
+
+    def kv_scale(self, i: int) -> Tensor | None:
+        """Layer i's [2] (K, V) scales of an FP8 KV pool; None for a pool in the model dtype."""
+        return None if self.kv_scales is None else self.kv_scales[i]
 
     @property
     def holds_all_experts(self) -> bool:
@@ -232,7 +239,7 @@ class MoETransformer(nn.Module):
         holds a shard of the heads and this is a partial sum, reduced over the TP group before
         :meth:`after_attention`. kv [2, S, Hk, hd] is layer i's cache (Hk: this model's KV heads)."""
         q = self.attention_prologue(i, st, fb, kv)
-        o = attend(q, kv, fb, self.attn_backend)                           # [T, H, hd]
+        o = attend(q, kv, fb, self.attn_backend, self.kv_scale(i))         # [T, H, hd]
         return self.attention_out(i, o.flatten(1))             # [T, H * hd] (T may be 0: an empty batch)
 
     def attention_prologue(self, i: int, st: SegmentState, fb: ForwardBatch, kv: Tensor) -> Tensor:
@@ -247,7 +254,8 @@ class MoETransformer(nn.Module):
         q, k, v = q.view(T, H, hd), k.view(T, Hk, hd), v.view(T, Hk, hd)
         if fb.rope is None:
             fb.rope = rope_cos_sin(fb.positions, c.rotary_dim, c.rope_theta, q.dtype)
-        return kn.prologue(q, k, v, lyr.q_norm, lyr.k_norm, c.rms_eps, fb.rope, kv, fb.write_slots)
+        return kn.prologue(q, k, v, lyr.q_norm, lyr.k_norm, c.rms_eps, fb.rope, kv, fb.write_slots,
+                           kv_scale=self.kv_scale(i))
 
     def attention_out(self, i: int, o: Tensor) -> Tensor:
         """The output projection of layer i's attention o [T, H hd] -> [T, D]."""

@@ -195,7 +195,7 @@ class PrefillBinding:
         b.pre[layer].replay()
         model = self.g.model
         kc, vc = kv[0], kv[1]
-        model.kernels.prefill(b.q[:T], kc, vc, self.fb, b.o[:T])
+        model.kernels.prefill(b.q[:T], kc, vc, self.fb, b.o[:T], kv_scale=model.kv_scale(layer))
         b.post[layer].replay()
 
     def experts(self, layer: int) -> None:

@@ -15,6 +15,7 @@ from torch import Tensor
 from ...config import WorkerConfig
 from ..attention import DecodeMeta, ForwardBatch, PrefillSeq, select_backend
 from ..attention.backend import resolve_kernel_backend
+from ..attention.kv_fp8 import new_kv_pool, new_kv_scales
 from ..kv.kv_cache import KVCacheManager
 from ..model.model import MoETransformer, SegmentState, build_model
 from .prefill_graphs import prefill_graph_buckets
@@ -104,13 +105,16 @@ class ModelRunner:
 
     def new_kv_cache(self) -> Tensor:
         """The KV pool, zeroed: ``[layers, 2, (num_blocks + 1) * block_size, Hk, hd]`` (Hk: this rank's
-        KV heads, the model's own: a TP shard holds num_kv_heads / ATP), and the routed-experts
-        buffer beside it, when kept."""
-        mc, kv = self.cfg.model, self.kv
+        KV heads, the model's own: a TP shard holds num_kv_heads / ATP) in ``cache.kv_dtype`` (FP8:
+        with the model's per-layer K / V scales, made once and kept across sleeps), and the
+        routed-experts buffer beside it, when kept."""
+        mc, kv, kvd = self.cfg.model, self.kv, self.cfg.cache.kv_dtype
         if self.routed is not None:
             self.routed.allocate()
-        return torch.zeros(mc.num_layers, 2, (kv.alloc.num_blocks + 1) * kv.block_size, self.model.cfg.num_kv_heads,
-                           mc.head_dim, dtype=mc.torch_dtype, device=self.device)
+        if kvd == "fp8_e4m3" and self.model.kv_scales is None:
+            self.model.kv_scales = new_kv_scales(mc.num_layers, self.device)
+        return new_kv_pool((mc.num_layers, 2, (kv.alloc.num_blocks + 1) * kv.block_size, self.model.cfg.num_kv_heads,
+                            mc.head_dim), kvd, mc.torch_dtype, self.device)
 
     # ------------------------------------------------------------------ batches
     def build(self, prefill: list[tuple[Turn, int, int]], decode: list[Turn],
