@@ -56,8 +56,10 @@ def _softmax_step(qk, v, m_i, l_i, acc, IEEE: tl.constexpr):
 def _widen(x, like, KV_FP8: tl.constexpr):
     """A K or V tile in the dtype of ``like`` (the queries): e4m3 bytes widened exactly, else as loaded."""
     if KV_FP8:
-        return x.to(tl.float32).to(like.dtype)
-    return x
+        y = x.to(tl.float32).to(like.dtype)
+    else:
+        y = x
+    return y
 
 
 @triton.jit
@@ -295,11 +297,12 @@ def qkv_prologue_kernel(
     else:
         kh = h - H
         slot = tl.load(SLOTS + t).to(tl.int64)
-        out = _norm_rope(K + t * stride_kt + kh * stride_kh, KW, cs_t, 0, offs, eps, HEAD_DIM, HALF, HAS_NORM,
-                         COS, SIN)
-        v = tl.load(V + t * stride_vt + kh * stride_vh + offs)
+        # (names of their own: a value defined in both branches of a runtime `if` must keep one type)
+        k_row = _norm_rope(K + t * stride_kt + kh * stride_kh, KW, cs_t, 0, offs, eps, HEAD_DIM, HALF, HAS_NORM,
+                           COS, SIN)
+        v_row = tl.load(V + t * stride_vt + kh * stride_vh + offs)
         if KV_FP8:
-            out = _to_e4m3(out, tl.load(KV_SCALE), EXACT)
-            v = _to_e4m3(v.to(tl.float32), tl.load(KV_SCALE + 1), EXACT)
-        tl.store(KC + slot * stride_kcn + kh * stride_kch + offs, out.to(KC.dtype.element_ty))
-        tl.store(VC + slot * stride_vcn + kh * stride_vch + offs, v)
+            k_row = _to_e4m3(k_row, tl.load(KV_SCALE), EXACT)
+            v_row = _to_e4m3(v_row.to(tl.float32), tl.load(KV_SCALE + 1), EXACT)
+        tl.store(KC + slot * stride_kcn + kh * stride_kch + offs, k_row.to(KC.dtype.element_ty))
+        tl.store(VC + slot * stride_vcn + kh * stride_vch + offs, v_row)
