@@ -1,0 +1,195 @@
+"""Speculative decoding measured through the engine (issue 38, "must be measured").
+
+``verify-costs``: the verify cost curve, one D iteration of B rows verifying k drafts each
+(B * (k + 1) decode rows, graph replay where a bucket fits) against one token per row, on a
+config's model (``--config``, default the Qwen3-30B-A3B shape, random weights: the cost does not
+depend on them), with ``ainfer_pd.engine.runtime.verify_costs.measure_verify_costs`` (what the
+engine measures at start). Graphs are captured for up to ``--max-graph-rows`` rows.
+
+``makespan``: the trained small model's multi-turn rollouts (``spec_acceptance_bench``'s workload:
+held-out stdlib code, GRPO groups of ``--siblings`` sampled rows plus one greedy row per prompt,
+``--turns`` turns with observations), through ``RolloutWorker`` with speculation off and on
+(``spec.method suffix``, adaptive, the cost table measured at start), per policy, ``--reps`` times
+each. Two arrival shapes: ``p1`` (every trajectory at once, observations returned at once) and
+``trace`` (trajectories arrive over ``--arrival-s`` and each observation comes after a tool wait of
+``--tool-wait-s`` +- 50%). Printed: makespan, D iterations, drafts verified / accepted and the tokens
+a verifying row emitted per pass; FIG lines. Outputs with and without speculation are compared
+(greedy and seeded rows: they must be equal).
+
+    python benchmarks/spec_bench.py verify-costs [--config configs/qwen3-30b-a3b-shape.yaml]
+    python benchmarks/spec_bench.py makespan [--device cuda] [--policies normal,fine-grained] [--reps 3]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from ainfer_pd import RolloutWorker, SamplingParams, WorkerConfig  # noqa: E402
+
+
+def commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip() or "unknown"
+
+
+# ------------------------------------------------------------------------------------ verify costs
+def verify_costs(a) -> None:
+    import torch
+    from ainfer_pd.engine.kv.kv_cache import KVCacheManager
+    from ainfer_pd.engine.runtime.runner import ModelRunner
+    from ainfer_pd.engine.runtime.verify_costs import measure_verify_costs
+    from ainfer_pd.phase import Phase, PhaseContext
+    batches = tuple(int(x) for x in a.batches.split(","))
+    widths = tuple(int(x) for x in a.widths.split(","))
+    sizes = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if b <= a.max_graph_rows)
+    cfg = WorkerConfig.from_yaml(a.config).replace(**{
+        "cache.num_blocks": max(batches) * (-(-(a.context + max(widths)) // 16)) + 64, "device.device": a.device,
+        "scheduler.max_decode_batch": max(batches), "device.graph_batch_sizes": sizes,
+        "device.graph_context_tiers": (), "device.graph_max_context": a.context + 64,
+        "spec.method": "suffix", "spec.num_draft_tokens": max(widths) - 1, "spec.adaptive": False})
+    dev = torch.device(a.device)
+    kv = KVCacheManager(cfg.cache.num_blocks, cfg.cache.block_size)
+    runner = ModelRunner(cfg, dev, kv)
+    ctx = PhaseContext(Phase.DECODE, None)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        if dev.type == "cuda":
+            runner.capture_decode_graphs(ctx)
+            print(f"captured {len(runner.graphs.graphs)} decode graphs (rows {sizes}) in {time.perf_counter() - t0:.1f} s")
+        times = measure_verify_costs(runner, ctx, batches, widths, a.context, reps=a.reps)
+    where = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    print(f"verify cost, {a.config}, context {a.context}, commit {commit()}, {where}")
+    print(f"{'B':>5} " + " ".join(f"{'k+1=' + str(w):>16}" for w in widths))
+    for B in batches:
+        print(f"{B:>5} " + " ".join(f"{times[B][w] * 1e3:8.2f} ms {times[B][w] / times[B][1]:4.2f}x" for w in widths))
+    for B in batches:
+        for w in widths:
+            print(f"FIG spec_verify_cost B={B} width={w} rows={B * w} ms={times[B][w] * 1e3:.3f} "
+                  f"ratio={times[B][w] / times[B][1]:.3f} graph={B * w <= max(sizes)}")
+    k3 = [times[B][4] / times[B][1] for B in batches if B <= 32 and 4 in widths]
+    if k3:
+        print(f"TARGET verify k=3 at B<=32 <= 1.2x: worst {max(k3):.3f}x -> {'met' if max(k3) <= 1.2 else 'MISSED'}")
+
+
+# ------------------------------------------------------------------------------------ makespan
+async def _trajectory(w, tok, prompt: str, obs: list[str], params: list[SamplingParams], end_id: int,
+                      t_start: float, waits: list[float]):
+    await asyncio.sleep(t_start)
+    o = await w.generate(tok(prompt)["input_ids"], params[0])
+    outs = [o.token_ids]
+    for text, p, wait in zip(obs, params[1:], waits):
+        await asyncio.sleep(wait)
+        ob = tok(text)["input_ids"]
+        if o.finish_reason != "stop":
+            ob = [end_id] + ob
+        o = await w.continue_(o.trajectory_id, ob, p)
+        outs.append(o.token_ids)
+    await w.release(o.trajectory_id)
+    return outs
+
+
+async def _rollout(a, tok, cfg, shape: str):
+    from spec_acceptance_bench import _seed, tasks
+    end_id = tok.convert_tokens_to_ids("<|end|>")
+    rng = random.Random(a.seed)
+    async with RolloutWorker(cfg) as w:
+        warm = await w.generate([1, 2, 3, 4], SamplingParams(max_new_tokens=4, temperature=0.0))
+        await w.release(warm.trajectory_id)
+        m0 = w.metrics()
+        jobs = []
+        t0 = time.perf_counter()
+        async with asyncio.TaskGroup() as tg:
+            for i, (prompt, obs) in enumerate(tasks(a.prompts, a.seed, a.turns)):
+                for s in range(a.siblings + 1):
+                    greedy = s == a.siblings
+                    params = [SamplingParams(max_new_tokens=a.max_new_tokens, temperature=0.0 if greedy else a.temperature,
+                                             seed=_seed(a.seed, i, s, t)) for t in range(a.turns)]
+                    start = rng.uniform(0, a.arrival_s) if shape == "trace" else 0.0
+                    waits = [rng.uniform(0.5, 1.5) * a.tool_wait_s if shape == "trace" else 0.0
+                             for _ in range(a.turns - 1)]
+                    jobs.append(tg.create_task(_trajectory(w, tok, prompt, obs, params, end_id, start, waits)))
+        makespan = time.perf_counter() - t0
+        m = w.metrics()
+    spec = {k: m[k] - m0.get(k, 0) for k in ("spec_verifies", "spec_drafted", "spec_accepted") if k in m}
+    return makespan, [j.result() for j in jobs], m, spec
+
+
+def makespan(a) -> None:
+    import torch
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(a.model))
+    torch.set_num_threads(2)
+    base = {"model": {"dtype": a.dtype}, "device": {"device": a.device},
+            "cache": {"block_size": 16, "num_blocks": a.kv_blocks},
+            "scheduler": {"max_decode_batch": a.max_decode_batch}}
+    print(f"makespan, model {a.model}, {a.prompts} prompts x ({a.siblings} sampled T={a.temperature} + 1 greedy) x "
+          f"{a.turns} turns, max_new_tokens {a.max_new_tokens}, device {a.device} {a.dtype}, commit {commit()}")
+    for shape in a.shapes.split(","):
+        for policy in a.policies.split(","):
+            ref = None
+            for spec_on in (False, True):
+                over = {**base, "scheduler": {**base["scheduler"], "policy": policy}}
+                if spec_on:
+                    over["spec"] = {"method": "suffix", "num_draft_tokens": a.k}
+                cfg = WorkerConfig.from_pretrained(str(a.model), over)
+                spans, outs = [], None
+                for r in range(a.reps):
+                    span, outs, m, spec = asyncio.run(_rollout(a, tok, cfg, shape))
+                    spans.append(span)
+                    if ref is None:
+                        ref = outs
+                    same = outs == ref
+                    acc = spec.get("spec_accepted", 0) / max(1, spec.get("spec_drafted", 0))
+                    print(f"FIG spec_makespan shape={shape} policy={policy} spec={'on' if spec_on else 'off'} rep={r} "
+                          f"makespan_s={span:.3f} d_iters={m.get('d_iter_s_count', 0)} "
+                          f"verifies={spec.get('spec_verifies', 0)} drafted={spec.get('spec_drafted', 0)} "
+                          f"accepted={spec.get('spec_accepted', 0)} acceptance={acc:.3f} outputs_equal_off={same}")
+                print(f"{shape:>6} {policy:>13} spec {'on ' if spec_on else 'off'}: makespan "
+                      f"{statistics.median(spans):.3f} s (median of {a.reps}: {', '.join(f'{s:.3f}' for s in spans)})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    v = sub.add_parser("verify-costs")
+    v.add_argument("--config", default="configs/qwen3-30b-a3b-shape.yaml")
+    v.add_argument("--batches", default="1,16,32,64,128")
+    v.add_argument("--widths", default="1,2,4,8")
+    v.add_argument("--context", type=int, default=2048)
+    v.add_argument("--max-graph-rows", type=int, default=1024)
+    v.add_argument("--reps", type=int, default=5)
+    v.add_argument("--device", default="cuda")
+    m = sub.add_parser("makespan")
+    m.add_argument("--model", type=Path, default=ROOT / "tests" / "data" / "small_qwen3_moe")
+    m.add_argument("--device", default="cuda")
+    m.add_argument("--dtype", default="bfloat16")
+    m.add_argument("--policies", default="normal,fine-grained")
+    m.add_argument("--shapes", default="p1,trace")
+    m.add_argument("--reps", type=int, default=3)
+    m.add_argument("--prompts", type=int, default=12)
+    m.add_argument("--siblings", type=int, default=8)
+    m.add_argument("--turns", type=int, default=3)
+    m.add_argument("--max-new-tokens", type=int, default=96)
+    m.add_argument("--temperature", type=float, default=1.0)
+    m.add_argument("--k", type=int, default=4)
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--arrival-s", type=float, default=1.0)
+    m.add_argument("--tool-wait-s", type=float, default=0.3)
+    m.add_argument("--max-decode-batch", type=int, default=128)
+    m.add_argument("--kv-blocks", type=int, default=8192)
+    a = ap.parse_args()
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    verify_costs(a) if a.cmd == "verify-costs" else makespan(a)
+
+
+if __name__ == "__main__":
+    main()
