@@ -1,4 +1,5 @@
 import asyncio
+import gc
 import importlib.util
 import os
 import random
@@ -104,6 +105,25 @@ def pytest_runtest_teardown(item, nextitem):
     if _RAY_LAST_USER and item.nodeid == _RAY_LAST_USER[0] and "ray" in sys.modules:
         import ray
         ray.shutdown()             # no Ray processes beside the tests after the last verl one
+
+
+# --------------------------------------------------------------------------- garbage collection
+_FROZEN_AT: list = [None]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """At each test module's first test: collect, then freeze what survived (imported modules,
+    session fixtures, caches) out of the collector's reach. A full collection then walks only what
+    the tests made since, instead of the whole session's heap (torch, verl, hypothesis: 0.3-0.5 s a
+    collection late in the suite, 37 s of the suite's 13 min, 9 s inside one property test that
+    sleeps a worker, whose ``gc.collect()`` is a full collection). What a test allocates is collected
+    as before; only an object alive at a module's start that later ends in a reference cycle is never
+    freed (memory, not behaviour: the tests see the same objects)."""
+    if item.path != _FROZEN_AT[0]:
+        _FROZEN_AT[0] = item.path
+        gc.collect()
+        gc.freeze()
 
 
 def pytest_addoption(parser):
