@@ -93,6 +93,61 @@ def ray_cluster():
     ray.shutdown()
 
 
+def _kill_if_ray_is_up(replica) -> None:
+    import ray
+    if ray.is_initialized():          # else Ray is down already (after the last verl test), its actors too
+        from tests.test_verl_integration import kill
+        asyncio.run(kill(replica))
+
+
+@pytest.fixture(scope="session")
+def _verl_default_replica(ray_cluster):
+    from tests.test_verl_integration import launch_replica
+    replica = asyncio.run(launch_replica("shared"))
+    yield replica
+    _kill_if_ray_is_up(replica)
+
+
+@pytest.fixture(scope="session")
+def _verl_hf_replica(ray_cluster, hf_model_dir):
+    from verl.workers.config import HFModelConfig
+
+    from tests.test_verl_integration import launch_replica
+    path = hf_model_dir("qwen3_moe")
+    replica = asyncio.run(launch_replica("shared_hf", model_config=HFModelConfig(path=str(path), load_tokenizer=False),
+                                         overrides={"cache.num_blocks": 256}))
+    yield replica, path
+    _kill_if_ray_is_up(replica)
+
+
+async def _as_launched(replica) -> None:
+    """Nothing in flight, the prefix cache dropped (abort_all_requests' default) and no retained
+    trajectory: what the next test sees is a launched replica's state (its counters aside)."""
+    await replica.abort_all_requests()
+    await replica.resume_generation()
+    await replica.clear_kv_cache()
+    assert (await replica.server_handle.metrics.remote())["server"]["retained"] == 0
+
+
+@pytest.fixture
+async def verl_replica(_verl_default_replica):
+    """A replica of ``launch_replica()``'s default config (tests/test_verl_integration.py), one for the
+    session (a launch is ~5 s on the 2-core VM): each test gets it as launched, with the launch
+    weights (a test that syncs others puts them back); its server counters are cumulative, so a test
+    reads them as differences."""
+    await _as_launched(_verl_default_replica)
+    return _verl_default_replica
+
+
+@pytest.fixture
+async def verl_hf_replica(_verl_hf_replica):
+    """(replica, model directory): a replica of verl's ``actor_rollout_ref.model.path`` = the tiny
+    qwen3_moe Hugging Face directory (``cache.num_blocks: 256``), one for the session, as
+    :func:`verl_replica`."""
+    await _as_launched(_verl_hf_replica[0])
+    return _verl_hf_replica
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
     users = [it.nodeid for it in items if "ray_cluster" in getattr(it, "fixturenames", ())]

@@ -12,7 +12,7 @@ import uuid
 import pytest
 import torch
 
-from tests.test_verl_integration import GREEDY, HAVE_VERL, TINY, kill, launch_replica, rollout_config
+from tests.test_verl_integration import GREEDY, HAVE_VERL, TINY, kill, rollout_config
 
 needs_verl = pytest.mark.skipif(not HAVE_VERL, reason="verl/ray not installed: pip install -e '.[verl]'")
 
@@ -27,11 +27,12 @@ async def _server(**engine):
 
 # ---------------------------------------------------------------------------- item 1
 @needs_verl
-async def test_adapter_takes_a_checkpoint_engines_async_generator(ray_cluster, hf_model_dir):
+async def test_adapter_takes_a_checkpoint_engines_async_generator(verl_hf_replica):
     """The nccl / nixl / hccl engines' ``receive_weights`` is an async generator: verl's
     ``merge_weight_chunks`` over the chunks of ``split_weight_chunks`` (what the sender cuts and the
     receiver reassembles, the wire between them left out). The adapter takes it bucket by bucket,
-    all-or-nothing: an incomplete stream, or one that fails mid-way, leaves the old weights."""
+    all-or-nothing: an incomplete stream, or one that fails mid-way, leaves the old weights (the
+    shared replica gets its checkpoint's weights back at the end)."""
     import inspect
 
     from verl.checkpoint_engine.base import merge_weight_chunks, split_weight_chunks
@@ -41,10 +42,11 @@ async def test_adapter_takes_a_checkpoint_engines_async_generator(ray_cluster, h
     from ainfer_pd.errors import WeightUpdateError
     from tests import _hf_models
 
-    path = hf_model_dir("qwen3_moe")
+    replica, path = verl_hf_replica
     prompt = [5, 17, 33, 2, 99, 41, 7, 8, 250, 12]
     ref = _hf_models.make("qwen3_moe", seed=0)
     base = _hf_models.hf_greedy(ref, prompt, 8)[0]
+    original = [(n, p.detach().clone()) for n, p in ref.named_parameters()]
     _hf_models.randomize(ref, seed=321)
     expected = _hf_models.hf_greedy(ref, prompt, 8)[0]
     assert expected != base
@@ -63,18 +65,17 @@ async def test_adapter_takes_a_checkpoint_engines_async_generator(ray_cluster, h
         raise RuntimeError("the broadcast lost its peer")
 
     model_config = HFModelConfig(path=str(path), load_tokenizer=False)
-    replica = await launch_replica("asyncgen", model_config=model_config, overrides={"cache.num_blocks": 256})
+    req = {**GREEDY, "max_tokens": 8, "ignore_eos": True}
+
+    async def tokens():
+        return (await replica.server_handle.generate.remote(prompt, dict(req), uuid.uuid4().hex)).token_ids
+
+    assert await tokens() == base
+    adapter = get_rollout_class("ainfer_pd", "async")(config=rollout_config(), model_config=model_config,
+                                                       device_mesh=None, replica_rank=0,
+                                                       server_handle=replica.server_handle)
+    adapter.bucket_bytes = 16 << 10                          # several staged buckets
     try:
-        req = {**GREEDY, "max_tokens": 8, "ignore_eos": True}
-
-        async def tokens():
-            return (await replica.server_handle.generate.remote(prompt, dict(req), uuid.uuid4().hex)).token_ids
-
-        assert await tokens() == base
-        adapter = get_rollout_class("ainfer_pd", "async")(config=rollout_config(), model_config=model_config,
-                                                           device_mesh=None, replica_rank=0,
-                                                           server_handle=replica.server_handle)
-        adapter.bucket_bytes = 16 << 10                      # several staged buckets
         with pytest.raises(WeightUpdateError, match="incomplete"):
             await adapter.update_weights(received(named[:-2]), global_steps=1)
         with pytest.raises(RuntimeError, match="lost its peer"):
@@ -86,7 +87,8 @@ async def test_adapter_takes_a_checkpoint_engines_async_generator(ray_cluster, h
         with pytest.raises(WeightUpdateError, match="iterable"):
             await adapter.update_weights(42)
     finally:
-        await kill(replica)
+        await adapter.update_weights(iter(original), global_steps=0)    # the checkpoint's weights, back
+    assert await tokens() == base
 
 
 # ---------------------------------------------------------------------------- item 4
@@ -422,68 +424,69 @@ async def test_every_token_output_has_the_same_extra_fields():
 
 
 @needs_verl
-async def test_tool_agent_under_fully_async_client_sends_only_new_tokens_and_releases(ray_cluster):
+async def test_tool_agent_under_fully_async_client_sends_only_new_tokens_and_releases(verl_replica):
     """``ainfer_pd_tool_agent`` driven through verl's FullyAsyncLLMServerClient (which rebuilds each
     TokenOutput and keeps none of the server's fields): turns 2-3 send only the new tokens (the
     server receives the prompt once plus the observations), and the trajectory is released at the
     end of the episode (before the fix: the whole context each turn, and the trajectory kept)."""
-    replica = await launch_replica("fullyasync_agent")
+    replica = verl_replica
     server = replica.server_handle
-    try:
-        rc = rollout_config()
-        rc.multi_turn.format = "ainfer_pd_test"
-        rc.multi_turn.max_assistant_turns = 3
-        rc.multi_turn.max_tool_response_length = 256
-        loop = _tool_agent_under_fully_async_client(replica, rc)
-        out = await loop.run({**GREEDY, "max_tokens": 6},
-                             raw_prompt=[{"role": "user", "content": "t20 t21 t22 t23 t24 t25 t26 t27 t28"}])
-        stats = (await server.metrics.remote())["server"]
-        assert stats["retained"] == 0                             # released at the end of the episode
-        sent, cached = loop.episode.sent_tokens, loop.episode.cached_tokens
-        prompt_len = len(out.prompt_ids)
-        assert len(sent) == 3 and sent[0] == prompt_len and all(0 < s < prompt_len for s in sent[1:]), sent
-        assert all(c > 0 for c in cached[1:]), cached
-        assert stats["request_tokens"] == sum(sent)               # what reached the server
-    finally:
-        await kill(replica)
+    before = (await server.metrics.remote())["server"]          # the shared server's counters so far
+    rc = rollout_config()
+    rc.multi_turn.format = "ainfer_pd_test"
+    rc.multi_turn.max_assistant_turns = 3
+    rc.multi_turn.max_tool_response_length = 256
+    loop = _tool_agent_under_fully_async_client(replica, rc)
+    out = await loop.run({**GREEDY, "max_tokens": 6},
+                         raw_prompt=[{"role": "user", "content": "t20 t21 t22 t23 t24 t25 t26 t27 t28"}])
+    stats = (await server.metrics.remote())["server"]
+    assert stats["retained"] == 0                                 # released at the end of the episode
+    sent, cached = loop.episode.sent_tokens, loop.episode.cached_tokens
+    prompt_len = len(out.prompt_ids)
+    assert len(sent) == 3 and sent[0] == prompt_len and all(0 < s < prompt_len for s in sent[1:]), sent
+    assert all(c > 0 for c in cached[1:]), cached
+    assert stats["request_tokens"] - before.get("request_tokens", 0) == sum(sent)   # what reached the server
 
 
 @needs_verl
-async def test_tool_agent_under_fully_async_client_resumes_an_aborted_turn_with_new_tokens_only(ray_cluster):
+async def test_tool_agent_under_fully_async_client_resumes_an_aborted_turn_with_new_tokens_only(verl_replica):
     """A turn of an ``ainfer_pd_tool_agent`` episode aborted mid-way (verl's partial rollout) is resumed
     by FullyAsyncLLMServerClient with only the turn's new tokens plus the partial ones (the server
     holds the context before the turn), and the episode's trajectory is released at the end."""
-    replica = await launch_replica("fullyasync_abort")
+    replica = verl_replica
     server = replica.server_handle
-    try:
-        rc = rollout_config()
-        rc.multi_turn.format = "ainfer_pd_test"
-        rc.multi_turn.max_assistant_turns = 2
-        rc.multi_turn.max_tool_response_length = 256
-        rc.response_length = 2000
-        loop = _tool_agent_under_fully_async_client(replica, rc)
-        n = 300                                                  # tokens of each turn
-        task = asyncio.ensure_future(loop.run({**GREEDY, "max_tokens": n, "ignore_eos": True},
-                                              raw_prompt=[{"role": "user", "content": " ".join(f"t{20 + i}" for i in range(30))}]))
-        for _ in range(6000):                                    # the second turn is running
-            m = (await server.metrics.remote())["server"]
-            if m.get("turns", 0) >= 1 and m["inflight"]:
-                break
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.1)
-        await replica.abort_all_requests(reset_prefix_cache=False)
-        await replica.resume_generation()
-        out = await asyncio.wait_for(task, 300)
-        stats = (await server.metrics.remote())["server"]
-        assert stats["aborted"] == 1 and stats["partial_tokens"] > 0 and stats["turns"] == 2
-        sent = loop.episode.sent_tokens
-        assert len(sent) == 2 and sent[1] < sent[0]
-        # the server received the prompt, turn 2's new tokens, and on resume those again plus the partial ones
-        assert stats["request_tokens"] == sent[0] + 2 * sent[1] + stats["partial_tokens"]
-        assert stats["retained"] == 0
-        assert sum(out.response_mask) == 2 * n                   # both turns generated all their tokens
-    finally:
-        await kill(replica)
+    before = (await server.metrics.remote())["server"]          # the shared server's counters so far
+
+    def since(stats: dict) -> dict:
+        return {k: v - before.get(k, 0) for k, v in stats.items() if k not in ("retained", "inflight")}
+
+    rc = rollout_config()
+    rc.multi_turn.format = "ainfer_pd_test"
+    rc.multi_turn.max_assistant_turns = 2
+    rc.multi_turn.max_tool_response_length = 256
+    rc.response_length = 2000
+    loop = _tool_agent_under_fully_async_client(replica, rc)
+    n = 300                                                      # tokens of each turn
+    task = asyncio.ensure_future(loop.run({**GREEDY, "max_tokens": n, "ignore_eos": True},
+                                          raw_prompt=[{"role": "user", "content": " ".join(f"t{20 + i}" for i in range(30))}]))
+    for _ in range(6000):                                        # the second turn is running
+        m = (await server.metrics.remote())["server"]
+        if since(m).get("turns", 0) >= 1 and m["inflight"]:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)
+    await replica.abort_all_requests(reset_prefix_cache=False)
+    await replica.resume_generation()
+    out = await asyncio.wait_for(task, 300)
+    stats = (await server.metrics.remote())["server"]
+    d = since(stats)
+    assert d["aborted"] == 1 and d["partial_tokens"] > 0 and d["turns"] == 2
+    sent = loop.episode.sent_tokens
+    assert len(sent) == 2 and sent[1] < sent[0]
+    # the server received the prompt, turn 2's new tokens, and on resume those again plus the partial ones
+    assert d["request_tokens"] == sent[0] + 2 * sent[1] + d["partial_tokens"]
+    assert stats["retained"] == 0
+    assert sum(out.response_mask) == 2 * n                       # both turns generated all their tokens
 
 
 def _tool_agent_under_fully_async_client(replica, rc):

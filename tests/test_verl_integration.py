@@ -169,7 +169,7 @@ def _register_test_parts():
 
 
 @needs_verl
-async def test_agent_loop_multi_turn_continue_reports_cached_tokens(ray_cluster):
+async def test_agent_loop_multi_turn_continue_reports_cached_tokens(verl_replica):
     """The registered ainfer_pd_tool_agent loop (verl ToolAgentLoop machinery, verl LLMServerClient)
     runs a 3-turn episode; turns 2-3 send only the observation tokens and report cached prompt tokens."""
     from omegaconf import OmegaConf
@@ -180,40 +180,38 @@ async def test_agent_loop_multi_turn_continue_reports_cached_tokens(ray_cluster)
     import hydra
 
     tool = _register_test_parts()
-    replica = await launch_replica("agentloop")
-    try:
-        rc = rollout_config()
-        rc.multi_turn.format = "ainfer_pd_test"
-        rc.multi_turn.max_assistant_turns = 3
-        rc.multi_turn.max_tool_response_length = 256
-        cfg = trainer_config(rc)
-        router = get_router_handle(servers={replica.server_address: replica.server_handle})
-        client = LLMServerClient(cfg, load_balancer_handle=router)
-        loop = hydra.utils.instantiate(
-            _agent_loop_registry["ainfer_pd_tool_agent"], trainer_config=DictConfigWrap(cfg), server_manager=client,
-            tokenizer=_tokenizer(), processor=None, hf_model_type=None, dataset_cls=RLHFDataset,
-            data_config=DictConfigWrap(OmegaConf.create({})), tools=ToolListWrap([tool]))
-        out = await loop.run({**GREEDY, "max_tokens": 6},
-                             raw_prompt=[{"role": "user", "content": "t20 t21 t22 t23 t24 t25 t26 t27 t28"}])
-        cached, sent = loop.episode.cached_tokens, loop.episode.sent_tokens
-        from ainfer_pd.integrations.verl.server import EXTRA_FIELDS
-        assert not {"ainfer_pd_cached_tokens", "ainfer_pd_sent_tokens"} & set(out.extra_fields)   # no keys of its own
-        assert set(EXTRA_FIELDS) <= set(out.extra_fields)            # the server's, as every loop copies them
-        assert len(cached) == 3 and cached[0] == 0
-        assert all(c > 0 for c in cached[1:]), cached
-        prompt_len = len(out.prompt_ids)
-        assert sent[0] == prompt_len and all(s < prompt_len for s in sent[1:]), sent   # only new tokens sent
-        assert out.num_turns >= 5 and 0 in out.response_mask and 1 in out.response_mask
-        m = await replica.server_handle.metrics.remote()
-        assert m["server"]["retained"] == 0                 # released at episode end
-    finally:
-        await kill(replica)
+    replica = verl_replica
+    rc = rollout_config()
+    rc.multi_turn.format = "ainfer_pd_test"
+    rc.multi_turn.max_assistant_turns = 3
+    rc.multi_turn.max_tool_response_length = 256
+    cfg = trainer_config(rc)
+    router = get_router_handle(servers={replica.server_address: replica.server_handle})
+    client = LLMServerClient(cfg, load_balancer_handle=router)
+    loop = hydra.utils.instantiate(
+        _agent_loop_registry["ainfer_pd_tool_agent"], trainer_config=DictConfigWrap(cfg), server_manager=client,
+        tokenizer=_tokenizer(), processor=None, hf_model_type=None, dataset_cls=RLHFDataset,
+        data_config=DictConfigWrap(OmegaConf.create({})), tools=ToolListWrap([tool]))
+    out = await loop.run({**GREEDY, "max_tokens": 6},
+                         raw_prompt=[{"role": "user", "content": "t20 t21 t22 t23 t24 t25 t26 t27 t28"}])
+    cached, sent = loop.episode.cached_tokens, loop.episode.sent_tokens
+    from ainfer_pd.integrations.verl.server import EXTRA_FIELDS
+    assert not {"ainfer_pd_cached_tokens", "ainfer_pd_sent_tokens"} & set(out.extra_fields)   # no keys of its own
+    assert set(EXTRA_FIELDS) <= set(out.extra_fields)            # the server's, as every loop copies them
+    assert len(cached) == 3 and cached[0] == 0
+    assert all(c > 0 for c in cached[1:]), cached
+    prompt_len = len(out.prompt_ids)
+    assert sent[0] == prompt_len and all(s < prompt_len for s in sent[1:]), sent   # only new tokens sent
+    assert out.num_turns >= 5 and 0 in out.response_mask and 1 in out.response_mask
+    m = await replica.server_handle.metrics.remote()
+    assert m["server"]["retained"] == 0                 # released at episode end
 
 
 @needs_verl
-async def test_update_weights_verl_generator_format(ray_cluster):
+async def test_update_weights_verl_generator_format(verl_replica):
     """ServerAdapter.update_weights with verl's (name, tensor) generator: outputs become those of a fresh
-    worker loaded with the new weights; wrong names/shapes raise and leave the old weights intact."""
+    worker loaded with the new weights; wrong names/shapes raise and leave the old weights intact
+    (the shared replica gets its launch weights back at the end)."""
     import ray
     from ainfer_pd import RolloutWorker, SamplingParams, WorkerConfig
     from ainfer_pd.errors import WeightUpdateError
@@ -239,10 +237,10 @@ async def test_update_weights_verl_generator_format(ray_cluster):
     _, expected = ray.get(reference.remote(new))
     assert expected != base, "perturbation too small to change greedy outputs"
 
-    replica = await launch_replica("weights")
+    replica = verl_replica
+    adapter = get_rollout_class("ainfer_pd", "async")(config=rollout_config(), model_config={}, device_mesh=None,
+                                                       replica_rank=0, server_handle=replica.server_handle)
     try:
-        adapter = get_rollout_class("ainfer_pd", "async")(config=rollout_config(), model_config={}, device_mesh=None,
-                                                           replica_rank=0, server_handle=replica.server_handle)
         adapter.bucket_bytes = 64 << 10                      # several buckets
         req = {**GREEDY, "max_tokens": 8}
 
@@ -263,7 +261,8 @@ async def test_update_weights_verl_generator_format(ray_cluster):
         out = await replica.server_handle.generate.remote(prompt, dict(req), "r")
         assert out.token_ids == expected and out.extra_fields["global_steps"] == 7
     finally:
-        await kill(replica)
+        await adapter.update_weights(iter(names.items()), global_steps=0)     # the launch weights, back
+    assert await gen_tokens() == base
 
 
 @needs_verl
@@ -315,44 +314,46 @@ async def test_sleep_wake_abort_resume_keep_other_trajectories(ray_cluster):
 
 
 @needs_verl
-async def test_replica_serves_actor_rollout_ref_model_path_and_syncs_transformers_names(ray_cluster, hf_model_dir):
+async def test_replica_serves_actor_rollout_ref_model_path_and_syncs_transformers_names(verl_hf_replica):
     """The model comes from verl's actor_rollout_ref.model.path (a Hugging Face directory); the
-    adapter streams a perturbed transformers model's named_parameters() in buckets."""
+    adapter streams a perturbed transformers model's named_parameters() in buckets (the shared
+    replica gets its checkpoint's weights back at the end)."""
     from verl.workers.config import HFModelConfig
     from verl.workers.rollout.base import get_rollout_class
 
     from ainfer_pd.errors import WeightUpdateError
     from tests import _hf_models
-    path = hf_model_dir("qwen3_moe")
+    replica, path = verl_hf_replica
     prompt = [5, 17, 33, 2, 99, 41, 7, 8, 250, 12]
     ref = _hf_models.make("qwen3_moe", seed=0)
     base = _hf_models.hf_greedy(ref, prompt, 8)[0]
+    original = [(n, p.detach().clone()) for n, p in ref.named_parameters()]
     _hf_models.randomize(ref, seed=123)
     expected = _hf_models.hf_greedy(ref, prompt, 8)[0]
     assert expected != base
     model_config = HFModelConfig(path=str(path), load_tokenizer=False)   # verl's actor_rollout_ref.model
-    replica = await launch_replica("hfpath", model_config=model_config, overrides={"cache.num_blocks": 256})
+    wc = await replica.server_handle.get_worker_config.remote()
+    assert wc["model"]["architecture"] == "qwen3_moe" and wc["model"]["path"] == str(path)
+    req = {**GREEDY, "max_tokens": 8, "ignore_eos": True}
+
+    async def gen_tokens():
+        return (await replica.server_handle.generate.remote(prompt, dict(req), uuid.uuid4().hex)).token_ids
+
+    assert await gen_tokens() == base
+    adapter = get_rollout_class("ainfer_pd", "async")(config=rollout_config(), model_config=model_config,
+                                                       device_mesh=None, replica_rank=0,
+                                                       server_handle=replica.server_handle)
+    adapter.bucket_bytes = 32 << 10                       # several buckets
+    named = [(n, p.detach().clone()) for n, p in ref.named_parameters()]
     try:
-        wc = await replica.server_handle.get_worker_config.remote()
-        assert wc["model"]["architecture"] == "qwen3_moe" and wc["model"]["path"] == str(path)
-        req = {**GREEDY, "max_tokens": 8, "ignore_eos": True}
-
-        async def gen_tokens():
-            return (await replica.server_handle.generate.remote(prompt, dict(req), uuid.uuid4().hex)).token_ids
-
-        assert await gen_tokens() == base
-        adapter = get_rollout_class("ainfer_pd", "async")(config=rollout_config(), model_config=model_config,
-                                                           device_mesh=None, replica_rank=0,
-                                                           server_handle=replica.server_handle)
-        adapter.bucket_bytes = 32 << 10                       # several buckets
-        named = [(n, p.detach().clone()) for n, p in ref.named_parameters()]
         with pytest.raises(WeightUpdateError, match="incomplete"):      # a bucket lost: nothing applied
             await adapter.update_weights(iter(named[:-2]), global_steps=1)
         assert await gen_tokens() == base
         await adapter.update_weights(iter(named), global_steps=2)
         assert await gen_tokens() == expected
     finally:
-        await kill(replica)
+        await adapter.update_weights(iter(original), global_steps=0)    # the checkpoint's weights, back
+    assert await gen_tokens() == base
 
 
 @needs_verl
