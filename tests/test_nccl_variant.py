@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -45,7 +46,7 @@ from benchmarks.nccl_harness.cuda_device import (
 from benchmarks.nccl_harness.harness import data_backend
 from benchmarks.nccl_harness.ranks import run_harness
 from benchmarks.nccl_harness.spec import HarnessSpec, expected_rounds
-from benchmarks.nccl_harness.launcher import build_parser, build_specs, expectation
+from benchmarks.nccl_harness.launcher import build_parser, build_specs, expectation, report
 from tests._dist_util import run_ranks
 from tests.conftest import rand_ids, tiny_cfg
 
@@ -330,10 +331,18 @@ def test_launcher_under_torchrun_reports_the_stall_and_exits(tmp_path):
     assert "[none] STALLED: stalled on 4/4 ranks; wait cycle" in p.stdout
     assert "device-progress cycle: rank" in p.stdout and "RESULT: OK" in p.stdout
     assert all(f"[rank {r}] none: StallError" in p.stdout for r in range(4))
-    # the same launch told to expect completion reports the stall as unexpected and fails
-    p = _torchrun(4, "--backend", "gloo", "--ordering", "none", *crossed, "--expect", "complete",
-                  "--out", str(tmp_path / "x"))
-    assert p.returncode != 0 and "RESULT: UNEXPECTED" in p.stdout, p.stdout[-3000:]
+    # the same stall judged against --expect complete is unexpected: the launch's own per-rank rows
+    # (summary.json) through the launcher's report (a second 4-rank launch cost ~10 s on 2 cores) ...
+    runs = json.loads((tmp_path / "summary.json").read_text())["runs"]
+    specs = build_specs(_args("--backend", "gloo", "--ordering", "none", *crossed, "--out", str(tmp_path)), 4, "gloo")
+    ok, text, _ = report(specs, [[row] for row in runs[0]["ranks"]], expect="complete")
+    assert not ok and "[none] STALLED" in text and "(expected: complete) -> UNEXPECTED" in text, text
+    assert text.endswith("RESULT: UNEXPECTED (see above)")
+    # ... and a launch whose outcome is not the expected one fails under torchrun (one rank that
+    # completes, told to expect a stall)
+    p = _torchrun(1, "--backend", "gloo", "--ordering", "none", "--expect", "stall", "--out", str(tmp_path / "x"))
+    assert p.returncode == 1 and "(expected: stall) -> UNEXPECTED" in p.stdout, p.stdout[-3000:]
+    assert "RESULT: UNEXPECTED" in p.stdout
 
 
 @pytest.mark.slow
