@@ -1,5 +1,6 @@
 """The policy ladder on the tiny model: D wait order, makespan, identical outputs, activation."""
 import asyncio
+import functools
 import random
 import time
 
@@ -146,8 +147,7 @@ def test_activation_cost_runs_a_burst_of_first_turns_beside_few_rows_exclusively
         return outs, m
 
     outs, m = asyncio.run(run())
-    ref, _ = asyncio.run(_reference_outputs())
-    assert outs == ref
+    assert outs == _reference_outputs()
     if wait:
         assert m["wait_exclusive"] > 0 and m.get("backlog_exclusive", 0) == 0   # the late epochs exclusive
     elif backlog:
@@ -159,13 +159,18 @@ def test_activation_cost_runs_a_burst_of_first_turns_beside_few_rows_exclusively
         assert m["activation_declined"] > 0
 
 
-async def _reference_outputs():
+@functools.lru_cache(maxsize=None)
+def _reference_outputs() -> list:
+    """The burst's greedy tokens, one request at a time under normal (computed once per module: the
+    same deterministic reference for every case above)."""
     from ainfer_pd import SamplingParams
     from tests.conftest import rand_ids
-    rng = random.Random(4)
-    async with RolloutWorker(tiny_cfg(**{"scheduler.policy": "normal"})) as w:
-        sp = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
-        prompts = [rand_ids(rng, 16) for _ in range(2)] + [rand_ids(rng, 120) for _ in range(12)]
-        outs = [(await w.generate(p, sp if i < 2 else SamplingParams(max_new_tokens=4, temperature=0.0))).token_ids
-                for i, p in enumerate(prompts)]
-    return outs, None
+
+    async def run():
+        rng = random.Random(4)
+        async with RolloutWorker(tiny_cfg(**{"scheduler.policy": "normal"})) as w:
+            sp = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
+            prompts = [rand_ids(rng, 16) for _ in range(2)] + [rand_ids(rng, 120) for _ in range(12)]
+            return [(await w.generate(p, sp if i < 2 else SamplingParams(max_new_tokens=4, temperature=0.0))).token_ids
+                    for i, p in enumerate(prompts)]
+    return asyncio.run(run())
