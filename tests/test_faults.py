@@ -89,7 +89,14 @@ def test_unknown_fault_keys_are_rejected(monkeypatch):
         Faults.load({})
 
 
-async def _rank_with_fault(rank, world_size, faults_by_rank, kill_rank, limit_s=40.0):
+async def _end_when(path: str, bound: asyncio.Timeout) -> None:
+    """Bring ``bound`` forward to now once ``path`` exists."""
+    while not os.path.exists(path):
+        await asyncio.sleep(0.05)
+    bound.reschedule(asyncio.get_running_loop().time())
+
+
+async def _rank_with_fault(rank, world_size, faults_by_rank, kill_rank, limit_s=40.0, verdict_stamp=None):
     cfg = tiny_cfg(**{"parallel.world_size": world_size, "parallel.attn_dp": world_size,
                       "parallel.expert_parallel": world_size, "parallel.expert_backend": "torch",
                       "parallel.rendezvous_timeout_s": 4.0, "scheduler.policy": "fine-grained",
@@ -97,8 +104,12 @@ async def _rank_with_fault(rank, world_size, faults_by_rank, kill_rank, limit_s=
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     outcome = ("finished", "")
+    watch = None
     try:
-        async with asyncio.timeout(limit_s):      # the silent rank itself sleeps until this
+        # the silent rank itself sleeps until this bound: limit_s, or rank 0's verdict (verdict_stamp)
+        async with asyncio.timeout(limit_s) as bound:
+            if verdict_stamp and rank != 0:
+                watch = asyncio.ensure_future(_end_when(verdict_stamp, bound))
             async with RolloutWorker(cfg) as w:
                 rng = random.Random(rank)
                 for i in range(30):
@@ -111,17 +122,22 @@ async def _rank_with_fault(rank, world_size, faults_by_rank, kill_rank, limit_s=
     except BaseException as exc:                           # noqa: BLE001 - classified below
         e = first_error(exc, typed_only=True)
         outcome = ("error", f"{type(e).__name__}: {e}") if e is not None else ("untyped", repr(exc))
+    if watch is not None:
+        watch.cancel()
+    if verdict_stamp and rank == 0:
+        open(verdict_stamp, "w").close()
     return (outcome[0], loop.time() - t0, outcome[1])
 
 
 @pytest.mark.parametrize("scenario", ["killed", "dropped"])
-def test_a_dead_or_silent_rank_makes_the_others_fail_with_a_clear_error(scenario):
+def test_a_dead_or_silent_rank_makes_the_others_fail_with_a_clear_error(scenario, tmp_path):
     if scenario == "killed":
         res = run_ranks(_rank_with_fault, 2, {}, 1, timeout_s=90, return_exceptions=True)
         survivor = res[0]
     else:
-        res = run_ranks(_rank_with_fault, 2, {1: {"drop_rendezvous": 25}}, -1, 12.0, timeout_s=90,
-                        return_exceptions=True)
+        # the silent rank stays silent until rank 0 has its verdict (at most 12 s), not 12 s in all
+        res = run_ranks(_rank_with_fault, 2, {1: {"drop_rendezvous": 25}}, -1, 12.0, str(tmp_path / "verdict"),
+                        timeout_s=90, return_exceptions=True)
         survivor = res[0]
         assert not isinstance(res[1], BaseException) and res[1][0] == "hung"   # by design: it never arrives
     assert not isinstance(survivor, BaseException), survivor
