@@ -37,30 +37,36 @@ def test_p_heavy_trace_orders_d_wait_and_never_changes_outputs():
     # less than normal, but which global policy waits least is within the noise (CPU VM: global-
     # enqueue 8.2-9.8 ms against fine-grained 8.7-9.0; H200 s7: 1.0 against 0.8-1.6 ms). The makespan
     # is checked on the default loop, which users run.
-    # NOTE: the D-wait order and the makespan are wall-clock properties of a 2-core machine: a run
-    # that another process slowed gets up to two more tries (the outputs are checked on every run;
-    # one try in eight missed one of the three on an idle VM).
+    # NOTE: the D-wait order and the makespan are wall-clock properties of a 2-core machine: a set
+    # of runs that another process slowed gets up to two more tries (the outputs are checked on
+    # every run; one try in eight missed one of the three on an idle VM). The plain loop's five runs
+    # and the overlapped loop's three are separate measurements, so each set is retried alone.
+    ref = None
+    ordered = ordered_dflt = faster = False
     for attempt in range(3):
-        res = {p: asyncio.run(_run(p, trace, **over, **{"scheduler.overlap_decode": False})) for p in LADDER}
-        dflt = {p: asyncio.run(_run(p, trace, **over)) for p in ("normal", "global-enqueue", "fine-grained")}
-        outs = {p: r[2] for p, r in res.items()}
-        for p in LADDER[1:]:
-            assert outs[p] == outs["normal"], f"{p} changed greedy outputs"
-        for p in dflt:
-            assert dflt[p][2] == outs["normal"], f"{p} on the overlapped loop changed greedy outputs"
-        fg = res["fine-grained"][1]
-        assert fg["rendezvous"] > 0 and fg["p_wait_permit_s_count"] > 0 and fg["d_boundary_wait_s_count"] > 0
-        d_wait = {p: res[p][1]["d_wait_s_mean"] for p in LADDER[:4]}
-        w = d_wait
-        # fine-grained waits least, every turnstile policy less than normal; global-enqueue's edge
-        # over global-complete (the epoch's tail) is a few ms, of the order of the loaded 2-core
-        # VM's run-to-run noise (CI: 16.8 vs 15.5 ms once): global-enqueue held within 15% of it
-        ordered = (w["fine-grained"] < min(w["global-enqueue"], w["global-complete"])
-                   and max(w["global-enqueue"], w["global-complete"]) < w["normal"]
-                   and w["global-enqueue"] <= 1.15 * w["global-complete"])
-        dw = {p: r[1]["d_wait_s_mean"] for p, r in dflt.items()}
-        ordered_dflt = max(dw["global-enqueue"], dw["fine-grained"]) < dw["normal"]
-        faster = dflt["fine-grained"][0] <= dflt["normal"][0]
+        if not ordered:
+            res = {p: asyncio.run(_run(p, trace, **over, **{"scheduler.overlap_decode": False})) for p in LADDER}
+            outs = {p: r[2] for p, r in res.items()}
+            ref = outs["normal"] if ref is None else ref
+            for p in LADDER:
+                assert outs[p] == ref, f"{p} changed greedy outputs"
+            fg = res["fine-grained"][1]
+            assert fg["rendezvous"] > 0 and fg["p_wait_permit_s_count"] > 0 and fg["d_boundary_wait_s_count"] > 0
+            d_wait = {p: res[p][1]["d_wait_s_mean"] for p in LADDER[:4]}
+            w = d_wait
+            # fine-grained waits least, every turnstile policy less than normal; global-enqueue's edge
+            # over global-complete (the epoch's tail) is a few ms, of the order of the loaded 2-core
+            # VM's run-to-run noise (CI: 16.8 vs 15.5 ms once): global-enqueue held within 15% of it
+            ordered = (w["fine-grained"] < min(w["global-enqueue"], w["global-complete"])
+                       and max(w["global-enqueue"], w["global-complete"]) < w["normal"]
+                       and w["global-enqueue"] <= 1.15 * w["global-complete"])
+        if not (ordered_dflt and faster):
+            dflt = {p: asyncio.run(_run(p, trace, **over)) for p in ("normal", "global-enqueue", "fine-grained")}
+            for p in dflt:
+                assert dflt[p][2] == ref, f"{p} on the overlapped loop changed greedy outputs"
+            dw = {p: r[1]["d_wait_s_mean"] for p, r in dflt.items()}
+            ordered_dflt = max(dw["global-enqueue"], dw["fine-grained"]) < dw["normal"]
+            faster = dflt["fine-grained"][0] <= dflt["normal"][0]
         if ordered and ordered_dflt and faster:
             break
     assert ordered, d_wait
