@@ -139,6 +139,24 @@ async def verl_replica(_verl_default_replica):
     return _verl_default_replica
 
 
+@pytest.fixture(scope="session")
+def _verl_default_router(_verl_default_replica):
+    from verl.workers.rollout.router import get_router_handle
+    r = _verl_default_replica
+    router = get_router_handle(servers={r.server_address: r.server_handle})
+    yield router
+    import ray
+    if ray.is_initialized():
+        ray.kill(router)
+
+
+@pytest.fixture
+def verl_router(verl_replica, _verl_default_router):
+    """verl's default router (``get_router_handle``: a Ray actor, ~5 s to start on the 2-core VM) over
+    :func:`verl_replica`'s one server, one for the session."""
+    return _verl_default_router
+
+
 @pytest.fixture
 async def verl_hf_replica(_verl_hf_replica):
     """(replica, model directory): a replica of verl's ``actor_rollout_ref.model.path`` = the tiny

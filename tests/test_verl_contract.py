@@ -424,7 +424,7 @@ async def test_every_token_output_has_the_same_extra_fields():
 
 
 @needs_verl
-async def test_tool_agent_under_fully_async_client_sends_only_new_tokens_and_releases(verl_replica):
+async def test_tool_agent_under_fully_async_client_sends_only_new_tokens_and_releases(verl_replica, verl_router):
     """``ainfer_pd_tool_agent`` driven through verl's FullyAsyncLLMServerClient (which rebuilds each
     TokenOutput and keeps none of the server's fields): turns 2-3 send only the new tokens (the
     server receives the prompt once plus the observations), and the trajectory is released at the
@@ -436,7 +436,7 @@ async def test_tool_agent_under_fully_async_client_sends_only_new_tokens_and_rel
     rc.multi_turn.format = "ainfer_pd_test"
     rc.multi_turn.max_assistant_turns = 3
     rc.multi_turn.max_tool_response_length = 256
-    loop = _tool_agent_under_fully_async_client(replica, rc)
+    loop = _tool_agent_under_fully_async_client(verl_router, rc)
     out = await loop.run({**GREEDY, "max_tokens": 6},
                          raw_prompt=[{"role": "user", "content": "t20 t21 t22 t23 t24 t25 t26 t27 t28"}])
     stats = (await server.metrics.remote())["server"]
@@ -449,7 +449,7 @@ async def test_tool_agent_under_fully_async_client_sends_only_new_tokens_and_rel
 
 
 @needs_verl
-async def test_tool_agent_under_fully_async_client_resumes_an_aborted_turn_with_new_tokens_only(verl_replica):
+async def test_tool_agent_under_fully_async_client_resumes_an_aborted_turn_with_new_tokens_only(verl_replica, verl_router):
     """A turn of an ``ainfer_pd_tool_agent`` episode aborted mid-way (verl's partial rollout) is resumed
     by FullyAsyncLLMServerClient with only the turn's new tokens plus the partial ones (the server
     holds the context before the turn), and the episode's trajectory is released at the end."""
@@ -465,7 +465,7 @@ async def test_tool_agent_under_fully_async_client_resumes_an_aborted_turn_with_
     rc.multi_turn.max_assistant_turns = 2
     rc.multi_turn.max_tool_response_length = 256
     rc.response_length = 2000
-    loop = _tool_agent_under_fully_async_client(replica, rc)
+    loop = _tool_agent_under_fully_async_client(verl_router, rc)
     n = 300                                                      # tokens of each turn
     task = asyncio.ensure_future(loop.run({**GREEDY, "max_tokens": n, "ignore_eos": True},
                                           raw_prompt=[{"role": "user", "content": " ".join(f"t{20 + i}" for i in range(30))}]))
@@ -489,22 +489,20 @@ async def test_tool_agent_under_fully_async_client_resumes_an_aborted_turn_with_
     assert sum(out.response_mask) == 2 * n                       # both turns generated all their tokens
 
 
-def _tool_agent_under_fully_async_client(replica, rc):
+def _tool_agent_under_fully_async_client(router, rc):
     """An ``ainfer_pd_tool_agent`` (scripted tool) whose server manager is verl's
-    FullyAsyncLLMServerClient routed to ``replica``, under the rollout config ``rc``."""
+    FullyAsyncLLMServerClient over ``router`` (verl's router to the replica), under the rollout config ``rc``."""
     import hydra
     from omegaconf import OmegaConf
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap, _agent_loop_registry
     from verl.utils.dataset.rl_dataset import RLHFDataset
     from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
-    from verl.workers.rollout.router import get_router_handle
 
     from ainfer_pd.integrations.verl.scripted import scripted_tool, word_tokenizer
     from tests.test_verl_integration import trainer_config
 
     cfg = trainer_config(rc)
-    client = FullyAsyncLLMServerClient(cfg, load_balancer_handle=get_router_handle(
-        servers={replica.server_address: replica.server_handle}))
+    client = FullyAsyncLLMServerClient(cfg, load_balancer_handle=router)
     return hydra.utils.instantiate(
         _agent_loop_registry["ainfer_pd_tool_agent"], trainer_config=DictConfigWrap(cfg), server_manager=client,
         tokenizer=word_tokenizer(), processor=None, hf_model_type=None, dataset_cls=RLHFDataset,

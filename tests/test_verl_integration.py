@@ -169,14 +169,13 @@ def _register_test_parts():
 
 
 @needs_verl
-async def test_agent_loop_multi_turn_continue_reports_cached_tokens(verl_replica):
+async def test_agent_loop_multi_turn_continue_reports_cached_tokens(verl_replica, verl_router):
     """The registered ainfer_pd_tool_agent loop (verl ToolAgentLoop machinery, verl LLMServerClient)
     runs a 3-turn episode; turns 2-3 send only the observation tokens and report cached prompt tokens."""
     from omegaconf import OmegaConf
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap, _agent_loop_registry
     from verl.utils.dataset.rl_dataset import RLHFDataset
     from verl.workers.rollout.llm_server import LLMServerClient
-    from verl.workers.rollout.router import get_router_handle
     import hydra
 
     tool = _register_test_parts()
@@ -186,8 +185,7 @@ async def test_agent_loop_multi_turn_continue_reports_cached_tokens(verl_replica
     rc.multi_turn.max_assistant_turns = 3
     rc.multi_turn.max_tool_response_length = 256
     cfg = trainer_config(rc)
-    router = get_router_handle(servers={replica.server_address: replica.server_handle})
-    client = LLMServerClient(cfg, load_balancer_handle=router)
+    client = LLMServerClient(cfg, load_balancer_handle=verl_router)
     loop = hydra.utils.instantiate(
         _agent_loop_registry["ainfer_pd_tool_agent"], trainer_config=DictConfigWrap(cfg), server_manager=client,
         tokenizer=_tokenizer(), processor=None, hf_model_type=None, dataset_cls=RLHFDataset,
