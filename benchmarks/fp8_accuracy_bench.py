@@ -1,0 +1,83 @@
+"""FP8 against bf16 on a trained model (issue 37, "must be measured"): greedy token agreement over
+``--tokens`` tokens and the gap between the chosen tokens' log-probabilities.
+
+Both workers load the same checkpoint (default the trained small model,
+``tests/data/small_qwen3_moe``): one in ``--dtype`` (bf16), one with ``model.quantization: fp8``
+(``--dense``: ``model.fp8_dense`` too) on the same dtype. Each prompt (held-out stdlib code in the
+model's chat format, ``spec_acceptance_bench.tasks``) is decoded greedily, EOS ignored. Printed: per
+prompt the tokens equal before the first divergence, the token agreement over the whole run, and
+over the common prefix the distribution (p50 / p90 / p99 / max) of |logprob_fp8 - logprob_bf16| of
+the chosen token; FIG lines.
+
+    python benchmarks/fp8_accuracy_bench.py [--prompts 8] [--tokens 256] [--device cpu] [--dense]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from ainfer_pd import RolloutWorker, SamplingParams, WorkerConfig  # noqa: E402
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+async def decode(cfg, prompts: list[list[int]], n: int):
+    async with RolloutWorker(cfg) as w:
+        outs = await asyncio.gather(*(w.generate(p, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
+                                      for p in prompts))
+    return [(o.token_ids, o.logprobs) for o in outs]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, default=ROOT / "tests" / "data" / "small_qwen3_moe")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dense", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    from transformers import AutoTokenizer
+    from spec_acceptance_bench import tasks
+    tok = AutoTokenizer.from_pretrained(str(a.model))
+    prompts = [tok(p)["input_ids"] for p, _ in tasks(a.prompts, a.seed, 1)]
+    base = {"model": {"dtype": a.dtype}, "device": {"device": a.device},
+            "cache": {"block_size": 16, "num_blocks": 2048}, "scheduler": {"max_decode_batch": 64}}
+    ref = asyncio.run(decode(WorkerConfig.from_pretrained(str(a.model), base), prompts, a.tokens))
+    q = {**base, "model": {**base["model"], "quantization": "fp8", "fp8_dense": a.dense}}
+    fp8 = asyncio.run(decode(WorkerConfig.from_pretrained(str(a.model), q), prompts, a.tokens))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    print(f"FP8 ({'every projection' if a.dense else 'routed experts'}) against {a.dtype}, {a.model.name}, "
+          f"{a.prompts} prompts x {a.tokens} greedy tokens, device {a.device}, commit {commit}")
+    gaps, prefixes, agree = [], [], 0
+    for i, ((t0, l0), (t1, l1)) in enumerate(zip(ref, fp8)):
+        k = next((j for j, (x, y) in enumerate(zip(t0, t1)) if x != y), len(t0))
+        prefixes.append(k)
+        agree += sum(x == y for x, y in zip(t0, t1))
+        g = [abs(x - y) for x, y in zip(l0[:k], l1[:k])]
+        gaps += g
+        print(f"  prompt {i}: {k} tokens equal before the first divergence; |dlogprob| max {max(g, default=0):.4f}")
+    n = sum(len(t) for t, _ in ref)
+    print(f"greedy agreement: {agree / n:.3f} of {n} tokens; tokens before the first divergence: median "
+          f"{pct(prefixes, 0.5)}, min {min(prefixes)}, {sum(p == a.tokens for p in prefixes)} of {len(prefixes)} "
+          f"runs equal throughout")
+    print(f"|logprob_fp8 - logprob_ref| of the chosen token over the common prefixes ({len(gaps)} tokens): p50 "
+          f"{pct(gaps, 0.5):.4f}, p90 {pct(gaps, 0.9):.4f}, p99 {pct(gaps, 0.99):.4f}, max {max(gaps, default=0):.4f}")
+    print(f"FIG fp8_accuracy dense={a.dense} dtype={a.dtype} agreement={agree / n:.4f} "
+          f"prefix_median={pct(prefixes, 0.5)} dlogprob_p50={pct(gaps, 0.5):.5f} dlogprob_p99={pct(gaps, 0.99):.5f} "
+          f"dlogprob_max={max(gaps, default=0):.5f} tokens={len(gaps)}")
+
+
+if __name__ == "__main__":
+    main()
