@@ -103,7 +103,7 @@ def _kill_if_ray_is_up(replica) -> None:
 @pytest.fixture(scope="session")
 def _verl_default_replica(ray_cluster):
     from tests.test_verl_integration import launch_replica
-    replica = asyncio.run(launch_replica("shared"))
+    replica = asyncio.run(launch_replica("shared", routing_replay=True))
     yield replica
     _kill_if_ray_is_up(replica)
 
@@ -131,10 +131,11 @@ async def _as_launched(replica) -> None:
 
 @pytest.fixture
 async def verl_replica(_verl_default_replica):
-    """A replica of ``launch_replica()``'s default config (tests/test_verl_integration.py), one for the
-    session (a launch is ~5 s on the 2-core VM): each test gets it as launched, with the launch
-    weights (a test that syncs others puts them back); its server counters are cumulative, so a test
-    reads them as differences."""
+    """A replica of ``launch_replica(routing_replay=True)`` (tests/test_verl_integration.py: the tiny
+    config, verl's ``enable_rollout_routing_replay`` on, so the routing-replay test shares it; the
+    replicas of the other verl tests keep it off), one for the session (a launch is ~5 s on the
+    2-core VM): each test gets it as launched, with the launch weights (a test that syncs others
+    puts them back); its server counters are cumulative, so a test reads them as differences."""
     await _as_launched(_verl_default_replica)
     return _verl_default_replica
 

@@ -355,7 +355,7 @@ async def test_replica_serves_actor_rollout_ref_model_path_and_syncs_transformer
 
 
 @needs_verl
-async def test_fully_async_client_partial_rollout_resumes_without_recompute(ray_cluster):
+async def test_fully_async_client_partial_rollout_resumes_without_recompute(verl_replica, verl_router):
     """verl's FullyAsyncLLMServerClient: abort_all_requests mid-turn returns the partial tokens,
     the client resends prompt + partial tokens after resume_generation, the server reuses their
     KV (nothing of the partial turn is prefilled again) and the merged output equals an
@@ -364,47 +364,43 @@ async def test_fully_async_client_partial_rollout_resumes_without_recompute(ray_
     equals the router's top-k of a full recompute."""
     import numpy as np
     from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
-    from verl.workers.rollout.router import get_router_handle
 
-    replica = await launch_replica("fullyasync", routing_replay=True)
+    replica = verl_replica
     server = replica.server_handle
-    try:
-        prompt = [7, 3, 99, 41, 250, 12, 88, 17, 5, 64, 33, 2, 101, 77, 9]
-        n = 300                        # the turn's tokens (the abort lands after ~100 of them on the 2-core VM)
-        req = {**GREEDY, "max_tokens": n, "ignore_eos": True}
-        ref = await server.generate.remote(prompt, dict(req), "reference")
-        assert len(ref.token_ids) == n
-        await replica.clear_kv_cache()
-        cfg = trainer_config(rollout_config(routing_replay=True))
-        client = FullyAsyncLLMServerClient(cfg, load_balancer_handle=get_router_handle(
-            servers={replica.server_address: server}))
-        task = asyncio.ensure_future(client.generate("episode-1", prompt_ids=prompt, sampling_params=dict(req)))
-        for _ in range(2000):
-            if (await server.metrics.remote())["server"]["inflight"]:
-                break
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.3)
-        res = await replica.abort_all_requests(reset_prefix_cache=False)    # keep the partial turn's KV
-        assert res["aborted_count"] == 1
-        await asyncio.sleep(0.3)
-        await replica.resume_generation()
-        out = await asyncio.wait_for(task, 120)
-        assert out.token_ids == ref.token_ids and len(out.log_probs) == n
-        stats = (await server.metrics.remote())["server"]
-        k = stats["partial_tokens"]
-        assert stats["aborted"] == 1 and 0 < k < n
-        # the resumed turn fed only the last partial token again
-        assert stats["cached_tokens"] == len(prompt) + k - 1
-        # routing replay: [every fed token, MoE layers, top_k], merged contiguously across the resume
-        from ainfer_pd import WorkerConfig
-        from ainfer_pd.engine.model.model import build_model
-        from tests.test_routing_replay import _same, reference_routing
-        wc = WorkerConfig.from_yaml(TINY)
-        assert isinstance(ref.routed_experts, np.ndarray)
-        assert ref.routed_experts.shape == (len(prompt) + n - 1, wc.model.num_layers, wc.model.top_k)
-        assert np.array_equal(out.routed_experts, ref.routed_experts)
-        seq = prompt + list(ref.token_ids)
-        want = reference_routing(build_model(wc.model), wc, seq)[:len(seq) - 1]
-        assert _same(torch.tensor(ref.routed_experts), want)
-    finally:
-        await kill(replica)
+    prompt = [7, 3, 99, 41, 250, 12, 88, 17, 5, 64, 33, 2, 101, 77, 9]
+    n = 300                            # the turn's tokens (the abort lands after ~100 of them on the 2-core VM)
+    req = {**GREEDY, "max_tokens": n, "ignore_eos": True}
+    ref = await server.generate.remote(prompt, dict(req), "reference")
+    assert len(ref.token_ids) == n
+    await replica.clear_kv_cache()
+    before = (await server.metrics.remote())["server"]          # the shared server's counters so far
+    cfg = trainer_config(rollout_config(routing_replay=True))
+    client = FullyAsyncLLMServerClient(cfg, load_balancer_handle=verl_router)
+    task = asyncio.ensure_future(client.generate("episode-1", prompt_ids=prompt, sampling_params=dict(req)))
+    for _ in range(2000):
+        if (await server.metrics.remote())["server"]["inflight"]:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.3)
+    res = await replica.abort_all_requests(reset_prefix_cache=False)    # keep the partial turn's KV
+    assert res["aborted_count"] == 1
+    await asyncio.sleep(0.3)
+    await replica.resume_generation()
+    out = await asyncio.wait_for(task, 120)
+    assert out.token_ids == ref.token_ids and len(out.log_probs) == n
+    stats = (await server.metrics.remote())["server"]
+    k = stats["partial_tokens"] - before.get("partial_tokens", 0)
+    assert stats["aborted"] - before.get("aborted", 0) == 1 and 0 < k < n
+    # the resumed turn fed only the last partial token again
+    assert stats["cached_tokens"] - before.get("cached_tokens", 0) == len(prompt) + k - 1
+    # routing replay: [every fed token, MoE layers, top_k], merged contiguously across the resume
+    from ainfer_pd import WorkerConfig
+    from ainfer_pd.engine.model.model import build_model
+    from tests.test_routing_replay import _same, reference_routing
+    wc = WorkerConfig.from_yaml(TINY)
+    assert isinstance(ref.routed_experts, np.ndarray)
+    assert ref.routed_experts.shape == (len(prompt) + n - 1, wc.model.num_layers, wc.model.top_k)
+    assert np.array_equal(out.routed_experts, ref.routed_experts)
+    seq = prompt + list(ref.token_ids)
+    want = reference_routing(build_model(wc.model), wc, seq)[:len(seq) - 1]
+    assert _same(torch.tensor(ref.routed_experts), want)
