@@ -93,31 +93,30 @@ def ray_cluster():
     ray.shutdown()
 
 
-def _kill_if_ray_is_up(replica) -> None:
+@pytest.fixture(scope="session")
+def _verl_shared(ray_cluster, hf_model_dir):
+    """The verl tests' shared replicas, launched together (a launch is ~5 s on the 2-core VM, mostly
+    the server process's imports): ``launch_replica(routing_replay=True)`` (the tiny config) with
+    verl's default router over it, and one of the tiny qwen3_moe Hugging Face directory."""
+    from verl.workers.config import HFModelConfig
+    from verl.workers.rollout.router import get_router_handle
+
+    from tests.test_verl_integration import kill, launch_replica
+    path = hf_model_dir("qwen3_moe")
+
+    async def launch():
+        return await asyncio.gather(
+            launch_replica("shared", routing_replay=True),
+            launch_replica("shared_hf", model_config=HFModelConfig(path=str(path), load_tokenizer=False),
+                           overrides={"cache.num_blocks": 256}))
+    default, hf = asyncio.run(launch())
+    router = get_router_handle(servers={default.server_address: default.server_handle})   # starts meanwhile
+    yield {"default": default, "router": router, "hf": (hf, path)}
     import ray
     if ray.is_initialized():          # else Ray is down already (after the last verl test), its actors too
-        from tests.test_verl_integration import kill
-        asyncio.run(kill(replica))
-
-
-@pytest.fixture(scope="session")
-def _verl_default_replica(ray_cluster):
-    from tests.test_verl_integration import launch_replica
-    replica = asyncio.run(launch_replica("shared", routing_replay=True))
-    yield replica
-    _kill_if_ray_is_up(replica)
-
-
-@pytest.fixture(scope="session")
-def _verl_hf_replica(ray_cluster, hf_model_dir):
-    from verl.workers.config import HFModelConfig
-
-    from tests.test_verl_integration import launch_replica
-    path = hf_model_dir("qwen3_moe")
-    replica = asyncio.run(launch_replica("shared_hf", model_config=HFModelConfig(path=str(path), load_tokenizer=False),
-                                         overrides={"cache.num_blocks": 256}))
-    yield replica, path
-    _kill_if_ray_is_up(replica)
+        ray.kill(router)
+        for replica in (default, hf):
+            asyncio.run(kill(replica))
 
 
 async def _as_launched(replica) -> None:
@@ -130,41 +129,30 @@ async def _as_launched(replica) -> None:
 
 
 @pytest.fixture
-async def verl_replica(_verl_default_replica):
+async def verl_replica(_verl_shared):
     """A replica of ``launch_replica(routing_replay=True)`` (tests/test_verl_integration.py: the tiny
     config, verl's ``enable_rollout_routing_replay`` on, so the routing-replay test shares it; the
-    replicas of the other verl tests keep it off), one for the session (a launch is ~5 s on the
-    2-core VM): each test gets it as launched, with the launch weights (a test that syncs others
-    puts them back); its server counters are cumulative, so a test reads them as differences."""
-    await _as_launched(_verl_default_replica)
-    return _verl_default_replica
-
-
-@pytest.fixture(scope="session")
-def _verl_default_router(_verl_default_replica):
-    from verl.workers.rollout.router import get_router_handle
-    r = _verl_default_replica
-    router = get_router_handle(servers={r.server_address: r.server_handle})
-    yield router
-    import ray
-    if ray.is_initialized():
-        ray.kill(router)
+    replicas of the other verl tests keep it off), one for the session: each test gets it as
+    launched, with the launch weights (a test that syncs others puts them back); its server
+    counters are cumulative, so a test reads them as differences."""
+    await _as_launched(_verl_shared["default"])
+    return _verl_shared["default"]
 
 
 @pytest.fixture
-def verl_router(verl_replica, _verl_default_router):
+def verl_router(verl_replica, _verl_shared):
     """verl's default router (``get_router_handle``: a Ray actor, ~5 s to start on the 2-core VM) over
     :func:`verl_replica`'s one server, one for the session."""
-    return _verl_default_router
+    return _verl_shared["router"]
 
 
 @pytest.fixture
-async def verl_hf_replica(_verl_hf_replica):
+async def verl_hf_replica(_verl_shared):
     """(replica, model directory): a replica of verl's ``actor_rollout_ref.model.path`` = the tiny
     qwen3_moe Hugging Face directory (``cache.num_blocks: 256``), one for the session, as
     :func:`verl_replica`."""
-    await _as_launched(_verl_hf_replica[0])
-    return _verl_hf_replica
+    await _as_launched(_verl_shared["hf"][0])
+    return _verl_shared["hf"]
 
 
 @pytest.hookimpl(trylast=True)

@@ -311,38 +311,50 @@ def test_cuda_item_path_stalls_under_isolation_and_selective_fixes_it(tmp_path):
 
 
 # ====================================================================== launcher under torchrun (gloo)
-def _torchrun(n: int, *args: str, timeout: int = 180) -> subprocess.CompletedProcess:
+def _torchrun(n: int, *args: str, timeout: int = 180, wait: bool = True):
+    """``torchrun -m benchmarks.nccl_harness`` with ``n`` ranks: its CompletedProcess, or with
+    ``wait=False`` the running Popen (stdout and stderr piped, text)."""
     torchrun = Path(sys.executable).parent / "torchrun"
     cmd = [str(torchrun), "--standalone", "--nproc-per-node", str(n), "-m", "benchmarks.nccl_harness", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if not wait:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_launcher_under_torchrun_reports_the_stall_and_exits(tmp_path):
-    t0 = time.monotonic()
-    # the adversarial start makes the cycle certain (jitter alone completed all four ranks once in a
-    # full-suite run on the loaded 2-core VM)
-    crossed = ("--skew-mode", "crossed", "--skew-ms", "300")
-    p = _torchrun(4, "--backend", "gloo", "--ordering", "none", *crossed, "--out", str(tmp_path))
-    assert time.monotonic() - t0 < 150
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "[none] STALLED: stalled on 4/4 ranks; wait cycle" in p.stdout
-    assert "device-progress cycle: rank" in p.stdout and "RESULT: OK" in p.stdout
-    assert all(f"[rank {r}] none: StallError" in p.stdout for r in range(4))
-    # the same stall judged against --expect complete is unexpected: the launch's own per-rank rows
-    # (summary.json) through the launcher's report (a second 4-rank launch cost ~10 s on 2 cores) ...
-    runs = json.loads((tmp_path / "summary.json").read_text())["runs"]
-    specs = build_specs(_args("--backend", "gloo", "--ordering", "none", *crossed, "--out", str(tmp_path)), 4, "gloo")
-    ok, text, _ = report(specs, [[row] for row in runs[0]["ranks"]], expect="complete")
-    assert not ok and "[none] STALLED" in text and "(expected: complete) -> UNEXPECTED" in text, text
-    assert text.endswith("RESULT: UNEXPECTED (see above)")
-    # ... and a launch whose outcome is not the expected one fails under torchrun (one rank that
-    # completes, told to expect a stall)
-    p = _torchrun(1, "--backend", "gloo", "--ordering", "none", "--expect", "stall", "--out", str(tmp_path / "x"))
-    assert p.returncode == 1 and "(expected: stall) -> UNEXPECTED" in p.stdout, p.stdout[-3000:]
-    assert "RESULT: UNEXPECTED" in p.stdout
+    # a launch whose outcome is not the expected one fails under torchrun: one rank that completes,
+    # told to expect a stall (started first, beside the 4-rank launch: ~5 s of imports on 2 cores)
+    unexpected = _torchrun(1, "--backend", "gloo", "--ordering", "none", "--expect", "stall",
+                           "--out", str(tmp_path / "x"), wait=False)
+    try:
+        t0 = time.monotonic()
+        # the adversarial start makes the cycle certain (jitter alone completed all four ranks once in a
+        # full-suite run on the loaded 2-core VM)
+        crossed = ("--skew-mode", "crossed", "--skew-ms", "300")
+        p = _torchrun(4, "--backend", "gloo", "--ordering", "none", *crossed, "--out", str(tmp_path))
+        assert time.monotonic() - t0 < 150
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        assert "[none] STALLED: stalled on 4/4 ranks; wait cycle" in p.stdout
+        assert "device-progress cycle: rank" in p.stdout and "RESULT: OK" in p.stdout
+        assert all(f"[rank {r}] none: StallError" in p.stdout for r in range(4))
+        # the same stall judged against --expect complete is unexpected: the launch's own per-rank rows
+        # (summary.json) through the launcher's report (a second 4-rank launch cost ~10 s on 2 cores) ...
+        runs = json.loads((tmp_path / "summary.json").read_text())["runs"]
+        specs = build_specs(_args("--backend", "gloo", "--ordering", "none", *crossed, "--out", str(tmp_path)), 4,
+                            "gloo")
+        ok, text, _ = report(specs, [[row] for row in runs[0]["ranks"]], expect="complete")
+        assert not ok and "[none] STALLED" in text and "(expected: complete) -> UNEXPECTED" in text, text
+        assert text.endswith("RESULT: UNEXPECTED (see above)")
+        # ... and the one-rank launch told to expect a stall that did not come failed
+        out, _ = unexpected.communicate(timeout=180)
+        assert unexpected.returncode == 1 and "(expected: stall) -> UNEXPECTED" in out, out[-3000:]
+        assert "RESULT: UNEXPECTED" in out
+    finally:
+        if unexpected.poll() is None:
+            unexpected.kill()
 
 
 @pytest.mark.slow

@@ -120,7 +120,9 @@ async def test_hybrid_and_colocated_sleep_levels_profile_and_metrics(ray_cluster
     from verl.workers.rollout.base import get_rollout_class
 
     names = _trainer_weights(TINY)
-    replica, rc = await _launch("hyb", metrics_port=0, profile_dir=str(tmp_path / "prof"))
+    # both replicas launched together (a launch is ~5 s of the server process's imports on 2 cores)
+    (replica, rc), (coloc, _) = await asyncio.gather(
+        _launch("hyb", metrics_port=0, profile_dir=str(tmp_path / "prof")), _launch("coloc", mode="COLOCATED"))
     server = replica.server_handle
     try:
         adapter = get_rollout_class("ainfer_pd", "async")(config=rc, model_config={}, device_mesh=None,
@@ -172,7 +174,7 @@ async def test_hybrid_and_colocated_sleep_levels_profile_and_metrics(ray_cluster
     finally:
         await kill(replica)
 
-    replica, _ = await _launch("coloc", mode="COLOCATED")
+    replica = coloc
     server = replica.server_handle
     try:
         assert await _tokens(server) == base
