@@ -223,6 +223,8 @@ async def test_two_rank_replica_serves_agent_loop_syncs_profiles_and_fails_typed
     replica, rc = await _launch("two", model_config=model_config, config=TWO, metrics_port=0,
                                 profile_dir=str(tmp_path / "prof"), overrides={"cache.num_blocks": 256})
     server = replica.server_handle
+    # verl's router to it (a Ray actor: it starts while the checks below run, ~5 s on 2 cores)
+    router = get_router_handle(servers={replica.server_address: server})
     try:
         wc = await server.get_worker_config.remote()
         assert wc["parallel"]["world_size"] == 2 and wc["model"]["architecture"] == "qwen3_moe"
@@ -247,8 +249,7 @@ async def test_two_rank_replica_serves_agent_loop_syncs_profiles_and_fails_typed
         rc.multi_turn.max_assistant_turns = 3
         rc.multi_turn.max_tool_response_length = 256
         cfg = trainer_config(rc)
-        client = LLMServerClient(cfg, load_balancer_handle=get_router_handle(
-            servers={replica.server_address: server}))
+        client = LLMServerClient(cfg, load_balancer_handle=router)
         loop = hydra.utils.instantiate(
             _agent_loop_registry["ainfer_pd_tool_agent"], trainer_config=DictConfigWrap(cfg), server_manager=client,
             tokenizer=_small_tokenizer(), processor=None, hf_model_type=None, dataset_cls=RLHFDataset,
