@@ -119,6 +119,27 @@ def _verl_shared(ray_cluster, hf_model_dir):
             asyncio.run(kill(replica))
 
 
+@pytest.fixture(scope="session")
+def _verl_llm_servers(ray_cluster, tmp_path_factory):
+    from verl.workers.rollout.llm_server import LLMServerManager
+
+    from tests.test_verl_contract import _ppo_config
+    from tests.test_verl_integration import kill
+    from trainer_examples.verl.make_tiny_cpu import build_model
+    model_dir = tmp_path_factory.mktemp("verl_ppo") / "model"
+    build_model(str(model_dir))
+    cfg = _ppo_config(str(model_dir))
+
+    async def create():
+        return await LLMServerManager.create(cfg)   # worker_group=None -> init_standalone (CPU: no GPU pool)
+    servers = asyncio.run(create())
+    yield servers, cfg
+    import ray
+    if ray.is_initialized():
+        for replica in servers.get_replicas():
+            asyncio.run(kill(replica))
+
+
 async def _as_launched(replica) -> None:
     """Nothing in flight, the prefix cache dropped (abort_all_requests' default) and no retained
     trajectory: what the next test sees is a launched replica's state (its counters aside)."""
@@ -144,6 +165,17 @@ def verl_router(verl_replica, _verl_shared):
     """verl's default router (``get_router_handle``: a Ray actor, ~5 s to start on the 2-core VM) over
     :func:`verl_replica`'s one server, one for the session."""
     return _verl_shared["router"]
+
+
+@pytest.fixture
+async def verl_llm_servers(_verl_llm_servers):
+    """(verl's LLMServerManager, its config): the replica and router it launches for verl's own
+    ``ppo_trainer`` config (hydra compose, as ``main_ppo`` builds it: ``_ppo_config`` in
+    tests/test_verl_contract.py) on a tiny Qwen3-MoE directory, one for the session (~10 s to launch
+    on the 2-core VM); each test gets its replica as launched (:func:`verl_replica`)."""
+    for replica in _verl_llm_servers[0].get_replicas():
+        await _as_launched(replica)
+    return _verl_llm_servers
 
 
 @pytest.fixture

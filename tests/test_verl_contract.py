@@ -366,36 +366,28 @@ def _ppo_config(model_dir: str, **over):
 
 
 @needs_verl
-async def test_agent_loop_manager_batches_mixed_agent_loops_over_two_workers(ray_cluster, tmp_path):
+async def test_agent_loop_manager_batches_mixed_agent_loops_over_two_workers(verl_llm_servers):
     """verl's AgentLoopManager with two AgentLoopWorkers: one worker's chunk runs only
     ``single_turn_agent``, the other's only ``ainfer_pd_tool_agent``; ``DataProto.concat`` of their
     outputs needs the same non-tensor keys (before the fix the tool loop added its own and concat failed)."""
     import numpy as np
     from verl.experimental.agent_loop.agent_loop import AgentLoopManager
     from verl.protocol import DataProto
-    from verl.workers.rollout.llm_server import LLMServerManager
 
-    from trainer_examples.verl.make_tiny_cpu import build_model
-    build_model(str(tmp_path / "model"))
-    cfg = _ppo_config(str(tmp_path / "model"))
-    servers = await LLMServerManager.create(cfg)
-    try:
-        manager = await AgentLoopManager.create(config=cfg, llm_client=servers.get_client())
-        assert len(manager.agent_loop_workers) == 2
-        prompts = [[{"role": "user", "content": f"t{20 + i} t21 t22 t23 t24 t25"}] for i in range(4)]
-        batch = DataProto(non_tensor_batch={
-            "raw_prompt": np.array(prompts + [None], dtype=object)[:4],
-            "agent_name": np.array(["single_turn_agent"] * 2 + ["ainfer_pd_tool_agent"] * 2, dtype=object),
-            "index": np.arange(4)})
-        out = await manager.generate_sequences(batch)
-        assert len(out) == 4 and out.batch["responses"].shape[0] == 4
-        from ainfer_pd.integrations.verl.server import EXTRA_FIELDS
-        assert set(EXTRA_FIELDS) <= set(out.non_tensor_batch)      # the server's fields, copied by both loops
-        assert not {"ainfer_pd_cached_tokens", "ainfer_pd_sent_tokens"} & set(out.non_tensor_batch)
-        assert list(out.non_tensor_batch["agent_name"]) == list(batch.non_tensor_batch["agent_name"])
-    finally:
-        for r in servers.get_replicas():
-            await kill(r)
+    servers, cfg = verl_llm_servers          # LLMServerManager.create over _ppo_config (tests/conftest.py)
+    manager = await AgentLoopManager.create(config=cfg, llm_client=servers.get_client())
+    assert len(manager.agent_loop_workers) == 2
+    prompts = [[{"role": "user", "content": f"t{20 + i} t21 t22 t23 t24 t25"}] for i in range(4)]
+    batch = DataProto(non_tensor_batch={
+        "raw_prompt": np.array(prompts + [None], dtype=object)[:4],
+        "agent_name": np.array(["single_turn_agent"] * 2 + ["ainfer_pd_tool_agent"] * 2, dtype=object),
+        "index": np.arange(4)})
+    out = await manager.generate_sequences(batch)
+    assert len(out) == 4 and out.batch["responses"].shape[0] == 4
+    from ainfer_pd.integrations.verl.server import EXTRA_FIELDS
+    assert set(EXTRA_FIELDS) <= set(out.non_tensor_batch)          # the server's fields, copied by both loops
+    assert not {"ainfer_pd_cached_tokens", "ainfer_pd_sent_tokens"} & set(out.non_tensor_batch)
+    assert list(out.non_tensor_batch["agent_name"]) == list(batch.non_tensor_batch["agent_name"])
 
 
 @needs_verl

@@ -125,36 +125,31 @@ def test_registration_entry_point_and_env():
 
 
 @needs_verl
-async def test_llm_server_manager_and_client_prefix_reuse(ray_cluster):
-    """verl's LLMServerManager launches the replica, LLMServerClient + router reach it through Ray;
-    a ToolAgentLoop-style full-context resend under a fresh request id reuses the retained KV."""
-    from verl.workers.rollout.llm_server import LLMServerManager
+async def test_llm_server_manager_and_client_prefix_reuse(verl_llm_servers):
+    """verl's LLMServerManager launches the replica (for verl's own ppo_trainer config: tests/conftest.py
+    ``verl_llm_servers``), LLMServerClient + router reach it through Ray; a ToolAgentLoop-style
+    full-context resend under a fresh request id reuses the retained KV."""
     from verl.workers.rollout.replica import TokenOutput
 
-    cfg = trainer_config(rollout_config())
-    manager = await LLMServerManager.create(cfg)        # worker_group=None -> init_standalone (CPU: no GPU pool)
+    manager, _ = verl_llm_servers
     client = manager.get_client()
-    try:
-        prompt = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28]
-        out = await client.generate(uuid.uuid4().hex, prompt_ids=prompt, sampling_params={**GREEDY, "max_tokens": 8})
-        assert isinstance(out, TokenOutput) and out.stop_reason == "completed"
-        assert 1 <= len(out.token_ids) <= 8 and len(out.log_probs) == len(out.token_ids)
-        assert out.extra_fields["num_cached_tokens"] == 0
-        # turn 2: the whole context again (prompt + answer + observation), new request id
-        ctx = prompt + list(out.token_ids) + [7, 8, 9, 10]
-        out2 = await client.generate(uuid.uuid4().hex, prompt_ids=ctx, sampling_params={**GREEDY, "max_tokens": 8})
-        assert out2.extra_fields["num_cached_tokens"] >= len(prompt)
-        assert out2.extra_fields["ainfer_pd_trajectory_id"] == out.extra_fields["ainfer_pd_trajectory_id"]
-        # the same context from scratch gives the same greedy tokens (reuse is exact)
-        fresh = await client.generate(uuid.uuid4().hex, prompt_ids=[0] + ctx[1:],
-                                      sampling_params={**GREEDY, "max_tokens": 2})
-        assert fresh.extra_fields["num_cached_tokens"] == 0
-        # unsupported input is a clear error
-        with pytest.raises(Exception, match="text-only"):
-            await client.generate("x", prompt_ids=prompt, sampling_params=GREEDY, image_data=[1])
-    finally:
-        for r in manager.get_replicas():
-            await kill(r)
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28]
+    out = await client.generate(uuid.uuid4().hex, prompt_ids=prompt, sampling_params={**GREEDY, "max_tokens": 8})
+    assert isinstance(out, TokenOutput) and out.stop_reason == "completed"
+    assert 1 <= len(out.token_ids) <= 8 and len(out.log_probs) == len(out.token_ids)
+    assert out.extra_fields["num_cached_tokens"] == 0
+    # turn 2: the whole context again (prompt + answer + observation), new request id
+    ctx = prompt + list(out.token_ids) + [7, 8, 9, 10]
+    out2 = await client.generate(uuid.uuid4().hex, prompt_ids=ctx, sampling_params={**GREEDY, "max_tokens": 8})
+    assert out2.extra_fields["num_cached_tokens"] >= len(prompt)
+    assert out2.extra_fields["ainfer_pd_trajectory_id"] == out.extra_fields["ainfer_pd_trajectory_id"]
+    # the same context from scratch gives the same greedy tokens (reuse is exact)
+    fresh = await client.generate(uuid.uuid4().hex, prompt_ids=[0] + ctx[1:],
+                                  sampling_params={**GREEDY, "max_tokens": 2})
+    assert fresh.extra_fields["num_cached_tokens"] == 0
+    # unsupported input is a clear error
+    with pytest.raises(Exception, match="text-only"):
+        await client.generate("x", prompt_ids=prompt, sampling_params=GREEDY, image_data=[1])
 
 
 # ---- the scripted tokenizer and tool (ainfer_pd.integrations.verl.scripted)
