@@ -14,11 +14,31 @@ through ``ModelRunner.forward_fb`` gives:
 ``--cprofile`` prints the top host functions (own time) of one enqueue of the first case.
 
     python benchmarks/p_epoch_host_bench.py [--config configs/qwen3-30b-a3b-shape.yaml] [--cases 512:2048,2048:4096,8192:8192]
+
+``--beside-d B`` (issue 33: the same figure beside D, its permit waits left out; target <= 1.3): the
+policy multiplexes P with D (fine-grained unless ``--set scheduler.policy=`` names another turnstile
+policy); the alone rows run first (no D yet, so no epoch is gated), then B trajectories of
+``--d-prompt`` random tokens decode (``ignore_eos``, ``--d-tokens`` each: they outlast the run) while
+each case is measured again. Per continuation, from ``w.metrics()`` deltas: the epoch wall
+(``p_epoch_s``), its permit waits (``p_wait_permit_s``), ``wall_less_waits_ms`` = wall - permit
+waits, the receive-counts waits (``p_counts_wait_s``, per-layer pacing only: P's host paced by its own
+device, so recorded, not subtracted, as the engine's P boundary timing does), the epochs, the permits
+(0: not gated) and ``d_iters``, the D iterations meanwhile (> 0), per continuation. One more continuation per case runs
+under the torch profiler: ``p_busy_ms`` is the device time of the kernels on P's CUDA streams only (its
+own and its green-context lane, each named by a marker kernel's ``device_resource_id``),
+``other_busy_ms`` D's. ``ratio`` = median ``wall_less_waits_ms`` / ``p_busy_ms``, ``ratio_alone`` =
+the same over the alone row's ``busy_ms``. The JSON keeps ``rows`` and adds ``beside_d``.
+``--no-profile`` drops every profiler figure, so the engine side runs on CPU too
+(``--config configs/tiny-cpu.yaml --d-prompt 256 --cases 128:256 --beside-d 4``).
+
+    python benchmarks/p_epoch_host_bench.py --beside-d 32 --cases 512:2048,2048:4096,8192:8000 \\
+        --set scheduler.policy=fine-grained --out p_epoch_beside_d.json
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import cProfile
 import json
 import pstats
@@ -36,7 +56,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ainfer_pd import RolloutWorker, SamplingParams  # noqa: E402
 from ainfer_pd.tools.options import load_config  # noqa: E402
 from ainfer_pd.engine.attention import ForwardBatch, PrefillSeq  # noqa: E402
+from ainfer_pd.engine.loop.p_walk import GATED_LANE  # noqa: E402
 from ainfer_pd.phase import Phase, PhaseContext  # noqa: E402
+from ainfer_pd.sched.epoch_mode import policy_traits  # noqa: E402
+
+EXCLUSIVE = ("backlog_exclusive", "wait_exclusive", "activation_declined")
+"""The counters of epochs that ran exclusive while D rows existed (a guard declined the gating)."""
+MARK = "spin_kernel"
+"""``torch.cuda._sleep``'s kernel: launched on each P stream inside the profile, it names their ids."""
 
 
 def _delta_sum(m: dict, m0: dict, key: str) -> tuple[float, int]:
@@ -105,21 +132,138 @@ def host_profile(runner, n: int, cached: int, top: int) -> str:
     return s.getvalue()
 
 
-async def engine_epochs(w: RolloutWorker, n: int, cached: int, reps: int) -> dict:
-    rng = random.Random(n * 7 + cached)
+def split_busy(events, num_streams: int) -> dict:
+    """Device time (ms) of the profiler ``events`` on P's CUDA streams (the streams of the ``MARK``
+    kernels, one per P stream, themselves left out) and on the others (D's); kernels, memcpy, memset."""
+    from torch.autograd import DeviceType
+    dev = [e for e in events if e.device_type == DeviceType.CUDA
+           and "annotation" not in str(getattr(e, "activity_type", "") or "")]
+    marks = [e for e in dev if MARK in e.name]
+    if len(marks) != num_streams:
+        raise RuntimeError(f"{len(marks)} marker kernels in the profile for {num_streams} P streams")
+    p_ids = {e.device_resource_id for e in marks}
+    p = [e for e in dev if e.device_resource_id in p_ids and MARK not in e.name]
+    rest = [e for e in dev if e.device_resource_id not in p_ids]
+    ms = lambda es: round(sum(e.time_range.elapsed_us() for e in es) / 1e3, 2)
+    return {"p_busy_ms": ms(p), "p_kernels": len(p), "other_busy_ms": ms(rest), "p_stream_ids": sorted(p_ids),
+            "other_stream_ids": sorted({e.device_resource_id for e in rest})}
+
+
+@contextlib.contextmanager
+def p_stream_busy(engine, out: dict):
+    """Profile the body (CUDA activity); ``out`` gets :func:`split_busy`. Each of P's CUDA streams (its
+    own, its green-context lane) runs a marker kernel at the start, while P is idle: its id."""
+    from torch.profiler import ProfilerActivity, profile
+    name = engine.prefill_ctx.stream.name
+    streams = list({s.cuda_stream: s for s in (engine.device.cuda_stream(name, lane)
+                                               for lane in (None, GATED_LANE))}.values())
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for s in streams:
+            with torch.cuda.stream(s):
+                torch.cuda._sleep(1000)
+            s.synchronize()
+        yield
+        for s in streams:
+            s.synchronize()
+    out.update(split_busy(prof.events(), len(streams)))
+
+
+async def _continuation(w: RolloutWorker, rng: random.Random, n: int, cached: int,
+                        around=contextlib.nullcontext) -> dict:
+    """Prefill ``cached`` random tokens (not measured), continue them with ``n``: the metric deltas
+    of the continuation (times in ms) and the D rows decoding when it ended."""
     V = w.cfg.model.vocab_size
     one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-    walls, epochs = [], 0
-    for _ in range(reps):
-        o = await w.generate([rng.randrange(2, V) for _ in range(cached)], one)
-        m0 = w.metrics()
+    o = await w.generate([rng.randrange(2, V) for _ in range(cached)], one)
+    m0 = w.metrics()
+    with around():
         o2 = await w.continue_(o.trajectory_id, [rng.randrange(2, V) for _ in range(n)], one)
-        m = w.metrics()
-        total, epochs = _delta_sum(m, m0, "p_epoch_s")     # a continuation over the P budget takes 2 epochs
-        walls.append(total * 1e3)
-        await w.release(o2.trajectory_id)
+    m = w.metrics()
+    d_rows = len(w.engine.book.decoding)
+    await w.release(o2.trajectory_id)
+    (wall, epochs), (permit, permits) = _delta_sum(m, m0, "p_epoch_s"), _delta_sum(m, m0, "p_wait_permit_s")
+    return {"wall": wall * 1e3, "epochs": epochs, "permit": permit * 1e3, "permits": permits,
+            "counts": _delta_sum(m, m0, "p_counts_wait_s")[0] * 1e3, "d_iters": _delta_sum(m, m0, "d_iter_s")[1],
+            "d_rows": d_rows, "exclusive": sum(m.get(k, 0) - m0.get(k, 0) for k in EXCLUSIVE)}
+
+
+async def engine_epochs(w: RolloutWorker, n: int, cached: int, reps: int) -> dict:
+    rng = random.Random(n * 7 + cached)
+    runs = [await _continuation(w, rng, n, cached) for _ in range(reps)]
+    walls = [r["wall"] for r in runs]       # a continuation over the P budget takes 2 epochs
     return {"epoch_wall_ms": round(statistics.median(walls), 2), "epoch_wall_all_ms": [round(x, 2) for x in walls],
-            "epochs": epochs}
+            "epochs": runs[-1]["epochs"]}
+
+
+async def beside_epochs(w: RolloutWorker, n: int, cached: int, reps: int, profile: bool) -> dict:
+    """``reps`` continuations beside the decoding rows, then (``profile``) one under the profiler."""
+    rng = random.Random(n * 7 + cached + 1)
+    runs = [await _continuation(w, rng, n, cached) for _ in range(reps)]
+    less = [r["wall"] - r["permit"] for r in runs]
+    med = lambda k: round(statistics.median(r[k] for r in runs), 2)
+    row = {"n": n, "cached": cached, "epoch_wall_ms": med("wall"), "permit_wait_ms": med("permit"),
+           "counts_wait_ms": med("counts"), "wall_less_waits_ms": round(statistics.median(less), 2),
+           "wall_less_waits_all_ms": [round(x, 2) for x in less], "epochs": max(r["epochs"] for r in runs),
+           "permits": [r["permits"] for r in runs], "exclusive": sum(r["exclusive"] for r in runs),
+           "d_iters": [r["d_iters"] for r in runs], "d_rows": min(r["d_rows"] for r in runs)}
+    if profile:
+        busy: dict = {}
+        r = await _continuation(w, rng, n, cached, around=lambda: p_stream_busy(w.engine, busy))
+        row.update(busy, profiled_wall_less_waits_ms=round(r["wall"] - r["permit"], 2), profiled_d_iters=r["d_iters"])
+    return row
+
+
+async def start_d(w: RolloutWorker, b: int, prompt: int, tokens: int, timeout_s: float = 600.0) -> list:
+    """``b`` long generations (``ignore_eos``) on ``prompt`` random tokens; returns once all decode."""
+    rng, V = random.Random(33), w.cfg.model.vocab_size
+    params = SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True)
+    tasks = [asyncio.create_task(w.generate([rng.randrange(2, V) for _ in range(prompt)], params)) for _ in range(b)]
+    t0 = time.monotonic()
+    while len(w.engine.book.decoding) < b:
+        if any(t.done() for t in tasks) or time.monotonic() - t0 > timeout_s:
+            for t in tasks:
+                if t.done():
+                    t.result()          # its error, if it failed
+            raise RuntimeError(f"{len(w.engine.book.decoding)} of {b} D rows decoding (one finished, or the KV "
+                               f"pool holds fewer than {b} x ({prompt} + {tokens}) tokens)")
+        await asyncio.sleep(0.01)
+    return tasks
+
+
+async def stop_d(w: RolloutWorker, tasks: list) -> int:
+    """Abort and release the D rows; returns how many had ended by themselves (should be 0)."""
+    early = sum(t.done() for t in tasks)
+    await w.abort_all()
+    for o in await asyncio.gather(*tasks):
+        await w.release(o.trajectory_id)
+    return early
+
+
+def _f(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+async def beside_rows(w: RolloutWorker, a, cases: list, alone: dict, profile: bool) -> dict:
+    cfg = w.cfg
+    d_tokens = min(a.d_tokens, cfg.model.max_context_len - a.d_prompt)
+    tasks = await start_d(w, a.beside_d, a.d_prompt, d_tokens)
+    rows = []
+    print(f"beside D ({a.beside_d} rows, policy {cfg.scheduler.policy})\n{'n':>6} {'cached':>6} {'wall_ms':>8} "
+          f"{'permit':>8} {'wall-w':>8} {'p_busy':>8} {'ratio':>6} {'r_alone':>7} {'d_iters':>8}", flush=True)
+    for n, cached in cases:
+        r = await beside_epochs(w, n, cached, a.reps, profile)
+        busy, busy_alone = r.get("p_busy_ms"), alone.get((n, cached))
+        r["ratio"] = round(r["wall_less_waits_ms"] / busy, 3) if busy else None
+        r["ratio_alone"] = round(r["wall_less_waits_ms"] / busy_alone, 3) if busy_alone else None
+        rows.append(r)
+        print(f"{n:>6} {cached:>6} {r['epoch_wall_ms']:>8.2f} {r['permit_wait_ms']:>8.2f} "
+              f"{r['wall_less_waits_ms']:>8.2f} {_f(busy, '>8.2f')} {_f(r['ratio'], '>6.3f')} "
+              f"{_f(r['ratio_alone'], '>7.3f')} {min(r['d_iters']):>8}", flush=True)
+        if min(r["d_iters"]) <= 0 or r["d_rows"] < a.beside_d:
+            print(f"  WARNING: not beside D (d_iters {r['d_iters']}, {r['d_rows']} rows at the end)", flush=True)
+    early = await stop_d(w, tasks)
+    return {"b": a.beside_d, "policy": cfg.scheduler.policy, "d_prompt": a.d_prompt, "d_tokens": d_tokens,
+            "d_rows_ended_early": early, "profiled": profile, "rows": rows}
 
 
 async def main() -> int:
@@ -128,28 +272,43 @@ async def main() -> int:
     ap.add_argument("--cases", default="512:2048,2048:4096,8192:8000,575:1500")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--cprofile", type=int, default=0, help="top N host functions of the first case")
+    ap.add_argument("--beside-d", type=int, default=0, metavar="B", help="also measure beside B decoding rows")
+    ap.add_argument("--d-prompt", type=int, default=2048, help="prompt tokens of each D row")
+    ap.add_argument("--d-tokens", type=int, default=4096, help="new tokens of each D row (capped by the context)")
+    ap.add_argument("--no-profile", action="store_true", help="no profiler figures (the engine side runs on CPU)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
-    cfg = load_config(a.config, ["scheduler.policy=normal", *a.set])
+    policy = "fine-grained" if a.beside_d else "normal"
+    cfg = load_config(a.config, [f"scheduler.policy={policy}", *a.set])
+    if a.beside_d and not policy_traits(cfg.scheduler.policy).turnstile:
+        ap.error(f"--beside-d needs a policy that multiplexes P with D, not {cfg.scheduler.policy}")
+    profile = not a.no_profile
     cases = [tuple(int(x) for x in c.split(":")) for c in a.cases.split(",")]
-    rows = []
+    rows, beside = [], None
     print(f"{'n':>6} {'cached':>6} {'wall_ms':>8} {'busy_ms':>8} {'host_ms':>8} {'us/layer':>8} {'wall/busy':>9}", flush=True)
     async with RolloutWorker(cfg) as w:
         warm = await w.generate([2 + i for i in range(64)], SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True))
         await w.release(warm.trajectory_id)
         for n, cached in cases:
             r = {"n": n, "cached": cached, **await engine_epochs(w, n, cached, a.reps)}
-            r.update(await asyncio.to_thread(forward_figures, w.engine.runner, n, cached))
-            r["wall_busy"] = round(r["epoch_wall_ms"] / r["busy_ms"], 3)
+            if profile:
+                r.update(await asyncio.to_thread(forward_figures, w.engine.runner, n, cached))
+                r["wall_busy"] = round(r["epoch_wall_ms"] / r["busy_ms"], 3)
             rows.append(r)
-            print(f"{n:>6} {cached:>6} {r['epoch_wall_ms']:>8.2f} {r['busy_ms']:>8.2f} {r['host_ms']:>8.2f} "
-                  f"{r['host_us_per_layer']:>8.1f} {r['wall_busy']:>9.3f}", flush=True)
+            print(f"{n:>6} {cached:>6} {r['epoch_wall_ms']:>8.2f} {_f(r.get('busy_ms'), '>8.2f')} "
+                  f"{_f(r.get('host_ms'), '>8.2f')} {_f(r.get('host_us_per_layer'), '>8.1f')} "
+                  f"{_f(r.get('wall_busy'), '>9.3f')}", flush=True)
         if a.cprofile:
             print(await asyncio.to_thread(host_profile, w.engine.runner, *cases[0], a.cprofile), flush=True)
+        if a.beside_d:
+            beside = await beside_rows(w, a, cases, {(r["n"], r["cached"]): r.get("busy_ms") for r in rows}, profile)
     if a.out:
-        Path(a.out).write_text(json.dumps({"config": a.config, "rows": rows,
-                                           "machine": torch.cuda.get_device_name()}, indent=1))
+        out = {"config": a.config, "rows": rows,
+               "machine": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+        if beside is not None:
+            out["beside_d"] = beside
+        Path(a.out).write_text(json.dumps(out, indent=1))
     return 0
 
 
