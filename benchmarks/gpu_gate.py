@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -487,13 +488,22 @@ def summarize_targets() -> None:
 
 # --------------------------------------------------------------------------- subprocess checks
 def run_sub(name: str, cmd: list[str], timeout: int, log: Path) -> int:
+    """Run ``cmd`` into ``log``; past ``timeout`` it gets SIGABRT, so (PYTHONFAULTHANDLER) every
+    thread's stack lands in the log and a hang is told from a slow run, then SIGKILL; rc 124."""
     t0 = time.time()
-    try:
-        with log.open("w") as f:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
-    except subprocess.TimeoutExpired:
-        rc = 124
+    with log.open("w") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"})
+        try:
+            rc = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGABRT)
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            rc = 124
     print(f"   ({name}: rc {rc} in {time.time() - t0:.0f} s; log {log.name})", flush=True)
     return rc
 

@@ -9,9 +9,12 @@
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+# past GATE_TIMEOUT: SIGABRT, so every thread's stack is printed (PYTHONFAULTHANDLER), then SIGKILL
+export PYTHONFAULTHANDLER=1
+ulimit -c 0
 COMMIT=${1:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 O=${OUT:-docs/results/gpu_gate}; mkdir -p "$O"
 shift || true
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
-timeout ${GATE_TIMEOUT:-480} python benchmarks/gpu_gate.py --commit "$COMMIT" --out "$O" "$@" 2>&1 | tee "$O/gate.log"
+timeout -s ABRT -k 20 ${GATE_TIMEOUT:-480} python benchmarks/gpu_gate.py --commit "$COMMIT" --out "$O" "$@" 2>&1 | tee "$O/gate.log"
 exit "${PIPESTATUS[0]}"

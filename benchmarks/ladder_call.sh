@@ -15,6 +15,11 @@
 # $OUT/r/SUFFIX/): a gate first, then the ladder parts of the same commit, in one device call. A
 # failed gate ends the call (a ladder of a commit that failed its gate is not measured).
 set -u
+# A part cut by the budget (or hung) is stopped with SIGABRT: PYTHONFAULTHANDLER=1 makes every Python
+# process of it print each thread's stack into its .out first (a hang is told from a slow run), then
+# SIGKILL 20 s later. No core files.
+export PYTHONFAULTHANDLER=1
+ulimit -c 0
 COMMIT=${1:?commit}; BUDGET=${2:?budget seconds}; shift 2
 LADDER_SH=${LADDER_SH:-benchmarks/h200_ladder.sh}
 GATE_SH=${GATE_SH:-benchmarks/gpu_gate.sh}
@@ -30,13 +35,13 @@ for spec in "$@"; do
   if [ "$est" -gt "$left" ]; then echo "SKIP (est $est > $left s left): $envs $part"; continue; fi
   echo "== $(date +%T) [$now s] $envs $part (est $est, $left left)"
   if [ "$part" = gate ]; then
-    env $envs OUT="$R/$name" timeout "$left" bash "$GATE_SH" "$COMMIT" > "$R/$name.out" 2>&1
+    env $envs OUT="$R/$name" timeout -s ABRT -k 20 "$left" bash "$GATE_SH" "$COMMIT" > "$R/$name.out" 2>&1
     rc=$?; echo "gate rc $rc at $(( $(date +%s) - T0 )) s"
     if [ $rc != 0 ]; then echo "GATE FAILED: the parts after it are not run"; break; fi
     continue
   fi
   nw=""; [ $first = 1 ] || nw="NO_WARMUP=1"
-  env $envs $nw OUT="$R" WORK="/tmp/ladder_call/$name" timeout "$left" bash "$LADDER_SH" "$COMMIT" "$part" > "$R/$name.out" 2>&1
+  env $envs $nw OUT="$R" WORK="/tmp/ladder_call/$name" timeout -s ABRT -k 20 "$left" bash "$LADDER_SH" "$COMMIT" "$part" > "$R/$name.out" 2>&1
   rc=$?; echo "rc $rc at $(( $(date +%s) - T0 )) s"
   if [ $rc != 0 ]; then
     find "/tmp/ladder_call/$name" -name 'runs*.jsonl' 2>/dev/null | while read -r f; do
