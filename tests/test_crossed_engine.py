@@ -56,13 +56,13 @@ def test_crossed_selective_replay_under_skew_equals_world_size_one_and_trace_che
     # the ranks out of phase by parity (Table 4's schedule) plus random D launch skew: one launch checks
     # both (more seeds: `ainfer-pd selftest --seeds N`)
     faults = {"phase_skew_ms": 30.0, "d_skew_random_ms": 5.0, "seed": 1}
-    # every epoch that starts beside decode rows is gated (activation 1; the config's 16 is above every
-    # replica's own continuation, 6 / 12 / 35 tokens with the carried token, so only twin continuations
-    # that land in the same step could switch it on: twins a step apart, as under CPU load, left every
-    # epoch exclusive and the run with no turnstile round). Gated epochs are then certain: the 12-token
-    # continuations of conversations 2 / 3 arrive ~0.34 s (tool wait x TIME_SCALE) after the first
+    # every epoch that starts beside decode rows is gated (the config's mux.activation_threshold 1: at 16,
+    # above every replica's own continuation, 6 / 12 / 35 tokens with the carried token, only twin
+    # continuations landing in the same step switched it on, and twins a step apart, as under CPU load,
+    # left every epoch exclusive and the run with no turnstile round). Gated epochs are then certain: the
+    # 12-token continuations of conversations 2 / 3 arrive ~0.34 s (tool wait x TIME_SCALE) after the first
     # epoch, while conversations 4 / 5 decode 101 more tokens at >= 30 ms an iteration (the phase skew)
-    res = run_world(_crossed(tmp_path / "sel", faults=faults, **{"mux.activation_threshold": 1}), trace, 4,
+    res = run_world(_crossed(tmp_path / "sel", faults=faults), trace, 4,
                     cell="trace", seed=0, time_scale=TIME_SCALE, timeout_s=200)
     assert res.failures == 0 and res.completed == res.planned_requests == trace.num_requests
     ref = _table4_reference()
