@@ -489,11 +489,13 @@ def summarize_targets() -> None:
 # --------------------------------------------------------------------------- subprocess checks
 def run_sub(name: str, cmd: list[str], timeout: int, log: Path) -> int:
     """Run ``cmd`` into ``log``; past ``timeout`` it gets SIGABRT, so (PYTHONFAULTHANDLER) every
-    thread's stack lands in the log and a hang is told from a slow run, then SIGKILL; rc 124."""
+    thread's stack lands in the log and a hang is told from a slow run, then SIGKILL; rc 124. 20 s
+    before that, a CLI run (``ainfer_pd.tools.stall_dump``) also writes its asyncio tasks' stacks."""
     t0 = time.time()
     with log.open("w") as f:
         p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"})
+                             env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1",
+                                  "AINFER_PD_STALL_DUMP_S": str(max(10, timeout - 20))})  # the tasks' stacks too
         try:
             rc = p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -41,7 +41,11 @@ for spec in "$@"; do
     continue
   fi
   nw=""; [ $first = 1 ] || nw="NO_WARMUP=1"
-  env $envs $nw OUT="$R" WORK="/tmp/ladder_call/$name" timeout -s ABRT -k 20 "$left" bash "$LADDER_SH" "$COMMIT" "$part" > "$R/$name.out" 2>&1
+  # 30 s before the cut, the bench process also writes its asyncio tasks' stacks (ainfer_pd/tools/stall_dump.py)
+  dump_s=$(( left - 30 )); [ -n "$nw" ] || dump_s=$(( dump_s - ${WARMUP_S:-45} ))   # after the warm-up process
+  [ "$dump_s" -ge 30 ] || dump_s=30
+  env $envs $nw OUT="$R" WORK="/tmp/ladder_call/$name" AINFER_PD_STALL_DUMP_S=$dump_s \
+    timeout -s ABRT -k 20 "$left" bash "$LADDER_SH" "$COMMIT" "$part" > "$R/$name.out" 2>&1
   rc=$?; echo "rc $rc at $(( $(date +%s) - T0 )) s"
   if [ $rc != 0 ]; then
     find "/tmp/ladder_call/$name" -name 'runs*.jsonl' 2>/dev/null | while read -r f; do

@@ -250,7 +250,18 @@ def _finite(x: Any) -> Any:
 
 
 def run_async(coro: Awaitable[Any], *, use_uvloop: bool = True) -> Any:
-    """``asyncio.run`` on uvloop when it is installed (and wanted)."""
+    """``asyncio.run`` on uvloop when it is installed (and wanted). With ``AINFER_PD_STALL_DUMP_S``
+    set, every thread's and task's stack is written to stderr that many seconds in
+    (:mod:`.stall_dump`: the harness's evidence when a run makes no progress)."""
+    from .stall_dump import arm, seconds_from_env
+    delay = seconds_from_env()
+    if delay is not None:
+        inner = coro
+
+        async def armed() -> Any:
+            arm(delay, asyncio.get_running_loop())
+            return await inner
+        coro = armed()
     if use_uvloop:
         try:
             import uvloop

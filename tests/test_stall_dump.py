@@ -1,0 +1,59 @@
+"""The stall dump (ainfer_pd/tools/stall_dump.py): a run that stops making progress leaves each
+thread's stack and each asyncio task's awaited coroutine chain in its log."""
+import asyncio
+import io
+import os
+import subprocess
+import sys
+import textwrap
+
+from ainfer_pd.tools.stall_dump import ENV, arm, dump, seconds_from_env
+
+
+async def _never_set(ev: asyncio.Event) -> None:
+    await ev.wait()
+
+
+def test_dump_names_the_task_and_the_frame_it_waits_in():
+    async def main() -> str:
+        ev = asyncio.Event()
+        t = asyncio.create_task(_never_set(ev), name="stuck-turn")
+        await asyncio.sleep(0.01)
+        out = io.StringIO()
+        dump(asyncio.get_running_loop(), out)
+        t.cancel()
+        return out.getvalue()
+    text = asyncio.run(main())
+    assert "threads =====" in text and "-- thread MainThread" in text and "in dump" in text
+    assert "-- stuck-turn" in text and "_never_set" in text
+
+
+def test_seconds_from_env(monkeypatch):
+    for raw, want in (("", None), ("x", None), ("0", None), ("-3", None), ("2.5", 2.5)):
+        monkeypatch.setenv(ENV, raw)
+        assert seconds_from_env() == want
+
+
+def test_the_cli_runner_arms_it_from_the_environment():
+    """``bench.run_async`` (the CLI's loop) arms the dump from AINFER_PD_STALL_DUMP_S: a coroutine
+    stuck past it is named in stderr, and the run goes on (here it ends by itself)."""
+    code = textwrap.dedent("""
+        import asyncio
+        from ainfer_pd.tools.bench import run_async
+        async def waits_for_a_turn_that_never_ends():
+            await asyncio.sleep(1.5)
+            return 7
+        assert run_async(waits_for_a_turn_that_never_ends()) == 7
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, ENV: "0.5"})
+    assert p.returncode == 0, p.stderr
+    assert "stall dump" in p.stderr and "waits_for_a_turn_that_never_ends" in p.stderr
+
+
+def test_arm_is_a_daemon_that_writes_once():
+    out = io.StringIO()
+    t = arm(0.05, None, out)
+    assert t.daemon
+    t.join(2)
+    assert out.getvalue().count("stall dump") == 1
