@@ -62,14 +62,18 @@ def await_chain(coro, limit: int = 16) -> list[str]:
     coroutine's own frame), ending with the awaited object that is not a coroutine (a future, a task)."""
     lines: list[str] = []
     while coro is not None and len(lines) < limit:
-        f = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
-        if f is None and not hasattr(coro, "cr_await") and not hasattr(coro, "gi_yieldfrom"):
+        nxt = getattr(coro, "cr_await", getattr(coro, "gi_yieldfrom", _NOT_A_COROUTINE))
+        if nxt is _NOT_A_COROUTINE:        # a future, a task: the end of the chain
             lines.append(f"awaits {coro!r}")
             break
-        if f is not None:
+        f = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if f is not None:                  # None: the coroutine has finished
             lines.append(f"{f.f_code.co_filename}:{f.f_lineno} in {f.f_code.co_name}")
-        coro = getattr(coro, "cr_await", None) if hasattr(coro, "cr_await") else getattr(coro, "gi_yieldfrom", None)
+        coro = nxt
     return lines
+
+
+_NOT_A_COROUTINE = object()
 
 
 def arm(seconds: float, loop: asyncio.AbstractEventLoop | None, stream: TextIO | None = None) -> threading.Thread:
