@@ -49,8 +49,8 @@ async def _epochs(eng: Engine, n: int) -> None:
     plan = eng.runner.build([], [])
     mode = epoch_mode("normal", False, False)
     for i in range(n):
-        eng._epoch += 1
-        await eng._run_epoch(eng._epoch, [], mode, d_enqueued=False, plan=plan)
+        eng.p.epoch += 1
+        await eng.p.run_epoch(eng.p.epoch, [], mode, d_enqueued=False, plan=plan)
 
 
 def main() -> None:

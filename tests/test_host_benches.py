@@ -1,0 +1,21 @@
+"""The host-path benchmarks that run on the CPU still run against the engine as it is (a bench that
+reaches into the P driver rots silently when the engine is redesigned)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_p_walk_host_bench_runs_and_prints_its_figures():
+    res = subprocess.run([sys.executable, "benchmarks/p_walk_host_bench.py", "--layers", "4", "--epochs", "5",
+                          "--forwards", "5"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    fig = json.loads(res.stdout.strip().splitlines()[-1])
+    assert fig["layers"] == 4 and fig["segments"] == 10 and fig["epochs"] == 5
+    for k in ("p_enqueue_us_min", "p_epoch_us_min", "forward_walk_us_min"):
+        assert fig[k] > 0, (k, fig)
+    assert fig["p_epoch_us_min"] >= fig["p_enqueue_us_min"]
