@@ -10,18 +10,29 @@ over the common prefix the distribution (p50 / p90 / p99 / max) of |logprob_fp8 
 the chosen token; FIG lines.
 
     python benchmarks/fp8_accuracy_bench.py [--prompts 8] [--tokens 256] [--device cpu] [--dense]
+
+``--teacher-forced``: FP8 decodes one token at every position of the bf16 run's own context (prompt
+plus the bf16 tokens before it) instead of running free, so every position is compared at the same
+context: the per-position greedy agreement, and |dlogprob| over the positions where the two agree.
+``--arch qwen3_moe,qwen2_moe,mixtral,glm4_moe`` (or ``all``): the Hugging Face equivalence models
+(``tests/_hf_models.py``: tiny random checkpoints written with transformers, vocabulary 256), each
+prompt ``--prompt-len`` random tokens, teacher-forced (a random model's greedy margins are too thin
+for a free-running common prefix); one block of lines per architecture.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests"))
 
 from ainfer_pd import RolloutWorker, SamplingParams, WorkerConfig  # noqa: E402
 
@@ -38,9 +49,23 @@ async def decode(cfg, prompts: list[list[int]], n: int):
     return [(o.token_ids, o.logprobs) for o in outs]
 
 
+async def forced(cfg, prompts: list[list[int]], ref: list[list[int]]):
+    """Per prompt, the greedy token and its logprob at every position of ``ref``'s context."""
+    one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    res = []
+    async with RolloutWorker(cfg) as w:
+        for p, r in zip(prompts, ref):
+            outs = await asyncio.gather(*(w.generate(p + r[:j], one) for j in range(len(r))))
+            res.append(([o.token_ids[0] for o in outs], [o.logprobs[0] for o in outs]))
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=ROOT / "tests" / "data" / "small_qwen3_moe")
+    ap.add_argument("--arch", default="", help="HF equivalence models (comma list, or all) instead of --model")
+    ap.add_argument("--prompt-len", type=int, default=64, help="with --arch: random prompt tokens")
+    ap.add_argument("--teacher-forced", action="store_true", help="FP8 scored at the bf16 run's contexts")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--device", default="cpu")
@@ -48,18 +73,41 @@ def main() -> None:
     ap.add_argument("--dense", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    from transformers import AutoTokenizer
-    from spec_acceptance_bench import tasks
-    tok = AutoTokenizer.from_pretrained(str(a.model))
-    prompts = [tok(p)["input_ids"] for p, _ in tasks(a.prompts, a.seed, 1)]
+    if not a.arch:
+        from transformers import AutoTokenizer
+        from spec_acceptance_bench import tasks
+        tok = AutoTokenizer.from_pretrained(str(a.model))
+        compare(a, a.model, [tok(p)["input_ids"] for p, _ in tasks(a.prompts, a.seed, 1)])
+        return
+    import _hf_models
+    a.teacher_forced = True
+    archs = _hf_models.ARCHS if a.arch == "all" else tuple(a.arch.split(","))
+    rnd = random.Random(a.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in archs:
+            path = _hf_models.build(arch, Path(tmp), seed=a.seed)
+            prompts = [[rnd.randrange(2, _hf_models.VOCAB) for _ in range(a.prompt_len)] for _ in range(a.prompts)]
+            compare(a, path, prompts, name=arch)
+
+
+def compare(a, path: Path, prompts: list[list[int]], name: str = "") -> None:
+    """Greedy decoding of ``prompts`` on the checkpoint at ``path`` in ``a.dtype``, and FP8 free-running
+    or teacher-forced on it; prints the agreement and the chosen-token log-probability gaps."""
     base = {"model": {"dtype": a.dtype}, "device": {"device": a.device},
             "cache": {"block_size": 16, "num_blocks": 2048}, "scheduler": {"max_decode_batch": 64}}
-    ref = asyncio.run(decode(WorkerConfig.from_pretrained(str(a.model), base), prompts, a.tokens))
+    ref = asyncio.run(decode(WorkerConfig.from_pretrained(str(path), base), prompts, a.tokens))
     q = {**base, "model": {**base["model"], "quantization": "fp8", "fp8_dense": a.dense}}
-    fp8 = asyncio.run(decode(WorkerConfig.from_pretrained(str(a.model), q), prompts, a.tokens))
+    qcfg = WorkerConfig.from_pretrained(str(path), q)
+    fp8 = asyncio.run(forced(qcfg, prompts, [t for t, _ in ref]) if a.teacher_forced else
+                      decode(qcfg, prompts, a.tokens))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    print(f"FP8 ({'every projection' if a.dense else 'routed experts'}) against {a.dtype}, {a.model.name}, "
-          f"{a.prompts} prompts x {a.tokens} greedy tokens, device {a.device}, commit {commit}")
+    name = name or path.name
+    how = "teacher-forced at the bf16 contexts" if a.teacher_forced else "free-running"
+    print(f"FP8 ({'every projection' if a.dense else 'routed experts'}) against {a.dtype}, {name}, "
+          f"{a.prompts} prompts x {a.tokens} greedy tokens, FP8 {how}, device {a.device}, commit {commit}")
+    if a.teacher_forced:
+        report_forced(a, name, ref, fp8)
+        return
     gaps, prefixes, agree = [], [], 0
     for i, ((t0, l0), (t1, l1)) in enumerate(zip(ref, fp8)):
         k = next((j for j, (x, y) in enumerate(zip(t0, t1)) if x != y), len(t0))
@@ -74,9 +122,26 @@ def main() -> None:
           f"runs equal throughout")
     print(f"|logprob_fp8 - logprob_ref| of the chosen token over the common prefixes ({len(gaps)} tokens): p50 "
           f"{pct(gaps, 0.5):.4f}, p90 {pct(gaps, 0.9):.4f}, p99 {pct(gaps, 0.99):.4f}, max {max(gaps, default=0):.4f}")
-    print(f"FIG fp8_accuracy dense={a.dense} dtype={a.dtype} agreement={agree / n:.4f} "
+    print(f"FIG fp8_accuracy model={name} dense={a.dense} dtype={a.dtype} agreement={agree / n:.4f} "
           f"prefix_median={pct(prefixes, 0.5)} dlogprob_p50={pct(gaps, 0.5):.5f} dlogprob_p99={pct(gaps, 0.99):.5f} "
           f"dlogprob_max={max(gaps, default=0):.5f} tokens={len(gaps)}")
+
+
+def report_forced(a, name: str, ref, fp8) -> None:
+    """Teacher-forced: position j of both runs has the same context."""
+    gaps, agree, n = [], 0, 0
+    for i, ((t0, l0), (t1, l1)) in enumerate(zip(ref, fp8)):
+        same = [j for j, (x, y) in enumerate(zip(t0, t1)) if x == y]
+        agree, n = agree + len(same), n + len(t0)
+        g = [abs(l0[j] - l1[j]) for j in same]
+        gaps += g
+        print(f"  prompt {i}: {len(same)} of {len(t0)} positions agree; |dlogprob| max {max(g, default=0):.4f}")
+    print(f"greedy agreement per position: {agree / n:.3f} of {n}")
+    print(f"|logprob_fp8 - logprob_ref| of the chosen token where they agree ({len(gaps)} tokens): p50 "
+          f"{pct(gaps, 0.5):.4f}, p90 {pct(gaps, 0.9):.4f}, p99 {pct(gaps, 0.99):.4f}, max {max(gaps, default=0):.4f}")
+    print(f"FIG fp8_accuracy model={name} dense={a.dense} dtype={a.dtype} teacher_forced=True agreement={agree / n:.4f} "
+          f"dlogprob_p50={pct(gaps, 0.5):.5f} dlogprob_p99={pct(gaps, 0.99):.5f} dlogprob_max={max(gaps, default=0):.5f} "
+          f"tokens={len(gaps)}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,32 @@
+"""Benchmark scripts that run on the CPU still run against the library as it is (a bench that reaches
+into the P driver rots silently when the engine is redesigned), on tiny arguments."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_p_walk_host_bench_runs_and_prints_its_figures():
+    res = subprocess.run([sys.executable, "benchmarks/p_walk_host_bench.py", "--layers", "4", "--epochs", "5",
+                          "--forwards", "5"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    fig = json.loads(res.stdout.strip().splitlines()[-1])
+    assert fig["layers"] == 4 and fig["segments"] == 10 and fig["epochs"] == 5
+    for k in ("p_enqueue_us_min", "p_epoch_us_min", "forward_walk_us_min"):
+        assert fig[k] > 0, (k, fig)
+    assert fig["p_epoch_us_min"] >= fig["p_enqueue_us_min"]
+
+
+def test_fp8_accuracy_bench_teacher_forced_on_an_hf_model():
+    res = subprocess.run([sys.executable, "benchmarks/fp8_accuracy_bench.py", "--arch", "mixtral", "--prompts", "2",
+                          "--tokens", "6", "--prompt-len", "8"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    fig = dict(kv.split("=", 1) for kv in next(ln for ln in res.stdout.splitlines() if ln.startswith("FIG")).split()[2:])
+    assert fig["model"] == "mixtral" and fig["teacher_forced"] == "True"
+    agree, tokens = float(fig["agreement"]), int(fig["tokens"])
+    assert 0.0 <= agree <= 1.0 and tokens == round(agree * 12)       # agreeing positions of 2 x 6
+    assert 0.0 <= float(fig["dlogprob_p50"]) <= float(fig["dlogprob_p99"]) <= float(fig["dlogprob_max"])
