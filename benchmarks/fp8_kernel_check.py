@@ -31,6 +31,7 @@ timings against the HBM bound, and tile / path sweeps (one H200, < 120 s).
 Every figure is a ``FIG name = json`` line.
 
     python benchmarks/fp8_kernel_check.py [--budget-s 100] [--out fp8.json]
+    python benchmarks/fp8_kernel_check.py --tiles --budget-s 240    # the tile grid (tile_grid())
     python benchmarks/fp8_kernel_check.py --smoke      # CPU, TRITON_INTERPRET=1, tiny shapes
 """
 from __future__ import annotations
@@ -98,6 +99,30 @@ PREFILL_SWEEP = {
     "load_fold": Fp8MoEPlan(_P_GU, _P_DN, fold_sum=True),
     "x_load_w4": Fp8MoEPlan(GemmPlan(64, 128, 128, 8, 4, 3), _P_DN, quant_act_on_load=False),
 }
+def tile_grid(decode: bool) -> dict:
+    """``--tiles``: the separate-launch path (the tables' path) over a grid of tiles around the
+    tables' (every K step one 128-column scale group): decode 16-row tiles, gate_up / down
+    column tiles (32, 64) / (64, 128) / (32, 128), 2 or 4 warps, 3 to 6 stages; prefill 64- and
+    128-row tiles of 64 to 256 columns, 4 or 8 warps, 3 or 4 stages (128 x 256 left out: its
+    two float32 accumulators alone fill the register file)."""
+    grid = {}
+    if decode:
+        for gu_n, dn_n in ((32, 64), (64, 128), (32, 128)):
+            for w in (2, 4):
+                for st in (3, 4, 6):
+                    grid[f"d{gu_n}x{dn_n}_w{w}_s{st}"] = MoEPlan(GemmPlan(16, gu_n, 128, 1, w, st),
+                                                                  GemmPlan(16, dn_n, 128, 1, w, st))
+        return grid
+    for m in (64, 128):
+        for n in (64, 128, 256):
+            if m * n > 128 * 128:
+                continue
+            for w in (4, 8):
+                for st in (3, 4):
+                    grid[f"p{m}x{n}_w{w}_s{st}"] = MoEPlan(GemmPlan(m, n, 128, 8, w, st), GemmPlan(m, n, 128, 8, w, st))
+    return grid
+
+
 LINEAR_SWEEP = ((GemmPlan(16, 32, 128, 1, 4, 4), True), (GemmPlan(16, 32, 128, 1, 4, 4), False),
                 (GemmPlan(16, 64, 128, 1, 4, 4), True), (GemmPlan(16, 128, 128, 1, 4, 3), True))
 
@@ -408,6 +433,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes")
     ap.add_argument("--budget-s", type=float, default=100.0, help="the sweep stops past this many seconds")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    ap.add_argument("--tiles", action="store_true",
+                    help="sweep the grid of tiles of tile_grid() (separate-launch path) instead of the path sweep")
     args = ap.parse_args()
     DEV = torch.device("cpu" if args.smoke else "cuda")
     s = SMOKE if args.smoke else FULL
@@ -424,9 +451,13 @@ def main() -> None:
             fig(f"moe_T{T}", time_moe(s, ex, T))
         few = 3 if args.smoke else None                # the smoke run: the sweeps' code, not their figures
         budget = float("inf") if args.smoke else args.budget_s
-        sweep(s, ex, budget, s.decode, dict(list(SWEEP.items())[:few]))
-        sweep(s, ex, budget, s.prefill, dict(list(PREFILL_SWEEP.items())[:few]))
-        sweep_linear(s, budget, LINEAR_SWEEP[:few])
+        if args.tiles:
+            sweep(s, ex, budget, s.decode, dict(list(tile_grid(True).items())[:few]))
+            sweep(s, ex, budget, s.prefill, dict(list(tile_grid(False).items())[:few]))
+        else:
+            sweep(s, ex, budget, s.decode, dict(list(SWEEP.items())[:few]))
+            sweep(s, ex, budget, s.prefill, dict(list(PREFILL_SWEEP.items())[:few]))
+            sweep_linear(s, budget, LINEAR_SWEEP[:few])
     fig("elapsed_s", round(time.time() - T0, 1))
     if args.out:
         Path(args.out).write_text(json.dumps(RES, indent=1))
