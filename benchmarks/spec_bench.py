@@ -119,7 +119,8 @@ async def _rollout(a, tok, cfg, shape: str):
                     jobs.append(tg.create_task(_trajectory(w, tok, prompt, obs, params, end_id, start, waits)))
         makespan = time.perf_counter() - t0
         m = w.metrics()
-    spec = {k: m[k] - m0.get(k, 0) for k in ("spec_verifies", "spec_drafted", "spec_accepted") if k in m}
+    spec = {k: m[k] - m0.get(k, 0) for k in ("spec_verifies", "spec_drafted", "spec_accepted", "spec_empty_plans",
+                                             "spec_rows_skipped") if k in m}
     return makespan, [j.result() for j in jobs], m, spec
 
 
@@ -152,7 +153,9 @@ def makespan(a) -> None:
                     print(f"FIG spec_makespan shape={shape} policy={policy} spec={'on' if spec_on else 'off'} rep={r} "
                           f"makespan_s={span:.3f} d_iters={m.get('d_iter_s_count', 0)} "
                           f"verifies={spec.get('spec_verifies', 0)} drafted={spec.get('spec_drafted', 0)} "
-                          f"accepted={spec.get('spec_accepted', 0)} acceptance={acc:.3f} outputs_equal_off={same}")
+                          f"accepted={spec.get('spec_accepted', 0)} acceptance={acc:.3f} "
+                          f"empty_plans={spec.get('spec_empty_plans', 0)} rows_skipped={spec.get('spec_rows_skipped', 0)} "
+                          f"outputs_equal_off={same}")
                 print(f"{shape:>6} {policy:>13} spec {'on ' if spec_on else 'off'}: makespan "
                       f"{statistics.median(spans):.3f} s (median of {a.reps}: {', '.join(f'{s:.3f}' for s in spans)})")
 

@@ -49,7 +49,7 @@ async def _rollout(cfg, prompt, obs, params):
             await w.release(o.trajectory_id)
         assert w.kv_leak_free() and w.engine.kv.num_free_blocks == w.engine.kv.alloc.num_blocks
         if w.engine.spec is not None:
-            assert not w.engine.spec.drafter.groups and not w.engine.spec.held   # released: forgotten
+            assert not (w.engine.spec.drafter.groups or w.engine.spec.held or w.engine.spec.backoff)   # released: forgotten
         return res, w.metrics()
 
 

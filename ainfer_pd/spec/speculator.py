@@ -14,6 +14,9 @@ inside the turn's KV reservation, and the tokens it emits never pass the turn's 
 acceptance (``spec.adaptive``; else every row verifies its whole draft). :meth:`observe` feeds the
 acceptance back. :meth:`worth_drafting` says, before any drafting, whether the cost table could
 let the batch speculate at all (at high batch it cannot: the D loop then stays overlapped).
+A row whose recent drafts came back empty is skipped (:mod:`~.backoff`: not drafted, a
+zero-length draft) until its re-probe, and :meth:`worth_drafting` counts only the rows it would
+probe now: a batch of rows all in backoff stays overlapped, with no host drafting at all.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from ..config_spec import SpecConfig
 from ..engine.loop.state import SeqTokens, Turn
 from ..errors import UnsupportedOptionError
 from .adaptive import Acceptance, VerifyCosts, choose, observe
+from .backoff import NO_BACKOFF, Backoff, after_draft
 from .suffix import SuffixDrafter
 
 log = logging.getLogger("ainfer_pd.spec")
@@ -47,10 +51,13 @@ class Speculator:
         self.drafter = SuffixDrafter()
         self.held: dict[str, tuple[Turn, int]] = {}        # tid -> (the turn last synced, tokens the drafter holds)
         self.acc: dict[str, Acceptance] = {}
+        self.backoff: dict[str, tuple[Turn, Backoff]] = {}  # tid -> (the turn drafted empty, its backoff)
         self.num_verifies = 0
         self.num_drafted = 0
         self.num_accepted = 0
         self.num_emitted = 0
+        self.num_empty_plans = 0              # plan() calls that gave no verify (no row had a draft, or K = 0)
+        self.num_rows_skipped = 0             # rows of a plan not drafted: in backoff
 
     # ------------------------------------------------------------------ the drafter's sequences
     def sync(self, t: Turn) -> None:
@@ -71,22 +78,31 @@ class Speculator:
         self.drafter.forget(tid)
         self.held.pop(tid, None)
         self.acc.pop(tid, None)
+        self.backoff.pop(tid, None)
 
     # ------------------------------------------------------------------ a batch
     def rates(self, rows: list[Turn]) -> list[float]:
         default = Acceptance().rate
         return [self.acc[t.tid].rate if t.tid in self.acc else default for t in rows]
 
+    def probes(self, t: Turn) -> bool:
+        """Is ``t`` drafted now? (No while it is in backoff after empty drafts; a new turn of the
+        trajectory is probed at once: its prompt may bring what the drafter can match.)"""
+        turn, b = self.backoff.get(t.tid, (t, NO_BACKOFF))
+        return turn is not t or b.probes(t.seq_len)
+
     def worth_drafting(self, rows: list[Turn]) -> bool:
-        """Could the batch speculate, were every row to bring a whole draft? (False: no drafting,
-        the iteration decodes one token per row.)"""
-        if not rows:
+        """Could the batch speculate, were every row probed now to bring a whole draft (its cap)?
+        (False: no drafting, the iteration decodes one token per row; so when every row is in
+        backoff.)"""
+        available = [self.cap(t) if self.probes(t) else 0 for t in rows]
+        if not any(available):
             return False
         if not self.cfg.adaptive:
             return True
         if self.costs is None:
             return False
-        return choose(self.costs, self.rates(rows), [self.k_max] * len(rows), k_max=self.k_max).k > 0
+        return choose(self.costs, self.rates(rows), available, k_max=self.k_max).k > 0
 
     def cap(self, t: Turn) -> int:
         """The most drafts ``t`` may verify: its tokens left (length, context) less one."""
@@ -94,12 +110,20 @@ class Speculator:
         return max(0, min(self.k_max, left - 1))
 
     def plan(self, rows: list[Turn]) -> SpecBatch | None:
-        """The drafts of a batch of ``rows``; None when no row verifies any (plain decoding)."""
-        caps = [self.cap(t) for t in rows]
+        """The drafts of a batch of ``rows``; None when no row verifies any (plain decoding).
+        A row in backoff is synced (its tokens serve its siblings' drafts) but not drafted."""
         drafts = []
-        for t, c in zip(rows, caps):
+        for t in rows:
             self.sync(t)
-            drafts.append(self.drafter.draft(t.tid, c) if c > 0 else [])
+            c = self.cap(t)
+            if c == 0:
+                drafts.append([])
+            elif not self.probes(t):
+                self.num_rows_skipped += 1
+                drafts.append([])
+            else:
+                drafts.append(self.drafter.draft(t.tid, c))
+                self._after_draft(t, len(drafts[-1]))
         gain = 1.0
         if self.cfg.adaptive:
             choice = choose(self.costs, self.rates(rows), [len(d) for d in drafts], k_max=self.k_max)
@@ -107,8 +131,17 @@ class Speculator:
             gain = choice.gain
         k = max((len(d) for d in drafts), default=0)
         if k == 0:
+            self.num_empty_plans += 1
             return None
         return SpecBatch(rows, drafts, k, gain)
+
+    def _after_draft(self, t: Turn, drafted: int) -> None:
+        turn, b = self.backoff.get(t.tid, (t, NO_BACKOFF))
+        b = after_draft(b if turn is t else Backoff(b.wait), t.seq_len, drafted)
+        if b == NO_BACKOFF:
+            self.backoff.pop(t.tid, None)
+        else:
+            self.backoff[t.tid] = (t, b)
 
     def observe(self, batch: SpecBatch, accepted: list[int | None]) -> None:
         """A verify was read: row i accepted ``accepted[i]`` of its drafts (None: the row was not
@@ -126,9 +159,11 @@ class Speculator:
         self.rec.count("spec_verifies")
 
     def metrics(self) -> dict[str, float]:
-        """Drafts verified and accepted so far, and the tokens a verifying row emitted per pass."""
+        """Drafts verified and accepted so far, the tokens a verifying row emitted per pass, the
+        plans that gave no verify and the rows a plan skipped (in backoff)."""
         rows = self.num_emitted - self.num_accepted                  # one row-verify emits accepted + 1
         return {"spec_verifies": self.num_verifies, "spec_drafted": self.num_drafted,
+                "spec_empty_plans": self.num_empty_plans, "spec_rows_skipped": self.num_rows_skipped,
                 "spec_accepted": self.num_accepted,
                 "spec_acceptance": self.num_accepted / self.num_drafted if self.num_drafted else 0.0,
                 "spec_tokens_per_row_pass": self.num_emitted / rows if rows else 0.0}

@@ -1,0 +1,117 @@
+"""The speculator's empty-draft backoff (ainfer_pd.spec.backoff): a row whose draft came back empty
+is not drafted again until its re-probe (the wait doubling up to a cap), a batch of rows all in
+backoff is not worth drafting (the D loop stays overlapped, no host drafting), a row that drafts
+again is reset, a new turn is probed at once, and the plans and skipped rows are counted."""
+from __future__ import annotations
+
+import pytest
+
+from ainfer_pd import SamplingParams
+from ainfer_pd.config_spec import SpecConfig
+from ainfer_pd.engine.loop.state import Trajectory, Turn
+from ainfer_pd.errors import SpecInputError
+from ainfer_pd.spec.adaptive import VerifyCosts
+from ainfer_pd.spec.backoff import MAX_WAIT, NO_BACKOFF, Backoff, after_draft
+from ainfer_pd.spec.speculator import Speculator
+
+CHEAP = VerifyCosts.from_times({B: {1: 1.0, 2: 1.001, 3: 1.002, 5: 1.004} for B in (1, 4, 16)})
+
+
+class _Rec:
+    def count(self, name: str, value: float = 1.0) -> None:
+        pass
+
+
+def _turn(tid: str, context: list[int]) -> Turn:
+    return Turn(f"r-{tid}", Trajectory(tid), SamplingParams(max_new_tokens=1000), list(context), [], 0, None, 0.0)
+
+
+def _spec(adaptive: bool = False) -> Speculator:
+    return Speculator(SpecConfig(method="suffix", adaptive=adaptive, num_draft_tokens=4), 4096,
+                      CHEAP if adaptive else None, _Rec())
+
+
+def _step(t: Turn, token: int) -> None:
+    """The iteration emitted ``token`` for the row (a zero-length draft: one token)."""
+    t.out_tokens.append(token)
+
+
+FRESH = iter(range(10_000, 20_000))     # tokens no context has seen: no earlier match, no draft
+
+
+def test_the_wait_doubles_up_to_the_cap_and_a_draft_resets_it():
+    b, waits = NO_BACKOFF, []
+    for n in range(10):
+        b = after_draft(b, 100 + n, 0)
+        waits.append(b.wait)
+    assert waits == [1, 2, 4, 8, 16, 32, 32, 32, 32, 32] and MAX_WAIT == 32
+    b = after_draft(NO_BACKOFF, 50, 0)
+    assert not b.probes(50) and not b.probes(51) and b.probes(52)     # one iteration skipped
+    assert after_draft(Backoff(8, 70), 70, 3) == NO_BACKOFF
+    with pytest.raises(SpecInputError, match="drafted"):
+        after_draft(NO_BACKOFF, 10, -1)
+
+
+def test_a_row_with_no_draft_is_not_drafted_again_until_its_re_probe():
+    spec = _spec()
+    t = _turn("a", list(range(1, 40)))                   # no repeat: no draft
+    drafted = []
+    spec.drafter.draft = (lambda orig: lambda tid, k: drafted.append(tid) or orig(tid, k))(spec.drafter.draft)
+    probed_at = []
+    for i in range(40):
+        n = len(drafted)
+        assert spec.plan([t]) is None
+        if len(drafted) > n:
+            probed_at.append(i)
+        _step(t, next(FRESH))
+    # probed, 1 skipped, probed, 2 skipped, probed, 4 skipped, ... 8, 16
+    assert probed_at == [0, 2, 5, 10, 19, 36]
+    m = spec.metrics()
+    assert m["spec_empty_plans"] == 40 and m["spec_rows_skipped"] == 40 - len(probed_at)
+
+
+def test_a_batch_of_rows_all_in_backoff_is_not_worth_drafting():
+    for adaptive in (False, True):
+        spec = _spec(adaptive)
+        rows = [_turn(f"r{i}", [100 * i + j for j in range(30)]) for i in range(4)]
+        assert spec.worth_drafting(rows)                     # never probed: worth a try
+        assert spec.plan(rows) is None                       # nobody had a draft: all in backoff
+        for t in rows:
+            _step(t, next(FRESH))
+        assert not spec.worth_drafting(rows)
+        # one row out of backoff (a periodic context: it drafts) makes the batch worth drafting
+        rows.append(_turn("p", [7, 8, 9] * 6))
+        assert spec.worth_drafting(rows)
+        batch = spec.plan(rows)
+        assert batch is not None and batch.drafts[:4] == [[]] * 4 and batch.drafts[4]
+        assert spec.metrics()["spec_rows_skipped"] == 4
+
+
+def test_a_row_that_gets_a_draft_again_is_reset():
+    spec = _spec()
+    t = _turn("a", [1, 2, 3, 4, 5, 6])
+    assert spec.plan([t]) is None and spec.backoff["a"][1].wait == 1
+    for tok in (10, 11):                                  # skipped once, then probed empty again
+        _step(t, tok)
+        assert spec.plan([t]) is None
+    assert spec.backoff["a"][1].wait == 2
+    for tok in (1, 2, 3):                                 # the context now ends with a repeat of 1 2 3
+        _step(t, tok)
+    assert spec.probes(t)
+    batch = spec.plan([t])
+    assert batch is not None and batch.drafts[0][:2] == [4, 5]
+    assert "a" not in spec.backoff and spec.probes(t)     # reset: drafted every iteration again
+
+
+def test_a_new_turn_of_a_row_in_backoff_is_probed_at_once_and_forget_drops_the_backoff():
+    spec = _spec()
+    t = _turn("a", [1, 2, 3, 4, 5, 6])
+    spec.plan([t])
+    _step(t, 20)
+    assert not spec.probes(t)
+    nxt = Turn("r-a2", t.traj, SamplingParams(max_new_tokens=1000), t.context + t.out_tokens + [30], [], 0, None, 0.0)
+    assert spec.probes(nxt)
+    spec.plan([nxt])
+    assert spec.backoff["a"][1].wait == 2                 # the trajectory's wait carries over
+    spec.forget("a")
+    assert not spec.backoff
