@@ -57,7 +57,11 @@ class RolloutWorker(WorkerLifecycle, WorkerControl):
         if cfg.trace_dir:
             trace = f"{cfg.trace_dir}/rank{rank}.jsonl"
         self.recorder = Recorder(rank=rank, trace_path=trace)
-        self.engine = make_engine(cfg, self.recorder, rank=rank, rendezvous=rendezvous)
+        try:
+            self.engine = make_engine(cfg, self.recorder, rank=rank, rendezvous=rendezvous)
+        except BaseException:
+            self.recorder.close()     # a failed start (the engine joined its threads) keeps no trace file open
+            raise
         self.trajectories: dict[str, Trajectory] = {}
         self._tg: asyncio.TaskGroup | None = None
         self._engine_task: asyncio.Task | None = None

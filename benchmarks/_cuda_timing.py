@@ -1,6 +1,8 @@
 """GPU timing shared by the benchmark scripts: CUDA events around ``iters`` back-to-back calls."""
 import torch
 
+from ainfer_pd.engine.runtime.cuda_graphs import CAPTURE_MODE
+
 
 def cuda_time_s(fn, iters: int, warmup: int = 3) -> float:
     """Mean seconds per call of ``fn`` on the current CUDA stream (after ``warmup`` calls)."""
@@ -26,6 +28,6 @@ def graph_of(fn):
             fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, capture_error_mode=CAPTURE_MODE):
         fn()
     return g

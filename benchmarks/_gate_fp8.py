@@ -12,6 +12,7 @@ import torch
 
 from _gate_cases import e4m3_steps, rel_err
 from ainfer_pd.engine.model.moe import route
+from ainfer_pd.engine.runtime.cuda_graphs import CAPTURE_MODE
 from ainfer_pd.engine.quant.fp8 import (experts_fp8_reference, fp8_linear_reference, quantize_blockwise,
                                         quantize_token_groups, quantize_w13)
 from ainfer_pd.engine.quant.fp8_ops import fp8_linear, fused_experts_fp8, per_token_group_quant
@@ -54,7 +55,7 @@ def fp8_kernel_checks(check, dev) -> None:
     graph = torch.cuda.CUDAGraph()
     fused_experts_fp8(xb, r, w13, s13, w2, s2)                 # warm (compile) outside the capture
     torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode=CAPTURE_MODE):
         box["o"] = fused_experts_fp8(xb, r, w13, s13, w2, s2)
     graph.replay()
     torch.cuda.synchronize()

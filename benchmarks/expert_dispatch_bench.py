@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from ainfer_pd.comm.experts.local import LocalDispatcher  # noqa: E402
+from ainfer_pd.engine.runtime.cuda_graphs import CAPTURE_MODE  # noqa: E402
 from ainfer_pd.phase import Phase  # noqa: E402
 
 
@@ -197,7 +198,7 @@ def run_cuda(args) -> dict:  # pragma: no cover - GPU host only
                 with torch.cuda.stream(s):
                     routed()
                 torch.cuda.current_stream().wait_stream(s)
-                with torch.cuda.graph(graph):
+                with torch.cuda.graph(graph, capture_error_mode=CAPTURE_MODE):
                     routed()
                 row["D.graph_run_moe_ms"] = round(_cuda_time(graph.replay, args.cuda_iters), 4)
         n = LocalDispatcher(Phase.PREFILL, E, hidden=H, top_k=K, max_tokens=T, dtype=dt, device=dev)

@@ -23,6 +23,8 @@ import time
 
 import torch
 
+from ainfer_pd.engine.runtime.cuda_graphs import CAPTURE_MODE
+
 
 def _stream_of(ctx, index: int):
     if hasattr(ctx, "Stream"):
@@ -205,7 +207,7 @@ def _sm_ids(stream, graph: bool = False) -> set[int]:
     if graph:
         g = torch.cuda.CUDAGraph()
         cap = torch.cuda.Stream()
-        with torch.cuda.stream(cap), torch.cuda.graph(g, stream=cap):
+        with torch.cuda.stream(cap), torch.cuda.graph(g, stream=cap, capture_error_mode=CAPTURE_MODE):
             launch()
         out.fill_(-1)
         torch.cuda.synchronize()

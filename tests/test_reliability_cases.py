@@ -506,6 +506,37 @@ async def test_case10_an_engine_failure_is_typed_for_waiters_and_at_exit(overlap
                 await w.generate([3, 4, 5], SamplingParams(max_new_tokens=5))
 
 
+class _StartFailed(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("where", ["stream_item", "after_stream_item"])
+def test_a_failed_engine_start_leaves_no_stream_thread(where, monkeypatch):
+    """Engine start fails after its stream threads started (here: the speculator's verify cost
+    table is measured on the D stream; the failure is that item itself, or a later host step):
+    the original error propagates and no stream thread is left (before: they were never joined,
+    and the process could not exit)."""
+    from ainfer_pd.engine import engine as engine_mod
+    from ainfer_pd.engine.runtime import verify_costs
+    seen = []
+
+    def failing(*a, **k):
+        seen.extend(t.name for t in threading.enumerate() if t.name.startswith("ainfer-"))
+        raise _StartFailed(f"injected at {where}")
+    if where == "stream_item":
+        monkeypatch.setattr(verify_costs, "measure_verify_costs", failing)
+    else:
+        monkeypatch.setattr(engine_mod, "DDriver", failing)
+    before = set(threading.enumerate())
+    cfg = tiny_cfg(**{"spec.method": "suffix", "spec.num_draft_tokens": 2, "scheduler.max_decode_batch": 4,
+                      "model.num_layers": 1})
+    with pytest.raises(_StartFailed, match=f"injected at {where}"):
+        RolloutWorker(cfg)
+    assert any(n.startswith("ainfer-D") for n in seen), seen       # the D stream's thread had started
+    left = [t.name for t in threading.enumerate() if t not in before and t.name.startswith("ainfer-")]
+    assert not left, f"stream threads left behind by the failed start: {left}"
+
+
 # ====================================================================== case 11
 async def test_case11_sleep_aborts_a_turn_started_while_it_waits_for_a_drain():
     """sleep() waits for an aborted turn to drain; a turn started meanwhile is aborted too

@@ -68,15 +68,34 @@ class Engine:
         if self.faults.active and rendezvous is not None:
             rendezvous = FaultyRendezvous(rendezvous, self.faults)
         self.rendezvous = rendezvous
-        self._build_device(cfg, recorder)
-        self._changed = asyncio.Event()    # replaced on every notify: waiters re-check their predicate
-        self.book = TurnBook(cfg.model, cfg.scheduler, recorder, self.kv, routed=self.runner.routed, notify=self.notify)
-        span_policy = make_span_policy(cfg.mux) if self.traits.per_layer else (lambda _inp: 1)
-        self.turnstile = Turnstile(rendezvous=rendezvous or LocalRendezvous(), span=span_policy, recorder=recorder,
-                                   rank=self.rank, timeout_s=cfg.parallel.rendezvous_timeout_s, load=self._span_inputs)
-        self.activation = Activation(threshold=cfg.mux.activation_threshold, cooldown_s=cfg.mux.activation_cooldown_s)
-        self.timings = EngineTimings(recorder)
-        self._build_drivers(cfg, recorder, dist)
+        dc = cfg.device                   # the streams' launcher threads start with their first item
+        self.device: Device = make_device(
+            dc.device, recorder, residency_slots=dc.residency_slots, collective_slots=dc.collective_slots,
+            dp_collective_slots=dc.dp_collective_slots, collective_wait_s=cfg.parallel.rendezvous_timeout_s,
+            threads_per_stream=dc.cpu_threads_per_stream, high_priority_stream=dc.high_priority_stream,
+            lane_sms={("P", GATED_LANE): dc.p_stream_sms})
+        self.runner: ModelRunner | None = None
+        try:
+            self._build_device(cfg, recorder)
+            self._changed = asyncio.Event()    # replaced on every notify: waiters re-check their predicate
+            self.book = TurnBook(cfg.model, cfg.scheduler, recorder, self.kv, routed=self.runner.routed,
+                                 notify=self.notify)
+            span_policy = make_span_policy(cfg.mux) if self.traits.per_layer else (lambda _inp: 1)
+            self.turnstile = Turnstile(rendezvous=rendezvous or LocalRendezvous(), span=span_policy, recorder=recorder,
+                                       rank=self.rank, timeout_s=cfg.parallel.rendezvous_timeout_s,
+                                       load=self._span_inputs)
+            self.activation = Activation(threshold=cfg.mux.activation_threshold,
+                                         cooldown_s=cfg.mux.activation_cooldown_s)
+            self.timings = EngineTimings(recorder)
+            self._build_drivers(cfg, recorder, dist)
+        except BaseException:
+            # NOTE: a failed start (load, capture, warm-up, cost table) joins its stream threads and
+            # frees the device memory, or the process cannot exit; then its own error propagates
+            try:
+                self.shutdown()
+            except Exception as e:              # noqa: BLE001 - must not mask the start's error
+                log.warning("rank %d: releasing a failed engine start failed: %r", self.rank, e)
+            raise
         self.coord = (LocalCoordinator(self.wait_changed) if dist is None else
                       RankCoordinator(self.rendezvous, recorder, dist.world_size, self.wait_changed))
         self.num_steps = 0
@@ -89,16 +108,9 @@ class Engine:
         self.stepping = False         # the step loop runs (quiesce waits only for a loop that steps)
 
     def _build_device(self, cfg: WorkerConfig, recorder: Recorder) -> None:
-        """The streams, the KV pool, the model runner, the phase contexts; then (CUDA) the decode
-        graphs, captured on the D stream's own thread so they bind D-owned state, and P's warm-up."""
+        """The KV pool, the model runner, the phase contexts; then (CUDA) the decode graphs,
+        captured on the D stream's own thread so they bind D-owned state, and P's warm-up."""
         dc = cfg.device
-        self.device: Device = make_device(dc.device, recorder, residency_slots=dc.residency_slots,
-                                          collective_slots=dc.collective_slots,
-                                          dp_collective_slots=dc.dp_collective_slots,
-                                          collective_wait_s=cfg.parallel.rendezvous_timeout_s,
-                                          threads_per_stream=dc.cpu_threads_per_stream,
-                                          high_priority_stream=dc.high_priority_stream,
-                                          lane_sms={("P", GATED_LANE): dc.p_stream_sms})
         if self.device.kind == "cpu":
             torch.set_num_threads(dc.cpu_threads_per_stream)
         num_blocks = cfg.cache.num_blocks or kv_blocks_from_memory(cfg)
@@ -144,7 +156,7 @@ class Engine:
             dist.colls.D.skew_s = {c: d_delay for c in crossed}
         if dist is None:
             self.p.decide, self.p.changed = self._decide_epoch, lambda: self._changed
-        if dist is not None:
+        else:
             dist.attach(self)
 
     # ================================================================== turns (the book holds them)
@@ -384,5 +396,5 @@ class Engine:
         """Join the stream threads; on CUDA give the device memory back (a closed worker
         keeps no weights, KV cache or graphs alive, so the next one fits)."""
         self.device.shutdown()
-        if self.device.kind == "cuda":
+        if self.device.kind == "cuda" and self.runner is not None:
             self.runner.release_cuda()

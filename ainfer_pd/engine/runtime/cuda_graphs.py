@@ -24,6 +24,14 @@ from ..attention import DecodeMeta, ForwardBatch
 
 log = logging.getLogger("ainfer_pd.cuda_graphs")
 
+CAPTURE_MODE = "thread_local"
+"""The ``capture_error_mode`` of every CUDA-graph capture (``torch.cuda.graph``) in the library and
+its benchmarks. Graphs are captured on a stream's launcher thread (:mod:`.streams`) while other
+threads (the event loop, the other phase's launcher, the CUDA-event waiters) may make CUDA calls;
+in torch's default ``"global"`` mode any such call from another thread invalidates the capture
+(``cudaErrorStreamCaptureInvalidated``: a P-graph capture at the GPU gate). ``"thread_local"``
+refuses only the capturing thread's own unsafe calls."""
+
 
 def graph_buckets(batch_sizes: tuple[int, ...], max_decode_batch: int, context_tiers: tuple[int, ...],
                   graph_max_context: int, max_context_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -95,7 +103,7 @@ class DecodeGraphs:
                 self.runner.forward_fb(fb, self.ctx)
         torch.cuda.current_stream(dev).wait_stream(side)
         g = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(g, pool=self.pool):
+        with torch.inference_mode(), torch.cuda.graph(g, pool=self.pool, capture_error_mode=CAPTURE_MODE):
             out = self.runner.forward_fb(fb, self.ctx)
         if self.pool is None:
             self.pool = g.pool()

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from ..attention import ForwardBatch
 from ..model.model import MoETransformer, SegmentState
+from .cuda_graphs import CAPTURE_MODE
 
 log = logging.getLogger("ainfer_pd.prefill_graphs")
 
@@ -93,7 +94,7 @@ class PrefillGraphs:
 
     def _graph(self, fn) -> tuple[Any, Any]:
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
+        with torch.cuda.graph(g, pool=self.pool, capture_error_mode=CAPTURE_MODE):
             out = fn()
         if self.pool is None:
             self.pool = g.pool()
