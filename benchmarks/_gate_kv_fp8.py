@@ -37,7 +37,7 @@ from ainfer_pd.engine.attention import DecodeMeta, ForwardBatch, PrefillSeq, Tor
 from ainfer_pd.engine.attention.kv_fp8 import KV_FP8, gather_kv, new_kv_scales, quantize_kv
 from ainfer_pd.engine.attention.triton_backend import TritonAttention
 from ainfer_pd.engine.kv.kv_cache import KVCacheManager
-from ainfer_pd.engine.runtime.runner import ModelRunner
+from ainfer_pd.engine.runtime.runner import ModelRunner, RunnerSections
 from ainfer_pd.phase import Phase, PhaseContext
 
 H, HK, HD = 32, 4, 128               # the Qwen3-30B-A3B attention shape
@@ -129,7 +129,7 @@ def _seq_passes(runner, n: int, steps: int) -> torch.Tensor:
     dev, bs = runner.device, runner.kv.block_size
     blocks = torch.arange(-(-(n + steps) // bs))
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(2, runner.cfg.model.vocab_size, (n + steps,), generator=g)
+    ids = torch.randint(2, runner.sections.model.vocab_size, (n + steps,), generator=g)
     pos = torch.arange(n, device=dev)
     out = [runner.forward_fb(ForwardBatch(ids[:n].to(dev), pos, pos.clone(), [PrefillSeq(0, n, n, block_ids=blocks)],
                                           None, torch.tensor([n - 1], device=dev), block_size=bs),
@@ -151,7 +151,7 @@ def _against_bf16_pool(gate, runner) -> None:
     try:
         lg8 = _seq_passes(runner, n, steps)
         nslots = (-(-(n + steps) // runner.kv.block_size) + 1) * runner.kv.block_size
-        runner.kv_cache = torch.zeros(*pool8.shape[:2], nslots, *pool8.shape[3:], dtype=runner.cfg.model.torch_dtype,
+        runner.kv_cache = torch.zeros(*pool8.shape[:2], nslots, *pool8.shape[3:], dtype=runner.sections.model.torch_dtype,
                                       device=pool8.device)            # the model dtype's pool (bf16)
         runner.model.kv_scales = None
         lg16 = _seq_passes(runner, n, steps)
@@ -174,7 +174,7 @@ def kv_fp8_model_checks(gate, bw: float) -> None:
     cfg = gate.model_cfg(CFG, num_blocks, {"model.quantization": "fp8", "cache.kv_dtype": "fp8_e4m3"})
     mc = cfg.model
     t0 = time.time()
-    runner = ModelRunner(cfg, dev, KVCacheManager(num_blocks, 16))
+    runner = ModelRunner(RunnerSections.from_config(cfg), dev, KVCacheManager(num_blocks, 16))
     sc = runner.model.kv_scales
     gate.check("qwen3fp8_kvfp8_pool_is_fp8", runner.kv_cache.dtype == KV_FP8 and sc is not None
                and tuple(sc.shape) == (mc.num_layers, 2),

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpu_gate import bench_ms, decode_fb, model_cfg  # noqa: E402
 
 from ainfer_pd.engine.kv.kv_cache import KVCacheManager  # noqa: E402
-from ainfer_pd.engine.runtime.runner import ModelRunner  # noqa: E402
+from ainfer_pd.engine.runtime.runner import ModelRunner, RunnerSections  # noqa: E402
 from ainfer_pd.phase import Phase, PhaseContext  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def main() -> None:
     Bs = [int(b) for b in a.batches.split(",")]
     cfg = model_cfg(a.config, max(Bs) * (a.ctx + 16) // 16 + 1024,
                     {"device.graph_batch_sizes": Bs, "device.graph_max_context": 8192})
-    runner = ModelRunner(cfg, torch.device("cuda"), KVCacheManager(cfg.cache.num_blocks, 16))
+    runner = ModelRunner(RunnerSections.from_config(cfg), torch.device("cuda"), KVCacheManager(cfg.cache.num_blocks, 16))
     runner.kv_cache.normal_(0, 1)
     dctx = PhaseContext(Phase.DECODE, None)
     with torch.inference_mode():

@@ -40,7 +40,7 @@ from ainfer_pd.engine.attention.triton_backend import TritonAttention  # noqa: E
 from ainfer_pd.engine.fused_moe import fused_experts, fused_softmax_route  # noqa: E402
 from ainfer_pd.engine.kv.kv_cache import KVCacheManager  # noqa: E402
 from ainfer_pd.engine.model.moe import Routing, experts_local, route  # noqa: E402
-from ainfer_pd.engine.runtime.runner import ModelRunner  # noqa: E402
+from ainfer_pd.engine.runtime.runner import ModelRunner, RunnerSections  # noqa: E402
 from ainfer_pd.phase import Phase, PhaseContext  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -251,7 +251,7 @@ def decode_fb(runner, B: int, L: int, seed: int = 0) -> ForwardBatch:
     g = torch.Generator().manual_seed(seed)
     table = torch.randperm(runner.kv.alloc.num_blocks, generator=g)[:B * nb].view(B, nb)
     write = table[:, (L - 1) // bs] * bs + (L - 1) % bs
-    mc = runner.cfg.model
+    mc = runner.sections.model
     ids = torch.randint(2, mc.vocab_size, (B,), generator=g)
     return ForwardBatch(ids.to(DEV), torch.full((B,), L - 1, device=DEV),
                         write.to(DEV), [], DecodeMeta(None, torch.full((B,), L, device=DEV), block_table=table.to(DEV),
@@ -265,7 +265,7 @@ def prefill_fb(runner, n: int, cached: int, seed: int = 0) -> ForwardBatch:
     g = torch.Generator().manual_seed(seed)
     blocks = torch.randperm(runner.kv.alloc.num_blocks, generator=g)[:-(-ctx // bs)]
     slots = (blocks[:, None] * bs + torch.arange(bs)).reshape(-1)[:ctx]
-    mc = runner.cfg.model
+    mc = runner.sections.model
     ids = torch.randint(2, mc.vocab_size, (n,), generator=g)
     return ForwardBatch(ids.to(DEV), torch.arange(cached, ctx, device=DEV),
                         slots[cached:].to(DEV), [PrefillSeq(0, n, ctx, block_ids=blocks)], None,
@@ -279,7 +279,7 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
     cfg = model_cfg(cfg_path, num_blocks, extra)
     t0 = time.time()
     kv = KVCacheManager(num_blocks, 16)
-    runner = ModelRunner(cfg, DEV, kv)
+    runner = ModelRunner(RunnerSections.from_config(cfg), DEV, kv)
     runner.kv_cache.normal_(0, 1)
     torch.cuda.synchronize()
     fig(f"{tag}_model_build_s", round(time.time() - t0, 1), f"({mc0.num_params / 1e9:.1f} B params)")
@@ -564,7 +564,7 @@ def profiles(out: Path) -> None:
     all in one ``profiles.txt`` (a device run returns only a few files)."""
     from torch.profiler import ProfilerActivity, profile
     cfg = model_cfg("configs/qwen3-30b-a3b-shape.yaml", 64 * 2048 // 16 + 1024)
-    runner = ModelRunner(cfg, DEV, KVCacheManager(cfg.cache.num_blocks, 16))
+    runner = ModelRunner(RunnerSections.from_config(cfg), DEV, KVCacheManager(cfg.cache.num_blocks, 16))
     dctx, pctx = PhaseContext(Phase.DECODE, None), PhaseContext(Phase.PREFILL, None)
     (out / "profiles.txt").write_text("")
     with torch.inference_mode():

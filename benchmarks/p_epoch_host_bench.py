@@ -77,7 +77,7 @@ def _prefill_fb(runner, n: int, cached: int) -> ForwardBatch:
     nb = -(-ctx // bs)
     blocks = torch.arange(nb, dtype=torch.int64) % runner.kv.alloc.num_blocks
     slots = (blocks.repeat_interleave(bs) * bs + torch.arange(bs).repeat(nb))[:ctx]
-    return ForwardBatch(torch.randint(2, runner.cfg.model.vocab_size, (n,), device=dev),
+    return ForwardBatch(torch.randint(2, runner.sections.model.vocab_size, (n,), device=dev),
                         torch.arange(cached, ctx, device=dev), slots[cached:].to(dev),
                         [PrefillSeq(0, n, ctx, block_ids=blocks)], None, torch.tensor([n - 1], device=dev),
                         block_size=bs)
@@ -109,7 +109,7 @@ def forward_figures(runner, n: int, cached: int, reps: int = 5) -> dict:
             torch.cuda.synchronize()
     host = min(hosts)
     return {"busy_ms": round(busy, 2), "host_ms": round(host, 2),
-            "host_us_per_layer": round(host * 1e3 / runner.cfg.model.num_layers, 1)}
+            "host_us_per_layer": round(host * 1e3 / runner.sections.model.num_layers, 1)}
 
 
 def host_profile(runner, n: int, cached: int, top: int) -> str:

@@ -45,7 +45,7 @@ def commit() -> str:
 def verify_costs(a) -> None:
     import torch
     from ainfer_pd.engine.kv.kv_cache import KVCacheManager
-    from ainfer_pd.engine.runtime.runner import ModelRunner
+    from ainfer_pd.engine.runtime.runner import ModelRunner, RunnerSections
     from ainfer_pd.engine.runtime.verify_costs import measure_verify_costs
     from ainfer_pd.phase import Phase, PhaseContext
     batches = tuple(int(x) for x in a.batches.split(","))
@@ -58,7 +58,7 @@ def verify_costs(a) -> None:
         "spec.method": "suffix", "spec.num_draft_tokens": max(widths) - 1, "spec.adaptive": False})
     dev = torch.device(a.device)
     kv = KVCacheManager(cfg.cache.num_blocks, cfg.cache.block_size)
-    runner = ModelRunner(cfg, dev, kv)
+    runner = ModelRunner(RunnerSections.from_config(cfg), dev, kv)
     ctx = PhaseContext(Phase.DECODE, None)
     t0 = time.perf_counter()
     with torch.inference_mode():

@@ -5,7 +5,7 @@ import torch
 
 from ainfer_pd.engine.attention import DecodeMeta
 from ainfer_pd.engine.kv.kv_cache import KVCacheManager
-from ainfer_pd.engine.runtime.runner import ModelRunner
+from ainfer_pd.engine.runtime.runner import ModelRunner, RunnerSections
 from ainfer_pd.tools.report import breakdown, interval_stats
 from ainfer_pd.phase import Phase, PhaseContext
 from tests.conftest import tiny_cfg
@@ -30,7 +30,7 @@ def test_block_table_resolves_to_the_per_row_slots():
 def test_prefill_warmup_writes_only_the_scratch_slot():
     cfg = tiny_cfg()
     kv = KVCacheManager(64, cfg.cache.block_size)
-    runner = ModelRunner(cfg, torch.device("cpu"), kv)
+    runner = ModelRunner(RunnerSections.from_config(cfg), torch.device("cpu"), kv)
     with torch.inference_mode():
         sizes = runner.warmup_prefill(PhaseContext(Phase.PREFILL, None), 40, cached=24)
     assert sizes == [16, 24, 32, 40]

@@ -100,9 +100,10 @@ def test_quantization_and_fp8_dense_are_validated_and_attention_tp_is_refused_wi
         tiny_cfg(**{"model.fp8_dense": True})
     with pytest.raises(ConfigError, match="model.fp8_dense must be true/false"):
         tiny_cfg(**{"model.quantization": "fp8", "model.fp8_dense": "yes"})
-    from ainfer_pd.engine.runtime.runner import ModelRunner
+    from ainfer_pd.engine.runtime.runner import ModelRunner, RunnerSections
     with pytest.raises(UnsupportedOptionError, match="fp8_dense with attention tensor parallelism"):
-        ModelRunner(tiny_cfg(**{"model.quantization": "fp8", "model.fp8_dense": True}), torch.device("cpu"), None,
+        ModelRunner(RunnerSections.from_config(tiny_cfg(**{"model.quantization": "fp8", "model.fp8_dense": True})),
+                    torch.device("cpu"), None,
                     tp_shard=(0, 2))
 
 

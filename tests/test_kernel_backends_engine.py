@@ -49,13 +49,13 @@ def test_triton_backends_match_reference_per_architecture(arch, hf_model_dir):
     from ainfer_pd import WorkerConfig
     from ainfer_pd.engine.attention import DecodeMeta, ForwardBatch, PrefillSeq
     from ainfer_pd.engine.kv.kv_cache import KVCacheManager
-    from ainfer_pd.engine.runtime.runner import ModelRunner
+    from ainfer_pd.engine.runtime.runner import ModelRunner, RunnerSections
     from ainfer_pd.phase import Phase, PhaseContext
     logits = []
     for be in ("torch", "triton"):
         cfg = WorkerConfig.from_pretrained(hf_model_dir(arch), {"device": {"attention_backend": be, "moe_backend": be},
                                                                 "cache": {"num_blocks": 64, "block_size": 4}})
-        runner = ModelRunner(cfg, torch.device("cpu"), KVCacheManager(64, 4))
+        runner = ModelRunner(RunnerSections.from_config(cfg), torch.device("cpu"), KVCacheManager(64, 4))
         g = torch.Generator().manual_seed(0)
         runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape, generator=g))
         V = cfg.model.vocab_size

@@ -28,7 +28,7 @@ from ainfer_pd.engine.attention.triton_backend import TritonAttention
 from ainfer_pd.engine.kv.kv_cache import KVCacheManager
 from ainfer_pd.engine.kv.residency import kv_block_bytes, kv_blocks_for_budget
 from ainfer_pd.engine.model.rope import rope_cos_sin
-from ainfer_pd.engine.runtime.runner import ModelRunner
+from ainfer_pd.engine.runtime.runner import ModelRunner, RunnerSections
 from ainfer_pd.errors import UnsupportedOptionError
 from ainfer_pd.phase import Phase, PhaseContext
 from tests.conftest import rand_ids, tiny_cfg
@@ -77,7 +77,7 @@ def test_capacity_doubles_and_the_pool_is_fp8():
     assert n8 in (2 * n16, 2 * n16 + 1)
     pools = {}
     for name, c in (("bf16", bf16), ("fp8", fp8)):
-        r = ModelRunner(c.replace(**{"model.num_layers": 2}), CPU, KVCacheManager(32, 16))
+        r = ModelRunner(RunnerSections.from_config(c.replace(**{"model.num_layers": 2})), CPU, KVCacheManager(32, 16))
         pools[name] = r.kv_cache
         if name == "fp8":
             assert r.kv_cache.dtype == KV_FP8 and r.kv_cache.element_size() == 1
@@ -169,7 +169,7 @@ def _passes(runner, steps: int) -> torch.Tensor:
 def _runner(layers: int, attn: str, **kw) -> ModelRunner:
     cfg = tiny_cfg(**{"model.num_layers": layers, "cache.num_blocks": 16, "device.attention_backend": attn,
                       "device.moe_backend": "torch", **kw})
-    return ModelRunner(cfg, CPU, KVCacheManager(16, 16))
+    return ModelRunner(RunnerSections.from_config(cfg), CPU, KVCacheManager(16, 16))
 
 
 def test_reference_fp8_kv_matches_model_dtype_kv():

@@ -3,7 +3,7 @@ from ainfer_pd import WorkerConfig
 from ainfer_pd.engine.runtime.cuda_graphs import graph_buckets
 from ainfer_pd.engine.kv.kv_cache import KVCacheManager
 from ainfer_pd.engine.runtime.prefill_graphs import prefill_graph_buckets
-from ainfer_pd.engine.runtime.runner import ModelRunner
+from ainfer_pd.engine.runtime.runner import ModelRunner, RunnerSections
 
 
 def test_prefill_graph_buckets_stop_at_the_prefill_budget():
@@ -22,7 +22,7 @@ def test_decode_graph_buckets_cover_the_whole_context_by_default():
 
 def test_a_cpu_runner_refuses_prefill_graphs_and_says_why():
     cfg = WorkerConfig.from_yaml("configs/tiny-cpu.yaml")
-    r = ModelRunner(cfg, __import__("torch").device("cpu"), KVCacheManager(64, cfg.cache.block_size))
+    r = ModelRunner(RunnerSections.from_config(cfg), __import__("torch").device("cpu"), KVCacheManager(64, cfg.cache.block_size))
     assert r.prefill_graphs_refusal() == "no CUDA device"
     assert r.capture_prefill_graphs() == 0 and r.pgraphs is None
     plan = r.build([], [])

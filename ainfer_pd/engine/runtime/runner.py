@@ -12,13 +12,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...config import WorkerConfig
 from ..attention import DecodeMeta, ForwardBatch, PrefillSeq, select_backend
 from ..attention.backend import resolve_kernel_backend
 from ..attention.kv_fp8 import new_kv_pool, new_kv_scales
 from ..kv.kv_cache import KVCacheManager
 from ..model.model import MoETransformer, SegmentState, build_model
 from .prefill_graphs import prefill_graph_buckets
+from .runner_sections import RunnerSections
 from ...phase import Phase, PhaseContext
 from ..loop.state import Turn
 from .tensor_parallel import LOCAL
@@ -56,19 +56,19 @@ class Replayed:
 
 
 class ModelRunner:
-    def __init__(self, cfg: WorkerConfig, device: torch.device, kv: KVCacheManager,
+    def __init__(self, sections: RunnerSections, device: torch.device, kv: KVCacheManager,
                  tp_shard: tuple[int, int] | None = None) -> None:
-        self.cfg = cfg
+        self.sections = RunnerSections.expect(sections)    # the config sections it reads
         self.device = device
         self.kv = kv
-        mc = cfg.model
+        mc = sections.model
         from .expert_parallel import expert_shard
         if mc.fp8_dense and tp_shard is not None and tp_shard[1] > 1:
             from ...errors import UnsupportedOptionError
             raise UnsupportedOptionError("model.fp8_dense with attention tensor parallelism (ATP > 1) is not built: "
                                          "the FP8 q/k/v and o projections are not split by heads (without fp8_dense "
                                          "they are in the model dtype and shard as usual)", key="fp8_dense")
-        self.model: MoETransformer = build_model(mc, device, experts=expert_shard(cfg))   # EP: this rank's experts
+        self.model: MoETransformer = build_model(mc, device, experts=expert_shard(sections))   # EP: this rank's experts
         if tp_shard is not None:                     # attention TP: this rank's heads (and their KV) only
             from .tensor_parallel import shard_attention_
             shard_attention_(self.model, *tp_shard)
@@ -79,12 +79,12 @@ class ModelRunner:
         self.scratch_slot = self.scratch_block * kv.block_size
         self.routed = None
         """Per-slot expert ids (routing replay), allocated with the KV pool when ``cache.routed_experts``."""
-        if cfg.cache.routed_experts:
+        if sections.cache.routed_experts:
             from ..model.routed_experts import RoutedExpertsCache
             self.routed = RoutedExpertsCache(mc, (kv.alloc.num_blocks + 1) * kv.block_size, device)
             self.model.routing_sink = self.routed
         self.kv_cache = self.new_kv_cache()
-        dc = cfg.device
+        dc = sections.device
         self.model.attn_backend = select_backend(dc.attention_backend, device, mc.head_dim)
         self.moe_backend = resolve_kernel_backend("moe_backend", dc.moe_backend, device)
         if self.moe_backend == "triton":
@@ -108,7 +108,7 @@ class ModelRunner:
         KV heads, the model's own: a TP shard holds num_kv_heads / ATP) in ``cache.kv_dtype`` (FP8:
         with the model's per-layer K / V scales, made once and kept across sleeps), and the
         routed-experts buffer beside it, when kept."""
-        mc, kv, kvd = self.cfg.model, self.kv, self.cfg.cache.kv_dtype
+        mc, kv, kvd = self.sections.model, self.kv, self.sections.cache.kv_dtype
         if self.routed is not None:
             self.routed.allocate()
         if kvd == "fp8_e4m3" and self.model.kv_scales is None:
@@ -262,7 +262,7 @@ class ModelRunner:
             binding = self.pgraphs.binding(fb)
             if binding is not None:                  # the P graphs, segment by segment
                 binding.embed()
-                for layer in range(self.cfg.model.num_layers):
+                for layer in range(self.sections.model.num_layers):
                     binding.attn_route(layer, self.kv_cache[layer])
                     binding.experts(layer)
                 return binding.head()
@@ -310,10 +310,10 @@ class ModelRunner:
         mixed batch or long row needs it. Writes only the scratch slot. Returns the lengths."""
         dev, bs = self.device, self.kv.block_size
         lens, n = [], 16
-        while n < self.cfg.model.max_context_len:
+        while n < self.sections.model.max_context_len:
             lens.append(n)
             n *= 2
-        lens.append(self.cfg.model.max_context_len)
+        lens.append(self.sections.model.max_context_len)
         for L in lens:
             nb = -(-L // bs)
             fb = ForwardBatch(
@@ -330,21 +330,20 @@ class ModelRunner:
     def capture_decode_graphs(self, ctx: PhaseContext) -> int:
         """CUDA only: capture decode graphs for the configured buckets."""
         from .cuda_graphs import DecodeGraphs, graph_buckets
-        dc = self.cfg.device
-        if self.cfg.model.dtype != "bfloat16" and self.moe_backend != "triton":
+        s = self.sections
+        dc, mc = s.device, s.model
+        if mc.dtype != "bfloat16" and self.moe_backend != "triton":
             log.warning("CUDA graphs with the torch MoE path need bf16 experts (grouped GEMM); %s decodes eagerly",
-                        self.cfg.model.dtype)
+                        mc.dtype)
             return 0
-        rows = self.cfg.scheduler.max_decode_batch     # a verify pass has 1 + K rows per turn
-        if self.cfg.spec.enabled:
-            rows *= 1 + self.cfg.spec.num_draft_tokens
+        # a verify pass has 1 + K rows per turn
+        rows = s.scheduler.max_decode_batch * (1 + s.spec.num_draft_tokens if s.spec.enabled else 1)
         sizes, ctxs = graph_buckets(dc.graph_batch_sizes, rows, dc.graph_context_tiers,
-                                    dc.graph_max_context, self.cfg.model.max_context_len)
-        if ctxs[-1] < self.cfg.model.max_context_len:
+                                    dc.graph_max_context, mc.max_context_len)
+        if ctxs[-1] < mc.max_context_len:
             log.warning("decode graphs cover %d of the model's %d context tokens (device.graph_max_context): rows "
                         "past %d decode eagerly, host-bound (about 24 ms an iteration whatever the batch on the "
-                        "H200 Qwen3-30B-A3B shape, against 4-20 ms replayed)", ctxs[-1],
-                        self.cfg.model.max_context_len, ctxs[-1])
+                        "H200 Qwen3-30B-A3B shape, against 4-20 ms replayed)", ctxs[-1], mc.max_context_len, ctxs[-1])
         self.graphs = DecodeGraphs(self, sizes, ctxs, self.scratch_slot, ctx)
         self.graphs.capture_all()
         self.capture_prefill_graphs()
@@ -352,8 +351,8 @@ class ModelRunner:
 
     def prefill_graphs_refusal(self) -> str | None:
         """Why P passes cannot replay captured graphs here (None: they can)."""
-        dc, mc = self.cfg.device, self.cfg.model
-        if not dc.prefill_graphs or not prefill_graph_buckets(dc.prefill_graph_tokens, self.cfg.scheduler.max_prefill_tokens):
+        dc, mc, sc = self.sections.device, self.sections.model, self.sections.scheduler
+        if not dc.prefill_graphs or not prefill_graph_buckets(dc.prefill_graph_tokens, sc.max_prefill_tokens):
             return "off (device.prefill_graphs / prefill_graph_tokens)"
         if self.device.type != "cuda":
             return "no CUDA device"
@@ -375,7 +374,8 @@ class ModelRunner:
         if why is not None:
             log.info("P passes run eagerly: %s", why)
             return 0
-        buckets = prefill_graph_buckets(self.cfg.device.prefill_graph_tokens, self.cfg.scheduler.max_prefill_tokens)
+        sc = self.sections
+        buckets = prefill_graph_buckets(sc.device.prefill_graph_tokens, sc.scheduler.max_prefill_tokens)
         self.pgraphs = PrefillGraphs(self.model, lambda: self.kv_cache, buckets, self.scratch_slot, self.device)
         self.pgraphs.capture_all()
         return len(self.pgraphs.graphs)
@@ -397,4 +397,4 @@ class ModelRunner:
 
     @property
     def num_layers(self) -> int:
-        return self.cfg.model.num_layers
+        return self.sections.model.num_layers

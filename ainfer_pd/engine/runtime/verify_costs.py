@@ -19,7 +19,7 @@ def measure_verify_costs(runner, ctx: PhaseContext, batches: tuple[int, ...], wi
     ``context_len`` keys: graph replay where a bucket fits, as the D loop runs it), the median of ``reps`` after one warm-up: the speculator's cost table
     ``{B: {w: s}}``. Writes only the scratch slot."""
     dev, bs = runner.device, runner.kv.block_size
-    L = max(1, min(context_len, runner.cfg.model.max_context_len - max(widths)))
+    L = max(1, min(context_len, runner.sections.model.max_context_len - max(widths)))
     out: dict[int, dict[int, float]] = {}
     for B in batches:
         out[B] = {}
