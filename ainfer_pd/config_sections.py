@@ -20,6 +20,8 @@ KERNEL_BACKENDS = ("auto", "torch", "triton")
 KV_DTYPES = ("auto", "fp8_e4m3")
 """``cache.kv_dtype``: ``auto`` the model dtype; ``fp8_e4m3`` FP8 with per-layer K / V scales
 (the format: ``engine.attention.kv_fp8``)."""
+KV_SCALES = ("auto", "unit", "checkpoint")
+"""``cache.kv_scales``: where an FP8 pool's per-layer K / V scales come from (``hf.kv_scales``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,14 +53,30 @@ class CacheConfig:
     the KV pool gets what is left after the weights and a 2 GiB activation / graph reserve."""
     kv_dtype: str = "auto"
     """The KV pool's element type: ``auto`` the model dtype; ``fp8_e4m3`` float8_e4m3fn with one
-    float32 scale per layer for K and one for V (static 1.0, kept in a small device tensor:
-    ``engine/attention/kv_fp8.py``), 1 byte an element: twice the blocks in the same memory."""
+    float32 scale per layer for K and one for V (kept in a small device tensor, ``cache.kv_scales``
+    says where they come from: ``engine/attention/kv_fp8.py``), 1 byte an element: twice the blocks
+    in the same memory."""
+    kv_scales: str = "auto"
+    """Where the FP8 pool's K / V scales come from (``kv_dtype: fp8_e4m3`` only): ``unit`` 1.0
+    (vLLM's default without scales); ``checkpoint`` the checkpoint's ``k_scale`` / ``v_scale`` of
+    every layer (the names vLLM reads: ``self_attn.k_scale``, ``self_attn.attn.k_scale``, ModelOpt's
+    ``self_attn.k_proj.k_scale``, ``self_attn.k_proj.output_scale``, compressed-tensors'
+    ``self_attn.kv_scale``; ``hf/kv_scales.py``), a missing one a CheckpointError naming it;
+    ``auto`` the checkpoint's when it has them, else 1.0. Either way a weight sync carrying those
+    names or ``RolloutWorker.calibrate_kv_scales`` (an amax pass) rewrites them in place."""
 
     def validate(self) -> None:
         check_positive(self, "block_size")
         if self.kv_dtype not in KV_DTYPES:
             raise UnsupportedOptionError(f"cache.kv_dtype={self.kv_dtype!r}: expected one of {KV_DTYPES} "
                                          "(auto: the model dtype)", key="cache.kv_dtype")
+        if self.kv_scales not in KV_SCALES:
+            raise UnsupportedOptionError(f"cache.kv_scales={self.kv_scales!r}: expected one of {KV_SCALES}",
+                                         key="cache.kv_scales")
+        if self.kv_scales == "checkpoint" and self.kv_dtype != "fp8_e4m3":
+            raise UnsupportedOptionError(f"cache.kv_scales=checkpoint scales an FP8 KV pool: it needs cache.kv_dtype: "
+                                         f"fp8_e4m3 (got {self.kv_dtype!r}, whose pool has no scales)",
+                                         key="cache.kv_scales")
         if not isinstance(self.prefix_sharing, bool):
             raise ConfigError("cache.prefix_sharing must be a bool")
         if isinstance(self.prefix_wait_min_tokens, bool) or not isinstance(self.prefix_wait_min_tokens, int) \
