@@ -1,6 +1,7 @@
 """The device-memory control of :class:`~ainfer_pd.worker.RolloutWorker`: ``sleep`` /
 ``wake_up``, ``release_kv_cache`` / ``resume_kv_cache``, and the control lock that
-``update_weights`` (:mod:`.worker_sync`, a base of this mixin) shares with them.
+``update_weights`` (:mod:`.worker_sync`, a base of this mixin) and ``calibrate_kv_scales``
+(:mod:`.worker_calibration`, another) share with them.
 
 A mixin of the worker (its public coroutines): each runs its device work in a thread while
 every stream of the device is parked (:meth:`WorkerControl._with_streams_parked`), never on
@@ -16,6 +17,7 @@ from typing import Any
 
 from .engine.model.weights import WeightStage
 from .errors import AInferPDError, InvalidRequestError, WeightUpdateError, WorkerAsleepError, WorkerClosedError
+from .worker_calibration import KvCalibration
 from .worker_sync import WeightSync
 
 
@@ -24,9 +26,10 @@ CLOSE_WAIT_S = 10.0
 finishes first); after it the streams are released anyway."""
 
 
-class WorkerControl(WeightSync):
+class WorkerControl(WeightSync, KvCalibration):
     """Weights, sleep / wake and KV-pool control of a running worker (mixin; the weight sync is
-    its base :class:`~ainfer_pd.worker_sync.WeightSync`)."""
+    its base :class:`~ainfer_pd.worker_sync.WeightSync`, the FP8 KV scale calibration its base
+    :class:`~ainfer_pd.worker_calibration.KvCalibration`)."""
 
     def _init_control(self) -> None:
         self._sleeping = False

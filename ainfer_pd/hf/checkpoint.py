@@ -22,6 +22,10 @@ with its ``weight_scale_inv`` into the model dtype, on the device. Either way a 
 misshaped ``weight_scale_inv``, or one beside a weight stored in a float dtype, is a
 CheckpointError naming the tensor. A float8 tensor for any other model-dtype parameter (the
 router, ...), or any float8 tensor in a model without ``quantization: fp8``, is refused by name.
+
+FP8 KV cache scales (``self_attn.k_scale`` / ``v_scale`` and the other names vLLM reads:
+:mod:`.kv_scales`) are noted, not read here: an FP8 pool reads them when it is made
+(``cache.kv_scales``), a pool in the model dtype ignores them.
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ from ..engine.quant.fp8 import FP8, check_scale
 from ..engine.model.linear import SCALE_SUFFIX
 from ..errors import CheckpointError
 from .config import num_extra_layers, read_config_json
+from .kv_scales import kv_scale_of
 from .names import name_table
 
 log = logging.getLogger("ainfer_pd.hf")
@@ -63,6 +68,9 @@ class LoadReport:
     """Names whose data this rank read (expert parallelism: its own experts only)."""
     tensors_skipped: list[str] = field(default_factory=list)
     """Names of other ranks' experts, or unused extra layers: never read."""
+    kv_scale_tensors: dict[str, str] = field(default_factory=dict)
+    """An FP8 KV pool's K / V scales the checkpoint carries (name -> file): read when the pool is
+    made (:mod:`.kv_scales`, ``cache.kv_scales``), ignored by a pool in the model dtype."""
     bytes_read: int = 0
     seconds: float = 0.0
 
@@ -245,6 +253,9 @@ def _check(where: dict[str, str], handles: dict, table, extra_from: int | None, 
             m = _LAYER.match(name)
             if (m and extra_from is not None and int(m.group(1)) >= extra_from) or name.endswith("rotary_emb.inv_freq"):
                 report.tensors_skipped.append(name)      # unused extra (MTP) layers; a non-persistent buffer
+                continue
+            if kv_scale_of(name, c.num_layers) is not None:      # an FP8 KV pool's scales: read with the pool
+                report.kv_scale_tensors[name] = where[name]
                 continue
             unexpected.append(name)
             continue

@@ -96,6 +96,10 @@ class WeightStage:
     whose last bucket is bad leaves every weight as it was. Without ``copy`` the caller must not
     reuse a tensor's memory for another one of the same sync (the copies happen at the end).
 
+    An FP8 KV pool's K / V scales (``model.layers.N.self_attn.k_scale`` and the other names of
+    :mod:`ainfer_pd.hf.kv_scales`) are checked as they arrive and written in place by :meth:`apply`
+    with the rest; a model whose pool is in the model dtype ignores them.
+
     FP8 models (:mod:`ainfer_pd.hf.names`): a float tensor for an FP8 projection is quantized as it
     is staged; an e4m3 one needs its ``weight_scale_inv`` in the same sync. For a projection the
     FP8 model keeps in the model dtype a float tensor is copied as it is, and an e4m3 one and its
@@ -136,6 +140,8 @@ class WeightStage:
         # records them at the whole experts' shape, so every rank of one sync publishes the same
         self._expert_shards = {n for n in table.params if is_routed_expert(model, n)}
         self._items = 0
+        from ...hf.kv_scales import KvScaleStage
+        self._kv = KvScaleStage(model)          # an FP8 KV pool's K / V scales, by their checkpoint names
 
     # ------------------------------------------------------------------ input forms
     def add_all(self, named: Iterable[Any] | Mapping[str, Tensor]) -> "WeightStage":
@@ -170,6 +176,11 @@ class WeightStage:
         self.add(*item)
 
     def add(self, name: str, t: Tensor) -> None:
+        if self._kv.takes(name):                # every rank takes the same per-layer scales
+            staged = self._kv.add(name, t)      # False: a pool in the model dtype has none (ignored)
+            self._manifest.append((name, tuple(t.shape), str(t.dtype).removeprefix("torch.")))
+            (self.report.applied if staged else self.report.ignored).append(name)
+            return
         target = self._target(name, t)
         shape = tuple(t.shape)
         if name in self._expert_shards:     # this rank's shard of the experts: the manifest says the whole
@@ -265,7 +276,9 @@ class WeightStage:
         return self.table.sync_required - self._covered.keys()
 
     def check_complete(self) -> None:
-        """Unless ``partial``: every unit of the model was given, else WeightUpdateError."""
+        """Every K / V scale given has its pair; unless ``partial``: every unit of the model was
+        given, else WeightUpdateError."""
+        self._kv.check()
         if self.partial:
             return
         missing = self.missing()
@@ -304,7 +317,7 @@ class WeightStage:
                                     f"({len(unpaired)} such; nothing was written)")
         for region, src in self._plan:
             region.copy_(src)
-        return len(self._plan)
+        return len(self._plan) + self._kv.apply()
 
 
 class StageCancelled(Exception):

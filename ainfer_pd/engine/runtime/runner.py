@@ -14,7 +14,8 @@ from torch import Tensor
 
 from ..attention import DecodeMeta, ForwardBatch, PrefillSeq, select_backend
 from ..attention.backend import resolve_kernel_backend
-from ..attention.kv_fp8 import new_kv_pool, new_kv_scales
+from ..attention.kv_fp8 import new_kv_pool
+from ...hf.kv_scales import kv_scales_for
 from ..kv.kv_cache import KVCacheManager
 from ..model.model import MoETransformer, SegmentState, build_model
 from .prefill_graphs import prefill_graph_buckets
@@ -111,8 +112,7 @@ class ModelRunner:
         mc, kv, kvd = self.sections.model, self.kv, self.sections.cache.kv_dtype
         if self.routed is not None:
             self.routed.allocate()
-        if kvd == "fp8_e4m3" and self.model.kv_scales is None:
-            self.model.kv_scales = new_kv_scales(mc.num_layers, self.device)
+        self.model.kv_scales = kv_scales_for(self.model, self.cfg.cache, self.device)    # FP8: kept once made
         return new_kv_pool((mc.num_layers, 2, (kv.alloc.num_blocks + 1) * kv.block_size, self.model.cfg.num_kv_heads,
                             mc.head_dim), kvd, mc.torch_dtype, self.device)
 
