@@ -38,7 +38,8 @@ class KvCalibration:
         self._check_open()
         cfg = self.cfg
         ids = _check_prompts(prompts, cfg.model.vocab_size, cfg.model.max_context_len)
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not (math.isfinite(margin) and margin > 0):
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin) \
+                or margin <= 0:
             raise InvalidRequestError(f"margin must be a positive finite number, got {margin!r}")
         if cfg.cache.kv_dtype != "fp8_e4m3":
             raise UnsupportedOptionError(f"calibrate_kv_scales scales an FP8 KV pool; this worker's pool is "
@@ -61,7 +62,8 @@ class KvCalibration:
         """The worker is awake and no turn is in flight or draining (else a typed error)."""
         if self._asleep or self._weights_stale or not self.engine.residency.state.kv:
             raise WorkerAsleepError("calibrate_kv_scales needs the worker awake (its KV pool and weights on the "
-                                    "device): call wake_up()" + (" and sync the weights" if self._weights_stale else ""))
+                                    "device): call wake_up()"
+                                    + (" and sync the weights" if self._weights_stale else ""))
         for tid, traj in self.trajectories.items():
             if traj.turn is not None or traj.draining is not None:
                 raise TrajectoryBusyError(
