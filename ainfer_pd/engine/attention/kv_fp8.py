@@ -7,11 +7,16 @@ the same memory) and each layer has two float32 scales, one for K and one for V,
 captured CUDA graph stays valid whatever is written into it). A key or value ``x`` is stored as
 ``e4m3(clamp(x / scale, +-448))`` (round to nearest even) and read back as ``stored * scale``.
 
-The scales are static, 1.0 (vLLM's default without calibration): e4m3 then holds magnitudes
-2^-9 .. 448 with 3 mantissa bits (relative error <= 2^-4, normal range 2^-6 .. 448), which covers
-post-norm / post-RoPE keys and values of the supported architectures; a value past 448 saturates.
-Calibrated scales (an amax pass, or a checkpoint's ``k_scale`` / ``v_scale``) are not built: they
-would be written into ``kv_scales`` in place before any KV is stored.
+With scale 1.0 (``cache.kv_scales: unit``, vLLM's default without calibration) e4m3 holds
+magnitudes 2^-9 .. 448 with 3 mantissa bits (relative error <= 2^-4, normal range 2^-6 .. 448),
+which covers post-norm / post-RoPE keys and values of the supported architectures; a value past
+448 saturates. Other scales are written into ``kv_scales`` in place: a checkpoint's ``k_scale`` /
+``v_scale`` when the pool is made (``cache.kv_scales: auto | checkpoint``, :mod:`ainfer_pd.hf.kv_scales`),
+a weight sync carrying them, or a calibration (an amax pass over prompts, ``scale = amax * margin /
+448``: :mod:`ainfer_pd.engine.runtime.kv_calibration`, ``RolloutWorker.calibrate_kv_scales``). KV
+already stored under other scales would be misread, so the worker drops the cached KV when they
+change (a turn in flight during a weight sync reads its earlier KV under the new scales, as it
+reads the new weights).
 
 The torch helpers here are the reference path's and the oracle of the Triton kernels, which
 quantize in their QKV prologue and dequantize on load (``triton_kernels``). The pool is indexed
