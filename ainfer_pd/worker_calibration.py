@@ -50,7 +50,7 @@ class KvCalibration:
                 "whole model outside the engine loops, and the expert exchange / attention-TP collectives of several "
                 "ranks are not driven there. Calibrate a one-rank worker of the same model and push the returned "
                 "scales with update_weights as model.layers.N.self_attn.k_scale / v_scale (every rank takes them)",
-                key="calibrate_kv_scales")
+                key="parallel.world_size")
         async with self._control_lock("calibrate_kv_scales"):
             self._check_calibration_state()
             # NOTE: no await from the check to the park request: a turn submitted later queues

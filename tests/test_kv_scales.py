@@ -150,6 +150,25 @@ def test_k_without_v_missing_layers_and_checkpoint_mode_without_scales_are_typed
         _runner(_with_tensors(src, tmp_path / "twice", twice), **FP8_KV)
 
 
+def test_every_expert_and_attention_shard_takes_the_same_scales(hf_model_dir, tmp_path):
+    """Expert-parallel ranks (half the experts each) and attention-TP ranks (half the KV heads) take
+    the same per-layer scales, from the checkpoint and from a sync (no rank skips them as another's)."""
+    from ainfer_pd.engine.model.model import build_model
+    from ainfer_pd.engine.runtime.tensor_parallel import shard_attention_
+    from ainfer_pd.hf.kv_scales import kv_scales_for
+    d = _with_tensors(hf_model_dir("qwen3_moe"), tmp_path / "ep", _scales("modelopt"))
+    cfg = hf_worker_cfg(d, cache=FP8_KV)
+    synced = {n: t * 2 for n, t in _scales("self_attn").items()}
+    for shard in ((0, 4), (4, 8), "tp0", "tp1"):
+        m = build_model(cfg.model, experts=shard if isinstance(shard, tuple) else None)
+        if isinstance(shard, str):
+            shard_attention_(m, int(shard[-1]), 2)
+        m.kv_scales = kv_scales_for(m, cfg.cache, CPU)
+        assert torch.equal(m.kv_scales, _expected()), shard
+        stage = WeightStage(m, partial=True).add_all(synced)
+        assert stage.apply() == 2 * L and torch.equal(m.kv_scales, _expected() * 2), shard
+
+
 # ---------------------------------------------------------------------------- calibration
 def _hf_amax(path, prompts) -> torch.Tensor:
     """[L, 2] largest |K| (post-RoPE) and |V| that transformers' own forward puts in its KV cache."""
