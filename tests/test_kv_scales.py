@@ -18,6 +18,7 @@ import asyncio
 import json
 import random
 import shutil
+import types
 
 import pytest
 import torch
@@ -291,6 +292,9 @@ def test_weight_sync_writes_scales_in_place_all_or_nothing(hf_model_dir):
     for bad in (torch.tensor(-1.0), torch.tensor([1.0, 2.0]), torch.tensor(float("inf"))):
         with pytest.raises(WeightUpdateError, match=P.format(i=0) + "v_scale"):
             WeightStage(r.model, partial=True).add(P.format(i=0) + "v_scale", bad)
+    from ainfer_pd.integrations.verl.weight_staging import prepare_bucket      # verl's bucket check lets them by
+    staged = prepare_bucket(types.SimpleNamespace(model=r.model), list(_scales("attn").items()), cast_dtype=True)
+    assert [n for n, _ in staged] == list(_scales("attn"))
     plain = _runner(hf_model_dir("qwen3_moe"))      # a pool in the model dtype: scales ignored, no error
     stage = WeightStage(plain.model, partial=True).add_all(_scales("self_attn"))
     assert stage.apply() == 0 and sorted(stage.report.ignored) == sorted(_scales("self_attn"))

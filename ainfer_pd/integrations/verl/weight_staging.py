@@ -19,6 +19,13 @@ def name_table(worker: Any):
     return table(model)
 
 
+def is_kv_scale(name: str, table: Any) -> bool:
+    """``name`` is an FP8 KV pool's K / V scale (``model.layers.N.self_attn.k_scale``, ...:
+    :mod:`ainfer_pd.hf.kv_scales`), not a parameter of the name table."""
+    from ...hf.kv_scales import kv_scale_of
+    return kv_scale_of(name, table.model.cfg.num_layers) is not None
+
+
 def prepare_bucket(worker: Any, named: Iterable[tuple[str, Any]], *, cast_dtype: bool) -> list:
     """Validate names / shapes (and cast floating dtypes when ``cast_dtype``) of one bucket."""
     import torch
@@ -27,7 +34,7 @@ def prepare_bucket(worker: Any, named: Iterable[tuple[str, Any]], *, cast_dtype:
     for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise WeightUpdateError(f"weight {name!r}: expected a torch.Tensor, got {type(t).__name__}")
-        if table is not None:
+        if table is not None and not is_kv_scale(name, table):      # an FP8 KV scale: the worker checks it
             target = table.lookup(name)
             if target is None:
                 close = [n for n in table.hf if n.split(".")[-1] == name.split(".")[-1]][:3]
