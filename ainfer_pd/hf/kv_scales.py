@@ -14,12 +14,13 @@ scale stores ``x`` as ``e4m3(x / scale)`` (:mod:`ainfer_pd.engine.attention.kv_f
 ``k_scale``, the same meaning. With tensor or expert parallelism every rank takes the same
 per-layer scales (a rank's KV heads are scaled by its layer's scale).
 
-``cache.kv_scales`` (:func:`initial_kv_scales`, :func:`kv_scales_for`) picks what the pool starts with: ``unit`` 1.0,
-``checkpoint`` the checkpoint's (every layer, else a :class:`CheckpointError` naming the first
-missing tensor), ``auto`` the checkpoint's when it has any, else 1.0. The checkpoint loader only
-notes where the scale tensors are (``LoadReport.kv_scale_tensors``: never unexpected); they are
-read when an FP8 pool is made, so a pool in the model dtype (``cache.kv_dtype: auto``) ignores
-them. A weight sync carrying these names writes them in place (:class:`KvScaleStage`).
+``cache.kv_scales`` (:func:`initial_kv_scales`, a pure function; :func:`kv_scales_for`) picks what
+the pool starts with: ``unit`` 1.0, ``checkpoint`` the checkpoint's (every layer, else a
+:class:`CheckpointError` naming the first missing tensor), ``auto`` the checkpoint's when it has
+any, else 1.0. The checkpoint loader only notes where the scale tensors are
+(``LoadReport.kv_scale_tensors``: never unexpected); they are read when an FP8 pool is made, so a
+pool in the model dtype (``cache.kv_dtype: auto``) ignores them. A weight sync carrying these
+names writes them in place (:class:`KvScaleStage`).
 """
 from __future__ import annotations
 
@@ -78,8 +79,8 @@ def scale_value(name: str, t: object, error: type[AInferPDError]) -> float:
                     "per-token KV scales are not supported)")
     if not t.is_floating_point() or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise error(f"K / V scale {name!r} has dtype {t.dtype}; a float32 / bf16 / fp16 scalar is needed")
-    v = float(t.detach().reshape(()).float().cpu())
-    if not (math.isfinite(v) and v > 0):
+    v = float(t.detach().reshape(()).cpu())
+    if not (math.isfinite(v) and 0 < v <= torch.finfo(torch.float32).max):      # kept as float32
         raise error(f"K / V scale {name!r} is {v!r}: a scale must be positive and finite")
     return v
 
