@@ -31,6 +31,7 @@ from ainfer_pd.engine.kv.kv_cache import KVCacheManager
 from ainfer_pd.engine.model.weights import WeightStage
 from ainfer_pd.engine.runtime.kv_calibration import calibrate_kv_scales
 from ainfer_pd.engine.runtime.runner import ModelRunner
+from ainfer_pd.engine.runtime.runner_sections import RunnerSections
 from ainfer_pd.errors import (CheckpointError, ConfigError, InvalidRequestError, TrajectoryBusyError,
                               UnsupportedOptionError, WeightUpdateError)
 from ainfer_pd.phase import Phase, PhaseContext
@@ -74,7 +75,7 @@ def _with_tensors(src, dst, tensors: dict[str, torch.Tensor]):
 
 
 def _runner(path, **cache) -> ModelRunner:
-    return ModelRunner(hf_worker_cfg(path, cache=cache), CPU, KVCacheManager(16, 16))
+    return ModelRunner(RunnerSections.from_config(hf_worker_cfg(path, cache=cache)), CPU, KVCacheManager(16, 16))
 
 
 def _expected() -> torch.Tensor:

@@ -112,7 +112,7 @@ class ModelRunner:
         mc, kv, kvd = self.sections.model, self.kv, self.sections.cache.kv_dtype
         if self.routed is not None:
             self.routed.allocate()
-        self.model.kv_scales = kv_scales_for(self.model, self.cfg.cache, self.device)    # FP8: kept once made
+        self.model.kv_scales = kv_scales_for(self.model, self.sections.cache, self.device)    # FP8: kept once made
         return new_kv_pool((mc.num_layers, 2, (kv.alloc.num_blocks + 1) * kv.block_size, self.model.cfg.num_kv_heads,
                             mc.head_dim), kvd, mc.torch_dtype, self.device)
 
