@@ -56,6 +56,10 @@ class WorkerConfig:
                                          "needs the previous one's tokens on the host (its drafts continue them); "
                                          "use overlap_decode auto (overlapped while no row speculates) or false",
                                          key="spec.method")
+        if self.spec.mtp and self.model.num_mtp_layers < 1:
+            raise UnsupportedOptionError(f"spec.method=mtp needs a model with an MTP layer (glm4_moe with "
+                                         f"num_nextn_predict_layers >= 1); this {self.model.architecture} model has "
+                                         "model.num_mtp_layers=0", key="spec.method")
         if self.parallel.expert_parallel > 1 and self.model.num_experts % self.parallel.expert_parallel:
             raise TopologyError(f"model.num_experts={self.model.num_experts} is not divisible by "
                                 f"expert_parallel={self.parallel.expert_parallel}")

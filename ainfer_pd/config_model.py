@@ -25,7 +25,7 @@ _ARCH_FEATURES = {
     "qwen2_moe": {"qkv_bias", "shared_expert", "shared_expert_gate", "dense_layers"},
     "mixtral": set(),
     "glm4_moe": {"qk_norm", "qkv_bias", "shared_expert", "dense_layers", "sigmoid_router",
-                 "partial_rotary", "routed_scaling"},
+                 "partial_rotary", "routed_scaling", "mtp"},
 }
 
 
@@ -106,6 +106,11 @@ class ModelConfig:
     2,048-token prefill. An FP8 checkpoint's dense weights are then dequantized at load (and at a
     weight sync sending e4m3 + ``weight_scale_inv``). ``true``: every projection FP8, for hardware
     or kernels where the FP8 dense GEMMs measure better. Needs ``quantization: fp8``."""
+    num_mtp_layers: int = 0
+    """Multi-token-prediction layers the checkpoint holds past ``num_layers`` (glm4_moe's
+    ``num_nextn_predict_layers``; DeepSeek-V3's MTP shape). The first is built, loaded and synced
+    only with ``spec.method: mtp`` (its draft head, ``ainfer_pd.engine.model.mtp_layer``);
+    otherwise the checkpoint's MTP tensors are skipped."""
     seed: int = 0
     """Seed of the deterministic random initialisation."""
     weights_path: str | None = None
@@ -135,6 +140,8 @@ class ModelConfig:
         if self.rotary_dim % 2 or self.rotary_dim == 0:
             raise ConfigError(f"model.head_dim * partial_rotary_factor = {self.head_dim * self.partial_rotary_factor:g} "
                               "must be a positive even integer (RoPE)")
+        if self.num_mtp_layers < 0:
+            raise ConfigError(f"model.num_mtp_layers={self.num_mtp_layers} must be >= 0")
         if self.shared_expert_intermediate < 0 or self.dense_intermediate < 0:
             raise ConfigError("model.shared_expert_intermediate and model.dense_intermediate must be >= 0")
         if self.shared_expert_gate and not self.shared_expert_intermediate:
@@ -174,6 +181,7 @@ class ModelConfig:
             "dense_layers": bool(self.dense_layers), "shared_expert": self.shared_expert_intermediate > 0,
             "shared_expert_gate": self.shared_expert_gate, "sigmoid_router": self.router == "sigmoid",
             "partial_rotary": self.partial_rotary_factor != 1.0, "routed_scaling": self.routed_scaling_factor != 1.0,
+            "mtp": self.num_mtp_layers > 0,
         }
         bad = sorted(k for k, on in used.items() if on and k not in allowed)
         if bad:

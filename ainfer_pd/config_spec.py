@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .errors import ConfigError, UnsupportedOptionError
+from .errors import ConfigError
 
 SPEC_METHODS = ("none", "suffix", "mtp")
 MAX_DRAFT_TOKENS = 8
@@ -15,8 +15,11 @@ MAX_DRAFT_TOKENS = 8
 class SpecConfig:
     method: str = "none"
     """none | suffix | mtp. ``suffix``: model-free drafts from the trajectory's own context and its
-    GRPO siblings' (``ainfer_pd.spec.suffix``), verified inside the D iteration. ``mtp`` (MTP heads)
-    is not built: refused by name."""
+    GRPO siblings' (``ainfer_pd.spec.suffix``), verified inside the D iteration. ``mtp``: greedy
+    drafts from the checkpoint's multi-token-prediction layer (glm4_moe ``num_nextn_predict_layers``
+    >= 1, the first one; ``ainfer_pd.spec.mtp``), chained ``num_draft_tokens`` deep; it needs
+    ``model.num_mtp_layers`` >= 1 and one rank, and the D loop then runs without CUDA graphs (the
+    MTP layer reads every pass's hidden states, which the captured graphs do not give)."""
     num_draft_tokens: int = 4
     """The most drafts a row verifies in one D iteration (K <= this)."""
     adaptive: bool = True
@@ -34,9 +37,6 @@ class SpecConfig:
     def validate(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ConfigError(f"spec.method={self.method!r}: expected one of {SPEC_METHODS}")
-        if self.method == "mtp":
-            raise UnsupportedOptionError("spec.method=mtp: MTP draft heads are not built; use suffix (model-free "
-                                         "drafts) or none", key="spec.method")
         k = self.num_draft_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS:
             raise ConfigError(f"spec.num_draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], got {k!r}")
@@ -52,3 +52,8 @@ class SpecConfig:
     @property
     def enabled(self) -> bool:
         return self.method != "none"
+
+    @property
+    def mtp(self) -> bool:
+        """Drafts come from the model's MTP layer (built and loaded only then)."""
+        return self.method == "mtp"

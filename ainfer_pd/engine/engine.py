@@ -48,6 +48,7 @@ from .loop.p_driver import PDriver
 from .loop.timings import EngineTimings
 from .loop.p_walk import GATED_LANE
 from .kv.residency import Residency, kv_blocks_from_memory
+from .runtime.mtp_runner import MtpRunner
 from .runtime.runner import ModelRunner, RunnerSections
 from .loop.state import Turn
 from .loop.turns import TurnBook
@@ -116,8 +117,9 @@ class Engine:
         num_blocks = cfg.cache.num_blocks or kv_blocks_from_memory(cfg)
         self.kv = KVCacheManager(num_blocks, cfg.cache.block_size, sharing=cfg.cache.prefix_sharing,
                                  wait_min_tokens=cfg.cache.prefix_wait_min_tokens)
-        self.runner = ModelRunner(RunnerSections.from_config(cfg), self.device.torch_device, self.kv,
-                                  tp_shard=self.dist.tp_shard if self.dist is not None else None)
+        self.runner = (MtpRunner if cfg.spec.mtp else ModelRunner)(   # mtp: its passes feed the MTP drafter
+            RunnerSections.from_config(cfg), self.device.torch_device, self.kv,
+            tp_shard=self.dist.tp_shard if self.dist is not None else None)
         self.residency = Residency(self.runner)
         self.prefill_ctx = PhaseContext(Phase.PREFILL, self.device.stream("P"))
         self.decode_ctx = PhaseContext(Phase.DECODE, self.device.stream("D"))

@@ -151,7 +151,6 @@ def load_pretrained(model: nn.Module, model_dir: str | Path) -> "LoadReport":
         report.seconds = time.perf_counter() - t0
         model.load_report = report
         return report
-    table = name_table(model)
     lo, hi = model.expert_range
     extra_from = model.cfg.num_layers if num_extra_layers(hf) else None
     from safetensors import safe_open
@@ -164,6 +163,10 @@ def load_pretrained(model: nn.Module, model_dir: str | Path) -> "LoadReport":
                 raise CheckpointError(f"{d.name}/{f.name} is not a readable safetensors file: {exc}") from None
             report.files.append(f.name)
         where = _locate(handles, index, d.name)
+        if getattr(model, "mtp", None) is not None:        # the MTP layer's own head / embedding, if stored
+            from ..engine.model.mtp_layer import adopt_own_tensors
+            adopt_own_tensors(model, where)
+        table = name_table(model)
         plan = _check(where, handles, table, extra_from, d.name, report)
     _read(d, plan, where, table, report)
     report.seconds = time.perf_counter() - t0
@@ -252,7 +255,7 @@ def _check(where: dict[str, str], handles: dict, table, extra_from: int | None, 
         if target is None:
             m = _LAYER.match(name)
             if (m and extra_from is not None and int(m.group(1)) >= extra_from) or name.endswith("rotary_emb.inv_freq"):
-                report.tensors_skipped.append(name)      # unused extra (MTP) layers; a non-persistent buffer
+                report.tensors_skipped.append(name)      # MTP layers not built (spec.method mtp: the first is)
                 continue
             if kv_scale_of(name, c.num_layers) is not None:      # an FP8 KV pool's scales: read with the pool
                 report.kv_scale_tensors[name] = where[name]

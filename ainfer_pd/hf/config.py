@@ -247,6 +247,7 @@ def _glm4_moe(hf: dict[str, Any], L: int) -> dict[str, Any]:
         "topk_groups": _int(hf, "topk_group", 1, nullable=True) or 1,
         "routed_scaling_factor": _float(hf, "routed_scaling_factor", 1.0),
         "qk_norm": _bool(hf, "use_qk_norm", False), "qkv_bias": bias, "o_bias": False,
+        "num_mtp_layers": num_extra_layers(hf),
     }
 
 
@@ -254,8 +255,9 @@ _ARCH = {"qwen3_moe": _qwen3_moe, "qwen2_moe": _qwen2_moe, "mixtral": _mixtral, 
 
 
 def num_extra_layers(hf: dict[str, Any]) -> int:
-    """Layers a checkpoint may hold past ``num_hidden_layers`` that inference does not use
-    (glm4_moe's multi-token-prediction layers, ``num_nextn_predict_layers``)."""
+    """Layers a checkpoint may hold past ``num_hidden_layers`` that the forward pass does not walk
+    (glm4_moe's multi-token-prediction layers, ``num_nextn_predict_layers``: the first is the MTP
+    draft head under ``spec.method: mtp``, the rest are never read)."""
     return _int(hf, "num_nextn_predict_layers", 0, nullable=True)
 
 

@@ -69,7 +69,7 @@ def config_json(c: ModelConfig) -> dict[str, Any]:
                    n_shared_experts=c.shared_expert_intermediate // I, first_k_dense_replace=len(c.dense_layers),
                    n_group=c.num_expert_groups, topk_group=c.topk_groups, norm_topk_prob=c.norm_topk_prob,
                    routed_scaling_factor=c.routed_scaling_factor, use_qk_norm=c.qk_norm, attention_bias=c.qkv_bias,
-                   partial_rotary_factor=c.partial_rotary_factor)
+                   partial_rotary_factor=c.partial_rotary_factor, num_nextn_predict_layers=c.num_mtp_layers)
     return out
 
 
@@ -137,11 +137,15 @@ def _tensors(model: nn.Module, layout: str):
 def save_pretrained(model: nn.Module, path: str | Path, *, max_shard_bytes: int = 2 << 30) -> Path:
     """Write ``config.json``, ``model-0000k-of-0000n.safetensors`` shards of at most
     ``max_shard_bytes`` (a tensor larger than that gets a shard of its own) and the index; one
-    shard's tensors are copied at a time."""
+    shard's tensors are copied at a time. A model built with its MTP layer writes it too
+    (``model.layers.L.*``), one without says ``num_nextn_predict_layers: 0``."""
     from safetensors.torch import save_file
     d = Path(path)
     d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(config_json(model.cfg), indent=2))
+    cj = config_json(model.cfg)
+    if getattr(model, "mtp", None) is None and cj.get("num_nextn_predict_layers"):
+        cj["num_nextn_predict_layers"] = 0                # no MTP layer built: none written
+    (d / "config.json").write_text(json.dumps(cj, indent=2))
     shards: list[list] = [[]]
     size = total = 0
     for name, n, view in _tensors(model, "checkpoint"):

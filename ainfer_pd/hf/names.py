@@ -135,7 +135,7 @@ class NameTable:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.params = dict(model.named_parameters())
-        self.hf: dict[str, Target] = dict(hf_targets(model.cfg, model.expert_range))
+        self.hf: dict[str, Target] = dict(hf_targets(model.cfg, model.expert_range, mtp_layer_of(model)))
         # the engine's own names: whole parameters (EP: this rank's expert shard)
         self.own = {n: Target(n, (), tuple(p.shape), units=tuple(_units_of(model, n, p)))
                     for n, p in self.params.items()}
@@ -244,8 +244,17 @@ def _named(hf_name: str, targets: tuple[Target, Target | None]) -> Iterator[tupl
         yield hf_name + SCALE_SUFFIX, scale
 
 
-def hf_targets(c: ModelConfig, experts: tuple[int, int]) -> Iterator[tuple[str, Target]]:
-    """(checkpoint or transformers name, its target) of a model of ``c`` holding ``experts`` [lo, hi)."""
+def mtp_layer_of(model: nn.Module) -> tuple[str, ...] | None:
+    """What :func:`hf_targets` needs of ``model``'s MTP layer: None without one, else the optional
+    tensors it holds of its own (``head``, ``embed``: :mod:`ainfer_pd.engine.model.mtp_layer`)."""
+    m = getattr(model, "mtp", None)
+    return None if m is None else tuple(w for w in ("head", "embed") if getattr(m, w) is not None)
+
+
+def hf_targets(c: ModelConfig, experts: tuple[int, int],
+               mtp: tuple[str, ...] | None = None) -> Iterator[tuple[str, Target]]:
+    """(checkpoint or transformers name, its target) of a model of ``c`` holding ``experts`` [lo, hi)
+    and, unless ``mtp`` is None, the MTP layer (``mtp``: its own optional tensors, :func:`mtp_layer_of`)."""
     D = c.hidden_size
     yield "model.embed_tokens.weight", _whole("embed", (c.vocab_size, D))
     yield "model.norm.weight", _whole("final_norm", (D,))
@@ -259,6 +268,29 @@ def hf_targets(c: ModelConfig, experts: tuple[int, int]) -> Iterator[tuple[str, 
             yield from _mlp(c, hp + "mlp.", ip, prs, "dense")
             continue
         yield from _moe_targets(c, hp, ip, experts, prs)
+    if mtp is not None:
+        yield from _mtp_targets(c, experts, mtp)
+
+
+def _mtp_targets(c: ModelConfig, experts: tuple[int, int], own: tuple[str, ...]) -> Iterator[tuple[str, Target]]:
+    """The MTP layer ``model.layers.L.*`` (L = num_layers): a decoder layer in the main layers' names
+    and formats, then ``enorm``, ``hnorm``, ``eh_proj`` (an e4m3 one of an FP8 checkpoint is
+    dequantized with its ``weight_scale_inv``), ``shared_head.norm``, and ``shared_head.head`` /
+    ``embed_tokens`` (into the layer's own copy when it holds one, else known and skipped: the
+    main head / embedding serve)."""
+    D, V, L = c.hidden_size, c.vocab_size, c.num_layers
+    hp, ip = f"model.layers.{L}.", f"layers.{L}."
+    prs = layer_projections(c, L, experts[1] - experts[0])
+    yield from _attention_targets(c, hp, ip, prs)
+    yield from _moe_targets(c, hp, ip, experts, prs)
+    for leaf, param in (("enorm", "mtp.enorm"), ("hnorm", "mtp.hnorm"), ("shared_head.norm", "mtp.head_norm")):
+        yield f"{hp}{leaf}.weight", _whole(param, (D,))
+    fp8_model = c.quantization == "fp8"
+    eh = Target("mtp.eh_proj", (), (D, 2 * D), units=(("mtp.eh_proj",),), dequant=fp8_model)
+    yield from _named(hp + "eh_proj.weight", (eh, Target(None, (), scale_shape((D, 2 * D)), scale_of=(D, 2 * D),
+                                                         dequant=True) if fp8_model else None))
+    for which, leaf in (("head", "shared_head.head"), ("embed", "embed_tokens")):
+        yield f"{hp}{leaf}.weight", _whole(f"mtp.{which}", (V, D)) if which in own else Target(None, (), (V, D))
 
 
 def _attention_targets(c: ModelConfig, hp: str, ip: str, prs: dict) -> Iterator[tuple[str, Target]]:

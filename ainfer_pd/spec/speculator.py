@@ -1,7 +1,9 @@
 """The engine's speculator: which rows of a D iteration verify drafts, and how many (issue 38).
 
 One per rank, owned by the D driver (and the mixed-chunked loop), touched only from the event
-loop. It keeps the :class:`~.suffix.SuffixDrafter` in step with the turns: a trajectory's sequence
+loop. Its drafter is the :class:`~.suffix.SuffixDrafter` (``spec.method: suffix``) or the
+:class:`~.mtp.MtpDrafter` (``mtp``: drafts on the device, :meth:`Speculator.prepare` before
+:meth:`Speculator.plan`). It keeps the suffix drafter in step with the turns: a trajectory's sequence
 (its turn's prompt, then what the turn generated) is extended lazily, the tokens it does not hold
 yet, each time the trajectory is a row (:meth:`Speculator.sync`), and forgotten when the worker
 releases the trajectory. Drafts are suggestions: verification keeps the output exact whatever they
@@ -45,10 +47,12 @@ class SpecBatch:
 
 
 class Speculator:
-    def __init__(self, cfg: SpecConfig, max_context_len: int, costs: VerifyCosts | None, rec) -> None:
+    def __init__(self, cfg: SpecConfig, max_context_len: int, costs: VerifyCosts | None, rec, drafter=None) -> None:
         self.cfg, self.max_context_len, self.costs, self.rec = cfg, max_context_len, costs, rec
         self.k_max = cfg.num_draft_tokens
-        self.drafter = SuffixDrafter()
+        self.drafter = drafter if drafter is not None else SuffixDrafter()
+        """``extend`` / ``forget`` / ``draft`` (host), and ``prepare`` for one that drafts on the
+        device (:class:`~.mtp.MtpDrafter`); the suffix drafter by default."""
         self.held: dict[str, tuple[Turn, int]] = {}        # tid -> (the turn last synced, tokens the drafter holds)
         self.acc: dict[str, Acceptance] = {}
         self.backoff: dict[str, tuple[Turn, Backoff]] = {}  # tid -> (the turn drafted empty, its backoff)
@@ -108,6 +112,13 @@ class Speculator:
         """The most drafts ``t`` may verify: its tokens left (length, context) less one."""
         left = min(t.params.max_new_tokens - len(t.out_tokens), self.max_context_len - t.seq_len)
         return max(0, min(self.k_max, left - 1))
+
+    async def prepare(self, rows: list[Turn]) -> None:
+        """Before :meth:`plan`: a drafter that runs on the device (MTP) drafts ``rows`` now, each
+        up to its cap (one D stream item); a model-free one has nothing to do."""
+        prepare = getattr(self.drafter, "prepare", None)
+        if prepare is not None:
+            await prepare(rows, [self.cap(t) for t in rows])
 
     def plan(self, rows: list[Turn]) -> SpecBatch | None:
         """The drafts of a batch of ``rows``; None when no row verifies any (plain decoding).
@@ -189,4 +200,9 @@ def make_speculator(cfg, runner, decode_ctx, recorder, dist) -> Speculator | Non
                                          min(2048, cfg.model.max_context_len // 2),
                                          label="D.verify_costs").enqueued().result()
         log.info("verify costs (s) by batch and width: %s", times)
-    return Speculator(sc, cfg.model.max_context_len, VerifyCosts.from_times(times) if times else None, recorder)
+    drafter = None
+    if sc.mtp:                          # the runner's passes already feed it (engine.runtime.mtp_runner)
+        drafter = runner.drafter
+        drafter.ctx = decode_ctx
+    return Speculator(sc, cfg.model.max_context_len, VerifyCosts.from_times(times) if times else None, recorder,
+                      drafter)

@@ -72,6 +72,7 @@ class DDriver:
             if self.prev is not None:        # drafts continue the rows' last tokens: read them first
                 await self.settle()
                 rows = self.rows(limit)
+            await self.spec.prepare(rows)    # a device drafter (MTP) drafts on the D stream first
             batch = self.spec.plan(rows)
         if self.prev is not None and needs_host_history(rows):
             await self.settle()

@@ -37,7 +37,10 @@ async def _step(eng, work, rows) -> None:
     """One mixed step: the batch on the D stream, then P's and D's tokens booked (the decode rows
     verify their drafts in it when the speculator gives them some)."""
     book, rec, spec = eng.book, eng.rec, eng.spec
-    batch = spec.plan(rows) if spec is not None and spec.worth_drafting(rows) else None
+    batch = None
+    if spec is not None and spec.worth_drafting(rows):
+        await spec.prepare(rows)              # a device drafter (MTP) drafts first
+        batch = spec.plan(rows)
     plan = eng.runner.build(work, rows, drafts=batch.drafts if batch is not None else None)
     t0 = rec.now()
     # a step without a prefill chunk is a plain decode iteration (graph replay when captured)

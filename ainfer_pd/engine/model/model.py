@@ -129,7 +129,7 @@ class SegmentState:
 
 
 class MoETransformer(nn.Module):
-    def __init__(self, c: ModelConfig, experts: tuple[int, int] | None = None) -> None:
+    def __init__(self, c: ModelConfig, experts: tuple[int, int] | None = None, mtp: bool = False) -> None:
         super().__init__()
         self.cfg = c
         self.expert_range = experts or (0, c.num_experts)
@@ -163,6 +163,13 @@ class MoETransformer(nn.Module):
         top-k expert ids (routing replay, ``cache.routed_experts``); None: nothing recorded."""
         self.load_report = None
         """What building the model read (:class:`ainfer_pd.hf.checkpoint.LoadReport`), if it loaded a checkpoint."""
+        self.mtp = None
+        """``mtp``: the MTP draft layer is ``layers[num_layers]`` (never walked by :attr:`segments`; added
+        last, so the main parameters keep their init order) plus this :class:`.mtp_layer.MtpHead`."""
+        if mtp:
+            from .mtp_layer import MtpHead
+            self.layers.append(DecoderLayer(c, c.num_layers, self.expert_range))
+            self.mtp = MtpHead(c)
 
     @property
     def kernels(self) -> AttentionBackend:
@@ -277,7 +284,7 @@ class MoETransformer(nn.Module):
             h, write_slots = h[lo:lo + n], write_slots[lo:lo + n]
         h, xn = self.kernels.add_rms_norm(o, h, lyr.ffn_norm, c.rms_eps)
         routing = self.route_rows(i, xn) if lyr.is_moe else None
-        if routing is not None and self.routing_sink is not None:
+        if routing is not None and self.routing_sink is not None and i < c.num_layers:    # not the MTP layer
             self.routing_sink.record(i, write_slots, routing.topk_idx)
         return SegmentState(h=h, xn=xn, routing=routing)
 
@@ -327,10 +334,12 @@ class MoETransformer(nn.Module):
     # ------------------------------------------------------------------ whole pass
     def forward_batch(self, fb: ForwardBatch, kv_cache: Tensor, expert_fn: ExpertFn | None = None,
                       attn_reduce: Callable[[Tensor], Tensor] | None = None,
-                      gather: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+                      gather: Callable[[Tensor], Tensor] | None = None,
+                      on_hidden: Callable[[Tensor], None] | None = None) -> Tensor:
         """All :attr:`segments` back to back: kv_cache [num_layers, 2, S, Hk, hd] -> logits [R, V].
         ``gather``: after each layer, the rows of every TP rank from this rank's share (when
-        ``attn_reduce`` is a reduce-scatter)."""
+        ``attn_reduce`` is a reduce-scatter). ``on_hidden``: given the last layer's output [T, D]
+        (every row, before the final norm) after the head (the MTP drafter's input)."""
         st = None
         for seg in self.segments:
             kind, i = seg.kind, seg.layer
@@ -343,7 +352,10 @@ class MoETransformer(nn.Module):
             elif kind == EMBED:
                 st = self.embed_tokens(fb)
             else:
-                return self.head(st, fb.logits_rows)
+                logits = self.head(st, fb.logits_rows)
+                if on_hidden is not None:
+                    on_hidden(st.h)
+                return logits
         raise AssertionError("the segments end with the head")
 
     @property
@@ -354,16 +366,16 @@ class MoETransformer(nn.Module):
 
 
 def build_model(c: ModelConfig, device: torch.device | str = "cpu",
-                experts: tuple[int, int] | None = None) -> MoETransformer:
+                experts: tuple[int, int] | None = None, mtp: bool = False) -> MoETransformer:
     """The model of ``c`` on ``device``, holding routed experts ``experts`` = [lo, hi) (default
-    all). Weights: a Hugging Face checkpoint at ``c.path`` (this rank's experts only), else the
-    seeded random init (``c.path`` without weight files says so in the log), then
-    ``c.weights_path`` (this engine's own names) over it."""
+    all) and, with ``mtp``, the MTP draft layer. Weights: a Hugging Face checkpoint at ``c.path``
+    (this rank's experts only), else the seeded random init (``c.path`` without weight files says
+    so in the log), then ``c.weights_path`` (this engine's own names) over it."""
     prev = torch.get_default_dtype()
     torch.set_default_dtype(c.torch_dtype)          # parameters are created in their final dtype
     try:
         with torch.device(device):
-            model = MoETransformer(c, experts)
+            model = MoETransformer(c, experts, mtp)
     finally:
         torch.set_default_dtype(prev)
     model.requires_grad_(False)

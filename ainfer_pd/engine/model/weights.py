@@ -283,6 +283,11 @@ class WeightStage:
             return
         missing = self.missing()
         if missing:
+            mtp = self._mtp_units(missing)
+            if mtp and mtp == missing:
+                raise WeightUpdateError(f"incomplete weight sync: the MTP draft layer (spec.method mtp) is missing "
+                                        f"{self.table.describe_missing(mtp)} ({len(mtp)} of its parts not given; "
+                                        "nothing was written): it is synced with the rest, never left stale")
             if self._hf_names:
                 what = self.table.describe_missing(missing)
             else:
@@ -290,6 +295,13 @@ class WeightStage:
             raise WeightUpdateError(f"incomplete weight sync: missing {what} ({len(missing)} of "
                                     f"{len(self.table.sync_required)} parts not given; nothing was written; "
                                     "pass partial=True to update a subset)")
+
+    def _mtp_units(self, units: set) -> set:
+        """The units of ``units`` that belong to the model's MTP layer (none without one)."""
+        if getattr(self.model, "mtp", None) is None:
+            return set()
+        own = f"layers.{self.model.cfg.num_layers}."
+        return {u for u in units if u[0].startswith((own, "mtp."))}
 
     def manifest(self) -> list[tuple[str, tuple[int, ...], str]]:
         """What this sync was given, in a canonical order: (name, shape, dtype) of every tensor

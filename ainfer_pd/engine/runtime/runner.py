@@ -69,7 +69,8 @@ class ModelRunner:
             raise UnsupportedOptionError("model.fp8_dense with attention tensor parallelism (ATP > 1) is not built: "
                                          "the FP8 q/k/v and o projections are not split by heads (without fp8_dense "
                                          "they are in the model dtype and shard as usual)", key="fp8_dense")
-        self.model: MoETransformer = build_model(mc, device, experts=expert_shard(sections))   # EP: this rank's experts
+        self.model: MoETransformer = build_model(mc, device, experts=expert_shard(sections),   # EP: this rank's experts
+                                                 mtp=sections.spec.mtp)
         if tp_shard is not None:                     # attention TP: this rank's heads (and their KV) only
             from .tensor_parallel import shard_attention_
             shard_attention_(self.model, *tp_shard)
@@ -105,15 +106,15 @@ class ModelRunner:
         self.ep = None                 # P's ExpertParallel when experts are spread over ranks
 
     def new_kv_cache(self) -> Tensor:
-        """The KV pool, zeroed: ``[layers, 2, (num_blocks + 1) * block_size, Hk, hd]`` (Hk: this rank's
-        KV heads, the model's own: a TP shard holds num_kv_heads / ATP) in ``cache.kv_dtype`` (FP8:
+        """The KV pool, zeroed: ``[layers, 2, (num_blocks + 1) * block_size, Hk, hd]`` (layers: the MTP one
+        too; Hk: this rank's KV heads, the model's own: a TP shard's num_kv_heads / ATP) in ``cache.kv_dtype`` (FP8:
         with the model's per-layer K / V scales, made once and kept across sleeps), and the
         routed-experts buffer beside it, when kept."""
-        mc, kv, kvd = self.sections.model, self.kv, self.sections.cache.kv_dtype
+        mc, kv, kvd, n = self.sections.model, self.kv, self.sections.cache.kv_dtype, len(self.model.layers)
         if self.routed is not None:
             self.routed.allocate()
         self.model.kv_scales = kv_scales_for(self.model, self.sections.cache, self.device)    # FP8: kept once made
-        return new_kv_pool((mc.num_layers, 2, (kv.alloc.num_blocks + 1) * kv.block_size, self.model.cfg.num_kv_heads,
+        return new_kv_pool((n, 2, (kv.alloc.num_blocks + 1) * kv.block_size, self.model.cfg.num_kv_heads,
                             mc.head_dim), kvd, mc.torch_dtype, self.device)
 
     # ------------------------------------------------------------------ batches

@@ -1,0 +1,99 @@
+"""The multi-token-prediction (MTP) layer: the draft head of ``spec.method: mtp`` (glm4_moe's
+``num_nextn_predict_layers``, DeepSeek-V3's MTP module; only the first is used).
+
+The layer is one more decoder layer, ``model.layers[L]`` (L = ``num_layers``: the checkpoint's
+``model.layers.L.*`` attention, norms and MoE, built by :class:`~.model.DecoderLayer`, so its
+formats, FP8 projections and weight names are the main layers'), which the forward pass never
+walks, plus :class:`MtpHead` (``model.mtp``): ``enorm`` / ``hnorm`` [D] (RMSNorm weights),
+``eh_proj`` [D, 2D] (Linear 2D -> D, no bias, (out, in)), ``head_norm`` [D] (``shared_head.norm``)
+and, when the checkpoint holds them, its own ``head`` [V, D] (``shared_head.head``) and ``embed``
+[V, D] (``embed_tokens``); without them the main model's ``lm_head`` and embedding serve.
+
+Its forward (:func:`mtp_forward`) at position i, for the target's last-layer output h_i (before the
+final norm) and the token t_{i+1} after position i (as vLLM's ``glm4_moe_mtp`` / SGLang's
+``glm4_moe_nextn`` order the concat)::
+
+    x = eh_proj([enorm(embed(t_{i+1})), hnorm(h_i)])          # [T, 2D] -> [T, D]
+    y = decoder layer L at position i (RoPE i, its KV written at position i's slot)
+    logits = head(head_norm(y))                                 # predicts t_{i+2}
+
+Its KV is layer L of the paged pool (the runner sizes the pool by ``len(model.layers)``): the same
+blocks and slots as the target's, so a turn's reservation, rollback and release cover it.
+Shape legend: T = rows, D = hidden, V = vocabulary.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..attention import ForwardBatch
+from .model import SegmentState
+
+OWN_TENSORS = {"head": "shared_head.head.weight", "embed": "embed_tokens.weight"}
+"""The MTP layer's optional tensors (its own copy of the output head and of the embedding), by the
+checkpoint's name under ``model.layers.L.``."""
+
+
+class MtpHead(nn.Module):
+    """The MTP layer's parameters beside its decoder layer (see the module docstring)."""
+
+    def __init__(self, c) -> None:
+        super().__init__()
+        D = c.hidden_size
+        self.enorm = nn.Parameter(torch.ones(D))
+        self.hnorm = nn.Parameter(torch.ones(D))
+        self.eh_proj = nn.Parameter(torch.empty(D, 2 * D))     # (out, in): in = [enorm(embed), hnorm(h)]
+        self.head_norm = nn.Parameter(torch.ones(D))
+        self.head: nn.Parameter | None = None                   # own [V, D], else the main lm_head
+        self.embed: nn.Parameter | None = None                  # own [V, D], else the main embedding
+
+    def own(self, which: str, like: Tensor) -> None:
+        """Give the layer its own ``head`` or ``embed`` (the checkpoint holds one): a new
+        parameter of ``like``'s shape, dtype and device, filled by the loader."""
+        if which not in OWN_TENSORS:
+            raise ValueError(f"the MTP layer has no optional tensor {which!r}")
+        setattr(self, which, nn.Parameter(torch.empty_like(like), requires_grad=False))
+
+
+def adopt_own_tensors(model: nn.Module, names) -> list[str]:
+    """Before a checkpoint of ``names`` is loaded into ``model`` (which holds an MTP layer): give
+    the layer its own head / embedding for each one the checkpoint stores. Returns those."""
+    prefix = f"model.layers.{model.cfg.num_layers}."
+    out = []
+    for which, leaf in OWN_TENSORS.items():
+        if prefix + leaf in names and getattr(model.mtp, which) is None:
+            model.mtp.own(which, model.lm_head if which == "head" else model.embed)
+            out.append(which)
+    return out
+
+
+def mtp_forward(model: nn.Module, fb: ForwardBatch, hidden: Tensor, kv: Tensor) -> Tensor:
+    """The MTP layer over the rows of ``fb`` (``input_ids``: t_{i+1}; ``positions``: i; its KV
+    written at ``write_slots`` of ``kv`` = layer L's cache [2, S, Hk, hd]) with the hidden states
+    ``hidden`` [T, D] (h_i, or the MTP layer's own output when chaining) -> its output [T, D]
+    (before ``head_norm``: the hidden state the next chained step takes)."""
+    c, m, kn = model.cfg, model.mtp, model.kernels
+    L = c.num_layers
+    e = F.embedding(fb.input_ids, m.embed if m.embed is not None else model.embed)        # [T, D]
+    x = torch.cat([kn.rms_norm(e, m.enorm, c.rms_eps), kn.rms_norm(hidden, m.hnorm, c.rms_eps)], dim=-1)
+    st = model.attn_route(L, SegmentState(h=F.linear(x, m.eh_proj)), fb, kv)
+    return model.experts(L, st).h
+
+
+def mtp_logits(model: nn.Module, h: Tensor) -> Tensor:
+    """Logits [T, V] (float32) of the MTP layer's outputs ``h`` [T, D]."""
+    m = model.mtp
+    head = m.head if m.head is not None else model.lm_head
+    return F.linear(model.kernels.rms_norm(h, m.head_norm, model.cfg.rms_eps), head).float()
+
+
+def mtp_weight_bytes(mc, expert_parallel: int) -> int:
+    """Bytes of the MTP layer on one rank (KV pool sizing): one more MoE layer in the model's
+    formats, ``eh_proj`` and the norms, and (an upper bound) its own head and embedding."""
+    from dataclasses import replace
+    nbytes = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}[mc.dtype]
+    layer = replace(mc, num_layers=mc.num_layers + 1).rank_weight_bytes(expert_parallel) \
+        - mc.rank_weight_bytes(expert_parallel)
+    D = mc.hidden_size
+    return layer + (2 * D * D + 3 * D + 2 * mc.vocab_size * D) * nbytes

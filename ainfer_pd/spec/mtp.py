@@ -1,0 +1,178 @@
+"""Greedy drafts from the model's MTP layer (``spec.method: mtp``; the layer:
+:mod:`ainfer_pd.engine.model.mtp_layer`).
+
+The MTP layer at position i takes the target's hidden state h_i and the token t_{i+1} and predicts
+t_{i+2}; it has its own KV (one more layer of the paged pool). Two kinds of pass run it, as vLLM's
+MTP proposer does (one layer, ``num_nextn_predict_layers`` = 1, chained for K > 1):
+
+* **catch-up**, after every target pass on the same stream item (P epochs, D iterations, mixed
+  steps: :class:`~ainfer_pd.engine.runtime.mtp_runner.MtpRunner`): the MTP layer over every position
+  of the pass whose next token is known then, filling its KV with the target's real hidden states
+  (:func:`~.mtp_batch.catch_up_batch`). A turn's last hidden states (whose next token the pass
+  samples) stay behind as its **stash**: the hidden states of the pass's rows of that turn
+  (a verify keeps all K + 1: which one is real is known only once the verify is read).
+* **draft chain** (:meth:`MtpDrafter.prepare`, its own D stream item before a verify is built): a
+  row of sequence length n runs the layer at position n - 2 on its stash row h_{n-2} and its last
+  token t_{n-1} (a real entry of the MTP KV), argmax -> draft 1; then step j at n - 2 + j on the
+  layer's own output and draft j -> draft j + 1 (speculative entries, overwritten by the next
+  catch-up), up to the row's cap. Drafts are a point mass: verification
+  (:mod:`.verify`) keeps greedy and seeded outputs exactly those of plain decoding.
+
+Draft quality is all that depends on the MTP state: a turn without a matching stash (a prefix served
+from the cache, a rollback) drafts nothing until its next pass, and positions never caught up (a
+cached prefix) are read as they are. A stash is kept per trajectory (its next turn's first chunk
+starts where the last pass stopped) and goes when the trajectory is released.
+
+Threads: built (``catch_up_for``, ``prepare``'s metadata) on the event loop; the catch-up runs on
+the stream of its pass (P or D), the chain on D. A turn is in one pass at a time, so the stash of a
+trajectory is written by one stream item while nothing else reads it.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..engine.model.mtp_layer import mtp_forward, mtp_logits
+from .mtp_batch import CatchUp, catch_up_batch, chain_batches
+
+log = logging.getLogger("ainfer_pd.spec")
+
+DRAFT_ITEM = {"phase": "D", "kind": "draft"}
+
+
+@dataclass(slots=True)
+class Stash:
+    """A trajectory's last target hidden states: ``h`` [m, D] of positions p0 .. p0 + m - 1."""
+
+    h: Tensor
+    p0: int
+
+    def covers(self, p: int) -> bool:
+        return self.p0 <= p < self.p0 + self.h.shape[0]
+
+    def row(self, p: int) -> Tensor:
+        return self.h[p - self.p0:p - self.p0 + 1]
+
+
+class MtpDrafter:
+    """The MTP drafts of one rank's engine, over the runner's model and KV (the drafter interface
+    of :class:`~.speculator.Speculator`: ``prepare`` / ``draft`` / ``extend`` / ``forget``)."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.ctx = None
+        """The D phase context the chain runs on (set by ``make_speculator``)."""
+        self.stash: dict[str, Stash] = {}
+        self.written: dict[str, int] = {}     # tid -> the position a draft chain's first step wrote
+        self.ready: dict[str, list[int]] = {}  # the drafts of the last prepare
+        self.num_chains = 0
+        self.num_catch_up_rows = 0
+        self.num_missing = 0
+        """Stash rows a pass expected and did not find (a zero row served; only the drafts suffer)."""
+
+    # ------------------------------------------------------------------ catch-up (the runner's passes)
+    def catch_up_for(self, num_pass_rows: int, prefill, decode, ahead, drafts) -> CatchUp:
+        """The catch-up of a pass being built (on the event loop, with the pass's metadata)."""
+        return catch_up_batch(self.runner.kv, self.runner.device, num_pass_rows, prefill, decode, ahead, drafts,
+                              self._has_prev)
+
+    def _has_prev(self, tid: str, p: int) -> bool:
+        st = self.stash.get(tid)
+        return st is not None and st.covers(p) and self.written.get(tid) != p
+
+    def catch_up(self, cu: CatchUp, ids: Tensor, h: Tensor) -> None:
+        """Run ``cu`` after its target pass (on the pass's stream): ``ids`` [T] the pass's input
+        ids, ``h`` [T, D] its last layer's outputs; then the turns' new stashes."""
+        if cu.fb is not None:
+            rows = [self._stash_row(tid, p) for tid, p in cu.refs]
+            src = torch.cat([h, *rows]) if rows else h
+            toks = torch.cat([ids, cu.extra]) if cu.extra.numel() else ids
+            cu.fb.input_ids = toks.index_select(0, cu.tok_idx)
+            mtp_forward(self.runner.model, cu.fb, src.index_select(0, cu.hid_idx), self._kv())
+            self.num_catch_up_rows += int(cu.hid_idx.shape[0])
+        for tid in cu.drops:
+            self.stash.pop(tid, None)
+        if cu.keeps:
+            kept = h.index_select(0, cu.keep_idx)            # a copy: the pass's [T, D] is not held
+            for tid, a, b, p0 in cu.keeps:
+                self.stash[tid] = Stash(kept[a:b], p0)
+
+    # ------------------------------------------------------------------ drafts (the speculator's)
+    async def prepare(self, rows: list, caps: list[int]) -> None:
+        """Draft every row of ``rows`` with a stash row for position n - 2 up to its cap (``caps``),
+        as one D stream item; :meth:`draft` then gives them."""
+        self.ready = {}
+        jobs = []
+        for t, c in zip(rows, caps):
+            st = self.stash.get(t.tid)
+            if c > 0 and t.seq_len >= 2 and st is not None and st.covers(t.seq_len - 2):
+                jobs.append((t.tid, t.seq_len, t.out_tokens[-1], c))
+        if not jobs:
+            return
+        jobs.sort(key=lambda j: -j[3])
+        steps = chain_batches(self.runner.kv, self.runner.device, jobs)
+        w = self.ctx.stream.submit(self._chain, steps, [(tid, n - 2) for tid, n, _, _ in jobs],
+                                   label="D.mtp_draft", attrs=DRAFT_ITEM)
+        host = await w.done()
+        self.num_chains += 1
+        for (tid, n, _, c), row in zip(jobs, host.tolist()):
+            self.ready[tid] = row[:c]
+            self.written[tid] = n - 2
+
+    def _chain(self, steps, refs: list[tuple[str, int]]) -> Tensor:
+        """The draft chain on the D stream: [R, K] drafts (-1 past a row's cap) copied to the host."""
+        model, kv = self.runner.model, self._kv()
+        h = torch.cat([self._stash_row(tid, p) for tid, p in refs])
+        out = []
+        for j, fb in enumerate(steps):
+            m = fb.positions.shape[0]
+            if j:
+                fb.input_ids, h = out[-1][:m], h[:m]
+            h = mtp_forward(model, fb, h, kv)
+            out.append(mtp_logits(model, h).argmax(dim=-1))
+        toks = torch.full((len(refs), len(steps)), -1, dtype=torch.int64, device=h.device)
+        for j, d in enumerate(out):
+            toks[:d.shape[0], j] = d
+        if toks.is_cuda:                                     # read after the item completed
+            host = torch.empty(toks.shape, dtype=toks.dtype, pin_memory=True)
+            return host.copy_(toks, non_blocking=True)
+        return toks
+
+    def draft(self, tid: str, k: int) -> list[int]:
+        """The drafts :meth:`prepare` computed for ``tid`` (at most ``k``; none if it had none)."""
+        return self.ready.get(tid, [])[:k]
+
+    def extend(self, tid: str, tokens, group: str = "") -> None:
+        """The MTP layer reads the target's hidden states, not the token history: nothing to keep."""
+
+    def forget(self, tid: str) -> None:
+        """The trajectory was released (or rolled back): its stash and drafts go."""
+        self.stash.pop(tid, None)
+        self.written.pop(tid, None)
+        self.ready.pop(tid, None)
+
+    def clear(self) -> None:
+        """Every stash goes (the KV pool was released: the MTP layer's KV with it)."""
+        self.stash.clear()
+        self.written.clear()
+        self.ready.clear()
+
+    # ------------------------------------------------------------------ internals
+    def _kv(self) -> Tensor:
+        return self.runner.kv_cache[self.runner.model.cfg.num_layers]
+
+    def _stash_row(self, tid: str, p: int) -> Tensor:
+        """Row p of ``tid``'s stash [1, D]; a zero row (counted) if it is not there."""
+        st = self.stash.get(tid)
+        if st is None or not st.covers(p):
+            self.num_missing += 1
+            log.warning("MTP: no stashed hidden state of %r at position %d (its drafts only suffer)", tid, p)
+            D = self.runner.model.cfg.hidden_size
+            return torch.zeros(1, D, dtype=self.runner.model.embed.dtype, device=self.runner.device)
+        row = st.row(p)
+        if row.is_cuda:                 # made on another stream (a P epoch): keep its memory until this one used it
+            st.h.record_stream(torch.cuda.current_stream())
+        return row

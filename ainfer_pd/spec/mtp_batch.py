@@ -1,0 +1,141 @@
+"""The host-side metadata of the MTP layer's passes (:mod:`.mtp`): built on the event loop from the
+turns and the KV manager, like :meth:`~ainfer_pd.engine.runtime.runner.ModelRunner.build`, and
+run later on a stream.
+
+* :func:`catch_up_batch` - after a target pass, the MTP layer over the positions whose next token
+  the pass fed (or a prompt chunk knows): position p takes the target's hidden state h_p and the
+  token t_{p+1}. A row group of the pass covering positions [s, e) of a turn gives MTP rows
+  s - 1 .. e - 2 (s - 1 from the turn's stash, when the caller says it holds it and that row is
+  not written yet), plus e - 1 when a prompt chunk that is not the last knows t_e. Tokens are
+  gathered on the device from the pass's own input ids (a row the overlapped D loop feeds gets
+  its token there), so nothing waits for the host.
+* :func:`chain_batches` - the draft chain: step j of row r at position n_r - 2 + j (n_r its
+  sequence length), the rows longest-cap first so each step's rows are a prefix of the last's.
+
+Every position written lies inside the turn's KV reservation (a verify's own positions, or below
+them: the speculator's cap keeps K + 1 positions inside it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from ..engine.attention import DecodeMeta, ForwardBatch, PrefillSeq
+
+
+@dataclass(slots=True)
+class CatchUp:
+    """The MTP layer's pass after one target pass (M rows, prompt chunks first, then decode rows)."""
+
+    fb: ForwardBatch | None           # the MTP rows (None: none); ``input_ids`` is set at run time
+    tok_idx: Tensor                   # [M] rows of cat(pass input ids, extra) giving each row's t_{p+1}
+    extra: Tensor                     # [X] tokens the pass did not feed (a chunk's next prompt token)
+    hid_idx: Tensor                   # [M] rows of cat(pass hidden states, stash rows) giving h_p
+    refs: list[tuple[str, int]]       # the stash rows: (trajectory, position), read at run time
+    keep_idx: Tensor                  # [K] pass rows whose hidden states are the turns' next stashes
+    keeps: list[tuple[str, int, int, int]]   # (tid, a, b, p0): stash = kept[a:b], positions p0 ..
+    drops: list[str]                  # trajectories whose stash goes (their next chunk needs none)
+
+
+class _Rows:
+    """The rows of a catch-up under construction."""
+
+    def __init__(self, num_pass_rows: int) -> None:
+        self.T = num_pass_rows
+        self.tok: list[int] = []
+        self.hid: list[int] = []
+        self.pos: list[int] = []
+        self.extra: list[int] = []
+        self.refs: list[tuple[str, int]] = []
+
+    def add(self, tid: str, p: int, s: int, q: int, e: int, next_token: int | None) -> None:
+        """MTP row at position p of a group whose pass rows q.. hold positions s .. e - 1."""
+        if p == s - 1:
+            self.refs.append((tid, p))
+            self.hid.append(self.T + len(self.refs) - 1)
+        else:
+            self.hid.append(q + p - s)
+        if p + 1 < e:
+            self.tok.append(q + p + 1 - s)
+        else:
+            self.extra.append(next_token)
+            self.tok.append(self.T + len(self.extra) - 1)
+        self.pos.append(p)
+
+
+def catch_up_batch(kv, device, num_pass_rows: int, prefill, decode, ahead: list[int] | None,
+                   drafts: list[list[int]] | None, has_prev: Callable[[str, int], bool]) -> CatchUp:
+    """The catch-up of a pass built from ``prefill`` (turn, start, n) chunks and ``decode`` rows
+    (``ahead`` / ``drafts`` as the runner's build took them); ``has_prev(tid, p)``: the turn's
+    stash will hold position p when the pass runs and its MTP row is not written yet."""
+    rows, bs = _Rows(num_pass_rows), kv.block_size
+    seqs, writes, keep, keeps, drops = [], [], [], [], []
+    q = 0
+    for t, start, n in prefill:
+        tid, end = t.tid, start + n
+        complete = end == len(t.context)
+        lo = start - 1 if start >= 1 and has_prev(tid, start - 1) else start
+        hi = end - 1 if complete else end
+        if hi > lo:
+            m0 = len(rows.pos)
+            for p in range(lo, hi):
+                rows.add(tid, p, start, q, end, None if complete else t.context[end])
+            writes.append(kv.slots(tid, lo, hi))
+            seqs.append(PrefillSeq(m0, hi - lo, hi, block_ids=kv.block_ids(tid, hi)))
+        if complete:
+            keeps.append((tid, len(keep), len(keep) + 1, end - 1))
+            keep.append(q + n - 1)
+        else:
+            drops.append(tid)
+        q += n
+    dec_tids, lens, slots = [], [], []
+    for i, t in enumerate(decode):
+        a = ahead[i] if ahead else 0
+        r = 1 + (len(drafts[i]) if drafts else 0)
+        tid, s = t.tid, t.seq_len + a - 1                   # the position of the pass's first row of t
+        lo = s - 1 if s >= 1 and (a or has_prev(tid, s - 1)) else s
+        for p in range(lo, s + r - 1):
+            rows.add(tid, p, s, q, s + r, None)
+            dec_tids.append(tid)
+            lens.append(p + 1)
+            slots.append(kv.slot_of(tid, p))
+        keeps.append((tid, len(keep), len(keep) + r, s))
+        keep.extend(range(q, q + r))
+        q += r
+    fb = None
+    if rows.pos:
+        meta = None
+        if dec_tids:
+            meta = DecodeMeta(None, torch.tensor(lens, dtype=torch.int64, device=device),
+                              block_table=kv.block_table(dec_tids, -(-max(lens) // bs)).to(device), block_size=bs)
+            writes.append(torch.tensor(slots, dtype=torch.int64))
+        fb = ForwardBatch(input_ids=torch.empty(0, dtype=torch.int64, device=device),
+                          positions=torch.tensor(rows.pos, dtype=torch.int64, device=device),
+                          write_slots=torch.cat(writes).to(device), prefill=seqs, decode=meta, block_size=bs)
+    ix = lambda v: torch.tensor(v, dtype=torch.int64, device=device)      # noqa: E731
+    return CatchUp(fb, ix(rows.tok), ix(rows.extra), ix(rows.hid), rows.refs, ix(keep), keeps, drops)
+
+
+def chain_batches(kv, device, jobs: list[tuple[str, int, int, int]]) -> list[ForwardBatch]:
+    """The draft chain's steps for ``jobs`` = (tid, sequence length n, last token, cap), caps
+    descending: step j holds the jobs whose cap exceeds j, job r at position n_r - 2 + j. Step 0's
+    input ids are the last tokens; a later step's are set at run time (the step before's drafts)."""
+    bs, out = kv.block_size, []
+    for j in range(jobs[0][3] if jobs else 0):
+        rows = [job for job in jobs if job[3] > j]
+        pos = [n - 2 + j for _, n, _, _ in rows]
+        lens = [p + 1 for p in pos]
+        ids = [tok for _, _, tok, _ in rows] if j == 0 else [0] * len(rows)
+        table = kv.block_table([tid for tid, _, _, _ in rows], -(-max(lens) // bs))
+        out.append(ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+            positions=torch.tensor(pos, dtype=torch.int64, device=device),
+            write_slots=torch.tensor([kv.slot_of(tid, p) for (tid, _, _, _), p in zip(rows, pos)],
+                                     dtype=torch.int64, device=device),
+            decode=DecodeMeta(None, torch.tensor(lens, dtype=torch.int64, device=device),
+                              block_table=table.to(device), block_size=bs),
+            block_size=bs))
+    return out
