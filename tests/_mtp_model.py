@@ -109,3 +109,30 @@ def reference_drafts(model, mtp: MtpReference, tokens: list[int], k: int) -> lis
         drafts.append(d)
         xs.append(mtp.eh_proj(torch.cat([mtp.enorm(embed(torch.tensor([d]))), mtp.hnorm(last)], -1)))
     return drafts
+
+
+def fit(model, mtp: MtpReference, sequences: list[list[int]], steps: int = 40, lr: float = 2e-2) -> float:
+    """Train the MTP layer (only) to predict t_{p+2} from (h_p, t_{p+1}) on ``sequences`` (the
+    target's own greedy rollouts: its drafts are then accepted often on them). Returns the last loss."""
+    embed = mtp.embed if mtp.embed is not None else model.model.embed_tokens
+    head = mtp.head if mtp.head is not None else model.lm_head
+    model.requires_grad_(False)
+    data = [(torch.tensor(s), target_hidden(model, s)) for s in sequences]
+    params = [p for n, p in mtp.named_parameters() if "e_score_correction_bias" not in n]
+    opt = torch.optim.Adam(params, lr=lr)
+    loss = torch.tensor(0.0)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = 0.0
+        for toks, h in data:
+            S = toks.shape[0] - 2
+            x = mtp.eh_proj(torch.cat([mtp.enorm(embed(toks[1:S + 1])), mtp.hnorm(h[:S])], -1))[None]
+            pos = torch.arange(S)[None]
+            mask = torch.full((S, S), float("-inf")).triu(1)[None, None]
+            y = mtp.block(x, attention_mask=mask, position_ids=pos,
+                          position_embeddings=model.model.rotary_emb(x, position_ids=pos))[0]
+            loss = loss + torch.nn.functional.cross_entropy(head(mtp.head_norm(y)), toks[2:S + 2])
+        loss.backward()
+        opt.step()
+    mtp.eval()
+    return float(loss.detach()) / len(data)

@@ -99,6 +99,7 @@ class MtpDrafter:
             kept = h.index_select(0, cu.keep_idx)            # a copy: the pass's [T, D] is not held
             for tid, a, b, p0 in cu.keeps:
                 self.stash[tid] = Stash(kept[a:b], p0)
+                self.written.pop(tid, None)                  # the chain's first row was this pass's s - 1
 
     # ------------------------------------------------------------------ drafts (the speculator's)
     async def prepare(self, rows: list, caps: list[int]) -> None:

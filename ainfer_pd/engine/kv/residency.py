@@ -42,11 +42,12 @@ def kv_blocks_for_budget(total_bytes: int, utilization: float, weight_bytes: int
 
 
 def kv_block_bytes(cfg) -> int:
-    """Bytes of one KV block of ``cfg`` over every layer (K and V): 1 byte an element with
-    ``cache.kv_dtype: fp8_e4m3`` (its per-layer scales are not per block), else the model dtype's."""
+    """Bytes of one KV block of ``cfg`` over every layer (K and V; the MTP layer's too under
+    ``spec.method: mtp``): 1 byte an element with ``cache.kv_dtype: fp8_e4m3`` (its per-layer
+    scales are not per block), else the model dtype's."""
     from ..attention.kv_fp8 import kv_element_bytes
     mc, cc = cfg.model, cfg.cache
-    return mc.num_layers * 2 * cc.block_size * mc.num_kv_heads * mc.head_dim \
+    return (mc.num_layers + int(cfg.spec.mtp)) * 2 * cc.block_size * mc.num_kv_heads * mc.head_dim \
         * kv_element_bytes(cc.kv_dtype, mc.torch_dtype)
 
 
@@ -58,6 +59,9 @@ def kv_blocks_from_memory(cfg) -> int:  # pragma: no cover - CUDA only
     free, total = torch.cuda.mem_get_info()
     per_block = kv_block_bytes(cfg)
     weights = mc.rank_weight_bytes(cfg.parallel.expert_parallel)         # this rank's experts only (FP8: 1 byte + scales)
+    if cfg.spec.mtp:
+        from ..model.mtp_layer import mtp_weight_bytes
+        weights += mtp_weight_bytes(mc, cfg.parallel.expert_parallel)
     if cc.gpu_memory_utilization > 0:
         return kv_blocks_for_budget(total, cc.gpu_memory_utilization, weights, per_block, reserve_bytes=2 << 30)
     return max(16, int((free - weights) * cc.gpu_memory_fraction) // per_block)

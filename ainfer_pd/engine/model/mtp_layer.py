@@ -65,6 +65,8 @@ def adopt_own_tensors(model: nn.Module, names) -> list[str]:
         if prefix + leaf in names and getattr(model.mtp, which) is None:
             model.mtp.own(which, model.lm_head if which == "head" else model.embed)
             out.append(which)
+    if out:
+        object.__setattr__(model, "_name_table", None)      # a table built before knows no such parameter
     return out
 
 

@@ -1,0 +1,253 @@
+"""MTP draft heads (``spec.method: mtp``, glm4_moe; issue 38) on a tiny glm4_moe whose MTP layer is
+written here (``tests/_mtp_model.py``: transformers' own decoder layer plus the MTP norms and
+projection) and fitted to the target's greedy rollouts of the test prompts, so its first drafts
+are accepted often and its chained ones not always: the engine's drafts equal the reference chain
+recomputed with transformers' modules (overlapped iterations and a second turn included); greedy
+and seeded outputs and logprobs equal plain decoding under every policy; no KV leak, an abort
+mid-verify included; a weight sync updates the MTP layer and a set without it is refused; the
+refusals without an MTP layer."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ainfer_pd import RolloutWorker, SamplingParams
+from ainfer_pd.errors import CheckpointError, UnsupportedOptionError, WeightUpdateError
+from tests import _hf_models, _mtp_model
+from tests.conftest import hf_worker_cfg
+
+K = 3
+SPEC = {"method": "mtp", "adaptive": False, "num_draft_tokens": K}
+PROMPTS = [list(range(5, 25)), [9, 200, 31, 77, 12, 140, 66, 3, 250, 18, 42]]
+OBS = [7, 8, 9, 101]
+N = 24
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+L = _hf_models.SPECS["glm4_moe"][2]["num_hidden_layers"]
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    """(checkpoint dir, transformers model, MTP layer): the layer fitted to the greedy two-turn
+    rollouts of PROMPTS, with its own head and embedding."""
+    model, mtp = _mtp_model.make(0)
+    seqs = []
+    for p in PROMPTS:
+        c = _hf_models.hf_greedy(model, p, N)[0]
+        seqs.append(p + c + OBS + _hf_models.hf_greedy(model, p + c + OBS, N)[0])
+    _mtp_model.fit(model, mtp, seqs, steps=15)
+    return _mtp_model.save(model, mtp, tmp_path_factory.mktemp("mtp") / "fitted"), model, mtp
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """A random MTP layer without its own head and embedding (the main ones serve)."""
+    model, mtp = _mtp_model.make(1, own_head=False, own_embed=False)
+    return _mtp_model.save(model, mtp, tmp_path_factory.mktemp("mtp") / "shared"), model, mtp
+
+
+def _record(w) -> list[tuple[list[int], list[int], int]]:
+    """Every planned row's (sequence, the drafts it got, its cap), as the speculator planned it."""
+    sp, rec = w.engine.spec, []
+    plan = sp.plan
+
+    def recording(rows):
+        batch = plan(rows)
+        rec.extend((t.context + t.out_tokens, sp.drafter.draft(t.tid, sp.cap(t)), sp.cap(t)) for t in rows)
+        return batch
+    sp.plan = recording
+    return rec
+
+
+def _check_drafts(rec, model, mtp) -> None:
+    """Each recorded row drafted its whole cap, equal to the reference chain."""
+    assert rec
+    for seq, drafts, cap in rec:
+        assert drafts == _mtp_model.reference_drafts(model, mtp, seq, K)[:cap], len(seq)
+
+
+async def _leak_free(w) -> None:
+    for tid in list(w.trajectories):
+        await w.release(tid)
+    assert w.kv_leak_free() and w.engine.kv.num_free_blocks == w.engine.kv.alloc.num_blocks
+    d = w.engine.spec.drafter
+    assert not d.stash and d.num_missing == 0
+
+
+@pytest.mark.parametrize("layer", ["own head and embedding", "shared head and embedding"])
+async def test_mtp_drafts_equal_the_reference_chain_over_two_turns(layer, fitted, shared):
+    path, model, mtp = fitted if layer.startswith("own") else shared
+    async with RolloutWorker(hf_worker_cfg(path, spec=SPEC)) as w:
+        held = w.engine.runner.model.mtp
+        assert (held.head is not None, held.embed is not None) == ((True, True) if mtp.head is not None
+                                                                   else (False, False))
+        rec = _record(w)
+        outs = await asyncio.gather(*(w.generate(p, SamplingParams(max_new_tokens=N, **GREEDY)) for p in PROMPTS))
+        await asyncio.gather(*(w.continue_(o.trajectory_id, OBS, SamplingParams(max_new_tokens=12, **GREEDY))
+                               for o in outs))
+        assert w.engine.runner.kv_cache.shape[0] == L + 1            # the MTP layer's own KV layer
+        await _leak_free(w)
+    _check_drafts(rec, model, mtp)
+    assert sum(len(d) for _, d, _ in rec) >= 2 * N
+
+
+async def test_drafts_after_overlapped_iterations_equal_the_reference_chain(fitted):
+    """Two rows decode overlapped (speculation costs too much at batch 2: the catch-up feeds on
+    the device), then the longer one alone speculates from the MTP state those passes left."""
+    path, model, mtp = fitted
+    costs = {1: {1: 0.01, 2: 0.0101, 3: 0.0102, 4: 0.0103}, 2: {1: 0.01, 2: 0.02, 3: 0.03, 4: 0.04}}
+    spec = {**SPEC, "adaptive": True, "verify_costs": costs}
+    async with RolloutWorker(hf_worker_cfg(path, spec=spec)) as w:
+        assert w.engine.overlap_decode
+        rec = _record(w)
+        short, long_ = await asyncio.gather(w.generate(PROMPTS[1], SamplingParams(max_new_tokens=6, **GREEDY)),
+                                            w.generate(PROMPTS[0], SamplingParams(max_new_tokens=N, **GREEDY)))
+        assert w.metrics()["d_rows_fed"] > 0
+        await _leak_free(w)
+    assert long_.token_ids == _hf_models.hf_greedy(model, PROMPTS[0], N)[0]
+    _check_drafts(rec, model, mtp)
+
+
+def _params(stop: int | None) -> list[SamplingParams]:
+    """Greedy siblings, a greedy one with a stop token inside an accepted run, an odd length
+    limit and a repetition penalty (the seeded samples: :func:`_sampled`)."""
+    out = [SamplingParams(max_new_tokens=N, **GREEDY), SamplingParams(max_new_tokens=N, **GREEDY),
+           SamplingParams(max_new_tokens=7, **GREEDY),
+           SamplingParams(max_new_tokens=N, temperature=0.0, repetition_penalty=1.2, ignore_eos=True)]
+    if stop is not None:
+        out.append(SamplingParams(max_new_tokens=N, stop_token_ids=[stop], **GREEDY))
+    return out
+
+
+def _sampled() -> list[SamplingParams]:
+    return [SamplingParams(max_new_tokens=N, temperature=0.8, seed=11, ignore_eos=True),
+            SamplingParams(max_new_tokens=N, temperature=0.7, top_k=20, top_p=0.9, seed=12, ignore_eos=True),
+            SamplingParams(max_new_tokens=N, temperature=1.0, seed=13, ignore_eos=True)]
+
+
+async def _rollout(cfg, params):
+    """Every row's two turns on PROMPTS[0] (generate, then continue_ on its retained KV)."""
+    async with RolloutWorker(cfg) as w:
+        outs = await asyncio.gather(*(w.generate(PROMPTS[0], p) for p in params))
+        nxt = await asyncio.gather(*(w.continue_(o.trajectory_id, OBS, p) for o, p in zip(outs, params)))
+        m = w.metrics()
+        if w.engine.spec is not None:
+            await _leak_free(w)
+    return [(o.token_ids, o.finish_reason, o.logprobs) for o in outs + nxt], m
+
+
+def _same(a, b) -> None:
+    assert [(t, r) for t, r, _ in a] == [(t, r) for t, r, _ in b]
+    for (_, _, la), (_, _, lb) in zip(a, b):
+        assert la == pytest.approx(lb, abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def plain(fitted):
+    path = fitted[0]
+    greedy = _hf_models.hf_greedy(fitted[1], PROMPTS[0], N)[0]
+    params = _params(greedy[9])                          # the 10th greedy token: a stop inside a run
+    return params, asyncio.run(_rollout(hf_worker_cfg(path), params))[0], \
+        asyncio.run(_rollout(hf_worker_cfg(path), _sampled()))[0]
+
+
+@pytest.mark.parametrize("policy", ["normal", "fine-grained", "global-enqueue", "mixed-chunked"])
+def test_mtp_speculation_gives_plain_decoding_s_greedy_tokens_and_logprobs(policy, fitted, plain):
+    params, want, _ = plain
+    got, m = asyncio.run(_rollout(hf_worker_cfg(fitted[0], policy, spec=SPEC), params))
+    _same(got, want)
+    assert any(r == "stop" for _, r, _ in got) and any(r == "length" and len(t) == 7 for t, r, _ in got)
+    assert m["spec_verifies"] > 0 and 0 < m["spec_accepted"] < m["spec_drafted"]
+    assert m["spec_tokens_per_row_pass"] > 1.2
+
+
+@pytest.mark.parametrize("policy", ["normal", "mixed-chunked"])
+def test_seeded_sampling_with_mtp_drafts_equals_plain_sampling(policy, fitted, plain):
+    _, _, want = plain
+    got, m = asyncio.run(_rollout(hf_worker_cfg(fitted[0], policy, spec=SPEC), _sampled()))
+    _same(got, want)
+    assert m["spec_drafted"] > 0 and m["spec_accepted"] > 0
+
+
+async def test_abort_mid_verify_leaks_no_kv_and_the_resume_equals_the_whole_run(fitted):
+    path = fitted[0]
+    async with RolloutWorker(hf_worker_cfg(path, spec=SPEC)) as w:
+        full = await w.generate(PROMPTS[0], SamplingParams(max_new_tokens=N, **GREEDY), trajectory_id="F")
+        task = asyncio.ensure_future(w.generate(PROMPTS[0], SamplingParams(max_new_tokens=N, **GREEDY),
+                                                trajectory_id="A"))
+        async with asyncio.timeout(60):
+            while not (w.engine.d.in_flight and w.trajectories.get("A") is not None
+                       and w.trajectories["A"].turn is not None and len(w.trajectories["A"].turn.out_tokens) >= 4):
+                await asyncio.sleep(0)
+        verifies = w.engine.spec.num_verifies
+        assert await w.abort("A") is True
+        part = await task
+        k = len(part.token_ids)
+        assert part.finish_reason == "abort" and 4 <= k < N and verifies > 0
+        assert part.token_ids == full.token_ids[:k]
+        async with asyncio.timeout(60):
+            while w.trajectories["A"].draining is not None:
+                await asyncio.sleep(0.001)
+        rest = await w.continue_("A", [], SamplingParams(max_new_tokens=N - k, **GREEDY))
+        assert part.token_ids + rest.token_ids == full.token_ids
+        await _leak_free(w)
+
+
+def _trainer_tensors(model) -> list:
+    """What a transformers trainer sends (named_parameters and glm's router bias buffers)."""
+    out = [(n, p.detach().clone()) for n, p in model.named_parameters()]
+    return out + [(n, b.clone()) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
+
+
+async def test_weight_sync_updates_the_mtp_layer_and_refuses_a_set_without_it(fitted):
+    path, model, mtp = fitted
+    new = _mtp_model.MtpReference(model.config).float().eval()     # another MTP layer, the same target
+    _hf_models.randomize(new, 2024)
+    params = SamplingParams(max_new_tokens=12, **GREEDY)
+    async with RolloutWorker(hf_worker_cfg(path, spec=SPEC)) as w:
+        rec = _record(w)
+        before = await w.generate(PROMPTS[0], params)
+        n_before = len(rec)
+        await w.update_weights(_trainer_tensors(model) + list(new.checkpoint_tensors(L).items()))
+        after = await w.generate(PROMPTS[0], params)
+        assert after.token_ids == before.token_ids                  # the target is the same
+        with pytest.raises(WeightUpdateError, match=rf"MTP.*model\.layers\.{L}\."):
+            await w.update_weights(_trainer_tensors(model))          # the other weights, not the MTP layer
+        again = await w.generate(PROMPTS[0], params)
+        assert again.token_ids == before.token_ids
+        await _leak_free(w)
+    old_rec, new_rec = rec[:n_before], rec[n_before:]
+    _check_drafts(old_rec, model, mtp)
+    _check_drafts(new_rec, model, new)                              # nothing of the refused set was written
+    assert any(d != _mtp_model.reference_drafts(model, mtp, seq, K)[:cap] for seq, d, cap in new_rec)
+
+
+async def test_mtp_needs_a_checkpoint_with_an_mtp_layer(fitted, hf_model_dir, tmp_path):
+    with pytest.raises(UnsupportedOptionError, match="num_mtp_layers=0"):
+        hf_worker_cfg(hf_model_dir("glm4_moe"), spec=SPEC)        # num_nextn_predict_layers 0
+    model, _ = _mtp_model.make(0)
+    bare = _mtp_model.save(model, None, tmp_path / "bare")         # says 1 MTP layer, holds none
+    with pytest.raises(CheckpointError, match=rf"lacks model\.layers\.{L}\."):
+        async with RolloutWorker(hf_worker_cfg(bare, spec=SPEC)):
+            pass
+    async with RolloutWorker(hf_worker_cfg(fitted[0])) as w:       # without mtp: the layer stays skipped
+        m = w.engine.runner.model
+        assert m.mtp is None and len(m.layers) == L and w.engine.runner.kv_cache.shape[0] == L
+        assert any(n.startswith(f"model.layers.{L}.") for n in m.load_report.tensors_skipped)
+
+
+async def test_an_fp8_model_s_mtp_layer_is_fp8_and_its_drafts_keep_fp8_decoding(fitted):
+    """``model.quantization: fp8``: the MTP layer's routed experts are FP8 like the main layers',
+    and speculation leaves the FP8 model's greedy tokens and logprobs as they are."""
+    path = fitted[0]
+    fp8 = {"dtype": "bfloat16", "quantization": "fp8"}
+    params = SamplingParams(max_new_tokens=N, **GREEDY)
+    async with RolloutWorker(hf_worker_cfg(path, model=fp8)) as w:
+        want = await w.generate(PROMPTS[0], params)
+    async with RolloutWorker(hf_worker_cfg(path, model=fp8, spec=SPEC)) as w:
+        m = w.engine.runner.model
+        assert m.layers[L].w13 is None and m.layers[L].w13_fp8 is not None
+        got = await w.generate(PROMPTS[0], params)
+        assert w.metrics()["spec_verifies"] > 0
+        await _leak_free(w)
+    assert got.token_ids == want.token_ids and got.logprobs == pytest.approx(want.logprobs, abs=1e-6)
