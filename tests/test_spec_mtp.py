@@ -9,8 +9,10 @@ refusals without an MTP layer."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
+import torch
 
 from ainfer_pd import RolloutWorker, SamplingParams
 from ainfer_pd.errors import CheckpointError, UnsupportedOptionError, WeightUpdateError
@@ -236,9 +238,12 @@ async def test_mtp_needs_a_checkpoint_with_an_mtp_layer(fitted, hf_model_dir, tm
         assert any(n.startswith(f"model.layers.{L}.") for n in m.load_report.tensors_skipped)
 
 
-async def test_an_fp8_model_s_mtp_layer_is_fp8_and_its_drafts_keep_fp8_decoding(fitted):
-    """``model.quantization: fp8``: the MTP layer's routed experts are FP8 like the main layers',
-    and speculation leaves the FP8 model's greedy tokens and logprobs as they are."""
+async def test_an_fp8_model_s_mtp_layer_is_fp8_keeps_fp8_decoding_and_exports(fitted, tmp_path):
+    """``model.quantization: fp8``: the MTP layer's routed experts are FP8 like the main layers';
+    speculation leaves the FP8 model's greedy tokens and logprobs as they are; ``save_pretrained``
+    writes the layer (e4m3 experts + scales, its bf16 Linears listed unconverted) and it loads
+    back bit-exact."""
+    from ainfer_pd.hf.export import save_pretrained
     path = fitted[0]
     fp8 = {"dtype": "bfloat16", "quantization": "fp8"}
     params = SamplingParams(max_new_tokens=N, **GREEDY)
@@ -250,4 +255,32 @@ async def test_an_fp8_model_s_mtp_layer_is_fp8_and_its_drafts_keep_fp8_decoding(
         got = await w.generate(PROMPTS[0], params)
         assert w.metrics()["spec_verifies"] > 0
         await _leak_free(w)
+        out = save_pretrained(m, tmp_path / "fp8")
+        held = {n: t.clone() for n, t in m.state_dict().items()}
     assert got.token_ids == want.token_ids and got.logprobs == pytest.approx(want.logprobs, abs=1e-6)
+    cj = json.loads((out / "config.json").read_text())
+    assert cj["num_nextn_predict_layers"] == 1
+    assert {f"model.layers.{L}.eh_proj", f"model.layers.{L}.shared_head.head", f"model.layers.{L}.mlp.gate"} \
+        <= set(cj["quantization_config"]["modules_to_not_convert"])
+    async with RolloutWorker(hf_worker_cfg(out, model=fp8, spec=SPEC)) as w:
+        back = w.engine.runner.model.state_dict()
+        assert set(back) == set(held) and all(torch.equal(back[n], t) for n, t in held.items())
+
+
+async def test_routing_replay_under_mtp_records_the_target_s_layers_as_plain_decoding_does(fitted):
+    """``cache.routed_experts``: the MTP layer's router is not recorded; the turn's expert ids are
+    those of plain decoding (rejected drafts' rows overwritten by the tokens fed after them)."""
+    path = fitted[0]
+    params = SamplingParams(max_new_tokens=N, return_routed_experts=True, **GREEDY)
+    outs = []
+    for spec in ({}, {"spec": SPEC}):
+        async with RolloutWorker(hf_worker_cfg(path, cache={"routed_experts": True}, **spec)) as w:
+            o = await w.generate(PROMPTS[0], params)
+            outs.append(o)
+            if spec:
+                assert w.metrics()["spec_accepted"] > 0
+                await _leak_free(w)
+    plain, mtp = outs
+    assert mtp.token_ids == plain.token_ids
+    assert mtp.routed_experts.shape == plain.routed_experts.shape == (len(PROMPTS[0]) + N - 1, L - 1, 3)
+    assert (mtp.routed_experts == plain.routed_experts).all()

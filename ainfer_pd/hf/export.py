@@ -30,13 +30,14 @@ from .checkpoint import INDEX
 from ..errors import UnsupportedOptionError
 from .config import CAUSAL_LM
 from .quant_config import FP8_CONFIG
-from .names import Target, hf_targets, name_table
+from .names import Target, hf_targets, mtp_layer_of, name_table
 
 LAYOUTS = ("checkpoint", "transformers")
 
 
-def config_json(c: ModelConfig) -> dict[str, Any]:
-    """``config.json`` of the transformers model with ``c``'s architecture and math."""
+def config_json(c: ModelConfig, mtp: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """``config.json`` of the transformers model with ``c``'s architecture and math (``mtp``: the
+    model's MTP layer, :func:`~.names.mtp_layer_of`, whose Linear modules an FP8 export lists too)."""
     a = c.architecture
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": c.rope_theta}
     out: dict[str, Any] = {
@@ -48,7 +49,7 @@ def config_json(c: ModelConfig) -> dict[str, Any]:
         "rope_parameters": rope,
     }
     if c.quantization == "fp8":
-        out["quantization_config"] = {**FP8_CONFIG, "modules_to_not_convert": unquantized_modules(c)}
+        out["quantization_config"] = {**FP8_CONFIG, "modules_to_not_convert": unquantized_modules(c, mtp)}
     dense = c.dense_intermediate or 4 * c.hidden_size    # unused by a model without dense layers
     if a in ("qwen3_moe", "qwen2_moe"):
         out.update(num_experts=c.num_experts, moe_intermediate_size=c.expert_intermediate, intermediate_size=dense,
@@ -73,14 +74,15 @@ def config_json(c: ModelConfig) -> dict[str, Any]:
     return out
 
 
-def unquantized_modules(c: ModelConfig) -> list[str]:
-    """The full names of the Linear modules an FP8 model of ``c`` is exported with in the model
-    dtype: the projections it keeps in ``dtype``, the routers, qwen2's shared-expert gate and
-    ``lm_head`` (the embedding is no Linear)."""
+def unquantized_modules(c: ModelConfig, mtp: tuple[str, ...] | None = None) -> list[str]:
+    """The full names of the Linear modules an FP8 model of ``c`` (with the MTP layer ``mtp``, if
+    not None) is exported with in the model dtype: the projections it keeps in ``dtype``, the
+    routers, qwen2's shared-expert gate, the MTP layer's ``eh_proj`` / ``shared_head.head`` and
+    ``lm_head`` (embeddings are no Linear)."""
     out = [] if not c.tie_word_embeddings else ["lm_head"]
-    for name, t in _written(hf_targets(c, (0, c.num_experts)), packed=False):
+    for name, t in _written(hf_targets(c, (0, c.num_experts), mtp), packed=False):
         if (name.endswith(".weight") and t.fp8 is None and t.scale_of is None and len(t.shape) == 2
-                and name != "model.embed_tokens.weight"):
+                and not name.endswith("embed_tokens.weight")):
             out.append(name.removesuffix(".weight"))
     return out
 
@@ -142,7 +144,7 @@ def save_pretrained(model: nn.Module, path: str | Path, *, max_shard_bytes: int 
     from safetensors.torch import save_file
     d = Path(path)
     d.mkdir(parents=True, exist_ok=True)
-    cj = config_json(model.cfg)
+    cj = config_json(model.cfg, mtp_layer_of(model))
     if getattr(model, "mtp", None) is None and cj.get("num_nextn_predict_layers"):
         cj["num_nextn_predict_layers"] = 0                # no MTP layer built: none written
     (d / "config.json").write_text(json.dumps(cj, indent=2))
