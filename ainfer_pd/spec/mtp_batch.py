@@ -115,8 +115,12 @@ def catch_up_batch(kv, device, num_pass_rows: int, prefill, decode, ahead: list[
         fb = ForwardBatch(input_ids=torch.empty(0, dtype=torch.int64, device=device),
                           positions=torch.tensor(rows.pos, dtype=torch.int64, device=device),
                           write_slots=torch.cat(writes).to(device), prefill=seqs, decode=meta, block_size=bs)
-    ix = lambda v: torch.tensor(v, dtype=torch.int64, device=device)      # noqa: E731
-    return CatchUp(fb, ix(rows.tok), ix(rows.extra), ix(rows.hid), rows.refs, ix(keep), keeps, drops)
+    return CatchUp(fb, _ids(rows.tok, device), _ids(rows.extra, device), _ids(rows.hid, device), rows.refs,
+                   _ids(keep, device), keeps, drops)
+
+
+def _ids(v: list[int], device) -> Tensor:
+    return torch.tensor(v, dtype=torch.int64, device=device)
 
 
 def chain_batches(kv, device, jobs: list[tuple[str, int, int, int]]) -> list[ForwardBatch]:
