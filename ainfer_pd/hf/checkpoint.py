@@ -253,12 +253,12 @@ def _check(where: dict[str, str], handles: dict, table, extra_from: int | None, 
     for name in sorted(where):
         target = table.hf.get(name)
         if target is None:
+            if kv_scale_of(name, len(table.model.layers)) is not None:   # FP8 KV pool scales (an MTP layer's too)
+                report.kv_scale_tensors[name] = where[name]
+                continue
             m = _LAYER.match(name)
             if (m and extra_from is not None and int(m.group(1)) >= extra_from) or name.endswith("rotary_emb.inv_freq"):
                 report.tensors_skipped.append(name)      # MTP layers not built (spec.method mtp: the first is)
-                continue
-            if kv_scale_of(name, c.num_layers) is not None:      # an FP8 KV pool's scales: read with the pool
-                report.kv_scale_tensors[name] = where[name]
                 continue
             unexpected.append(name)
             continue

@@ -17,7 +17,9 @@ per-layer scales (a rank's KV heads are scaled by its layer's scale).
 ``cache.kv_scales`` (:func:`initial_kv_scales`, a pure function; :func:`kv_scales_for`) picks what
 the pool starts with: ``unit`` 1.0, ``checkpoint`` the checkpoint's (every layer, else a
 :class:`CheckpointError` naming the first missing tensor), ``auto`` the checkpoint's when it has
-any, else 1.0. The checkpoint loader only notes where the scale tensors are
+any, else 1.0. An MTP draft layer (``spec.method: mtp``: ``layers[num_layers]``, its own KV layer)
+takes the checkpoint's scales when it carries that layer's, else each column's largest over the
+target's layers: its KV only shapes drafts, which verification keeps from changing the output. The checkpoint loader only notes where the scale tensors are
 (``LoadReport.kv_scale_tensors``: never unexpected); they are read when an FP8 pool is made, so a
 pool in the model dtype (``cache.kv_dtype: auto``) ignores them. A weight sync carrying these
 names writes them in place (:class:`KvScaleStage`).
@@ -123,9 +125,10 @@ class KvScaleSet:
                 raise self.error(f"K / V scale {name!r} scales layer {layer}'s {_KV[c]} but nothing scales its "
                                  f"{_KV[1 - c]} (e.g. {canonical_name(layer, 1 - c)!r}): both or neither")
 
-    def first_missing(self) -> str | None:
-        """The name of the first scale of layers 0 .. num_layers - 1 not given (None: all given)."""
-        for layer in range(self.num_layers):
+    def first_missing(self, upto: int | None = None) -> str | None:
+        """The name of the first scale of layers 0 .. ``upto`` - 1 (default: every layer) not given
+        (None: all given)."""
+        for layer in range(self.num_layers if upto is None else upto):
             for c in (0, 1):
                 if (layer, c) not in self.found:
                     return canonical_name(layer, c)
@@ -140,11 +143,30 @@ class KvScaleSet:
 
 
 # ---------------------------------------------------------------------------- policy
-def initial_kv_scales(mode: str, found: KvScaleSet | None, num_layers: int) -> Tensor:
-    """``cache.kv_scales`` -> the pool's first ``[num_layers, 2]`` float32 scales (CPU), from the
-    checkpoint's scales ``found`` (None: no checkpoint). ``unit``: 1.0; ``checkpoint``: ``found``,
-    every layer; ``auto``: ``found`` when it has any, else 1.0. A checkpoint carrying scales for
-    some layers only is refused either way (no layer silently at 1.0)."""
+def initial_kv_scales(mode: str, found: KvScaleSet | None, num_layers: int, draft_layers: int = 0) -> Tensor:
+    """``cache.kv_scales`` -> the pool's first ``[num_layers + draft_layers, 2]`` float32 scales
+    (CPU), from the checkpoint's scales ``found`` (None: no checkpoint). ``unit``: 1.0;
+    ``checkpoint``: ``found``, every layer; ``auto``: ``found`` when it has any, else 1.0. A
+    checkpoint carrying scales for some layers only is refused either way (no layer silently at
+    1.0). The MTP draft layers after the target's: see :func:`with_draft_rows`."""
+    return with_draft_rows(_target_kv_scales(mode, found, num_layers), found, draft_layers)
+
+
+def with_draft_rows(target: Tensor, found: KvScaleSet | None, draft_layers: int) -> Tensor:
+    """``target`` ``[L, 2]`` and ``draft_layers`` rows after it: a draft layer's own scales where
+    ``found`` has both, else each column's largest over ``target`` (a draft layer's K / V are the
+    same kind of activations; the largest scale saturates none that a target layer would not)."""
+    if not draft_layers:
+        return target
+    L = target.shape[0]
+    rows = target.amax(dim=0, keepdim=True).repeat(draft_layers, 1)
+    for i in range(draft_layers):
+        if found is not None and (L + i, 0) in found.found and (L + i, 1) in found.found:
+            rows[i] = torch.tensor([found.found[(L + i, c)][1] for c in (0, 1)], dtype=torch.float32)
+    return torch.cat([target, rows])
+
+
+def _target_kv_scales(mode: str, found: KvScaleSet | None, num_layers: int) -> Tensor:
     ones = torch.ones(num_layers, 2, dtype=torch.float32)
     if mode == "unit":
         return ones
@@ -155,12 +177,13 @@ def initial_kv_scales(mode: str, found: KvScaleSet | None, num_layers: int) -> T
                                   "(RolloutWorker.calibrate_kv_scales)")
         return ones
     found.check_pairs()
-    missing = found.first_missing()
+    missing = found.first_missing(num_layers)
     if missing is not None:
         raise CheckpointError(f"the checkpoint's K / V scales miss {missing!r} ({2 * num_layers - len(found)} of "
                               f"{2 * num_layers} missing): an FP8 KV pool takes a scale for every layer's K and V")
     layers, vals = found.rows()
-    ones[layers] = vals
+    keep = [i for i, layer in enumerate(layers) if layer < num_layers]
+    ones[[layers[i] for i in keep]] = vals[keep]
     return ones
 
 
@@ -195,14 +218,14 @@ def kv_scales_for(model: nn.Module, cache: "CacheConfig", device: torch.device |
         return None
     if model.kv_scales is not None:
         return model.kv_scales
-    L = model.cfg.num_layers
+    L, n = model.cfg.num_layers, len(model.layers)          # n - L: the MTP draft layer, when built
     report = getattr(model, "load_report", None)
     found = None
     if cache.kv_scales != "unit" and report is not None and report.kv_scale_tensors:
-        found = read_checkpoint_kv_scales(report.path, report.kv_scale_tensors, L)
+        found = read_checkpoint_kv_scales(report.path, report.kv_scale_tensors, n)
         report.tensors_read.extend(sorted(report.kv_scale_tensors))
-    values = initial_kv_scales(cache.kv_scales, found, L)
-    scales = new_kv_scales(L, device)
+    values = initial_kv_scales(cache.kv_scales, found, L, n - L)
+    scales = new_kv_scales(n, device)
     scales.copy_(values)
     if found is not None:
         log.info("FP8 KV scales from the checkpoint: K %.4g..%.4g, V %.4g..%.4g", float(values[:, 0].min()),
@@ -218,7 +241,7 @@ class KvScaleStage:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.scales = KvScaleSet(model.cfg.num_layers, WeightUpdateError)
+        self.scales = KvScaleSet(len(model.layers), WeightUpdateError)       # an MTP draft layer's too
 
     def takes(self, name: str) -> bool:
         return self.scales.takes(name)

@@ -64,7 +64,8 @@ def measure_kv_amax(model: nn.Module, prompts: list[list[int]], *, max_tokens: i
 def calibrate_kv_scales(model: nn.Module, prompts: list[list[int]], margin: float, *, max_tokens: int,
                         block_size: int) -> Tensor:
     """Measure the prompts' K / V amax, set ``model.kv_scales`` (in place) to
-    :func:`scales_from_amax`, and return them (``[L, 2]`` float32 on the host). The routing
+    :func:`scales_from_amax`, and return them (``[L, 2]`` float32 on the host; an MTP draft
+    layer, not run by the passes, takes each column's largest). The routing
     record (``cache.routed_experts``) is off during the passes (their slots are not the pool's)."""
     if model.kv_scales is None:
         raise UnsupportedOptionError("calibrating KV scales needs an FP8 KV pool (cache.kv_dtype: fp8_e4m3): a pool in "
@@ -75,5 +76,6 @@ def calibrate_kv_scales(model: nn.Module, prompts: list[list[int]], margin: floa
     finally:
         model.routing_sink = sink
     scales = scales_from_amax(amax, margin)
-    model.kv_scales.copy_(scales)
+    from ...hf.kv_scales import with_draft_rows
+    model.kv_scales.copy_(with_draft_rows(scales.cpu(), None, len(model.layers) - scales.shape[0]))
     return scales.cpu()

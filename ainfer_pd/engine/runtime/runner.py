@@ -69,8 +69,7 @@ class ModelRunner:
             raise UnsupportedOptionError("model.fp8_dense with attention tensor parallelism (ATP > 1) is not built: "
                                          "the FP8 q/k/v and o projections are not split by heads (without fp8_dense "
                                          "they are in the model dtype and shard as usual)", key="fp8_dense")
-        self.model: MoETransformer = build_model(mc, device, experts=expert_shard(sections),   # EP: this rank's experts
-                                                 mtp=sections.spec.mtp)
+        self.model: MoETransformer = build_model(mc, device, experts=expert_shard(sections), mtp=sections.spec.mtp)
         if tp_shard is not None:                     # attention TP: this rank's heads (and their KV) only
             from .tensor_parallel import shard_attention_
             shard_attention_(self.model, *tp_shard)
