@@ -164,7 +164,7 @@ def load_pretrained(model: nn.Module, model_dir: str | Path) -> "LoadReport":
             report.files.append(f.name)
         where = _locate(handles, index, d.name)
         if getattr(model, "mtp", None) is not None:        # the MTP layer's own head / embedding, if stored
-            from ..engine.model.mtp_layer import adopt_own_tensors
+            from ..engine.model.mtp_head import adopt_own_tensors
             adopt_own_tensors(model, where)
         table = name_table(model)
         plan = _check(where, handles, table, extra_from, d.name, report)

@@ -165,9 +165,9 @@ class MoETransformer(nn.Module):
         """What building the model read (:class:`ainfer_pd.hf.checkpoint.LoadReport`), if it loaded a checkpoint."""
         self.mtp = None
         """``mtp``: the MTP draft layer is ``layers[num_layers]`` (never walked by :attr:`segments`; added
-        last, so the main parameters keep their init order) plus this :class:`.mtp_layer.MtpHead`."""
+        last, so the main parameters keep their init order) plus this :class:`.mtp_head.MtpHead`."""
         if mtp:
-            from .mtp_layer import MtpHead
+            from .mtp_head import MtpHead
             self.layers.append(DecoderLayer(c, c.num_layers, self.expert_range))
             self.mtp = MtpHead(c)
 
