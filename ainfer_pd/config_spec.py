@@ -33,6 +33,12 @@ class SpecConfig:
     verify_costs: dict = field(default_factory=dict)
     """The verify cost table, ``{batch: {width: seconds}}`` (width = K + 1, with width 1 present);
     empty (the default): measured when the engine starts (``ModelRunner.measure_verify_costs``)."""
+    draft_costs: dict = field(default_factory=dict)
+    """``mtp`` only: the MTP layer's draft chain, ``{batch: {k: seconds}}`` for k drafts, at every
+    batch size of ``verify_costs``; empty (the default): measured when the engine starts with the
+    verify table (``engine.runtime.verify_costs.measure_draft_costs``; a given verify table without
+    it: the chain counted as free, with a warning). ``spec.adaptive`` counts it with the
+    verify (a suffix drafter runs on the host and costs the device nothing)."""
 
     def validate(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -48,6 +54,20 @@ class SpecConfig:
                 if isinstance(w, bool) or not isinstance(w, int) or w < 1 or isinstance(t, bool) \
                         or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
                     raise ConfigError(f"spec.verify_costs[{B}]: width {w!r} -> {t!r} (need an int >= 1 -> seconds > 0)")
+        for B, row in self.draft_costs.items():
+            if isinstance(B, bool) or not isinstance(B, int) or B < 1 or not isinstance(row, dict) or not row:
+                raise ConfigError(f"spec.draft_costs: {B!r}: expected a batch size >= 1 mapping draft counts to "
+                                  f"seconds, got {row!r}")
+            for k, t in row.items():
+                if isinstance(k, bool) or not isinstance(k, int) or k < 1 or isinstance(t, bool) \
+                        or not isinstance(t, (int, float)) or not (math.isfinite(t) and t >= 0):
+                    raise ConfigError(f"spec.draft_costs[{B}]: {k!r} drafts -> {t!r} (need an int >= 1 -> seconds >= 0)")
+        if self.draft_costs and self.verify_costs and set(self.verify_costs) - set(self.draft_costs):
+            raise ConfigError(f"spec.draft_costs lacks batch sizes {sorted(set(self.verify_costs) - set(self.draft_costs))}"
+                              " of spec.verify_costs")
+        if self.draft_costs and self.method != "mtp":
+            raise ConfigError(f"spec.draft_costs is the MTP chain's cost table; spec.method={self.method!r} drafts "
+                              "on the host")
 
     @property
     def enabled(self) -> bool:

@@ -91,3 +91,48 @@ def test_the_cost_table_and_the_inputs_are_checked():
         choose(COSTS, [0.5], [1, 2])
     with pytest.raises(SpecInputError, match="min_gain"):
         choose(COSTS, [0.5], [1], min_gain=0.9)
+
+
+def test_a_device_drafter_s_chain_counts_with_the_verify():
+    """An MTP chain that costs 0.15 of a decode a draft makes long drafts lose: the choice shortens,
+    and a chain of a whole decode a draft leaves no speculation; a K the chain table lacks is
+    not taken."""
+    rates, avail = [0.8] * 16, [8] * 16
+    free = choose(COSTS, rates, avail)
+    assert free.k == 8
+    cheap = VerifyCosts.from_times(TIMES, {16: {k: 0.15 * k * TIMES[16][1] for k in range(1, 9)},
+                                           128: {k: 1.0 for k in range(1, 9)}})
+    dear = VerifyCosts.from_times(TIMES, {16: {k: 1.0 * k * TIMES[16][1] for k in range(1, 9)},
+                                          128: {k: 1.0 for k in range(1, 9)}})
+    p_cheap, p_dear = choose(cheap, rates, avail), choose(dear, rates, avail)
+    assert 1 <= p_cheap.k < free.k and p_cheap.gain < free.gain
+    assert p_dear.k == 0 and p_dear.gain == 1.0
+    # every plan is what the tokens over the whole cost say: verify plus chain
+    for costs, plan in ((cheap, p_cheap),):
+        e = sum(expected_tokens(0.8, plan.k) for _ in rates)
+        chain = costs.draft_at(16)[plan.k]
+        assert plan.gain == pytest.approx(e / (16 * (costs.at(16)[plan.k + 1] + chain)))
+    only_one = VerifyCosts.from_times(TIMES, {16: {1: 0.0}, 128: {1: 0.0}})
+    assert choose(only_one, rates, avail).k == 1
+    assert COSTS.draft_at(16) is None
+
+
+def test_the_drafting_table_is_checked():
+    with pytest.raises(SpecInputError, match="no batch size 128"):
+        VerifyCosts.from_times(TIMES, {16: {1: 1.0}})
+    with pytest.raises(SpecInputError, match="drafting, batch 16"):
+        VerifyCosts.from_times(TIMES, {16: {1: -1.0}, 128: {1: 1.0}})
+    with pytest.raises(SpecInputError, match="drafting, batch 16"):
+        VerifyCosts.from_times(TIMES, {16: {0: 1.0}, 128: {1: 1.0}})
+
+
+def test_spec_draft_costs_config_is_checked():
+    from ainfer_pd import WorkerConfig
+    from ainfer_pd.errors import ConfigError
+    base = WorkerConfig.from_yaml("configs/tiny-cpu.yaml")
+    with pytest.raises(ConfigError, match="drafts on the host"):
+        base.replace(**{"spec.method": "suffix", "spec.draft_costs": {16: {1: 0.001}}})
+    with pytest.raises(ConfigError, match="draft_costs\\[16\\]"):
+        base.replace(**{"spec.draft_costs": {16: {1: -1.0}}})
+    with pytest.raises(ConfigError, match="lacks batch sizes \\[128\\]"):
+        base.replace(**{"spec.verify_costs": {16: {1: 1.0}, 128: {1: 1.0}}, "spec.draft_costs": {16: {1: 0.1}}})

@@ -284,3 +284,20 @@ async def test_routing_replay_under_mtp_records_the_target_s_layers_as_plain_dec
     assert mtp.token_ids == plain.token_ids
     assert mtp.routed_experts.shape == plain.routed_experts.shape == (len(PROMPTS[0]) + N - 1, L - 1, 3)
     assert (mtp.routed_experts == plain.routed_experts).all()
+
+
+async def test_adaptive_mtp_measures_the_chain_and_counts_it(fitted):
+    """Without cost tables the engine measures the verify and the MTP chain on the D stream; the
+    chain's table covers every K at every batch size, and greedy outputs stay plain decoding's."""
+    path, model, mtp = fitted
+    cfg = hf_worker_cfg(path, spec={**SPEC, "adaptive": True})
+    async with RolloutWorker(cfg) as w:
+        costs = w.engine.spec.costs
+        assert costs is not None and costs.drafting is not None
+        assert len(costs.drafting) == len(costs.batches)
+        assert all(set(row) == set(range(1, K + 1)) and all(v > 0 for v in row.values()) for row in costs.drafting)
+        # a longer chain costs more (one more MTP pass a draft)
+        assert all(row[K] > row[1] for row in costs.drafting)
+        out = await w.generate(PROMPTS[0], SamplingParams(max_new_tokens=N, **GREEDY))
+        await _leak_free(w)
+    assert out.token_ids == _hf_models.hf_greedy(model, PROMPTS[0], N)[0]

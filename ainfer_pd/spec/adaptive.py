@@ -4,10 +4,11 @@ FastGRPO: at high concurrency naive speculation is slower than none).
 
 One verify pass scores every row at the same width K + 1 (one graph per (batch bucket, K)), so its
 cost is the batch's, ``cost(B, K + 1)``; :class:`VerifyCosts` holds the measured times, and their
-ratio to one token per row. A row whose drafts are accepted independently with probability a
+ratio to one token per row. A drafter that runs on the device (the MTP layer's chain of K steps
+over the batch) adds ``draft(B, K)`` before the verify; a model-free drafter (suffix) adds none. A row whose drafts are accepted independently with probability a
 emits E(a, n) = 1 + a + ... + a^n tokens from n drafts (Leviathan et al.), n = min(K, its draft's
 length). :func:`choose` takes the K that maximises the batch's expected tokens per unit of time,
-sum_r E(a_r, n_r) / (B * cost(B, K + 1) / cost(B, 1)), against 1 for K = 0 (one token per row per
+sum_r E(a_r, n_r) / (B * (cost(B, K + 1) + draft(B, K)) / cost(B, 1)), against 1 for K = 0 (one token per row per
 iteration), and keeps K = 0 unless the best gains at least ``min_gain``. Each row then verifies
 min(K, its draft's length) drafts (padding costs the batch nothing more: it pays K + 1 anyway).
 
@@ -70,13 +71,19 @@ def expected_tokens(rate: float, drafts: int) -> float:
 @dataclass(frozen=True, slots=True)
 class VerifyCosts:
     """Measured verify times: ``times[B][w]`` = seconds of one pass over B rows of w tokens each
-    (w = K + 1; w = 1 is plain decoding). Build it with :meth:`from_times`."""
+    (w = K + 1; w = 1 is plain decoding), and for a drafter that runs on the device ``drafts[B][k]``
+    = seconds of drafting k tokens for B rows. Build it with :meth:`from_times`."""
 
     batches: tuple[int, ...]                       # the measured batch sizes, ascending
     ratios: tuple[Mapping[int, float], ...]        # per batch size: width -> time(w) / time(1)
+    drafting: tuple[Mapping[int, float], ...] | None = None
+    """Per batch size: k -> drafting time(k) / time(1); None: drafting costs the device nothing."""
 
     @classmethod
-    def from_times(cls, times: Mapping[int, Mapping[int, float]]) -> "VerifyCosts":
+    def from_times(cls, times: Mapping[int, Mapping[int, float]],
+                   drafts: Mapping[int, Mapping[int, float]] | None = None) -> "VerifyCosts":
+        """``drafts`` (the device drafter's times, ``{B: {k: s}}``) must cover every batch size of
+        ``times``; a k it lacks at a size is a K the batch does not take there."""
         if not times:
             raise SpecInputError("the verify cost table is empty")
         batches, ratios = [], []
@@ -91,13 +98,32 @@ class VerifyCosts:
                 raise SpecInputError(f"batch {B}: no time for width 1 (plain decoding), nothing to compare with")
             batches.append(B)
             ratios.append({w: t / row[1] for w, t in row.items()})
-        return cls(tuple(batches), tuple(ratios))
+        if drafts is None:
+            return cls(tuple(batches), tuple(ratios))
+        drafting = []
+        for B in batches:
+            row = drafts.get(B)
+            if row is None:
+                raise SpecInputError(f"the drafting cost table has no batch size {B} (the verify table has)")
+            for k, t in row.items():
+                if isinstance(k, bool) or not isinstance(k, int) or k < 1 or not (math.isfinite(t) and t >= 0):
+                    raise SpecInputError(f"drafting, batch {B}: {k!r} drafts take {t!r} s (need an int >= 1, a time >= 0)")
+            drafting.append({k: t / times[B][1] for k, t in row.items()})
+        return cls(tuple(batches), tuple(ratios), tuple(drafting))
 
     def at(self, batch: int) -> Mapping[int, float]:
         """Width -> relative cost at ``batch`` rows: the smallest measured size >= ``batch`` (the
         bucket its graph runs at); {} above the largest measured size."""
         i = bisect_left(self.batches, batch)
         return self.ratios[i] if i < len(self.batches) else {}
+
+    def draft_at(self, batch: int) -> Mapping[int, float] | None:
+        """k -> relative drafting cost at ``batch`` rows (the bucket :meth:`at` takes); None: the
+        drafter costs the device nothing."""
+        if self.drafting is None:
+            return None
+        i = bisect_left(self.batches, batch)
+        return self.drafting[i] if i < len(self.batches) else {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,11 +152,13 @@ def choose(costs: VerifyCosts, rates: list[float], available: list[int], *, k_ma
         return best
     longest = min(k_max, max(available))
     runs = [_partial_sums(a, min(n, longest)) for a, n in zip(rates, available)]   # E(a, 0..n) per row
+    drafting = costs.draft_at(B)
     for w, ratio in sorted(costs.at(B).items()):
         k = w - 1
-        if not 1 <= k <= longest:
+        if not 1 <= k <= longest or (drafting is not None and k not in drafting):
             continue
-        gain = sum(run[min(k, len(run) - 1)] for run in runs) / (B * ratio)
+        cost = ratio + (drafting[k] if drafting is not None else 0.0)
+        gain = sum(run[min(k, len(run) - 1)] for run in runs) / (B * cost)
         if gain >= min_gain and gain > best.gain:
             best = SpecPlan(k, tuple(min(k, n) for n in available), gain)
     return best

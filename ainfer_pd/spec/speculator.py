@@ -181,8 +181,9 @@ class Speculator:
 
 
 def make_speculator(cfg, runner, decode_ctx, recorder, dist) -> Speculator | None:
-    """The engine's speculator (``spec.method``; None: off), with its verify cost table: the
-    config's, or measured now on the D stream (``spec.adaptive`` without a table)."""
+    """The engine's speculator (``spec.method``; None: off), with its cost tables: the config's,
+    or measured now on the D stream (``spec.adaptive`` without a table): the verify's, and under
+    ``mtp`` the MTP chain's (``spec.draft_costs``)."""
     sc = cfg.spec
     if not sc.enabled:
         return None
@@ -190,19 +191,28 @@ def make_speculator(cfg, runner, decode_ctx, recorder, dist) -> Speculator | Non
         raise UnsupportedOptionError("spec.method on several ranks is not built: a verify batch's row count "
                                      "would have to be agreed across replicas (DP attention, ATP) each "
                                      "iteration", key="spec.method")
-    times = sc.verify_costs
+    times, drafts = sc.verify_costs, sc.draft_costs or None
+    top = cfg.scheduler.max_decode_batch
+    batches = tuple(sorted(times) if times else sorted({b for b in (1, 4, 16, 64, 128) if b < top} | {top}))
+    context = min(2048, cfg.model.max_context_len // 2)
     if not times and sc.adaptive:
         from ..engine.runtime.verify_costs import measure_verify_costs
-        top = cfg.scheduler.max_decode_batch
-        batches = sorted({b for b in (1, 4, 16, 64, 128) if b < top} | {top})
         widths = sorted({w for w in (1, 2, 3, 5, 9) if w <= sc.num_draft_tokens + 1} | {sc.num_draft_tokens + 1})
-        times = decode_ctx.stream.submit(measure_verify_costs, runner, decode_ctx, tuple(batches), tuple(widths),
-                                         min(2048, cfg.model.max_context_len // 2),
+        times = decode_ctx.stream.submit(measure_verify_costs, runner, decode_ctx, batches, tuple(widths), context,
                                          label="D.verify_costs").enqueued().result()
         log.info("verify costs (s) by batch and width: %s", times)
+    if sc.mtp and sc.adaptive and drafts is None and sc.verify_costs:
+        log.warning("spec.verify_costs given without spec.draft_costs: the MTP chain's device time is not "
+                    "counted against speculation (give both, or neither to measure both)")
+    elif sc.mtp and sc.adaptive and drafts is None:          # the chain runs on the device: its cost counts
+        from ..engine.runtime.verify_costs import measure_draft_costs
+        drafts = decode_ctx.stream.submit(measure_draft_costs, runner, decode_ctx, batches,
+                                          tuple(range(1, sc.num_draft_tokens + 1)), context,
+                                          label="D.draft_costs").enqueued().result()
+        log.info("MTP draft chain costs (s) by batch and drafts: %s", drafts)
     drafter = None
     if sc.mtp:                          # the runner's passes already feed it (engine.runtime.mtp_runner)
         drafter = runner.drafter
         drafter.ctx = decode_ctx
-    return Speculator(sc, cfg.model.max_context_len, VerifyCosts.from_times(times) if times else None, recorder,
-                      drafter)
+    costs = VerifyCosts.from_times(times, drafts if sc.mtp else None) if times else None
+    return Speculator(sc, cfg.model.max_context_len, costs, recorder, drafter)
