@@ -274,8 +274,13 @@ def test_every_listed_rollout_key_gets_its_meaning_or_a_typed_error():
     notes = " ".join(rollout_notes(_dataclass_config(), base))
     assert "max_num_seqs=1024" in notes and "max_num_batched_tokens=8192" in notes
     assert rollout_overrides(_dataclass_config(quantization="fp8"), base, {})["model.quantization"] == "fp8"
+    mtp = rollout_overrides(_dataclass_config(mtp=MtpConfig(enable=True, enable_rollout=True,
+                                                            num_speculative_tokens=3)), base, {})
+    assert (mtp["spec.method"], mtp["spec.num_draft_tokens"]) == ("mtp", 3)
+    assert "spec.method" not in rollout_overrides(_dataclass_config(mtp=MtpConfig(enable=True)), base, {})
     for bad, key in [(dict(quantization="torchao"), "quantization"),
-                     (dict(mtp=MtpConfig(enable=True, enable_rollout=True)), "mtp"),
+                     (dict(mtp=MtpConfig(enable=True, enable_rollout=True, method="eagle")), "mtp"),
+                     (dict(mtp=MtpConfig(enable=True, enable_rollout=True, speculative_eagle_topk=4)), "mtp"),
                      (dict(load_format="gguf"), "load_format"),
                      (dict(max_model_len=base.model.max_context_len + 1), "max_model_len")]:
         with pytest.raises(UnsupportedOptionError, match=key) as ei:

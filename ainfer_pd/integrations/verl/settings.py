@@ -121,7 +121,11 @@ ROLLOUT_KEYS = {
     "quantization": "fp8: model.quantization fp8 (blockwise FP8 weights, quantized at load and at every weight "
                     "sync; the returned logprobs are the FP8 model's own); any other value refused "
                     "(UnsupportedOptionError)",
-    "mtp": "mtp.enable_rollout refused (UnsupportedOptionError): no multi-token-prediction drafts",
+    "mtp": "mtp.enable_rollout: spec.method mtp (the checkpoint's MTP layer drafts, verified exactly in the D "
+           "iteration; glm4_moe with num_nextn_predict_layers), spec.num_draft_tokens = num_speculative_tokens "
+           "(vLLM's meaning); method other than mtp, or speculative_eagle_topk > 1 (a draft tree) refused "
+           "(UnsupportedOptionError). The trainer's weight syncs must carry the MTP layer (a set without it is "
+           "refused: no stale head)",
     "load_format": "auto / safetensors / hf: the checkpoint is read; dummy: read anyway, verl's first sync "
                    "replaces it (one warning); other formats refused",
     "enable_sleep_mode": "false: sleep() keeps weights and KV on the device (one warning)",
@@ -149,8 +153,8 @@ def rollout_overrides(rollout_config: Any, cfg: Any, overrides: dict) -> dict:
     if field(rollout_config, "quantization"):
         put("model.quantization", _quantization(field(rollout_config, "quantization")))
     if _sub(rollout_config, "mtp", "enable_rollout", False):
-        raise UnsupportedOptionError("rollout.mtp.enable_rollout: ainfer-pd has no multi-token-prediction drafts",
-                                     key="mtp")
+        for k, v in _mtp(rollout_config).items():
+            put(k, v)
     fmt = field(rollout_config, "load_format")
     if fmt is not None and str(fmt) not in _LOAD_FORMATS:
         raise UnsupportedOptionError(f"rollout.load_format={fmt!r}: ainfer-pd reads Hugging Face safetensors "
@@ -184,6 +188,20 @@ def rollout_overrides(rollout_config: Any, cfg: Any, overrides: dict) -> dict:
     if eps is not None and int(eps) > 1:
         put("parallel.expert_parallel", int(eps))
     return out
+
+
+def _mtp(rollout_config: Any) -> dict:
+    """The ``spec`` keys of verl's ``rollout.mtp`` with ``enable_rollout`` (:data:`ROLLOUT_KEYS`)."""
+    method = str(_sub(rollout_config, "mtp", "method", "mtp"))
+    if method != "mtp":
+        raise UnsupportedOptionError(f"rollout.mtp.method={method!r}: ainfer-pd drafts with the checkpoint's MTP "
+                                     "layer only (method mtp)", key="mtp")
+    topk = int(_sub(rollout_config, "mtp", "speculative_eagle_topk", 1) or 1)
+    if topk != 1:
+        raise UnsupportedOptionError(f"rollout.mtp.speculative_eagle_topk={topk}: ainfer-pd drafts one greedy chain "
+                                     "per row (top-k 1), not a tree", key="mtp")
+    k = int(_sub(rollout_config, "mtp", "num_speculative_tokens", 1) or 1)
+    return {"spec.method": "mtp", "spec.num_draft_tokens": k}
 
 
 def _quantization(quant: Any) -> str:
