@@ -115,3 +115,33 @@ def test_a_new_turn_of_a_row_in_backoff_is_probed_at_once_and_forget_drops_the_b
     assert spec.backoff["a"][1].wait == 2                 # the trajectory's wait carries over
     spec.forget("a")
     assert not spec.backoff
+
+
+def test_a_device_drafter_s_rows_never_back_off():
+    """An MTP row's empty draft is transient (no hidden state stashed yet): it is drafted again at
+    the next iteration, and a batch of such rows stays worth drafting."""
+    class Device:
+        def __init__(self) -> None:
+            self.asked = []
+
+        async def prepare(self, rows, caps) -> None:
+            pass
+
+        def draft(self, tid, k):
+            self.asked.append(tid)
+            return []
+
+        def extend(self, tid, tokens, group=""):
+            pass
+
+        def forget(self, tid):
+            pass
+
+    d = Device()
+    spec = Speculator(SpecConfig(method="suffix", adaptive=False, num_draft_tokens=4), 4096, None, _Rec(), d)
+    t = _turn("m", list(range(1, 40)))
+    for _ in range(5):
+        assert spec.worth_drafting([t])
+        assert spec.plan([t]) is None
+        _step(t, next(FRESH))
+    assert d.asked == ["m"] * 5 and spec.num_rows_skipped == 0 and not spec.backoff

@@ -16,8 +16,8 @@ inside the turn's KV reservation, and the tokens it emits never pass the turn's 
 acceptance (``spec.adaptive``; else every row verifies its whole draft). :meth:`observe` feeds the
 acceptance back. :meth:`worth_drafting` says, before any drafting, whether the cost table could
 let the batch speculate at all (at high batch it cannot: the D loop then stays overlapped).
-A row whose recent drafts came back empty is skipped (:mod:`~.backoff`: not drafted, a
-zero-length draft) until its re-probe, and :meth:`worth_drafting` counts only the rows it would
+A row whose recent host drafts came back empty is skipped (:mod:`~.backoff`: not drafted, a
+zero-length draft) until its re-probe (an MTP row never is: its empty drafts are transient), and :meth:`worth_drafting` counts only the rows it would
 probe now: a batch of rows all in backoff stays overlapped, with no host drafting at all.
 """
 from __future__ import annotations
@@ -53,6 +53,9 @@ class Speculator:
         self.drafter = drafter if drafter is not None else SuffixDrafter()
         """``extend`` / ``forget`` / ``draft`` (host), and ``prepare`` for one that drafts on the
         device (:class:`~.mtp.MtpDrafter`); the suffix drafter by default."""
+        self.on_device = callable(getattr(self.drafter, "prepare", None))
+        """The drafter runs on the device (MTP): its empty drafts are transient (no hidden state
+        stashed yet), so no row backs off; a host drafter's rows do (:mod:`.backoff`)."""
         self.held: dict[str, tuple[Turn, int]] = {}        # tid -> (the turn last synced, tokens the drafter holds)
         self.acc: dict[str, Acceptance] = {}
         self.backoff: dict[str, tuple[Turn, Backoff]] = {}  # tid -> (the turn drafted empty, its backoff)
@@ -92,6 +95,8 @@ class Speculator:
     def probes(self, t: Turn) -> bool:
         """Is ``t`` drafted now? (No while it is in backoff after empty drafts; a new turn of the
         trajectory is probed at once: its prompt may bring what the drafter can match.)"""
+        if self.on_device:
+            return True
         turn, b = self.backoff.get(t.tid, (t, NO_BACKOFF))
         return turn is not t or b.probes(t.seq_len)
 
@@ -116,9 +121,8 @@ class Speculator:
     async def prepare(self, rows: list[Turn]) -> None:
         """Before :meth:`plan`: a drafter that runs on the device (MTP) drafts ``rows`` now, each
         up to its cap (one D stream item); a model-free one has nothing to do."""
-        prepare = getattr(self.drafter, "prepare", None)
-        if prepare is not None:
-            await prepare(rows, [self.cap(t) for t in rows])
+        if self.on_device:
+            await self.drafter.prepare(rows, [self.cap(t) for t in rows])
 
     def plan(self, rows: list[Turn]) -> SpecBatch | None:
         """The drafts of a batch of ``rows``; None when no row verifies any (plain decoding).
@@ -147,6 +151,8 @@ class Speculator:
         return SpecBatch(rows, drafts, k, gain)
 
     def _after_draft(self, t: Turn, drafted: int) -> None:
+        if self.on_device:
+            return
         turn, b = self.backoff.get(t.tid, (t, NO_BACKOFF))
         b = after_draft(b if turn is t else Backoff(b.wait), t.seq_len, drafted)
         if b == NO_BACKOFF:
