@@ -11,6 +11,7 @@ import pytest
 
 from ainfer_pd import RolloutWorker, SamplingParams
 from ainfer_pd.errors import ConfigError, UnsupportedOptionError
+from tests._spec_helpers import abort_mid_verify_then_resume
 from tests.conftest import hf_worker_cfg, tiny_cfg
 from tests.test_small_model import DIR, OBSERVATION, PROMPT
 
@@ -87,26 +88,8 @@ def test_abort_mid_verify_keeps_committed_tokens_and_resume_equals_the_whole_run
 
     async def go():
         async with RolloutWorker(hf_worker_cfg(DIR, spec=SPEC)) as w:
-            full = await w.generate(prompt, SamplingParams(max_new_tokens=N, **greedy), trajectory_id="F")
-            task = asyncio.ensure_future(w.generate(prompt, SamplingParams(max_new_tokens=N, **greedy),
-                                                    trajectory_id="A"))
-            async with asyncio.timeout(30):
-                # abort while a verify pass of A is on the device
-                while not (w.engine.d.in_flight and w.trajectories.get("A") is not None
-                           and w.trajectories["A"].turn is not None
-                           and len(w.trajectories["A"].turn.out_tokens) >= 6):
-                    await asyncio.sleep(0)
-            verifies = w.engine.spec.num_verifies
-            assert await w.abort("A") is True
-            part = await task
-            k = len(part.token_ids)
-            assert part.finish_reason == "abort" and 6 <= k < N and verifies > 0
-            assert part.token_ids == full.token_ids[:k]
-            async with asyncio.timeout(30):
-                while w.trajectories["A"].draining is not None:
-                    await asyncio.sleep(0.001)
-            rest = await w.continue_("A", [], SamplingParams(max_new_tokens=N - k, **greedy))
-            assert part.token_ids + rest.token_ids == full.token_ids
+            # abort while a verify pass of A is on the device
+            k, rest = await abort_mid_verify_then_resume(w, prompt, N, greedy, min_out=6, timeout=30)
             assert rest.num_cached_tokens == len(prompt) + k - 1       # only committed KV was kept
             for tid in ("A", "F"):
                 await w.release(tid)

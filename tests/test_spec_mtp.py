@@ -17,6 +17,7 @@ import torch
 from ainfer_pd import RolloutWorker, SamplingParams
 from ainfer_pd.errors import CheckpointError, UnsupportedOptionError, WeightUpdateError
 from tests import _hf_models, _mtp_model
+from tests._spec_helpers import abort_mid_verify_then_resume
 from tests.conftest import hf_worker_cfg
 
 K = 3
@@ -174,24 +175,7 @@ def test_seeded_sampling_with_mtp_drafts_equals_plain_sampling(policy, fitted, p
 async def test_abort_mid_verify_leaks_no_kv_and_the_resume_equals_the_whole_run(fitted):
     path = fitted[0]
     async with RolloutWorker(hf_worker_cfg(path, spec=SPEC)) as w:
-        full = await w.generate(PROMPTS[0], SamplingParams(max_new_tokens=N, **GREEDY), trajectory_id="F")
-        task = asyncio.ensure_future(w.generate(PROMPTS[0], SamplingParams(max_new_tokens=N, **GREEDY),
-                                                trajectory_id="A"))
-        async with asyncio.timeout(60):
-            while not (w.engine.d.in_flight and w.trajectories.get("A") is not None
-                       and w.trajectories["A"].turn is not None and len(w.trajectories["A"].turn.out_tokens) >= 4):
-                await asyncio.sleep(0)
-        verifies = w.engine.spec.num_verifies
-        assert await w.abort("A") is True
-        part = await task
-        k = len(part.token_ids)
-        assert part.finish_reason == "abort" and 4 <= k < N and verifies > 0
-        assert part.token_ids == full.token_ids[:k]
-        async with asyncio.timeout(60):
-            while w.trajectories["A"].draining is not None:
-                await asyncio.sleep(0.001)
-        rest = await w.continue_("A", [], SamplingParams(max_new_tokens=N - k, **GREEDY))
-        assert part.token_ids + rest.token_ids == full.token_ids
+        await abort_mid_verify_then_resume(w, PROMPTS[0], N, GREEDY, min_out=4, timeout=60)
         await _leak_free(w)
 
 
