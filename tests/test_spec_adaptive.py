@@ -136,3 +136,18 @@ def test_spec_draft_costs_config_is_checked():
         base.replace(**{"spec.draft_costs": {16: {1: -1.0}}})
     with pytest.raises(ConfigError, match="lacks batch sizes \\[128\\]"):
         base.replace(**{"spec.verify_costs": {16: {1: 1.0}, 128: {1: 1.0}}, "spec.draft_costs": {16: {1: 0.1}}})
+
+
+def test_host_time_before_the_launch_counts_against_speculating():
+    """The host seconds a drafting iteration adds (drafts, the verify's build on the launch's path)
+    count over a plain iteration's seconds at the batch's size: enough of them and no K pays."""
+    rates, avail = [0.8] * 16, [8] * 16
+    free = choose(COSTS, rates, avail)
+    some = choose(COSTS, rates, avail, host_s=0.2 * TIMES[16][1])
+    much = choose(COSTS, rates, avail, host_s=3.0 * TIMES[16][1])
+    assert free.k == 8 and 0 < some.gain < free.gain and much.k == 0
+    e = sum(expected_tokens(0.8, some.k) for _ in rates)
+    assert some.gain == pytest.approx(e / (16 * (COSTS.at(16)[some.k + 1] + 0.2)))
+    assert COSTS.base_at(16) == TIMES[16][1] and COSTS.base_at(128) == TIMES[128][1] and COSTS.base_at(500) is None
+    with pytest.raises(SpecInputError, match="host_s"):
+        choose(COSTS, rates, avail, host_s=-1.0)

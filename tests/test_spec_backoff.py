@@ -145,3 +145,23 @@ def test_a_device_drafter_s_rows_never_back_off():
         assert spec.plan([t]) is None
         _step(t, next(FRESH))
     assert d.asked == ["m"] * 5 and spec.num_rows_skipped == 0 and not spec.backoff
+
+
+def test_measured_host_time_stops_speculating_and_fades_until_it_is_tried_again():
+    spec = _spec(adaptive=True)                          # CHEAP: a verify costs ~a plain iteration
+    t = _turn("h", [5, 6, 7, 8] * 10)                    # repeats: the suffix drafter has drafts
+    assert spec.worth_drafting([t])
+    spec.observe_host(0.5)
+    assert spec.host_s == 0.5
+    spec.observe_host(1.5)
+    assert spec.host_s == pytest.approx(0.7 * 0.5 + 0.3 * 1.5)
+    spec.observe_host(100.0)                             # host time 30x a plain iteration (1 s at B 1)
+    assert not spec.worth_drafting([t])
+    tries = 1
+    while not spec.worth_drafting([t]):                  # each idle iteration forgets a little
+        tries += 1
+        assert tries < 400
+    assert 100 < tries < 400
+    assert spec.metrics()["spec_host_ms"] == pytest.approx(1e3 * spec.host_s)
+    batch = spec.plan([t])
+    assert batch is not None and batch.host_s > 0

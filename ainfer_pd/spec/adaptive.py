@@ -5,10 +5,13 @@ FastGRPO: at high concurrency naive speculation is slower than none).
 One verify pass scores every row at the same width K + 1 (one graph per (batch bucket, K)), so its
 cost is the batch's, ``cost(B, K + 1)``; :class:`VerifyCosts` holds the measured times, and their
 ratio to one token per row. A drafter that runs on the device (the MTP layer's chain of K steps
-over the batch) adds ``draft(B, K)`` before the verify; a model-free drafter (suffix) adds none. A row whose drafts are accepted independently with probability a
+over the batch) adds ``draft(B, K)`` before the verify; a model-free drafter (suffix) adds none.
+The host time a speculating iteration spends before its launch (reading the overlapped iteration
+it gives up, drafting: the speculator's measured ``host_s``) counts too, over ``cost(B, 1)``'s
+seconds. A row whose drafts are accepted independently with probability a
 emits E(a, n) = 1 + a + ... + a^n tokens from n drafts (Leviathan et al.), n = min(K, its draft's
 length). :func:`choose` takes the K that maximises the batch's expected tokens per unit of time,
-sum_r E(a_r, n_r) / (B * (cost(B, K + 1) + draft(B, K)) / cost(B, 1)), against 1 for K = 0 (one token per row per
+sum_r E(a_r, n_r) / (B * (cost(B, K + 1) + draft(B, K) + host_s) / cost(B, 1)), against 1 for K = 0 (one token per row per
 iteration), and keeps K = 0 unless the best gains at least ``min_gain``. Each row then verifies
 min(K, its draft's length) drafts (padding costs the batch nothing more: it pays K + 1 anyway).
 
@@ -78,6 +81,8 @@ class VerifyCosts:
     ratios: tuple[Mapping[int, float], ...]        # per batch size: width -> time(w) / time(1)
     drafting: tuple[Mapping[int, float], ...] | None = None
     """Per batch size: k -> drafting time(k) / time(1); None: drafting costs the device nothing."""
+    base: tuple[float, ...] = ()
+    """Per batch size: time(1), seconds of one plain iteration (host time is counted against it)."""
 
     @classmethod
     def from_times(cls, times: Mapping[int, Mapping[int, float]],
@@ -98,8 +103,9 @@ class VerifyCosts:
                 raise SpecInputError(f"batch {B}: no time for width 1 (plain decoding), nothing to compare with")
             batches.append(B)
             ratios.append({w: t / row[1] for w, t in row.items()})
+        base = tuple(times[B][1] for B in batches)
         if drafts is None:
-            return cls(tuple(batches), tuple(ratios))
+            return cls(tuple(batches), tuple(ratios), None, base)
         drafting = []
         for B in batches:
             row = drafts.get(B)
@@ -109,13 +115,18 @@ class VerifyCosts:
                 if isinstance(k, bool) or not isinstance(k, int) or k < 1 or not (math.isfinite(t) and t >= 0):
                     raise SpecInputError(f"drafting, batch {B}: {k!r} drafts take {t!r} s (need an int >= 1, a time >= 0)")
             drafting.append({k: t / times[B][1] for k, t in row.items()})
-        return cls(tuple(batches), tuple(ratios), tuple(drafting))
+        return cls(tuple(batches), tuple(ratios), tuple(drafting), base)
 
     def at(self, batch: int) -> Mapping[int, float]:
         """Width -> relative cost at ``batch`` rows: the smallest measured size >= ``batch`` (the
         bucket its graph runs at); {} above the largest measured size."""
         i = bisect_left(self.batches, batch)
         return self.ratios[i] if i < len(self.batches) else {}
+
+    def base_at(self, batch: int) -> float | None:
+        """Seconds of one plain iteration at ``batch`` rows (its bucket's); None above the table."""
+        i = bisect_left(self.batches, batch)
+        return self.base[i] if i < len(self.base) else None
 
     def draft_at(self, batch: int) -> Mapping[int, float] | None:
         """k -> relative drafting cost at ``batch`` rows (the bucket :meth:`at` takes); None: the
@@ -137,13 +148,16 @@ class SpecPlan:
 
 
 def choose(costs: VerifyCosts, rates: list[float], available: list[int], *, k_max: int = K_MAX,
-           min_gain: float = MIN_GAIN) -> SpecPlan:
+           min_gain: float = MIN_GAIN, host_s: float = 0.0) -> SpecPlan:
     """The speculation length for a batch: ``rates`` each row's acceptance rate, ``available``
-    the drafts each row has (its drafter's output, up to ``k_max``)."""
+    the drafts each row has (its drafter's output, up to ``k_max``), ``host_s`` the host seconds
+    speculating adds before the launch."""
     if len(rates) != len(available):
         raise SpecInputError(f"{len(rates)} acceptance rates but {len(available)} draft counts")
     if any(n < 0 for n in available) or any(not 0.0 <= a <= 1.0 for a in rates):
         raise SpecInputError("draft counts must be >= 0 and acceptance rates in [0, 1]")
+    if not (math.isfinite(host_s) and host_s >= 0):
+        raise SpecInputError(f"host_s must be a time >= 0, got {host_s!r}")
     if not min_gain >= 1.0:
         raise SpecInputError(f"min_gain must be >= 1 (below, speculation may be slower than none), got {min_gain}")
     B = len(rates)
@@ -153,11 +167,13 @@ def choose(costs: VerifyCosts, rates: list[float], available: list[int], *, k_ma
     longest = min(k_max, max(available))
     runs = [_partial_sums(a, min(n, longest)) for a, n in zip(rates, available)]   # E(a, 0..n) per row
     drafting = costs.draft_at(B)
+    base = costs.base_at(B)
+    host = host_s / base if base else 0.0
     for w, ratio in sorted(costs.at(B).items()):
         k = w - 1
         if not 1 <= k <= longest or (drafting is not None and k not in drafting):
             continue
-        cost = ratio + (drafting[k] if drafting is not None else 0.0)
+        cost = ratio + (drafting[k] if drafting is not None else 0.0) + host
         gain = sum(run[min(k, len(run) - 1)] for run in runs) / (B * cost)
         if gain >= min_gain and gain > best.gain:
             best = SpecPlan(k, tuple(min(k, n) for n in available), gain)

@@ -23,6 +23,7 @@ probe now: a batch of rows all in backoff stays overlapped, with no host draftin
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from ..config_spec import SpecConfig
@@ -34,6 +35,12 @@ from .suffix import SuffixDrafter
 
 log = logging.getLogger("ainfer_pd.spec")
 
+HOST_DECAY = 0.7
+"""Weight of the past in the host-time EMA, per drafting iteration."""
+HOST_FORGET = 0.98
+"""The host-time estimate's factor at each iteration that does not draft: a batch the host time
+stopped is tried again after a few dozen iterations (the estimate halves in ~35)."""
+
 
 @dataclass(slots=True)
 class SpecBatch:
@@ -44,6 +51,8 @@ class SpecBatch:
     drafts: list[list[int]]
     k: int
     gain: float
+    host_s: float = 0.0
+    """Host seconds :meth:`Speculator.plan` took (the drafts; the D driver adds the verify's build)."""
 
 
 class Speculator:
@@ -63,6 +72,10 @@ class Speculator:
         self.num_drafted = 0
         self.num_accepted = 0
         self.num_emitted = 0
+        self.host_s = 0.0
+        """EMA of the host seconds a drafting iteration spent before its launch (the overlapped
+        iteration read, the drafts), counted against speculating (:func:`~.adaptive.choose`); it
+        fades while nothing is drafted, so a batch it stopped is tried again later."""
         self.num_empty_plans = 0              # plan() calls that gave no verify (no row had a draft, or K = 0)
         self.num_rows_skipped = 0             # rows of a plan not drafted: in backoff
 
@@ -111,7 +124,10 @@ class Speculator:
             return True
         if self.costs is None:
             return False
-        return choose(self.costs, self.rates(rows), available, k_max=self.k_max).k > 0
+        if choose(self.costs, self.rates(rows), available, k_max=self.k_max, host_s=self.host_s).k > 0:
+            return True
+        self.host_s *= HOST_FORGET
+        return False
 
     def cap(self, t: Turn) -> int:
         """The most drafts ``t`` may verify: its tokens left (length, context) less one."""
@@ -125,6 +141,18 @@ class Speculator:
             await self.drafter.prepare(rows, [self.cap(t) for t in rows])
 
     def plan(self, rows: list[Turn]) -> SpecBatch | None:
+        """The drafts of a batch of ``rows`` (:meth:`_plan`), with the host time they took: a plan
+        that gives no verify counts it here (spent for nothing), a verify batch carries it to the
+        D driver, which adds the verify's build."""
+        t0 = time.perf_counter()
+        batch = self._plan(rows)
+        if batch is None:
+            self.observe_host(time.perf_counter() - t0)        # spent, for no verify
+        else:
+            batch.host_s = time.perf_counter() - t0
+        return batch
+
+    def _plan(self, rows: list[Turn]) -> SpecBatch | None:
         """The drafts of a batch of ``rows``; None when no row verifies any (plain decoding).
         A row in backoff is synced (its tokens serve its siblings' drafts) but not drafted."""
         drafts = []
@@ -141,7 +169,8 @@ class Speculator:
                 self._after_draft(t, len(drafts[-1]))
         gain = 1.0
         if self.cfg.adaptive:
-            choice = choose(self.costs, self.rates(rows), [len(d) for d in drafts], k_max=self.k_max)
+            choice = choose(self.costs, self.rates(rows), [len(d) for d in drafts], k_max=self.k_max,
+                            host_s=self.host_s)
             drafts = [d[:n] for d, n in zip(drafts, choice.per_row)]
             gain = choice.gain
         k = max((len(d) for d in drafts), default=0)
@@ -149,6 +178,10 @@ class Speculator:
             self.num_empty_plans += 1
             return None
         return SpecBatch(rows, drafts, k, gain)
+
+    def observe_host(self, seconds: float) -> None:
+        """A drafting iteration spent ``seconds`` on the host before its launch."""
+        self.host_s = seconds if self.host_s == 0.0 else HOST_DECAY * self.host_s + (1 - HOST_DECAY) * seconds
 
     def _after_draft(self, t: Turn, drafted: int) -> None:
         if self.on_device:
@@ -181,7 +214,7 @@ class Speculator:
         rows = self.num_emitted - self.num_accepted                  # one row-verify emits accepted + 1
         return {"spec_verifies": self.num_verifies, "spec_drafted": self.num_drafted,
                 "spec_empty_plans": self.num_empty_plans, "spec_rows_skipped": self.num_rows_skipped,
-                "spec_accepted": self.num_accepted,
+                "spec_accepted": self.num_accepted, "spec_host_ms": 1e3 * self.host_s,
                 "spec_acceptance": self.num_accepted / self.num_drafted if self.num_drafted else 0.0,
                 "spec_tokens_per_row_pass": self.num_emitted / rows if rows else 0.0}
 

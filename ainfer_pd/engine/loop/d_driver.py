@@ -73,7 +73,7 @@ class DDriver:
                 await self.settle()
                 rows = self.rows(limit)
             await self.spec.prepare(rows)    # a device drafter (MTP) drafts on the D stream first
-            batch = self.spec.plan(rows)
+            batch = self.spec.plan(rows)     # its host time: the drafts, and the build below
         if self.prev is not None and needs_host_history(rows):
             await self.settle()
             rows = self.rows(limit)
@@ -104,6 +104,7 @@ class DDriver:
         t_build = self.rec.now()
         if batch is not None:
             plan = self.runner.build([], rows, drafts=batch.drafts)
+            self.spec.observe_host(batch.host_s + self.rec.now() - t_build)     # on the launch's path now
         else:
             plan = await self.dist.decode_plan(rows) if self.dist is not None else self.runner.build([], rows)
         self.rec.sample("d_build_s", self.rec.now() - t_build)
