@@ -116,6 +116,29 @@ def test_triton_kernels_match_reference_on_fp8_pool(name, seqs, dec, be):
     assert torch.allclose(outs["triton"], outs["torch"], atol=1e-5)
 
 
+@pytest.mark.parametrize("name,seqs,dec,be", [
+    ("decode-split", [], [2, 40, 61], {"decode_overrides": {"block_n": 16, "split_keys": 16}}),
+    ("prefill-tiles", [(0, 37), (50, 5)], [], {"prefill_override": PrefillPlan(16, 16, 4, 1)}),
+])
+@pytest.mark.parametrize("q_scale", [1.0, 2.0 ** 22])
+def test_bf16_queries_on_an_fp8_pool_run_the_float16_mma(name, seqs, dec, be, q_scale):
+    """bfloat16 queries on an FP8 pool: the kernels widen e4m3 to float16 and read the query tile
+    in float16 scaled by a power of two (``_mma_query``). Within bfloat16's rounding of the float64
+    attention over the same bfloat16 queries and dequantized keys and values, also for queries
+    past float16's range (x 2^22, up to ~3e5: unscaled, float16 would turn them into inf and the output NaN)."""
+    fb, q, kn, vn, kv8, refs = _fp8_case(11, seqs, dec)
+    q = (q * q_scale / 64).to(torch.bfloat16)            # / 64: the scores stay O(1) at q_scale 1
+    kv_scale = SCALES / torch.tensor([q_scale, 1.0])     # the same scores at every q_scale
+    out = paged_attention(q, kn.to(torch.bfloat16), vn.to(torch.bfloat16), kv8, fb, TritonAttention(CPU, **be),
+                          kv_scale=kv_scale)
+    keys, vals = dequantize_kv(kv8[0], kv_scale[0], torch.float64), dequantize_kv(kv8[1], kv_scale[1], torch.float64)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+    for (t, n, cached, slots) in refs:
+        ref = dense_reference(q[t:t + n].double(), keys[slots], vals[slots], cached)
+        err = (out[t:t + n].double() - ref).abs().max().item()
+        assert err < 2e-2 * ref.abs().max().item(), (t, err)
+
+
 def test_triton_prologue_writes_the_reference_bytes():
     """QK-norm + RoPE + K/V quantized into an FP8 pool: the same e4m3 bytes as the torch path
     (at most one e4m3 step on a rounding tie of the float32 rotation), only the batch's slots."""

@@ -20,7 +20,8 @@ seen on the H200).
 Softmax runs in base 2 with the scale folded into ``scale_log2 = log2(e) / sqrt(hd)``.
 
 An FP8 pool (``KV_FP8``, ``cache.kv_dtype: fp8_e4m3``; :mod:`.kv_fp8`): K and V tiles load as e4m3
-and widen exactly (through float32) to the query's dtype; the layer's scales ``KV_SCALE [2]``
+and widen exactly to the MMA's dtype (float16 for bfloat16 queries, scaled by a power of two:
+:func:`_mma_query`; else the query's dtype); the layer's scales ``KV_SCALE [2]``
 (K, V; read from device memory, so graphs replay whatever they hold) fold into the scores
 (``scale_log2 * k_scale``) and into the output (``acc * v_scale``, linear in V): the same math as
 multiplying every element by its scale. The QKV prologue quantizes what it stores:
@@ -54,12 +55,43 @@ def _softmax_step(qk, v, m_i, l_i, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _widen(x, like, KV_FP8: tl.constexpr):
-    """A K or V tile in the dtype of ``like`` (the queries): e4m3 bytes widened exactly, else as loaded."""
+    """A K or V tile in the dtype of ``like`` (the MMA's query tile from :func:`_mma_query`: float16
+    or float32 on an FP8 pool, never bfloat16): e4m3 bytes widened exactly in one conversion, else
+    as loaded."""
     if KV_FP8:
-        y = x.to(tl.float32).to(like.dtype)
+        y = x.to(like.dtype)
     else:
         y = x
     return y
+
+
+@triton.jit
+def _pow2(e):
+    """2^e, exactly, for an int32 ``e`` in [-126, 127] (written into float32's exponent field)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mma_query(q, scale_log2, KV_FP8: tl.constexpr):
+    """The query tile as the MMAs read it, and the scores' scale. On an FP8 pool with bfloat16
+    queries both MMAs run in float16: e4m3 widens to float16 in one conversion per pair of
+    elements, where widening to bfloat16 goes through float32 (four conversions per pair, on the
+    SM's narrow conversion pipe: the FP8 decode kernel was bound by them, not by its bytes). The
+    tile is scaled by 2^-e, the power of two that brings its largest magnitude under 2^15
+    (e = 0 for any query under 32,768), so float16 holds every bfloat16 element exactly (bar ones
+    2^29 below the largest, rounded as float16 subnormals) and the products equal bfloat16's; the
+    scores' scale takes 2^e back. The probabilities then meet V in float16 (11 mantissa bits
+    against bfloat16's 8). Other dtypes are left as they are."""
+    qm = q
+    s = scale_log2
+    if KV_FP8:
+        if q.dtype == tl.bfloat16:
+            qf = q.to(tl.float32)
+            amax = tl.max(tl.max(tl.abs(qf), 1), 0)
+            e = tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 14, 0)
+            qm = (qf * _pow2(-e)).to(tl.float16)
+            s = scale_log2 * _pow2(e)
+    return qm, s
 
 
 @triton.jit
@@ -119,6 +151,7 @@ def paged_decode_kernel(
     end = tl.minimum(start + split, ctx)
     if KV_FP8:
         scale_log2 = scale_log2 * tl.load(KV_SCALE)
+    q, scale_log2 = _mma_query(q, scale_log2, KV_FP8)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -201,6 +234,7 @@ def paged_prefill_kernel(
     mmask = offs_m < qlen
     rows = (q0 + offs_m).to(tl.int64)
     q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=mmask[:, None], other=0.0)
+    q, scale_log2 = _mma_query(q, scale_log2, KV_FP8)
     tbl = TABLE + seq.to(tl.int64) * stride_ts
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
