@@ -262,7 +262,7 @@ class Engine:
                 self.rec.count(COUNTERS[dec.why])
             await self.p.start(dec.epoch, dec.why, d_enqueued=self.d.in_flight)
         if dec.run_d:
-            await self.d.iteration(limit=mine.d_rows if self.dist is not None else None)
+            await self.d.iteration(limit=mine.d_rows if self.dist is not None else None, verify=dec.verify)
             return
         await self.d.settle()
         if dec.open_gate and self.turnstile.gated_epoch_active:
@@ -300,7 +300,7 @@ class Engine:
                           closing=self.closing, waiting_turns=len(waiting),
                           slowdown_milli=int(self.p.slowdown.value * 1000),
                           backlog_tokens=sum(t.remaining_prompt for t in waiting), oldest_wait_ms=int(oldest * 1000),
-                          device_ready=self.device_ready())
+                          device_ready=self.device_ready(), d_drafting=self.d.would_draft())
 
     def _span_inputs(self) -> SpanInputs:
         """What the span policy sees (rank 0's answer is used on every rank)."""

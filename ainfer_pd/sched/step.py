@@ -10,7 +10,8 @@ control rendezvous) and each takes the same :class:`StepDecision` from the same 
   :class:`~.epoch_mode.EpochMode` comes from the policy's traits, whether decode rows exist, the
   multiplexing activation and, for an activated epoch, whether gating it pays (a large backlog, a
   late first token or, measured, too few rows for the slowdown run it exclusively);
-* a D iteration runs on every rank when any rank has decode rows and no exclusive epoch runs;
+* a D iteration runs on every rank when any rank has decode rows and no exclusive epoch runs; it
+  is a verify iteration (speculative decoding, its shape agreed next) when any rank would draft;
 * the loop ends on every rank at the same step, once every rank is closing and idle.
 """
 from __future__ import annotations
@@ -48,6 +49,9 @@ class StepInputs:
     """How long the longest-waiting turn has waited."""
     device_ready: bool
     """The KV pool and the weights are on the device and the rank is not going to sleep."""
+    d_drafting: bool = False
+    """This rank's speculator would draft for its rows now (``spec.method``, a replica leader of
+    several ranks: :meth:`~ainfer_pd.spec.speculator.Speculator.would_draft`)."""
 
     def to_payload(self) -> tuple[int, ...]:
         return tuple(int(getattr(self, f.name)) for f in fields(self))
@@ -93,6 +97,9 @@ class StepDecision:
     """An epoch runs (or starts) on some rank."""
     open_gate: bool = False
     """No rank has decode rows: no D round is owed to a gated epoch, whose gate opens."""
+    verify: bool = False
+    """The D iteration may verify drafts (some rank would draft): every rank agrees its shape
+    first (:mod:`ainfer_pd.spec.verify_shape`), a rank without drafts included."""
 
 
 def _gating_declined(states: list[StepInputs], d_rows: int, mux) -> Exclusive | None:
@@ -136,6 +143,7 @@ def decide_step(states: list[StepInputs], traits: PolicyTraits, mux, *, activati
             gated = why is None
         epoch = mode_of(traits, d_rows > 0, gated)
         exclusive, running = epoch.exclusive, True
+    run_d = d_rows > 0 and not exclusive
     return StepDecision(not_closing=not_closing, epoch=epoch, why=why if epoch is not None and not epoch.gated else None,
-                        run_d=d_rows > 0 and not exclusive, d_rows=d_rows, p_running=running,
-                        open_gate=d_rows == 0)
+                        run_d=run_d, d_rows=d_rows, p_running=running, open_gate=d_rows == 0,
+                        verify=run_d and any(s.d_drafting for s in states))

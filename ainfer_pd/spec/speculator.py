@@ -116,18 +116,27 @@ class Speculator:
     def worth_drafting(self, rows: list[Turn]) -> bool:
         """Could the batch speculate, were every row probed now to bring a whole draft (its cap)?
         (False: no drafting, the iteration decodes one token per row; so when every row is in
-        backoff.)"""
+        backoff. A batch the cost table stopped fades the host-time estimate.)"""
+        worth, costed = self._worth(rows)
+        if costed and not worth:
+            self.host_s *= HOST_FORGET
+        return worth
+
+    def would_draft(self, rows: list[Turn]) -> bool:
+        """:meth:`worth_drafting` without its side effect: what a replica leader of several ranks
+        announces at a step (:attr:`~ainfer_pd.sched.step.StepInputs.d_drafting`)."""
+        return self._worth(rows)[0]
+
+    def _worth(self, rows: list[Turn]) -> tuple[bool, bool]:
+        """(worth drafting, the cost table decided it)."""
         available = [self.cap(t) if self.probes(t) else 0 for t in rows]
         if not any(available):
-            return False
+            return False, False
         if not self.cfg.adaptive:
-            return True
+            return True, False
         if self.costs is None:
-            return False
-        if choose(self.costs, self.rates(rows), available, k_max=self.k_max, host_s=self.host_s).k > 0:
-            return True
-        self.host_s *= HOST_FORGET
-        return False
+            return False, False
+        return choose(self.costs, self.rates(rows), available, k_max=self.k_max, host_s=self.host_s).k > 0, True
 
     def cap(self, t: Turn) -> int:
         """The most drafts ``t`` may verify: its tokens left (length, context) less one."""
@@ -219,17 +228,33 @@ class Speculator:
                 "spec_tokens_per_row_pass": self.num_emitted / rows if rows else 0.0}
 
 
+def _check_ranks(sc: SpecConfig) -> None:
+    """What speculation on several ranks (``DistRanks``) does not build, refused by name."""
+    if sc.mtp:
+        raise UnsupportedOptionError("spec.method mtp on several ranks is not built: the MTP layer's catch-up after "
+                                     "every target pass and its draft chain on the D stream run its own attention "
+                                     "and MoE, whose collectives would have to join every rank's in the step's order "
+                                     "too (spec.method suffix is built on several ranks)", key="spec.method")
+    if sc.adaptive and not sc.verify_costs:
+        raise UnsupportedOptionError("spec.adaptive without spec.verify_costs on several ranks is not built: "
+                                     "measuring the table at start runs D passes of B x width positions outside "
+                                     "the step's agreement (not padded to the replicas' shape, ATP multiples); "
+                                     "give spec.verify_costs (measured on one rank), or spec.adaptive false",
+                                     key="spec.verify_costs")
+
+
 def make_speculator(cfg, runner, decode_ctx, recorder, dist) -> Speculator | None:
     """The engine's speculator (``spec.method``; None: off), with its cost tables: the config's,
     or measured now on the D stream (``spec.adaptive`` without a table): the verify's, and under
-    ``mtp`` the MTP chain's (``spec.draft_costs``)."""
+    ``mtp`` the MTP chain's (``spec.draft_costs``). On several ranks (``dist``) a replica leader's
+    only (a TP follower gets None), suffix only, the verify table given when adaptive."""
     sc = cfg.spec
     if not sc.enabled:
         return None
     if dist is not None:
-        raise UnsupportedOptionError("spec.method on several ranks is not built: a verify batch's row count "
-                                     "would have to be agreed across replicas (DP attention, ATP) each "
-                                     "iteration", key="spec.method")
+        _check_ranks(sc)
+        if not dist.is_leader:
+            return None                  # a TP follower never drafts: it runs its leader's verify batch
     times, drafts = sc.verify_costs, sc.draft_costs or None
     top = cfg.scheduler.max_decode_batch
     batches = tuple(sorted(times) if times else sorted({b for b in (1, 4, 16, 64, 128) if b < top} | {top}))

@@ -53,22 +53,32 @@ class DDriver:
         rows = [t for t in plan_decode(ready, cap) if not t.abort_requested]
         return rows if limit is None else rows[:limit]
 
+    def would_draft(self) -> bool:
+        """Several ranks: this replica leader's speculator would draft for its next rows (what it
+        announces at a step: :attr:`~ainfer_pd.sched.step.StepInputs.d_drafting`)."""
+        return self.dist is not None and self.spec is not None and self.spec.would_draft(self.rows())
+
     def wanted(self) -> None:
         """D has rows but may not run at this step (its wait counts from the first such step)."""
         if self.t_wanted is None:
             self.t_wanted = self.rec.now()
 
     # ------------------------------------------------------------------ one iteration
-    async def iteration(self, *, limit: int | None = None) -> None:
+    async def iteration(self, *, limit: int | None = None, verify: bool = False) -> None:
         """One D iteration of this rank's rows (at most ``limit``; a multi-rank rank runs it even
         with none: every rank joins D's collectives), through the turnstile round when a gated
-        epoch is active."""
+        epoch is active. ``verify`` (several ranks: the step's
+        :attr:`~ainfer_pd.sched.step.StepDecision.verify`): the iteration may verify drafts, every
+        rank agrees its shape first; without it no rank drafts."""
         t_ready = self.t_wanted if self.t_wanted is not None else self.rec.now()
         self.t_wanted = None
         rnd = await self.turnstile.before_decode()
         rows = self.rows(limit)
         batch = None
-        if self.spec is not None and self.spec.worth_drafting(rows):
+        if self.dist is not None:
+            if verify:                       # inside the round: P is released after the verify's launch
+                batch = await self._agreed_drafts(rows)
+        elif self.spec is not None and self.spec.worth_drafting(rows):
             if self.prev is not None:        # drafts continue the rows' last tokens: read them first
                 await self.settle()
                 rows = self.rows(limit)
@@ -98,15 +108,28 @@ class DDriver:
         self.num_iters += 1
         self.notify()
 
+    async def _agreed_drafts(self, rows: list[Turn]):
+        """Several ranks, a drafting iteration: a replica leader's drafts for ``rows`` (None: it
+        has none; a TP follower never drafts), then every rank's verify shape agreed
+        (:meth:`~.ranks.DistRanks.agree_verify`; no overlapped iteration is in flight here)."""
+        batch = None
+        if self.spec is not None and self.spec.worth_drafting(rows):
+            await self.spec.prepare(rows)
+            batch = self.spec.plan(rows)
+        await self.dist.agree_verify(batch.drafts if batch is not None else [[] for _ in rows], self.p.epoch)
+        return batch
+
     async def _plain(self, rows: list[Turn], rnd, t_ready: float, batch=None) -> None:
         """An iteration launched, read and booked; ``batch`` (a :class:`~ainfer_pd.spec.speculator.SpecBatch`):
         the rows verify their drafts in it (one pass of 1 + len(draft) positions per row)."""
         t_build = self.rec.now()
-        if batch is not None:
-            plan = self.runner.build([], rows, drafts=batch.drafts)
-            self.spec.observe_host(batch.host_s + self.rec.now() - t_build)     # on the launch's path now
+        drafts = batch.drafts if batch is not None else None
+        if self.dist is not None:       # padded to the agreed rows, shared with the TP followers
+            plan = await self.dist.decode_plan(rows, drafts)
         else:
-            plan = await self.dist.decode_plan(rows) if self.dist is not None else self.runner.build([], rows)
+            plan = self.runner.build([], rows, drafts=drafts)
+        if batch is not None:
+            self.spec.observe_host(batch.host_s + self.rec.now() - t_build)     # on the launch's path now
         self.rec.sample("d_build_s", self.rec.now() - t_build)
         hold = self.book.in_flight(rows)
         try:

@@ -7,7 +7,8 @@ replica's leader owns its requests; its TP followers hold the other head shards
 spread over every rank, so every expert exchange and every D collective needs every rank, in the
 same order: the engine's step (:mod:`ainfer_pd.sched.step`) is agreed over the control rendezvous,
 a replica with nothing to prefill runs the epoch with an empty batch, and every replica's D batch
-is padded to the agreed row count (D's collectives gather every replica's rows).
+is padded to the agreed row count (D's collectives gather every replica's rows); a drafting
+iteration's positions (rows plus drafts) are agreed at the iteration (:meth:`DistRanks.agree_verify`).
 
 ``parallel.ordering`` routes P's attention all-reduce (:func:`~ainfer_pd.comm.ordering.collective_stream`):
 under ``selective`` a registered one goes onto the D stream behind the D launch of the round that
@@ -26,6 +27,7 @@ from ...comm.ordering import P_ATP_ALL_REDUCE, collective_stream
 from ...comm.topology import ATTN_DP_D, ATTN_TP_D, REPLICA, Topology
 from ...comm.watchdog import Watchdog
 from ...errors import PeerLostError, StallError
+from ...spec.verify_shape import VerifyShape, agreed_positions, verify_counts
 from ..runtime.replica import ReplicaChannel, decode_numel, pack_decode, pack_prefill, pad_decode, unpack_decode, unpack_prefill
 from ..runtime.runner import BatchPlan
 from ..runtime.tensor_parallel import DecodeHooks, PrefillHooks
@@ -144,23 +146,38 @@ class DistRanks:
                 return fit[0]
         return -(-rows // atp) * atp
 
-    async def decode_plan(self, rows: list) -> BatchPlan:
-        """This replica's D batch; under ATP > 1 padded to the agreed rows (the followers' broadcast
-        has that size) and shared with the TP followers."""
+    async def agree_verify(self, drafts: list[list[int]], epoch: int) -> None:
+        """A drafting iteration's shape (:mod:`~ainfer_pd.spec.verify_shape`): this rank announces
+        its verify batch (``drafts[i]`` for its row i; a TP follower, none), every rank pads its D
+        batch to the most positions announced (:attr:`rows_agreed`); a leader counts what the
+        agreement cost it."""
+        mine = VerifyShape.of(drafts)
+        states = await self.rdv.arrive("verify", mine.to_payload(), epoch=epoch)
+        shapes = [VerifyShape.from_payload(s) for s in states]
+        self.rows_agreed = self.padded_rows(agreed_positions(shapes), self.engine.runner.graphs)
+        if self.is_leader:
+            for name, n in verify_counts(mine, shapes, self.rows_agreed).items():
+                self.rec.count(name, n)
+
+    async def decode_plan(self, rows: list, drafts: list[list[int]] | None = None) -> BatchPlan:
+        """This replica's D batch (a verify batch with ``drafts``: row i feeds 1 + len(drafts[i])
+        positions); under DP attention or ATP > 1 padded to the agreed rows (the followers'
+        broadcast has that size: drafts and padding included, a follower runs it as it comes) and
+        shared with the TP followers."""
         e = self.engine
         B, r, width = self.rows_agreed, e.runner, self.table_width
         if not self.is_leader:
             buf = await self.replica.share(None, decode_numel(B, width), "D batch")
             fb = unpack_decode(buf, B, width, e.device.torch_device, e.kv.block_size)
             return BatchPlan(fb, [], [], [])
-        plan = r.build([], rows)
+        plan = r.build([], rows, drafts=drafts)
         if self.replica is None and not self.decode_hooks.dp:
             return plan                  # ATP = 1 and no DP-attention gather: D's dispatcher takes any row count
         # the DP-attention all-gather / reduce-scatter (attn_dp.D) need every replica at the agreed rows
         fb = pad_decode(plan.fb, B, r.scratch_slot, r.scratch_block)
         if self.replica is not None:
             await self.replica.share(pack_decode(fb, width), decode_numel(B, width), "D batch")
-        return BatchPlan(fb, [], rows, rows)
+        return BatchPlan(fb, [], rows, plan.logit_turns, drafts=plan.drafts)
 
     def before_d_launch(self, rnd) -> None:
         """D's collectives in host order, with the round that orders them (trace-check's G)."""
