@@ -1,0 +1,198 @@
+"""Speculative decoding (``spec.method: suffix``) on several ranks (issue 38), real gloo processes on
+the CPU: greedy tokens on EP2 with attention DP (ADP2), on attention TP (ATP2) and on the crossed
+ATP2 x ADP2 equal world size 1 without speculation, with drafts verified and accepted on the replica
+leaders; a seeded sampled request is unchanged by speculation; an abort mid-verify leaves no KV
+block held on any rank while the other trajectories finish. Plus the pure parts: the step's verify
+flag, the verify shape's agreement and counters, the refusals."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from ainfer_pd import RolloutWorker, SamplingParams, WorkerConfig
+from ainfer_pd.errors import UnsupportedOptionError
+from ainfer_pd.sched.step import StepInputs, decide_step
+from ainfer_pd.sched.epoch_mode import policy_traits
+from ainfer_pd.spec.speculator import make_speculator
+from ainfer_pd.spec.verify_shape import VerifyShape, agreed_positions, verify_counts
+from tests._dist_util import run_ranks
+
+ROOT = Path(__file__).resolve().parents[1] / "ainfer_pd" / "configs"
+SPEC = {"spec.method": "suffix", "spec.adaptive": False, "spec.num_draft_tokens": 4}
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+N = 32
+# prompts that repeat: the tiny random model falls into loops on them, so suffix drafts hit
+PROMPTS = [[5, 6, 7, 8, 9] * 8, [40, 41, 42, 43, 44, 45] * 5, [50, 51, 52] * 9, [100, 101, 102, 103, 104] * 6]
+REQUESTS = [(p, dict(max_new_tokens=N, **GREEDY)) for p in PROMPTS] + [
+    (PROMPTS[0], dict(max_new_tokens=N, temperature=0.5, seed=11, ignore_eos=True)),
+    (PROMPTS[1], dict(max_new_tokens=N, temperature=0.9, top_k=40, seed=12, ignore_eos=True))]
+COUNTERS = ("spec_verifies", "spec_drafted", "spec_accepted", "spec_verify_rounds", "spec_verify_joined",
+            "spec_verify_pad_positions")
+
+
+def _cfg(name: str, **over) -> WorkerConfig:
+    return WorkerConfig.from_yaml(ROOT / name).replace(**{"parallel.rendezvous_timeout_s": 60.0, **over})
+
+
+async def _generate_all(w, requests):
+    outs = await asyncio.gather(*(w.generate(p, SamplingParams(**kw)) for p, kw in requests))
+    for o in outs:
+        await w.release(o.trajectory_id)
+    return [o.token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """World size 1 without speculation: every request's tokens."""
+    async def go():
+        async with RolloutWorker(_cfg("tiny-cpu.yaml")) as w:
+            return await _generate_all(w, REQUESTS)
+    return asyncio.run(go())
+
+
+async def _rank_generate(rank: int, world_size: int, name: str, over: dict):
+    """Replica ``rank // ATP``'s requests (request i goes to replica i % ADP), on its leader."""
+    cfg = _cfg(name, **over)
+    atp = world_size // cfg.parallel.attn_dp
+    leader, replica = rank % atp == 0, rank // atp
+    mine = [i for i in range(len(REQUESTS)) if leader and i % cfg.parallel.attn_dp == replica]
+    async with RolloutWorker(cfg) as w:
+        toks = await _generate_all(w, [REQUESTS[i] for i in mine])
+        m = w.metrics()
+        free = w.engine.kv.num_free_blocks == cfg.cache.num_blocks and w.kv_leak_free()
+        has_spec = w.engine.spec is not None
+    return dict(zip(mine, toks)), {k: m.get(k, 0) for k in COUNTERS}, free, leader, has_spec
+
+
+def _run(world_size: int, name: str, over: dict, reference, timeout_s: float = 120):
+    res = run_ranks(_rank_generate, world_size, name, {**SPEC, **over}, timeout_s=timeout_s)
+    got = {}
+    for toks, _, free, leader, has_spec in res:
+        got.update(toks)
+        assert free                                   # every KV block back, on every rank
+        assert has_spec is leader                     # a TP follower never drafts
+    assert [got[i] for i in range(len(REQUESTS))] == reference
+    leaders = [m for _, m, _, leader, _ in res if leader]
+    for m in leaders:                                 # every leader verified drafts and kept some
+        assert m["spec_verifies"] > 0 and 0 < m["spec_accepted"] <= m["spec_drafted"], m
+        assert m["spec_verify_rounds"] >= m["spec_verifies"]
+    return leaders
+
+
+def test_suffix_on_adp2_ep2_gives_world_size_one_tokens_with_drafts_accepted(reference):
+    leaders = _run(2, "tiny-2rank-cpu.yaml", {}, reference)
+    # the two replicas draft at different iterations: one pads to the other's verify positions
+    assert sum(m["spec_verify_pad_positions"] for m in leaders) > 0
+
+
+def test_suffix_on_atp2_gives_world_size_one_tokens_with_drafts_accepted(reference):
+    _run(2, "tiny-2rank-cpu.yaml", {"parallel.attn_dp": 1}, reference)
+
+
+@pytest.mark.slow
+def test_suffix_on_crossed_atp2_adp2_gives_world_size_one_tokens(reference):
+    _run(4, "tiny-crossed-cpu.yaml", {}, reference, timeout_s=200)
+
+
+async def _rank_abort(rank: int, world_size: int):
+    """Rank 0: "A" aborted while a verify pass in which it drafts is on the device, then resumed;
+    its tokens equal "F"'s, run whole. Rank 1: other trajectories run to their end meanwhile."""
+    cfg = _cfg("tiny-2rank-cpu.yaml", **SPEC)
+    async with RolloutWorker(cfg) as w:
+        initial = w.engine.kv.num_free_blocks
+        if rank == 1:
+            toks = await _generate_all(w, REQUESTS[1:4])
+            assert all(len(t) == N for t in toks)
+        else:
+            d, seen = w.engine.d, {"verifying": False}
+            plain = d._plain
+
+            async def spying(rows, rnd, t_ready, batch=None):
+                seen["verifying"] = batch is not None and any(
+                    t.tid == "A" and dr for t, dr in zip(batch.rows, batch.drafts))
+                try:
+                    return await plain(rows, rnd, t_ready, batch)
+                finally:
+                    seen["verifying"] = False
+            d._plain = spying
+            p = PROMPTS[0]
+            full = await w.generate(p, SamplingParams(max_new_tokens=N, **GREEDY), trajectory_id="F")
+            task = asyncio.ensure_future(w.generate(p, SamplingParams(max_new_tokens=N, **GREEDY), trajectory_id="A"))
+            async with asyncio.timeout(60):
+                while not (seen["verifying"] and d.in_flight):
+                    await asyncio.sleep(0)
+            assert await w.abort("A") is True
+            part = await task
+            k = len(part.token_ids)
+            assert part.finish_reason == "abort" and k < N and part.token_ids == full.token_ids[:k]
+            async with asyncio.timeout(60):
+                while w.trajectories["A"].draining is not None:
+                    await asyncio.sleep(0.001)
+            rest = await w.continue_("A", [], SamplingParams(max_new_tokens=N - k, **GREEDY))
+            assert part.token_ids + rest.token_ids == full.token_ids
+            for tid in ("A", "F"):
+                await w.release(tid)
+        free = w.engine.kv.num_free_blocks
+        assert w.kv_leak_free()
+    return initial, free
+
+
+def test_abort_mid_verify_on_two_ranks_holds_no_kv_block_and_the_others_finish():
+    for initial, free in run_ranks(_rank_abort, 2, timeout_s=120):
+        assert free == initial
+
+
+# ---------------------------------------------------------------- the pure parts
+def _inputs(d_rows: int, drafting: bool) -> StepInputs:
+    return StepInputs(d_rows=d_rows, p_tokens=0, p_running=False, clock_ms=0, closing=False, waiting_turns=0,
+                      slowdown_milli=0, backlog_tokens=0, oldest_wait_ms=0, device_ready=True, d_drafting=drafting)
+
+
+def test_the_step_makes_a_verify_iteration_when_any_rank_would_draft():
+    from ainfer_pd.config_sections import MuxConfig
+    traits, mux = policy_traits("fine-grained"), MuxConfig()
+    dec = lambda *s: decide_step(list(s), traits, mux, activation_on=True, exclusive_running=False)  # noqa: E731
+    assert dec(_inputs(3, False), _inputs(0, True)).verify             # a leader with rows of its own drafts
+    assert not dec(_inputs(3, False), _inputs(2, False)).verify
+    assert not dec(_inputs(0, True), _inputs(0, True)).verify          # no D iteration at all
+    assert StepInputs.from_payload(_inputs(1, True).to_payload()).d_drafting is True
+
+
+def test_the_verify_shape_is_the_most_positions_any_rank_announced_and_its_cost_is_counted():
+    a, b, follower = VerifyShape.of([[1, 2, 3], [], [4]]), VerifyShape.of([[], []]), VerifyShape.of([])
+    assert (a.positions, a.rows, a.drafts) == (7, 3, 4) and b.positions == 2 and follower.positions == 0
+    assert VerifyShape.from_payload(a.to_payload()) == a
+    assert agreed_positions([a, b, follower]) == 7
+    assert verify_counts(b, [a, b, follower], 8) == {"spec_verify_rounds": 1, "spec_verify_joined": 1,
+                                                     "spec_verify_empty": 0, "spec_verify_pad_positions": 6}
+    assert verify_counts(b, [b, follower], 2)["spec_verify_empty"] == 1
+
+
+class _Leader:
+    is_leader = True
+
+
+@pytest.mark.parametrize("over,key", [({"spec.method": "mtp"}, "spec.method"),
+                                      ({"spec.adaptive": True}, "spec.verify_costs")])
+def test_what_several_ranks_do_not_build_is_refused_by_name(over, key):
+    cfg = _cfg("tiny-cpu.yaml", **{**SPEC, **over}) if over.get("spec.method") != "mtp" else None
+    if cfg is None:                       # mtp needs a model with an MTP layer: the check runs first
+        from ainfer_pd.config_spec import SpecConfig
+        from ainfer_pd.spec.speculator import _check_ranks
+        with pytest.raises(UnsupportedOptionError, match="several ranks") as e:
+            _check_ranks(SpecConfig(method="mtp"))
+    else:
+        with pytest.raises(UnsupportedOptionError, match="several ranks") as e:
+            make_speculator(cfg, None, None, None, _Leader())
+    assert e.value.key == key
+
+
+def test_a_merged_world_sums_each_leaders_drafts_and_padding():
+    from ainfer_pd.tools.world import merge_metrics
+    a = {"spec_verifies": 3, "spec_accepted": 11, "spec_verify_pad_positions": 20, "spec_verify_rounds": 20}
+    b = {"spec_verifies": 5, "spec_accepted": 15, "spec_verify_pad_positions": 14, "spec_verify_rounds": 20}
+    m = merge_metrics([a, {}, b, {}])                  # two leaders, two TP followers (no speculator)
+    assert (m["spec_verifies"], m["spec_accepted"], m["spec_verify_pad_positions"]) == (8, 26, 34)
+    assert m["spec_verify_rounds"] == 20               # every leader joins every round: one rank's count
