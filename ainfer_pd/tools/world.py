@@ -84,8 +84,11 @@ REQUEST_SAMPLES = frozenset({"ttft_s", "d_wait_s", "request_latency_s"})
 """Samples taken per request or per D launch with rows: only the ranks that serve conversations
 (the replica leaders) hold them; pooled (counts and sums added, the mean over every sample)."""
 RANK_COUNTERS = frozenset({"finished", "failures", "aborted", "dropped_results", "prefill_tokens",
-                           "prefix_reused_tokens", "prefix_prompt_tokens", "kv_evictions", "trajectories"})
-"""Counters of things that belong to one rank (its requests, its KV pool): summed over ranks."""
+                           "prefix_reused_tokens", "prefix_prompt_tokens", "kv_evictions", "trajectories",
+                           "spec_verifies", "spec_drafted", "spec_accepted", "spec_empty_plans", "spec_rows_skipped",
+                           "spec_verify_joined", "spec_verify_pad_positions"})
+"""Counters of things that belong to one rank (its requests, its KV pool, its rows' drafts and the
+padding it ran for other replicas' verifies): summed over ranks."""
 DEVICE_FRACTIONS = frozenset({"busy_fraction", "concurrent_fraction"})
 """A rank's device-time fractions: averaged over the ranks that ran device work (a rank without any
 has no window, not a fraction of 0)."""
