@@ -19,7 +19,10 @@ class SpecConfig:
     drafts from the checkpoint's multi-token-prediction layer (glm4_moe ``num_nextn_predict_layers``
     >= 1, the first one; ``ainfer_pd.spec.mtp``), chained ``num_draft_tokens`` deep; it needs
     ``model.num_mtp_layers`` >= 1 and one rank, and the D loop then runs without CUDA graphs (the
-    MTP layer reads every pass's hidden states, which the captured graphs do not give)."""
+    MTP layer reads every pass's hidden states, which the captured graphs do not give). ``suffix``
+    runs on several ranks too: each replica leader drafts, every replica pads a drafting
+    iteration to the positions agreed over the ranks (``ainfer_pd.spec.verify_shape``); there
+    ``adaptive`` needs ``verify_costs``."""
     num_draft_tokens: int = 4
     """The most drafts a row verifies in one D iteration (K <= this)."""
     adaptive: bool = True
@@ -32,7 +35,8 @@ class SpecConfig:
     from its own context."""
     verify_costs: dict = field(default_factory=dict)
     """The verify cost table, ``{batch: {width: seconds}}`` (width = K + 1, with width 1 present);
-    empty (the default): measured when the engine starts (``ModelRunner.measure_verify_costs``)."""
+    empty (the default): measured when the engine starts (``engine.runtime.verify_costs``; one rank
+    only: on several ranks, with ``adaptive``, give it)."""
     draft_costs: dict = field(default_factory=dict)
     """``mtp`` only: the MTP layer's draft chain, ``{batch: {k: seconds}}`` for k drafts, at every
     batch size of ``verify_costs``; empty (the default): measured when the engine starts with the
