@@ -20,7 +20,8 @@ from ainfer_pd.spec.verify_shape import VerifyShape, agreed_positions, verify_co
 from tests._dist_util import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1] / "ainfer_pd" / "configs"
-SPEC = {"spec.method": "suffix", "spec.adaptive": False, "spec.num_draft_tokens": 4}
+SPEC = {"spec.method": "suffix", "spec.adaptive": False, "spec.num_draft_tokens": 4,
+        "mux.activation_threshold": 1}          # every epoch beside decode rows is gated
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 N = 32
 # prompts that repeat: the tiny random model falls into loops on them, so suffix drafts hit
@@ -28,6 +29,9 @@ PROMPTS = [[5, 6, 7, 8, 9] * 8, [40, 41, 42, 43, 44, 45] * 5, [50, 51, 52] * 9, 
 REQUESTS = [(p, dict(max_new_tokens=N, **GREEDY)) for p in PROMPTS] + [
     (PROMPTS[0], dict(max_new_tokens=N, temperature=0.5, seed=11, ignore_eos=True)),
     (PROMPTS[1], dict(max_new_tokens=N, temperature=0.9, top_k=40, seed=12, ignore_eos=True))]
+LATE = [([7, 8, 9] * 12, dict(max_new_tokens=N // 2, **GREEDY)), ([60, 61, 62] * 7, dict(max_new_tokens=N // 2, **GREEDY))]
+"""Submitted once D has run a few iterations: their P epoch is multiplexed with the verifies."""
+ALL = REQUESTS + LATE
 COUNTERS = ("spec_verifies", "spec_drafted", "spec_accepted", "spec_verify_rounds", "spec_verify_joined",
             "spec_verify_pad_positions")
 
@@ -48,22 +52,46 @@ def reference():
     """World size 1 without speculation: every request's tokens."""
     async def go():
         async with RolloutWorker(_cfg("tiny-cpu.yaml")) as w:
-            return await _generate_all(w, REQUESTS)
+            return await _generate_all(w, ALL)
     return asyncio.run(go())
 
 
+def _spy_rounds(d) -> dict:
+    """Count the verify iterations (their shape agreed over the ranks) that are a turnstile round's
+    D launch (beside a gated epoch), and those in which this rank's own rows verify drafts."""
+    seen, iteration, plain = {"verify_in_round": 0, "own_verify_in_round": 0, "flag": False}, d.iteration, d._plain
+
+    async def spy_iteration(*, limit=None, verify=False):
+        seen["flag"] = verify
+        return await iteration(limit=limit, verify=verify)
+
+    async def spy_plain(rows, rnd, t_ready, batch=None):
+        seen["verify_in_round"] += rnd is not None and seen["flag"]
+        seen["own_verify_in_round"] += rnd is not None and batch is not None
+        return await plain(rows, rnd, t_ready, batch)
+    d.iteration, d._plain = spy_iteration, spy_plain
+    return seen
+
+
 async def _rank_generate(rank: int, world_size: int, name: str, over: dict):
-    """Replica ``rank // ATP``'s requests (request i goes to replica i % ADP), on its leader."""
+    """Replica ``rank // ATP``'s requests (request i goes to replica i % ADP), on its leader; the
+    late ones once D has run a few iterations."""
     cfg = _cfg(name, **over)
     atp = world_size // cfg.parallel.attn_dp
     leader, replica = rank % atp == 0, rank // atp
-    mine = [i for i in range(len(REQUESTS)) if leader and i % cfg.parallel.attn_dp == replica]
+    mine = [i for i in range(len(ALL)) if leader and i % cfg.parallel.attn_dp == replica]
     async with RolloutWorker(cfg) as w:
-        toks = await _generate_all(w, [REQUESTS[i] for i in mine])
+        seen = _spy_rounds(w.engine.d)
+
+        async def late():
+            while w.engine.d.num_iters < 4:
+                await asyncio.sleep(0.001)
+            return await _generate_all(w, [ALL[i] for i in mine if i >= len(REQUESTS)])
+        toks = await asyncio.gather(_generate_all(w, [ALL[i] for i in mine if i < len(REQUESTS)]), late())
         m = w.metrics()
         free = w.engine.kv.num_free_blocks == cfg.cache.num_blocks and w.kv_leak_free()
         has_spec = w.engine.spec is not None
-    return dict(zip(mine, toks)), {k: m.get(k, 0) for k in COUNTERS}, free, leader, has_spec
+    return dict(zip(mine, toks[0] + toks[1])), {**{k: m.get(k, 0) for k in COUNTERS}, **seen}, free, leader, has_spec
 
 
 def _run(world_size: int, name: str, over: dict, reference, timeout_s: float = 120):
@@ -73,16 +101,25 @@ def _run(world_size: int, name: str, over: dict, reference, timeout_s: float = 1
         got.update(toks)
         assert free                                   # every KV block back, on every rank
         assert has_spec is leader                     # a TP follower never drafts
-    assert [got[i] for i in range(len(REQUESTS))] == reference
+    assert [got[i] for i in range(len(ALL))] == reference
     leaders = [m for _, m, _, leader, _ in res if leader]
     for m in leaders:                                 # every leader verified drafts and kept some
         assert m["spec_verifies"] > 0 and 0 < m["spec_accepted"] <= m["spec_drafted"], m
         assert m["spec_verify_rounds"] >= m["spec_verifies"]
+    # the late requests' P epoch ran gated beside verify iterations: one was a turnstile round's D launch
+    # on every rank (the round and the verify shape agreed alike)
+    assert len({m["verify_in_round"] for _, m, _, _, _ in res}) == 1 and res[0][1]["verify_in_round"] > 0, \
+        [m for _, m, _, _, _ in res]
     return leaders
 
 
-def test_suffix_on_adp2_ep2_gives_world_size_one_tokens_with_drafts_accepted(reference):
-    leaders = _run(2, "tiny-2rank-cpu.yaml", {}, reference)
+CHEAP = {B: {1: 0.01, 2: 0.0101, 3: 0.0102, 5: 0.0104} for B in (1, 4, 16)}
+"""A verify cost table under which speculating pays (spec.adaptive on several ranks needs one)."""
+
+
+@pytest.mark.parametrize("over", [{}, {"spec.adaptive": True, "spec.verify_costs": CHEAP}], ids=["all", "adaptive"])
+def test_suffix_on_adp2_ep2_gives_world_size_one_tokens_with_drafts_accepted(reference, over):
+    leaders = _run(2, "tiny-2rank-cpu.yaml", over, reference)
     # the two replicas draft at different iterations: one pads to the other's verify positions
     assert sum(m["spec_verify_pad_positions"] for m in leaders) > 0
 
@@ -100,9 +137,16 @@ async def _rank_abort(rank: int, world_size: int):
     """Rank 0: "A" aborted while a verify pass in which it drafts is on the device, then resumed;
     its tokens equal "F"'s, run whole. Rank 1: other trajectories run to their end meanwhile."""
     cfg = _cfg("tiny-2rank-cpu.yaml", **SPEC)
+    empty = {"rounds": 0}
     async with RolloutWorker(cfg) as w:
         initial = w.engine.kv.num_free_blocks
         if rank == 1:
+            agree = w.engine.dist.agree_verify
+
+            async def spying(drafts, epoch):
+                empty["rounds"] += not drafts
+                return await agree(drafts, epoch)
+            w.engine.dist.agree_verify = spying
             toks = await _generate_all(w, REQUESTS[1:4])
             assert all(len(t) == N for t in toks)
         else:
@@ -136,12 +180,14 @@ async def _rank_abort(rank: int, world_size: int):
                 await w.release(tid)
         free = w.engine.kv.num_free_blocks
         assert w.kv_leak_free()
-    return initial, free
+    return initial, free, empty["rounds"]
 
 
 def test_abort_mid_verify_on_two_ranks_holds_no_kv_block_and_the_others_finish():
-    for initial, free in run_ranks(_rank_abort, 2, timeout_s=120):
+    res = run_ranks(_rank_abort, 2, timeout_s=120)
+    for initial, free, _ in res:
         assert free == initial
+    assert res[1][2] > 0            # rank 1, its rows done, joined rank 0's verifies with none
 
 
 # ---------------------------------------------------------------- the pure parts
