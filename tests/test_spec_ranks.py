@@ -33,7 +33,7 @@ LATE = [([7, 8, 9] * 12, dict(max_new_tokens=N // 2, **GREEDY)), ([60, 61, 62] *
 """Submitted once D has run a few iterations: their P epoch is multiplexed with the verifies."""
 ALL = REQUESTS + LATE
 COUNTERS = ("spec_verifies", "spec_drafted", "spec_accepted", "spec_verify_rounds", "spec_verify_joined",
-            "spec_verify_pad_positions")
+            "spec_verify_pad_positions", "verify_sync_s_count")
 
 
 def _cfg(name: str, **over) -> WorkerConfig:
@@ -106,6 +106,7 @@ def _run(world_size: int, name: str, over: dict, reference, timeout_s: float = 1
     for m in leaders:                                 # every leader verified drafts and kept some
         assert m["spec_verifies"] > 0 and 0 < m["spec_accepted"] <= m["spec_drafted"], m
         assert m["spec_verify_rounds"] >= m["spec_verifies"]
+        assert m["verify_sync_s_count"] == m["spec_verify_rounds"]       # one rendezvous per agreed shape
     # the late requests' P epoch ran gated beside verify iterations: one was a turnstile round's D launch
     # on every rank (the round and the verify shape agreed alike)
     assert len({m["verify_in_round"] for _, m, _, _, _ in res}) == 1 and res[0][1]["verify_in_round"] > 0, \

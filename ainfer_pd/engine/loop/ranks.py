@@ -150,9 +150,11 @@ class DistRanks:
         """A drafting iteration's shape (:mod:`~ainfer_pd.spec.verify_shape`): this rank announces
         its verify batch (``drafts[i]`` for its row i; a TP follower, none), every rank pads its D
         batch to the most positions announced (:attr:`rows_agreed`); a leader counts what the
-        agreement cost it."""
+        agreement cost it (``verify_sync_s``: the rendezvous' wait, on every rank)."""
         mine = VerifyShape.of(drafts)
+        t0 = self.rec.now()
         states = await self.rdv.arrive("verify", mine.to_payload(), epoch=epoch)
+        self.rec.sample("verify_sync_s", self.rec.now() - t0)
         shapes = [VerifyShape.from_payload(s) for s in states]
         self.rows_agreed = self.padded_rows(agreed_positions(shapes), self.engine.runner.graphs)
         if self.is_leader:
