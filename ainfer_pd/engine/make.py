@@ -134,10 +134,11 @@ def _phase_dispatchers(cfg: WorkerConfig, topo, groups: dict, cuda: bool, record
     from ..phase import Phase
     from .runtime.tensor_parallel import decode_dispatch_rows
     mc, sc, pc = cfg.model, cfg.scheduler, cfg.parallel
+    width = 1 + cfg.spec.num_draft_tokens if cfg.spec.enabled else 1    # a verify pass feeds 1 + K rows per turn
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     common = dict(hidden=mc.hidden_size, top_k=mc.top_k, dtype=mc.torch_dtype, device=dev, recorder=recorder)
     return PhaseDispatchers(
         TorchAllToAllDispatcher(Phase.PREFILL, groups[EP_P], topo.ep_rank, pc.expert_parallel, mc.num_experts,
                                 max_tokens=sc.max_prefill_tokens, **common),
         TorchAllToAllDispatcher(Phase.DECODE, groups[EP_D], topo.ep_rank, pc.expert_parallel, mc.num_experts,
-                                max_tokens=decode_dispatch_rows(sc.max_decode_batch, topo), **common))
+                                max_tokens=decode_dispatch_rows(sc.max_decode_batch * width, topo), **common))
