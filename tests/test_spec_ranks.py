@@ -15,6 +15,7 @@ from ainfer_pd import RolloutWorker, SamplingParams, WorkerConfig
 from ainfer_pd.errors import UnsupportedOptionError
 from ainfer_pd.sched.step import StepInputs, decide_step
 from ainfer_pd.sched.epoch_mode import policy_traits
+from ainfer_pd.spec.adaptive import VerifyCosts
 from ainfer_pd.spec.speculator import make_speculator
 from ainfer_pd.spec.verify_shape import VerifyShape, agreed_positions, verify_counts
 from tests._dist_util import run_ranks
@@ -80,6 +81,7 @@ async def _rank_generate(rank: int, world_size: int, name: str, over: dict):
     atp = world_size // cfg.parallel.attn_dp
     leader, replica = rank % atp == 0, rank // atp
     mine = [i for i in range(len(ALL)) if leader and i % cfg.parallel.attn_dp == replica]
+    measured = _spy_measurement()
     async with RolloutWorker(cfg) as w:
         seen = _spy_rounds(w.engine.d)
 
@@ -91,7 +93,25 @@ async def _rank_generate(rank: int, world_size: int, name: str, over: dict):
         m = w.metrics()
         free = w.engine.kv.num_free_blocks == cfg.cache.num_blocks and w.kv_leak_free()
         has_spec = w.engine.spec is not None
+        seen.update(measured=measured, costs=w.engine.spec.costs if has_spec else None)
     return dict(zip(mine, toks[0] + toks[1])), {**{k: m.get(k, 0) for k in COUNTERS}, **seen}, free, leader, has_spec
+
+
+def _spy_measurement() -> list:
+    """The verify cost tables this rank measures at start (none when the config gives one), as
+    the speculator gets them: each batch size's measured plain time, its widths made 1% dearer a
+    draft. Every pass still runs (padded, its collectives paired across ranks) and every rank's
+    table differs (its own timings): only whether speculating pays no longer rests on timings
+    that, on two shared CPU cores, put the tiny model's wider passes anywhere in 0.7-3x."""
+    from ainfer_pd.engine.runtime import verify_costs
+    measured, real = [], verify_costs.measure_verify_costs
+
+    def spy(*args, **kw):
+        times = real(*args, **kw)
+        measured.append({B: {w: row[1] * (1 + 0.01 * (w - 1)) for w in row} for B, row in times.items()})
+        return measured[-1]
+    verify_costs.measure_verify_costs = spy
+    return measured
 
 
 def _run(world_size: int, name: str, over: dict, reference, timeout_s: float = 120):
@@ -111,7 +131,7 @@ def _run(world_size: int, name: str, over: dict, reference, timeout_s: float = 1
     # on every rank (the round and the verify shape agreed alike)
     assert len({m["verify_in_round"] for _, m, _, _, _ in res}) == 1 and res[0][1]["verify_in_round"] > 0, \
         [m for _, m, _, _, _ in res]
-    return leaders
+    return leaders, [m for _, m, _, _, _ in res]
 
 
 CHEAP = {B: {1: 0.01, 2: 0.0101, 3: 0.0102, 5: 0.0104} for B in (1, 4, 16)}
@@ -120,13 +140,29 @@ CHEAP = {B: {1: 0.01, 2: 0.0101, 3: 0.0102, 5: 0.0104} for B in (1, 4, 16)}
 
 @pytest.mark.parametrize("over", [{}, {"spec.adaptive": True, "spec.verify_costs": CHEAP}], ids=["all", "adaptive"])
 def test_suffix_on_adp2_ep2_gives_world_size_one_tokens_with_drafts_accepted(reference, over):
-    leaders = _run(2, "tiny-2rank-cpu.yaml", over, reference)
+    leaders, _ = _run(2, "tiny-2rank-cpu.yaml", over, reference)
     # the two replicas draft at different iterations: one pads to the other's verify positions
     assert sum(m["spec_verify_pad_positions"] for m in leaders) > 0
 
 
 def test_suffix_on_atp2_gives_world_size_one_tokens_with_drafts_accepted(reference):
     _run(2, "tiny-2rank-cpu.yaml", {"parallel.attn_dp": 1}, reference)
+
+
+MEASURED = {"spec.adaptive": True, "scheduler.max_decode_batch": 16, "model.max_context_len": 256}
+"""The default spec.adaptive without a table: measured at start (a small grid: B 1, 4, 16, at 128
+keys: a short start)."""
+
+
+@pytest.mark.parametrize("over", [{}, {"parallel.attn_dp": 1}], ids=["adp2", "atp2"])
+def test_adaptive_without_a_table_measures_one_world_table_on_every_rank(reference, over):
+    leaders, ranks = _run(2, "tiny-2rank-cpu.yaml", {**MEASURED, **over}, reference)
+    assert all(len(m["measured"]) == 1 for m in ranks)          # every rank ran the grid, TP followers too
+    tables = [m["measured"][0] for m in ranks]
+    grid = {B: sorted(row) for B, row in tables[0].items()}
+    assert sorted(grid) == [1, 4, 16] and grid[16] == [1, 2, 3, 5]
+    world = VerifyCosts.from_times({B: {w: max(t[B][w] for t in tables) for w in ws} for B, ws in grid.items()})
+    assert all(m["costs"] == world for m in leaders)            # one table on every leader: the world's
 
 
 @pytest.mark.slow
@@ -217,23 +253,28 @@ def test_the_verify_shape_is_the_most_positions_any_rank_announced_and_its_cost_
     assert verify_counts(b, [b, follower], 2)["spec_verify_empty"] == 1
 
 
+def test_the_world_cost_table_is_each_entrys_most_and_a_differing_grid_is_named():
+    from ainfer_pd.errors import SpecInputError
+    from ainfer_pd.spec.world_costs import world_times
+    a, b = {1: {1: 0.01, 2: 0.03}, 4: {1: 0.02, 2: 0.02}}, {1: {1: 0.02, 2: 0.01}, 4: {1: 0.01, 2: 0.05}}
+    assert world_times([a, b]) == {1: {1: 0.02, 2: 0.03}, 4: {1: 0.02, 2: 0.05}}
+    with pytest.raises(SpecInputError, match="rank 1 measured"):
+        world_times([a, {1: {1: 0.01}, 4: {1: 0.02, 2: 0.02}}])
+
+
 class _Leader:
     is_leader = True
 
 
-@pytest.mark.parametrize("over,key", [({"spec.method": "mtp"}, "spec.method"),
-                                      ({"spec.adaptive": True}, "spec.verify_costs")])
-def test_what_several_ranks_do_not_build_is_refused_by_name(over, key):
-    cfg = _cfg("tiny-cpu.yaml", **{**SPEC, **over}) if over.get("spec.method") != "mtp" else None
-    if cfg is None:                       # mtp needs a model with an MTP layer: the check runs first
-        from ainfer_pd.config_spec import SpecConfig
-        from ainfer_pd.spec.speculator import _check_ranks
-        with pytest.raises(UnsupportedOptionError, match="several ranks") as e:
-            _check_ranks(SpecConfig(method="mtp"))
-    else:
-        with pytest.raises(UnsupportedOptionError, match="several ranks") as e:
-            make_speculator(cfg, None, None, None, _Leader())
-    assert e.value.key == key
+def test_mtp_on_several_ranks_is_refused_by_name():
+    """(spec.adaptive without a table is built: measured on every rank, the world's table agreed.)"""
+    from types import SimpleNamespace
+
+    from ainfer_pd.config_spec import SpecConfig
+    cfg = SimpleNamespace(spec=SpecConfig(method="mtp"))    # mtp needs a model with an MTP layer: checked first
+    with pytest.raises(UnsupportedOptionError, match="several ranks") as e:
+        make_speculator(cfg, None, None, None, _Leader())
+    assert e.value.key == "spec.method"
 
 
 def test_a_merged_world_sums_each_leaders_drafts_and_padding():

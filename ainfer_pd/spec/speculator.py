@@ -235,26 +235,20 @@ def _check_ranks(sc: SpecConfig) -> None:
                                      "every target pass and its draft chain on the D stream run its own attention "
                                      "and MoE, whose collectives would have to join every rank's in the step's order "
                                      "too (spec.method suffix is built on several ranks)", key="spec.method")
-    if sc.adaptive and not sc.verify_costs:
-        raise UnsupportedOptionError("spec.adaptive without spec.verify_costs on several ranks is not built: "
-                                     "measuring the table at start runs D passes of B x width positions outside "
-                                     "the step's agreement (not padded to the replicas' shape, ATP multiples); "
-                                     "give spec.verify_costs (measured on one rank), or spec.adaptive false",
-                                     key="spec.verify_costs")
 
 
 def make_speculator(cfg, runner, decode_ctx, recorder, dist) -> Speculator | None:
     """The engine's speculator (``spec.method``; None: off), with its cost tables: the config's,
     or measured now on the D stream (``spec.adaptive`` without a table): the verify's, and under
-    ``mtp`` the MTP chain's (``spec.draft_costs``). On several ranks (``dist``) a replica leader's
-    only (a TP follower gets None), suffix only, the verify table given when adaptive."""
+    ``mtp`` the MTP chain's (``spec.draft_costs``). On several ranks (``dist``, suffix only) every
+    rank measures the verify table, its passes padded as a real iteration's, and the world's table
+    is agreed (``DistRanks.agree_costs``); a replica leader's speculator only (a TP follower gets
+    None: it runs its leader's verify batches)."""
     sc = cfg.spec
     if not sc.enabled:
         return None
     if dist is not None:
         _check_ranks(sc)
-        if not dist.is_leader:
-            return None                  # a TP follower never drafts: it runs its leader's verify batch
     times, drafts = sc.verify_costs, sc.draft_costs or None
     top = cfg.scheduler.max_decode_batch
     batches = tuple(sorted(times) if times else sorted({b for b in (1, 4, 16, 64, 128) if b < top} | {top}))
@@ -262,9 +256,16 @@ def make_speculator(cfg, runner, decode_ctx, recorder, dist) -> Speculator | Non
     if not times and sc.adaptive:
         from ..engine.runtime.verify_costs import measure_verify_costs
         widths = sorted({w for w in (1, 2, 3, 5, 9) if w <= sc.num_draft_tokens + 1} | {sc.num_draft_tokens + 1})
-        times = decode_ctx.stream.submit(measure_verify_costs, runner, decode_ctx, batches, tuple(widths), context,
-                                         label="D.verify_costs").enqueued().result()
+        pad = None if dist is None else (lambda n: dist.padded_rows(n, runner.graphs))
+        times = decode_ctx.stream.submit(
+            lambda: measure_verify_costs(runner, decode_ctx, batches, tuple(widths), context, pad=pad),
+            label="D.verify_costs").enqueued().result()
         log.info("verify costs (s) by batch and width: %s", times)
+        if dist is not None:
+            times = dist.agree_costs(times)
+            log.info("the world's verify costs (s), the most any rank measured: %s", times)
+    if dist is not None and not dist.is_leader:
+        return None                      # a TP follower never drafts: it runs its leader's verify batch
     if sc.mtp and sc.adaptive and drafts is None and sc.verify_costs:
         log.warning("spec.verify_costs given without spec.draft_costs: the MTP chain's device time is not "
                     "counted against speculation (give both, or neither to measure both)")

@@ -8,7 +8,8 @@ spread over every rank, so every expert exchange and every D collective needs ev
 same order: the engine's step (:mod:`ainfer_pd.sched.step`) is agreed over the control rendezvous,
 a replica with nothing to prefill runs the epoch with an empty batch, and every replica's D batch
 is padded to the agreed row count (D's collectives gather every replica's rows); a drafting
-iteration's positions (rows plus drafts) are agreed at the iteration (:meth:`DistRanks.agree_verify`).
+iteration's positions (rows plus drafts) are agreed at the iteration (:meth:`DistRanks.agree_verify`),
+and the verify cost table every rank measured at start is agreed once (:meth:`DistRanks.agree_costs`).
 
 ``parallel.ordering`` routes P's attention all-reduce (:func:`~ainfer_pd.comm.ordering.collective_stream`):
 under ``selective`` a registered one goes onto the D stream behind the D launch of the round that
@@ -24,10 +25,11 @@ import logging
 
 from ...comm.collectives import RankCollectives
 from ...comm.ordering import P_ATP_ALL_REDUCE, collective_stream
-from ...comm.topology import ATTN_DP_D, ATTN_TP_D, REPLICA, Topology
+from ...comm.topology import ATTN_DP_D, ATTN_TP_D, CONTROL, REPLICA, Topology
 from ...comm.watchdog import Watchdog
 from ...errors import PeerLostError, StallError
 from ...spec.verify_shape import VerifyShape, agreed_positions, verify_counts
+from ...spec.world_costs import world_times
 from ..runtime.replica import ReplicaChannel, decode_numel, pack_decode, pack_prefill, pad_decode, unpack_decode, unpack_prefill
 from ..runtime.runner import BatchPlan
 from ..runtime.tensor_parallel import DecodeHooks, PrefillHooks
@@ -52,6 +54,7 @@ class DistRanks:
         self.colls.set_booking(False)                # warm-up passes and graph captures are not traced
         self.dispatchers = dispatchers
         self.rdv = rendezvous
+        self.control = groups.get(CONTROL)       # gloo, every rank: the start-up agreements (agree_costs)
         self.store = store
         self.replica = None
         if topo.atp > 1:
@@ -145,6 +148,16 @@ class DistRanks:
             if fit:
                 return fit[0]
         return -(-rows // atp) * atp
+
+    def agree_costs(self, times: dict[int, dict[int, float]]) -> dict[int, dict[int, float]]:
+        """At start, inside the engine's construction (no rendezvous round runs yet): every rank's
+        measured verify cost table gathered over the control group, the world's returned
+        (:func:`~ainfer_pd.spec.world_costs.world_times`: each entry the most any rank measured), so
+        every replica leader chooses K from one table. Blocking; every rank calls it once."""
+        import torch.distributed as tdist
+        tables: list = [None] * self.world_size
+        tdist.all_gather_object(tables, times, group=self.control)
+        return world_times(tables)
 
     async def agree_verify(self, drafts: list[list[int]], epoch: int) -> None:
         """A drafting iteration's shape (:mod:`~ainfer_pd.spec.verify_shape`): this rank announces

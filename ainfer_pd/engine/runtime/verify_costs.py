@@ -1,7 +1,14 @@
 """The cost tables of speculative decoding, measured on this device (issue 38): one D iteration
 of B rows verifying w - 1 drafts each, as the D loop runs it (graph replay where a bucket fits),
 and (``spec.method: mtp``) the MTP layer's draft chain of k steps over B rows. The speculator's
-:class:`~ainfer_pd.spec.adaptive.VerifyCosts` are built from them when the config gives none."""
+:class:`~ainfer_pd.spec.adaptive.VerifyCosts` are built from them when the config gives none.
+
+On several ranks every rank (replica leaders and TP followers) runs the same grid at the same
+time: the batch is synthetic (token 0, the scratch slot, a block table that is a function of B, w
+and the pool's size), so each rank builds it locally and ``pad`` (``DistRanks.padded_rows``) pads
+it exactly as a real iteration is (every replica the same positions, a multiple of ATP, the graph
+bucket where graphs run): D's DP-attention gather, attention reduce-scatter and expert exchange of
+every pass pair up across ranks in the same order."""
 from __future__ import annotations
 
 import time
@@ -10,6 +17,7 @@ import torch
 
 from ..attention import DecodeMeta, ForwardBatch
 from ...phase import PhaseContext
+from .replica import pad_decode
 from .runner import BatchPlan
 
 
@@ -44,16 +52,21 @@ def _median_time(fn, dev: torch.device, reps: int) -> float:
 
 
 def measure_verify_costs(runner, ctx: PhaseContext, batches: tuple[int, ...], widths: tuple[int, ...],
-                         context_len: int, reps: int = 3) -> dict[int, dict[int, float]]:
+                         context_len: int, reps: int = 3, pad=None) -> dict[int, dict[int, float]]:
     """Seconds of one D iteration of B rows verifying w - 1 drafts each (B * w decode rows at
-    ``context_len`` keys: graph replay where a bucket fits, as the D loop runs it), the median of ``reps`` after one warm-up: the speculator's cost table
-    ``{B: {w: s}}``. Writes only the scratch slot."""
+    ``context_len`` keys: graph replay where a bucket fits, as the D loop runs it), the median of
+    ``reps`` after one warm-up: the speculator's cost table ``{B: {w: s}}``. ``pad`` (several
+    ranks): positions -> the rows every replica runs (module docstring). Writes only the scratch
+    slot."""
     L = max(1, min(context_len, runner.sections.model.max_context_len - max(widths)))
     out: dict[int, dict[int, float]] = {}
     for B in batches:
         out[B] = {}
         for w in widths:
-            plan = BatchPlan(_decode_batch(runner, B, w, L), [], [], [])
+            fb = _decode_batch(runner, B, w, L)
+            if pad is not None:
+                fb = pad_decode(fb, pad(B * w), runner.scratch_slot, runner.scratch_block)
+            plan = BatchPlan(fb, [], [], [])
             out[B][w] = _median_time(lambda: runner.decode(plan, ctx), runner.device, reps)
     runner.decode_paths = {k: 0 for k in runner.decode_paths}      # the measurement is not the rollout's
     return out
