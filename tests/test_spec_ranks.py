@@ -15,7 +15,7 @@ from ainfer_pd import RolloutWorker, SamplingParams, WorkerConfig
 from ainfer_pd.errors import UnsupportedOptionError
 from ainfer_pd.sched.step import StepInputs, decide_step
 from ainfer_pd.sched.epoch_mode import policy_traits
-from ainfer_pd.spec.adaptive import VerifyCosts
+from ainfer_pd.spec.adaptive import VerifyCosts, choose
 from ainfer_pd.spec.speculator import make_speculator
 from ainfer_pd.spec.verify_shape import VerifyShape, agreed_positions, verify_counts
 from tests._dist_util import run_ranks
@@ -84,6 +84,14 @@ async def _rank_generate(rank: int, world_size: int, name: str, over: dict):
     measured = _spy_measurement()
     async with RolloutWorker(cfg) as w:
         seen = _spy_rounds(w.engine.d)
+        plans = seen["plans"] = []                   # (its rows, the world's rows K is costed at)
+        if w.engine.spec is not None:
+            plan = w.engine.spec.plan
+
+            def spy_plan(rows, world_rows=0):
+                plans.append((len(rows), world_rows))
+                return plan(rows, world_rows)
+            w.engine.spec.plan = spy_plan
 
         async def late():
             while w.engine.d.num_iters < 4:
@@ -127,6 +135,8 @@ def _run(world_size: int, name: str, over: dict, reference, timeout_s: float = 1
         assert m["spec_verifies"] > 0 and 0 < m["spec_accepted"] <= m["spec_drafted"], m
         assert m["spec_verify_rounds"] >= m["spec_verifies"]
         assert m["verify_sync_s_count"] == m["spec_verify_rounds"]       # one rendezvous per agreed shape
+        # K is chosen at the rows the world runs (the step's most), never below the leader's own
+        assert m["plans"] and all(world >= n > 0 for n, world in m["plans"]), m["plans"]
     # the late requests' P epoch ran gated beside verify iterations: one was a turnstile round's D launch
     # on every rank (the round and the verify shape agreed alike)
     assert len({m["verify_in_round"] for _, m, _, _, _ in res}) == 1 and res[0][1]["verify_in_round"] > 0, \
@@ -251,6 +261,17 @@ def test_the_verify_shape_is_the_most_positions_any_rank_announced_and_its_cost_
     assert verify_counts(b, [a, b, follower], 8) == {"spec_verify_rounds": 1, "spec_verify_joined": 1,
                                                      "spec_verify_empty": 0, "spec_verify_pad_positions": 6}
     assert verify_counts(b, [b, follower], 2)["spec_verify_empty"] == 1
+
+
+def test_k_is_chosen_at_the_cost_of_the_rows_the_world_runs():
+    """A leader of 1 row beside a replica of 64: the lockstep pass costs B = 64's ratio, at which
+    4 drafts at acceptance 0.5 do not pay; at its own B = 1 they would."""
+    costs = VerifyCosts.from_times({1: {1: 0.010, 2: 0.0102, 3: 0.0104, 5: 0.011},
+                                    64: {1: 0.020, 2: 0.038, 3: 0.056, 5: 0.092}})
+    assert choose(costs, [0.5], [4]).k == 4                            # its own size: speculate
+    assert choose(costs, [0.5], [4], world_rows=64).k == 0             # the world's: no
+    assert choose(costs, [0.5] * 64, [4] * 64, world_rows=1).k == 0    # never below its own size
+    assert choose(costs, [0.5], [4], world_rows=1) == choose(costs, [0.5], [4])
 
 
 def test_the_world_cost_table_is_each_entrys_most_and_a_differing_grid_is_named():

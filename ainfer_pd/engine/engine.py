@@ -256,7 +256,7 @@ class Engine:
     async def _act(self, dec: StepDecision, mine: StepInputs, seen: asyncio.Event) -> None:
         """One step's decision: start the epoch, then D's iteration, or wait for a change."""
         if self.dist is not None:
-            self.dist.rows_agreed = self.dist.padded_rows(dec.d_rows, self.runner.graphs)
+            self.dist.agree_rows(dec.d_rows, self.runner.graphs)
         if dec.epoch is not None and self.dist is not None:     # one rank: the P task starts it
             if dec.why in COUNTERS:
                 self.rec.count(COUNTERS[dec.why])

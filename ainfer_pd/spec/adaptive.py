@@ -20,6 +20,14 @@ A row's acceptance a is :class:`Acceptance`: discounted sums of drafts accepted 
 of them if it rejected one, else n), from a prior of ``PRIOR_RATE`` over ``PRIOR_TRIALS`` tries,
 so a new row is tried and a row that stops matching fades out within a few iterations.
 A batch size above the table's largest measured one never speculates (no cost, no promise).
+
+On several ranks a D iteration is one lockstep pass of every replica, padded to the same
+positions: its time is set by the largest replica's batch, not this leader's. ``choose`` then
+reads the table at ``world_rows`` (the most decode rows any rank announced at the step, which
+every rank sees: the most knowable before the verify shape is agreed) while the tokens it counts
+stay this batch's: a leader of 1 row beside a replica of 64 pays (B = 64)'s ratio for its drafts,
+and what padding to another replica's drafts costs stays unknowable here (counted instead:
+``spec_verify_pad_positions``).
 """
 from __future__ import annotations
 
@@ -148,10 +156,12 @@ class SpecPlan:
 
 
 def choose(costs: VerifyCosts, rates: list[float], available: list[int], *, k_max: int = K_MAX,
-           min_gain: float = MIN_GAIN, host_s: float = 0.0) -> SpecPlan:
+           min_gain: float = MIN_GAIN, host_s: float = 0.0, world_rows: int = 0) -> SpecPlan:
     """The speculation length for a batch: ``rates`` each row's acceptance rate, ``available``
     the drafts each row has (its drafter's output, up to ``k_max``), ``host_s`` the host seconds
-    speculating adds before the launch."""
+    speculating adds before the launch. ``world_rows`` (several ranks): the most rows any replica
+    runs in this lockstep iteration, which sets its cost: the table is read at
+    max(``world_rows``, the batch's rows) (module docstring), the tokens counted are this batch's."""
     if len(rates) != len(available):
         raise SpecInputError(f"{len(rates)} acceptance rates but {len(available)} draft counts")
     if any(n < 0 for n in available) or any(not 0.0 <= a <= 1.0 for a in rates):
@@ -164,12 +174,13 @@ def choose(costs: VerifyCosts, rates: list[float], available: list[int], *, k_ma
     best = SpecPlan(0, (0,) * B, 1.0)
     if B == 0:
         return best
+    at = max(B, world_rows)                  # the iteration's size: its cost, for every replica alike
     longest = min(k_max, max(available))
     runs = [_partial_sums(a, min(n, longest)) for a, n in zip(rates, available)]   # E(a, 0..n) per row
-    drafting = costs.draft_at(B)
-    base = costs.base_at(B)
+    drafting = costs.draft_at(at)
+    base = costs.base_at(at)
     host = host_s / base if base else 0.0
-    for w, ratio in sorted(costs.at(B).items()):
+    for w, ratio in sorted(costs.at(at).items()):
         k = w - 1
         if not 1 <= k <= longest or (drafting is not None and k not in drafting):
             continue

@@ -12,8 +12,9 @@ are, so a sequence the drafter holds stale (a cancelled turn's tokens) only cost
 :meth:`Speculator.plan` gives a batch's drafts: each row's draft is capped at the tokens it has
 left less one (``max_new_tokens`` and the context limit: the K + 1 positions a verify writes stay
 inside the turn's KV reservation, and the tokens it emits never pass the turn's limit), then
-:func:`~.adaptive.choose` takes K from the measured verify cost at the batch's size and the rows'
-acceptance (``spec.adaptive``; else every row verifies its whole draft). :meth:`observe` feeds the
+:func:`~.adaptive.choose` takes K from the measured verify cost at the batch's size (on several
+ranks the world's: the most rows any replica runs, ``world_rows``) and the rows' acceptance
+(``spec.adaptive``; else every row verifies its whole draft). :meth:`observe` feeds the
 acceptance back. :meth:`worth_drafting` says, before any drafting, whether the cost table could
 let the batch speculate at all (at high batch it cannot: the D loop then stays overlapped).
 A row whose recent host drafts came back empty is skipped (:mod:`~.backoff`: not drafted, a
@@ -113,21 +114,22 @@ class Speculator:
         turn, b = self.backoff.get(t.tid, (t, NO_BACKOFF))
         return turn is not t or b.probes(t.seq_len)
 
-    def worth_drafting(self, rows: list[Turn]) -> bool:
+    def worth_drafting(self, rows: list[Turn], world_rows: int = 0) -> bool:
         """Could the batch speculate, were every row probed now to bring a whole draft (its cap)?
         (False: no drafting, the iteration decodes one token per row; so when every row is in
-        backoff. A batch the cost table stopped fades the host-time estimate.)"""
-        worth, costed = self._worth(rows)
+        backoff. A batch the cost table stopped fades the host-time estimate.) ``world_rows``
+        (several ranks): the most rows any replica runs in the iteration (:func:`~.adaptive.choose`)."""
+        worth, costed = self._worth(rows, world_rows)
         if costed and not worth:
             self.host_s *= HOST_FORGET
         return worth
 
-    def would_draft(self, rows: list[Turn]) -> bool:
+    def would_draft(self, rows: list[Turn], world_rows: int = 0) -> bool:
         """:meth:`worth_drafting` without its side effect: what a replica leader of several ranks
         announces at a step (:attr:`~ainfer_pd.sched.step.StepInputs.d_drafting`)."""
-        return self._worth(rows)[0]
+        return self._worth(rows, world_rows)[0]
 
-    def _worth(self, rows: list[Turn]) -> tuple[bool, bool]:
+    def _worth(self, rows: list[Turn], world_rows: int) -> tuple[bool, bool]:
         """(worth drafting, the cost table decided it)."""
         available = [self.cap(t) if self.probes(t) else 0 for t in rows]
         if not any(available):
@@ -136,7 +138,8 @@ class Speculator:
             return True, False
         if self.costs is None:
             return False, False
-        return choose(self.costs, self.rates(rows), available, k_max=self.k_max, host_s=self.host_s).k > 0, True
+        return choose(self.costs, self.rates(rows), available, k_max=self.k_max, host_s=self.host_s,
+                      world_rows=world_rows).k > 0, True
 
     def cap(self, t: Turn) -> int:
         """The most drafts ``t`` may verify: its tokens left (length, context) less one."""
@@ -149,19 +152,20 @@ class Speculator:
         if self.on_device:
             await self.drafter.prepare(rows, [self.cap(t) for t in rows])
 
-    def plan(self, rows: list[Turn]) -> SpecBatch | None:
-        """The drafts of a batch of ``rows`` (:meth:`_plan`), with the host time they took: a plan
-        that gives no verify counts it here (spent for nothing), a verify batch carries it to the
-        D driver, which adds the verify's build."""
+    def plan(self, rows: list[Turn], world_rows: int = 0) -> SpecBatch | None:
+        """The drafts of a batch of ``rows`` (:meth:`_plan`; ``world_rows`` as in
+        :meth:`worth_drafting`), with the host time they took: a plan that gives no verify counts
+        it here (spent for nothing), a verify batch carries it to the D driver, which adds the
+        verify's build."""
         t0 = time.perf_counter()
-        batch = self._plan(rows)
+        batch = self._plan(rows, world_rows)
         if batch is None:
             self.observe_host(time.perf_counter() - t0)        # spent, for no verify
         else:
             batch.host_s = time.perf_counter() - t0
         return batch
 
-    def _plan(self, rows: list[Turn]) -> SpecBatch | None:
+    def _plan(self, rows: list[Turn], world_rows: int) -> SpecBatch | None:
         """The drafts of a batch of ``rows``; None when no row verifies any (plain decoding).
         A row in backoff is synced (its tokens serve its siblings' drafts) but not drafted."""
         drafts = []
@@ -179,7 +183,7 @@ class Speculator:
         gain = 1.0
         if self.cfg.adaptive:
             choice = choose(self.costs, self.rates(rows), [len(d) for d in drafts], k_max=self.k_max,
-                            host_s=self.host_s)
+                            host_s=self.host_s, world_rows=world_rows)
             drafts = [d[:n] for d, n in zip(drafts, choice.per_row)]
             gain = choice.gain
         k = max((len(d) for d in drafts), default=0)

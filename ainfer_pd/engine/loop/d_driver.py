@@ -55,8 +55,12 @@ class DDriver:
 
     def would_draft(self) -> bool:
         """Several ranks: this replica leader's speculator would draft for its next rows (what it
-        announces at a step: :attr:`~ainfer_pd.sched.step.StepInputs.d_drafting`)."""
-        return self.dist is not None and self.spec is not None and self.spec.would_draft(self.rows())
+        announces at a step: :attr:`~ainfer_pd.sched.step.StepInputs.d_drafting`), its K costed at
+        the most rows any rank had at the last step, or its own if more (this step's are not agreed
+        yet)."""
+        if self.dist is None or self.spec is None:
+            return False
+        return self.spec.would_draft(self.rows(), self.dist.world_rows)
 
     def wanted(self) -> None:
         """D has rows but may not run at this step (its wait counts from the first such step)."""
@@ -110,12 +114,13 @@ class DDriver:
 
     async def _agreed_drafts(self, rows: list[Turn]):
         """Several ranks, a drafting iteration: a replica leader's drafts for ``rows`` (None: it
-        has none; a TP follower never drafts), then every rank's verify shape agreed
+        has none; a TP follower never drafts), K costed at the most rows any rank runs in it (the
+        step's :attr:`~.ranks.DistRanks.world_rows`), then every rank's verify shape agreed
         (:meth:`~.ranks.DistRanks.agree_verify`; no overlapped iteration is in flight here)."""
-        batch = None
-        if self.spec is not None and self.spec.worth_drafting(rows):
+        batch, world = None, self.dist.world_rows
+        if self.spec is not None and self.spec.worth_drafting(rows, world):
             await self.spec.prepare(rows)
-            batch = self.spec.plan(rows)
+            batch = self.spec.plan(rows, world)
         await self.dist.agree_verify(batch.drafts if batch is not None else [[] for _ in rows], self.p.epoch)
         return batch
 

@@ -64,6 +64,7 @@ class DistRanks:
         """Process group name -> backend (set by :func:`~ainfer_pd.engine.make.make_engine`)."""
         self.owned_rendezvous = None  # the control rendezvous make_engine created (closed by aclose)
         self.rows_agreed = 0          # the padded rows of every replica's D batch at this step
+        self.world_rows = 0           # the most decode rows any rank announced at the last step
         # the block-table width of every D broadcast (the widest a row can need, plus the scratch)
         self.table_width = -(-cfg.model.max_context_len // cfg.cache.block_size) + 1
         self.stall_s = cfg.parallel.stall_timeout_s
@@ -148,6 +149,13 @@ class DistRanks:
             if fit:
                 return fit[0]
         return -(-rows // atp) * atp
+
+    def agree_rows(self, d_rows: int, graphs) -> None:
+        """A step's decision: every replica's D batch is ``d_rows`` (the most any rank announced),
+        padded (:meth:`padded_rows`); the unpadded count is what a verify iteration's K is chosen
+        at (:attr:`world_rows`: the size the world runs, not this replica's)."""
+        self.world_rows = d_rows
+        self.rows_agreed = self.padded_rows(d_rows, graphs)
 
     def agree_costs(self, times: dict[int, dict[int, float]]) -> dict[int, dict[int, float]]:
         """At start, inside the engine's construction (no rendezvous round runs yet): every rank's
