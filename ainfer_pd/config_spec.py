@@ -22,7 +22,8 @@ class SpecConfig:
     MTP layer reads every pass's hidden states, which the captured graphs do not give). ``suffix``
     runs on several ranks too: each replica leader drafts, every replica pads a drafting
     iteration to the positions agreed over the ranks (``ainfer_pd.spec.verify_shape``); there
-    ``adaptive`` needs ``verify_costs``."""
+    every rank measures the verify table and the leaders share the world's
+    (``ainfer_pd.spec.world_costs``)."""
     num_draft_tokens: int = 4
     """The most drafts a row verifies in one D iteration (K <= this)."""
     adaptive: bool = True
@@ -35,8 +36,9 @@ class SpecConfig:
     from its own context."""
     verify_costs: dict = field(default_factory=dict)
     """The verify cost table, ``{batch: {width: seconds}}`` (width = K + 1, with width 1 present);
-    empty (the default): measured when the engine starts (``engine.runtime.verify_costs``; one rank
-    only: on several ranks, with ``adaptive``, give it)."""
+    empty (the default): measured when the engine starts (``engine.runtime.verify_costs``; on
+    several ranks by every rank, its passes padded as a real iteration's, each entry then the most
+    any rank measured)."""
     draft_costs: dict = field(default_factory=dict)
     """``mtp`` only: the MTP layer's draft chain, ``{batch: {k: seconds}}`` for k drafts, at every
     batch size of ``verify_costs``; empty (the default): measured when the engine starts with the
