@@ -24,7 +24,7 @@ from ainfer_pd.engine.quant.fp8_ops import (fp8_gemm, fp8_linear, fused_experts_
                                             per_token_group_quant)
 from ainfer_pd.engine.quant.fp8_plan import (Fp8MoEPlan, as_fp8_moe_plan, check_fp8_moe_plan, check_fp8_plan,
                                              fp8_gemm_plan, fp8_moe_plan, fuses_act_quant)
-from ainfer_pd.errors import CheckpointError
+from ainfer_pd.errors import CheckpointError, ConfigError
 
 F32, BF16 = torch.float32, torch.bfloat16
 # The interpreter evaluates tl.sigmoid as 1 / (1 + exp(-g)) in numpy: exp overflows (to inf, the
@@ -161,12 +161,24 @@ LOAD_FOLD = Fp8MoEPlan(GemmPlan(16, 32, 128, 2, 4, 1), GemmPlan(16, 64, 128, 2, 
 X_LOAD_ACT_EPILOGUE = Fp8MoEPlan(GemmPlan(32, 128, 128, 1, 4, 1), GemmPlan(32, 32, 64, 1, 4, 1),
                                  quant_act_on_load=False, fold_sum=True)
 X_LAUNCH_ACT_LOAD = Fp8MoEPlan(GemmPlan(16, 64, 32, 1, 4, 1), GemmPlan(16, 32, 128, 1, 4, 1), quant_x_on_load=False)
+# Swapped operands (the weight tile as the MMA's M side, the products transposed): separate
+# launches with act quantized apart (the decode table's kind), in the gate_up epilogue with 64-
+# column K steps in down, and quantized on load with the k-slot fold.
+SWAP = Fp8MoEPlan(GemmPlan(16, 64, 128, 1, 4, 1), GemmPlan(16, 64, 128, 1, 4, 1), quant_x_on_load=False,
+                  quant_act_on_load=False, swap_ab=True)
+SWAP_FUSED = Fp8MoEPlan(GemmPlan(16, 128, 128, 1, 4, 1), GemmPlan(16, 64, 64, 1, 4, 1), quant_x_on_load=False,
+                        quant_act_on_load=False, swap_ab=True)
+SWAP_LOAD_FOLD = Fp8MoEPlan(GemmPlan(32, 64, 128, 1, 4, 1), GemmPlan(32, 128, 128, 1, 4, 1), fold_sum=True,
+                            swap_ab=True)
 
 
 def moe_case(T, E, k, D, inter, dtype):
+    """Weights, x and routing drawn from seeds of the case (the routing too: drawn from the global
+    generator, it depended on the tests run before; see test_a_tokens_output_does_not_depend_on_its_batch)."""
     ws = expert_weights(E, D, inter, seed=T + E)
     x = activations(T, D, dtype, seed=k)
-    return x, route(x, torch.randn(E, D).to(dtype), k), ws
+    router = torch.randn(E, D, generator=torch.Generator().manual_seed(T * 100 + E)).to(dtype)
+    return x, route(x, router, k), ws
 
 
 @pytest.mark.parametrize("T,E,k,D,inter,dtype,plan", [
@@ -182,6 +194,12 @@ def moe_case(T, E, k, D, inter, dtype):
     (9, 8, 3, 160, 200, BF16, FUSED),               # bf16 activations, top-3
     (9, 8, 3, 160, 200, BF16, LOAD_FOLD),
     (9, 8, 3, 160, 200, BF16, X_LAUNCH_ACT_LOAD),
+    (1, 8, 1, 200, 96, F32, SWAP),                  # swapped: decode, partial K step and column tile
+    (3, 16, 2, 256, 130, BF16, SWAP),
+    (40, 4, 2, 160, 136, F32, SWAP_FUSED),          # 2 row blocks per expert, act quantized in the epilogue
+    (40, 4, 2, 256, 256, F32, SWAP_FUSED),          # K a multiple of block_k (EVEN_K), whole column tiles
+    (40, 4, 2, 160, 136, F32, SWAP_LOAD_FOLD),
+    (9, 8, 3, 160, 200, BF16, SWAP_LOAD_FOLD),
 ])
 def test_fused_experts_fp8_matches_reference(T, E, k, D, inter, dtype, plan):
     x, r, ws = moe_case(T, E, k, D, inter, dtype)
@@ -208,10 +226,12 @@ def test_quantizing_on_load_gives_the_separate_launches_bytes(dtype):
                                                                                                  else 1e-2)
 
 
-@pytest.mark.parametrize("plan", [LOAD, LOAD_FOLD], ids=["load", "fold"])
+@pytest.mark.parametrize("plan", [LOAD, LOAD_FOLD, SWAP_LOAD_FOLD], ids=["load", "fold", "swap_fold"])
 def test_a_tokens_output_does_not_depend_on_its_batch(plan):
     """Token rows taken out of a batch of 9 into one of 4 (other row blocks, other programs,
-    with fold another last arriver): their outputs are bit-equal."""
+    with fold another last arriver): their outputs are bit-equal. Under the interpreter tl.dot is
+    numpy's matmul, whose BLAS rounds a row by its position in the tile for some routings (1 ulp;
+    a GPU MMA does not): the case's routing is seeded (moe_case), not the global generator's."""
     x, r, ws = moe_case(9, 6, 3, 160, 96, F32)
     sub = torch.tensor([8, 0, 5, 3])
     rs = routing_of(r.topk_idx[sub], r.topk_weights[sub], 6)
@@ -251,6 +271,7 @@ def test_fp8_plan_table():
     decode, prefill = fp8_moe_plan(8, 128), fp8_moe_plan(8 * 8192, 128)
     assert decode.block_m <= 16 < prefill.block_m
     assert not (decode.quant_x_on_load or decode.quant_act_on_load or decode.fold_sum)
+    assert decode.swap_ab and not prefill.swap_ab
     assert not prefill.quant_x_on_load and fuses_act_quant(prefill)
     assert fp8_gemm_plan(1).block_m <= 16 < fp8_gemm_plan(8192).block_m
     for n in (1, 64, 1024, 65536):
@@ -263,6 +284,8 @@ def test_fp8_plan_table():
         check_fp8_plan(GemmPlan(16, 64, 64, 1, 4, 1), on_load=True)
     with pytest.raises(ValueError, match="block_m"):
         check_fp8_moe_plan(Fp8MoEPlan(GemmPlan(16, 32, 128, 1, 4, 1), GemmPlan(32, 32, 128, 1, 4, 1)))
+    with pytest.raises(ConfigError, match="gate_up.block_n"):
+        check_fp8_moe_plan(Fp8MoEPlan(GemmPlan(16, 32, 128, 1, 4, 1), GemmPlan(16, 64, 128, 1, 4, 1), swap_ab=True))
     old = as_fp8_moe_plan(UNFUSED)
     assert (old.gate_up, old.down) == (UNFUSED.gate_up, UNFUSED.down)
     assert not (old.quant_x_on_load or old.quant_act_on_load or old.fold_sum)

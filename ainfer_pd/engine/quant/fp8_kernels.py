@@ -109,78 +109,158 @@ def token_group_quant_kernel(X, Q, S, T, K, stride_x, stride_q, stride_s,
 
 
 @triton.jit
-def _a_tile(a_rows, as_rows, rmask, kk, kmask, k0, ON_LOAD: tl.constexpr, GROUP: tl.constexpr,
+def _a_tile(a_rows, sa, k0, K, ON_LOAD: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
             EXACT: tl.constexpr):
     """One K step's A operand and its per-row scale: (a [BLOCK_M, BLOCK_K] float8, s [BLOCK_M]).
-    ON_LOAD: ``a_rows`` point at float rows, quantized here (``BLOCK_K == GROUP``: the step is
-    one whole group; zeros past K, as the oracle's padding), ``as_rows`` unused; else at float8
-    rows whose scales start at ``as_rows``."""
-    a = tl.load(a_rows[:, None] + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+    ``a_rows`` [BLOCK_M] point at in-bounds rows (the callers point masked rows at a real one: no
+    row mask), K masked unless ``EVEN_K``. ON_LOAD: float rows, quantized here (``BLOCK_K ==
+    GROUP``: the step is one whole group; zeros past K, as the oracle's padding); else float8
+    rows whose scale ``sa`` the caller loaded (:func:`_scale_at`)."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        a = tl.load(a_rows[:, None] + kk[None, :])
+    else:
+        a = tl.load(a_rows[:, None] + kk[None, :], mask=(kk < K)[None, :], other=0.0)
     if ON_LOAD:
         q, s = _quant_tile(a.to(tl.float32), EXACT)
     else:
         q = a
-        s = tl.load(as_rows + k0 // GROUP, mask=rmask, other=0.0)
+        s = sa
     return q, s
 
 
 @triton.jit
-def _scaled_dot(a_rows, as_rows, rmask, b_cols, bs_cols, nmask, K,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                ON_LOAD: tl.constexpr, EXACT: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] float32 = sum over k of (a[m, k] a_s[m, k // GROUP]) (b[n, k] b_s[n, k // GROUP]).
+def _scale_at(cols, k0, K, GROUP: tl.constexpr):
+    """The scales of K step ``k0`` (clamped into K: the loops load step k + 1's scales during step
+    k, so no synchronous load waits between their MMAs; the one past the end is a spare read)."""
+    return tl.load(cols + tl.minimum(k0, K - 1) // GROUP)
 
-    a_rows [BLOCK_M] / b_cols [BLOCK_N]: pointers to the rows' (columns') first K element (K
-    contiguous); as_rows / bs_cols: pointers to their first scale (scale columns contiguous).
-    ON_LOAD: A is float, quantized per K step (:func:`_a_tile`)."""
+
+@triton.jit
+def _b_offsets(b_rows, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
+    """The weight tile's element offsets (int32, from the expert's first element) at K step 0:
+    [BLOCK_N, BLOCK_K] with SWAP_AB, else [BLOCK_K, BLOCK_N]; ``b_rows`` [BLOCK_N] are the rows'
+    offsets. Loop-invariant int32 offsets hold fewer registers than a tile of 64-bit pointers."""
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs_k
-        kmask = kk < K
-        a, sa = _a_tile(a_rows, as_rows, rmask, kk, kmask, k0, ON_LOAD, GROUP, EXACT)
-        b = tl.load(b_cols[None, :] + kk[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-        sb = tl.load(bs_cols + k0 // GROUP, mask=nmask, other=0.0)
-        acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+    if SWAP_AB:
+        offs = b_rows[:, None] + offs_k[None, :]
+    else:
+        offs = b_rows[None, :] + offs_k[:, None]
+    return offs
+
+
+@triton.jit
+def _b_tile(b_base, b_offs, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr):
+    """One K step of the weight (``b_base + k0 + b_offs``, K contiguous): the rows are in bounds
+    (wrapped by the callers: no N mask), K is masked unless EVEN_K."""
+    ptrs = b_base + k0 + b_offs
+    if EVEN_K:
+        b = tl.load(ptrs)
+    else:
+        kmask = k0 + tl.arange(0, BLOCK_K) < K
+        if SWAP_AB:
+            b = tl.load(ptrs, mask=kmask[None, :], other=0.0)
+        else:
+            b = tl.load(ptrs, mask=kmask[:, None], other=0.0)
+    return b
+
+
+@triton.jit
+def _mma(a, b, SWAP_AB: tl.constexpr):
+    """dot(a, b) [BLOCK_M, BLOCK_N], or with SWAP_AB its transpose dot(b, a^T) [BLOCK_N, BLOCK_M]
+    (b [BLOCK_N, BLOCK_K]): the weight is the MMA's M side (wgmma's m64), the few token rows its
+    N side, both operands K-major."""
+    if SWAP_AB:
+        p = tl.dot(b, tl.trans(a))
+    else:
+        p = tl.dot(a, b)
+    return p
+
+
+@triton.jit
+def _scaled(p, sa, sb, SWAP_AB: tl.constexpr):
+    """One K step's product (:func:`_mma`) with the rows' scales ``sa`` and the columns' ``sb``."""
+    if SWAP_AB:
+        r = p * sb[:, None] * sa[None, :]
+    else:
+        r = p * sa[:, None] * sb[None, :]
+    return r
+
+
+@triton.jit
+def _acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     return acc
 
 
 @triton.jit
-def _scaled_dot_pair(a_rows, as_rows, rmask, g_cols, gs_cols, u_cols, us_cols, nmask, K,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                     ON_LOAD: tl.constexpr, EXACT: tl.constexpr):
-    """:func:`_scaled_dot` against two weights (gate and up) sharing each A tile: (acc_g, acc_u)."""
-    offs_k = tl.arange(0, BLOCK_K)
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+def _scaled_dot(a_rows, as_rows, b_base, b_rows, bs_cols, K,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                ON_LOAD: tl.constexpr, EXACT: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] float32 = sum over k of (a[m, k] a_s[m, k // GROUP]) (b[n, k] b_s[n, k // GROUP]);
+    with SWAP_AB its transpose [BLOCK_N, BLOCK_M] (:func:`_scaled_mma`).
+
+    a_rows [BLOCK_M]: pointers to the rows' first K element (K contiguous); b_base + b_rows
+    [BLOCK_N] (int32 offsets): the weight rows' first element; as_rows / bs_cols: pointers to
+    their first scale (scale columns contiguous); every row in bounds. ON_LOAD: A is float,
+    quantized per K step (:func:`_a_tile`)."""
+    b_offs = _b_offsets(b_rows, BLOCK_K, SWAP_AB)
+    acc = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
+    sa, sb = _scale_at(as_rows, 0, K, GROUP), _scale_at(bs_cols, 0, K, GROUP)
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs_k
-        kmask = kk < K
-        bmask = kmask[:, None] & nmask[None, :]
-        a, sa = _a_tile(a_rows, as_rows, rmask, kk, kmask, k0, ON_LOAD, GROUP, EXACT)
-        bg = tl.load(g_cols[None, :] + kk[:, None], mask=bmask, other=0.0)
-        bu = tl.load(u_cols[None, :] + kk[:, None], mask=bmask, other=0.0)
-        sg = tl.load(gs_cols + k0 // GROUP, mask=nmask, other=0.0)[None, :]
-        su = tl.load(us_cols + k0 // GROUP, mask=nmask, other=0.0)[None, :]
-        acc_g += tl.dot(a, bg) * sa[:, None] * sg
-        acc_u += tl.dot(a, bu) * sa[:, None] * su
+        a, sa = _a_tile(a_rows, sa, k0, K, ON_LOAD, BLOCK_K, EVEN_K, EXACT)
+        p = _mma(a, _b_tile(b_base, b_offs, k0, K, BLOCK_K, EVEN_K, SWAP_AB), SWAP_AB)
+        sa_next, sb_next = _scale_at(as_rows, k0 + BLOCK_K, K, GROUP), _scale_at(bs_cols, k0 + BLOCK_K, K, GROUP)
+        acc += _scaled(p, sa, sb, SWAP_AB)
+        sa, sb = sa_next, sb_next
+    return acc
+
+
+@triton.jit
+def _scaled_dot_pair(a_rows, as_rows, b_base, g_rows, gs_cols, u_off, us_off, K,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                     ON_LOAD: tl.constexpr, EXACT: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr):
+    """:func:`_scaled_dot` against two weights sharing each A tile, the gate's (rows ``g_rows``,
+    scales ``gs_cols``) and the up's (``u_off`` / ``us_off`` elements further): (acc_g, acc_u).
+    Both MMAs are issued before either product is scaled."""
+    g_offs = _b_offsets(g_rows, BLOCK_K, SWAP_AB)
+    acc_g = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc_u = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
+    us_cols = gs_cols + us_off
+    sa, sg, su = _scale_at(as_rows, 0, K, GROUP), _scale_at(gs_cols, 0, K, GROUP), _scale_at(us_cols, 0, K, GROUP)
+    for k0 in range(0, K, BLOCK_K):
+        a, sa = _a_tile(a_rows, sa, k0, K, ON_LOAD, BLOCK_K, EVEN_K, EXACT)
+        pg = _mma(a, _b_tile(b_base, g_offs, k0, K, BLOCK_K, EVEN_K, SWAP_AB), SWAP_AB)
+        pu = _mma(a, _b_tile(b_base + u_off, g_offs, k0, K, BLOCK_K, EVEN_K, SWAP_AB), SWAP_AB)
+        nk = k0 + BLOCK_K
+        sa_next, sg_next, su_next = _scale_at(as_rows, nk, K, GROUP), _scale_at(gs_cols, nk, K, GROUP), \
+            _scale_at(us_cols, nk, K, GROUP)
+        acc_g += _scaled(pg, sa, sg, SWAP_AB)
+        acc_u += _scaled(pu, sa, su, SWAP_AB)
+        sa, sg, su = sa_next, sg_next, su_next
     return acc_g, acc_u
 
 
 @triton.jit(do_not_specialize=["M"])
 def fp8_gemm_kernel(A, AS, B, BS, BIAS, C, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_M: tl.constexpr, GROUP: tl.constexpr, ON_LOAD: tl.constexpr, EXACT: tl.constexpr):
+                    GROUP_M: tl.constexpr, GROUP: tl.constexpr, ON_LOAD: tl.constexpr, EVEN_K: tl.constexpr,
+                    EXACT: tl.constexpr):
     """C [M, N] = (A [M, K] * AS [M, nb(K)]) @ (B [N, K] * BS [nb(N), nb(K)])^T (+ BIAS [N]), in C's
-    dtype; ON_LOAD: A is float [M, K], quantized per 128-column K step (AS unused)."""
+    dtype; ON_LOAD: A is float [M, K], quantized per 128-column K step (AS unused). The tile's rows
+    and columns past M / N read rows / columns wrapped into range (not stored)."""
     pid_m, pid_n = _tile_ids(tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     mmask = offs_m < M
     nmask = offs_n < N
-    acc = _scaled_dot(A + offs_m * stride_am, AS + offs_m * stride_asm, mmask,
-                      B + offs_n * stride_bn, BS + (offs_n // GROUP) * stride_bsn, nmask, K,
-                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP, ON_LOAD, EXACT)
+    rows, cols = offs_m % M, (offs_n % N).to(tl.int32)
+    acc = _scaled_dot(A + rows * stride_am, AS + rows * stride_asm, B, cols * stride_bn,
+                      BS + (cols // GROUP) * stride_bsn, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, ON_LOAD, EXACT,
+                      False, EVEN_K)
     if HAS_BIAS:
         acc += tl.load(BIAS + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     tl.store(C + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(C.dtype.element_ty),
@@ -209,28 +289,32 @@ def fp8_moe_gate_up_kernel(
     stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_an, stride_asn,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, GROUP: tl.constexpr, ON_LOAD: tl.constexpr, FUSE_QUANT: tl.constexpr,
-    FOLD: tl.constexpr, NCNT_PAD: tl.constexpr, EXACT: tl.constexpr,
+    FOLD: tl.constexpr, NCNT_PAD: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, EXACT: tl.constexpr,
 ):
     """ACT[pair, n] = silu(g) * u, g / u = x_q[tok] . W[e, n] / W[e, I + n] (block scales applied);
     ON_LOAD: X is the float x, quantized here (XS unused). FOLD: the first column tile's programs
-    zero the NCNT fold counters of their tokens (CNT [T, NCNT], for :func:`_fold_slots`)."""
+    zero the NCNT fold counters of their tokens (CNT [T, NCNT], for :func:`_fold_slots`). SWAP_AB:
+    the products are computed transposed (:func:`_scaled_mma`). Padding rows read token 0's row
+    and columns past I wrap to the start (no masked loads; neither is stored)."""
     active, e, pairs, rmask, offs_n, nmask = _expert_block(SORTED, BLOCK_EXPERT, NUM_POST, num_pairs, P, I,
                                                            BLOCK_M, BLOCK_N, GROUP_M)
     if not active:
         return
-    tok = (pairs // TOPK).to(tl.int64)
+    tok = (tl.where(rmask, pairs, 0) // TOPK).to(tl.int64)
     if FOLD:
         if tl.min(offs_n, axis=0) == 0:
             c = tl.arange(0, NCNT_PAD)
             tl.store(CNT + tok[:, None] * NCNT + c[None, :], tl.zeros([BLOCK_M, NCNT_PAD], tl.int32),
                      mask=rmask[:, None] & (c < NCNT)[None, :])
     n64 = offs_n.to(tl.int64)
-    g_cols = W + e * stride_we + n64 * stride_wn
-    gs_cols = WS + e * stride_wse + (n64 // GROUP) * stride_wsn
-    acc_g, acc_u = _scaled_dot_pair(X + tok * stride_xt, XS + tok * stride_xst, rmask,
-                                    g_cols, gs_cols, g_cols + I * stride_wn, gs_cols + tl.cdiv(I, GROUP) * stride_wsn,
-                                    nmask, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, ON_LOAD, EXACT)
+    cols = offs_n % I
+    acc_g, acc_u = _scaled_dot_pair(X + tok * stride_xt, XS + tok * stride_xst, W + e * stride_we, cols * stride_wn,
+                                    WS + e * stride_wse + (cols // GROUP) * stride_wsn, I * stride_wn,
+                                    tl.cdiv(I, GROUP) * stride_wsn, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, ON_LOAD,
+                                    EXACT, SWAP_AB, EVEN_K)
     act = acc_g * tl.sigmoid(acc_g) * acc_u
+    if SWAP_AB:
+        act = tl.trans(act)
     _store_act(act, ACT, ACTS, pairs.to(tl.int64), rmask, n64, nmask, stride_an, stride_asn, FUSE_QUANT, GROUP, EXACT)
 
 
@@ -264,20 +348,25 @@ def fp8_moe_down_kernel(
     num_pairs, P, K, N, NCNT,
     stride_an, stride_asn, stride_we, stride_wn, stride_wse, stride_wsn, stride_rn, stride_ot,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, GROUP: tl.constexpr, ON_LOAD: tl.constexpr, FOLD: tl.constexpr, EXACT: tl.constexpr,
+    GROUP_M: tl.constexpr, GROUP: tl.constexpr, ON_LOAD: tl.constexpr, FOLD: tl.constexpr, SWAP_AB: tl.constexpr,
+    EVEN_K: tl.constexpr, EXACT: tl.constexpr,
 ):
     """ROWS[pair, n] = topw[pair] * act_q[pair] . W[e, n] (block scales applied), in ROWS' dtype;
     ON_LOAD: A is the float32 act, quantized here (AS unused). FOLD: OUT[token] = the sum of its
-    k rows too (:func:`_fold_slots`)."""
+    k rows too (:func:`_fold_slots`). SWAP_AB, padding rows, columns past N: as gate_up."""
     active, e, pairs, rmask, offs_n, nmask = _expert_block(SORTED, BLOCK_EXPERT, NUM_POST, num_pairs, P, N,
                                                            BLOCK_M, BLOCK_N, GROUP_M)
     if not active:
         return
     prow = pairs.to(tl.int64)
     n64 = offs_n.to(tl.int64)
-    acc = _scaled_dot(A + prow * stride_an, AS + prow * stride_asn, rmask,
-                      W + e * stride_we + n64 * stride_wn, WS + e * stride_wse + (n64 // GROUP) * stride_wsn,
-                      nmask, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, ON_LOAD, EXACT)
+    arow = tl.where(rmask, pairs, 0).to(tl.int64)
+    cols = offs_n % N
+    acc = _scaled_dot(A + arow * stride_an, AS + arow * stride_asn, W + e * stride_we, cols * stride_wn,
+                      WS + e * stride_wse + (cols // GROUP) * stride_wsn, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP,
+                      ON_LOAD, EXACT, SWAP_AB, EVEN_K)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     w = tl.load(TOPW + prow, mask=rmask, other=0.0).to(tl.float32)
     tl.store(ROWS + prow[:, None] * stride_rn + n64[None, :], (acc * w[:, None]).to(ROWS.dtype.element_ty),
              mask=rmask[:, None] & nmask[None, :])

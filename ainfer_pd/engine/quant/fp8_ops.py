@@ -110,7 +110,8 @@ def _gemm(a: Tensor, a_scale: Tensor | None, w_q: Tensor, w_scale: Tensor, bias:
         a, s, w_q, w_scale, bias if bias is not None else out, out, M, N, K,
         a.stride(0), 0 if on_load else s.stride(0), w_q.stride(0), w_scale.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
-        GROUP=BLOCK, ON_LOAD=on_load, EXACT=_exact_cast(), num_warps=g.num_warps, num_stages=g.num_stages)
+        GROUP=BLOCK, ON_LOAD=on_load, EVEN_K=K % g.block_k == 0, EXACT=_exact_cast(), num_warps=g.num_warps,
+        num_stages=g.num_stages)
     return out
 
 
@@ -136,14 +137,15 @@ def fp8_linear(x: Tensor, w_q: Tensor, w_scale: Tensor, bias: Tensor | None = No
 def _moe_launch(kernel, layout: tuple[Tensor, Tensor, Tensor], g: GemmPlan, ncols: int, ptrs: tuple,
                 sizes: tuple, strides: tuple, **meta) -> None:
     """One expert GEMM over the aligned row blocks (``ncols`` output columns): sizes = (pairs, K
-    reduced, ..., NCNT), the kernel's sizes with ``P`` and ``ncols`` filled in."""
+    reduced, NCNT), the kernel's sizes with ``P`` and ``ncols`` filled in; K steps unmasked when
+    block_k divides K."""
     sorted_ids = layout[0]
     P = sorted_ids.numel()
     num_pairs, num_k, ncnt = sizes
     kernel[(_cdiv(P, g.block_m) * _cdiv(ncols, g.block_n),)](
         *layout, *ptrs, num_pairs, P, num_k, ncols, ncnt, *strides,
         BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m, GROUP=BLOCK,
-        EXACT=_exact_cast(), num_warps=g.num_warps, num_stages=g.num_stages, **meta)
+        EVEN_K=num_k % g.block_k == 0, EXACT=_exact_cast(), num_warps=g.num_warps, num_stages=g.num_stages, **meta)
 
 
 def launch_fp8_gate_up(x: Tensor, x_scale: Tensor | None, w13_q: Tensor, w13_scale: Tensor,
@@ -168,7 +170,7 @@ def launch_fp8_gate_up(x: Tensor, x_scale: Tensor | None, w13_q: Tensor, w13_sca
                w13_scale.stride(0), w13_scale.stride(1), act.stride(0), act_s.stride(0))
     _moe_launch(fp8_moe_gate_up_kernel, layout, g, inter, (x, xs, w13_q, w13_scale, act, act_s, cnt),
                 (N, x.shape[1], ncnt), strides, TOPK=top_k, ON_LOAD=x_scale is None, FUSE_QUANT=fused,
-                FOLD=counters is not None, NCNT_PAD=max(1, 1 << max(0, ncnt - 1).bit_length()))
+                FOLD=counters is not None, NCNT_PAD=max(1, 1 << max(0, ncnt - 1).bit_length()), SWAP_AB=plan.swap_ab)
     if fused:
         return act, act_s
     return (act, None) if plan.quant_act_on_load else per_token_group_quant(act)
@@ -176,11 +178,12 @@ def launch_fp8_gate_up(x: Tensor, x_scale: Tensor | None, w13_q: Tensor, w13_sca
 
 def launch_fp8_down(act: Tensor, act_scale: Tensor | None, w2_q: Tensor, w2_scale: Tensor, rows: Tensor,
                     layout: tuple[Tensor, Tensor, Tensor], topw: Tensor, g: GemmPlan, top_k: int,
-                    fold: tuple[Tensor, Tensor] | None = None) -> None:
+                    fold: tuple[Tensor, Tensor] | None = None, swap_ab: bool = False) -> None:
     """rows [N, D] = topw[pair] * act[pair] @ (w2_q [E, D, I] + w2_scale [E, nb(D), nb(I)])[e]^T for
     every pair, in rows' dtype: act [N, I] float32 quantized in the kernel (act_scale None), or
     float8 with act_scale [N, nb(I)]; topw [N] the flat top-k weights. ``fold`` = (counters [T,
-    NCNT] zeroed by gate_up, out [T, D]): out[token] = the sum of its k rows too (rows float32)."""
+    NCNT] zeroed by gate_up, out [T, D]): out[token] = the sum of its k rows too (rows float32).
+    ``swap_ab``: the weight tile is the MMA's M side (:attr:`.fp8_plan.Fp8MoEPlan.swap_ab`)."""
     from .fp8_kernels import fp8_moe_down_kernel
     cnt, out = fold if fold is not None else (rows, rows)
     ncnt = cnt.shape[1] if fold is not None else 0
@@ -189,7 +192,7 @@ def launch_fp8_down(act: Tensor, act_scale: Tensor | None, w2_q: Tensor, w2_scal
     _moe_launch(fp8_moe_down_kernel, layout, g, rows.shape[1],
                 (act, act if act_scale is None else act_scale, w2_q, w2_scale, rows, topw, cnt, out),
                 (rows.shape[0], act.shape[1], ncnt), strides, TOPK=top_k, ON_LOAD=act_scale is None,
-                FOLD=fold is not None)
+                FOLD=fold is not None, SWAP_AB=swap_ab)
 
 
 def _check_experts(x: Tensor, w13_q: Tensor, w13_scale: Tensor, w2_q: Tensor, w2_scale: Tensor) -> None:
@@ -234,7 +237,7 @@ def fused_experts_fp8(x: Tensor, routing: Routing, w13_q: Tensor, w13_scale: Ten
     topw = routing.topk_weights.reshape(-1).contiguous()
     if p.fold_sum:
         out = torch.empty_like(x)
-        launch_fp8_down(act, act_s, w2_q, w2_scale, rows, layout, topw, p.down, k, (counters, out))
+        launch_fp8_down(act, act_s, w2_q, w2_scale, rows, layout, topw, p.down, k, (counters, out), p.swap_ab)
         return out
-    launch_fp8_down(act, act_s, w2_q, w2_scale, rows, layout, topw, p.down, k)
+    launch_fp8_down(act, act_s, w2_q, w2_scale, rows, layout, topw, p.down, k, swap_ab=p.swap_ab)
     return rows.view(T, k, D).sum(dim=1)          # float32 accumulation, one rounding

@@ -9,6 +9,16 @@ with 64 x 128 tiles, 8 warps (0.52 / 1.60 ms, against bf16's 0.49 / 1.33: the 12
 two float32 accumulators spill). Every ``block_k`` divides 128 (one activation / weight scale
 column per K step).
 
+Decode now swaps the operands (``swap_ab``, 16 x 64 tiles for both GEMMs): the 16 x 32 / 16 x 64
+tiles above compiled for sm_90 to ``mma.sync ... f16.f16`` (Triton's mma v2 has no e4m3 on
+Hopper), every weight byte widened to float16 first (``cvt.rn.f16x2.e4m3x2``; the bf16 kernels,
+which need no widening, run at ~1.2x their bytes), while the transposed product puts the weight
+tile on wgmma's M side: ``wgmma ... e4m3.e4m3``, no widening, 64 / 56 registers, no spills
+(``benchmarks/kernel_ptx_report.py``). Its H200 timing is ``fp8_kernel_check.py``'s to give.
+Prefill keeps 64 x 128 tiles: compiled as the runtime specializes them (16-byte aligned pointers,
+strides divisible by 16, which is what pipelines the loads into cp.async copies) they spill
+nothing, gate_up with 8 warps and down with 4.
+
 Where activations are quantized (:class:`Fp8MoEPlan`'s flags; the results are the same bytes
 either way, only launches and traffic differ):
 
@@ -35,8 +45,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...errors import ConfigError
 from ..fused_moe.plan import GemmPlan, MoEPlan, by_rows_per_expert
 from .fp8 import BLOCK
+
+_WGMMA_M = 64
+"""Rows of one Hopper wgmma's M side (one warp group)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +61,12 @@ class Fp8MoEPlan:
     quant_x_on_load: bool = True
     quant_act_on_load: bool = True
     fold_sum: bool = False
+    swap_ab: bool = False
+    """Both GEMMs compute their products transposed (``dot(W tile, X tile^T)``): the weight's
+    block_n rows are the MMA's M side and the block_m token rows its N side, which lets Hopper
+    run a decode-sized row block on its e4m3 wgmma (a 16-row A operand takes mma.sync, which
+    has no e4m3 on sm_90: the weights were widened to float16). block_n is then the MMA's M
+    (64 or 128 with 4 warps) and block_m >= 16 (tl.dot's least)."""
 
     @property
     def block_m(self) -> int:
@@ -57,8 +77,8 @@ class Fp8MoEPlan:
 # On the H200 (e244292) quantizing on load ran 2.9-3.6x SLOWER than the separate launches at every
 # decode size (T 64: 0.577 against 0.169 ms; the register-quantized e4m3 tile goes through a layout
 # conversion before the MMA), and 4-5x at prefill: every table entry launches separately.
-_MOE_SMALL = Fp8MoEPlan(GemmPlan(16, 32, 128, 1, 4, 4), GemmPlan(16, 64, 128, 1, 4, 4),
-                        quant_x_on_load=False, quant_act_on_load=False)
+_MOE_SMALL = Fp8MoEPlan(GemmPlan(16, 64, 128, 1, 4, 4), GemmPlan(16, 64, 128, 1, 4, 4),
+                        quant_x_on_load=False, quant_act_on_load=False, swap_ab=True)
 _MOE_MEDIUM = Fp8MoEPlan(GemmPlan(64, 128, 128, 8, 8, 3), GemmPlan(64, 128, 128, 8, 4, 4),
                          quant_x_on_load=False, quant_act_on_load=False)
 _MOE_LARGE = _MOE_MEDIUM
@@ -106,8 +126,13 @@ def check_fp8_plan(g: GemmPlan, on_load: bool = False) -> None:
 
 
 def check_fp8_moe_plan(plan: Fp8MoEPlan) -> None:
-    """Both GEMMs' tiles (:func:`check_fp8_plan`) and one row block for both."""
+    """Both GEMMs' tiles (:func:`check_fp8_plan`) and one row block for both; swapped operands
+    need weight tiles (block_n) of whole 64-row wgmma M sides."""
     if plan.gate_up.block_m != plan.down.block_m:
         raise ValueError("both GEMMs walk the same aligned blocks: gate_up and down need one block_m")
+    for name, g in (("gate_up", plan.gate_up), ("down", plan.down)):
+        if plan.swap_ab and g.block_n % _WGMMA_M:
+            raise ConfigError(f"swap_ab: {name}.block_n must be a multiple of {_WGMMA_M} (the weight tile is the "
+                              f"MMA's M side), got {g.block_n}")
     check_fp8_plan(plan.gate_up, plan.quant_x_on_load)
     check_fp8_plan(plan.down, plan.quant_act_on_load)
