@@ -282,6 +282,9 @@ def test_fp8_plan_table():
             check_fp8_plan(GemmPlan(16, 64, bad, 1, 4, 1))
     with pytest.raises(ValueError, match="on load"):
         check_fp8_plan(GemmPlan(16, 64, 64, 1, 4, 1), on_load=True)
+    for bad_n in (96, 256):                            # one weight scale row per column tile
+        with pytest.raises(ConfigError, match="block_n"):
+            check_fp8_plan(GemmPlan(16, bad_n, 128, 1, 4, 1))
     with pytest.raises(ValueError, match="block_m"):
         check_fp8_moe_plan(Fp8MoEPlan(GemmPlan(16, 32, 128, 1, 4, 1), GemmPlan(32, 32, 128, 1, 4, 1)))
     with pytest.raises(ConfigError, match="gate_up.block_n"):

@@ -179,11 +179,12 @@ def _mma(a, b, SWAP_AB: tl.constexpr):
 
 @triton.jit
 def _scaled(p, sa, sb, SWAP_AB: tl.constexpr):
-    """One K step's product (:func:`_mma`) with the rows' scales ``sa`` and the columns' ``sb``."""
+    """One K step's product (:func:`_mma`) with the token rows' scales ``sa`` [BLOCK_M] and the
+    weight tile's one scale ``sb`` (a scalar: the tile lies in one 128-row scale block)."""
     if SWAP_AB:
-        r = p * sb[:, None] * sa[None, :]
+        r = p * sa[None, :] * sb
     else:
-        r = p * sa[:, None] * sb[None, :]
+        r = p * sa[:, None] * sb
     return r
 
 
@@ -197,47 +198,48 @@ def _acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constex
 
 
 @triton.jit
-def _scaled_dot(a_rows, as_rows, b_base, b_rows, bs_cols, K,
+def _scaled_dot(a_rows, as_rows, b_base, b_rows, bs_row, K,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
                 ON_LOAD: tl.constexpr, EXACT: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] float32 = sum over k of (a[m, k] a_s[m, k // GROUP]) (b[n, k] b_s[n, k // GROUP]);
     with SWAP_AB its transpose [BLOCK_N, BLOCK_M] (:func:`_scaled_mma`).
 
     a_rows [BLOCK_M]: pointers to the rows' first K element (K contiguous); b_base + b_rows
-    [BLOCK_N] (int32 offsets): the weight rows' first element; as_rows / bs_cols: pointers to
-    their first scale (scale columns contiguous); every row in bounds. ON_LOAD: A is float,
+    [BLOCK_N] (int32 offsets): the weight rows' first element, every row in bounds; as_rows: the
+    rows' first scale, bs_row: the weight tile's (scale columns contiguous; one scale row for the
+    tile, whose block_n divides GROUP: a scalar per K step, not a vector held per thread). ON_LOAD: A is float,
     quantized per K step (:func:`_a_tile`)."""
     b_offs = _b_offsets(b_rows, BLOCK_K, SWAP_AB)
     acc = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
-    sa, sb = _scale_at(as_rows, 0, K, GROUP), _scale_at(bs_cols, 0, K, GROUP)
+    sa, sb = _scale_at(as_rows, 0, K, GROUP), _scale_at(bs_row, 0, K, GROUP)
     for k0 in range(0, K, BLOCK_K):
         a, sa = _a_tile(a_rows, sa, k0, K, ON_LOAD, BLOCK_K, EVEN_K, EXACT)
         p = _mma(a, _b_tile(b_base, b_offs, k0, K, BLOCK_K, EVEN_K, SWAP_AB), SWAP_AB)
-        sa_next, sb_next = _scale_at(as_rows, k0 + BLOCK_K, K, GROUP), _scale_at(bs_cols, k0 + BLOCK_K, K, GROUP)
+        sa_next, sb_next = _scale_at(as_rows, k0 + BLOCK_K, K, GROUP), _scale_at(bs_row, k0 + BLOCK_K, K, GROUP)
         acc += _scaled(p, sa, sb, SWAP_AB)
         sa, sb = sa_next, sb_next
     return acc
 
 
 @triton.jit
-def _scaled_dot_pair(a_rows, as_rows, b_base, g_rows, gs_cols, u_off, us_off, K,
+def _scaled_dot_pair(a_rows, as_rows, b_base, g_rows, gs_row, u_off, us_off, K,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
                      ON_LOAD: tl.constexpr, EXACT: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr):
     """:func:`_scaled_dot` against two weights sharing each A tile, the gate's (rows ``g_rows``,
-    scales ``gs_cols``) and the up's (``u_off`` / ``us_off`` elements further): (acc_g, acc_u).
+    scale row ``gs_row``) and the up's (``u_off`` / ``us_off`` elements further): (acc_g, acc_u).
     Both MMAs are issued before either product is scaled."""
     g_offs = _b_offsets(g_rows, BLOCK_K, SWAP_AB)
     acc_g = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     acc_u = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
-    us_cols = gs_cols + us_off
-    sa, sg, su = _scale_at(as_rows, 0, K, GROUP), _scale_at(gs_cols, 0, K, GROUP), _scale_at(us_cols, 0, K, GROUP)
+    us_row = gs_row + us_off
+    sa, sg, su = _scale_at(as_rows, 0, K, GROUP), _scale_at(gs_row, 0, K, GROUP), _scale_at(us_row, 0, K, GROUP)
     for k0 in range(0, K, BLOCK_K):
         a, sa = _a_tile(a_rows, sa, k0, K, ON_LOAD, BLOCK_K, EVEN_K, EXACT)
         pg = _mma(a, _b_tile(b_base, g_offs, k0, K, BLOCK_K, EVEN_K, SWAP_AB), SWAP_AB)
         pu = _mma(a, _b_tile(b_base + u_off, g_offs, k0, K, BLOCK_K, EVEN_K, SWAP_AB), SWAP_AB)
         nk = k0 + BLOCK_K
-        sa_next, sg_next, su_next = _scale_at(as_rows, nk, K, GROUP), _scale_at(gs_cols, nk, K, GROUP), \
-            _scale_at(us_cols, nk, K, GROUP)
+        sa_next, sg_next, su_next = _scale_at(as_rows, nk, K, GROUP), _scale_at(gs_row, nk, K, GROUP), \
+            _scale_at(us_row, nk, K, GROUP)
         acc_g += _scaled(pg, sa, sg, SWAP_AB)
         acc_u += _scaled(pu, sa, su, SWAP_AB)
         sa, sg, su = sa_next, sg_next, su_next
@@ -259,7 +261,7 @@ def fp8_gemm_kernel(A, AS, B, BS, BIAS, C, M, N, K, stride_am, stride_asm, strid
     nmask = offs_n < N
     rows, cols = offs_m % M, (offs_n % N).to(tl.int32)
     acc = _scaled_dot(A + rows * stride_am, AS + rows * stride_asm, B, cols * stride_bn,
-                      BS + (cols // GROUP) * stride_bsn, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, ON_LOAD, EXACT,
+                      BS + (pid_n * BLOCK_N // GROUP) * stride_bsn, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, ON_LOAD, EXACT,
                       False, EVEN_K)
     if HAS_BIAS:
         acc += tl.load(BIAS + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -309,7 +311,7 @@ def fp8_moe_gate_up_kernel(
     n64 = offs_n.to(tl.int64)
     cols = offs_n % I
     acc_g, acc_u = _scaled_dot_pair(X + tok * stride_xt, XS + tok * stride_xst, W + e * stride_we, cols * stride_wn,
-                                    WS + e * stride_wse + (cols // GROUP) * stride_wsn, I * stride_wn,
+                                    WS + e * stride_wse + (tl.min(offs_n, axis=0) // GROUP) * stride_wsn, I * stride_wn,
                                     tl.cdiv(I, GROUP) * stride_wsn, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, ON_LOAD,
                                     EXACT, SWAP_AB, EVEN_K)
     act = acc_g * tl.sigmoid(acc_g) * acc_u
@@ -363,7 +365,7 @@ def fp8_moe_down_kernel(
     arow = tl.where(rmask, pairs, 0).to(tl.int64)
     cols = offs_n % N
     acc = _scaled_dot(A + arow * stride_an, AS + arow * stride_asn, W + e * stride_we, cols * stride_wn,
-                      WS + e * stride_wse + (cols // GROUP) * stride_wsn, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP,
+                      WS + e * stride_wse + (tl.min(offs_n, axis=0) // GROUP) * stride_wsn, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP,
                       ON_LOAD, EXACT, SWAP_AB, EVEN_K)
     if SWAP_AB:
         acc = tl.trans(acc)

@@ -117,10 +117,14 @@ def fuses_act_quant(plan: Fp8MoEPlan) -> bool:
 
 
 def check_fp8_plan(g: GemmPlan, on_load: bool = False) -> None:
-    """A plan whose K step straddles two scale columns is a ValueError; so is a plan quantizing on
-    load (``on_load``) whose K step is not exactly one 128-column group."""
+    """A plan whose K step straddles two scale columns is a ValueError, so is one whose column tile
+    straddles two weight scale rows (the kernels load one weight scale per tile and K step); so is
+    a plan quantizing on load (``on_load``) whose K step is not exactly one 128-column group."""
     if g.block_k <= 0 or BLOCK % g.block_k or g.block_k < 32:
         raise ValueError(f"FP8 block_k must divide {BLOCK} (and be >= 32, the FP8 MMA's K), got {g.block_k}")
+    if g.block_n <= 0 or BLOCK % g.block_n:
+        raise ConfigError(f"FP8 block_n must divide {BLOCK} (a tile's columns share one weight scale row), "
+                          f"got {g.block_n}")
     if on_load and g.block_k != BLOCK:
         raise ValueError(f"quantizing on load needs block_k == {BLOCK} (one group per K step), got {g.block_k}")
 
