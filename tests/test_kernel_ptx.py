@@ -6,7 +6,13 @@ the suite sets); no GPU is needed. What the interpreter cannot show is checked i
 * on the FP8 pool the K / V tiles widen to float16 in one conversion per pair of elements
   (``cvt.rn.f16x2.e4m3x2``) and the MMAs run in float16: no widening through float32 to
   bfloat16 (``cvt.f32.f16`` then ``cvt.rn.bf16x2.f32``, which bound the H200's FP8-pool decode
-  attention at 1.87x its bytes) is left in the decode kernel.
+  attention at 1.87x its bytes) is left in the decode kernel;
+* the FP8 fused MoE's kernels (``benchmarks/kernel_ptx_report.py``, specialized as the runtime
+  specializes them: aligned pointers and strides, which pipelines the loads): the decode plan's
+  gate_up and down run e4m3 wgmma (swapped operands) with no float16 widening of the weights and
+  no spills (the 16-row tiles before ran ``mma.sync ... f16.f16`` after a ``cvt.rn.f16x2.e4m3x2``
+  of every weight pair); prefill-size tiles spill nothing: the table's, and the 64 x 128 gate_up
+  with 4 warps and the 128 x 128 tiles that spilled 408 / 700 bytes before the scalar weight scale.
 """
 from __future__ import annotations
 
@@ -49,6 +55,19 @@ for kv in ("fp8e4nv", "bf16"):
                                                             KV_FP8=fp8))
     out["prefill_" + kv] = ops(paged_prefill_kernel, ptr, dict(GROUP=8, HEAD_DIM=128, PAGE=16, BLOCK_M=64, BLOCK_N=64,
                                                               IEEE=False, KV_FP8=fp8))
+from benchmarks.kernel_ptx_report import plan_stats
+from ainfer_pd.engine.quant.fp8_plan import fp8_moe_plan
+
+def moe(p, swap):
+    return plan_stats(p.block_m, p.block_n, p.block_k, p.group_m, p.num_warps, p.num_stages, swap)
+
+decode, prefill = fp8_moe_plan(8, 128), fp8_moe_plan(8 * 8192, 128)
+out["moe_decode"] = {"gate_up": moe(decode.gate_up, decode.swap_ab)["gate_up"],
+                     "down": moe(decode.down, decode.swap_ab)["down"]}
+out["moe_prefill"] = {"gate_up": moe(prefill.gate_up, prefill.swap_ab)["gate_up"],
+                      "down": moe(prefill.down, prefill.swap_ab)["down"]}
+out["moe_gate_up_64x128_w4"] = plan_stats(64, 128, 128, 8, 4, 3)["gate_up"]
+out["moe_128x128_w8"] = plan_stats(128, 128, 128, 8, 8, 3)
 print(json.dumps(out))
 '''
 
@@ -87,3 +106,19 @@ def test_bf16_pool_kernels_keep_bf16_mmas(ptx_ops):
         ops = ptx_ops[name]
         assert _mmas(ops) and all("bf16" in op for op in _mmas(ops)), ops
         assert ops.get("cvt.rn.f16x2.e4m3x2", 0) == 0, ops
+
+
+def test_fp8_moe_decode_plan_runs_e4m3_wgmma_without_widening_or_spills(ptx_ops):
+    for kernel, s in ptx_ops["moe_decode"].items():
+        mmas = list(s["mma"])
+        assert mmas and all(m.startswith("wgmma.mma_async") and m.endswith(".e4m3.e4m3") for m in mmas), (kernel, s)
+        assert s["cvt_f16"] == 0 and s["spill"] == 0, (kernel, s)
+
+
+def test_fp8_moe_prefill_tiles_spill_nothing(ptx_ops):
+    tiles = {**{"table " + k: s for k, s in ptx_ops["moe_prefill"].items()},
+             "gate_up 64x128 4 warps": ptx_ops["moe_gate_up_64x128_w4"],
+             **{"128x128 " + k: s for k, s in ptx_ops["moe_128x128_w8"].items()}}
+    for name, s in tiles.items():
+        assert s["spill"] == 0 and s["cvt_f16"] == 0, (name, s)
+        assert s["mma"] and all(".e4m3.e4m3" in m for m in s["mma"]), (name, s)
