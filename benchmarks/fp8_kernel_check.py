@@ -24,14 +24,16 @@ timings against the HBM bound, and tile / path sweeps (one H200, < 120 s).
   at 4.8 TB/s, and a FLOP bound (H200 dense: 1979 TFLOP/s FP8, 989 bf16) for the roofline ratio.
 * ``sweep_T*``: the quantize-on-load path against the separate-launch path (the previous best
   tiles, 16 x 32 gate_up / 16 x 64 down, 4 warps, 4 stages; prefill 64 x 128, 8 warps, 3 stages),
-  the fold, and a few tiles around them, graph-timed up to T = 128; the best per size.
+  the swapped-operand decode plans (the table's 16 x 64 / 16 x 64 on e4m3 wgmma, act quantized
+  in a 16 x 128 gate_up's epilogue, a 16 x 128 down, on load with the fold), the fold, the
+  prefill tiles that no longer spill (64 x 128 gate_up with 4 warps, 128 x 128), graph-timed up to
+  T = 128; the best per size, and ``swap_over_separate``. ``--tiles`` runs only these sweeps.
   ``sweep_linear_*``: dense-GEMM plans at one row, x quantized on load or by its own launch.
   The sweeps stop past ``--budget-s``.
 
 Every figure is a ``FIG name = json`` line.
 
-    python benchmarks/fp8_kernel_check.py [--budget-s 100] [--out fp8.json]
-    python benchmarks/fp8_kernel_check.py --tiles --budget-s 240    # the tile grid (tile_grid())
+    python benchmarks/fp8_kernel_check.py [--budget-s 100] [--out fp8.json] [--tiles]
     python benchmarks/fp8_kernel_check.py --smoke      # CPU, TRITON_INTERPRET=1, tiny shapes
 """
 from __future__ import annotations
@@ -84,8 +86,15 @@ FULL = Shape(2048, 128, 8, 768, (1, 16, 64, 128), (2048, 8192), (1, 16, 64), ((5
 SMOKE = Shape(256, 8, 2, 192, (1, 4), (24,), (1, 5), ((320, 256), (256, 200)), 1, 1)
 _D_GU, _D_DN = GemmPlan(16, 32, 128, 1, 4, 4), GemmPlan(16, 64, 128, 1, 4, 4)     # the previous decode best
 _P_GU, _P_DN = GemmPlan(64, 128, 128, 8, 8, 3), GemmPlan(64, 128, 128, 8, 4, 4)    # the previous prefill best
+_S_GU, _S_DN = GemmPlan(16, 64, 128, 1, 4, 4), GemmPlan(16, 64, 128, 1, 4, 4)     # swapped operands (the table's)
 SWEEP = {   # name -> plan (a plain MoEPlan: x / act quantized by launches of their own, a torch sum)
     "separate": MoEPlan(_D_GU, _D_DN),
+    "swap": Fp8MoEPlan(_S_GU, _S_DN, quant_x_on_load=False, quant_act_on_load=False, swap_ab=True),
+    "swap_gu128_fused": Fp8MoEPlan(GemmPlan(16, 128, 128, 1, 4, 4), _S_DN, quant_x_on_load=False,
+                                   quant_act_on_load=False, swap_ab=True),
+    "swap_dn128": Fp8MoEPlan(_S_GU, GemmPlan(16, 128, 128, 1, 4, 4), quant_x_on_load=False,
+                             quant_act_on_load=False, swap_ab=True),
+    "swap_load_fold": Fp8MoEPlan(_S_GU, _S_DN, fold_sum=True, swap_ab=True),
     "load": Fp8MoEPlan(_D_GU, _D_DN),
     "load_fold": Fp8MoEPlan(_D_GU, _D_DN, fold_sum=True),
     "load_w2": Fp8MoEPlan(GemmPlan(16, 32, 128, 1, 2, 4), GemmPlan(16, 64, 128, 1, 2, 4)),
@@ -98,31 +107,9 @@ PREFILL_SWEEP = {
     "x_load": Fp8MoEPlan(_P_GU, _P_DN, quant_act_on_load=False),
     "load_fold": Fp8MoEPlan(_P_GU, _P_DN, fold_sum=True),
     "x_load_w4": Fp8MoEPlan(GemmPlan(64, 128, 128, 8, 4, 3), _P_DN, quant_act_on_load=False),
+    "gu_w4": MoEPlan(GemmPlan(64, 128, 128, 8, 4, 3), _P_DN),                 # spilled before the scalar scale
+    "t128": MoEPlan(GemmPlan(128, 128, 128, 8, 8, 3), GemmPlan(128, 128, 128, 8, 8, 3)),     # likewise
 }
-def tile_grid(decode: bool) -> dict:
-    """``--tiles``: the separate-launch path (the tables' path) over a grid of tiles around the
-    tables' (every K step one 128-column scale group): decode 16-row tiles, gate_up / down
-    column tiles (32, 64) / (64, 128) / (32, 128), 2 or 4 warps, 3 to 6 stages; prefill 64- and
-    128-row tiles of 64 to 256 columns, 4 or 8 warps, 3 or 4 stages (128 x 256 left out: its
-    two float32 accumulators alone fill the register file)."""
-    grid = {}
-    if decode:
-        for gu_n, dn_n in ((32, 64), (64, 128), (32, 128)):
-            for w in (2, 4):
-                for st in (3, 4, 6):
-                    grid[f"d{gu_n}x{dn_n}_w{w}_s{st}"] = MoEPlan(GemmPlan(16, gu_n, 128, 1, w, st),
-                                                                  GemmPlan(16, dn_n, 128, 1, w, st))
-        return grid
-    for m in (64, 128):
-        for n in (64, 128, 256):
-            if m * n > 128 * 128:
-                continue
-            for w in (4, 8):
-                for st in (3, 4):
-                    grid[f"p{m}x{n}_w{w}_s{st}"] = MoEPlan(GemmPlan(m, n, 128, 8, w, st), GemmPlan(m, n, 128, 8, w, st))
-    return grid
-
-
 LINEAR_SWEEP = ((GemmPlan(16, 32, 128, 1, 4, 4), True), (GemmPlan(16, 32, 128, 1, 4, 4), False),
                 (GemmPlan(16, 64, 128, 1, 4, 4), True), (GemmPlan(16, 128, 128, 1, 4, 3), True))
 
@@ -279,7 +266,7 @@ def check_moe(s: Shape, ex: Experts) -> None:
     """Every plan of the table and each path at the decode sizes, the table's and the on-load
     path at a prefill size; the on-load and separate paths with the same tiles bit for bit."""
     plans = {"small": fp8_moe_plan(1, s.E), "medium": fp8_moe_plan(32 * s.E, s.E), "large": fp8_moe_plan(1 << 30, s.E),
-             "separate": SWEEP["separate"], "load_fold": SWEEP["load_fold"]}
+             "separate": SWEEP["separate"], "load_fold": SWEEP["load_fold"], "swap_load_fold": SWEEP["swap_load_fold"]}
     rows, equal = {}, {}
     for T in s.err_T + s.prefill[:1]:
         x, r = tokens(s, ex, T, seed=T)
@@ -393,7 +380,9 @@ def sweep(s: Shape, ex: Experts, budget: float, sizes: tuple[int, ...], plans: d
             fig(f"sweep_T{T}", {"best": best, "best_plan": _moe_plan_desc(plans[best]), "ms": rows[best],
                                 "hbm_bound_ms": round(hbm, 4), "ratio": round(rows[best] / hbm, 2),
                                 "load_over_separate": round(rows["load"] / rows["separate"], 3)
-                                if {"load", "separate"} <= rows.keys() else None, "all_ms": rows})
+                                if {"load", "separate"} <= rows.keys() else None,
+                                "swap_over_separate": round(rows["swap"] / rows["separate"], 3)
+                                if {"swap", "separate"} <= rows.keys() else None, "all_ms": rows})
 
 
 def sweep_linear(s: Shape, budget: float, plans: tuple[tuple[GemmPlan, bool], ...]) -> None:
@@ -424,7 +413,7 @@ def _plan_tuple(g: GemmPlan) -> list[int]:
 def _moe_plan_desc(plan: MoEPlan | Fp8MoEPlan) -> dict:
     p = as_fp8_moe_plan(plan)
     return {"gate_up": _plan_tuple(p.gate_up), "down": _plan_tuple(p.down), "x_on_load": p.quant_x_on_load,
-            "act_on_load": p.quant_act_on_load, "fold_sum": p.fold_sum}
+            "act_on_load": p.quant_act_on_load, "fold_sum": p.fold_sum, "swap_ab": p.swap_ab}
 
 
 def main() -> None:
@@ -433,8 +422,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes")
     ap.add_argument("--budget-s", type=float, default=100.0, help="the sweep stops past this many seconds")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
-    ap.add_argument("--tiles", action="store_true",
-                    help="sweep the grid of tiles of tile_grid() (separate-launch path) instead of the path sweep")
+    ap.add_argument("--tiles", action="store_true", help="only the fused-MoE tile / path sweeps")
     args = ap.parse_args()
     DEV = torch.device("cpu" if args.smoke else "cuda")
     s = SMOKE if args.smoke else FULL
@@ -442,21 +430,19 @@ def main() -> None:
           f"D={s.D} E={s.E} k={s.k} I={s.I}", flush=True)
     with torch.inference_mode():
         ex = make_experts(s)
-        check_act_quant(s)
-        check_linear(s)
-        check_moe(s, ex)
-        check_graph(s, ex)
-        check_fold(s, ex, replays=40 if DEV.type == "cuda" else 2)
-        for T in s.decode + s.prefill:
-            fig(f"moe_T{T}", time_moe(s, ex, T))
+        if not args.tiles:
+            check_act_quant(s)
+            check_linear(s)
+            check_moe(s, ex)
+            check_graph(s, ex)
+            check_fold(s, ex, replays=40 if DEV.type == "cuda" else 2)
+            for T in s.decode + s.prefill:
+                fig(f"moe_T{T}", time_moe(s, ex, T))
         few = 3 if args.smoke else None                # the smoke run: the sweeps' code, not their figures
         budget = float("inf") if args.smoke else args.budget_s
-        if args.tiles:
-            sweep(s, ex, budget, s.decode, dict(list(tile_grid(True).items())[:few]))
-            sweep(s, ex, budget, s.prefill, dict(list(tile_grid(False).items())[:few]))
-        else:
-            sweep(s, ex, budget, s.decode, dict(list(SWEEP.items())[:few]))
-            sweep(s, ex, budget, s.prefill, dict(list(PREFILL_SWEEP.items())[:few]))
+        sweep(s, ex, budget, s.decode, dict(list(SWEEP.items())[:few]))
+        sweep(s, ex, budget, s.prefill, dict(list(PREFILL_SWEEP.items())[:few]))
+        if not args.tiles:
             sweep_linear(s, budget, LINEAR_SWEEP[:few])
     fig("elapsed_s", round(time.time() - T0, 1))
     if args.out:
