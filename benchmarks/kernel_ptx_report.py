@@ -92,8 +92,8 @@ def plan_stats(bm: int, bn: int, bk: int, gm: int, warps: int, stages: int, swap
     fq = bn == 128 if fuse_quant is None else fuse_quant
     out = {}
     if "gate_up" in kernels:
-        out["gate_up"] = compile_stats(fp8_moe_gate_up_kernel, *gate_up_args(fq), dict(common, FUSE_QUANT=fq, NCNT_PAD=1),
-                                       warps, stages)
+        out["gate_up"] = compile_stats(fp8_moe_gate_up_kernel, *gate_up_args(fq),
+                                       dict(common, FUSE_QUANT=fq, NCNT_PAD=1), warps, stages)
     if "down" in kernels:
         out["down"] = compile_stats(fp8_moe_down_kernel, DOWN_PTRS, DOWN_INTS, common, warps, stages)
     return out

@@ -9,8 +9,23 @@ column (``GROUP % BLOCK_K == 0``) and is accumulated as ``acc += dot(a, b) * a_s
 b_s[None, :]``: the FP8 product of one step is promoted to the float32 accumulator with both
 scales applied (on Hopper the fp8 MMA's own accumulation is reduced-precision, so one promotion
 per <= 128 K keeps the error at the quantization's). B tiles are loaded ``[BLOCK_K, BLOCK_N]``
-through transposed pointers of the ``[N, K]`` weight, so both dot operands are K-major, as
-Hopper's FP8 MMA wants.
+through transposed offsets of the ``[N, K]`` weight, so both dot operands are K-major, as
+Hopper's FP8 MMA wants. A column tile lies in one weight scale row (``GROUP % BLOCK_N == 0``):
+one scalar weight scale per tile and K step. Each step's scales are loaded during the step
+before (:func:`_scale_at`).
+
+Swapped operands (``SWAP_AB``, the MoE kernels): each step computes ``dot(W tile [BLOCK_N,
+BLOCK_K], A tile^T)``, the transposed product, so the weight's rows are the MMA's M side: a
+16-row decode block on sm_90 otherwise takes ``mma.sync`` (no e4m3 there), every weight byte
+widened to float16 first; swapped it runs e4m3 ``wgmma`` (m64 per warp group). The epilogue
+transposes the accumulator back once. On the H200 (Qwen3-30B-A3B, decode T 16 / 64 / 128) that
+took the MoE from 1.46 / 1.38 / 1.43x to 1.41 / 1.35 / 1.40x its weight bytes: the widening was
+not the main cost.
+
+Loads carry no column mask (weight columns past N wrap to the start, ``offs_n % N``; their
+results are not stored) and no K mask when ``EVEN_K`` (BLOCK_K divides K); A rows past the
+block's real rows keep their row mask (a decode block is mostly padding: read, it made the H200's
+decode MoE ~20% slower), their pointers clamped to a real row for the scale loads.
 
 Fused MoE layout: the aligned rows of :mod:`..fused_moe` (``SORTED`` pair ids grouped by expert,
 ``BLOCK_EXPERT``, ``NUM_POST``; pair = token * TOPK + slot). ``fp8_moe_gate_up_kernel`` reads the
@@ -109,18 +124,20 @@ def token_group_quant_kernel(X, Q, S, T, K, stride_x, stride_q, stride_s,
 
 
 @triton.jit
-def _a_tile(a_rows, sa, k0, K, ON_LOAD: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+def _a_tile(a_rows, rmask, sa, k0, K, ON_LOAD: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
             EXACT: tl.constexpr):
     """One K step's A operand and its per-row scale: (a [BLOCK_M, BLOCK_K] float8, s [BLOCK_M]).
-    ``a_rows`` [BLOCK_M] point at in-bounds rows (the callers point masked rows at a real one: no
-    row mask), K masked unless ``EVEN_K``. ON_LOAD: float rows, quantized here (``BLOCK_K ==
+    ``a_rows`` [BLOCK_M] point at in-bounds rows (the callers point masked rows at a real one, so
+    the scale loads need no mask); the rows past ``rmask`` are not read (a decode block is mostly
+    padding: read, its rows added a quarter to the weights' traffic and slowed decode on the
+    H200), K is masked unless ``EVEN_K``. ON_LOAD: float rows, quantized here (``BLOCK_K ==
     GROUP``: the step is one whole group; zeros past K, as the oracle's padding); else float8
     rows whose scale ``sa`` the caller loaded (:func:`_scale_at`)."""
     kk = k0 + tl.arange(0, BLOCK_K)
     if EVEN_K:
-        a = tl.load(a_rows[:, None] + kk[None, :])
+        a = tl.load(a_rows[:, None] + kk[None, :], mask=rmask[:, None], other=0.0)
     else:
-        a = tl.load(a_rows[:, None] + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+        a = tl.load(a_rows[:, None] + kk[None, :], mask=rmask[:, None] & (kk < K)[None, :], other=0.0)
     if ON_LOAD:
         q, s = _quant_tile(a.to(tl.float32), EXACT)
     else:
@@ -198,7 +215,7 @@ def _acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constex
 
 
 @triton.jit
-def _scaled_dot(a_rows, as_rows, b_base, b_rows, bs_row, K,
+def _scaled_dot(a_rows, as_rows, rmask, b_base, b_rows, bs_row, K,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
                 ON_LOAD: tl.constexpr, EXACT: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] float32 = sum over k of (a[m, k] a_s[m, k // GROUP]) (b[n, k] b_s[n, k // GROUP]);
@@ -213,7 +230,7 @@ def _scaled_dot(a_rows, as_rows, b_base, b_rows, bs_row, K,
     acc = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     sa, sb = _scale_at(as_rows, 0, K, GROUP), _scale_at(bs_row, 0, K, GROUP)
     for k0 in range(0, K, BLOCK_K):
-        a, sa = _a_tile(a_rows, sa, k0, K, ON_LOAD, BLOCK_K, EVEN_K, EXACT)
+        a, sa = _a_tile(a_rows, rmask, sa, k0, K, ON_LOAD, BLOCK_K, EVEN_K, EXACT)
         p = _mma(a, _b_tile(b_base, b_offs, k0, K, BLOCK_K, EVEN_K, SWAP_AB), SWAP_AB)
         sa_next, sb_next = _scale_at(as_rows, k0 + BLOCK_K, K, GROUP), _scale_at(bs_row, k0 + BLOCK_K, K, GROUP)
         acc += _scaled(p, sa, sb, SWAP_AB)
@@ -222,7 +239,7 @@ def _scaled_dot(a_rows, as_rows, b_base, b_rows, bs_row, K,
 
 
 @triton.jit
-def _scaled_dot_pair(a_rows, as_rows, b_base, g_rows, gs_row, u_off, us_off, K,
+def _scaled_dot_pair(a_rows, as_rows, rmask, b_base, g_rows, gs_row, u_off, us_off, K,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
                      ON_LOAD: tl.constexpr, EXACT: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr):
     """:func:`_scaled_dot` against two weights sharing each A tile, the gate's (rows ``g_rows``,
@@ -234,7 +251,7 @@ def _scaled_dot_pair(a_rows, as_rows, b_base, g_rows, gs_row, u_off, us_off, K,
     us_row = gs_row + us_off
     sa, sg, su = _scale_at(as_rows, 0, K, GROUP), _scale_at(gs_row, 0, K, GROUP), _scale_at(us_row, 0, K, GROUP)
     for k0 in range(0, K, BLOCK_K):
-        a, sa = _a_tile(a_rows, sa, k0, K, ON_LOAD, BLOCK_K, EVEN_K, EXACT)
+        a, sa = _a_tile(a_rows, rmask, sa, k0, K, ON_LOAD, BLOCK_K, EVEN_K, EXACT)
         pg = _mma(a, _b_tile(b_base, g_offs, k0, K, BLOCK_K, EVEN_K, SWAP_AB), SWAP_AB)
         pu = _mma(a, _b_tile(b_base + u_off, g_offs, k0, K, BLOCK_K, EVEN_K, SWAP_AB), SWAP_AB)
         nk = k0 + BLOCK_K
@@ -260,7 +277,7 @@ def fp8_gemm_kernel(A, AS, B, BS, BIAS, C, M, N, K, stride_am, stride_asm, strid
     mmask = offs_m < M
     nmask = offs_n < N
     rows, cols = offs_m % M, (offs_n % N).to(tl.int32)
-    acc = _scaled_dot(A + rows * stride_am, AS + rows * stride_asm, B, cols * stride_bn,
+    acc = _scaled_dot(A + rows * stride_am, AS + rows * stride_asm, mmask, B, cols * stride_bn,
                       BS + (pid_n * BLOCK_N // GROUP) * stride_bsn, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, ON_LOAD, EXACT,
                       False, EVEN_K)
     if HAS_BIAS:
@@ -310,7 +327,8 @@ def fp8_moe_gate_up_kernel(
                      mask=rmask[:, None] & (c < NCNT)[None, :])
     n64 = offs_n.to(tl.int64)
     cols = offs_n % I
-    acc_g, acc_u = _scaled_dot_pair(X + tok * stride_xt, XS + tok * stride_xst, W + e * stride_we, cols * stride_wn,
+    acc_g, acc_u = _scaled_dot_pair(X + tok * stride_xt, XS + tok * stride_xst, rmask, W + e * stride_we,
+                                    cols * stride_wn,
                                     WS + e * stride_wse + (tl.min(offs_n, axis=0) // GROUP) * stride_wsn, I * stride_wn,
                                     tl.cdiv(I, GROUP) * stride_wsn, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, ON_LOAD,
                                     EXACT, SWAP_AB, EVEN_K)
@@ -364,9 +382,9 @@ def fp8_moe_down_kernel(
     n64 = offs_n.to(tl.int64)
     arow = tl.where(rmask, pairs, 0).to(tl.int64)
     cols = offs_n % N
-    acc = _scaled_dot(A + arow * stride_an, AS + arow * stride_asn, W + e * stride_we, cols * stride_wn,
-                      WS + e * stride_wse + (tl.min(offs_n, axis=0) // GROUP) * stride_wsn, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP,
-                      ON_LOAD, EXACT, SWAP_AB, EVEN_K)
+    acc = _scaled_dot(A + arow * stride_an, AS + arow * stride_asn, rmask, W + e * stride_we, cols * stride_wn,
+                      WS + e * stride_wse + (tl.min(offs_n, axis=0) // GROUP) * stride_wsn, K, BLOCK_M, BLOCK_N,
+                      BLOCK_K, GROUP, ON_LOAD, EXACT, SWAP_AB, EVEN_K)
     if SWAP_AB:
         acc = tl.trans(acc)
     w = tl.load(TOPW + prow, mask=rmask, other=0.0).to(tl.float32)

@@ -14,10 +14,14 @@ tiles above compiled for sm_90 to ``mma.sync ... f16.f16`` (Triton's mma v2 has 
 Hopper), every weight byte widened to float16 first (``cvt.rn.f16x2.e4m3x2``; the bf16 kernels,
 which need no widening, run at ~1.2x their bytes), while the transposed product puts the weight
 tile on wgmma's M side: ``wgmma ... e4m3.e4m3``, no widening, 64 / 56 registers, no spills
-(``benchmarks/kernel_ptx_report.py``). Its H200 timing is ``fp8_kernel_check.py``'s to give.
-Prefill keeps 64 x 128 tiles: compiled as the runtime specializes them (16-byte aligned pointers,
-strides divisible by 16, which is what pipelines the loads into cp.async copies) they spill
-nothing, gate_up with 8 warps and down with 4.
+(``benchmarks/kernel_ptx_report.py``). On the H200: 0.0297 / 0.114 / 0.1655 / 0.1764 ms at T = 1
+/ 16 / 64 / 128, 1.41 / 1.35 / 1.40x the bytes at T 16-128, against 0.030 / 0.118 / 0.169 / 0.180
+for the 16 x 32 / 16 x 64 tiles of the kernels before (a 16 x 128 down with 3 stages measured
+1-1.5% faster at T 16-128 and 6% slower at T 1). Prefill keeps 64 x 128 tiles: compiled as the
+runtime specializes them (16-byte aligned pointers, strides divisible by 16, which is what
+pipelines the loads into cp.async copies) they spill nothing, gate_up with 8 warps and down with
+4; with one weight scale per tile they ran 0.461 / 1.386 ms at T 2,048 / 8,192 (were 0.514 /
+1.591); 128 x 128 tiles, which no longer spill (3.75 ms before), 0.512 / 1.390.
 
 Where activations are quantized (:class:`Fp8MoEPlan`'s flags; the results are the same bytes
 either way, only launches and traffic differ):
