@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 _MMA = re.compile(r"^\s*((?:wgmma\.mma_async|mma\.sync)[\w.]*)", re.M)
 _CVT = re.compile(r"^\s*(cvt\.rn\.f16x2\.e4m3x2)", re.M)
+_OPS = re.compile(r"^\s*((?:cvt|mma|wgmma)[\w.]*)", re.M)
 _D, _I, _NB_D, _NB_I = 2048, 768, 16, 6           # Qwen3-30B-A3B: hidden, expert intermediate, their 128-blocks
 _LAYOUT = {"SORTED": "*i32", "BLOCK_EXPERT": "*i32", "NUM_POST": "*i32"}
 # The integer arguments' values at the launch: the runtime specializes each one divisible by 16
@@ -65,8 +66,9 @@ def _ptxas_info(ptx: str) -> tuple[int, int]:
 
 
 def compile_stats(kernel, ptr_types: dict, ints: dict, const: dict, warps: int, stages: int) -> dict:
-    """regs, spill bytes, MMA instruction counts and e4m3 -> float16 widenings of one compile,
-    specialized as the runtime would for ``ints`` (every pointer 16-byte aligned)."""
+    """regs, spill bytes, MMA instruction counts, e4m3 -> float16 widenings and every conversion /
+    MMA mnemonic's count (``ops``) of one compile, specialized as the runtime would for ``ints``
+    (every pointer 16-byte aligned)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -74,12 +76,13 @@ def compile_stats(kernel, ptr_types: dict, ints: dict, const: dict, warps: int, 
     const = {k: v for k, v in const.items() if k in params}
     sig = {p: "constexpr" if p in const else ptr_types.get(p, "i32") for p in params}
     aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
-               if p in ptr_types or (p in ints and p not in _UNSPECIALIZED and ints[p] % 16 == 0)}
+               if ptr_types.get(p, "").startswith("*") or (p in ints and p not in _UNSPECIALIZED and ints[p] % 16 == 0)}
     k = triton.compile(ASTSource(kernel, sig, const, aligned), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps, "num_stages": stages})
     ptx = k.asm["ptx"]
     regs, spill = _ptxas_info(ptx)
-    return {"regs": regs, "spill": spill, "mma": dict(Counter(_MMA.findall(ptx))), "cvt_f16": len(_CVT.findall(ptx))}
+    return {"regs": regs, "spill": spill, "mma": dict(Counter(_MMA.findall(ptx))), "cvt_f16": len(_CVT.findall(ptx)),
+            "ops": dict(Counter(_OPS.findall(ptx)))}
 
 
 def plan_stats(bm: int, bn: int, bk: int, gm: int, warps: int, stages: int, swap: bool = False,
