@@ -50,3 +50,68 @@ def test_every_capture_site_passes_the_one_capture_mode():
     assert defined == [HOME] and CAPTURE_MODE == "thread_local"
     # the decode and prefill graphs at least (so the walk cannot pass by finding nothing)
     assert {HOME, "ainfer_pd/engine/runtime/prefill_graphs.py"} <= set(sites)
+
+
+class _Stale:
+    """Stands for a released worker's graph set: a reference cycle whose finalizer would destroy
+    CUDA graphs; it must run before the captures, never inside one."""
+
+    freed_during_capture = False
+    freed = 0
+
+    def __init__(self):
+        self.me = self
+
+    def __del__(self):
+        _Stale.freed += 1
+        if _CAPTURING[0]:
+            _Stale.freed_during_capture = True
+
+
+_CAPTURING = [False]
+
+
+def test_graph_sets_capture_with_the_collector_off_after_collecting_stale_cycles(monkeypatch):
+    """Both graph sets' ``capture_all`` (CUDA calls replaced: the loop and the session are what is
+    tested) collect first and capture with the cyclic collector off, restored afterwards, even when
+    a capture fails; a collection forced by allocations inside the loop would have freed the stale
+    cycle mid-capture."""
+    import gc
+
+    import pytest
+    import torch
+
+    from ainfer_pd.engine.runtime import cuda_graphs, prefill_graphs
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a, **k: 0)
+    seen = []
+
+    def capture(*args):
+        _CAPTURING[0] = True
+        try:
+            seen.append(gc.isenabled())
+            for _ in range(3000):          # allocations that would trigger a generation-0 collection
+                [[] for _ in range(5)]
+            if len(seen) == 3:
+                raise RuntimeError("capture failed")
+        finally:
+            _CAPTURING[0] = False
+
+    decode = cuda_graphs.DecodeGraphs.__new__(cuda_graphs.DecodeGraphs)
+    decode.runner = type("R", (), {"device": "cpu"})()
+    decode.batch_sizes, decode.ctx_buckets, decode.graphs = (1, 2), (16,), {}
+    decode._capture = capture
+    prefill = prefill_graphs.PrefillGraphs.__new__(prefill_graphs.PrefillGraphs)
+    prefill.device, prefill.buckets, prefill.graphs = "cpu", (8, 16), {}
+    prefill._capture = capture
+    assert gc.isenabled()
+    _Stale.freed = 0
+    _Stale()
+    decode.capture_all()
+    assert _Stale.freed == 1 and not _Stale.freed_during_capture
+    _Stale()
+    with pytest.raises(RuntimeError, match="capture failed"):
+        prefill.capture_all()
+    assert seen == [False, False, False] and gc.isenabled()
+    assert _Stale.freed == 2 and not _Stale.freed_during_capture

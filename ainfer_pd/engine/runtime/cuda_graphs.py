@@ -15,7 +15,10 @@ host-bound path; the lower tiers only spare short batches the grid of the longes
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import logging
+from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -31,6 +34,23 @@ threads (the event loop, the other phase's launcher, the CUDA-event waiters) may
 in torch's default ``"global"`` mode any such call from another thread invalidates the capture
 (``cudaErrorStreamCaptureInvalidated``: a P-graph capture at the GPU gate). ``"thread_local"``
 refuses only the capturing thread's own unsafe calls."""
+
+
+@contextlib.contextmanager
+def capture_session() -> Iterator[None]:
+    """The captures of one graph set: cyclic garbage collected once before, the collector off until
+    the last one ends. A collection that starts inside a capture, on the capturing thread, may free
+    another worker's graphs (released, their runner <-> graphs cycle still to be found): destroying
+    a CUDA graph is an unsafe call during capture, which invalidates it (the GPU gate's cuda_smoke:
+    26 ``CUDAGraph::reset`` refused, then ``cudaErrorStreamCaptureInvalidated`` in a P-graph capture)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def graph_buckets(batch_sizes: tuple[int, ...], max_decode_batch: int, context_tiers: tuple[int, ...],
@@ -70,9 +90,10 @@ class DecodeGraphs:
         dev = self.runner.device
         torch.cuda.synchronize(dev)
         mem0, t0 = torch.cuda.memory_reserved(dev), time.perf_counter()
-        for B in reversed(self.batch_sizes):
-            for L in reversed(self.ctx_buckets):
-                self._capture(B, L, dev)
+        with capture_session():
+            for B in reversed(self.batch_sizes):
+                for L in reversed(self.ctx_buckets):
+                    self._capture(B, L, dev)
         torch.cuda.synchronize(dev)
         self.capture_s = time.perf_counter() - t0
         self.memory_bytes = torch.cuda.memory_reserved(dev) - mem0

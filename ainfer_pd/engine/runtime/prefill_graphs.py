@@ -37,7 +37,7 @@ from torch import Tensor
 
 from ..attention import ForwardBatch
 from ..model.model import MoETransformer, SegmentState
-from .cuda_graphs import CAPTURE_MODE
+from .cuda_graphs import CAPTURE_MODE, capture_session
 
 log = logging.getLogger("ainfer_pd.prefill_graphs")
 
@@ -83,8 +83,9 @@ class PrefillGraphs:
         dev = self.device
         torch.cuda.synchronize(dev)
         mem0, t0 = torch.cuda.memory_reserved(dev), time.perf_counter()
-        for T in reversed(self.buckets):         # largest first: smaller buckets reuse the pool
-            self.graphs[T] = self._capture(T)
+        with capture_session():
+            for T in reversed(self.buckets):         # largest first: smaller buckets reuse the pool
+                self.graphs[T] = self._capture(T)
         torch.cuda.synchronize(dev)
         self.capture_s = time.perf_counter() - t0
         self.memory_bytes = torch.cuda.memory_reserved(dev) - mem0
