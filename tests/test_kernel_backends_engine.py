@@ -17,8 +17,8 @@ async def _run(cfg):
     async with RolloutWorker(cfg) as w:
         async def conv(i):
             rng = random.Random(i)
-            o = await w.generate(rand_ids(rng, 20 + 13 * i), SamplingParams(max_new_tokens=4, **GREEDY))
-            o2 = await w.continue_(o.trajectory_id, rand_ids(rng, 7), SamplingParams(max_new_tokens=4, **GREEDY))
+            o = await w.generate(rand_ids(rng, 20 + 13 * i), SamplingParams(max_new_tokens=2, **GREEDY))
+            o2 = await w.continue_(o.trajectory_id, rand_ids(rng, 7), SamplingParams(max_new_tokens=2, **GREEDY))
             outs[i] = (o.token_ids, o2.token_ids, o.logprobs + o2.logprobs, o2.num_cached_tokens)
             await w.release(o.trajectory_id)
         async with asyncio.TaskGroup() as tg:
