@@ -151,11 +151,15 @@ def compare(a, path: Path, prompts: list[list[int]], calib: list[list[int]] | No
     print(f"greedy agreement: {agree / n:.3f} of {n} tokens; tokens before the first divergence: median "
           f"{pct(prefixes, 0.5)}, min {min(prefixes)}, {sum(p == a.tokens for p in prefixes)} of {len(prefixes)} "
           f"runs equal throughout")
-    print(f"|logprob_fp8 - logprob_ref| of the chosen token over the common prefixes ({len(gaps)} tokens): p50 "
-          f"{pct(gaps, 0.5):.4f}, p90 {pct(gaps, 0.9):.4f}, p99 {pct(gaps, 0.99):.4f}, max {max(gaps, default=0):.4f}")
+    print_gaps(gaps, "over the common prefixes")
     print(f"FIG fp8_accuracy model={name} {kind(a)} dtype={a.dtype} agreement={agree / n:.4f} "
           f"prefix_median={pct(prefixes, 0.5)} dlogprob_p50={pct(gaps, 0.5):.5f} dlogprob_p99={pct(gaps, 0.99):.5f} "
           f"dlogprob_max={max(gaps, default=0):.5f} tokens={len(gaps)}")
+
+
+def print_gaps(gaps: list[float], where: str) -> None:
+    print(f"|logprob_fp8 - logprob_ref| of the chosen token {where} ({len(gaps)} tokens): p50 "
+          f"{pct(gaps, 0.5):.4f}, p90 {pct(gaps, 0.9):.4f}, p99 {pct(gaps, 0.99):.4f}, max {max(gaps, default=0):.4f}")
 
 
 def kind(a) -> str:
@@ -172,8 +176,7 @@ def report_forced(a, name: str, ref, fp8) -> None:
         gaps += g
         print(f"  prompt {i}: {len(same)} of {len(t0)} positions agree; |dlogprob| max {max(g, default=0):.4f}")
     print(f"greedy agreement per position: {agree / n:.3f} of {n}")
-    print(f"|logprob_fp8 - logprob_ref| of the chosen token where they agree ({len(gaps)} tokens): p50 "
-          f"{pct(gaps, 0.5):.4f}, p90 {pct(gaps, 0.9):.4f}, p99 {pct(gaps, 0.99):.4f}, max {max(gaps, default=0):.4f}")
+    print_gaps(gaps, "where they agree")
     print(f"FIG fp8_accuracy model={name} {kind(a)} dtype={a.dtype} teacher_forced=True agreement={agree / n:.4f} "
           f"dlogprob_p50={pct(gaps, 0.5):.5f} dlogprob_p99={pct(gaps, 0.99):.5f} dlogprob_max={max(gaps, default=0):.5f} "
           f"tokens={len(gaps)}")
