@@ -11,6 +11,12 @@ through ``ModelRunner.forward_fb`` gives:
   long sleep kernel), so the launch queue never waits for the device: pure host time;
 * ``host_us_per_layer``: ``host_ms`` over the layers.
 
+``pickup`` / ``span`` / ``items`` / ``tail`` (ms, median; :func:`p_timeline`) split the engine's side
+from P's stream items' recorded device intervals: the call to P's first item starting on the device,
+the device span to its last item's end, the items' own union, and that end to ``continue_``
+returning. Where wall exceeds busy, they say whether the time is before the device starts, in gaps
+inside the span, or after it ends.
+
 ``--cprofile`` prints the top host functions (own time) of one enqueue of the first case.
 
     python benchmarks/p_epoch_host_bench.py [--config configs/qwen3-30b-a3b-shape.yaml] [--cases 512:2048,2048:4096,8192:8192]
@@ -176,23 +182,48 @@ async def _continuation(w: RolloutWorker, rng: random.Random, n: int, cached: in
     one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
     o = await w.generate([rng.randrange(2, V) for _ in range(cached)], one)
     m0 = w.metrics()
+    rec = w.engine.rec
+    t_call = rec.now()
     with around():
         o2 = await w.continue_(o.trajectory_id, [rng.randrange(2, V) for _ in range(n)], one)
+    t_ret = rec.now()
     m = w.metrics()
     d_rows = len(w.engine.book.decoding)
     await w.release(o2.trajectory_id)
     (wall, epochs), (permit, permits) = _delta_sum(m, m0, "p_epoch_s"), _delta_sum(m, m0, "p_wait_permit_s")
     return {"wall": wall * 1e3, "epochs": epochs, "permit": permit * 1e3, "permits": permits,
             "counts": _delta_sum(m, m0, "p_counts_wait_s")[0] * 1e3, "d_iters": _delta_sum(m, m0, "d_iter_s")[1],
-            "d_rows": d_rows, "exclusive": sum(m.get(k, 0) - m0.get(k, 0) for k in EXCLUSIVE)}
+            "d_rows": d_rows, "exclusive": sum(m.get(k, 0) - m0.get(k, 0) for k in EXCLUSIVE),
+            **p_timeline(rec, w.engine.prefill_ctx.stream.name, t_call, t_ret)}
+
+
+def p_timeline(rec, stream: str, t_call: float, t_ret: float) -> dict:
+    """Where a continuation's time goes, from P's own stream items (recorded intervals: CUDA events
+    around each item, on the host clock): ``pickup_ms`` from the ``continue_`` call to P's first item
+    starting on the device (admission, planning, the launcher hand-off), ``span_ms`` from there to
+    P's last item's end (device time and any launch gaps inside it), ``p_items_ms`` the items' own
+    union, ``tail_ms`` from that end to ``continue_`` returning (the completion wake, the token's
+    hand-back). The decode of the turn's next token, if any, is D's and not counted."""
+    ivs = [(a, b) for (_, s, a, b, _) in list(rec.intervals) if s == stream and t_call <= a and b <= t_ret]
+    if not ivs:
+        return {"pickup_ms": None, "span_ms": None, "p_items_ms": None, "tail_ms": None}
+    first, last = min(a for a, _ in ivs), max(b for _, b in ivs)
+    union, end = 0.0, first
+    for a, b in sorted(ivs):
+        union += max(0.0, b - max(a, end))
+        end = max(end, b)
+    ms = lambda x: round(x * 1e3, 2)
+    return {"pickup_ms": ms(first - t_call), "span_ms": ms(last - first), "p_items_ms": ms(union),
+            "tail_ms": ms(t_ret - last)}
 
 
 async def engine_epochs(w: RolloutWorker, n: int, cached: int, reps: int) -> dict:
     rng = random.Random(n * 7 + cached)
     runs = [await _continuation(w, rng, n, cached) for _ in range(reps)]
     walls = [r["wall"] for r in runs]       # a continuation over the P budget takes 2 epochs
+    med = lambda k: None if runs[-1][k] is None else round(statistics.median(r[k] for r in runs), 2)
     return {"epoch_wall_ms": round(statistics.median(walls), 2), "epoch_wall_all_ms": [round(x, 2) for x in walls],
-            "epochs": runs[-1]["epochs"]}
+            "epochs": runs[-1]["epochs"], **{k: med(k) for k in ("pickup_ms", "span_ms", "p_items_ms", "tail_ms")}}
 
 
 async def beside_epochs(w: RolloutWorker, n: int, cached: int, reps: int, profile: bool) -> dict:
@@ -286,7 +317,8 @@ async def main() -> int:
     profile = not a.no_profile
     cases = [tuple(int(x) for x in c.split(":")) for c in a.cases.split(",")]
     rows, beside = [], None
-    print(f"{'n':>6} {'cached':>6} {'wall_ms':>8} {'busy_ms':>8} {'host_ms':>8} {'us/layer':>8} {'wall/busy':>9}", flush=True)
+    print(f"{'n':>6} {'cached':>6} {'wall_ms':>8} {'busy_ms':>8} {'host_ms':>8} {'us/layer':>8} {'wall/busy':>9} "
+          f"{'pickup':>7} {'span':>7} {'items':>7} {'tail':>7}", flush=True)
     async with RolloutWorker(cfg) as w:
         warm = await w.generate([2 + i for i in range(64)], SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True))
         await w.release(warm.trajectory_id)
@@ -298,7 +330,8 @@ async def main() -> int:
             rows.append(r)
             print(f"{n:>6} {cached:>6} {r['epoch_wall_ms']:>8.2f} {_f(r.get('busy_ms'), '>8.2f')} "
                   f"{_f(r.get('host_ms'), '>8.2f')} {_f(r.get('host_us_per_layer'), '>8.1f')} "
-                  f"{_f(r.get('wall_busy'), '>9.3f')}", flush=True)
+                  f"{_f(r.get('wall_busy'), '>9.3f')} {_f(r['pickup_ms'], '>7.2f')} {_f(r['span_ms'], '>7.2f')} "
+                  f"{_f(r['p_items_ms'], '>7.2f')} {_f(r['tail_ms'], '>7.2f')}", flush=True)
         if a.cprofile:
             print(await asyncio.to_thread(host_profile, w.engine.runner, *cases[0], a.cprofile), flush=True)
         if a.beside_d:

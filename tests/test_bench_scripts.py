@@ -21,6 +21,22 @@ def test_p_walk_host_bench_runs_and_prints_its_figures():
     assert fig["p_epoch_us_min"] >= fig["p_enqueue_us_min"]
 
 
+def test_p_epoch_host_bench_splits_a_continuation_on_the_cpu(tmp_path):
+    """The engine side of ``p_epoch_host_bench`` (no profiler): each case's continuation split into
+    pickup, P's device span and the tail, from the P stream's recorded intervals."""
+    out = tmp_path / "p_epoch.json"
+    res = subprocess.run([sys.executable, "benchmarks/p_epoch_host_bench.py", "--config", "configs/tiny-cpu.yaml",
+                          "--no-profile", "--cases", "64:128,256:512", "--reps", "2", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["n"], r["cached"]) for r in rows] == [(64, 128), (256, 512)]
+    for r in rows:
+        assert r["epochs"] == 1 and r["epoch_wall_ms"] > 0
+        assert r["pickup_ms"] >= 0 and r["tail_ms"] >= 0 and 0 < r["p_items_ms"] <= r["span_ms"] + 1e-6, r
+        assert r["span_ms"] <= r["epoch_wall_ms"] + 1.0, r          # P's items run inside its epoch
+
+
 def test_fp8_accuracy_bench_teacher_forced_on_an_hf_model():
     res = subprocess.run([sys.executable, "benchmarks/fp8_accuracy_bench.py", "--arch", "mixtral", "--prompts", "2",
                           "--tokens", "6", "--prompt-len", "8"], cwd=ROOT, capture_output=True, text=True, timeout=300)
