@@ -5,7 +5,7 @@ Prints one ``PASS name`` / ``FAIL name`` line per check (a check that raises is 
 error) and ``FIG`` lines for the figures, then writes ``latest.json``: ``commit``, ``checks``
 (name -> bool), ``figures``, ``targets`` (issue 11's targets, name -> met), ``errors``.
 
-    python benchmarks/gpu_gate.py --commit HASH --out DIR [--skip-bench] [--only kernels,qwen3,...,nccl]
+    python benchmarks/gpu_gate.py --commit HASH --out DIR [--skip-bench] [--only kernels,qwen3,...,nccl,spec]
 
 Bounds use the HBM copy bandwidth and the bf16 matmul peak measured in the same run.
 Tolerances: fp32 kernels <= 1e-4 relative (||out - ref|| / ||ref||, ref in float64);
@@ -525,6 +525,13 @@ def nccl(out: Path) -> None:
     section(out, run_sub, check, fig)
 
 
+def spec(out: Path) -> None:
+    """Speculative decoding on the GPU path (issue 38): the trained small model's greedy two-turn
+    rollouts with suffix drafts against none, float32 (benchmarks/_gate_spec.py, as a subprocess)."""
+    from _gate_spec import section
+    section(out, run_sub, check, fig)
+
+
 def bench(out: Path, args, *, tag: str = "", policies: str = "normal,fine-grained,mixed-chunked",
           sets: tuple[str, ...] = ()) -> None:
     """The P1 cell on the Qwen3 shape, one run a policy; ``tag`` names a variant's figures and
@@ -590,7 +597,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--commit", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--only", default="kernels,qwen3,fp8,paper,profile,smoke,nccl,bench")
+    ap.add_argument("--only", default="kernels,qwen3,fp8,paper,profile,smoke,nccl,spec,bench")
     ap.add_argument("--bench-conversations", type=int, default=24)
     ap.add_argument("--bench-token-scale", type=float, default=0.5)
     ap.add_argument("--bench-timeout", type=int, default=240)
@@ -629,6 +636,8 @@ def main() -> None:
         guarded("cuda_smoke", smoke, out)
     if "nccl" in only:
         guarded("nccl_section", nccl, out)
+    if "spec" in only:
+        guarded("spec_section", spec, out)
     if "bench" in only:
         # the plain D loop, then the overlapped one (scheduler.overlap_decode's default, auto, runs it
         # under normal and fine-grained; mixed-chunked has its own loop)

@@ -37,6 +37,18 @@ def test_p_epoch_host_bench_splits_a_continuation_on_the_cpu(tmp_path):
         assert r["span_ms"] <= r["epoch_wall_ms"] + 1.0, r          # P's items run inside its epoch
 
 
+def test_gate_spec_section_runs_on_the_cpu(tmp_path):
+    """The GPU gate's speculation section on the CPU: suffix drafts verified and accepted on the
+    trained small model, greedy tokens equal decoding without speculation, no KV block left."""
+    out = tmp_path / "spec.json"
+    res = subprocess.run([sys.executable, "benchmarks/_gate_spec.py", "--json", str(out), "--device", "cpu",
+                          "--trajectories", "2", "--tokens", "32"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-2000:])
+    checks = json.loads(out.read_text())["checks"]
+    assert set(checks) == {"spec_greedy_equals_plain", "spec_drafts_accepted", "spec_kv_leak_free"}
+    assert all(ok for ok, _ in checks.values()), checks
+
+
 def test_fp8_accuracy_bench_teacher_forced_on_an_hf_model():
     res = subprocess.run([sys.executable, "benchmarks/fp8_accuracy_bench.py", "--arch", "mixtral", "--prompts", "2",
                           "--tokens", "6", "--prompt-len", "8"], cwd=ROOT, capture_output=True, text=True, timeout=300)
