@@ -41,6 +41,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+try:                                  # benchmarks/ on sys.path (the gate) or benchmarks as a package (tests)
+    from _gate_section import record
+except ImportError:
+    from benchmarks._gate_section import record
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "tiny-crossed-cpu.yaml"
 ONE_RANK = "attn_tp.D,attn_dp.D"
@@ -441,14 +446,7 @@ def section(out_dir: Path, run_sub, check, fig, *, timeout: int = 240, device: s
     js.unlink(missing_ok=True)
     rc = run_sub("nccl", [sys.executable, str(Path(__file__).resolve()), "--json", str(js), "--device", device,
                           "--timeout", str(max(30, timeout - 30))], timeout, log)
-    res = json.loads(js.read_text()) if js.exists() else {}
-    for name, (ok, detail) in res.get("checks", {}).items():
-        check(name, ok, detail)
-    for name, value in res.get("figures", {}).items():
-        fig(name, value)
-    tail = " | ".join(log.read_text().splitlines()[-6:]) if log.exists() else "no log"
-    check("nccl_section_completes", rc == 0 and bool(res.get("checks")),
-          f"rc {rc}, {len(res.get('checks', {}))} checks" + ("" if rc == 0 else f"; log tail: {tail[-600:]}"))
+    record("nccl", rc, js, log, check, fig)
 
 
 def main() -> None:

@@ -32,6 +32,11 @@ sys.path.insert(0, str(ROOT))
 
 from ainfer_pd import RolloutWorker, SamplingParams, WorkerConfig  # noqa: E402
 
+try:                                  # benchmarks/ on sys.path (the gate) or benchmarks as a package (tests)
+    from _gate_section import record
+except ImportError:
+    from benchmarks._gate_section import record
+
 MODEL = ROOT / "tests" / "data" / "small_qwen3_moe"
 SPEC_KEYS = ("spec_verifies", "spec_drafted", "spec_accepted", "spec_empty_plans", "spec_rows_skipped")
 
@@ -102,14 +107,7 @@ def section(out_dir: Path, run_sub, check, fig, *, timeout: int = 240) -> None:
     js, log = out_dir / "spec.json", out_dir / "spec.log"
     js.unlink(missing_ok=True)
     rc = run_sub("spec", [sys.executable, str(Path(__file__).resolve()), "--json", str(js)], timeout, log)
-    res = json.loads(js.read_text()) if js.exists() else {}
-    for name, (ok, detail) in res.get("checks", {}).items():
-        check(name, ok, detail)
-    for name, value in res.get("figures", {}).items():
-        fig(name, value)
-    tail = " | ".join(log.read_text().splitlines()[-6:]) if log.exists() else "no log"
-    check("spec_section_completes", rc == 0 and bool(res.get("checks")),
-          f"rc {rc}, {len(res.get('checks', {}))} checks" + ("" if rc == 0 else f"; log tail: {tail[-600:]}"))
+    record("spec", rc, js, log, check, fig)
 
 
 def main() -> None:
