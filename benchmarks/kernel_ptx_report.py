@@ -24,9 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-_MMA = re.compile(r"^\s*((?:wgmma\.mma_async|mma\.sync)[\w.]*)", re.M)
-_CVT = re.compile(r"^\s*(cvt\.rn\.f16x2\.e4m3x2)", re.M)
 _OPS = re.compile(r"^\s*((?:cvt|mma|wgmma)[\w.]*)", re.M)
+_MMA = ("wgmma.mma_async", "mma.sync")
+_CVT_F16 = "cvt.rn.f16x2.e4m3x2"
 _D, _I, _NB_D, _NB_I = 2048, 768, 16, 6           # Qwen3-30B-A3B: hidden, expert intermediate, their 128-blocks
 _LAYOUT = {"SORTED": "*i32", "BLOCK_EXPERT": "*i32", "NUM_POST": "*i32"}
 # The integer arguments' values at the launch: the runtime specializes each one divisible by 16
@@ -81,8 +81,9 @@ def compile_stats(kernel, ptr_types: dict, ints: dict, const: dict, warps: int, 
                        options={"num_warps": warps, "num_stages": stages})
     ptx = k.asm["ptx"]
     regs, spill = _ptxas_info(ptx)
-    return {"regs": regs, "spill": spill, "mma": dict(Counter(_MMA.findall(ptx))), "cvt_f16": len(_CVT.findall(ptx)),
-            "ops": dict(Counter(_OPS.findall(ptx)))}
+    ops = Counter(_OPS.findall(ptx))
+    return {"regs": regs, "spill": spill, "mma": {op: n for op, n in ops.items() if op.startswith(_MMA)},
+            "cvt_f16": sum(n for op, n in ops.items() if op.startswith(_CVT_F16)), "ops": dict(ops)}
 
 
 def plan_stats(bm: int, bn: int, bk: int, gm: int, warps: int, stages: int, swap: bool = False,
