@@ -32,6 +32,8 @@ def token_list(ids: Any, what: str) -> list[int]:
     if isinstance(ids, (str, bytes, bytearray, memoryview, Mapping)) or not isinstance(ids, Sequence):
         raise InvalidRequestError(f"{what} must be a sequence of token ids (list, tuple, 1-D integer "
                                   f"tensor or array), got {type(ids).__name__}")
+    if set(map(type, ids)) <= {int}:         # the common case, without an ABC check a token (bools are not ints here)
+        return list(ids)
     out = []
     for t in ids:
         if isinstance(t, bool) or not isinstance(t, numbers.Integral) or type(t).__module__ == "torch":
@@ -42,6 +44,8 @@ def token_list(ids: Any, what: str) -> list[int]:
 def check_tokens(ids: Any, what: str, vocab_size: int) -> list[int]:
     """:func:`token_list`, and every id inside the vocabulary ``[0, vocab_size)``."""
     ids = token_list(ids, what)
+    if not ids or (min(ids) >= 0 and max(ids) < vocab_size):
+        return ids
     for t in ids:
         if not 0 <= t < vocab_size:
             raise InvalidRequestError(f"{what} contains token id {t} outside the vocabulary [0, {vocab_size})")
