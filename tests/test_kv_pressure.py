@@ -167,8 +167,11 @@ async def test_a_chunked_prompt_admitted_during_a_drain_finishes_when_the_draine
         d_hold = hold(w, "D")
         p_hold = []
         try:
-            await until(lambda: w.trajectories["A"].turn is not None and w.trajectories["A"].turn.in_flight > 0,
-                        "A's D iteration is in flight")
+            # A's iteration parked behind the hold (one launched before it completes, and its drain
+            # would end before L arrives: then B, admitted, runs into the P hold and L never comes)
+            await until(lambda: d_hold[0].reached.done() and eng.d.last is not None
+                        and not eng.d.last.enqueued().done() and w.trajectories["A"].turn is not None
+                        and w.trajectories["A"].turn.in_flight > 0, "A's D iteration parked behind the hold")
             assert await w.abort("A") is True
             assert (await bounded(a_task, "the aborted turn")).finish_reason == "abort"
             assert w.trajectories["A"].draining is not None
