@@ -28,6 +28,37 @@ def test_dump_names_the_task_and_the_frame_it_waits_in():
     assert "-- stuck-turn" in text and "_never_set" in text
 
 
+def test_dump_names_each_streams_oldest_unfinished_item():
+    """A device that stops: the dump lists each stream's unfinished items, oldest first, with their
+    labels and state (the CPU device runs an item in its launch, so a stuck one is "in its launch")."""
+    import threading
+
+    from ainfer_pd.engine.runtime.device import CpuDevice
+    from ainfer_pd.metrics.recorder import Recorder
+    dev, gate = CpuDevice(Recorder()), threading.Event()
+    try:
+        stuck = dev.stream("D").submit(gate.wait, label="D.stuck-item", attrs={"phase": "D"})
+        behind = dev.stream("D").submit(lambda: None, label="D.behind-item")
+        done = dev.stream("P").submit(lambda: None, label="P.done-item")
+        done.enqueued().result(timeout=5)
+        while stuck.t_started is None:
+            gate.wait(0.001)
+        out = io.StringIO()
+        from ainfer_pd.tools.stall_dump import dump_stream_items
+        dump_stream_items(out)
+        text = out.getvalue()
+    finally:
+        gate.set()
+        behind.enqueued().result(timeout=5)
+        dev.shutdown()
+    # (a process's other devices may have unfinished items too: only this device's are asserted)
+    assert "-- stream D: " in text and text.index("D.stuck-item") < text.index("D.behind-item"), text
+    stuck_line = next(ln for ln in text.splitlines() if "D.stuck-item" in ln)
+    assert "in its launch" in stuck_line and "'phase': 'D'" in stuck_line
+    assert "queued" in next(ln for ln in text.splitlines() if "D.behind-item" in ln)
+    assert "P.done-item" not in text
+
+
 def test_seconds_from_env(monkeypatch):
     for raw, want in (("", None), ("x", None), ("0", None), ("-3", None), ("2.5", 2.5)):
         monkeypatch.setenv(ENV, raw)

@@ -1,16 +1,21 @@
-"""A stall's evidence: after ``seconds``, every thread's stack and every asyncio task's stack.
+"""A stall's evidence: after ``seconds``, every thread's stack, every asyncio task's stack and every
+device stream's unfinished items.
 
 A run that makes no progress (on the H200 a bench process twice printed nothing for 240-280 s)
 cannot be told from a slow one by its log. Thread stacks alone (``PYTHONFAULTHANDLER`` with
 SIGABRT) show the event loop's thread idle in its poll; what is stuck is the coroutine chain a task
 awaits, which only the tasks' own stacks show. :func:`arm` starts a daemon thread that writes both
-to ``stream`` once, then lets the run go on (the harness's own timeout ends it).
+to ``stream`` once, then lets the run go on (the harness's own timeout ends it). When the device
+itself stops (an FP8 run on the H200: both streams' waiter threads in ``synchronize``), the stacks
+only say that something waits; the oldest unfinished item of each stream names what the device was
+running (its label, lane, trace attributes, and whether its launch call returned).
 
     AINFER_PD_STALL_DUMP_S=200 ainfer-pd bench ...     # the CLI's run_async arms it from the variable
 """
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import sys
 import threading
@@ -54,6 +59,40 @@ def dump(loop: asyncio.AbstractEventLoop | None, stream: TextIO, *, limit: int =
         print(f"-- {t.get_name()}", file=stream)
         for line in await_chain(t.get_coro(), limit):
             print(f"     {line}", file=stream)
+    stream.flush()
+    dump_stream_items(stream)
+
+
+def unfinished_items() -> dict[str, list]:
+    """Every live device stream's items not finished yet (launched and not complete on the device,
+    or not launched), oldest first, by stream name. Found by walking the collector's objects: this
+    runs once, in a stalled process, and needs nothing registered beforehand."""
+    from ..engine.runtime.streams import Work
+    by_stream: dict[str, list] = {}
+    for obj in gc.get_objects():
+        if type(obj) is Work and not _finished(obj):
+            by_stream.setdefault(obj.stream.name, []).append(obj)
+    return {name: sorted(items, key=lambda w: w.enqueued_at) for name, items in sorted(by_stream.items())}
+
+
+def _finished(w) -> bool:
+    try:
+        return w.is_done()
+    except Exception:             # noqa: BLE001 - a CUDA query in a broken context: report it unfinished
+        return False
+
+
+def dump_stream_items(stream: TextIO, *, per_stream: int = 4) -> None:
+    """The oldest ``per_stream`` unfinished items of each device stream (:func:`unfinished_items`)."""
+    items = unfinished_items()
+    print(f"===== stall dump: unfinished stream items ({sum(map(len, items.values()))}) =====", file=stream)
+    for name, ws in items.items():
+        print(f"-- stream {name}: {len(ws)} unfinished", file=stream)
+        for w in ws[:per_stream]:
+            state = ("launched, running on the device" if w._future.done() else
+                     "in its launch" if w.t_started is not None else "queued")
+            print(f"     {w.label} lane={w.lane} enqueued_at={w.enqueued_at:.3f} started={w.t_started} "
+                  f"launched={w.t_launched}: {state} attrs={w.attrs}", file=stream)
     stream.flush()
 
 
