@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The H200 figures still owed (docs/RESULTS.md), in one device call of < 10 minutes, after the
+# gate: speculation's makespan after the empty-draft backoff (issue 38, "never slower than off"),
+# the sampler's host time with repetition penalties (issue 33), and the P epoch's pickup / span /
+# tail split alone and beside 32 decoding rows (issue 33's 512-token 1.52). Each step is bounded;
+# logs go to $OUT (tar them: a call returns at most 8 files).
+#
+#   OUT=$OUT/m bash benchmarks/pending_h200.sh && (cd $OUT && tar czf m.tgz m && rm -rf m)
+set -u
+M=${OUT:-/tmp/pending}; mkdir -p "$M"
+nvidia-smi --query-gpu=name --format=csv,noheader > "$M/gpu.txt" 2>&1
+( time timeout 230 python benchmarks/spec_bench.py makespan --reps 3 ) > "$M/spec_makespan.txt" 2>&1
+if [ -f benchmarks/sampler_host_bench.py ]; then     # it comes with gate_queue/penalty-host
+  ( time timeout 60 python benchmarks/sampler_host_bench.py --history 10000 ) > "$M/sampler.txt" 2>&1
+  ( time timeout 30 python benchmarks/sampler_host_bench.py --history 2000 ) >> "$M/sampler.txt" 2>&1
+else
+  echo "benchmarks/sampler_host_bench.py is not in this tree (gate_queue/penalty-host): skipped" > "$M/sampler.txt"
+fi
+( time timeout 200 python benchmarks/p_epoch_host_bench.py --cases 512:2048,2048:4096 --beside-d 32 \
+    --set scheduler.policy=fine-grained ) > "$M/p_epoch.txt" 2>&1
+grep -h "makespan\|ms\b" "$M"/*.txt | tail -20
