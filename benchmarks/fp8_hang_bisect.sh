@@ -13,7 +13,9 @@
 # call holds about two variants at RUNS=3 when some hang: name them. CONFIG overrides the model
 # config (a CPU smoke run: CONFIG=ainfer_pd/configs/tiny-cpu.yaml ... bf16). A run still going at
 # PROBE_AT s is probed (GPU utilisation, and the resident kernels through cuda-gdb) into
-# $OUT/<variant>_<i>_probe.txt; STOP_AFTER_HANG=1 ends a variant at its first hang.
+# $OUT/<variant>_<i>_probe.txt; STOP_AFTER_HANG=1 ends a variant at its first hang. EXTRA_SETS: more
+# overrides for every run (a tree with the device watchdog fails a hung run after
+# parallel.stall_timeout_s: "--set parallel.stall_timeout_s=1000" keeps it hung for the probe).
 set -u
 OUT=${OUT:-/tmp/fp8_hang}; RUNS=${RUNS:-3}; LIMIT=${LIMIT:-90}
 CONFIG=${CONFIG:-configs/qwen3-30b-a3b-shape.yaml}
@@ -51,7 +53,7 @@ for v in "${variants[@]}"; do
       python -m ainfer_pd.tools.cli bench --config "$CONFIG" --policies fine-grained \
       --cells P1 --repeats 1 --conversations 24 --max-turns 3 --token-scale 0.5 --no-progress \
       --out "/tmp/fp8_hang_bench_${v}_$i" --set "device.graph_batch_sizes=[1,4,16,32,64]" \
-      --set scheduler.overlap_decode=false ${SETS[$v]} > "$log" 2>&1 &
+      --set scheduler.overlap_decode=false ${SETS[$v]} ${EXTRA_SETS:-} > "$log" 2>&1 &
     tpid=$!
     probe "$tpid" "$OUT/${v}_${i}_probe.txt"
     wait "$tpid"; rc=$?
