@@ -216,7 +216,7 @@ class KVCacheManager(BlockAddressing, KVAudit):
         blocks += self.alloc.allocate(max(0, need), lifetime)
         kv = TrajectoryKV(blocks=blocks, num_tokens=kept, lifetime=lifetime, last_used=now,
                           num_shared=len(m.shared), hashes=list(m.hashes), tokens=tokens, root=root,
-                          block_arr=array("q", blocks))
+                          block_arr=array("q", blocks), prompt_hashes=hashes if len(tokens) else ())
         # the prompt's full blocks this sequence will complete: siblings wait for them (admission_view)
         kv.writing = list(hashes[len(m.shared):]) if self.sharing and len(tokens) else []
         for h in kv.writing:
@@ -235,10 +235,11 @@ class KVCacheManager(BlockAddressing, KVAudit):
             raise LifetimeError(f"stale result for {tid!r}: lifetime {lifetime} no longer owns its blocks")
         kv.num_tokens = max(kv.num_tokens, num_tokens)
         bs = self.block_size
+        known = kv.prompt_hashes                 # the prompt's blocks: hashed once, before admission
         for j in range(len(kv.hashes), min(kv.num_tokens // bs, len(kv.blocks))):
             parent = kv.hashes[-1] if kv.hashes else kv.root
             toks = tuple(kv.tokens[j * bs:(j + 1) * bs])
-            h = block_hash(parent, toks)
+            h = known[j] if j < len(known) else block_hash(parent, toks)
             kv.hashes.append(h)
             if not kv.stale and self.alloc.register_full(kv.blocks[j], h, parent, toks) and h in self.wanted:
                 self.version += 1
