@@ -8,7 +8,8 @@ MTP proposer does (one layer, ``num_nextn_predict_layers`` = 1, chained for K > 
 * **catch-up**, after every target pass on the same stream item (P epochs, D iterations, mixed
   steps: :class:`~ainfer_pd.engine.runtime.mtp_runner.MtpRunner`): the MTP layer over every position
   of the pass whose next token is known then, filling its KV with the target's real hidden states
-  (:func:`~.mtp_batch.catch_up_batch`). A turn's last hidden states (whose next token the pass
+  (:func:`~.mtp_batch.catch_up_batch`; a pass of decode rows only, in the fixed shape the decode
+  graphs capture with it: :func:`~.mtp_batch.decode_catch_up`, :func:`decode_mtp_pass`). A turn's last hidden states (whose next token the pass
   samples) stay behind as its **stash**: the hidden states of the pass's rows of that turn
   (a verify keeps all K + 1: which one is real is known only once the verify is read).
 * **draft chain** (:meth:`MtpDrafter.prepare`, its own D stream item before a verify is built): a
@@ -35,8 +36,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..engine.attention import ForwardBatch
 from ..engine.model.mtp_layer import mtp_forward, mtp_logits
-from .mtp_batch import CatchUp, catch_up_batch, chain_batches
+from .mtp_batch import CatchUp, DecodeCatchUp, catch_up_batch, chain_batches, decode_catch_up, decode_catch_up_batch
 
 log = logging.getLogger("ainfer_pd.spec")
 
@@ -57,6 +59,15 @@ class Stash:
         return self.h[p - self.p0:p - self.p0 + 1]
 
 
+def decode_mtp_pass(model, fb: ForwardBatch, h: Tensor, first: Tensor, first_write: Tensor, prev: Tensor,
+                    kv: Tensor) -> None:
+    """The catch-up of a decode pass ``fb`` in its fixed shape (device ops only: the decode graphs
+    capture it after the pass): MTP row j on h_{p_j - 1}, the turn's stash row ``prev[j]`` for a
+    first row, the pass's own row j - 1 (``h`` [N, D]) otherwise (:func:`~.mtp_batch.decode_catch_up_batch`)."""
+    hid = torch.where(first[:, None], prev, h.roll(1, 0))
+    mtp_forward(model, decode_catch_up_batch(fb, first, first_write), hid, kv)
+
+
 class MtpDrafter:
     """The MTP drafts of one rank's engine, over the runner's model and KV (the drafter interface
     of :class:`~.speculator.Speculator`: ``prepare`` / ``draft`` / ``extend`` / ``forget``)."""
@@ -74,18 +85,32 @@ class MtpDrafter:
         """Stash rows a pass expected and did not find (a zero row served; only the drafts suffer)."""
 
     # ------------------------------------------------------------------ catch-up (the runner's passes)
-    def catch_up_for(self, num_pass_rows: int, prefill, decode, ahead, drafts) -> CatchUp:
-        """The catch-up of a pass being built (on the event loop, with the pass's metadata)."""
-        return catch_up_batch(self.runner.kv, self.runner.device, num_pass_rows, prefill, decode, ahead, drafts,
-                              self._has_prev)
+    def catch_up_for(self, num_pass_rows: int, prefill, decode, ahead, drafts) -> CatchUp | DecodeCatchUp:
+        """The catch-up of a pass being built (on the event loop, with the pass's metadata): a pass
+        of decode rows only takes the fixed shape (:func:`~.mtp_batch.decode_catch_up`)."""
+        r = self.runner
+        if not prefill and decode:
+            return decode_catch_up(r.kv, r.device, decode, ahead, drafts, self._covers, r.scratch_slot)
+        return catch_up_batch(r.kv, r.device, num_pass_rows, prefill, decode, ahead, drafts, self._has_prev)
+
+    def _covers(self, tid: str, p: int) -> bool:
+        st = self.stash.get(tid)
+        return st is not None and st.covers(p)
 
     def _has_prev(self, tid: str, p: int) -> bool:
-        st = self.stash.get(tid)
-        return st is not None and st.covers(p) and self.written.get(tid) != p
+        return self._covers(tid, p) and self.written.get(tid) != p
 
-    def catch_up(self, cu: CatchUp, ids: Tensor, h: Tensor) -> None:
-        """Run ``cu`` after its target pass (on the pass's stream): ``ids`` [T] the pass's input
-        ids, ``h`` [T, D] its last layer's outputs; then the turns' new stashes."""
+    def catch_up(self, cu: CatchUp | DecodeCatchUp, fb: ForwardBatch, h: Tensor) -> None:
+        """Run ``cu`` after its target pass ``fb`` (on the pass's stream): ``h`` [T, D] its last
+        layer's outputs; then the turns' new stashes."""
+        if type(cu) is DecodeCatchUp:
+            prev = torch.zeros_like(h)
+            self.fill_first_rows(cu, prev)
+            decode_mtp_pass(self.runner.model, fb, h, cu.first, cu.first_write, prev, self._kv())
+            self.num_catch_up_rows += int(h.shape[0])
+            self.keep(cu, h)
+            return
+        ids = fb.input_ids
         if cu.fb is not None:
             rows = [self._stash_row(tid, p) for tid, p in cu.refs]
             src = torch.cat([h, *rows]) if rows else h
@@ -100,6 +125,21 @@ class MtpDrafter:
             for tid, a, b, p0 in cu.keeps:
                 self.stash[tid] = Stash(kept[a:b], p0)
                 self.written.pop(tid, None)                  # the chain's first row was this pass's s - 1
+
+    def fill_first_rows(self, cu: DecodeCatchUp, prev: Tensor) -> None:
+        """Rows of ``prev`` [>= N, D]: each real first row's stash row h_{s-1} (on the pass's stream)."""
+        if cu.refs:
+            rows = torch.tensor([j for j, _, _ in cu.refs], dtype=torch.int64, device=prev.device)
+            prev.index_copy_(0, rows, torch.cat([self._stash_row(tid, p) for _, tid, p in cu.refs]))
+
+    def keep(self, cu: DecodeCatchUp, h: Tensor) -> None:
+        """The turns' new stashes after a decode pass: their rows of ``h`` (copied: ``h`` may be a
+        graph's static output, overwritten by the next replay)."""
+        n = cu.keeps[-1][2] if cu.keeps else 0
+        kept = h[:n].clone()
+        for tid, a, b, p0 in cu.keeps:
+            self.stash[tid] = Stash(kept[a:b], p0)
+            self.written.pop(tid, None)
 
     # ------------------------------------------------------------------ drafts (the speculator's)
     async def prepare(self, rows: list, caps: list[int]) -> None:

@@ -63,7 +63,7 @@ class MtpRunner(ModelRunner):
     def _after(self, plan: BatchPlan, hidden: Tensor) -> None:
         cu = getattr(plan, "catch_up", None)          # a plan built elsewhere (a cost measurement) has none
         if cu is not None:
-            self.drafter.catch_up(cu, plan.fb.input_ids, hidden)
+            self.drafter.catch_up(cu, plan.fb, hidden)
 
     def capture_decode_graphs(self, ctx: PhaseContext) -> int:
         log.info("decode and P graphs not captured: %s; passes run eagerly", REFUSED)
