@@ -18,8 +18,8 @@ class SpecConfig:
     GRPO siblings' (``ainfer_pd.spec.suffix``), verified inside the D iteration. ``mtp``: greedy
     drafts from the checkpoint's multi-token-prediction layer (glm4_moe ``num_nextn_predict_layers``
     >= 1, the first one; ``ainfer_pd.spec.mtp``), chained ``num_draft_tokens`` deep; it needs
-    ``model.num_mtp_layers`` >= 1 and one rank, and the D loop then runs without CUDA graphs (the
-    MTP layer reads every pass's hidden states, which the captured graphs do not give). ``suffix``
+    ``model.num_mtp_layers`` >= 1 and one rank; each decode graph replays the pass and the MTP
+    layer's catch-up after it (``engine.runtime.mtp_graphs``), the chain runs eagerly. ``suffix``
     runs on several ranks too: each replica leader drafts, every replica pads a drafting
     iteration to the positions agreed over the ranks (``ainfer_pd.spec.verify_shape``); there
     every rank measures the verify table and the leaders share the world's

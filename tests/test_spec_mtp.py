@@ -9,12 +9,14 @@ refusals without an MTP layer."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from ainfer_pd import RolloutWorker, SamplingParams
+from ainfer_pd.engine.attention import DecodeMeta
 from ainfer_pd.errors import CheckpointError, UnsupportedOptionError, WeightUpdateError
 from tests import _hf_models, _mtp_model
 from tests._spec_helpers import abort_mid_verify_then_resume
@@ -286,3 +288,86 @@ async def test_adaptive_mtp_measures_the_chain_and_counts_it(fitted):
         out = await w.generate(PROMPTS[0], SamplingParams(max_new_tokens=N, **GREEDY))
         await _leak_free(w)
     assert out.token_ids == _hf_models.hf_greedy(model, PROMPTS[0], N)[0]
+
+
+class _Unresolved(DecodeMeta):
+    """The static batch's metadata of a :class:`_Rerun` graph: the CPU reference attention derives
+    the key slots from the block table at every pass (as a captured graph recomputes them at
+    every replay), not once at capture."""
+
+    def resolve(self) -> None:
+        self.key_slots = None
+        DecodeMeta.resolve(self)
+
+
+class _Rerun:
+    """A CPU stand-in for a captured CUDA graph (the GPU path is ``torch.cuda.CUDAGraph``, run by
+    the GPU gate's ``spec`` section): a replay runs the captured function again over the static
+    inputs and writes its results into the outputs it gave at capture, as a replay writes a
+    graph's static outputs."""
+
+    def __init__(self, fn, out) -> None:
+        self.fn, self.out = fn, out
+
+    def replay(self) -> None:
+        for static, now in zip(self.out, self.fn()):
+            static.copy_(now)
+
+
+def _stand_in_graphs(w, sizes: tuple[int, ...], context: int):
+    """The worker's MTP decode graphs at ``sizes`` over ``context`` keys, each "captured" by
+    :class:`_Rerun` (the static buffers, padding, catch-up inputs and stash copies are the CUDA
+    path's own code)."""
+    from ainfer_pd.engine.runtime.mtp_graphs import MtpDecodeGraphs
+
+    class StandIn(MtpDecodeGraphs):
+        def _record(self, fn, dev):
+            out = fn()
+            return _Rerun(fn, out), out
+
+        def _fb(self, s):
+            fb = super()._fb(s)
+            fb.decode = _Unresolved(*(getattr(fb.decode, f.name) for f in dataclasses.fields(DecodeMeta)))
+            return fb
+
+    r = w.engine.runner
+    g = StandIn(r, sizes, (context,), r.scratch_slot, w.engine.decode_ctx)
+    with torch.inference_mode():
+        for B in sizes:
+            g._capture(B, g.max_context, r.device)
+    r.graphs = g
+    r.decode_paths = {k: 0 for k in r.decode_paths}
+    return g
+
+
+async def test_mtp_decode_graphs_replay_the_pass_and_its_catch_up(fitted):
+    """Every D iteration (verifies and overlapped ones) replays an MTP decode graph, padded to its
+    bucket (sizes 5 and 12: most batches are padded): the drafts still equal the reference chain
+    and the tokens transformers' greedy ones, the stashes come from the graph's hidden-state
+    output; a cost measurement's batch (no catch-up) replays the same graph and leaves every stash
+    and the MTP KV of the rows alone."""
+    from ainfer_pd.engine.runtime.runner import BatchPlan
+    from ainfer_pd.engine.runtime.verify_costs import _decode_batch
+    path, model, mtp = fitted
+    async with RolloutWorker(hf_worker_cfg(path, spec=SPEC)) as w:
+        g = _stand_in_graphs(w, (5, 12), 128)
+        r = w.engine.runner
+        rec = _record(w)
+        outs = await asyncio.gather(*(w.generate(p, SamplingParams(max_new_tokens=N, **GREEDY)) for p in PROMPTS))
+        await asyncio.gather(*(w.continue_(o.trajectory_id, OBS, SamplingParams(max_new_tokens=12, **GREEDY))
+                               for o in outs))
+        assert r.decode_paths["graph"] == g.num_replays > N // (K + 1)
+        assert r.decode_paths["eager-past-graphs"] == r.decode_paths["eager-no-graphs"] == 0
+        assert w.metrics()["spec_verifies"] > 0
+        stash = {tid: (st.p0, st.h.clone()) for tid, st in r.drafter.stash.items()}
+        kv = r.drafter.mtp_kv()[:, :r.scratch_slot].clone()
+        with torch.inference_mode():
+            r.decode(BatchPlan(_decode_batch(r, 2, 3, 40), [], [], []), w.engine.decode_ctx)
+        assert g.num_replays == r.decode_paths["graph"]
+        assert {tid: st.p0 for tid, st in r.drafter.stash.items()} == {tid: p0 for tid, (p0, _) in stash.items()}
+        assert all(torch.equal(r.drafter.stash[tid].h, h) for tid, (_, h) in stash.items())
+        assert torch.equal(r.drafter.mtp_kv()[:, :r.scratch_slot], kv)
+        await _leak_free(w)
+    _check_drafts(rec, model, mtp)
+    for p, o in zip(PROMPTS, outs):
+        assert o.token_ids == _hf_models.hf_greedy(model, p, N)[0]

@@ -5,8 +5,7 @@ coordinator gives every rank's announcement (one rank: its own at once; several:
 the control group) and :func:`~ainfer_pd.sched.step.decide_step` gives every rank the same
 decision: start a P epoch (run by the P driver on its own task, stopping at safe boundaries for
 turnstile rounds while it is gated), run one D iteration (the D driver: D first, through the
-round P's next boundary opens), or wait. Policies (SPEC section 4) are data
-(:mod:`~ainfer_pd.sched.epoch_mode`):
+round P's next boundary opens), or wait. Policies (SPEC section 4) are data (:mod:`~ainfer_pd.sched.epoch_mode`):
 
 * ``normal``          D is not run while any P is admissible or running (strict P priority).
 * ``global-complete`` turnstile with one boundary per P epoch, published after the epoch *completed*.
@@ -50,6 +49,7 @@ from .loop.p_walk import GATED_LANE
 from .kv.residency import Residency, kv_blocks_from_memory
 from .runtime.mtp_runner import MtpRunner
 from .runtime.runner import ModelRunner, RunnerSections
+from .runtime.warmup import warmup_prefill
 from .loop.state import Turn
 from .loop.turns import TurnBook
 
@@ -127,7 +127,7 @@ class Engine:
             self.decode_ctx.stream.submit(self.runner.capture_decode_graphs, self.decode_ctx,
                                           label="D.capture").enqueued().result()
         if self.device.kind == "cuda" and dc.warmup_prefill:
-            self.prefill_ctx.stream.submit(self.runner.warmup_prefill, self.prefill_ctx,
+            self.prefill_ctx.stream.submit(warmup_prefill, self.runner, self.prefill_ctx,
                                            cfg.scheduler.max_prefill_tokens, label="P.warmup").enqueued().result()
             torch.cuda.synchronize()
 

@@ -9,9 +9,10 @@ MTP proposer does (one layer, ``num_nextn_predict_layers`` = 1, chained for K > 
   steps: :class:`~ainfer_pd.engine.runtime.mtp_runner.MtpRunner`): the MTP layer over every position
   of the pass whose next token is known then, filling its KV with the target's real hidden states
   (:func:`~.mtp_batch.catch_up_batch`; a pass of decode rows only, in the fixed shape the decode
-  graphs capture with it: :func:`~.mtp_batch.decode_catch_up`, :func:`decode_mtp_pass`). A turn's last hidden states (whose next token the pass
-  samples) stay behind as its **stash**: the hidden states of the pass's rows of that turn
-  (a verify keeps all K + 1: which one is real is known only once the verify is read).
+  graphs capture with it: :func:`~.mtp_batch.decode_catch_up`, :func:`decode_mtp_pass`). A turn's
+  last hidden states (whose next token the pass samples) stay behind as its **stash**: the hidden
+  states of the pass's rows of that turn (a verify keeps all K + 1: which one is real is known only
+  once the verify is read).
 * **draft chain** (:meth:`MtpDrafter.prepare`, its own D stream item before a verify is built): a
   row of sequence length n runs the layer at position n - 2 on its stash row h_{n-2} and its last
   token t_{n-1} (a real entry of the MTP KV), argmax -> draft 1; then step j at n - 2 + j on the
@@ -106,7 +107,7 @@ class MtpDrafter:
         if type(cu) is DecodeCatchUp:
             prev = torch.zeros_like(h)
             self.fill_first_rows(cu, prev)
-            decode_mtp_pass(self.runner.model, fb, h, cu.first, cu.first_write, prev, self._kv())
+            decode_mtp_pass(self.runner.model, fb, h, cu.first, cu.first_write, prev, self.mtp_kv())
             self.num_catch_up_rows += int(h.shape[0])
             self.keep(cu, h)
             return
@@ -116,7 +117,7 @@ class MtpDrafter:
             src = torch.cat([h, *rows]) if rows else h
             toks = torch.cat([ids, cu.extra]) if cu.extra.numel() else ids
             cu.fb.input_ids = toks.index_select(0, cu.tok_idx)
-            mtp_forward(self.runner.model, cu.fb, src.index_select(0, cu.hid_idx), self._kv())
+            mtp_forward(self.runner.model, cu.fb, src.index_select(0, cu.hid_idx), self.mtp_kv())
             self.num_catch_up_rows += int(cu.hid_idx.shape[0])
         for tid in cu.drops:
             self.stash.pop(tid, None)
@@ -165,7 +166,7 @@ class MtpDrafter:
 
     def _chain(self, steps, refs: list[tuple[str, int]]) -> Tensor:
         """The draft chain on the D stream: [R, K] drafts (-1 past a row's cap) copied to the host."""
-        model, kv = self.runner.model, self._kv()
+        model, kv = self.runner.model, self.mtp_kv()
         h = torch.cat([self._stash_row(tid, p) for tid, p in refs])
         out = []
         for j, fb in enumerate(steps):
@@ -202,7 +203,7 @@ class MtpDrafter:
         self.ready.clear()
 
     # ------------------------------------------------------------------ internals
-    def _kv(self) -> Tensor:
+    def mtp_kv(self) -> Tensor:
         return self.runner.kv_cache[self.runner.model.cfg.num_layers]
 
     def _stash_row(self, tid: str, p: int) -> Tensor:
