@@ -45,7 +45,8 @@ def test_gate_spec_section_runs_on_the_cpu(tmp_path):
                           "--trajectories", "2", "--tokens", "32"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-2000:])
     checks = json.loads(out.read_text())["checks"]
-    assert set(checks) == {"spec_greedy_equals_plain", "spec_drafts_accepted", "spec_kv_leak_free"}
+    assert set(checks) == {"spec_greedy_equals_plain", "spec_drafts_accepted", "spec_kv_leak_free", "spec_mtp_decode_graphs",
+                           "spec_mtp_greedy_equals_plain", "spec_mtp_drafts_match_eager", "spec_mtp_kv_leak_free"}
     assert all(ok for ok, _ in checks.values()), checks
 
 
