@@ -113,16 +113,17 @@ class DDriver:
         self.notify()
 
     async def _agreed_drafts(self, rows: list[Turn]):
-        """Several ranks, a drafting iteration: a replica leader's drafts for ``rows`` (None: it
-        has none; a TP follower never drafts), K costed at the most rows any rank runs in it (the
-        step's :attr:`~.ranks.DistRanks.world_rows`), then every rank's verify shape agreed
-        (:meth:`~.ranks.DistRanks.agree_verify`; no overlapped iteration is in flight here)."""
-        batch, world = None, self.dist.world_rows
-        if self.spec is not None and self.spec.worth_drafting(rows, world):
+        """Several ranks, a drafting iteration: a replica leader drafts ``rows`` up to their caps
+        (when its speculator could speculate at the step's :attr:`~.ranks.DistRanks.world_rows`),
+        every rank offers what its rows would verify and gain at each K, and verifies at the
+        world's K (:meth:`~.ranks.DistRanks.agree_verify`; no overlapped iteration is in flight
+        here). Returns this replica's verify batch (None: its rows decode plainly)."""
+        drafts, offer = None, self.dist.plain_offer(len(rows))
+        if self.spec is not None and self.spec.worth_drafting(rows, self.dist.world_rows):
             await self.spec.prepare(rows)
-            batch = self.spec.plan(rows, world)
-        await self.dist.agree_verify(batch.drafts if batch is not None else [[] for _ in rows], self.p.epoch)
-        return batch
+            drafts, offer = self.spec.offer(rows)
+        k = await self.dist.agree_verify(offer, self.p.epoch)
+        return None if drafts is None else self.spec.plan_at(rows, drafts, k)
 
     async def _plain(self, rows: list[Turn], rnd, t_ready: float, batch=None) -> None:
         """An iteration launched, read and booked; ``batch`` (a :class:`~ainfer_pd.spec.speculator.SpecBatch`):

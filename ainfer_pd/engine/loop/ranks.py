@@ -8,7 +8,7 @@ spread over every rank, so every expert exchange and every D collective needs ev
 same order: the engine's step (:mod:`ainfer_pd.sched.step`) is agreed over the control rendezvous,
 a replica with nothing to prefill runs the epoch with an empty batch, and every replica's D batch
 is padded to the agreed row count (D's collectives gather every replica's rows); a drafting
-iteration's positions (rows plus drafts) are agreed at the iteration (:meth:`DistRanks.agree_verify`),
+iteration's K and positions (rows plus drafts) are agreed at the iteration (:meth:`DistRanks.agree_verify`),
 and the verify cost table every rank measured at start is agreed once (:meth:`DistRanks.agree_costs`).
 
 ``parallel.ordering`` routes P's attention all-reduce (:func:`~ainfer_pd.comm.ordering.collective_stream`):
@@ -28,7 +28,7 @@ from ...comm.ordering import P_ATP_ALL_REDUCE, collective_stream
 from ...comm.topology import ATTN_DP_D, ATTN_TP_D, CONTROL, REPLICA, Topology
 from ...comm.watchdog import Watchdog
 from ...errors import PeerLostError, StallError
-from ...spec.verify_shape import VerifyShape, agreed_positions, verify_counts
+from ...spec.verify_shape import DraftOffer, positions_at, verify_counts, world_k
 from ...spec.world_costs import world_times
 from ..runtime.replica import ReplicaChannel, decode_numel, pack_decode, pack_prefill, pad_decode, unpack_decode, unpack_prefill
 from ..runtime.runner import BatchPlan
@@ -65,6 +65,8 @@ class DistRanks:
         self.owned_rendezvous = None  # the control rendezvous make_engine created (closed by aclose)
         self.rows_agreed = 0          # the padded rows of every replica's D batch at this step
         self.world_rows = 0           # the most decode rows any rank announced at the last step
+        self.spec_cfg = None          # the spec section and the world's verify cost table (use_spec)
+        self.spec_costs = None
         # the block-table width of every D broadcast (the widest a row can need, plus the scratch)
         self.table_width = -(-cfg.model.max_context_len // cfg.cache.block_size) + 1
         self.stall_s = cfg.parallel.stall_timeout_s
@@ -167,20 +169,31 @@ class DistRanks:
         tdist.all_gather_object(tables, times, group=self.control)
         return world_times(tables)
 
-    async def agree_verify(self, drafts: list[list[int]], epoch: int) -> None:
-        """A drafting iteration's shape (:mod:`~ainfer_pd.spec.verify_shape`): this rank announces
-        its verify batch (``drafts[i]`` for its row i; a TP follower, none), every rank pads its D
-        batch to the most positions announced (:attr:`rows_agreed`); a leader counts what the
-        agreement cost it (``verify_sync_s``: the rendezvous' wait, on every rank)."""
-        mine = VerifyShape.of(drafts)
+    def use_spec(self, spec_cfg, costs) -> None:
+        """Speculation is on: its config section and the world's verify cost table (the same on
+        every rank: the config's, or agreed by :meth:`agree_costs`), which :meth:`agree_verify` reads."""
+        self.spec_cfg, self.spec_costs = spec_cfg, costs
+
+    def plain_offer(self, rows: int) -> DraftOffer:
+        """The offer of ``rows`` without drafts (a TP follower: 0)."""
+        return DraftOffer.plain(rows, self.spec_cfg.num_draft_tokens)
+
+    async def agree_verify(self, mine: DraftOffer, epoch: int) -> int:
+        """A drafting iteration's K and shape (:mod:`~ainfer_pd.spec.verify_shape`): this rank
+        announces its offer, every rank computes the world's K from every offer and pads its D
+        batch to the most positions any rank has at K (:attr:`rows_agreed`); a leader counts what
+        the agreement cost it (``verify_sync_s``: the rendezvous' wait, on every rank). Returns K."""
+        sc = self.spec_cfg
         t0 = self.rec.now()
         states = await self.rdv.arrive("verify", mine.to_payload(), epoch=epoch)
         self.rec.sample("verify_sync_s", self.rec.now() - t0)
-        shapes = [VerifyShape.from_payload(s) for s in states]
-        self.rows_agreed = self.padded_rows(agreed_positions(shapes), self.engine.runner.graphs)
+        offers = [DraftOffer.from_payload(s, sc.num_draft_tokens) for s in states]
+        k = world_k(self.spec_costs, offers, adaptive=sc.adaptive)
+        self.rows_agreed = self.padded_rows(positions_at(offers, k), self.engine.runner.graphs)
         if self.is_leader:
-            for name, n in verify_counts(mine, shapes, self.rows_agreed).items():
+            for name, n in verify_counts(mine, offers, k, self.rows_agreed).items():
                 self.rec.count(name, n)
+        return k
 
     async def decode_plan(self, rows: list, drafts: list[list[int]] | None = None) -> BatchPlan:
         """This replica's D batch (a verify batch with ``drafts``: row i feeds 1 + len(drafts[i])
