@@ -18,7 +18,8 @@ class SpecConfig:
     GRPO siblings' (``ainfer_pd.spec.suffix``), verified inside the D iteration. ``mtp``: greedy
     drafts from the checkpoint's multi-token-prediction layer (glm4_moe ``num_nextn_predict_layers``
     >= 1, the first one; ``ainfer_pd.spec.mtp``), chained ``num_draft_tokens`` deep; it needs
-    ``model.num_mtp_layers`` >= 1 and one rank; each decode graph replays the pass and the MTP
+    ``model.num_mtp_layers`` >= 1 and, on several ranks, ATP 1 (attention DP with expert
+    parallelism: every rank runs every catch-up and chain); each decode graph replays the pass and the MTP
     layer's catch-up after it (``engine.runtime.mtp_graphs``), the chain runs eagerly. ``suffix``
     runs on several ranks too: each replica leader drafts and offers its drafts, every rank
     computes the world's K from the offers and pads a drafting iteration to the positions the

@@ -371,3 +371,68 @@ async def test_mtp_decode_graphs_replay_the_pass_and_its_catch_up(fitted):
     _check_drafts(rec, model, mtp)
     for p, o in zip(PROMPTS, outs):
         assert o.token_ids == _hf_models.hf_greedy(model, p, N)[0]
+
+
+PARALLEL = {"world_size": 2, "attn_dp": 2, "expert_parallel": 2, "expert_backend": "torch", "rendezvous_timeout_s": 60.0}
+RANK_KEYS = ("spec_verifies", "spec_accepted", "spec_drafted")
+
+
+async def _rank_mtp(rank: int, world_size: int, path: str, spec: dict = SPEC):
+    """Rank ``rank`` serves PROMPTS[rank] (two turns) on attention DP 2 x EP 2, MTP drafting: its
+    tokens, the drafts each row was offered (before the world's K), counters, leak-free, each
+    verify round's K."""
+    async with RolloutWorker(hf_worker_cfg(path, "fine-grained", spec=spec, parallel=PARALLEL)) as w:
+        sp, rec = w.engine.spec, []
+        costs = w.engine.dist.spec_costs
+        offer = sp.offer
+
+        def recording(rows):
+            drafts, o = offer(rows)
+            rec.extend((t.context + t.out_tokens, d, sp.cap(t)) for t, d in zip(rows, drafts))
+            return drafts, o
+        sp.offer = recording
+        ks, agree = [], w.engine.dist.agree_verify
+
+        async def spy(offer, epoch):
+            ks.append(await agree(offer, epoch))
+            return ks[-1]
+        w.engine.dist.agree_verify = spy
+        o = await w.generate(PROMPTS[rank], SamplingParams(max_new_tokens=N, **GREEDY))
+        o2 = await w.continue_(o.trajectory_id, OBS, SamplingParams(max_new_tokens=12, **GREEDY))
+        m = w.metrics()
+        await w.release(o.trajectory_id)
+        free = w.kv_leak_free() and w.engine.kv.num_free_blocks == w.engine.kv.alloc.num_blocks and not sp.drafter.stash
+    return list(o.token_ids), list(o2.token_ids), rec, {k: m.get(k, 0) for k in RANK_KEYS}, free, ks, costs
+
+
+def test_mtp_on_adp2_ep2_drafts_the_reference_chain_and_gives_greedy_tokens(fitted):
+    """Two gloo ranks, attention DP with the experts (the MTP layer's too) split over them: every
+    pass's catch-up and every verify round's chain run on both ranks (the MTP layer's expert
+    exchange and D's DP-attention gather pair up; the chain at the world's depth over padded
+    rows), the drafts equal the reference chain, the tokens transformers' greedy ones, K is the
+    world's (the same sum on both), no KV block or stash is left."""
+    from tests._dist_util import run_ranks
+    path, model, mtp = fitted
+    res = run_ranks(_rank_mtp, 2, str(path), timeout_s=180)
+    for rank, (t1, t2, rec, m, free, _, _) in enumerate(res):
+        p = PROMPTS[rank]
+        assert t1 == _hf_models.hf_greedy(model, p, N)[0]
+        assert t2 == _hf_models.hf_greedy(model, p + t1 + OBS, 12)[0]
+        assert free
+        assert m["spec_verifies"] > 0 and 0 < m["spec_accepted"] < m["spec_drafted"], m
+        _check_drafts(rec, model, mtp)
+    a, b = res[0][5], res[1][5]               # each round's K, as each rank agreed it (the rounds both saw)
+    n = min(len(a), len(b))
+    assert n > 0 and a[:n] == b[:n] and any(a[:n]), (a, b)
+
+
+def test_adaptive_mtp_on_adp2_ep2_measures_one_world_table_of_verify_and_chain(fitted):
+    """Without tables every rank measures the verify and the MTP chain (their collectives pair up
+    across the ranks) and both keep the world's tables, the chain's included; tokens stay greedy."""
+    from tests._dist_util import run_ranks
+    path, model, _ = fitted
+    res = run_ranks(_rank_mtp, 2, str(path), {**SPEC, "adaptive": True}, timeout_s=180)
+    assert res[0][6] == res[1][6] and res[0][6] is not None and res[0][6].drafting is not None
+    for rank, (t1, t2, _, _, free, _, _) in enumerate(res):
+        assert t1 == _hf_models.hf_greedy(model, PROMPTS[rank], N)[0] and free
+        assert t2 == _hf_models.hf_greedy(model, PROMPTS[rank] + t1 + OBS, 12)[0]

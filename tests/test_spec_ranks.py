@@ -328,19 +328,21 @@ def test_the_world_cost_table_is_each_entrys_most_and_a_differing_grid_is_named(
         world_times([a, {1: {1: 0.01}, 4: {1: 0.02, 2: 0.02}}])
 
 
-class _Leader:
-    is_leader = True
-
-
-def test_mtp_on_several_ranks_is_refused_by_name():
-    """(spec.adaptive without a table is built: measured on every rank, the world's table agreed.)"""
+def test_mtp_under_attention_tp_is_refused_by_name():
+    """(mtp on attention DP with expert parallelism is built: tests/test_spec_mtp.py.)"""
     from types import SimpleNamespace
 
     from ainfer_pd.config_spec import SpecConfig
     cfg = SimpleNamespace(spec=SpecConfig(method="mtp"))    # mtp needs a model with an MTP layer: checked first
-    with pytest.raises(UnsupportedOptionError, match="several ranks") as e:
-        make_speculator(cfg, None, None, None, _Leader())
-    assert e.value.key == "spec.method"
+    for atp, refused in ((2, True), (1, False)):
+        dist = SimpleNamespace(topology=SimpleNamespace(atp=atp), is_leader=True)
+        if refused:
+            with pytest.raises(UnsupportedOptionError, match="attention TP") as e:
+                make_speculator(cfg, None, None, None, dist)
+            assert e.value.key == "spec.method"
+        else:
+            with pytest.raises(AttributeError):             # past the refusal: it needs a real config
+                make_speculator(cfg, None, None, None, dist)
 
 
 def test_a_merged_world_sums_each_leaders_drafts_and_padding():

@@ -39,7 +39,8 @@ from torch import Tensor
 
 from ..engine.attention import ForwardBatch
 from ..engine.model.mtp_layer import mtp_forward, mtp_logits
-from .mtp_batch import CatchUp, DecodeCatchUp, catch_up_batch, chain_batches, decode_catch_up, decode_catch_up_batch
+from .mtp_batch import (CatchUp, DecodeCatchUp, catch_up_batch, chain_batches, decode_catch_up, decode_catch_up_batch,
+                        world_chain_batches)
 
 log = logging.getLogger("ainfer_pd.spec")
 
@@ -61,12 +62,18 @@ class Stash:
 
 
 def decode_mtp_pass(model, fb: ForwardBatch, h: Tensor, first: Tensor, first_write: Tensor, prev: Tensor,
-                    kv: Tensor) -> None:
+                    kv: Tensor, hooks=None) -> None:
     """The catch-up of a decode pass ``fb`` in its fixed shape (device ops only: the decode graphs
     capture it after the pass): MTP row j on h_{p_j - 1}, the turn's stash row ``prev[j]`` for a
     first row, the pass's own row j - 1 (``h`` [N, D]) otherwise (:func:`~.mtp_batch.decode_catch_up_batch`)."""
     hid = torch.where(first[:, None], prev, h.roll(1, 0))
-    mtp_forward(model, decode_catch_up_batch(fb, first, first_write), hid, kv)
+    mtp_forward(model, decode_catch_up_batch(fb, first, first_write), hid, kv, hooks)
+
+
+def _no_rows(fb: ForwardBatch) -> ForwardBatch:
+    """A pass of no rows (several ranks: the MTP layer's collectives with the other ranks')."""
+    z = fb.input_ids[:0]
+    return ForwardBatch(z, z, z, [], None, None, block_size=fb.block_size)
 
 
 class MtpDrafter:
@@ -90,7 +97,7 @@ class MtpDrafter:
         """The catch-up of a pass being built (on the event loop, with the pass's metadata): a pass
         of decode rows only takes the fixed shape (:func:`~.mtp_batch.decode_catch_up`)."""
         r = self.runner
-        if not prefill and decode:
+        if not prefill:                 # (no rows either: an empty pass, which several ranks still run)
             return decode_catch_up(r.kv, r.device, decode, ahead, drafts, self._covers, r.scratch_slot)
         return catch_up_batch(r.kv, r.device, num_pass_rows, prefill, decode, ahead, drafts, self._has_prev)
 
@@ -101,13 +108,21 @@ class MtpDrafter:
     def _has_prev(self, tid: str, p: int) -> bool:
         return self._covers(tid, p) and self.written.get(tid) != p
 
-    def catch_up(self, cu: CatchUp | DecodeCatchUp, fb: ForwardBatch, h: Tensor) -> None:
+    def catch_up(self, cu: CatchUp | DecodeCatchUp, fb: ForwardBatch, h: Tensor, hooks=None) -> None:
         """Run ``cu`` after its target pass ``fb`` (on the pass's stream): ``h`` [T, D] its last
-        layer's outputs; then the turns' new stashes."""
+        layer's outputs; then the turns' new stashes. ``hooks``: the pass's phase hooks on several
+        ranks (the MTP layer's collectives join every rank's: a pass without MTP rows, an empty P
+        pass or a padded D batch, still runs the layer), None on one rank."""
+        model, kv = self.runner.model, self.mtp_kv()
         if type(cu) is DecodeCatchUp:
+            if fb.decode is None:               # an empty pass (no rows at all)
+                if hooks is not None:
+                    mtp_forward(model, fb, h, kv, hooks)
+                return
+            first, first_write = cu.padded(int(h.shape[0]), self.runner.scratch_slot)
             prev = torch.zeros_like(h)
             self.fill_first_rows(cu, prev)
-            decode_mtp_pass(self.runner.model, fb, h, cu.first, cu.first_write, prev, self.mtp_kv())
+            decode_mtp_pass(model, fb, h, first, first_write, prev, kv, hooks)
             self.num_catch_up_rows += int(h.shape[0])
             self.keep(cu, h)
             return
@@ -117,8 +132,10 @@ class MtpDrafter:
             src = torch.cat([h, *rows]) if rows else h
             toks = torch.cat([ids, cu.extra]) if cu.extra.numel() else ids
             cu.fb.input_ids = toks.index_select(0, cu.tok_idx)
-            mtp_forward(self.runner.model, cu.fb, src.index_select(0, cu.hid_idx), self.mtp_kv())
+            mtp_forward(model, cu.fb, src.index_select(0, cu.hid_idx), kv, hooks)
             self.num_catch_up_rows += int(cu.hid_idx.shape[0])
+        elif hooks is not None:                  # no MTP row here; the other ranks' may have some
+            mtp_forward(model, _no_rows(fb), h[:0], kv, hooks)
         for tid in cu.drops:
             self.stash.pop(tid, None)
         if cu.keeps:
@@ -143,19 +160,25 @@ class MtpDrafter:
             self.written.pop(tid, None)
 
     # ------------------------------------------------------------------ drafts (the speculator's)
-    async def prepare(self, rows: list, caps: list[int]) -> None:
+    async def prepare(self, rows: list, caps: list[int], world: tuple[int, int] | None = None) -> None:
         """Draft every row of ``rows`` with a stash row for position n - 2 up to its cap (``caps``),
-        as one D stream item; :meth:`draft` then gives them."""
+        as one D stream item; :meth:`draft` then gives them. ``world`` = (R, depth), several ranks:
+        the chain's collectives join every rank's, so every rank runs ``depth`` steps over R rows
+        (its jobs, then padding: :func:`~.mtp_batch.world_chain_batches`), drafting or not."""
         self.ready = {}
         jobs = []
         for t, c in zip(rows, caps):
             st = self.stash.get(t.tid)
             if c > 0 and t.seq_len >= 2 and st is not None and st.covers(t.seq_len - 2):
                 jobs.append((t.tid, t.seq_len, t.out_tokens[-1], c))
-        if not jobs:
+        if not jobs and world is None:
             return
         jobs.sort(key=lambda j: -j[3])
-        steps = chain_batches(self.runner.kv, self.runner.device, jobs)
+        r = self.runner
+        if world is None:
+            steps = chain_batches(r.kv, r.device, jobs)
+        else:
+            steps = world_chain_batches(r.kv, r.device, jobs, *world, r.scratch_slot, r.scratch_block)
         w = self.ctx.stream.submit(self._chain, steps, [(tid, n - 2) for tid, n, _, _ in jobs],
                                    label="D.mtp_draft", attrs=DRAFT_ITEM)
         host = await w.done()
@@ -165,19 +188,26 @@ class MtpDrafter:
             self.written[tid] = n - 2
 
     def _chain(self, steps, refs: list[tuple[str, int]]) -> Tensor:
-        """The draft chain on the D stream: [R, K] drafts (-1 past a row's cap) copied to the host."""
-        model, kv = self.runner.model, self.mtp_kv()
-        h = torch.cat([self._stash_row(tid, p) for tid, p in refs])
+        """The draft chain on the D stream: [R, K] drafts (-1 past a row's cap) copied to the host
+        (the refs' rows; a world chain's padding rows start from zeros)."""
+        model, kv, hooks = self.runner.model, self.mtp_kv(), self.ctx.comm.hooks
+        rows = [self._stash_row(tid, p) for tid, p in refs]
+        R = int(steps[0].positions.shape[0]) if steps else len(refs)
+        if R > len(rows):
+            D = model.cfg.hidden_size
+            rows.append(torch.zeros(R - len(rows), D, dtype=model.embed.dtype, device=self.runner.device))
+        h = torch.cat(rows)
         out = []
         for j, fb in enumerate(steps):
             m = fb.positions.shape[0]
             if j:
                 fb.input_ids, h = out[-1][:m], h[:m]
-            h = mtp_forward(model, fb, h, kv)
+            h = mtp_forward(model, fb, h, kv, hooks)
             out.append(mtp_logits(model, h).argmax(dim=-1))
         toks = torch.full((len(refs), len(steps)), -1, dtype=torch.int64, device=h.device)
         for j, d in enumerate(out):
-            toks[:d.shape[0], j] = d
+            n = min(int(d.shape[0]), len(refs))
+            toks[:n, j] = d[:n]
         if toks.is_cuda:                                     # read after the item completed
             host = torch.empty(toks.shape, dtype=toks.dtype, pin_memory=True)
             return host.copy_(toks, non_blocking=True)

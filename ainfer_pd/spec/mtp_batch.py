@@ -15,6 +15,9 @@ run later on a stream.
   Every tensor but the first rows' stash rows and KV slots derives on the device from the pass's
   own (positions, write slots, lengths, block table), so the decode graphs capture it with the pass
   (:mod:`~ainfer_pd.engine.runtime.mtp_graphs`); a first row without a stash writes the scratch slot.
+* :func:`world_chain_batches` - the same on several ranks: a fixed depth over a fixed row count,
+  the rows past a job's cap and past the jobs padding (the scratch slot and block), so every rank
+  runs the same collectives.
 * :func:`chain_batches` - the draft chain: step j of row r at position n_r - 2 + j (n_r its
   sequence length), the rows longest-cap first so each step's rows are a prefix of the last's.
 
@@ -135,6 +138,15 @@ class DecodeCatchUp:
     refs: list[tuple[int, str, int]]  # (row, trajectory, position): a first row's stash row, read at run time
     keeps: list[tuple[str, int, int, int]]   # (tid, a, b, p0): stash = h[a:b] (pass rows), positions p0 ..
 
+    def padded(self, n: int, scratch: int) -> tuple[Tensor, Tensor]:
+        """(``first``, ``first_write``) over ``n`` pass rows: the rows past the batch's (a padded
+        D batch of several ranks) are first rows writing ``scratch``."""
+        m = int(self.first.shape[0])
+        if m == n:
+            return self.first, self.first_write
+        return (torch.cat([self.first, self.first.new_ones(n - m)]),
+                torch.cat([self.first_write, self.first_write.new_full((n - m,), scratch)]))
+
 
 def decode_catch_up(kv, device, decode, ahead: list[int] | None, drafts: list[list[int]] | None,
                     covers: Callable[[str, int], bool], scratch: int) -> DecodeCatchUp:
@@ -192,6 +204,38 @@ def chain_batches(kv, device, jobs: list[tuple[str, int, int, int]]) -> list[For
             positions=torch.tensor(pos, dtype=torch.int64, device=device),
             write_slots=torch.tensor([kv.slot_of(tid, p) for (tid, _, _, _), p in zip(rows, pos)],
                                      dtype=torch.int64, device=device),
+            decode=DecodeMeta(None, torch.tensor(lens, dtype=torch.int64, device=device),
+                              block_table=table.to(device), block_size=bs),
+            block_size=bs))
+    return out
+
+
+def world_chain_batches(kv, device, jobs: list[tuple[str, int, int, int]], R: int, depth: int,
+                        scratch_slot: int, scratch_block: int) -> list[ForwardBatch]:
+    """The draft chain of several ranks: ``depth`` steps of ``R`` rows each (every rank the same:
+    the MTP layer's collectives gather every replica's rows). Row r < len(jobs) is job r while
+    its cap exceeds the step (at position n_r - 2 + j, as :func:`chain_batches`), every other row
+    padding (position 0, one key in the scratch block, its key into the scratch slot)."""
+    if len(jobs) > R:
+        raise ValueError(f"{len(jobs)} chain rows over a world chain of {R}")
+    bs, out = kv.block_size, []
+    for j in range(depth):
+        live = [r for r, job in enumerate(jobs) if job[3] > j]
+        pos, slots, ids = [0] * R, [scratch_slot] * R, [0] * R
+        for r in live:
+            tid, n, tok, _ = jobs[r]
+            pos[r] = n - 2 + j
+            slots[r] = kv.slot_of(tid, pos[r])
+            ids[r] = tok
+        lens = [p + 1 for p in pos]
+        nb = -(-max(lens) // bs) if R else 1
+        table = torch.full((R, nb), scratch_block, dtype=torch.int64)
+        if live:
+            table[live] = kv.block_table([jobs[r][0] for r in live], nb)
+        out.append(ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+            positions=torch.tensor(pos, dtype=torch.int64, device=device),
+            write_slots=torch.tensor(slots, dtype=torch.int64, device=device),
             decode=DecodeMeta(None, torch.tensor(lens, dtype=torch.int64, device=device),
                               block_table=table.to(device), block_size=bs),
             block_size=bs))

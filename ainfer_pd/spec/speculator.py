@@ -150,11 +150,12 @@ class Speculator:
         left = min(t.params.max_new_tokens - len(t.out_tokens), self.max_context_len - t.seq_len)
         return max(0, min(self.k_max, left - 1))
 
-    async def prepare(self, rows: list[Turn]) -> None:
-        """Before :meth:`plan`: a drafter that runs on the device (MTP) drafts ``rows`` now, each
-        up to its cap (one D stream item); a model-free one has nothing to do."""
+    async def prepare(self, rows: list[Turn], world: tuple[int, int] | None = None) -> None:
+        """Before :meth:`plan` / :meth:`offer`: a drafter that runs on the device (MTP) drafts
+        ``rows`` now, each up to its cap (one D stream item; ``world`` = (rows, depth) on several
+        ranks: :meth:`~.mtp.MtpDrafter.prepare`); a model-free one has nothing to do."""
         if self.on_device:
-            await self.drafter.prepare(rows, [self.cap(t) for t in rows])
+            await self.drafter.prepare(rows, [self.cap(t) for t in rows], world)
 
     def plan(self, rows: list[Turn]) -> SpecBatch | None:
         """The drafts of a batch of ``rows`` on one rank (:meth:`_plan`), with the host time they
@@ -261,20 +262,20 @@ class Speculator:
                 "spec_tokens_per_row_pass": self.num_emitted / rows if rows else 0.0}
 
 
-def _check_ranks(sc: SpecConfig) -> None:
+def _check_ranks(sc: SpecConfig, dist) -> None:
     """What speculation on several ranks (``DistRanks``) does not build, refused by name."""
-    if sc.mtp:
-        raise UnsupportedOptionError("spec.method mtp on several ranks is not built: the MTP layer's catch-up after "
-                                     "every target pass and its draft chain on the D stream run its own attention "
-                                     "and MoE, whose collectives would have to join every rank's in the step's order "
-                                     "too (spec.method suffix is built on several ranks)", key="spec.method")
+    if sc.mtp and dist.topology.atp > 1:
+        raise UnsupportedOptionError("spec.method mtp under attention TP (ATP > 1) is not built: a TP follower runs "
+                                     "its leader's batches as they come and has neither the MTP catch-up's rows nor "
+                                     "the turns' stashed hidden states (attention DP with expert parallelism, "
+                                     "ATP 1, is built)", key="spec.method")
 
 
 def make_speculator(cfg, runner, decode_ctx, recorder, dist) -> Speculator | None:
     """The engine's speculator (``spec.method``; None: off), with its cost tables: the config's,
     or measured now on the D stream (``spec.adaptive`` without a table): the verify's, and under
-    ``mtp`` the MTP chain's (``spec.draft_costs``). On several ranks (``dist``, suffix only) every
-    rank measures the verify table, its passes padded as a real iteration's, the world's table is
+    ``mtp`` the MTP chain's (``spec.draft_costs``). On several ranks (``dist``; mtp at ATP 1) every
+    rank measures the verify table (and the chain's), its passes padded as a real iteration's, the world's tables are
     agreed (``DistRanks.agree_costs``) and every rank keeps it for the world's K
     (``DistRanks.use_spec``); a replica leader's speculator only (a TP follower gets None: it runs
     its leader's verify batches)."""
@@ -282,7 +283,7 @@ def make_speculator(cfg, runner, decode_ctx, recorder, dist) -> Speculator | Non
     if not sc.enabled:
         return None
     if dist is not None:
-        _check_ranks(sc)
+        _check_ranks(sc, dist)
     times, drafts = sc.verify_costs, sc.draft_costs or None
     top = cfg.scheduler.max_decode_batch
     batches = tuple(sorted(times) if times else sorted({b for b in (1, 4, 16, 64, 128) if b < top} | {top}))
@@ -298,10 +299,6 @@ def make_speculator(cfg, runner, decode_ctx, recorder, dist) -> Speculator | Non
         if dist is not None:
             times = dist.agree_costs(times)
             log.info("the world's verify costs (s), the most any rank measured: %s", times)
-    if dist is not None:                 # every rank decides the world's K from the same table
-        dist.use_spec(sc, VerifyCosts.from_times(times) if times else None)
-        if not dist.is_leader:
-            return None                  # a TP follower never drafts: it runs its leader's verify batch
     if sc.mtp and sc.adaptive and drafts is None and sc.verify_costs:
         log.warning("spec.verify_costs given without spec.draft_costs: the MTP chain's device time is not "
                     "counted against speculation (give both, or neither to measure both)")
@@ -311,9 +308,15 @@ def make_speculator(cfg, runner, decode_ctx, recorder, dist) -> Speculator | Non
                                           tuple(range(1, sc.num_draft_tokens + 1)), context,
                                           label="D.draft_costs").enqueued().result()
         log.info("MTP draft chain costs (s) by batch and drafts: %s", drafts)
+        if dist is not None:
+            drafts = dist.agree_costs(drafts)
+    costs = VerifyCosts.from_times(times, drafts if sc.mtp else None) if times else None
+    if dist is not None:                 # every rank decides the world's K from the same table
+        dist.use_spec(sc, costs)
+        if not dist.is_leader:
+            return None                  # a TP follower never drafts: it runs its leader's verify batch
     drafter = None
     if sc.mtp:                          # the runner's passes already feed it (engine.runtime.mtp_runner)
         drafter = runner.drafter
         drafter.ctx = decode_ctx
-    costs = VerifyCosts.from_times(times, drafts if sc.mtp else None) if times else None
     return Speculator(sc, cfg.model.max_context_len, costs, recorder, drafter)

@@ -81,7 +81,7 @@ class DDriver:
         batch = None
         if self.dist is not None:
             if verify:                       # inside the round: P is released after the verify's launch
-                batch = await self._agreed_drafts(rows)
+                batch = await self._agreed_drafts(rows, rnd)
         elif self.spec is not None and self.spec.worth_drafting(rows):
             if self.prev is not None:        # drafts continue the rows' last tokens: read them first
                 await self.settle()
@@ -112,18 +112,27 @@ class DDriver:
         self.num_iters += 1
         self.notify()
 
-    async def _agreed_drafts(self, rows: list[Turn]):
+    async def _agreed_drafts(self, rows: list[Turn], rnd):
         """Several ranks, a drafting iteration: a replica leader drafts ``rows`` up to their caps
         (when its speculator could speculate at the step's :attr:`~.ranks.DistRanks.world_rows`),
         every rank offers what its rows would verify and gain at each K, and verifies at the
         world's K (:meth:`~.ranks.DistRanks.agree_verify`; no overlapped iteration is in flight
-        here). Returns this replica's verify batch (None: its rows decode plainly)."""
-        drafts, offer = None, self.dist.plain_offer(len(rows))
-        if self.spec is not None and self.spec.worth_drafting(rows, self.dist.world_rows):
-            await self.spec.prepare(rows)
-            drafts, offer = self.spec.offer(rows)
-        k = await self.dist.agree_verify(offer, self.p.epoch)
-        return None if drafts is None else self.spec.plan_at(rows, drafts, k)
+        here). A device drafter (MTP) runs its chain on every rank, drafting or not: the world's
+        depth over the step's padded rows (its collectives join every rank's). Returns this
+        replica's verify batch (None: its rows decode plainly)."""
+        spec, dist = self.spec, self.dist
+        drafts, offer = None, dist.plain_offer(len(rows))
+        drafting = spec is not None and spec.worth_drafting(rows, dist.world_rows)
+        if spec is not None and spec.on_device:
+            depth = spec.k_max
+            dist.book_chain(depth, rnd)
+            await spec.prepare(rows if drafting else [], world=(dist.rows_agreed, depth))
+        elif drafting:
+            await spec.prepare(rows)
+        if drafting:
+            drafts, offer = spec.offer(rows)
+        k = await dist.agree_verify(offer, self.p.epoch)
+        return None if drafts is None else spec.plan_at(rows, drafts, k)
 
     async def _plain(self, rows: list[Turn], rnd, t_ready: float, batch=None) -> None:
         """An iteration launched, read and booked; ``batch`` (a :class:`~ainfer_pd.spec.speculator.SpecBatch`):

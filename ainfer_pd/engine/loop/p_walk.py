@@ -202,7 +202,10 @@ class EpochWalk:
         self.notified = self.runner.notify(self.ctx, self.st)
 
     def _experts(self, layer: int) -> None:
-        self.st = self.runner.experts(layer, self.st, self.ctx, self.notified)
+        r = self.runner
+        self.st = r.experts(layer, self.st, self.ctx, self.notified)
+        if r.after_layers is not None and layer == r.num_layers - 1:
+            r.after_layers(self.st, self.plan, self.ctx)        # inside the last layer's segment
 
     def _head(self) -> Any:
         return self.runner.head(self.st, self.plan)

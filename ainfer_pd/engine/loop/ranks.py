@@ -20,6 +20,7 @@ is raised as :class:`~ainfer_pd.errors.PeerLostError` naming it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 
@@ -213,7 +214,15 @@ class DistRanks:
         fb = pad_decode(plan.fb, B, r.scratch_slot, r.scratch_block)
         if self.replica is not None:
             await self.replica.share(pack_decode(fb, width), decode_numel(B, width), "D batch")
-        return BatchPlan(fb, [], rows, plan.logit_turns, drafts=plan.drafts)
+        return dataclasses.replace(plan, fb=fb)        # (an MTP plan keeps its catch-up, padded when it runs)
+
+    def book_chain(self, depth: int, rnd) -> None:
+        """The MTP draft chain's collectives in host order (``depth`` passes of the MTP layer), before
+        its D stream item is submitted at a verify round (``rnd``: the turnstile round it runs in)."""
+        h = self.decode_hooks
+        self.colls.D.enqueue_schedule(h.layer_schedule(len(h.model.layers) - 1) * depth, stream="D",
+                                      epoch=rnd.epoch if rnd is not None else None,
+                                      boundary=rnd.boundary if rnd is not None else None)
 
     def before_d_launch(self, rnd) -> None:
         """D's collectives in host order, with the round that orders them (trace-check's G)."""

@@ -45,7 +45,8 @@ class MtpDecodeGraphs(DecodeGraphs):
         r = self.runner
         h, hidden = self.ctx.comm.hooks or LOCAL, []
         logits = r.model.forward_batch(fb, r.kv_cache, h.experts, h.attn_reduce, h.gather, on_hidden=hidden.append)
-        decode_mtp_pass(r.model, fb, hidden[0], s["first"], s["fwrite"], s["prev"], r.drafter.mtp_kv())
+        decode_mtp_pass(r.model, fb, hidden[0], s["first"], s["fwrite"], s["prev"], r.drafter.mtp_kv(),
+                        self.ctx.comm.hooks)
         return logits, hidden[0]
 
     def _fill(self, s: dict[str, Tensor], fb: ForwardBatch, cu: DecodeCatchUp | None = None) -> None:

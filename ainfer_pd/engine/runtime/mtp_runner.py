@@ -6,7 +6,9 @@ more layer of the pool) and whose batches carry their catch-up (:class:`MtpPlan`
 batch on the event loop). A D pass replays a decode graph that holds its catch-up too
 (:mod:`.mtp_graphs`); a P pass may replay the P graphs, its catch-up then runs eagerly on the hidden
 states they leave; a mixed pass, a batch past the graphs and a device without graphs run eagerly.
-One rank only (``make_speculator`` refuses several).
+On several ranks (attention DP and expert parallelism, ATP 1: ``make_speculator`` refuses
+attention TP) every pass's catch-up runs on every rank through the phase's hooks, a pass without
+MTP rows included (its collectives join the other ranks').
 """
 from __future__ import annotations
 
@@ -39,28 +41,28 @@ class MtpRunner(ModelRunner):
         cu = self.drafter.catch_up_for(plan.num_tokens, prefill, decode, ahead, drafts)
         return MtpPlan(**{f.name: getattr(plan, f.name) for f in fields(BatchPlan)}, catch_up=cu)
 
-    def head(self, st: SegmentState | Replayed, plan: BatchPlan) -> Tensor:
-        """The logits of a P epoch's pass, then its catch-up (on the P graphs' hidden states when
-        the pass replayed them)."""
-        logits = super().head(st, plan)
-        self._after(plan, st.binding.hidden() if type(st) is Replayed else st.h)
-        return logits
+    def after_layers(self, st: SegmentState | Replayed, plan: BatchPlan, ctx: PhaseContext) -> None:
+        """A P epoch's catch-up, run by the walk after the last layer's experts (inside the last
+        layer's segment: before the epoch's final boundary, so on several ranks its expert
+        exchange keeps the turnstile's order), on the P graphs' hidden states when the pass
+        replayed them."""
+        self._after(plan, st.binding.hidden() if type(st) is Replayed else st.h, ctx)
 
     def forward(self, plan: BatchPlan, ctx: PhaseContext) -> Tensor:
         """Every segment back to back, eagerly, then the catch-up."""
         h = ctx.comm.hooks or LOCAL
         return self.model.forward_batch(plan.fb, self.kv_cache, h.experts, h.attn_reduce, h.gather,
-                                        on_hidden=lambda hidden: self._after(plan, hidden))
+                                        on_hidden=lambda hidden: self._after(plan, hidden, ctx))
 
     def graph_inputs(self, plan: BatchPlan) -> tuple:
         """A decode graph replays the pass and its catch-up (:mod:`.mtp_graphs`; a plan without
         one, a cost measurement's, replays with every MTP row padding)."""
         return (getattr(plan, "catch_up", None),)
 
-    def _after(self, plan: BatchPlan, hidden: Tensor) -> None:
+    def _after(self, plan: BatchPlan, hidden: Tensor, ctx: PhaseContext) -> None:
         cu = getattr(plan, "catch_up", None)          # a plan built elsewhere (a cost measurement) has none
         if cu is not None:
-            self.drafter.catch_up(cu, plan.fb, hidden)
+            self.drafter.catch_up(cu, plan.fb, hidden, ctx.comm.hooks)
 
     def new_decode_graphs(self, sizes: tuple[int, ...], ctxs: tuple[int, ...], ctx: PhaseContext):
         from .mtp_graphs import MtpDecodeGraphs

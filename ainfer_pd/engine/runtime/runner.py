@@ -248,6 +248,10 @@ class ModelRunner:
             fn = lambda x, r, i: ep.finish(ctx, notified, x, r, i)      # noqa: E731
         return self.model.experts(layer, st, fn)
 
+    after_layers = None
+    """Run by the P walk after the last layer's experts, ``(st, plan, ctx)`` (the MTP catch-up:
+    :class:`~.mtp_runner.MtpRunner`); None: nothing runs there."""
+
     def head(self, st: SegmentState | Replayed, plan: BatchPlan) -> Tensor:
         if type(st) is Replayed:
             return st.binding.head()

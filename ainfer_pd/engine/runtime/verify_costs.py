@@ -78,7 +78,8 @@ def measure_draft_costs(runner, ctx: PhaseContext, batches: tuple[int, ...], ks:
     """Seconds of the MTP layer's draft chain of k steps over B rows at ``context_len`` keys (its
     own KV layer; each step the layer, its head and the argmax, as
     :meth:`~ainfer_pd.spec.mtp.MtpDrafter.prepare` runs it): ``{B: {k: s}}``, the median of
-    ``reps`` after one warm-up. Writes only the scratch slot."""
+    ``reps`` after one warm-up. Writes only the scratch slot. On several ranks every rank runs the
+    same grid (the MTP layer's collectives pair up: ``ctx``'s hooks)."""
     from ..model.mtp_layer import mtp_forward, mtp_logits
     model = runner.model
     kv = runner.kv_cache[model.cfg.num_layers]
@@ -91,7 +92,7 @@ def measure_draft_costs(runner, ctx: PhaseContext, batches: tuple[int, ...], ks:
         def chain(k: int) -> None:
             h = h0
             for _ in range(k):
-                h = mtp_forward(model, fb, h, kv)
+                h = mtp_forward(model, fb, h, kv, ctx.comm.hooks)
                 fb.input_ids = mtp_logits(model, h).argmax(dim=-1)
         out[B] = {k: _median_time(lambda: chain(k), runner.device, reps) for k in ks}
     return out
