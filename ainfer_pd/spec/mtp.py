@@ -147,8 +147,7 @@ class MtpDrafter:
     def fill_first_rows(self, cu: DecodeCatchUp, prev: Tensor) -> None:
         """Rows of ``prev`` [>= N, D]: each real first row's stash row h_{s-1} (on the pass's stream)."""
         if cu.refs:
-            rows = torch.tensor([j for j, _, _ in cu.refs], dtype=torch.int64, device=prev.device)
-            prev.index_copy_(0, rows, torch.cat([self._stash_row(tid, p) for _, tid, p in cu.refs]))
+            prev.index_copy_(0, cu.ref_rows, torch.cat([self._stash_row(tid, p) for _, tid, p in cu.refs]))
 
     def keep(self, cu: DecodeCatchUp, h: Tensor) -> None:
         """The turns' new stashes after a decode pass: their rows of ``h`` (copied: ``h`` may be a

@@ -136,6 +136,8 @@ class DecodeCatchUp:
     first: Tensor                     # [N] bool: the row is its turn's first (its h from the stash)
     first_write: Tensor               # [N] the MTP KV slot of a first row (scratch: no stash, or not first)
     refs: list[tuple[int, str, int]]  # (row, trajectory, position): a first row's stash row, read at run time
+    ref_rows: Tensor                  # [len(refs)] their rows, on the device (built here: an H2D copy on the
+                                      # D stream at run time would wait for the stream to drain)
     keeps: list[tuple[str, int, int, int]]   # (tid, a, b, p0): stash = h[a:b] (pass rows), positions p0 ..
 
     def padded(self, n: int, scratch: int) -> tuple[Tensor, Tensor]:
@@ -168,7 +170,8 @@ def decode_catch_up(kv, device, decode, ahead: list[int] | None, drafts: list[li
             refs.append((q, tid, s - 1))
         keeps.append((tid, q, q + r, s))
         q += r
-    return DecodeCatchUp(torch.tensor(first, dtype=torch.bool, device=device), _ids(fwrite, device), refs, keeps)
+    return DecodeCatchUp(torch.tensor(first, dtype=torch.bool, device=device), _ids(fwrite, device), refs,
+                         _ids([j for j, _, _ in refs], device), keeps)
 
 
 def decode_catch_up_batch(fb: ForwardBatch, first: Tensor, first_write: Tensor) -> ForwardBatch:
