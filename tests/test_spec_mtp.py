@@ -436,3 +436,31 @@ def test_adaptive_mtp_on_adp2_ep2_measures_one_world_table_of_verify_and_chain(f
     for rank, (t1, t2, _, _, free, _, _) in enumerate(res):
         assert t1 == _hf_models.hf_greedy(model, PROMPTS[rank], N)[0] and free
         assert t2 == _hf_models.hf_greedy(model, PROMPTS[rank] + t1 + OBS, 12)[0]
+
+
+def test_a_world_chain_has_the_same_rows_at_every_step_and_pads_past_caps_and_jobs():
+    """Several ranks: R rows at every step (the chain's collectives pair up across ranks), job r at
+    n_r - 2 + j while its cap exceeds j, every other row padding (position 0, one key, the scratch
+    slot and block); step 0 feeds the jobs' last tokens."""
+    from ainfer_pd.engine.kv.kv_cache import KVCacheManager
+    from ainfer_pd.spec.mtp_batch import world_chain_batches
+    kv = KVCacheManager(16, 4)
+    kv.reserve("a", 20, list(range(10)))
+    kv.reserve("b", 20, list(range(7)))
+    scratch_block, scratch = 16, 16 * 4
+    jobs = [("a", 10, 77, 3), ("b", 7, 88, 1)]                  # (tid, length, last token, cap), caps descending
+    steps = world_chain_batches(kv, "cpu", jobs, 4, 3, scratch, scratch_block)
+    assert len(steps) == 3 and all(fb.positions.shape[0] == 4 for fb in steps)
+    assert steps[0].input_ids.tolist() == [77, 88, 0, 0]
+    for j, fb in enumerate(steps):
+        live = [r for r, job in enumerate(jobs) if job[3] > j]
+        for r in range(4):
+            p, slot, n = int(fb.positions[r]), int(fb.write_slots[r]), int(fb.decode.ctx_lens[r])
+            if r in live:
+                tid, length = jobs[r][:2]
+                assert (p, n, slot) == (length - 2 + j, length - 1 + j, kv.slot_of(tid, length - 2 + j))
+                assert fb.decode.block_table[r, :2].tolist() == kv.block_table([tid], 2)[0, :2].tolist()
+            else:
+                assert (p, n, slot) == (0, 1, scratch) and fb.decode.block_table[r, 0] == scratch_block
+    with pytest.raises(ValueError, match="over a world chain of 1"):
+        world_chain_batches(kv, "cpu", jobs, 1, 3, scratch, scratch_block)
