@@ -377,11 +377,11 @@ PARALLEL = {"world_size": 2, "attn_dp": 2, "expert_parallel": 2, "expert_backend
 RANK_KEYS = ("spec_verifies", "spec_accepted", "spec_drafted")
 
 
-async def _rank_mtp(rank: int, world_size: int, path: str, spec: dict = SPEC):
+async def _rank_mtp(rank: int, world_size: int, path: str, spec: dict = SPEC, policy: str = "fine-grained"):
     """Rank ``rank`` serves PROMPTS[rank] (two turns) on attention DP 2 x EP 2, MTP drafting: its
     tokens, the drafts each row was offered (before the world's K), counters, leak-free, each
     verify round's K."""
-    async with RolloutWorker(hf_worker_cfg(path, "fine-grained", spec=spec, parallel=PARALLEL)) as w:
+    async with RolloutWorker(hf_worker_cfg(path, policy, spec=spec, parallel=PARALLEL)) as w:
         sp, rec = w.engine.spec, []
         costs = w.engine.dist.spec_costs
         offer = sp.offer
@@ -405,7 +405,8 @@ async def _rank_mtp(rank: int, world_size: int, path: str, spec: dict = SPEC):
     return list(o.token_ids), list(o2.token_ids), rec, {k: m.get(k, 0) for k in RANK_KEYS}, free, ks, costs
 
 
-def test_mtp_on_adp2_ep2_drafts_the_reference_chain_and_gives_greedy_tokens(fitted):
+@pytest.mark.parametrize("policy", ["fine-grained", "normal", "global-enqueue"])   # (mixed-chunked: one rank)
+def test_mtp_on_adp2_ep2_drafts_the_reference_chain_and_gives_greedy_tokens(fitted, policy):
     """Two gloo ranks, attention DP with the experts (the MTP layer's too) split over them: every
     pass's catch-up and every verify round's chain run on both ranks (the MTP layer's expert
     exchange and D's DP-attention gather pair up; the chain at the world's depth over padded
@@ -413,7 +414,7 @@ def test_mtp_on_adp2_ep2_drafts_the_reference_chain_and_gives_greedy_tokens(fitt
     world's (the same sum on both), no KV block or stash is left."""
     from tests._dist_util import run_ranks
     path, model, mtp = fitted
-    res = run_ranks(_rank_mtp, 2, str(path), timeout_s=180)
+    res = run_ranks(_rank_mtp, 2, str(path), SPEC, policy, timeout_s=180)
     for rank, (t1, t2, rec, m, free, _, _) in enumerate(res):
         p = PROMPTS[rank]
         assert t1 == _hf_models.hf_greedy(model, p, N)[0]
