@@ -373,6 +373,27 @@ async def test_mtp_decode_graphs_replay_the_pass_and_its_catch_up(fitted):
         assert o.token_ids == _hf_models.hf_greedy(model, p, N)[0]
 
 
+async def test_mtp_decode_graphs_under_the_overlapped_d_loop_keep_the_reference_chain(fitted):
+    """The overlapped D loop on the stand-in graphs: rows fed on the device (their first MTP row's
+    stash written by the iteration in flight, copied from its graph's hidden-state output after
+    that replay), then the long row speculates from that state: its drafts are the reference
+    chain's, its tokens transformers' greedy ones."""
+    path, model, mtp = fitted
+    costs = {1: {1: 0.01, 2: 0.0101, 3: 0.0102, 4: 0.0103}, 2: {1: 0.01, 2: 0.02, 3: 0.03, 4: 0.04}}
+    async with RolloutWorker(hf_worker_cfg(path, spec={**SPEC, "adaptive": True, "verify_costs": costs})) as w:
+        assert w.engine.overlap_decode
+        g = _stand_in_graphs(w, (2, 5), 128)
+        rec = _record(w)
+        short, long_ = await asyncio.gather(w.generate(PROMPTS[1], SamplingParams(max_new_tokens=6, **GREEDY)),
+                                            w.generate(PROMPTS[0], SamplingParams(max_new_tokens=N, **GREEDY)))
+        r = w.engine.runner
+        assert w.metrics()["d_rows_fed"] > 0 and w.metrics()["spec_verifies"] > 0
+        assert r.decode_paths["graph"] == g.num_replays > 0 and r.decode_paths["eager-past-graphs"] == 0
+        await _leak_free(w)
+    assert long_.token_ids == _hf_models.hf_greedy(model, PROMPTS[0], N)[0]
+    assert short.token_ids == _hf_models.hf_greedy(model, PROMPTS[1], 6)[0]
+    _check_drafts(rec, model, mtp)
+
 PARALLEL = {"world_size": 2, "attn_dp": 2, "expert_parallel": 2, "expert_backend": "torch", "rendezvous_timeout_s": 60.0}
 RANK_KEYS = ("spec_verifies", "spec_accepted", "spec_drafted")
 
