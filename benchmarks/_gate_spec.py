@@ -16,7 +16,8 @@ costs measured on this machine) against ``none``. Checks:
 Figures: verifies, drafted / accepted drafts, tokens a verifying row emitted per pass, the two
 runs' wall times.
 
-Then ``spec.method: mtp`` on its decode graphs (:func:`run_mtp`): the tiny glm4_moe with an MTP layer
+The gate's ``mtp`` section (``--part mtp``, its own subprocess: ``spec.method: mtp`` on its decode
+graphs, :func:`run_mtp`): the tiny glm4_moe with an MTP layer
 fitted to its own greedy rollouts (``tests/_mtp_model.py``, as ``tests/test_spec_mtp.py`` builds it),
 float32, two trajectories of two turns, against plain decoding and against the same MTP worker
 without CUDA graphs (eager catch-up):
@@ -220,29 +221,31 @@ def run_mtp(device: str) -> dict:
                                       "tokens_per_row_pass": round(m.get("spec_tokens_per_row_pass", 0.0), 3)}}}
 
 
-def section(out_dir: Path, run_sub, check, fig, *, timeout: int = 240) -> None:
-    """``benchmarks/gpu_gate.py``'s ``spec`` part: this module as a subprocess on the GPU, its checks
-    and figures recorded through the gate's ``check`` / ``fig``."""
-    js, log = out_dir / "spec.json", out_dir / "spec.log"
+def section(out_dir: Path, run_sub, check, fig, *, part: str = "suffix", timeout: int = 300) -> None:
+    """``benchmarks/gpu_gate.py``'s ``spec`` (``part`` suffix) or ``mtp`` section: this module as a
+    subprocess on the GPU, its checks and figures recorded through the gate's ``check`` / ``fig``."""
+    name = "spec" if part == "suffix" else part
+    js, log = out_dir / f"{name}.json", out_dir / f"{name}.log"
     js.unlink(missing_ok=True)
-    rc = run_sub("spec", [sys.executable, str(Path(__file__).resolve()), "--json", str(js)], timeout, log)
-    record("spec", rc, js, log, check, fig)
+    rc = run_sub(name, [sys.executable, str(Path(__file__).resolve()), "--json", str(js), "--part", part], timeout, log)
+    record(name, rc, js, log, check, fig)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True, help="where the checks and figures go")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--part", default="suffix", choices=("suffix", "mtp"),
+                    help="suffix: the small model's suffix drafts (the gate's spec section); mtp: the MTP checks")
     ap.add_argument("--trajectories", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=48)
     args = ap.parse_args()
     try:
-        res = run(args.device, args.trajectories, args.tokens)
-        mtp = run_mtp(args.device)
-        res = {"checks": {**res["checks"], **mtp["checks"]}, "figures": {**res["figures"], **mtp["figures"]}}
+        res = run(args.device, args.trajectories, args.tokens) if args.part == "suffix" else run_mtp(args.device)
     except Exception as exc:  # noqa: BLE001 - recorded as the section's failed check
         traceback.print_exc()
-        res = {"checks": {"spec_section_ran": (False, f"{type(exc).__name__}: {exc}"[:500])}, "figures": {}}
+        res = {"checks": {f"{'spec' if args.part == 'suffix' else 'mtp'}_section_ran": (False, f"{type(exc).__name__}: {exc}"[:500])},
+               "figures": {}}
     Path(args.json).write_text(json.dumps(res, indent=1))
     for name, (ok, detail) in res["checks"].items():
         print(f"{'PASS' if ok else 'FAIL'} {name} {detail}", flush=True)
