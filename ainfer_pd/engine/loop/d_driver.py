@@ -13,7 +13,7 @@ import asyncio
 from typing import Callable
 
 from ...sched.planner import plan_decode
-from .d_overlap import InFlightD, decode_sampled, feed_of, needs_host_history, rows_after
+from .d_overlap import InFlightD, decode_sampled, feed_of, rows_after
 from ..runtime.runner import BatchPlan
 from .state import Turn, TurnState
 from .timings import EngineTimings
@@ -88,9 +88,6 @@ class DDriver:
                 rows = self.rows(limit)
             await self.spec.prepare(rows)    # a device drafter (MTP) drafts on the D stream first
             batch = self.spec.plan(rows)     # its host time: the drafts, and the build below
-        if self.prev is not None and needs_host_history(rows):
-            await self.settle()
-            rows = self.rows(limit)
         ahead = [0] * len(rows)
         if self.overlap and batch is None:
             rows, ahead = rows_after(rows, self.prev, self.max_context_len)

@@ -266,7 +266,8 @@ class TurnBook(TurnEndings):
     @staticmethod
     def sample_row(t: Turn, ahead: int = 0) -> SampleRow:
         """``ahead``: tokens of ``t`` sampled on the device and not read yet (their count is the
-        noise counter's offset; a repetition penalty needs them read: see ``engine.d_overlap``)."""
+        noise counter's offset; a repetition penalty takes the one fed on the device from the pass's
+        input ids: see ``engine.d_overlap``)."""
         hist = None
         if t.params.repetition_penalty != 1.0:       # the turn's ids, kept as array('q'): extended, not rebuilt
             hist = t.history

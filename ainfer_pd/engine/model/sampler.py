@@ -88,11 +88,13 @@ def _ids(history) -> Tensor:
     return torch.tensor(list(history), dtype=torch.int64)
 
 
-def _penalize(x: Tensor, rows: list[SampleRow], to) -> Tensor:
+def _penalize(x: Tensor, rows: list[SampleRow], to, seen_ids: Tensor | None = None) -> Tensor:
     """x [R, V] with each row's repetition penalty applied to the tokens of its history: the
     tokens seen are a mask scattered from the rows' histories, padded with an extra column V
     (duplicates set it once; no per-token Python work: 64 rows of 10K tokens took ~150 ms of host
-    time a step as sorted sets and nested lists)."""
+    time a step as sorted sets and nested lists). ``seen_ids`` [R] (on the device): one more token
+    each row has seen (the overlapped D loop: the token fed on the device, not in the host history
+    yet)."""
     idx = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0 and r.history is not None
            and len(r.history)]
     if not idx:
@@ -101,6 +103,8 @@ def _penalize(x: Tensor, rows: list[SampleRow], to) -> Tensor:
     pad = to(torch.nn.utils.rnn.pad_sequence([_ids(rows[i].history) for i in idx], batch_first=True,
                                              padding_value=V))
     pen = to(torch.tensor([rows[i].params.repetition_penalty for i in idx], dtype=x.dtype))[:, None]
+    if seen_ids is not None:
+        pad = torch.cat([pad, seen_ids.index_select(0, to(torch.tensor(idx, dtype=torch.int64)))[:, None]], dim=1)
 
     def penalize(sub: Tensor) -> Tensor:
         seen = torch.zeros(sub.shape[0], V + 1, dtype=torch.bool, device=sub.device).scatter_(1, pad, True)[:, :V]
@@ -144,12 +148,14 @@ class DeviceSample:
     x: Tensor             # [R, V] the distribution's logits, for the reason a row could not be sampled
 
 
-def sample_on_device(logits: Tensor, rows: list[SampleRow], *, pinned: bool = False) -> DeviceSample:
+def sample_on_device(logits: Tensor, rows: list[SampleRow], *, pinned: bool = False,
+                     seen_ids: Tensor | None = None) -> DeviceSample:
     """Enqueue the sampling of logits [R, V] on the current stream and the copy of its 2R
     results to the host. ``pinned`` (CUDA): every copy goes through pinned memory without
     blocking (the host launcher never waits for the iteration it samples), so the host may read
     :attr:`DeviceSample.host` only once the stream passed it (the engine's overlapped D loop reads
-    it after the iteration's completion event); else the copies block."""
+    it after the iteration's completion event); else the copies block. ``seen_ids``: a token per
+    row its repetition history holds beyond ``rows[i].history`` (:func:`_penalize`)."""
     x = logits.float()
     R, V = x.shape
     dev = x.device
@@ -157,7 +163,7 @@ def sample_on_device(logits: Tensor, rows: list[SampleRow], *, pinned: bool = Fa
         e = torch.zeros(0, dtype=torch.int64, device=dev)
         return DeviceSample(e, torch.zeros(2, 0, dtype=torch.float64), x)
     to = _to_device(dev, pinned)
-    x = _penalize(x, rows, to)
+    x = _penalize(x, rows, to, seen_ids)
     greedy = [r.params.greedy for r in rows]
     sampled = not all(greedy)
     if sampled:
