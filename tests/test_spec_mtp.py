@@ -19,7 +19,7 @@ from ainfer_pd import RolloutWorker, SamplingParams
 from ainfer_pd.engine.attention import DecodeMeta
 from ainfer_pd.errors import CheckpointError, UnsupportedOptionError, WeightUpdateError
 from tests import _hf_models, _mtp_model
-from tests._spec_helpers import abort_mid_verify_then_resume
+from tests._spec_helpers import abort_mid_verify_then_resume, spy_ks
 from tests.conftest import hf_worker_cfg
 
 K = 3
@@ -412,12 +412,7 @@ async def _rank_mtp(rank: int, world_size: int, path: str, spec: dict = SPEC, po
             rec.extend((t.context + t.out_tokens, d, sp.cap(t)) for t, d in zip(rows, drafts))
             return drafts, o
         sp.offer = recording
-        ks, agree = [], w.engine.dist.agree_verify
-
-        async def spy(offer, epoch):
-            ks.append(await agree(offer, epoch))
-            return ks[-1]
-        w.engine.dist.agree_verify = spy
+        ks = spy_ks(w.engine.dist)
         o = await w.generate(PROMPTS[rank], SamplingParams(max_new_tokens=N, **GREEDY))
         o2 = await w.continue_(o.trajectory_id, OBS, SamplingParams(max_new_tokens=12, **GREEDY))
         m = w.metrics()

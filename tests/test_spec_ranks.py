@@ -19,6 +19,7 @@ from ainfer_pd.spec.adaptive import VerifyCosts, choose
 from ainfer_pd.spec.speculator import make_speculator
 from ainfer_pd.spec.verify_shape import DraftOffer, positions_at, verify_counts, world_k
 from tests._dist_util import run_ranks
+from tests._spec_helpers import spy_ks
 
 ROOT = Path(__file__).resolve().parents[1] / "ainfer_pd" / "configs"
 SPEC = {"spec.method": "suffix", "spec.adaptive": False, "spec.num_draft_tokens": 4,
@@ -93,7 +94,7 @@ async def _rank_generate(rank: int, world_size: int, name: str, over: dict):
                 return worth(rows, world_rows)
             w.engine.spec.worth_drafting = spy_worth
         seen["world_costs"] = w.engine.dist.spec_costs
-        seen["ks"] = _spy_ks(w.engine.dist)
+        seen["ks"] = spy_ks(w.engine.dist)
 
         async def late():
             while w.engine.d.num_iters < 4:
@@ -105,17 +106,6 @@ async def _rank_generate(rank: int, world_size: int, name: str, over: dict):
         has_spec = w.engine.spec is not None
         seen.update(measured=measured, costs=w.engine.spec.costs if has_spec else None)
     return dict(zip(mine, toks[0] + toks[1])), {**{k: m.get(k, 0) for k in COUNTERS}, **seen}, free, leader, has_spec
-
-
-def _spy_ks(dist) -> list:
-    """The K of every verify round this rank agreed, in order."""
-    ks, agree = [], dist.agree_verify
-
-    async def spy(offer, epoch):
-        ks.append(await agree(offer, epoch))
-        return ks[-1]
-    dist.agree_verify = spy
-    return ks
 
 
 def _spy_measurement() -> list:
