@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import SpecInputError
-from .adaptive import MIN_GAIN, VerifyCosts, expected_tokens
+from .adaptive import MIN_GAIN, VerifyCosts, expected_tokens, relative_costs
 
 __all__ = ["DraftOffer", "world_k", "positions_at", "verify_counts"]
 
@@ -88,15 +88,9 @@ def world_k(costs: VerifyCosts | None, offers: list[DraftOffer], *, adaptive: bo
         return longest
     if costs is None:
         return 0
-    at = max(o.rows for o in offers)
-    drafting, base = costs.draft_at(at), costs.base_at(at)
-    host = max(o.host_us for o in offers) / 1e6 / base if base else 0.0
     best, best_gain = 0, 1.0
-    for w, ratio in sorted(costs.at(at).items()):
-        k = w - 1
-        if not 1 <= k <= longest or (drafting is not None and k not in drafting):
-            continue
-        cost = ratio + (drafting[k] if drafting is not None else 0.0) + host
+    host_s = max(o.host_us for o in offers) / 1e6
+    for k, cost in relative_costs(costs, max(o.rows for o in offers), longest, host_s):
         gain = sum(o.milli_tokens[k] for o in offers) / (SCALE * rows * cost)
         if gain >= min_gain and gain > best_gain:
             best, best_gain = k, gain
