@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 import traceback
@@ -51,9 +50,9 @@ sys.path.insert(0, str(ROOT))
 from ainfer_pd import RolloutWorker, SamplingParams, WorkerConfig  # noqa: E402
 
 try:                                  # benchmarks/ on sys.path (the gate) or benchmarks as a package (tests)
-    from _gate_section import record
+    from _gate_section import finish, run_section
 except ImportError:
-    from benchmarks._gate_section import record
+    from benchmarks._gate_section import finish, run_section
 
 MODEL = ROOT / "tests" / "data" / "small_qwen3_moe"
 SPEC_KEYS = ("spec_verifies", "spec_drafted", "spec_accepted", "spec_empty_plans", "spec_rows_skipped")
@@ -224,11 +223,8 @@ def run_mtp(device: str) -> dict:
 def section(out_dir: Path, run_sub, check, fig, *, part: str = "suffix", timeout: int = 300) -> None:
     """``benchmarks/gpu_gate.py``'s ``spec`` (``part`` suffix) or ``mtp`` section: this module as a
     subprocess on the GPU, its checks and figures recorded through the gate's ``check`` / ``fig``."""
-    name = "spec" if part == "suffix" else part
-    js, log = out_dir / f"{name}.json", out_dir / f"{name}.log"
-    js.unlink(missing_ok=True)
-    rc = run_sub(name, [sys.executable, str(Path(__file__).resolve()), "--json", str(js), "--part", part], timeout, log)
-    record(name, rc, js, log, check, fig)
+    run_section("spec" if part == "suffix" else part, Path(__file__).resolve(), ["--part", part], out_dir, run_sub,
+                check, fig, timeout)
 
 
 def main() -> None:
@@ -246,10 +242,7 @@ def main() -> None:
         traceback.print_exc()
         res = {"checks": {f"{'spec' if args.part == 'suffix' else 'mtp'}_section_ran": (False, f"{type(exc).__name__}: {exc}"[:500])},
                "figures": {}}
-    Path(args.json).write_text(json.dumps(res, indent=1))
-    for name, (ok, detail) in res["checks"].items():
-        print(f"{'PASS' if ok else 'FAIL'} {name} {detail}", flush=True)
-    sys.exit(0 if all(ok for ok, _ in res["checks"].values()) else 1)
+    finish(res, args.json)
 
 
 if __name__ == "__main__":
