@@ -28,10 +28,18 @@ starts where the last pass stopped) and goes when the trajectory is released.
 Threads: built (``catch_up_for``, ``prepare``'s metadata) on the event loop; the catch-up runs on
 the stream of its pass (P or D), the chain on D. A turn is in one pass at a time, so the stash of a
 trajectory is written by one stream item while nothing else reads it.
+
+Under attention TP a replica leader's catch-ups and chains travel to its TP followers
+(:mod:`ainfer_pd.engine.runtime.mtp_wire`), their trajectories named by stash keys (:attr:`MtpDrafter.keys`);
+a follower's drafter is the mirror: the same stashes under those keys, written and read by the same
+code. A catch-up keeps the new stashes before the MTP layer runs: a follower's stash is then written
+before its leader's pass can complete (the layer's collectives need the follower), so the next pass
+that reads it, built by the leader after that, finds it on the follower too, whichever stream runs it.
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +49,7 @@ from ..engine.attention import ForwardBatch
 from ..engine.model.mtp_layer import mtp_forward, mtp_logits
 from .mtp_batch import (CatchUp, DecodeCatchUp, catch_up_batch, chain_batches, decode_catch_up, decode_catch_up_batch,
                         world_chain_batches)
+from .stash_keys import StashKeys
 
 log = logging.getLogger("ainfer_pd.spec")
 
@@ -78,13 +87,17 @@ def _no_rows(fb: ForwardBatch) -> ForwardBatch:
 
 class MtpDrafter:
     """The MTP drafts of one rank's engine, over the runner's model and KV (the drafter interface
-    of :class:`~.speculator.Speculator`: ``prepare`` / ``draft`` / ``extend`` / ``forget``)."""
+    of :class:`~.speculator.Speculator`: ``prepare`` / ``draft`` / ``extend`` / ``forget``). On a TP
+    follower it is its leader's mirror: stashes keyed by the leader's stash keys, passes as they come."""
 
     def __init__(self, runner) -> None:
         self.runner = runner
         self.ctx = None
         """The D phase context the chain runs on (set by ``make_speculator``)."""
-        self.stash: dict[str, Stash] = {}
+        self.stash: dict[str | int, Stash] = {}
+        """Trajectory id -> its stash; on a TP follower, stash key -> its leader's stash of that key."""
+        self.keys = StashKeys()
+        """A replica leader's stash keys (used only when its stashes travel to TP followers)."""
         self.written: dict[str, int] = {}     # tid -> the position a draft chain's first step wrote
         self.ready: dict[str, list[int]] = {}  # the drafts of the last prepare
         self.num_chains = 0
@@ -122,27 +135,29 @@ class MtpDrafter:
             first, first_write = cu.padded(int(h.shape[0]), self.runner.scratch_slot)
             prev = torch.zeros_like(h)
             self.fill_first_rows(cu, prev)
+            self.keep(cu, h)                    # before the layer's collectives (module docstring)
             decode_mtp_pass(model, fb, h, first, first_write, prev, kv, hooks)
             self.num_catch_up_rows += int(h.shape[0])
-            self.keep(cu, h)
             return
         ids = fb.input_ids
+        src = None
         if cu.fb is not None:
             rows = [self._stash_row(tid, p) for tid, p in cu.refs]
-            src = torch.cat([h, *rows]) if rows else h
-            toks = torch.cat([ids, cu.extra]) if cu.extra.numel() else ids
-            cu.fb.input_ids = toks.index_select(0, cu.tok_idx)
-            mtp_forward(model, cu.fb, src.index_select(0, cu.hid_idx), kv, hooks)
-            self.num_catch_up_rows += int(cu.hid_idx.shape[0])
-        elif hooks is not None:                  # no MTP row here; the other ranks' may have some
-            mtp_forward(model, _no_rows(fb), h[:0], kv, hooks)
+            src = (torch.cat([h, *rows]) if rows else h).index_select(0, cu.hid_idx)
         for tid in cu.drops:
             self.stash.pop(tid, None)
-        if cu.keeps:
+        if cu.keeps:                                         # before the layer's collectives (module docstring)
             kept = h.index_select(0, cu.keep_idx)            # a copy: the pass's [T, D] is not held
             for tid, a, b, p0 in cu.keeps:
                 self.stash[tid] = Stash(kept[a:b], p0)
                 self.written.pop(tid, None)                  # the chain's first row was this pass's s - 1
+        if src is not None:
+            toks = torch.cat([ids, cu.extra]) if cu.extra.numel() else ids
+            cu.fb.input_ids = toks.index_select(0, cu.tok_idx)
+            mtp_forward(model, cu.fb, src, kv, hooks)
+            self.num_catch_up_rows += int(cu.hid_idx.shape[0])
+        elif hooks is not None:                  # no MTP row here; the other ranks' may have some
+            mtp_forward(model, _no_rows(fb), h[:0], kv, hooks)
 
     def fill_first_rows(self, cu: DecodeCatchUp, prev: Tensor) -> None:
         """Rows of ``prev`` [>= N, D]: each real first row's stash row h_{s-1} (on the pass's stream)."""
@@ -159,11 +174,15 @@ class MtpDrafter:
             self.written.pop(tid, None)
 
     # ------------------------------------------------------------------ drafts (the speculator's)
-    async def prepare(self, rows: list, caps: list[int], world: tuple[int, int] | None = None) -> None:
+    async def prepare(self, rows: list, caps: list[int], world: tuple[int, int] | None = None,
+                      share: Callable[[list[ForwardBatch], list[tuple[str, int]]], Awaitable[None]] | None = None
+                      ) -> None:
         """Draft every row of ``rows`` with a stash row for position n - 2 up to its cap (``caps``),
         as one D stream item; :meth:`draft` then gives them. ``world`` = (R, depth), several ranks:
         the chain's collectives join every rank's, so every rank runs ``depth`` steps over R rows
-        (its jobs, then padding: :func:`~.mtp_batch.world_chain_batches`), drafting or not."""
+        (its jobs, then padding: :func:`~.mtp_batch.world_chain_batches`), drafting or not.
+        ``share`` (a replica leader under attention TP): sends the chain's steps and stash rows to
+        the TP followers first, which run it too (:meth:`run_chain`)."""
         self.ready = {}
         jobs = []
         for t, c in zip(rows, caps):
@@ -178,13 +197,21 @@ class MtpDrafter:
             steps = chain_batches(r.kv, r.device, jobs)
         else:
             steps = world_chain_batches(r.kv, r.device, jobs, *world, r.scratch_slot, r.scratch_block)
-        w = self.ctx.stream.submit(self._chain, steps, [(tid, n - 2) for tid, n, _, _ in jobs],
-                                   label="D.mtp_draft", attrs=DRAFT_ITEM)
-        host = await w.done()
-        self.num_chains += 1
+        refs = [(tid, n - 2) for tid, n, _, _ in jobs]
+        if share is not None:
+            await share(steps, refs)
+        host = await self.run_chain(steps, refs)
         for (tid, n, _, c), row in zip(jobs, host.tolist()):
             self.ready[tid] = row[:c]
             self.written[tid] = n - 2
+
+    async def run_chain(self, steps: list[ForwardBatch], refs: list[tuple[str | int, int]]) -> Tensor:
+        """The draft chain ``steps`` as one D stream item, its first step on the stash rows
+        ``refs``: [len(refs), K] drafts on the host (a TP follower runs its leader's this way)."""
+        w = self.ctx.stream.submit(self._chain, steps, refs, label="D.mtp_draft", attrs=DRAFT_ITEM)
+        host = await w.done()
+        self.num_chains += 1
+        return host
 
     def _chain(self, steps, refs: list[tuple[str, int]]) -> Tensor:
         """The draft chain on the D stream: [R, K] drafts (-1 past a row's cap) copied to the host
@@ -220,16 +247,24 @@ class MtpDrafter:
         """The MTP layer reads the target's hidden states, not the token history: nothing to keep."""
 
     def forget(self, tid: str) -> None:
-        """The trajectory was released (or rolled back): its stash and drafts go."""
+        """The trajectory was released (or rolled back): its stash and drafts go (on TP followers
+        too: its stash key is dropped at the next step)."""
         self.stash.pop(tid, None)
         self.written.pop(tid, None)
         self.ready.pop(tid, None)
+        self.keys.forget(tid)
+
+    def drop(self, keys: list[int]) -> None:
+        """A TP follower: its leader forgot the stashes of these keys."""
+        for key in keys:
+            self.stash.pop(key, None)
 
     def clear(self) -> None:
         """Every stash goes (the KV pool was released: the MTP layer's KV with it)."""
         self.stash.clear()
         self.written.clear()
         self.ready.clear()
+        self.keys.forget_all()
 
     # ------------------------------------------------------------------ internals
     def mtp_kv(self) -> Tensor:

@@ -150,12 +150,13 @@ class Speculator:
         left = min(t.params.max_new_tokens - len(t.out_tokens), self.max_context_len - t.seq_len)
         return max(0, min(self.k_max, left - 1))
 
-    async def prepare(self, rows: list[Turn], world: tuple[int, int] | None = None) -> None:
+    async def prepare(self, rows: list[Turn], world: tuple[int, int] | None = None, share=None) -> None:
         """Before :meth:`plan` / :meth:`offer`: a drafter that runs on the device (MTP) drafts
         ``rows`` now, each up to its cap (one D stream item; ``world`` = (rows, depth) on several
-        ranks: :meth:`~.mtp.MtpDrafter.prepare`); a model-free one has nothing to do."""
+        ranks, ``share`` the chain's way to the TP followers: :meth:`~.mtp.MtpDrafter.prepare`); a
+        model-free one has nothing to do."""
         if self.on_device:
-            await self.drafter.prepare(rows, [self.cap(t) for t in rows], world)
+            await self.drafter.prepare(rows, [self.cap(t) for t in rows], world, share)
 
     def plan(self, rows: list[Turn]) -> SpecBatch | None:
         """The drafts of a batch of ``rows`` on one rank (:meth:`_plan`), with the host time they
