@@ -6,9 +6,9 @@ more layer of the pool) and whose batches carry their catch-up (:class:`MtpPlan`
 batch on the event loop). A D pass replays a decode graph that holds its catch-up too
 (:mod:`.mtp_graphs`); a P pass may replay the P graphs, its catch-up then runs eagerly on the hidden
 states they leave; a mixed pass, a batch past the graphs and a device without graphs run eagerly.
-On several ranks (attention DP and expert parallelism, ATP 1: ``make_speculator`` refuses
-attention TP) every pass's catch-up runs on every rank through the phase's hooks, a pass without
-MTP rows included (its collectives join the other ranks').
+On several ranks every pass's catch-up runs on every rank through the phase's hooks, a pass
+without MTP rows included (its collectives join the other ranks'); under attention TP a follower's
+plans carry its leader's catch-ups (:mod:`.mtp_wire`, ``DistRanks``), run on its drafter's mirror.
 """
 from __future__ import annotations
 
@@ -30,6 +30,11 @@ class MtpPlan(BatchPlan):
 
     catch_up: CatchUp | DecodeCatchUp | None = None
 
+    @classmethod
+    def of(cls, plan: BatchPlan, catch_up: CatchUp | DecodeCatchUp) -> "MtpPlan":
+        """``plan`` with its catch-up (a TP follower's: its leader's, as it came)."""
+        return cls(**{f.name: getattr(plan, f.name) for f in fields(BatchPlan)}, catch_up=catch_up)
+
 
 class MtpRunner(ModelRunner):
     def __init__(self, sections, device, kv, tp_shard: tuple[int, int] | None = None) -> None:
@@ -38,8 +43,7 @@ class MtpRunner(ModelRunner):
 
     def build(self, prefill, decode, ahead=None, drafts=None) -> MtpPlan:
         plan = super().build(prefill, decode, ahead, drafts)
-        cu = self.drafter.catch_up_for(plan.num_tokens, prefill, decode, ahead, drafts)
-        return MtpPlan(**{f.name: getattr(plan, f.name) for f in fields(BatchPlan)}, catch_up=cu)
+        return MtpPlan.of(plan, self.drafter.catch_up_for(plan.num_tokens, prefill, decode, ahead, drafts))
 
     def after_layers(self, st: SegmentState | Replayed, plan: BatchPlan, ctx: PhaseContext) -> None:
         """A P epoch's catch-up, run by the walk after the last layer's experts (inside the last
