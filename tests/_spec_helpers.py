@@ -1,5 +1,5 @@
 """Shared by the speculation tests: an abort while a verify pass is on the device, then the resume; the
-world's K of every verify round a rank agreed."""
+world's K of every verify round a rank agreed; the drafts a leader offered."""
 from __future__ import annotations
 
 import asyncio
@@ -42,3 +42,16 @@ def spy_ks(dist) -> list:
         return ks[-1]
     dist.agree_verify = spy
     return ks
+
+
+def record_offers(sp) -> list:
+    """Every row a replica leader's speculator offered drafts for (``Speculator.offer``, before the
+    world's K trims them): (its sequence, its drafts, its cap), in order."""
+    rec, offer = [], sp.offer
+
+    def recording(rows):
+        drafts, o = offer(rows)
+        rec.extend((t.context + t.out_tokens, d, sp.cap(t)) for t, d in zip(rows, drafts))
+        return drafts, o
+    sp.offer = recording
+    return rec

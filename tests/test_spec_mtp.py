@@ -19,7 +19,7 @@ from ainfer_pd import RolloutWorker, SamplingParams
 from ainfer_pd.engine.attention import DecodeMeta
 from ainfer_pd.errors import CheckpointError, UnsupportedOptionError, WeightUpdateError
 from tests import _hf_models, _mtp_model
-from tests._spec_helpers import abort_mid_verify_then_resume, spy_ks
+from tests._spec_helpers import abort_mid_verify_then_resume, record_offers, spy_ks
 from tests.conftest import hf_worker_cfg
 
 K = 3
@@ -403,15 +403,9 @@ async def _rank_mtp(rank: int, world_size: int, path: str, spec: dict = SPEC, po
     tokens, the drafts each row was offered (before the world's K), counters, leak-free, each
     verify round's K."""
     async with RolloutWorker(hf_worker_cfg(path, policy, spec=spec, parallel=PARALLEL)) as w:
-        sp, rec = w.engine.spec, []
+        sp = w.engine.spec
         costs = w.engine.dist.spec_costs
-        offer = sp.offer
-
-        def recording(rows):
-            drafts, o = offer(rows)
-            rec.extend((t.context + t.out_tokens, d, sp.cap(t)) for t, d in zip(rows, drafts))
-            return drafts, o
-        sp.offer = recording
+        rec = record_offers(sp)
         ks = spy_ks(w.engine.dist)
         o = await w.generate(PROMPTS[rank], SamplingParams(max_new_tokens=N, **GREEDY))
         o2 = await w.continue_(o.trajectory_id, OBS, SamplingParams(max_new_tokens=12, **GREEDY))

@@ -1,6 +1,141 @@
-"""MTP drafts (``spec.method: mtp``) under attention TP: what a TP follower receives of its leader's MTP
-passes (``engine/runtime/mtp_wire.py``)."""
+"""MTP drafts (``spec.method: mtp``) under attention TP, real gloo processes on the CPU, on the tiny
+glm4_moe whose MTP layer is fitted to its rollouts (tests/test_spec_mtp.py's ``fitted``): ATP2 (two
+ranks, one replica) and the crossed ATP2 x ADP2 (four ranks). Each TP follower runs its leader's
+catch-ups and draft chains as they come (``engine/runtime/mtp_wire.py``), on a mirror of the
+leader's stashes: its chains give the leader's drafts, the stash rows it reads are the leader's;
+the leaders' drafts equal the reference chain (world size 1's), their tokens transformers' greedy
+ones, every rank agrees each round's K; after an abort mid-verify, the resume and the releases no
+KV block is held and no stash is left on any rank (the followers' dropped at a step)."""
 from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ainfer_pd import RolloutWorker, SamplingParams
+from tests import _hf_models
+from tests._dist_util import run_ranks
+from tests._spec_helpers import abort_mid_verify_then_resume, record_offers, spy_ks
+from tests.conftest import hf_worker_cfg
+from tests.test_spec_mtp import GREEDY, N, OBS, PROMPTS, SPEC, _check_drafts, fitted  # noqa: F401 (a fixture)
+
+BASE = {"expert_backend": "torch", "rendezvous_timeout_s": 60.0}
+ATP2 = {**BASE, "world_size": 2, "attn_dp": 1, "expert_parallel": 2}
+CROSSED = {**BASE, "world_size": 4, "attn_dp": 2, "expert_parallel": 4}
+
+
+def _spy_stash_reads(d) -> list:
+    """(position, checksum) of every stash row this rank's drafter reads (catch-ups' first rows,
+    chains' first steps), in order: a follower's mirror must give its leader's rows."""
+    reads, row = [], d._stash_row
+
+    def spy(key, p):
+        r = row(key, p)
+        reads.append((p, round(float(r.double().sum()), 6)))
+        return r
+    d._stash_row = spy
+    return reads
+
+
+def _spy_chains(d) -> list:
+    """The drafts of every chain this rank's drafter ran, in order."""
+    chains, run = [], d.run_chain
+
+    async def spy(steps, refs):
+        host = await run(steps, refs)
+        chains.append(host.tolist())
+        return host
+    d.run_chain = spy
+    return chains
+
+
+async def _serve(w, prompts: list[list[int]], abort: bool) -> dict:
+    """A leader's rollout: every prompt's two turns, then (``abort``) an abort mid-verify and its
+    resume, then every trajectory released."""
+    outs = await asyncio.gather(*(w.generate(p, SamplingParams(max_new_tokens=N, **GREEDY)) for p in prompts))
+    nxt = await asyncio.gather(*(w.continue_(o.trajectory_id, OBS, SamplingParams(max_new_tokens=12, **GREEDY))
+                                 for o in outs))
+    if abort:
+        await abort_mid_verify_then_resume(w, prompts[0], N, GREEDY, min_out=4, timeout=60)
+    m = w.metrics()
+    for tid in list(w.trajectories):
+        await w.release(tid)
+    kv = w.engine.kv
+    return {"turns": [(list(o.token_ids), list(x.token_ids)) for o, x in zip(outs, nxt)],
+            "counters": {k: m[k] for k in ("spec_verifies", "spec_accepted", "spec_drafted")},
+            "kv_free": w.kv_leak_free() and kv.num_free_blocks == kv.alloc.num_blocks}
+
+
+async def _rank(rank: int, world_size: int, path: str, parallel: dict, policy: str, spec: dict = SPEC):
+    """Replica r's leader serves PROMPTS[r] (ATP2, one replica: both prompts); every rank records its
+    drafter's chains and stash reads, each round's K and the world's cost table."""
+    adp = parallel["attn_dp"]
+    atp = world_size // adp
+    leader, replica = rank % atp == 0, rank // atp
+    async with RolloutWorker(hf_worker_cfg(path, policy, spec=spec, parallel=parallel)) as w:
+        d = w.engine.runner.drafter
+        reads, chains, ks = _spy_stash_reads(d), _spy_chains(d), spy_ks(w.engine.dist)
+        out = {"leader": leader, "replica": replica, "has_spec": w.engine.spec is not None,
+               "costs": w.engine.dist.spec_costs}
+        if leader:
+            out["offers"] = record_offers(w.engine.spec)
+            out.update(await _serve(w, PROMPTS if adp == 1 else [PROMPTS[replica]], abort=not spec["adaptive"]))
+    # the loop has ended: every step ran, the stash drops of the last releases included
+    out.update(reads=reads, chains=chains, ks=ks, stash=len(d.stash), missing=d.num_missing,
+               keys=(len(d.keys), len(d.keys.dropped)))
+    return out
+
+
+def _check_tokens(res: list[dict], model, prompts_of) -> None:
+    """Every leader's greedy tokens are transformers'; no KV block or stash is left on any rank."""
+    for r in res:
+        assert r["has_spec"] is r["leader"]                # a TP follower has no speculator: it follows
+        assert r["stash"] == 0 and r["missing"] == 0 and r["keys"] == (0, 0), r
+    for lead in (r for r in res if r["leader"]):
+        assert lead["kv_free"]
+        for p, (t1, t2) in zip(prompts_of(lead["replica"]), lead["turns"]):
+            assert t1 == _hf_models.hf_greedy(model, p, N)[0]
+            assert t2 == _hf_models.hf_greedy(model, p + t1 + OBS, 12)[0]
+
+
+def _check(res: list[dict], model, mtp, prompts_of) -> None:
+    _check_tokens(res, model, prompts_of)
+    for lead in (r for r in res if r["leader"]):
+        c = lead["counters"]
+        assert c["spec_verifies"] > 0 and 0 < c["spec_accepted"] < c["spec_drafted"], c
+        _check_drafts(lead["offers"], model, mtp)
+        followers = [r for r in res if r["replica"] == lead["replica"] and not r["leader"]]
+        assert followers and lead["chains"] and any(any(x >= 0 for x in row) for ch in lead["chains"] for row in ch)
+        for f in followers:                                # the same chains over the same stash rows
+            assert f["chains"] == lead["chains"]
+            assert f["reads"] == lead["reads"] and lead["reads"]
+    ks = [r["ks"] for r in res]                            # one K a round, the world's (the rounds all saw)
+    n = min(len(k) for k in ks)
+    assert n > 0 and all(k[:n] == ks[0][:n] for k in ks) and any(ks[0][:n]), ks
+
+
+@pytest.mark.parametrize("policy", ["fine-grained", "normal"])
+def test_mtp_on_atp2_followers_run_the_leaders_chains_and_drafts_equal_the_reference(fitted, policy):  # noqa: F811
+    path, model, mtp = fitted
+    res = run_ranks(_rank, 2, str(path), ATP2, policy, timeout_s=180)
+    _check(res, model, mtp, lambda replica: PROMPTS)
+
+
+def test_adaptive_mtp_on_atp2_measures_one_world_table_of_verify_and_chain(fitted):  # noqa: F811
+    """Without tables both TP ranks measure the verify and the MTP chain (padded to an ATP multiple:
+    the layer's reduce-scatter splits the rows) and keep the world's tables; tokens stay greedy."""
+    path, model, _ = fitted
+    res = run_ranks(_rank, 2, str(path), ATP2, "fine-grained", {**SPEC, "adaptive": True}, timeout_s=180)
+    assert res[0]["costs"] == res[1]["costs"] and res[0]["costs"].drafting is not None
+    _check_tokens(res, model, lambda replica: PROMPTS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["fine-grained", "normal"])
+def test_mtp_on_crossed_atp2_adp2_gives_the_reference_drafts_and_greedy_tokens(fitted, policy):  # noqa: F811
+    path, model, mtp = fitted
+    res = run_ranks(_rank, 4, str(path), CROSSED, policy, timeout_s=240)
+    _check(res, model, mtp, lambda replica: [PROMPTS[replica]])
 
 
 # ---------------------------------------------------------------- the wire (pure)

@@ -3,7 +3,8 @@ the CPU: greedy tokens on EP2 with attention DP (ADP2), on attention TP (ATP2) a
 ATP2 x ADP2 equal world size 1 without speculation, with drafts verified and accepted on the replica
 leaders; a seeded sampled request is unchanged by speculation; an abort mid-verify leaves no KV
 block held on any rank while the other trajectories finish. Plus the pure parts: the step's verify
-flag, the verify shape's agreement and counters, the refusals."""
+flag, the verify shape's agreement and counters, the world's cost table. (MTP on several ranks:
+tests/test_spec_mtp.py, ADP2 x EP2; tests/test_spec_mtp_atp.py, attention TP.)"""
 from __future__ import annotations
 
 import asyncio
@@ -12,11 +13,9 @@ from pathlib import Path
 import pytest
 
 from ainfer_pd import RolloutWorker, SamplingParams, WorkerConfig
-from ainfer_pd.errors import UnsupportedOptionError
 from ainfer_pd.sched.step import StepInputs, decide_step
 from ainfer_pd.sched.epoch_mode import policy_traits
 from ainfer_pd.spec.adaptive import VerifyCosts, choose
-from ainfer_pd.spec.speculator import make_speculator
 from ainfer_pd.spec.verify_shape import DraftOffer, positions_at, verify_counts, world_k
 from tests._dist_util import run_ranks
 from tests._spec_helpers import spy_ks
@@ -316,23 +315,6 @@ def test_the_world_cost_table_is_each_entrys_most_and_a_differing_grid_is_named(
     assert world_times([a, b]) == {1: {1: 0.02, 2: 0.03}, 4: {1: 0.02, 2: 0.05}}
     with pytest.raises(SpecInputError, match="rank 1 measured"):
         world_times([a, {1: {1: 0.01}, 4: {1: 0.02, 2: 0.02}}])
-
-
-def test_mtp_under_attention_tp_is_refused_by_name():
-    """(mtp on attention DP with expert parallelism is built: tests/test_spec_mtp.py.)"""
-    from types import SimpleNamespace
-
-    from ainfer_pd.config_spec import SpecConfig
-    cfg = SimpleNamespace(spec=SpecConfig(method="mtp"))    # mtp needs a model with an MTP layer: checked first
-    for atp, refused in ((2, True), (1, False)):
-        dist = SimpleNamespace(topology=SimpleNamespace(atp=atp), is_leader=True)
-        if refused:
-            with pytest.raises(UnsupportedOptionError, match="attention TP") as e:
-                make_speculator(cfg, None, None, None, dist)
-            assert e.value.key == "spec.method"
-        else:
-            with pytest.raises(AttributeError):             # past the refusal: it needs a real config
-                make_speculator(cfg, None, None, None, dist)
 
 
 def test_a_merged_world_sums_each_leaders_drafts_and_padding():

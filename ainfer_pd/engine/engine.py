@@ -96,7 +96,7 @@ class Engine:
                 log.warning("rank %d: releasing a failed engine start failed: %r", self.rank, e)
             raise
         self.coord = (LocalCoordinator(self.wait_changed) if dist is None else
-                      RankCoordinator(self.rendezvous, recorder, dist.world_size, self.wait_changed))
+                      RankCoordinator(self.rendezvous, recorder, dist.world_size, self.wait_changed, dist.mtp))
         self.num_steps = 0
         self.closing = False          # this rank's client is done; stop once every rank is
         self.not_closing: tuple[int, ...] = ()    # ranks whose client was still serving at the last step

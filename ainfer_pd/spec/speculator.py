@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 from ..config_spec import SpecConfig
 from ..engine.loop.state import SeqTokens, Turn
-from ..errors import UnsupportedOptionError
 from .adaptive import Acceptance, VerifyCosts, choose, observe
 from .backoff import NO_BACKOFF, Backoff, after_draft
 from .verify_shape import DraftOffer
@@ -263,28 +262,20 @@ class Speculator:
                 "spec_tokens_per_row_pass": self.num_emitted / rows if rows else 0.0}
 
 
-def _check_ranks(sc: SpecConfig, dist) -> None:
-    """What speculation on several ranks (``DistRanks``) does not build, refused by name."""
-    if sc.mtp and dist.topology.atp > 1:
-        raise UnsupportedOptionError("spec.method mtp under attention TP (ATP > 1) is not built: a TP follower runs "
-                                     "its leader's batches as they come and has neither the MTP catch-up's rows nor "
-                                     "the turns' stashed hidden states (attention DP with expert parallelism, "
-                                     "ATP 1, is built)", key="spec.method")
-
-
 def make_speculator(cfg, runner, decode_ctx, recorder, dist) -> Speculator | None:
     """The engine's speculator (``spec.method``; None: off), with its cost tables: the config's,
     or measured now on the D stream (``spec.adaptive`` without a table): the verify's, and under
-    ``mtp`` the MTP chain's (``spec.draft_costs``). On several ranks (``dist``; mtp at ATP 1) every
+    ``mtp`` the MTP chain's (``spec.draft_costs``). On several ranks (``dist``) every
     rank measures the verify table (and the chain's), its passes padded as a real iteration's, the world's tables are
     agreed (``DistRanks.agree_costs``) and every rank keeps it for the world's K
     (``DistRanks.use_spec``); a replica leader's speculator only (a TP follower gets None: it runs
-    its leader's verify batches)."""
+    its leader's verify batches and, under ``mtp``, its catch-ups and draft chains, on its drafter)."""
     sc = cfg.spec
     if not sc.enabled:
         return None
-    if dist is not None:
-        _check_ranks(sc, dist)
+    if sc.mtp:                          # the runner's passes already feed it (engine.runtime.mtp_runner)
+        runner.drafter.ctx = decode_ctx
+    pad = None if dist is None else (lambda n: dist.padded_rows(n, runner.graphs))
     times, drafts = sc.verify_costs, sc.draft_costs or None
     top = cfg.scheduler.max_decode_batch
     batches = tuple(sorted(times) if times else sorted({b for b in (1, 4, 16, 64, 128) if b < top} | {top}))
@@ -292,7 +283,6 @@ def make_speculator(cfg, runner, decode_ctx, recorder, dist) -> Speculator | Non
     if not times and sc.adaptive:
         from ..engine.runtime.verify_costs import measure_verify_costs
         widths = sorted({w for w in (1, 2, 3, 5, 9) if w <= sc.num_draft_tokens + 1} | {sc.num_draft_tokens + 1})
-        pad = None if dist is None else (lambda n: dist.padded_rows(n, runner.graphs))
         times = decode_ctx.stream.submit(
             lambda: measure_verify_costs(runner, decode_ctx, batches, tuple(widths), context, pad=pad),
             label="D.verify_costs").enqueued().result()
@@ -305,9 +295,9 @@ def make_speculator(cfg, runner, decode_ctx, recorder, dist) -> Speculator | Non
                     "counted against speculation (give both, or neither to measure both)")
     elif sc.mtp and sc.adaptive and drafts is None:          # the chain runs on the device: its cost counts
         from ..engine.runtime.verify_costs import measure_draft_costs
-        drafts = decode_ctx.stream.submit(measure_draft_costs, runner, decode_ctx, batches,
-                                          tuple(range(1, sc.num_draft_tokens + 1)), context,
-                                          label="D.draft_costs").enqueued().result()
+        drafts = decode_ctx.stream.submit(
+            lambda: measure_draft_costs(runner, decode_ctx, batches, tuple(range(1, sc.num_draft_tokens + 1)),
+                                        context, pad=pad), label="D.draft_costs").enqueued().result()
         log.info("MTP draft chain costs (s) by batch and drafts: %s", drafts)
         if dist is not None:
             drafts = dist.agree_costs(drafts)
@@ -316,8 +306,4 @@ def make_speculator(cfg, runner, decode_ctx, recorder, dist) -> Speculator | Non
         dist.use_spec(sc, costs)
         if not dist.is_leader:
             return None                  # a TP follower never drafts: it runs its leader's verify batch
-    drafter = None
-    if sc.mtp:                          # the runner's passes already feed it (engine.runtime.mtp_runner)
-        drafter = runner.drafter
-        drafter.ctx = decode_ctx
-    return Speculator(sc, cfg.model.max_context_len, costs, recorder, drafter)
+    return Speculator(sc, cfg.model.max_context_len, costs, recorder, runner.drafter if sc.mtp else None)

@@ -116,14 +116,19 @@ class DDriver:
         world's K (:meth:`~.ranks.DistRanks.agree_verify`; no overlapped iteration is in flight
         here). A device drafter (MTP) runs its chain on every rank, drafting or not: the world's
         depth over the step's padded rows (its collectives join every rank's). Returns this
-        replica's verify batch (None: its rows decode plainly)."""
+        replica's verify batch (None: its rows decode plainly). Under attention TP the leader's
+        chain goes to its TP followers, which run it too (:class:`~.mtp_replica.MtpReplica`)."""
         spec, dist = self.spec, self.dist
         drafts, offer = None, dist.plain_offer(len(rows))
         drafting = spec is not None and spec.worth_drafting(rows, dist.world_rows)
-        if spec is not None and spec.on_device:
-            depth = spec.k_max
+        if dist.spec_cfg.mtp:
+            depth = dist.spec_cfg.num_draft_tokens
             dist.book_chain(depth, rnd)
-            await spec.prepare(rows if drafting else [], world=(dist.rows_agreed, depth))
+            if spec is None:                 # a TP follower: its leader's chain
+                await dist.mtp.follow_chain(dist.rows_agreed, depth)
+            else:
+                await spec.prepare(rows if drafting else [], world=(dist.rows_agreed, depth),
+                                   share=dist.mtp.share_chain if dist.mtp is not None else None)
         elif drafting:
             await spec.prepare(rows)
         if drafting:

@@ -10,6 +10,8 @@ a replica with nothing to prefill runs the epoch with an empty batch, and every 
 is padded to the agreed row count (D's collectives gather every replica's rows); a drafting
 iteration's K and positions (rows plus drafts) are agreed at the iteration (:meth:`DistRanks.agree_verify`),
 and the verify cost table every rank measured at start is agreed once (:meth:`DistRanks.agree_costs`).
+Under ``spec.method: mtp`` with attention TP each batch's MTP catch-up, a verify round's draft chain
+and the stashes a leader forgot travel to its TP followers too (:class:`~.mtp_replica.MtpReplica`).
 
 ``parallel.ordering`` routes P's attention all-reduce (:func:`~ainfer_pd.comm.ordering.collective_stream`):
 under ``selective`` a registered one goes onto the D stream behind the D launch of the round that
@@ -24,6 +26,8 @@ import dataclasses
 import itertools
 import logging
 
+import torch
+
 from ...comm.collectives import RankCollectives
 from ...comm.ordering import P_ATP_ALL_REDUCE, collective_stream
 from ...comm.topology import ATTN_DP_D, ATTN_TP_D, CONTROL, REPLICA, Topology
@@ -34,6 +38,7 @@ from ...spec.world_costs import world_times
 from ..runtime.replica import ReplicaChannel, decode_numel, pack_decode, pack_prefill, pad_decode, unpack_decode, unpack_prefill
 from ..runtime.runner import BatchPlan
 from ..runtime.tensor_parallel import DecodeHooks, PrefillHooks
+from .mtp_replica import MtpReplica
 
 log = logging.getLogger("ainfer_pd.lockstep")
 _instances = itertools.count()
@@ -74,6 +79,9 @@ class DistRanks:
         self.engine = None
         self.watchdog: Watchdog | None = None
         self.decode_hooks: DecodeHooks | None = None
+        self.mtp: MtpReplica | None = None
+        """The MTP drafter's catch-ups, chains and stash drops in the replica broadcast
+        (``spec.method: mtp`` under attention TP: :mod:`.mtp_replica`); None otherwise."""
 
     @property
     def tp_shard(self) -> tuple[int, int] | None:
@@ -88,6 +96,8 @@ class DistRanks:
         if self.dispatchers is not None:
             r.ep = ExpertParallel(r.model, self.dispatchers, eng.device)
         self.decode_hooks = DecodeHooks(self.colls.D, r.model, r.ep, eng.decode_ctx)
+        if self.replica is not None and eng.cfg.spec.mtp:
+            self.mtp = MtpReplica(self.replica, r.drafter, eng.device.torch_device, eng.kv.block_size, self.table_width)
         for ctx, colls, hooks in ((eng.prefill_ctx, self.colls.P, PrefillHooks(self.colls.P, r.ep, eng.prefill_ctx)),
                                   (eng.decode_ctx, self.colls.D, self.decode_hooks)):
             ctx.comm.install(colls, None if self.dispatchers is None else self.dispatchers.get(ctx), hooks.hooks())
@@ -203,17 +213,23 @@ class DistRanks:
         shared with the TP followers."""
         e = self.engine
         B, r, width = self.rows_agreed, e.runner, self.table_width
+        n = decode_numel(B, width)
+        mtp = self.mtp                                  # the D batch's catch-up travels with it
+        numel = n + (mtp.decode_numel(B) if mtp is not None else 0)
         if not self.is_leader:
-            buf = await self.replica.share(None, decode_numel(B, width), "D batch")
-            fb = unpack_decode(buf, B, width, e.device.torch_device, e.kv.block_size)
-            return BatchPlan(fb, [], [], [])
+            buf = await self.replica.share(None, numel, "D batch")
+            plan = BatchPlan(unpack_decode(buf[:n], B, width, e.device.torch_device, e.kv.block_size), [], [], [])
+            return mtp.decode_plan(plan, buf[n:], B) if mtp is not None else plan
         plan = r.build([], rows, drafts=drafts)
         if self.replica is None and not self.decode_hooks.dp:
             return plan                  # ATP = 1 and no DP-attention gather: D's dispatcher takes any row count
         # the DP-attention all-gather / reduce-scatter (attn_dp.D) need every replica at the agreed rows
         fb = pad_decode(plan.fb, B, r.scratch_slot, r.scratch_block)
         if self.replica is not None:
-            await self.replica.share(pack_decode(fb, width), decode_numel(B, width), "D batch")
+            payload = pack_decode(fb, width)
+            if mtp is not None:
+                payload = torch.cat([payload, mtp.pack_decode(plan, B)])
+            await self.replica.share(payload, numel, "D batch")
         return dataclasses.replace(plan, fb=fb)        # (an MTP plan keeps its catch-up, padded when it runs)
 
     def book_chain(self, depth: int, rnd) -> None:
@@ -236,11 +252,16 @@ class DistRanks:
 
     # ------------------------------------------------------------------ P
     async def share_prefill(self, plan: BatchPlan | None) -> BatchPlan:
-        """A replica's P batch: the leader sends ``plan``; a follower receives its leader's."""
+        """A replica's P batch: the leader sends ``plan`` (and its MTP catch-up, under ``mtp``); a
+        follower receives its leader's."""
+        mtp = self.mtp
         if plan is not None:
-            await self.replica.share(pack_prefill(plan.fb), None, "P batch")
+            payload = pack_prefill(plan.fb)
+            await self.replica.share(payload if mtp is None else mtp.pack_prefill(plan, payload), None, "P batch")
             return plan
         buf = await self.replica.share(None, None, "P batch")
+        if mtp is not None:
+            return mtp.prefill_plan(buf)
         e = self.engine
         return BatchPlan(unpack_prefill(buf, e.device.torch_device, e.kv.block_size), [], [], [])
 
