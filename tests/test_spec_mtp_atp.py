@@ -13,6 +13,7 @@ import asyncio
 import pytest
 
 from ainfer_pd import RolloutWorker, SamplingParams
+from ainfer_pd.comm.ordering import P_ATP_ALL_REDUCE
 from tests import _hf_models
 from tests._dist_util import run_ranks
 from tests._spec_helpers import abort_mid_verify_then_resume, record_offers, spy_ks
@@ -75,15 +76,28 @@ async def _rank(rank: int, world_size: int, path: str, parallel: dict, policy: s
     async with RolloutWorker(hf_worker_cfg(path, policy, spec=spec, parallel=parallel)) as w:
         d = w.engine.runner.drafter
         reads, chains, ks = _spy_stash_reads(d), _spy_chains(d), spy_ks(w.engine.dist)
+        p_all_reduces = _spy_p_all_reduces(w.engine.dist)
         out = {"leader": leader, "replica": replica, "has_spec": w.engine.spec is not None,
-               "costs": w.engine.dist.spec_costs}
+               "costs": w.engine.dist.spec_costs, "num_layers": w.engine.runner.num_layers}
         if leader:
             out["offers"] = record_offers(w.engine.spec)
             out.update(await _serve(w, PROMPTS if adp == 1 else [PROMPTS[replica]], abort=not spec["adaptive"]))
     # the loop has ended: every step ran, the stash drops of the last releases included
-    out.update(reads=reads, chains=chains, ks=ks, stash=len(d.stash), missing=d.num_missing,
+    out.update(reads=reads, chains=chains, ks=ks, stash=len(d.stash), missing=d.num_missing, p_all_reduces=p_all_reduces,
                keys=(len(d.keys), len(d.keys.dropped)))
     return out
+
+
+def _spy_p_all_reduces(dist) -> list:
+    """(epoch, stream) of every P attention all-reduce the walk launches through the ordering."""
+    seen, launch = [], dist.colls.P.launch
+
+    def spy(kind, tensor, **kw):
+        if kind == P_ATP_ALL_REDUCE:
+            seen.append((kw["epoch"], kw["stream"]))
+        return launch(kind, tensor, **kw)
+    dist.colls.P.launch = spy
+    return seen
 
 
 def _check_tokens(res: list[dict], model, prompts_of) -> None:
@@ -136,6 +150,14 @@ def test_mtp_on_crossed_atp2_adp2_gives_the_reference_drafts_and_greedy_tokens(f
     path, model, mtp = fitted
     res = run_ranks(_rank, 4, str(path), CROSSED, policy, timeout_s=240)
     _check(res, model, mtp, lambda replica: [PROMPTS[replica]])
+    # the groups cross, so `selective` routes P's attention all-reduces behind D's launches: the
+    # MTP catch-up's too (one more a P epoch than the layers), never issued on the P stream
+    for r in res:
+        per_epoch = {}
+        for epoch, stream in r["p_all_reduces"]:
+            per_epoch[epoch] = per_epoch.get(epoch, 0) + 1
+            assert stream == "D", r["p_all_reduces"]
+        assert per_epoch and set(per_epoch.values()) == {r["num_layers"] + 1}, per_epoch
 
 
 # ---------------------------------------------------------------- the wire (pure)

@@ -46,7 +46,8 @@ import torch
 from torch import Tensor
 
 from ..engine.attention import ForwardBatch
-from ..engine.model.mtp_layer import mtp_forward, mtp_logits
+from ..engine.model.model import SegmentState
+from ..engine.model.mtp_layer import mtp_attention, mtp_forward, mtp_logits, mtp_rest
 from .mtp_batch import (CatchUp, DecodeCatchUp, catch_up_batch, chain_batches, decode_catch_up, decode_catch_up_batch,
                         world_chain_batches)
 from .stash_keys import StashKeys
@@ -77,6 +78,18 @@ def decode_mtp_pass(model, fb: ForwardBatch, h: Tensor, first: Tensor, first_wri
     first row, the pass's own row j - 1 (``h`` [N, D]) otherwise (:func:`~.mtp_batch.decode_catch_up_batch`)."""
     hid = torch.where(first[:, None], prev, h.roll(1, 0))
     mtp_forward(model, decode_catch_up_batch(fb, first, first_write), hid, kv, hooks)
+
+
+@dataclass(slots=True)
+class PendingCatchUp:
+    """A P pass's catch-up between its MTP attention and the rest of the layer
+    (:meth:`MtpDrafter.begin_catch_up`): the MTP rows' batch, the layer's input, the attention output
+    (this rank's heads) and how many MTP rows it has."""
+
+    fb: ForwardBatch
+    pre: SegmentState
+    o: Tensor
+    rows: int
 
 
 def _no_rows(fb: ForwardBatch) -> ForwardBatch:
@@ -126,12 +139,8 @@ class MtpDrafter:
         layer's outputs; then the turns' new stashes. ``hooks``: the pass's phase hooks on several
         ranks (the MTP layer's collectives join every rank's: a pass without MTP rows, an empty P
         pass or a padded D batch, still runs the layer), None on one rank."""
-        model, kv = self.runner.model, self.mtp_kv()
-        if type(cu) is DecodeCatchUp:
-            if fb.decode is None:               # an empty pass (no rows at all)
-                if hooks is not None:
-                    mtp_forward(model, fb, h, kv, hooks)
-                return
+        if type(cu) is DecodeCatchUp and fb.decode is not None:
+            model, kv = self.runner.model, self.mtp_kv()
             first, first_write = cu.padded(int(h.shape[0]), self.runner.scratch_slot)
             prev = torch.zeros_like(h)
             self.fill_first_rows(cu, prev)
@@ -139,11 +148,23 @@ class MtpDrafter:
             decode_mtp_pass(model, fb, h, first, first_write, prev, kv, hooks)
             self.num_catch_up_rows += int(h.shape[0])
             return
+        pend = self.begin_catch_up(cu, fb, h, hooks)
+        if pend is not None:
+            reduce = hooks.attn_reduce if hooks is not None else None
+            self.end_catch_up(pend, pend.o if reduce is None else reduce(pend.o), hooks)
+
+    def begin_catch_up(self, cu: CatchUp | DecodeCatchUp, fb: ForwardBatch, h: Tensor, hooks=None) -> "PendingCatchUp | None":
+        """A P pass's catch-up up to the MTP layer's attention (the turns' new stashes kept first,
+        the stashes it forgets dropped): its attention output, a partial sum under attention TP,
+        reduced by the caller before :meth:`end_catch_up` (a P walk routes that all-reduce by the
+        ordering). None where no MTP layer runs: one rank and no MTP row."""
+        if type(cu) is DecodeCatchUp:           # an empty pass (no rows at all)
+            return None if hooks is None else PendingCatchUp(fb, *mtp_attention(self.runner.model, fb, h, self.mtp_kv()), 0)
         ids = fb.input_ids
         src = None
         if cu.fb is not None:
-            rows = [self._stash_row(tid, p) for tid, p in cu.refs]
-            src = (torch.cat([h, *rows]) if rows else h).index_select(0, cu.hid_idx)
+            stashed = [self._stash_row(tid, p) for tid, p in cu.refs]
+            src = (torch.cat([h, *stashed]) if stashed else h).index_select(0, cu.hid_idx)
         for tid in cu.drops:
             self.stash.pop(tid, None)
         if cu.keeps:                                         # before the layer's collectives (module docstring)
@@ -154,10 +175,18 @@ class MtpDrafter:
         if src is not None:
             toks = torch.cat([ids, cu.extra]) if cu.extra.numel() else ids
             cu.fb.input_ids = toks.index_select(0, cu.tok_idx)
-            mtp_forward(model, cu.fb, src, kv, hooks)
-            self.num_catch_up_rows += int(cu.hid_idx.shape[0])
+            mfb, rows = cu.fb, int(cu.hid_idx.shape[0])
         elif hooks is not None:                  # no MTP row here; the other ranks' may have some
-            mtp_forward(model, _no_rows(fb), h[:0], kv, hooks)
+            mfb, src, rows = _no_rows(fb), h[:0], 0
+        else:
+            return None
+        pre, o = mtp_attention(self.runner.model, mfb, src, self.mtp_kv())
+        return PendingCatchUp(mfb, pre, o, rows)
+
+    def end_catch_up(self, pend: "PendingCatchUp", o: Tensor, hooks=None) -> None:
+        """The rest of :meth:`begin_catch_up`'s MTP layer, on its attention output ``o`` reduced."""
+        mtp_rest(self.runner.model, pend.fb, pend.pre, o, hooks)
+        self.num_catch_up_rows += pend.rows
 
     def fill_first_rows(self, cu: DecodeCatchUp, prev: Tensor) -> None:
         """Rows of ``prev`` [>= N, D]: each real first row's stash row h_{s-1} (on the pass's stream)."""

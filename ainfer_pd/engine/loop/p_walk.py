@@ -49,7 +49,8 @@ class EpochWalk:
     all-reduce (attention TP; None: this rank holds every head)."""
 
     __slots__ = ("epoch", "plan", "ep", "runner", "ctx", "rec", "faults", "faults_on", "timeout_s", "all_reduce",
-                 "gated", "lane", "st", "notified", "o", "items", "head", "waited", "counts_waited", "seg_b")
+                 "gated", "lane", "st", "notified", "o", "items", "head", "waited", "counts_waited", "seg_b",
+                 "mtp_routed", "mtp")
 
     def __init__(self, epoch: int, plan, ep, *, runner, ctx, rec, faults, timeout_s: float,
                  all_reduce: Callable[..., Any] | None = None) -> None:
@@ -68,6 +69,11 @@ class EpochWalk:
         self.waited = 0.0              # host seconds spent at boundaries (permits and receive counts)
         self.counts_waited = 0.0       # of those, for receive counts
         self.seg_b = 0                 # the boundary P last passed: its communication's segment
+        # under attention TP the MTP catch-up (spec.method mtp) after the last layer is walked as
+        # items too, its all-reduce routed as the layers' are (else it runs inside the last experts)
+        self.mtp_routed = (all_reduce is not None and runner.after_layers is not None
+                           and getattr(plan, "catch_up", None) is not None)
+        self.mtp: Any = None           # its pending state between the MTP attention and the rest
 
     async def enqueue(self, segments: PSegments, mode: EpochMode, counts: bool) -> None:
         """Enqueue every segment, passing each boundary as ``mode`` says; ``counts``: wait for the
@@ -88,6 +94,8 @@ class EpochWalk:
         last = None                    # the latest attention's last item: done = its counts are on their way
         for seg, label in segments:
             kind, b = seg.kind, seg.boundary
+            if kind == HEAD and self.mtp_routed:      # still inside the last layer's segment
+                self._mtp_catch_up()
             if b is not None:
                 if kind == EMBED:                      # the entry
                     if gated:
@@ -171,6 +179,17 @@ class EpochWalk:
         self.items.append(w)
         return w
 
+    def _mtp_catch_up(self) -> None:
+        """Enqueue the MTP catch-up after the last layer as the layers' attention is under TP: the
+        MTP layer's attention, its all-reduce (routed by the ordering: the engine's hook), the rest."""
+        ctx = self.ctx
+        wa = ctx.stream.submit(self._mtp_attention, label="P.mtp_attn", attrs=P_ITEM, lane=self.lane)
+        self.items.append(wa)
+        ar = self.all_reduce(lambda: self.mtp.o, after=wa, epoch=self.epoch, boundary=self.seg_b, gated=self.gated)
+        self.items.append(ar)
+        self.items.append(ctx.stream.submit(self._mtp_rest, ar, label="P.mtp_rest", attrs=P_ITEM, lane=self.lane,
+                                            deps=(ar,) if ar.stream is not ctx.stream else ()))
+
     # ------------------------------------------------------------------ segments (on the P stream)
     def _body(self, segments: PSegments) -> None:
         """Every segment but the head, back to back (an epoch that passes no boundary inside)."""
@@ -204,8 +223,14 @@ class EpochWalk:
     def _experts(self, layer: int) -> None:
         r = self.runner
         self.st = r.experts(layer, self.st, self.ctx, self.notified)
-        if r.after_layers is not None and layer == r.num_layers - 1:
+        if r.after_layers is not None and layer == r.num_layers - 1 and not self.mtp_routed:
             r.after_layers(self.st, self.plan, self.ctx)        # inside the last layer's segment
+
+    def _mtp_attention(self) -> None:
+        self.mtp = self.runner.after_layers_attention(self.st, self.plan, self.ctx)
+
+    def _mtp_rest(self, ar) -> None:
+        self.runner.after_layers_rest(self.mtp, ar.enqueued().result(), self.ctx)
 
     def _head(self) -> Any:
         return self.runner.head(self.st, self.plan)

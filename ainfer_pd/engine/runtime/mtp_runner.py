@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 from torch import Tensor
 
 from ...phase import PhaseContext
-from ...spec.mtp import MtpDrafter
+from ...spec.mtp import MtpDrafter, PendingCatchUp
 from ...spec.mtp_batch import CatchUp, DecodeCatchUp
 from ..model.model import SegmentState
 from .runner import BatchPlan, ModelRunner, Replayed
@@ -50,7 +50,17 @@ class MtpRunner(ModelRunner):
         layer's segment: before the epoch's final boundary, so on several ranks its expert
         exchange keeps the turnstile's order), on the P graphs' hidden states when the pass
         replayed them."""
-        self._after(plan, st.binding.hidden() if type(st) is Replayed else st.h, ctx)
+        self._after(plan, _hidden(st), ctx)
+
+    def after_layers_attention(self, st: SegmentState | Replayed, plan: BatchPlan, ctx: PhaseContext) -> PendingCatchUp:
+        """:meth:`after_layers` up to the MTP layer's attention, for a P walk under attention TP:
+        the walk routes its all-reduce by the ordering, as it routes the other layers', then runs
+        :meth:`after_layers_rest` (on several ranks a plan's catch-up always runs the layer)."""
+        return self.drafter.begin_catch_up(plan.catch_up, plan.fb, _hidden(st), ctx.comm.hooks)
+
+    def after_layers_rest(self, pend: PendingCatchUp, o: Tensor, ctx: PhaseContext) -> None:
+        """The rest of the P catch-up's MTP layer on its all-reduced attention output ``o``."""
+        self.drafter.end_catch_up(pend, o, ctx.comm.hooks)
 
     def forward(self, plan: BatchPlan, ctx: PhaseContext) -> Tensor:
         """Every segment back to back, eagerly, then the catch-up."""
@@ -75,3 +85,8 @@ class MtpRunner(ModelRunner):
     def release_cuda(self) -> None:  # pragma: no cover - CUDA only
         self.drafter.clear()
         super().release_cuda()
+
+
+def _hidden(st: SegmentState | Replayed) -> Tensor:
+    """The last layer's outputs of a pass: the P graphs' static hidden states when it replayed them."""
+    return st.binding.hidden() if type(st) is Replayed else st.h
