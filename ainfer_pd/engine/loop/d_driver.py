@@ -186,6 +186,7 @@ class DDriver:
             skew = self.faults.d_skew_s()
             if skew:
                 await asyncio.sleep(skew)
+            fn = self.faults.d_item(fn)
         if self.dist is not None:
             self.dist.before_d_launch(rnd)
         w = self.ctx.stream.submit(fn, *args, label="D.iter", attrs={**D_ITEM, "epoch": rnd.epoch if rnd else None},
