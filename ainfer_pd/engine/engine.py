@@ -42,6 +42,7 @@ from .runtime.device import Device, make_device
 from .kv.kv_cache import KVCacheManager
 from .loop.coordinator import IDLE_BACKOFF_S, LocalCoordinator, RankCoordinator
 from .loop.d_driver import DDriver
+from .loop.device_watch import device_watchdog
 from .loop.mixed import run_mixed
 from .loop.p_driver import PDriver
 from .loop.timings import EngineTimings
@@ -200,25 +201,24 @@ class Engine:
 
     # ================================================================== the step
     async def run(self) -> None:
-        """Owns the loops for the worker's TaskGroup; raises one typed error on failure."""
-        if self.traits.mixed_steps:
-            await run_mixed(self)
-            return
-        wd = self.dist.watchdog if self.dist is not None else None
-        if wd is not None:
-            wd.start()
-        self.stepping = True
+        """Owns the loops for the worker's TaskGroup; raises one typed error on failure. A watchdog
+        runs beside them: the ranks' (several), the device's (one rank: :mod:`.loop.device_watch`)."""
+        wd = self.dist.watchdog if self.dist is not None else device_watchdog(self)
+        wd.start()
+        self.stepping = not self.traits.mixed_steps
         try:
             async with asyncio.TaskGroup() as tg:
-                prefill = tg.create_task(self.p.run(), name="prefill")
-                watch = tg.create_task(wd.watch(), name="watchdog") if wd is not None else None
-                try:
-                    await self._steps()
-                finally:
-                    self.d.abandon()
-                prefill.cancel()
-                if watch is not None:
-                    watch.cancel()
+                watch = tg.create_task(wd.watch(), name="watchdog")
+                if self.traits.mixed_steps:
+                    await run_mixed(self)
+                else:
+                    prefill = tg.create_task(self.p.run(), name="prefill")
+                    try:
+                        await self._steps()
+                    finally:
+                        self.d.abandon()
+                    prefill.cancel()
+                watch.cancel()
         except BaseExceptionGroup as eg:
             first = first_error(eg)
             if first is None:
@@ -226,8 +226,7 @@ class Engine:
             raise (await self.dist.explain(first) if self.dist is not None else first) from first
         finally:
             self.stepping = False
-            if wd is not None:
-                wd.stop()
+            wd.stop()
 
     async def _steps(self) -> None:
         """The step loop: announce, agree, decide; then start P, run D, or wait."""
@@ -395,6 +394,7 @@ class Engine:
     def shutdown(self) -> None:
         """Join the stream threads; on CUDA give the device memory back (a closed worker
         keeps no weights, KV cache or graphs alive, so the next one fits)."""
+        self.faults.release_hangs()       # an injected device hang ends, so its thread joins
         self.device.shutdown()
         if self.device.kind == "cuda" and self.runner is not None:
             self.runner.release_cuda()

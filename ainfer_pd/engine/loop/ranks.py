@@ -38,6 +38,7 @@ from ...spec.world_costs import world_times
 from ..runtime.replica import ReplicaChannel, decode_numel, pack_decode, pack_prefill, pad_decode, unpack_decode, unpack_prefill
 from ..runtime.runner import BatchPlan
 from ..runtime.tensor_parallel import DecodeHooks, PrefillHooks
+from .device_watch import frontier
 from .mtp_replica import MtpReplica
 
 log = logging.getLogger("ainfer_pd.lockstep")
@@ -122,11 +123,7 @@ class DistRanks:
         return any(s.num_pending for s in self.engine.device.streams.values())
 
     def _frontier(self) -> dict:
-        e = self.engine
-        st = e.device.streams
-        return {"d_done": e.d.num_iters, "p_done": st["P"].num_done if "P" in st else 0,
-                "requests_done": e.book.num_finished, "epoch": e.p.epoch, "colls": self.colls.frontier(),
-                "pending": {n: s.num_pending for n, s in st.items()}}
+        return {**frontier(self.engine), "colls": self.colls.frontier()}
 
     async def explain(self, exc: BaseException) -> BaseException:
         """A failure of this rank's loops: a stall stays a stall; after a peer died, name it."""
