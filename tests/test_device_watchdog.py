@@ -1,0 +1,67 @@
+"""The single-rank device-progress watchdog (docs/RELIABILITY.md): a device that stops (the CPU
+stand-in's ``faults.hang_d_iteration``: a D iteration's stream item never completes) fails the
+engine with :class:`DeviceStallError` naming each stream's oldest unfinished item, within
+``parallel.stall_timeout_s`` plus slack; in-flight requests get that error, the worker closes, its
+threads join, no KV block is left. A slow run whose items keep completing is never flagged."""
+import asyncio
+import threading
+import time
+
+import pytest
+
+from ainfer_pd import RolloutWorker, SamplingParams
+from ainfer_pd.errors import AInferPDError, DeviceStallError, StallError
+from tests.conftest import tiny_cfg
+
+GREEDY = {"temperature": 0.0}
+STALL_S = 1.5
+
+
+def _threads() -> set[str]:
+    return {t.name for t in threading.enumerate() if t.name.startswith("ainfer-")}
+
+
+async def test_a_device_that_stops_fails_generate_with_a_typed_error_naming_the_stuck_item():
+    before = _threads()
+    cfg = tiny_cfg(**{"faults": {"hang_d_iteration": 3}, "parallel.stall_timeout_s": STALL_S})
+    w = RolloutWorker(cfg)
+    t0 = time.monotonic()
+    with pytest.raises(DeviceStallError) as closed:
+        async with w:
+            with pytest.raises(DeviceStallError) as info:
+                async with asyncio.timeout(STALL_S + 20):   # never a hang: the test fails instead
+                    await w.generate([5, 6, 7, 8], SamplingParams(max_new_tokens=16, **GREEDY))
+            waited = time.monotonic() - t0
+            assert w.kv_leak_free()
+            assert w.engine.kv.num_free_blocks == cfg.cache.num_blocks
+    exc = info.value
+    assert closed.value is exc                          # the worker's exit re-raises the engine's failure
+    assert isinstance(exc, StallError) and isinstance(exc, AInferPDError)
+    assert STALL_S <= waited < STALL_S + 10, waited
+    msg = str(exc)
+    assert "stream D: oldest unfinished item D.iter" in msg and "phase D" in msg, msg
+    assert "device-progress stall" in msg and "unfinished for" in msg, msg
+    heads = {u["stream"]: u for u in exc.unfinished}
+    assert heads["D"]["label"] == "D.iter" and heads["D"]["age_s"] >= STALL_S
+    assert _threads() <= before                         # the stuck stream thread joined at shutdown
+    await asyncio.sleep(0)
+    assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+
+
+async def test_a_slow_but_progressing_run_is_not_flagged():
+    # every D iteration waits 0.5 s on its stream before taking the device (the fault injection's
+    # device delay): 20 tokens take > 2x the stall timeout, but an item completes every ~0.5 s
+    # (the timeout leaves room for a loaded 2-core VM); an idle pause is no stall either
+    stall_s = 4.0
+    cfg = tiny_cfg(**{"parallel.stall_timeout_s": stall_s})
+    async with RolloutWorker(cfg) as w:
+        w.engine.d.device_delay_s = 0.5
+        t0 = time.monotonic()
+        out = await w.generate([5, 6, 7, 8], SamplingParams(max_new_tokens=20, **GREEDY))
+        assert len(out.token_ids) == 20 and time.monotonic() - t0 > 2 * stall_s
+        await asyncio.sleep(stall_s + 0.5)              # idle: nothing unfinished
+        again = await w.generate([9, 10, 11], SamplingParams(max_new_tokens=2, **GREEDY))
+        assert len(again.token_ids) == 2
+        for tid in list(w.trajectories):
+            await w.release(tid)
+        assert w.kv_leak_free()
