@@ -65,3 +65,26 @@ async def test_a_slow_but_progressing_run_is_not_flagged():
         for tid in list(w.trajectories):
             await w.release(tid)
         assert w.kv_leak_free()
+
+
+def test_where_launches_only_enqueue_an_item_in_its_launch_owes_no_progress():
+    """CUDA's rule on the CPU device (``items_run_in_launch`` off, as on CudaDevice): an item still in
+    its launch (a kernel's first compile) does not make the device owe progress; on the CPU device,
+    whose launch runs the item, it does."""
+    import threading
+
+    from ainfer_pd.engine.runtime.device import CpuDevice
+    from ainfer_pd.metrics.recorder import Recorder
+    dev, gate = CpuDevice(Recorder()), threading.Event()
+    try:
+        w = dev.stream("D").submit(gate.wait, label="D.compiling")
+        while w.t_started is None:
+            gate.wait(0.001)
+        assert dev.has_unfinished_work()
+        dev.items_run_in_launch = False
+        assert not dev.has_unfinished_work()
+    finally:
+        gate.set()
+        w.enqueued().result(timeout=5)
+        dev.shutdown()
+    assert not dev.has_unfinished_work()

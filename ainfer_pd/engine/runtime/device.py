@@ -110,6 +110,7 @@ class CudaDevice(Device):
     """Real CUDA streams; completion through CUDA events."""
 
     kind = "cuda"
+    items_run_in_launch = False
 
     def __init__(self, recorder: Recorder, index: int = 0, high_priority_stream: str = "none",
                  lane_sms: dict[tuple[str, str], int] | None = None) -> None:

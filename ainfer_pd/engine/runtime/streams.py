@@ -199,6 +199,10 @@ class Stream:
 
 class Device:
     kind = "abstract"
+    items_run_in_launch = True
+    """An item's launch call runs it (the CPU device), so an item stuck in its launch is the device
+    not progressing. False (CUDA): a launch only enqueues, and a long one is host work (a kernel's
+    first compile), so only launched items owe the device's progress (:meth:`has_unfinished_work`)."""
 
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
@@ -223,8 +227,12 @@ class Device:
 
     def has_unfinished_work(self) -> bool:
         """Some stream that is not parked on purpose (:meth:`Stream.hold`) has an item not
-        complete: the device owes progress (idle or parked: never a stall)."""
-        return any(not s.parked and s.oldest_unfinished() is not None for s in list(self.streams.values()))
+        complete (where launches only enqueue, one whose launch returned): the device owes progress
+        (idle, parked or compiling in a launch: never a stall)."""
+        return any(not s.parked and self._owes(s.oldest_unfinished()) for s in list(self.streams.values()))
+
+    def _owes(self, w: "Work | None") -> bool:
+        return w is not None and (self.items_run_in_launch or w._future.done())
 
     def unfinished_report(self) -> list[dict]:
         """Each stream's oldest unfinished item (JSON-ready, for a stall's message): stream, label,
