@@ -5,7 +5,7 @@ A TP follower keeps a mirror of its leader's stashes (:class:`~.mtp.MtpDrafter` 
 instead of trajectory ids: the follower knows no trajectory), written and read by the catch-ups and
 draft chains it receives from its leader (:mod:`ainfer_pd.engine.runtime.mtp_wire`). A key is given
 the first time a trajectory's stash travels and never reused, so a follower that drops a key late
-(the drop travels at the next step: :meth:`ainfer_pd.engine.loop.ranks.DistRanks.drop_stashes`) never
+(the drop travels at the next step: :meth:`ainfer_pd.engine.loop.mtp_replica.MtpReplica.drop_stashes`) never
 drops another trajectory's stash. Touched only from the leader's event loop.
 """
 from __future__ import annotations

@@ -5,7 +5,8 @@ collectives inside the MTP layer pair up) and keeps the same stashes.
 
 * Each D batch carries its catch-up (one broadcast with the batch, a fixed size for the agreed rows)
   and each P batch its catch-up (in the P batch's broadcast): :meth:`MtpReplica.pack_decode` /
-  :meth:`MtpReplica.decode_plan`, :meth:`MtpReplica.pack_prefill` / :meth:`MtpReplica.prefill_plan`.
+  :meth:`MtpReplica.decode_plan`, :meth:`MtpReplica.pack_prefill` / :meth:`MtpReplica.split_prefill`
+  and :meth:`MtpReplica.prefill_plan`.
 * A verify round's draft chain goes before it runs (:meth:`MtpReplica.share_chain`); a follower
   runs it on its mirror (:meth:`MtpReplica.follow_chain`).
 * The stashes the leader forgets (a release, a rollback) go at the next step: the leader announces
@@ -26,7 +27,7 @@ from ..runtime.mtp_runner import MtpPlan
 from ..runtime.mtp_wire import (chain_numel, decode_catch_up_numel, join, pack_chain, pack_decode_catch_up,
                                 pack_prefill_catch_up, split, unpack_chain, unpack_decode_catch_up,
                                 unpack_prefill_catch_up)
-from ..runtime.replica import ReplicaChannel, unpack_prefill
+from ..runtime.replica import ReplicaChannel
 from ..runtime.runner import BatchPlan
 
 
@@ -57,11 +58,15 @@ class MtpReplica:
         """The leader's: the packed P ``batch`` and ``plan``'s catch-up, in one payload."""
         return join([batch, pack_prefill_catch_up(plan.catch_up, self.drafter.keys.of)])
 
-    def prefill_plan(self, buf: Tensor) -> MtpPlan:
-        """A follower's: its leader's P batch and catch-up of :meth:`pack_prefill`."""
+    @staticmethod
+    def split_prefill(buf: Tensor) -> tuple[Tensor, Tensor]:
+        """A follower's: :meth:`pack_prefill`'s payload as (the packed P batch, its catch-up)."""
         batch, cu = split(buf)
-        return MtpPlan.of(BatchPlan(unpack_prefill(batch, self.device, self.block_size), [], [], []),
-                          unpack_prefill_catch_up(cu, self.device, self.block_size))
+        return batch, cu
+
+    def prefill_plan(self, plan: BatchPlan, buf: Tensor) -> MtpPlan:
+        """A follower's: its leader's P batch ``plan`` with the catch-up in ``buf``."""
+        return MtpPlan.of(plan, unpack_prefill_catch_up(buf, self.device, self.block_size))
 
     # ------------------------------------------------------------------ the draft chain of a verify round
     async def share_chain(self, steps: list, refs: list[tuple[str, int]]) -> None:

@@ -257,10 +257,10 @@ class DistRanks:
             await self.replica.share(payload if mtp is None else mtp.pack_prefill(plan, payload), None, "P batch")
             return plan
         buf = await self.replica.share(None, None, "P batch")
-        if mtp is not None:
-            return mtp.prefill_plan(buf)
+        batch, cu = mtp.split_prefill(buf) if mtp is not None else (buf, None)
         e = self.engine
-        return BatchPlan(unpack_prefill(buf, e.device.torch_device, e.kv.block_size), [], [], [])
+        plan = BatchPlan(unpack_prefill(batch, e.device.torch_device, e.kv.block_size), [], [], [])
+        return mtp.prefill_plan(plan, cu) if mtp is not None else plan
 
     def p_all_reduce_hook(self, device, delay_s: float):
         """P's attention all-reduce of one layer (attention TP; None without), on the stream the
