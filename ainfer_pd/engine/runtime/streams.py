@@ -65,6 +65,15 @@ class Work:
             self.stream.device._note_completed(self)
         return result
 
+    @property
+    def state(self) -> str:
+        """Where an unfinished item is (stall reports): ``queued`` (its launcher has not begun it),
+        ``in its launch`` (the launch call runs: on the CPU device the item itself), ``launched, not
+        complete on the device``."""
+        if self._future.done():
+            return "launched, not complete on the device"
+        return "in its launch" if self.t_started is not None else "queued"
+
     def is_done(self) -> bool:
         if not self._future.done():
             return False
@@ -245,10 +254,8 @@ class Device:
             if not items:
                 continue
             w = items[0]
-            state = ("launched, not complete on the device" if w._future.done() else
-                     "running its launch" if w.t_started is not None else "queued")
             out.append({"stream": name, "label": w.label, "lane": w.lane, "attrs": dict(w.attrs),
-                        "age_s": round(now - w.enqueued_at, 3), "state": state, "count": len(items),
+                        "age_s": round(now - w.enqueued_at, 3), "state": w.state, "count": len(items),
                         "parked": bool(s.parked)})
         return out
 
