@@ -19,6 +19,7 @@ turnstile epoch, timing, completion, the tokens).
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 from typing import Any, Callable
 
 from ...metrics.export import set_log_context
@@ -170,25 +171,28 @@ class EpochWalk:
             w = ctx.stream.submit(self._attn_route, layer, label=label, attrs=P_ITEM, lane=self.lane)
             self.items.append(w)
             return w
-        wa = ctx.stream.submit(self._attention_only, layer, label=label, attrs=P_ITEM, lane=self.lane)
-        self.items.append(wa)
-        ar = self.all_reduce(lambda: self.o, after=wa, epoch=self.epoch, boundary=self.seg_b, gated=self.gated)
-        self.items.append(ar)
-        w = ctx.stream.submit(self._route, layer, ar, label=f"P.route{layer}", attrs=P_ITEM, lane=self.lane,
-                              deps=(ar,) if ar.stream is not ctx.stream else ())
-        self.items.append(w)
-        return w
+        return self._all_reduced(partial(self._attention_only, layer), label, lambda: self.o,
+                                 partial(self._route, layer), f"P.route{layer}")
 
     def _mtp_catch_up(self) -> None:
         """Enqueue the MTP catch-up after the last layer as the layers' attention is under TP: the
-        MTP layer's attention, its all-reduce (routed by the ordering: the engine's hook), the rest."""
+        MTP layer's attention, its all-reduce, the rest."""
+        self._all_reduced(self._mtp_attention, "P.mtp_attn", lambda: self.mtp.o, self._mtp_rest, "P.mtp_rest")
+
+    def _all_reduced(self, first: Callable[[], None], first_label: str, partial_sum: Callable[[], Any],
+                     then: Callable[[Any], None], then_label: str):
+        """Enqueue ``first`` (it leaves a sum over this rank's heads: ``partial_sum()``), the sum's
+        all-reduce (routed by the ordering: the engine's hook; ``seg_b``: its segment), then
+        ``then(all_reduce_item)`` after it; returns the last item."""
         ctx = self.ctx
-        wa = ctx.stream.submit(self._mtp_attention, label="P.mtp_attn", attrs=P_ITEM, lane=self.lane)
+        wa = ctx.stream.submit(first, label=first_label, attrs=P_ITEM, lane=self.lane)
         self.items.append(wa)
-        ar = self.all_reduce(lambda: self.mtp.o, after=wa, epoch=self.epoch, boundary=self.seg_b, gated=self.gated)
+        ar = self.all_reduce(partial_sum, after=wa, epoch=self.epoch, boundary=self.seg_b, gated=self.gated)
         self.items.append(ar)
-        self.items.append(ctx.stream.submit(self._mtp_rest, ar, label="P.mtp_rest", attrs=P_ITEM, lane=self.lane,
-                                            deps=(ar,) if ar.stream is not ctx.stream else ()))
+        w = ctx.stream.submit(then, ar, label=then_label, attrs=P_ITEM, lane=self.lane,
+                              deps=(ar,) if ar.stream is not ctx.stream else ())
+        self.items.append(w)
+        return w
 
     # ------------------------------------------------------------------ segments (on the P stream)
     def _body(self, segments: PSegments) -> None:
