@@ -23,6 +23,9 @@ Switched on by ``WorkerConfig.faults`` (a mapping) or the environment variable
   stream waits too) until the engine shuts down, when it fails with :class:`InjectedFault`
   instead of running; the single-rank device watchdog must report it
   (:class:`~ainfer_pd.errors.DeviceStallError`);
+* ``hang_outlives_shutdown`` - with ``hang_d_iteration``: the shutdown does not end the hang (a
+  wedged GPU, whose kernel never finishes): the stalled device's shutdown must not wait for the
+  stuck thread; it ends at :data:`HANG_CAP_S` or :meth:`Faults.end_hangs`;
 * ``seed``                - seed of the random skew.
 """
 from __future__ import annotations
@@ -41,7 +44,8 @@ HANG_CAP_S = 600.0
 """An injected hang ends after this long even without a shutdown (a test that forgot to close)."""
 
 KEYS = ("d_skew_ms", "d_skew_random_ms", "p_delay_ms", "slow_counts_ms", "p_error_epoch", "p_error_layer",
-        "phase_skew_ms", "phase_skew_by", "drop_rendezvous", "duplicate_rendezvous", "stale_rendezvous", "hang_d_iteration", "seed")
+        "phase_skew_ms", "phase_skew_by", "drop_rendezvous", "duplicate_rendezvous", "stale_rendezvous", "hang_d_iteration",
+        "hang_outlives_shutdown", "seed")
 
 
 class InjectedFault(AInferPDError):
@@ -62,6 +66,7 @@ class Faults:
     duplicate_rendezvous: int | None = None
     stale_rendezvous: int | None = None
     hang_d_iteration: int | None = None
+    hang_outlives_shutdown: bool = False
     seed: int = 0
     _rng: random.Random = field(default_factory=random.Random, repr=False)
     _d_items: int = field(default=0, repr=False)
@@ -89,7 +94,7 @@ class Faults:
     @property
     def active(self) -> bool:
         return any(getattr(self, k) not in (0, 0.0, None) for k in KEYS
-                   if k not in ("seed", "p_error_layer", "phase_skew_by"))
+                   if k not in ("seed", "p_error_layer", "phase_skew_by", "hang_outlives_shutdown"))
 
     # ------------------------------------------------------------ injection points
     def d_skew_s(self) -> float:
@@ -119,7 +124,13 @@ class Faults:
         return hung_d_iteration
 
     def release_hangs(self) -> None:
-        """End every injected hang (the engine's shutdown: its stream threads must be joinable)."""
+        """End every injected hang (the engine's shutdown: its stream threads must be joinable),
+        unless it outlives the shutdown (``hang_outlives_shutdown``)."""
+        if not self.hang_outlives_shutdown:
+            self._unhang.set()
+
+    def end_hangs(self) -> None:
+        """End every injected hang, one that outlives the shutdown too (a test's cleanup)."""
         self._unhang.set()
 
     def on_p_segment(self, epoch: int, layer: int) -> None:

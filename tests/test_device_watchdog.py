@@ -21,6 +21,15 @@ def _threads() -> set[str]:
     return {t.name for t in threading.enumerate() if t.name.startswith("ainfer-")}
 
 
+async def _threads_end(before: set[str], within_s: float = 10.0) -> set[str]:
+    """The worker's threads left after ``within_s`` (a stalled device's shutdown does not join them:
+    they end once what holds them lets go)."""
+    deadline = time.monotonic() + within_s
+    while _threads() - before and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return _threads() - before
+
+
 async def test_a_device_that_stops_fails_generate_with_a_typed_error_naming_the_stuck_item():
     before = _threads()
     cfg = tiny_cfg(**{"faults": {"hang_d_iteration": 3}, "parallel.stall_timeout_s": STALL_S})
@@ -43,7 +52,7 @@ async def test_a_device_that_stops_fails_generate_with_a_typed_error_naming_the_
     assert "device-progress stall" in msg and "unfinished for" in msg, msg
     heads = {u["stream"]: u for u in exc.unfinished}
     assert heads["D"]["label"] == "D.iter" and heads["D"]["age_s"] >= STALL_S
-    assert _threads() <= before                         # the stuck stream thread joined at shutdown
+    assert await _threads_end(before) == set()          # the hang, released at shutdown, let its thread go
     await asyncio.sleep(0)
     assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
 
@@ -88,3 +97,60 @@ def test_where_launches_only_enqueue_an_item_in_its_launch_owes_no_progress():
         w.enqueued().result(timeout=5)
         dev.shutdown()
     assert not dev.has_unfinished_work()
+
+
+async def test_a_wedged_device_does_not_keep_the_worker_from_closing():
+    """A hang the shutdown cannot end (a kernel that never finishes: ``hang_outlives_shutdown``):
+    generate fails typed, the worker's exit does not join the thread stuck on the device (it
+    would wait forever), the device is marked stalled, no KV block is left; the stuck thread is
+    the only one left and ends with its hang."""
+    before = _threads()
+    cfg = tiny_cfg(**{"faults": {"hang_d_iteration": 3, "hang_outlives_shutdown": True},
+                      "parallel.stall_timeout_s": STALL_S})
+    w = RolloutWorker(cfg)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(DeviceStallError):
+            async with asyncio.timeout(STALL_S + 20):     # the exit included: never a hang
+                async with w:
+                    await w.generate([5, 6, 7, 8], SamplingParams(max_new_tokens=16, **GREEDY))
+        assert time.monotonic() - t0 < STALL_S + 10
+        assert w.engine.device.stalled is not None and "D.iter" in w.engine.device.stalled
+        assert w.kv_leak_free() and w.engine.kv.num_free_blocks == cfg.cache.num_blocks
+        left = _threads() - before
+        assert left == {t for t in left if t.startswith("ainfer-D")} and left, left   # the stuck D launcher
+    finally:
+        w.engine.faults.end_hangs()
+    assert await _threads_end(before) == set()
+
+
+def test_a_waiter_stuck_in_a_blocking_call_does_not_keep_the_process_from_exiting(tmp_path):
+    """The CUDA device's waiter threads (BlockingWaiters) are daemons: a stalled device's
+    synchronize never returns, and a ThreadPoolExecutor's thread would be joined at interpreter
+    exit forever. Here a wait that never returns, then the shutdown without join, then exit."""
+    import subprocess
+    import sys
+    code = (
+        "import asyncio, threading\n"
+        "from ainfer_pd.engine.runtime.waiters import BlockingWaiters\n"
+        "async def main():\n"
+        "    ws = BlockingWaiters(2, 'ainfer-cuda-wait')\n"
+        "    assert await ws.run(lambda: 7) == 7\n"
+        "    try:\n"
+        "        await ws.run(lambda: 1 / 0)\n"
+        "    except ZeroDivisionError:\n"
+        "        pass\n"
+        "    else:\n"
+        "        raise AssertionError('no error')\n"
+        "    never = threading.Event()\n"
+        "    try:\n"
+        "        async with asyncio.timeout(0.3):\n"
+        "            await ws.run(never.wait)\n"
+        "    except TimeoutError:\n"
+        "        pass\n"
+        "    stuck = ws.shutdown(wait=False)\n"
+        "    assert len(stuck) == 1, stuck\n"
+        "    print('closed', flush=True)\n"
+        "asyncio.run(main())\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "closed" in p.stdout, p.stderr

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import WorkerConfig
-from ..errors import InvalidRequestError, WorkerAsleepError, first_error
+from ..errors import DeviceStallError, InvalidRequestError, WorkerAsleepError, first_error
 from ..faults import Faults, FaultyRendezvous
 from ..metrics.recorder import Recorder
 from ..metrics.stats import percentile, work_s
@@ -223,6 +223,8 @@ class Engine:
             first = first_error(eg)
             if first is None:
                 raise
+            if isinstance(first, DeviceStallError):
+                self.device.mark_stalled(str(first))
             raise (await self.dist.explain(first) if self.dist is not None else first) from first
         finally:
             self.stepping = False
@@ -396,5 +398,9 @@ class Engine:
         keeps no weights, KV cache or graphs alive, so the next one fits)."""
         self.faults.release_hangs()       # an injected device hang ends, so its thread joins
         self.device.shutdown()
-        if self.device.kind == "cuda" and self.runner is not None:
+        if self.device.stalled is not None:
+            # freeing device memory waits for the device, which stopped: keep it (the process's
+            # exit gives it back)
+            log.warning("rank %d: the device stalled; its memory is not given back", self.rank)
+        elif self.device.kind == "cuda" and self.runner is not None:
             self.runner.release_cuda()

@@ -202,8 +202,10 @@ class Stream:
         with self._lock:
             return self._pending
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def shutdown(self, wait: bool = True) -> None:
+        """Cancel what is queued and stop the launcher thread; ``wait``: join it (a stalled
+        device's shutdown does not: an item stuck on the device may never let it go)."""
+        self._pool.shutdown(wait=wait, cancel_futures=True)
 
 
 class Device:
@@ -216,6 +218,14 @@ class Device:
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
         self.streams: dict[str, Stream] = {}
+        self.stalled: str | None = None
+        """Why the device was found stalled (the device watchdog's report), else None: its shutdown
+        then joins no thread that may be stuck on it, and its memory is not freed."""
+
+    def mark_stalled(self, why: str) -> None:
+        """The device stopped progressing (:class:`~ainfer_pd.errors.DeviceStallError`)."""
+        if self.stalled is None:
+            self.stalled = why
 
     def stream(self, name: str) -> Stream:
         if name not in self.streams:
@@ -297,8 +307,9 @@ class Device:
         raise NotImplementedError
 
     def shutdown(self) -> None:
+        """Stop every stream's launcher; joined unless the device stalled (:attr:`stalled`)."""
         for s in self.streams.values():
-            s.shutdown()
+            s.shutdown(wait=self.stalled is None)
 
     def live_threads(self) -> list[threading.Thread]:
         return [t for t in threading.enumerate() if t.name.startswith("ainfer-")]
