@@ -223,7 +223,7 @@ class Engine:
             first = first_error(eg)
             if first is None:
                 raise
-            if isinstance(first, DeviceStallError):
+            if isinstance(first, DeviceStallError):     # its shutdown must not wait for the device
                 self.device.mark_stalled(str(first))
             raise (await self.dist.explain(first) if self.dist is not None else first) from first
         finally:
@@ -388,19 +388,13 @@ class Engine:
             "d_wait_s_samples": list(self.rec.samples.get("d_wait_s", [])),
             "ttft_s_samples": list(self.rec.samples.get("ttft_s", [])),
         })
-        alone = self.rec.samples.get("d_iter_alone_s")
-        if alone:      # the optimistic bound's chain (the report's chain_lower_bound): a fast D iteration alone
+        if alone := self.rec.samples.get("d_iter_alone_s"):   # the optimistic bound's chain: a fast D iteration alone
             m["d_iter_alone_s"] = percentile(alone, 10)
         return m
 
     def shutdown(self) -> None:
-        """Join the stream threads; on CUDA give the device memory back (a closed worker
-        keeps no weights, KV cache or graphs alive, so the next one fits)."""
+        """Join the stream threads; on CUDA free the device memory (weights, KV, graphs: the next worker fits)."""
         self.faults.release_hangs()       # an injected device hang ends, so its thread joins
-        self.device.shutdown()
-        if self.device.stalled is not None:
-            # freeing device memory waits for the device, which stopped: keep it (the process's
-            # exit gives it back)
-            log.warning("rank %d: the device stalled; its memory is not given back", self.rank)
-        elif self.device.kind == "cuda" and self.runner is not None:
+        self.device.shutdown()            # a stalled device's memory stays: freeing it waits for the device
+        if self.device.kind == "cuda" and self.runner is not None and self.device.stalled is None:
             self.runner.release_cuda()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import contextlib
+import logging
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from typing import Any, Callable
 import torch
 
 from ...metrics.recorder import Recorder
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Work", "StreamHold", "Stream", "Device"]
 
@@ -307,9 +310,12 @@ class Device:
         raise NotImplementedError
 
     def shutdown(self) -> None:
-        """Stop every stream's launcher; joined unless the device stalled (:attr:`stalled`)."""
+        """Stop every stream's launcher; joined unless the device stalled (:attr:`stalled`: its
+        memory is then kept too, since freeing it would wait for the device)."""
         for s in self.streams.values():
             s.shutdown(wait=self.stalled is None)
+        if self.stalled is not None:
+            log.warning("the device stalled: its stream threads are not joined and its memory is not given back")
 
     def live_threads(self) -> list[threading.Thread]:
         return [t for t in threading.enumerate() if t.name.startswith("ainfer-")]
