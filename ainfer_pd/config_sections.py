@@ -221,7 +221,9 @@ class ParallelConfig:
     """Deadline of every distributed wait."""
     stall_timeout_s: float = 20.0
     """Multi-rank watchdog: device work pending and no progress (collectives, D iterations, P
-    segments, completed requests) for this long -> StallError naming the cross-rank frontier."""
+    segments, completed requests) for this long -> StallError naming the cross-rank frontier.
+    One rank: some stream item unfinished and none completed for this long (a device hang) ->
+    DeviceStallError naming each stream's oldest unfinished item."""
     fast_rendezvous: bool = True
     """Use the same-host shared-memory rendezvous when every rank is on one host."""
 

@@ -18,12 +18,13 @@ class SpecConfig:
     GRPO siblings' (``ainfer_pd.spec.suffix``), verified inside the D iteration. ``mtp``: greedy
     drafts from the checkpoint's multi-token-prediction layer (glm4_moe ``num_nextn_predict_layers``
     >= 1, the first one; ``ainfer_pd.spec.mtp``), chained ``num_draft_tokens`` deep; it needs
-    ``model.num_mtp_layers`` >= 1 and one rank, and the D loop then runs without CUDA graphs (the
-    MTP layer reads every pass's hidden states, which the captured graphs do not give). ``suffix``
-    runs on several ranks too: each replica leader drafts, every replica pads a drafting
-    iteration to the positions agreed over the ranks (``ainfer_pd.spec.verify_shape``); there
-    every rank measures the verify table and the leaders share the world's
-    (``ainfer_pd.spec.world_costs``)."""
+    ``model.num_mtp_layers`` >= 1 and, on several ranks, ATP 1 (attention DP with expert
+    parallelism: every rank runs every catch-up and chain); each decode graph replays the pass and the MTP
+    layer's catch-up after it (``engine.runtime.mtp_graphs``), the chain runs eagerly. ``suffix``
+    runs on several ranks too: each replica leader drafts and offers its drafts, every rank
+    computes the world's K from the offers and pads a drafting iteration to the positions the
+    ranks have at it (``ainfer_pd.spec.verify_shape``); there every rank measures the verify table
+    and all share the world's (``ainfer_pd.spec.world_costs``)."""
     num_draft_tokens: int = 4
     """The most drafts a row verifies in one D iteration (K <= this)."""
     adaptive: bool = True

@@ -128,6 +128,13 @@ class StallError(DistributedError):
     """The watchdog saw no progress: a device-progress cycle (or a dead peer)."""
 
 
+class DeviceStallError(StallError):
+    """A single-rank engine's device stopped: work was submitted to its streams and no stream item
+    completed for ``parallel.stall_timeout_s`` (a device hang: kernels that never finish). The
+    message names each stream's oldest unfinished item (stream, label, lane, phase, epoch, how
+    long it has been unfinished); ``unfinished`` holds them as dicts."""
+
+
 class BackendUnavailableError(AInferPDError, ImportError):
     """An optional backend (DeepEP, CUDA, verl) is not installed on this host."""
 

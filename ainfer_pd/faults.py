@@ -18,6 +18,14 @@ Switched on by ``WorkerConfig.faults`` (a mapping) or the environment variable
 * ``drop_rendezvous`` / ``duplicate_rendezvous`` / ``stale_rendezvous`` - the n-th control
   message of this rank is dropped (never sent: peers time out), sent twice, or sent with an
   old sequence number (peers see a mismatch);
+* ``hang_d_iteration``    - the CPU stand-in for a device hang: the n-th D iteration's stream item
+  (1-based) never completes (its launcher thread blocks, so everything queued behind it on the D
+  stream waits too) until the engine shuts down, when it fails with :class:`InjectedFault`
+  instead of running; the single-rank device watchdog must report it
+  (:class:`~ainfer_pd.errors.DeviceStallError`);
+* ``hang_outlives_shutdown`` - with ``hang_d_iteration``: the shutdown does not end the hang (a
+  wedged GPU, whose kernel never finishes): the stalled device's shutdown must not wait for the
+  stuck thread; it ends at :data:`HANG_CAP_S` or :meth:`Faults.end_hangs`;
 * ``seed``                - seed of the random skew.
 """
 from __future__ import annotations
@@ -25,14 +33,19 @@ from __future__ import annotations
 import json
 import os
 import random
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from .errors import AInferPDError, ConfigError
 
+HANG_CAP_S = 600.0
+"""An injected hang ends after this long even without a shutdown (a test that forgot to close)."""
+
 KEYS = ("d_skew_ms", "d_skew_random_ms", "p_delay_ms", "slow_counts_ms", "p_error_epoch", "p_error_layer",
-        "phase_skew_ms", "phase_skew_by", "drop_rendezvous", "duplicate_rendezvous", "stale_rendezvous", "seed")
+        "phase_skew_ms", "phase_skew_by", "drop_rendezvous", "duplicate_rendezvous", "stale_rendezvous", "hang_d_iteration",
+        "hang_outlives_shutdown", "seed")
 
 
 class InjectedFault(AInferPDError):
@@ -52,8 +65,12 @@ class Faults:
     drop_rendezvous: int | None = None
     duplicate_rendezvous: int | None = None
     stale_rendezvous: int | None = None
+    hang_d_iteration: int | None = None
+    hang_outlives_shutdown: bool = False
     seed: int = 0
     _rng: random.Random = field(default_factory=random.Random, repr=False)
+    _d_items: int = field(default=0, repr=False)
+    _unhang: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @classmethod
     def load(cls, cfg_faults: Mapping[str, Any] | None) -> "Faults":
@@ -77,7 +94,7 @@ class Faults:
     @property
     def active(self) -> bool:
         return any(getattr(self, k) not in (0, 0.0, None) for k in KEYS
-                   if k not in ("seed", "p_error_layer", "phase_skew_by"))
+                   if k not in ("seed", "p_error_layer", "phase_skew_by", "hang_outlives_shutdown"))
 
     # ------------------------------------------------------------ injection points
     def d_skew_s(self) -> float:
@@ -92,6 +109,29 @@ class Faults:
         s = self.phase_skew_ms / 1e3
         parity = dp_rank if self.phase_skew_by == "replica" else dp_rank + tp_rank
         return (s, 0.0) if parity % 2 == 0 else (0.0, s)
+
+    def d_item(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """The function of the next D iteration's stream item: ``fn``, or (``hang_d_iteration``)
+        one that blocks its stream until :meth:`release_hangs`, then fails."""
+        self._d_items += 1
+        if self.hang_d_iteration != self._d_items:
+            return fn
+        n, unhang = self._d_items, self._unhang
+
+        def hung_d_iteration(*args: Any) -> Any:
+            unhang.wait(HANG_CAP_S)
+            raise InjectedFault(f"injected device hang: D iteration {n} never completed (released at shutdown)")
+        return hung_d_iteration
+
+    def release_hangs(self) -> None:
+        """End every injected hang (the engine's shutdown: its stream threads must be joinable),
+        unless it outlives the shutdown (``hang_outlives_shutdown``)."""
+        if not self.hang_outlives_shutdown:
+            self._unhang.set()
+
+    def end_hangs(self) -> None:
+        """End every injected hang, one that outlives the shutdown too (a test's cleanup)."""
+        self._unhang.set()
 
     def on_p_segment(self, epoch: int, layer: int) -> None:
         """Runs on the P stream inside a segment."""

@@ -137,13 +137,16 @@ class RolloutWorker(WorkerLifecycle, WorkerControl):
             self.trajectories[traj.tid] = traj
         if not traj.group:                # siblings (GRPO samples of one prompt) share their first prompt
             traj.group = f"g{hash(tuple(context)) & 0xFFFFFFFFFFFF:x}"
-        # an estimate (the reuse is decided at admission, from what the cache holds then)
-        num_cached = kvm.cached_prefix(context, tid=traj.tid)
+        # the prompt's block hashes, once (the blocks its last prompt had keep theirs); the reuse is
+        # an estimate (decided at admission, from what the cache holds then)
+        hashes = kvm.prompt_hashes(context, tid=traj.tid, known=traj.block_hashes)
+        traj.block_hashes = (context[:len(hashes) * kvm.block_size], hashes)
+        num_cached = kvm.match(context, hashes=hashes, tid=traj.tid)[1] if context else 0
         loop = asyncio.get_running_loop()
         rid = f"req-{next(_request_ids)}"
         turn = Turn(request_id=rid, traj=traj, params=params, context=context, prev_tokens=list(traj.tokens),
                     num_cached=num_cached, prefilled=num_cached, future=loop.create_future(), t_submit=self.recorder.now(),
-                    seed=seed)
+                    seed=seed, prompt_hashes=hashes)
         traj.turn = turn
         traj.num_turns += 1
         # NOTE: a trajectory whose aborted turn still drains gets this turn queued behind the

@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import contextlib
 import importlib
-import json
 import os
 import random
 import sys
@@ -42,9 +41,9 @@ from pathlib import Path
 from typing import Any
 
 try:                                  # benchmarks/ on sys.path (the gate) or benchmarks as a package (tests)
-    from _gate_section import record
+    from _gate_section import finish, run_section
 except ImportError:
-    from benchmarks._gate_section import record
+    from benchmarks._gate_section import finish, run_section
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "tiny-crossed-cpu.yaml"
@@ -442,11 +441,8 @@ def section(out_dir: Path, run_sub, check, fig, *, timeout: int = 240, device: s
     """``benchmarks/gpu_gate.py``'s ``nccl`` part: this module as a subprocess (``run_sub``, the
     gate's) on the GPU, its checks and figures recorded through the gate's ``check`` / ``fig`` (they
     land in latest.json); ``nccl_section_completes`` says the subprocess ended cleanly."""
-    js, log = out_dir / "nccl.json", out_dir / "nccl.log"
-    js.unlink(missing_ok=True)
-    rc = run_sub("nccl", [sys.executable, str(Path(__file__).resolve()), "--json", str(js), "--device", device,
-                          "--timeout", str(max(30, timeout - 30))], timeout, log)
-    record("nccl", rc, js, log, check, fig)
+    run_section("nccl", Path(__file__).resolve(), ["--device", device, "--timeout", str(max(30, timeout - 30))],
+                out_dir, run_sub, check, fig, timeout)
 
 
 def main() -> None:
@@ -464,10 +460,7 @@ def main() -> None:
         backend = "nccl" if args.device == "cuda" else "gloo"
         res = {"checks": {f"{backend}_ranks_finish": [False, f"{type(exc).__name__}: {str(exc)[:800]}"]},
                "figures": {}}
-    Path(args.json).write_text(json.dumps(res, indent=1, default=str))
-    for name, (ok, detail) in res["checks"].items():
-        print(f"{'PASS' if ok else 'FAIL'} {name} {detail}", flush=True)
-    sys.exit(0 if res["checks"] and all(ok for ok, _ in res["checks"].values()) else 1)
+    finish(res, args.json)
 
 
 if __name__ == "__main__":

@@ -14,14 +14,31 @@ costs measured on this machine) against ``none``. Checks:
 * ``spec_kv_leak_free``: every KV block back after the releases.
 
 Figures: verifies, drafted / accepted drafts, tokens a verifying row emitted per pass, the two
-runs' wall times. Run by ``benchmarks/gpu_gate.py`` (``--only spec``) as a subprocess: ``python
+runs' wall times.
+
+The gate's ``mtp`` section (``--part mtp``, its own subprocess: ``spec.method: mtp`` on its decode
+graphs, :func:`run_mtp`): the tiny glm4_moe with an MTP layer
+fitted to its own greedy rollouts (``tests/_mtp_model.py``, as ``tests/test_spec_mtp.py`` builds it),
+float32, two trajectories of two turns, against plain decoding and against the same MTP worker
+without CUDA graphs (eager catch-up):
+
+* ``spec_mtp_decode_graphs``: every D iteration replayed a decode graph (the pass and its catch-up;
+  on the CPU: every one ran eagerly, there are no graphs);
+* ``spec_mtp_greedy_equals_plain``: the tokens equal plain decoding's;
+* ``spec_mtp_drafts_match_eager``: the drafts of the graph run equal the eager run's at >= 95% of
+  the planned rows (both verify the same greedy sequence; padding to a bucket may flip a near-tie),
+  and drafts were accepted;
+* ``spec_mtp_kv_leak_free``: every KV block and stash back after the releases;
+* CUDA only, ``spec_mtp_bf16_prefill_graphs``: the same in bfloat16, where P passes replay the P
+  graphs and their catch-up reads the hidden states those leave: P graphs replayed, every D
+  iteration on a decode graph, drafts accepted, and the drafts equal those of a run with no graphs
+  at all at >= 80% of the planned rows (bf16: the graphs' padding flips more near-ties). Run by ``benchmarks/gpu_gate.py`` (``--only spec``) as a subprocess: ``python
 benchmarks/_gate_spec.py --json OUT``; ``--device cpu`` runs the same on the CPU.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 import traceback
@@ -33,9 +50,9 @@ sys.path.insert(0, str(ROOT))
 from ainfer_pd import RolloutWorker, SamplingParams, WorkerConfig  # noqa: E402
 
 try:                                  # benchmarks/ on sys.path (the gate) or benchmarks as a package (tests)
-    from _gate_section import record
+    from _gate_section import finish, run_section
 except ImportError:
-    from benchmarks._gate_section import record
+    from benchmarks._gate_section import finish, run_section
 
 MODEL = ROOT / "tests" / "data" / "small_qwen3_moe"
 SPEC_KEYS = ("spec_verifies", "spec_drafted", "spec_accepted", "spec_empty_plans", "spec_rows_skipped")
@@ -101,31 +118,131 @@ def run(device: str, n: int, tokens: int) -> dict:
     return {"checks": checks, "figures": figures}
 
 
-def section(out_dir: Path, run_sub, check, fig, *, timeout: int = 240) -> None:
-    """``benchmarks/gpu_gate.py``'s ``spec`` part: this module as a subprocess on the GPU, its checks
-    and figures recorded through the gate's ``check`` / ``fig``."""
-    js, log = out_dir / "spec.json", out_dir / "spec.log"
-    js.unlink(missing_ok=True)
-    rc = run_sub("spec", [sys.executable, str(Path(__file__).resolve()), "--json", str(js)], timeout, log)
-    record("spec", rc, js, log, check, fig)
+MTP_PROMPTS = [list(range(5, 25)), [9, 200, 31, 77, 12, 140, 66, 3, 250, 18, 42]]
+MTP_OBS = [7, 8, 9, 101]
+
+
+def _mtp_checkpoint(tmp: Path) -> Path:
+    """The tiny glm4_moe with its MTP layer fitted to the target's greedy two-turn rollouts."""
+    from tests import _hf_models, _mtp_model
+    model, mtp = _mtp_model.make(0)
+    seqs = []
+    for p in MTP_PROMPTS:
+        c = _hf_models.hf_greedy(model, p, 24)[0]
+        seqs.append(p + c + MTP_OBS + _hf_models.hf_greedy(model, p + c + MTP_OBS, 24)[0])
+    _mtp_model.fit(model, mtp, seqs, steps=15)
+    return _mtp_model.save(model, mtp, tmp / "mtp")
+
+
+async def _mtp_rollout(cfg: WorkerConfig, after=None) -> tuple[list, list, dict, dict, bool]:
+    """(tokens of every turn, the drafts of every planned row, the metrics, the D paths, leak-free);
+    ``after(worker)`` runs once the turns are done."""
+    greedy = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    drafts: list = []
+    async with RolloutWorker(cfg) as w:
+        sp = w.engine.spec
+        if sp is not None:
+            plan = sp.plan
+
+            def recording(rows, *a):
+                batch = plan(rows, *a)
+                drafts.extend(((t.context[0], t.seq_len), sp.drafter.draft(t.tid, sp.cap(t))) for t in rows)
+                return batch
+            sp.plan = recording
+        outs = await asyncio.gather(*(w.generate(p, greedy) for p in MTP_PROMPTS))
+        nxt = await asyncio.gather(*(w.continue_(o.trajectory_id, MTP_OBS, greedy) for o in outs))
+        m, paths = w.metrics(), dict(w.engine.runner.decode_paths)
+        if after is not None:
+            after(w)
+        for o in outs:
+            await w.release(o.trajectory_id)
+        free = w.kv_leak_free() and (sp is None or not sp.drafter.stash)
+    return [list(o.token_ids) for o in outs + nxt], drafts, m, paths, free
+
+
+def _agreement(drafts: list, other: list) -> tuple[int, float]:
+    """(rows of ``drafts`` drafted as in ``other``, their share): rows keyed by (first prompt token,
+    sequence length)."""
+    by = dict(other)
+    same = sum(by.get(key) == d for key, d in drafts)
+    return same, same / max(1, len(drafts))
+
+
+def _mtp_bf16(path: str, over: dict, spec: dict) -> dict:
+    """``spec_mtp_bf16_prefill_graphs`` (module docstring): P graphs at every prompt size."""
+    over = {**over, "model": {"dtype": "bfloat16"}}
+    cfg = WorkerConfig.from_pretrained(path, {**over, **spec})
+    replays = {}
+    _, drafts, m, paths, free = asyncio.run(_mtp_rollout(cfg, after=lambda w: replays.update(
+        p=w.engine.runner.pgraphs.num_replays if w.engine.runner.pgraphs is not None else 0)))
+    bare = {**over, "device": {**over["device"], "cuda_graphs": False, "prefill_graphs": False}}
+    _, bare_drafts, _, _, _ = asyncio.run(_mtp_rollout(WorkerConfig.from_pretrained(path, {**bare, **spec})))
+    same, agree = _agreement(drafts, bare_drafts)
+    iters = sum(paths.values())
+    ok = replays.get("p", 0) > 0 and iters > 0 and paths.get("graph", 0) == iters and m.get("spec_accepted", 0) > 0 \
+        and agree >= 0.8 and free
+    return {"spec_mtp_bf16_prefill_graphs": (ok, f"P graph replays {replays.get('p', 0)}, D paths {paths}, "
+                                                 f"{m.get('spec_accepted', 0)} of {m.get('spec_drafted', 0)} drafts "
+                                                 f"accepted, {same} of {len(drafts)} rows drafted as without graphs, "
+                                                 f"leak-free {free}")}
+
+
+def run_mtp(device: str) -> dict:
+    """``spec.method: mtp`` on the decode graphs (module docstring)."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(_mtp_checkpoint(Path(tmp)))
+        over = {"model": {"dtype": "float32"}, "device": {"device": device},
+                "cache": {"block_size": 16, "num_blocks": 256}, "scheduler": {"max_decode_batch": 16}}
+        spec = {"spec": {"method": "mtp", "num_draft_tokens": 3, "adaptive": False}}
+        plain, _, _, _, plain_free = asyncio.run(_mtp_rollout(WorkerConfig.from_pretrained(path, over)))
+        got, drafts, m, paths, free = asyncio.run(_mtp_rollout(WorkerConfig.from_pretrained(path, {**over, **spec})))
+        eager_over = {**over, "device": {"device": device, "cuda_graphs": False}}
+        _, eager_drafts, _, eager_paths, eager_free = asyncio.run(
+            _mtp_rollout(WorkerConfig.from_pretrained(path, {**eager_over, **spec})))
+        bf16 = _mtp_bf16(path, over, spec) if device == "cuda" else {}
+    same, agree = _agreement(drafts, eager_drafts)
+    want = "graph" if device == "cuda" else "eager-no-graphs"
+    iters = sum(paths.values())
+    return {
+        "checks": {
+            "spec_mtp_decode_graphs": (iters > 0 and paths.get(want, 0) == iters, f"D iterations by path {paths} "
+                                       f"(want all {want}); eager run {eager_paths}"),
+            "spec_mtp_greedy_equals_plain": (got == plain, f"{sum(a == b for a, b in zip(got, plain))} of {len(plain)} "
+                                             f"turns equal (float32, 2 trajectories x 2 turns)"),
+            "spec_mtp_drafts_match_eager": (agree >= 0.95 and m.get("spec_accepted", 0) > 0,
+                                            f"{same} of {len(drafts)} planned rows drafted as the eager run did; "
+                                            f"{m.get('spec_accepted', 0)} of {m.get('spec_drafted', 0)} drafts accepted"),
+            "spec_mtp_kv_leak_free": (plain_free and free and eager_free, f"plain {plain_free}, mtp graphs {free}, "
+                                      f"mtp eager {eager_free}"), **bf16},
+        "figures": {"spec_mtp_tiny": {"verifies": m.get("spec_verifies", 0), "drafted": m.get("spec_drafted", 0),
+                                      "accepted": m.get("spec_accepted", 0), "draft_agreement_with_eager": round(agree, 3),
+                                      "tokens_per_row_pass": round(m.get("spec_tokens_per_row_pass", 0.0), 3)}}}
+
+
+def section(out_dir: Path, run_sub, check, fig, *, part: str = "suffix", timeout: int = 300) -> None:
+    """``benchmarks/gpu_gate.py``'s ``spec`` (``part`` suffix) or ``mtp`` section: this module as a
+    subprocess on the GPU, its checks and figures recorded through the gate's ``check`` / ``fig``."""
+    run_section("spec" if part == "suffix" else part, Path(__file__).resolve(), ["--part", part], out_dir, run_sub,
+                check, fig, timeout)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True, help="where the checks and figures go")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--part", default="suffix", choices=("suffix", "mtp"),
+                    help="suffix: the small model's suffix drafts (the gate's spec section); mtp: the MTP checks")
     ap.add_argument("--trajectories", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=48)
     args = ap.parse_args()
     try:
-        res = run(args.device, args.trajectories, args.tokens)
+        res = run(args.device, args.trajectories, args.tokens) if args.part == "suffix" else run_mtp(args.device)
     except Exception as exc:  # noqa: BLE001 - recorded as the section's failed check
         traceback.print_exc()
-        res = {"checks": {"spec_section_ran": (False, f"{type(exc).__name__}: {exc}"[:500])}, "figures": {}}
-    Path(args.json).write_text(json.dumps(res, indent=1))
-    for name, (ok, detail) in res["checks"].items():
-        print(f"{'PASS' if ok else 'FAIL'} {name} {detail}", flush=True)
-    sys.exit(0 if all(ok for ok, _ in res["checks"].values()) else 1)
+        res = {"checks": {f"{'spec' if args.part == 'suffix' else 'mtp'}_section_ran": (False, f"{type(exc).__name__}: {exc}"[:500])},
+               "figures": {}}
+    finish(res, args.json)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ Prints one ``PASS name`` / ``FAIL name`` line per check (a check that raises is 
 error) and ``FIG`` lines for the figures, then writes ``latest.json``: ``commit``, ``checks``
 (name -> bool), ``figures``, ``targets`` (issue 11's targets, name -> met), ``errors``.
 
-    python benchmarks/gpu_gate.py --commit HASH --out DIR [--skip-bench] [--only kernels,qwen3,...,nccl,spec]
+    python benchmarks/gpu_gate.py --commit HASH --out DIR [--skip-bench] [--only kernels,qwen3,...,nccl,spec,bench,mtp]
 
 Bounds use the HBM copy bandwidth and the bf16 matmul peak measured in the same run.
 Tolerances: fp32 kernels <= 1e-4 relative (||out - ref|| / ||ref||, ref in float64);
@@ -532,6 +532,14 @@ def spec(out: Path) -> None:
     section(out, run_sub, check, fig)
 
 
+def mtp(out: Path) -> None:
+    """MTP drafts on the GPU path (issue 38): the fitted tiny glm4_moe MTP checkpoint on its decode
+    graphs (and, bf16, the P graphs) against plain decoding and the eager run (benchmarks/_gate_spec.py
+    --part mtp, as a subprocess; last, after the bench: its five workers compile their own kernels)."""
+    from _gate_spec import section
+    section(out, run_sub, check, fig, part="mtp", timeout=360)
+
+
 def bench(out: Path, args, *, tag: str = "", policies: str = "normal,fine-grained,mixed-chunked",
           sets: tuple[str, ...] = ()) -> None:
     """The P1 cell on the Qwen3 shape, one run a policy; ``tag`` names a variant's figures and
@@ -597,7 +605,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--commit", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--only", default="kernels,qwen3,fp8,paper,profile,smoke,nccl,spec,bench")
+    ap.add_argument("--only", default="kernels,qwen3,fp8,paper,profile,smoke,nccl,spec,bench,mtp")
     ap.add_argument("--bench-conversations", type=int, default=24)
     ap.add_argument("--bench-token-scale", type=float, default=0.5)
     ap.add_argument("--bench-timeout", type=int, default=240)
@@ -652,6 +660,8 @@ def main() -> None:
                 ratio = {v: round(t / f["qwen3_p1_makespan_s"][v], 3) for v, t in f["qwen3_p1_fp8_makespan_s"].items()}
                 fig("qwen3_p1_fp8_over_bf16_makespan", ratio)
                 target("fp8_p1_makespan_le_0.75x_bf16", max(ratio.values()) <= 0.75, f"{ratio}")
+    if "mtp" in only:
+        guarded("mtp_section", mtp, out)
     R["wall_s"] = round(time.time() - t0, 1)
     save()
     n_fail = sum(not v for v in R["checks"].values())

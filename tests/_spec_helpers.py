@@ -1,4 +1,5 @@
-"""Shared by the speculation tests: an abort while a verify pass is on the device, then the resume."""
+"""Shared by the speculation tests: an abort while a verify pass is on the device, then the resume; the
+world's K of every verify round a rank agreed; the drafts a leader offered."""
 from __future__ import annotations
 
 import asyncio
@@ -30,3 +31,27 @@ async def abort_mid_verify_then_resume(w, prompt: list[int], n: int, greedy: dic
     rest = await w.continue_("A", [], SamplingParams(max_new_tokens=n - k, **greedy))
     assert part.token_ids + rest.token_ids == full.token_ids
     return k, rest
+
+
+def spy_ks(dist) -> list:
+    """The K of every verify round this rank agrees (``DistRanks.agree_verify``), in order."""
+    ks, agree = [], dist.agree_verify
+
+    async def spy(offer, epoch):
+        ks.append(await agree(offer, epoch))
+        return ks[-1]
+    dist.agree_verify = spy
+    return ks
+
+
+def record_offers(sp) -> list:
+    """Every row a replica leader's speculator offered drafts for (``Speculator.offer``, before the
+    world's K trims them): (its sequence, its drafts, its cap), in order."""
+    rec, offer = [], sp.offer
+
+    def recording(rows):
+        drafts, o = offer(rows)
+        rec.extend((t.context + t.out_tokens, d, sp.cap(t)) for t, d in zip(rows, drafts))
+        return drafts, o
+    sp.offer = recording
+    return rec

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -37,15 +39,22 @@ def test_p_epoch_host_bench_splits_a_continuation_on_the_cpu(tmp_path):
         assert r["span_ms"] <= r["epoch_wall_ms"] + 1.0, r          # P's items run inside its epoch
 
 
-def test_gate_spec_section_runs_on_the_cpu(tmp_path):
-    """The GPU gate's speculation section on the CPU: suffix drafts verified and accepted on the
-    trained small model, greedy tokens equal decoding without speculation, no KV block left."""
+@pytest.mark.parametrize("part", ["suffix", "mtp"])
+def test_gate_spec_sections_run_on_the_cpu(tmp_path, part):
+    """The GPU gate's speculation sections on the CPU. suffix: drafts verified and accepted on the
+    trained small model, greedy tokens equal decoding without speculation, no KV block left. mtp:
+    the fitted tiny glm4_moe MTP checkpoint, every D iteration on its path (eager here), drafts as
+    the eager run's, tokens plain decoding's."""
     out = tmp_path / "spec.json"
     res = subprocess.run([sys.executable, "benchmarks/_gate_spec.py", "--json", str(out), "--device", "cpu",
-                          "--trajectories", "2", "--tokens", "32"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          "--part", part, "--trajectories", "2", "--tokens", "32"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
     assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-2000:])
     checks = json.loads(out.read_text())["checks"]
-    assert set(checks) == {"spec_greedy_equals_plain", "spec_drafts_accepted", "spec_kv_leak_free"}
+    want = {"suffix": {"spec_greedy_equals_plain", "spec_drafts_accepted", "spec_kv_leak_free"},
+            "mtp": {"spec_mtp_decode_graphs", "spec_mtp_greedy_equals_plain", "spec_mtp_drafts_match_eager",
+                    "spec_mtp_kv_leak_free"}}[part]
+    assert set(checks) == want
     assert all(ok for ok, _ in checks.values()), checks
 
 
@@ -58,3 +67,12 @@ def test_fp8_accuracy_bench_teacher_forced_on_an_hf_model():
     agree, tokens = float(fig["agreement"]), int(fig["tokens"])
     assert 0.0 <= agree <= 1.0 and tokens == round(agree * 12)       # agreeing positions of 2 x 6
     assert 0.0 <= float(fig["dlogprob_p50"]) <= float(fig["dlogprob_p99"]) <= float(fig["dlogprob_max"])
+
+
+def test_sampler_host_bench_prints_both_rows():
+    res = subprocess.run([sys.executable, "benchmarks/sampler_host_bench.py", "--device", "cpu", "--rows", "4",
+                          "--history", "300", "--vocab", "1024", "--reps", "1"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    figs = [dict(kv.split("=", 1) for kv in ln.split()[2:]) for ln in res.stdout.splitlines() if ln.startswith("FIG")]
+    assert [f["repetition_penalty"] for f in figs] == ["1.0", "1.05"] and all(float(f["host_ms"]) > 0 for f in figs)

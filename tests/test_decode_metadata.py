@@ -6,6 +6,7 @@ import torch
 from ainfer_pd.engine.attention import DecodeMeta
 from ainfer_pd.engine.kv.kv_cache import KVCacheManager
 from ainfer_pd.engine.runtime.runner import ModelRunner, RunnerSections
+from ainfer_pd.engine.runtime.warmup import warmup_prefill
 from ainfer_pd.tools.report import breakdown, interval_stats
 from ainfer_pd.phase import Phase, PhaseContext
 from tests.conftest import tiny_cfg
@@ -32,7 +33,7 @@ def test_prefill_warmup_writes_only_the_scratch_slot():
     kv = KVCacheManager(64, cfg.cache.block_size)
     runner = ModelRunner(RunnerSections.from_config(cfg), torch.device("cpu"), kv)
     with torch.inference_mode():
-        sizes = runner.warmup_prefill(PhaseContext(Phase.PREFILL, None), 40, cached=24)
+        sizes = warmup_prefill(runner, PhaseContext(Phase.PREFILL, None), 40, cached=24)
     assert sizes == [16, 24, 32, 40]
     s = runner.scratch_slot
     assert s == 64 * cfg.cache.block_size                       # the first slot of the scratch block

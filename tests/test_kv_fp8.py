@@ -14,6 +14,7 @@ float32 scale per layer for K and one for V (static 1.0 in the engine, held in `
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 
 import pytest
@@ -253,3 +254,32 @@ async def test_worker_on_fp8_kv_shares_prefixes_reuses_kv_replays_routing_and_sl
         assert (a2.token_ids, b2.token_ids, c2.token_ids, c2.logprobs) == (a.token_ids, b.token_ids, c.token_ids,
                                                                            c.logprobs)
         assert w.kv_leak_free()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="resident memory read from Linux's /proc")
+def test_a_cpu_pool_is_zero_writable_and_owns_its_memory():
+    """The CPU pool is anonymous memory (zero until written, so an untouched pool costs no fill):
+    zero in both formats, the shape and dtype asked for, writable through any view, and its pages
+    live as long as a view of it does."""
+    import gc
+
+    from ainfer_pd.engine.attention.kv_fp8 import new_kv_pool
+    pool = new_kv_pool((3, 2, 64, 2, 8), "auto", torch.float32, "cpu")
+    assert pool.shape == (3, 2, 64, 2, 8) and pool.dtype == torch.float32 and pool.is_contiguous()
+    assert pool.count_nonzero() == 0
+    pool[1, 0, 5] = 3.0
+    flat = pool.view(-1)
+    del pool
+    gc.collect()
+    churn = [torch.randn(1 << 16) for _ in range(64)]           # reuse of freed memory would show
+    assert flat.sum().item() == 3.0 * 2 * 8 and len(churn) == 64
+    fp8 = new_kv_pool((2, 2, 16, 1, 16), "fp8_e4m3", torch.bfloat16, "cpu")
+    assert fp8.dtype == KV_FP8 and fp8.float().count_nonzero() == 0
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    before = resident()
+    big = new_kv_pool((4, 2, 4096 * 16, 2, 32), "auto", torch.float32, "cpu")    # the tiny config's 268 MB
+    big[2, 1, 100] = 1.0                                                           # one page touched
+    assert resident() - before < (32 << 20), "the pool was filled at allocation"

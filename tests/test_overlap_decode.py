@@ -71,14 +71,23 @@ def test_stop_tokens_seeds_and_length_limits_match_the_plain_loop():
     assert m["d_rows_fed"] > 0 and m["d_rows_unused"] > 0      # stop-token rows ran one unused pass
 
 
-def test_repetition_penalty_rows_read_the_iteration_in_flight_first():
-    prompts = [[5, 6, 7, 8, 9], [9, 8, 7]]
+def test_repetition_penalty_rows_overlap_and_count_the_token_fed_on_the_device():
+    """A penalized row's history lacks the token the iteration in flight sampled: the penalty takes
+    it from the pass's input ids on the device, so penalized rows are fed and overlapped like the
+    others, and greedy outputs (the penalty changing them) equal the plain loop's."""
+    prompts = [[5, 6, 7, 8, 9], [9, 8, 7], [5, 5, 5, 5]]
     params = [SamplingParams(max_new_tokens=10, temperature=0.0, repetition_penalty=1.3),
-              SamplingParams(max_new_tokens=10, temperature=0.0)]
+              SamplingParams(max_new_tokens=10, temperature=0.0),
+              SamplingParams(max_new_tokens=12, temperature=0.0, repetition_penalty=3.0, ignore_eos=True)]
     *over, m = asyncio.run(_generate_all(True, prompts, params))
     *plain, _ = asyncio.run(_generate_all(False, prompts, params))
+    *unpenalized, _ = asyncio.run(_generate_all(False, prompts, [SamplingParams(max_new_tokens=p.max_new_tokens,
+                                                                               temperature=0.0,
+                                                                               ignore_eos=p.ignore_eos)
+                                                                for p in params]))
     assert over == plain
-    assert m.get("d_rows_fed", 0) < m["d_iter_s_count"]      # the penalty row's iterations read first
+    assert over[0][2] != unpenalized[0][2]                    # the penalty changed what it decodes
+    assert m["d_rows_fed"] > m["d_iter_s_count"]              # most iterations fed several rows, penalized ones too
 
 
 def test_an_abort_mid_decode_leaves_no_kv_and_the_others_run_on():

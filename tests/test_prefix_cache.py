@@ -220,6 +220,60 @@ async def test_a_new_request_id_for_the_same_context_reuses_it_and_greedy_output
         assert w.kv_leak_free()
 
 
+def test_a_later_prompt_keeps_the_hashes_of_the_blocks_an_earlier_one_had():
+    """``prompt_hashes(known=)``: the blocks repeating the known prompt keep its hashes, only the
+    rest are hashed, and the result is the full computation's; a known prompt whose tokens differ
+    is not used (the whole prompt hashed)."""
+    import ainfer_pd.engine.kv.block_hash as bh
+    kv = KVCacheManager(NB, BS)
+    first = list(range(30))
+    known = (first[:28], kv.prompt_hashes(first))                      # 7 full blocks within 29 tokens
+    later = first + [7] * 21
+    calls, real = [], bh.block_hash
+    bh.block_hash = lambda parent, toks: calls.append(1) or real(parent, toks)
+    try:
+        got = kv.prompt_hashes(later, known=known)
+        assert len(calls) == 12 - 7                                    # blocks 7 .. 11 of 50 tokens only
+        assert got == kv.prompt_hashes(later)
+        other = [1] + later[1:]
+        assert kv.prompt_hashes(other, known=known) == kv.prompt_hashes(other) != got
+        assert kv.prompt_hashes(later, tid="t", known=known) == kv.prompt_hashes(later, tid="t")
+    finally:
+        bh.block_hash = real
+    solo = KVCacheManager(NB, BS, sharing=False)                       # the root is the trajectory's
+    own = (first[:28], solo.prompt_hashes(first, tid="t"))
+    assert solo.prompt_hashes(later, tid="t", known=own) == solo.prompt_hashes(later, tid="t")
+
+
+async def test_a_continuation_hashes_only_its_new_blocks():
+    """The worker keeps a trajectory's last prompt hashes: a continuation of a 200-token context
+    hashes the blocks past it, once (the turn carries them to admission and its reservation, whose
+    written blocks take them), and reuses as before."""
+    import ainfer_pd.engine.kv.block_hash as bh
+    cfg = tiny_cfg()
+    rng = random.Random(24)
+    prompt, obs = rand_ids(rng, 200), rand_ids(rng, 40)
+    async with RolloutWorker(cfg) as w:
+        a = await w.generate(prompt, SamplingParams(max_new_tokens=5, **GREEDY), trajectory_id="t")
+        calls, real = [], bh.block_hash
+        bh.block_hash = lambda parent, toks: calls.append(1) or real(parent, toks)
+        try:
+            b = await w.continue_("t", obs, SamplingParams(max_new_tokens=1, **GREEDY))
+        finally:
+            bh.block_hash = real
+        bs = cfg.cache.block_size
+        ctx = prompt + a.token_ids + obs
+        full = (len(ctx) - 1) // bs
+        assert b.num_cached_tokens == len(prompt) + len(a.token_ids) - 1
+        assert w.trajectories["t"].block_hashes[1] == w.engine.kv.prompt_hashes(ctx, tid="t")
+        # the new prompt blocks (those past the first prompt's) once: the pass that writes them
+        # takes their hashes from the turn (at most one more: a block its decoded token completes)
+        new = full - (len(prompt) - 1) // bs
+        assert new >= 2 and len(calls) <= new + 1, (len(calls), full)
+        await w.release("t")
+        assert w.kv_leak_free()
+
+
 async def test_without_sharing_a_trajectory_still_reuses_its_own_kv():
     cfg = tiny_cfg(**{"cache.prefix_sharing": False})
     rng = random.Random(23)

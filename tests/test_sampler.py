@@ -143,3 +143,28 @@ def test_bad_rows_are_reported_alone_in_a_sampled_batch():
 
 def test_an_empty_batch_samples_nothing():
     assert sample(torch.zeros(0, 8), []) == ([], [], {})
+
+
+def test_a_repetition_history_as_an_id_array_penalizes_like_the_reference():
+    """The engine's histories are ``array('q')`` (a turn's ids, kept, not rebuilt as lists); with
+    duplicates, a history of one token and rows without a penalty, the sampled logprobs are the
+    reference's, and a verify position's history is the row's then its drafts."""
+    from array import array
+
+    from ainfer_pd.spec.verify import expand_rows
+    torch.manual_seed(3)
+    V = 40
+    logits = torch.randn(4, V) * 3
+    hists = [array("q", [5, 5, 7, 39, 0, 5]), array("q", [11]), None, array("q", [2, 3])]
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.7), SamplingParams(temperature=0.0,
+              repetition_penalty=0.6), SamplingParams(temperature=0.0), SamplingParams(temperature=0.0)]
+    rows = [SampleRow(p, 1, 0, h) for p, h in zip(params, hists)]
+    toks, lps, bad = sample(logits, rows)
+    assert not bad
+    for i, (p, h) in enumerate(zip(params, hists)):
+        ref = ref_logprobs(logits[i], p, list(h) if h is not None else None)
+        assert toks[i] == int(ref.argmax()) and lps[i] == pytest.approx(float(ref.max()), abs=1e-5)
+    wide = expand_rows(rows[:2], [[9, 8], []], 3)
+    assert [list(r.history) for r in wide[:3]] == [[5, 5, 7, 39, 0, 5], [5, 5, 7, 39, 0, 5, 9],
+                                                  [5, 5, 7, 39, 0, 5, 9, 8]]
+    assert list(hists[0]) == [5, 5, 7, 39, 0, 5]                     # the row's own history untouched

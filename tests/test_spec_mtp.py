@@ -9,15 +9,17 @@ refusals without an MTP layer."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from ainfer_pd import RolloutWorker, SamplingParams
+from ainfer_pd.engine.attention import DecodeMeta
 from ainfer_pd.errors import CheckpointError, UnsupportedOptionError, WeightUpdateError
 from tests import _hf_models, _mtp_model
-from tests._spec_helpers import abort_mid_verify_then_resume
+from tests._spec_helpers import abort_mid_verify_then_resume, record_offers, spy_ks
 from tests.conftest import hf_worker_cfg
 
 K = 3
@@ -286,3 +288,190 @@ async def test_adaptive_mtp_measures_the_chain_and_counts_it(fitted):
         out = await w.generate(PROMPTS[0], SamplingParams(max_new_tokens=N, **GREEDY))
         await _leak_free(w)
     assert out.token_ids == _hf_models.hf_greedy(model, PROMPTS[0], N)[0]
+
+
+class _Unresolved(DecodeMeta):
+    """The static batch's metadata of a :class:`_Rerun` graph: the CPU reference attention derives
+    the key slots from the block table at every pass (as a captured graph recomputes them at
+    every replay), not once at capture."""
+
+    def resolve(self) -> None:
+        self.key_slots = None
+        DecodeMeta.resolve(self)
+
+
+class _Rerun:
+    """A CPU stand-in for a captured CUDA graph (the GPU path is ``torch.cuda.CUDAGraph``, run by
+    the GPU gate's ``spec`` section): a replay runs the captured function again over the static
+    inputs and writes its results into the outputs it gave at capture, as a replay writes a
+    graph's static outputs."""
+
+    def __init__(self, fn, out) -> None:
+        self.fn, self.out = fn, out
+
+    def replay(self) -> None:
+        for static, now in zip(self.out, self.fn()):
+            static.copy_(now)
+
+
+def _stand_in_graphs(w, sizes: tuple[int, ...], context: int):
+    """The worker's MTP decode graphs at ``sizes`` over ``context`` keys, each "captured" by
+    :class:`_Rerun` (the static buffers, padding, catch-up inputs and stash copies are the CUDA
+    path's own code)."""
+    from ainfer_pd.engine.runtime.mtp_graphs import MtpDecodeGraphs
+
+    class StandIn(MtpDecodeGraphs):
+        def _record(self, fn, dev):
+            out = fn()
+            return _Rerun(fn, out), out
+
+        def _fb(self, s):
+            fb = super()._fb(s)
+            fb.decode = _Unresolved(*(getattr(fb.decode, f.name) for f in dataclasses.fields(DecodeMeta)))
+            return fb
+
+    r = w.engine.runner
+    g = StandIn(r, sizes, (context,), r.scratch_slot, w.engine.decode_ctx)
+    with torch.inference_mode():
+        for B in sizes:
+            g._capture(B, g.max_context, r.device)
+    r.graphs = g
+    r.decode_paths = {k: 0 for k in r.decode_paths}
+    return g
+
+
+async def test_mtp_decode_graphs_replay_the_pass_and_its_catch_up(fitted):
+    """Every D iteration (verifies and overlapped ones) replays an MTP decode graph, padded to its
+    bucket (sizes 5 and 12: most batches are padded): the drafts still equal the reference chain
+    and the tokens transformers' greedy ones, the stashes come from the graph's hidden-state
+    output; a cost measurement's batch (no catch-up) replays the same graph and leaves every stash
+    and the MTP KV of the rows alone."""
+    from ainfer_pd.engine.runtime.runner import BatchPlan
+    from ainfer_pd.engine.runtime.verify_costs import _decode_batch
+    path, model, mtp = fitted
+    async with RolloutWorker(hf_worker_cfg(path, spec=SPEC)) as w:
+        g = _stand_in_graphs(w, (5, 12), 128)
+        r = w.engine.runner
+        rec = _record(w)
+        outs = await asyncio.gather(*(w.generate(p, SamplingParams(max_new_tokens=N, **GREEDY)) for p in PROMPTS))
+        await asyncio.gather(*(w.continue_(o.trajectory_id, OBS, SamplingParams(max_new_tokens=12, **GREEDY))
+                               for o in outs))
+        assert r.decode_paths["graph"] == g.num_replays > N // (K + 1)
+        assert r.decode_paths["eager-past-graphs"] == r.decode_paths["eager-no-graphs"] == 0
+        assert w.metrics()["spec_verifies"] > 0
+        stash = {tid: (st.p0, st.h.clone()) for tid, st in r.drafter.stash.items()}
+        kv = r.drafter.mtp_kv()[:, :r.scratch_slot].clone()
+        with torch.inference_mode():
+            r.decode(BatchPlan(_decode_batch(r, 2, 3, 40), [], [], []), w.engine.decode_ctx)
+        assert g.num_replays == r.decode_paths["graph"]
+        assert {tid: st.p0 for tid, st in r.drafter.stash.items()} == {tid: p0 for tid, (p0, _) in stash.items()}
+        assert all(torch.equal(r.drafter.stash[tid].h, h) for tid, (_, h) in stash.items())
+        assert torch.equal(r.drafter.mtp_kv()[:, :r.scratch_slot], kv)
+        await _leak_free(w)
+    _check_drafts(rec, model, mtp)
+    for p, o in zip(PROMPTS, outs):
+        assert o.token_ids == _hf_models.hf_greedy(model, p, N)[0]
+
+
+async def test_mtp_decode_graphs_under_the_overlapped_d_loop_keep_the_reference_chain(fitted):
+    """The overlapped D loop on the stand-in graphs: rows fed on the device (their first MTP row's
+    stash written by the iteration in flight, copied from its graph's hidden-state output after
+    that replay), then the long row speculates from that state: its drafts are the reference
+    chain's, its tokens transformers' greedy ones."""
+    path, model, mtp = fitted
+    costs = {1: {1: 0.01, 2: 0.0101, 3: 0.0102, 4: 0.0103}, 2: {1: 0.01, 2: 0.02, 3: 0.03, 4: 0.04}}
+    async with RolloutWorker(hf_worker_cfg(path, spec={**SPEC, "adaptive": True, "verify_costs": costs})) as w:
+        assert w.engine.overlap_decode
+        g = _stand_in_graphs(w, (2, 5), 128)
+        rec = _record(w)
+        short, long_ = await asyncio.gather(w.generate(PROMPTS[1], SamplingParams(max_new_tokens=6, **GREEDY)),
+                                            w.generate(PROMPTS[0], SamplingParams(max_new_tokens=N, **GREEDY)))
+        r = w.engine.runner
+        assert w.metrics()["d_rows_fed"] > 0 and w.metrics()["spec_verifies"] > 0
+        assert r.decode_paths["graph"] == g.num_replays > 0 and r.decode_paths["eager-past-graphs"] == 0
+        await _leak_free(w)
+    assert long_.token_ids == _hf_models.hf_greedy(model, PROMPTS[0], N)[0]
+    assert short.token_ids == _hf_models.hf_greedy(model, PROMPTS[1], 6)[0]
+    _check_drafts(rec, model, mtp)
+
+PARALLEL = {"world_size": 2, "attn_dp": 2, "expert_parallel": 2, "expert_backend": "torch", "rendezvous_timeout_s": 60.0}
+RANK_KEYS = ("spec_verifies", "spec_accepted", "spec_drafted")
+
+
+async def _rank_mtp(rank: int, world_size: int, path: str, spec: dict = SPEC, policy: str = "fine-grained"):
+    """Rank ``rank`` serves PROMPTS[rank] (two turns) on attention DP 2 x EP 2, MTP drafting: its
+    tokens, the drafts each row was offered (before the world's K), counters, leak-free, each
+    verify round's K."""
+    async with RolloutWorker(hf_worker_cfg(path, policy, spec=spec, parallel=PARALLEL)) as w:
+        sp = w.engine.spec
+        costs = w.engine.dist.spec_costs
+        rec = record_offers(sp)
+        ks = spy_ks(w.engine.dist)
+        o = await w.generate(PROMPTS[rank], SamplingParams(max_new_tokens=N, **GREEDY))
+        o2 = await w.continue_(o.trajectory_id, OBS, SamplingParams(max_new_tokens=12, **GREEDY))
+        m = w.metrics()
+        await w.release(o.trajectory_id)
+        free = w.kv_leak_free() and w.engine.kv.num_free_blocks == w.engine.kv.alloc.num_blocks and not sp.drafter.stash
+    return list(o.token_ids), list(o2.token_ids), rec, {k: m.get(k, 0) for k in RANK_KEYS}, free, ks, costs
+
+
+@pytest.mark.parametrize("policy", ["fine-grained", "normal", "global-enqueue"])   # (mixed-chunked: one rank)
+def test_mtp_on_adp2_ep2_drafts_the_reference_chain_and_gives_greedy_tokens(fitted, policy):
+    """Two gloo ranks, attention DP with the experts (the MTP layer's too) split over them: every
+    pass's catch-up and every verify round's chain run on both ranks (the MTP layer's expert
+    exchange and D's DP-attention gather pair up; the chain at the world's depth over padded
+    rows), the drafts equal the reference chain, the tokens transformers' greedy ones, K is the
+    world's (the same sum on both), no KV block or stash is left."""
+    from tests._dist_util import run_ranks
+    path, model, mtp = fitted
+    res = run_ranks(_rank_mtp, 2, str(path), SPEC, policy, timeout_s=180)
+    for rank, (t1, t2, rec, m, free, _, _) in enumerate(res):
+        p = PROMPTS[rank]
+        assert t1 == _hf_models.hf_greedy(model, p, N)[0]
+        assert t2 == _hf_models.hf_greedy(model, p + t1 + OBS, 12)[0]
+        assert free
+        assert m["spec_verifies"] > 0 and 0 < m["spec_accepted"] < m["spec_drafted"], m
+        _check_drafts(rec, model, mtp)
+    a, b = res[0][5], res[1][5]               # each round's K, as each rank agreed it (the rounds both saw)
+    n = min(len(a), len(b))
+    assert n > 0 and a[:n] == b[:n] and any(a[:n]), (a, b)
+
+
+def test_adaptive_mtp_on_adp2_ep2_measures_one_world_table_of_verify_and_chain(fitted):
+    """Without tables every rank measures the verify and the MTP chain (their collectives pair up
+    across the ranks) and both keep the world's tables, the chain's included; tokens stay greedy."""
+    from tests._dist_util import run_ranks
+    path, model, _ = fitted
+    res = run_ranks(_rank_mtp, 2, str(path), {**SPEC, "adaptive": True}, timeout_s=180)
+    assert res[0][6] == res[1][6] and res[0][6] is not None and res[0][6].drafting is not None
+    for rank, (t1, t2, _, _, free, _, _) in enumerate(res):
+        assert t1 == _hf_models.hf_greedy(model, PROMPTS[rank], N)[0] and free
+        assert t2 == _hf_models.hf_greedy(model, PROMPTS[rank] + t1 + OBS, 12)[0]
+
+
+def test_a_world_chain_has_the_same_rows_at_every_step_and_pads_past_caps_and_jobs():
+    """Several ranks: R rows at every step (the chain's collectives pair up across ranks), job r at
+    n_r - 2 + j while its cap exceeds j, every other row padding (position 0, one key, the scratch
+    slot and block); step 0 feeds the jobs' last tokens."""
+    from ainfer_pd.engine.kv.kv_cache import KVCacheManager
+    from ainfer_pd.spec.mtp_batch import world_chain_batches
+    kv = KVCacheManager(16, 4)
+    kv.reserve("a", 20, list(range(10)))
+    kv.reserve("b", 20, list(range(7)))
+    scratch_block, scratch = 16, 16 * 4
+    jobs = [("a", 10, 77, 3), ("b", 7, 88, 1)]                  # (tid, length, last token, cap), caps descending
+    steps = world_chain_batches(kv, "cpu", jobs, 4, 3, scratch, scratch_block)
+    assert len(steps) == 3 and all(fb.positions.shape[0] == 4 for fb in steps)
+    assert steps[0].input_ids.tolist() == [77, 88, 0, 0]
+    for j, fb in enumerate(steps):
+        live = [r for r, job in enumerate(jobs) if job[3] > j]
+        for r in range(4):
+            p, slot, n = int(fb.positions[r]), int(fb.write_slots[r]), int(fb.decode.ctx_lens[r])
+            if r in live:
+                tid, length = jobs[r][:2]
+                assert (p, n, slot) == (length - 2 + j, length - 1 + j, kv.slot_of(tid, length - 2 + j))
+                assert fb.decode.block_table[r, :2].tolist() == kv.block_table([tid], 2)[0, :2].tolist()
+            else:
+                assert (p, n, slot) == (0, 1, scratch) and fb.decode.block_table[r, 0] == scratch_block
+    with pytest.raises(ValueError, match="over a world chain of 1"):
+        world_chain_batches(kv, "cpu", jobs, 1, 3, scratch, scratch_block)

@@ -3,7 +3,8 @@ the CPU: greedy tokens on EP2 with attention DP (ADP2), on attention TP (ATP2) a
 ATP2 x ADP2 equal world size 1 without speculation, with drafts verified and accepted on the replica
 leaders; a seeded sampled request is unchanged by speculation; an abort mid-verify leaves no KV
 block held on any rank while the other trajectories finish. Plus the pure parts: the step's verify
-flag, the verify shape's agreement and counters, the refusals."""
+flag, the verify shape's agreement and counters, the world's cost table. (MTP on several ranks:
+tests/test_spec_mtp.py, ADP2 x EP2; tests/test_spec_mtp_atp.py, attention TP.)"""
 from __future__ import annotations
 
 import asyncio
@@ -12,13 +13,12 @@ from pathlib import Path
 import pytest
 
 from ainfer_pd import RolloutWorker, SamplingParams, WorkerConfig
-from ainfer_pd.errors import UnsupportedOptionError
 from ainfer_pd.sched.step import StepInputs, decide_step
 from ainfer_pd.sched.epoch_mode import policy_traits
 from ainfer_pd.spec.adaptive import VerifyCosts, choose
-from ainfer_pd.spec.speculator import make_speculator
-from ainfer_pd.spec.verify_shape import VerifyShape, agreed_positions, verify_counts
+from ainfer_pd.spec.verify_shape import DraftOffer, positions_at, verify_counts, world_k
 from tests._dist_util import run_ranks
+from tests._spec_helpers import spy_ks
 
 ROOT = Path(__file__).resolve().parents[1] / "ainfer_pd" / "configs"
 SPEC = {"spec.method": "suffix", "spec.adaptive": False, "spec.num_draft_tokens": 4,
@@ -34,7 +34,7 @@ LATE = [([7, 8, 9] * 12, dict(max_new_tokens=N // 2, **GREEDY)), ([60, 61, 62] *
 """Submitted once D has run a few iterations: their P epoch is multiplexed with the verifies."""
 ALL = REQUESTS + LATE
 COUNTERS = ("spec_verifies", "spec_drafted", "spec_accepted", "spec_verify_rounds", "spec_verify_joined",
-            "spec_verify_pad_positions", "verify_sync_s_count")
+            "spec_verify_pad_positions", "verify_sync_s_count", "spec_verify_k")
 
 
 def _cfg(name: str, **over) -> WorkerConfig:
@@ -84,14 +84,16 @@ async def _rank_generate(rank: int, world_size: int, name: str, over: dict):
     measured = _spy_measurement()
     async with RolloutWorker(cfg) as w:
         seen = _spy_rounds(w.engine.d)
-        plans = seen["plans"] = []                   # (its rows, the world's rows K is costed at)
+        plans = seen["plans"] = []                   # (its rows, the world's rows drafting is costed at)
         if w.engine.spec is not None:
-            plan = w.engine.spec.plan
+            worth = w.engine.spec.worth_drafting
 
-            def spy_plan(rows, world_rows=0):
+            def spy_worth(rows, world_rows=0):
                 plans.append((len(rows), world_rows))
-                return plan(rows, world_rows)
-            w.engine.spec.plan = spy_plan
+                return worth(rows, world_rows)
+            w.engine.spec.worth_drafting = spy_worth
+        seen["world_costs"] = w.engine.dist.spec_costs
+        seen["ks"] = spy_ks(w.engine.dist)
 
         async def late():
             while w.engine.d.num_iters < 4:
@@ -135,8 +137,15 @@ def _run(world_size: int, name: str, over: dict, reference, timeout_s: float = 1
         assert m["spec_verifies"] > 0 and 0 < m["spec_accepted"] <= m["spec_drafted"], m
         assert m["spec_verify_rounds"] >= m["spec_verifies"]
         assert m["verify_sync_s_count"] == m["spec_verify_rounds"]       # one rendezvous per agreed shape
-        # K is chosen at the rows the world runs (the step's most), never below the leader's own
-        assert m["plans"] and all(world >= n > 0 for n, world in m["plans"]), m["plans"]
+        # drafting is costed at the rows the world runs (the step's most), never below the leader's own
+        assert any(n for n, _ in m["plans"]) and all(world >= n for n, world in m["plans"]), m["plans"]
+    # one K a round, the world's, on every rank (a rank done with its own requests reads its
+    # record while the others may still run rounds: the rounds both saw)
+    ks = [m["ks"] for _, m, _, _, _ in res]
+    n = min(len(k) for k in ks)
+    assert n > 0 and all(k[:n] == ks[0][:n] for k in ks) and any(ks[0][:n]), ks
+    # every rank (TP followers too) holds the world's cost table K is chosen from
+    assert len({repr(m["world_costs"]) for _, m, _, _, _ in res}) == 1
     # the late requests' P epoch ran gated beside verify iterations: one was a turnstile round's D launch
     # on every rank (the round and the verify shape agreed alike)
     assert len({m["verify_in_round"] for _, m, _, _, _ in res}) == 1 and res[0][1]["verify_in_round"] > 0, \
@@ -190,9 +199,9 @@ async def _rank_abort(rank: int, world_size: int):
         if rank == 1:
             agree = w.engine.dist.agree_verify
 
-            async def spying(drafts, epoch):
-                empty["rounds"] += not drafts
-                return await agree(drafts, epoch)
+            async def spying(offer, epoch):
+                empty["rounds"] += offer.positions[-1] == offer.rows       # no drafts of its own
+                return await agree(offer, epoch)
             w.engine.dist.agree_verify = spying
             toks = await _generate_all(w, REQUESTS[1:4])
             assert all(len(t) == N for t in toks)
@@ -253,14 +262,39 @@ def test_the_step_makes_a_verify_iteration_when_any_rank_would_draft():
     assert StepInputs.from_payload(_inputs(1, True).to_payload()).d_drafting is True
 
 
-def test_the_verify_shape_is_the_most_positions_any_rank_announced_and_its_cost_is_counted():
-    a, b, follower = VerifyShape.of([[1, 2, 3], [], [4]]), VerifyShape.of([[], []]), VerifyShape.of([])
-    assert (a.positions, a.rows, a.drafts) == (7, 3, 4) and b.positions == 2 and follower.positions == 0
-    assert VerifyShape.from_payload(a.to_payload()) == a
-    assert agreed_positions([a, b, follower]) == 7
-    assert verify_counts(b, [a, b, follower], 8) == {"spec_verify_rounds": 1, "spec_verify_joined": 1,
-                                                     "spec_verify_empty": 0, "spec_verify_pad_positions": 6}
-    assert verify_counts(b, [b, follower], 2)["spec_verify_empty"] == 1
+def test_an_offer_gives_each_k_s_positions_and_expected_tokens_and_travels_as_ints():
+    a = DraftOffer.of([0.5, 0.0, 1.0], [3, 0, 1], 4, host_s=0.0012)
+    assert a.rows == 3 and a.host_us == 1200
+    assert a.positions == (3, 5, 6, 7, 7)                       # rows + min(K, draft) per row
+    assert a.milli_tokens[0] == 3000 and a.milli_tokens[1] == 1500 + 1000 + 2000
+    assert a.milli_tokens[3] == 1875 + 1000 + 2000 == a.milli_tokens[4]
+    assert DraftOffer.from_payload(a.to_payload(), 4) == a
+    assert DraftOffer.plain(2, 4).positions == (2,) * 5 and DraftOffer.plain(0, 4).milli_tokens == (0,) * 5
+    from ainfer_pd.errors import SpecInputError
+    with pytest.raises(SpecInputError, match="num_draft_tokens differ"):
+        DraftOffer.from_payload(a.to_payload(), 3)
+
+
+def test_the_world_k_counts_every_replica_s_rows_and_pads_to_the_most_positions_at_it():
+    """One leader's row drafts well; beside a replica of 15 rows without drafts the verify's width
+    costs all 16 rows: K pays for the leader alone (its local choice) but not for the world."""
+    costs = VerifyCosts.from_times({16: {1: 0.010, 2: 0.0115, 3: 0.013, 5: 0.016}})
+    lone = DraftOffer.of([0.9], [4], 4)
+    assert choose(costs, [0.9], [4], world_rows=16).k == 4                       # the local choice
+    assert world_k(costs, [lone, DraftOffer.plain(0, 4)], adaptive=True) == 4    # its TP follower adds no rows
+    assert world_k(costs, [lone, DraftOffer.plain(15, 4)], adaptive=True) == 0   # the world's
+    many = DraftOffer.of([0.9] * 15, [4] * 15, 4)
+    assert world_k(costs, [lone, many], adaptive=True) == 4
+    assert world_k(costs, [lone, DraftOffer.plain(15, 4)], adaptive=False) == 4  # not adaptive: the longest draft
+    assert world_k(None, [lone], adaptive=True) == 0 and world_k(costs, [DraftOffer.plain(3, 4)], adaptive=True) == 0
+    slow = DraftOffer.of([0.9], [4], 4, host_s=0.04)                             # drafting's host time counts
+    assert world_k(costs, [slow, DraftOffer.plain(0, 4)], adaptive=True) == 0
+    two = DraftOffer.of([0.9, 0.9], [1, 3], 4)
+    assert positions_at([lone, two, DraftOffer.plain(0, 4)], 2) == 5 and positions_at([lone, two], 4) == 6
+    assert verify_counts(DraftOffer.plain(2, 4), [lone, DraftOffer.plain(2, 4)], 4, 8) == {
+        "spec_verify_rounds": 1, "spec_verify_joined": 1, "spec_verify_empty": 0, "spec_verify_pad_positions": 6,
+        "spec_verify_k": 4}
+    assert verify_counts(lone, [lone], 0, 1)["spec_verify_empty"] == 1
 
 
 def test_k_is_chosen_at_the_cost_of_the_rows_the_world_runs():
@@ -281,21 +315,6 @@ def test_the_world_cost_table_is_each_entrys_most_and_a_differing_grid_is_named(
     assert world_times([a, b]) == {1: {1: 0.02, 2: 0.03}, 4: {1: 0.02, 2: 0.05}}
     with pytest.raises(SpecInputError, match="rank 1 measured"):
         world_times([a, {1: {1: 0.01}, 4: {1: 0.02, 2: 0.02}}])
-
-
-class _Leader:
-    is_leader = True
-
-
-def test_mtp_on_several_ranks_is_refused_by_name():
-    """(spec.adaptive without a table is built: measured on every rank, the world's table agreed.)"""
-    from types import SimpleNamespace
-
-    from ainfer_pd.config_spec import SpecConfig
-    cfg = SimpleNamespace(spec=SpecConfig(method="mtp"))    # mtp needs a model with an MTP layer: checked first
-    with pytest.raises(UnsupportedOptionError, match="several ranks") as e:
-        make_speculator(cfg, None, None, None, _Leader())
-    assert e.value.key == "spec.method"
 
 
 def test_a_merged_world_sums_each_leaders_drafts_and_padding():

@@ -33,13 +33,15 @@ class Watchdog:
     def __init__(self, *, rank: int, world_size: int, stall_s: float, progress: Callable[[], Any],
                  probe: Callable[[], dict], store: Any = None, prefix: str = "ainfer_pd/mr",
                  heartbeat_s: float = 0.25, peer_wait_s: float = 1.5, poll_s: float = 0.05,
-                 busy: Callable[[], bool] | None = None) -> None:
+                 busy: Callable[[], bool] | None = None, error: type[StallError] = StallError) -> None:
         if stall_s <= 0:
             raise ValueError("stall_s must be > 0")
         self.rank, self.world_size = rank, world_size
         self.stall_s = float(stall_s)
         self._progress, self._probe = progress, probe
         self._busy = busy or (lambda: True)
+        self._error = error
+        """What a device-progress stall raises (:class:`~ainfer_pd.errors.DeviceStallError` on one rank)."""
         self._store = store
         self.prefix = prefix
         self.heartbeat_s, self.peer_wait_s, self.poll_s = heartbeat_s, peer_wait_s, poll_s
@@ -151,11 +153,12 @@ class Watchdog:
             exc = PeerLostError(f"{head}: peer {names} stopped responding (no heartbeat: dead or wedged).\n{text}",
                                 ranks=tuple(lost))
         else:
-            exc = StallError(f"{head}: device-progress stall.\n{text}")
+            exc = self._error(f"{head}: device-progress stall.\n{text}")
         exc.frontier = {str(r): f for r, f in frontiers.items()}  # type: ignore[attr-defined]
         exc.cycle = cycle  # type: ignore[attr-defined]
         exc.lost_peers = lost  # type: ignore[attr-defined]
         exc.rank = self.rank  # type: ignore[attr-defined]
+        exc.unfinished = local.get("unfinished", [])  # type: ignore[attr-defined]
         return exc
 
     def peer_declared_stall(self) -> int | None:
@@ -232,6 +235,11 @@ def describe_frontier(frontiers: dict[int, dict], world_size: int) -> tuple[str,
             lines.append(f"    {c['phase']} {c['op']} {c['comm']}#{c['seq']} group {tuple(c['group'])} on stream "
                          f"{c['stream']} (epoch {c.get('epoch')}, boundary {c.get('boundary')}): RUNNING (resident: holds "
                          f"its slot), peers not joined: {_not_joined(c, frontiers)}")
+        for u in f.get("unfinished", []):
+            a = u.get("attrs", {})
+            lines.append(f"    stream {u['stream']}: oldest unfinished item {u['label']} (lane {u.get('lane')}, "
+                         f"phase {a.get('phase')}, epoch {a.get('epoch')}) unfinished for {u['age_s']:.1f} s, "
+                         f"{u['state']}{', parked' if u.get('parked') else ''}; {u['count']} unfinished on the stream")
         if queued:
             heads = {}
             for c in queued:                       # the next one of each stream: what waits behind the slot
@@ -240,7 +248,9 @@ def describe_frontier(frontiers: dict[int, dict], world_size: int) -> tuple[str,
                 f"{st}: {c['phase']} {c['op']} {c['comm']}#{c['seq']} group {tuple(c['group'])}"
                 for st, c in sorted(heads.items())))
     cycle = find_wait_cycle(frontiers)
-    if cycle:
+    if world_size == 1:
+        pass                                    # one rank waits for no peer: no wait-for graph
+    elif cycle:
         parts = []
         for a, b in zip(cycle, cycle[1:]):
             run = [c for c in frontiers[a]["colls"]["inflight"] if c["state"] == "running"]

@@ -5,8 +5,7 @@ coordinator gives every rank's announcement (one rank: its own at once; several:
 the control group) and :func:`~ainfer_pd.sched.step.decide_step` gives every rank the same
 decision: start a P epoch (run by the P driver on its own task, stopping at safe boundaries for
 turnstile rounds while it is gated), run one D iteration (the D driver: D first, through the
-round P's next boundary opens), or wait. Policies (SPEC section 4) are data
-(:mod:`~ainfer_pd.sched.epoch_mode`):
+round P's next boundary opens), or wait. Policies (SPEC section 4) are data (:mod:`~ainfer_pd.sched.epoch_mode`):
 
 * ``normal``          D is not run while any P is admissible or running (strict P priority).
 * ``global-complete`` turnstile with one boundary per P epoch, published after the epoch *completed*.
@@ -28,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import WorkerConfig
-from ..errors import InvalidRequestError, WorkerAsleepError, first_error
+from ..errors import DeviceStallError, InvalidRequestError, WorkerAsleepError, first_error
 from ..faults import Faults, FaultyRendezvous
 from ..metrics.recorder import Recorder
 from ..metrics.stats import percentile, work_s
@@ -43,6 +42,7 @@ from .runtime.device import Device, make_device
 from .kv.kv_cache import KVCacheManager
 from .loop.coordinator import IDLE_BACKOFF_S, LocalCoordinator, RankCoordinator
 from .loop.d_driver import DDriver
+from .loop.device_watch import device_watchdog
 from .loop.mixed import run_mixed
 from .loop.p_driver import PDriver
 from .loop.timings import EngineTimings
@@ -50,6 +50,7 @@ from .loop.p_walk import GATED_LANE
 from .kv.residency import Residency, kv_blocks_from_memory
 from .runtime.mtp_runner import MtpRunner
 from .runtime.runner import ModelRunner, RunnerSections
+from .runtime.warmup import warmup_prefill
 from .loop.state import Turn
 from .loop.turns import TurnBook
 
@@ -96,7 +97,7 @@ class Engine:
                 log.warning("rank %d: releasing a failed engine start failed: %r", self.rank, e)
             raise
         self.coord = (LocalCoordinator(self.wait_changed) if dist is None else
-                      RankCoordinator(self.rendezvous, recorder, dist.world_size, self.wait_changed))
+                      RankCoordinator(self.rendezvous, recorder, dist.world_size, self.wait_changed, dist.mtp))
         self.num_steps = 0
         self.closing = False          # this rank's client is done; stop once every rank is
         self.not_closing: tuple[int, ...] = ()    # ranks whose client was still serving at the last step
@@ -127,7 +128,7 @@ class Engine:
             self.decode_ctx.stream.submit(self.runner.capture_decode_graphs, self.decode_ctx,
                                           label="D.capture").enqueued().result()
         if self.device.kind == "cuda" and dc.warmup_prefill:
-            self.prefill_ctx.stream.submit(self.runner.warmup_prefill, self.prefill_ctx,
+            self.prefill_ctx.stream.submit(warmup_prefill, self.runner, self.prefill_ctx,
                                            cfg.scheduler.max_prefill_tokens, label="P.warmup").enqueued().result()
             torch.cuda.synchronize()
 
@@ -200,34 +201,34 @@ class Engine:
 
     # ================================================================== the step
     async def run(self) -> None:
-        """Owns the loops for the worker's TaskGroup; raises one typed error on failure."""
-        if self.traits.mixed_steps:
-            await run_mixed(self)
-            return
-        wd = self.dist.watchdog if self.dist is not None else None
-        if wd is not None:
-            wd.start()
-        self.stepping = True
+        """Owns the loops for the worker's TaskGroup; raises one typed error on failure. A watchdog
+        runs beside them: the ranks' (several), the device's (one rank: :mod:`.loop.device_watch`)."""
+        wd = self.dist.watchdog if self.dist is not None else device_watchdog(self)
+        wd.start()
+        self.stepping = not self.traits.mixed_steps
         try:
             async with asyncio.TaskGroup() as tg:
-                prefill = tg.create_task(self.p.run(), name="prefill")
-                watch = tg.create_task(wd.watch(), name="watchdog") if wd is not None else None
-                try:
-                    await self._steps()
-                finally:
-                    self.d.abandon()
-                prefill.cancel()
-                if watch is not None:
-                    watch.cancel()
+                watch = tg.create_task(wd.watch(), name="watchdog")
+                if self.traits.mixed_steps:
+                    await run_mixed(self)
+                else:
+                    prefill = tg.create_task(self.p.run(), name="prefill")
+                    try:
+                        await self._steps()
+                    finally:
+                        self.d.abandon()
+                    prefill.cancel()
+                watch.cancel()
         except BaseExceptionGroup as eg:
             first = first_error(eg)
             if first is None:
                 raise
+            if isinstance(first, DeviceStallError):     # its shutdown must not wait for the device
+                self.device.mark_stalled(str(first))
             raise (await self.dist.explain(first) if self.dist is not None else first) from first
         finally:
             self.stepping = False
-            if wd is not None:
-                wd.stop()
+            wd.stop()
 
     async def _steps(self) -> None:
         """The step loop: announce, agree, decide; then start P, run D, or wait."""
@@ -387,14 +388,13 @@ class Engine:
             "d_wait_s_samples": list(self.rec.samples.get("d_wait_s", [])),
             "ttft_s_samples": list(self.rec.samples.get("ttft_s", [])),
         })
-        alone = self.rec.samples.get("d_iter_alone_s")
-        if alone:      # the optimistic bound's chain (the report's chain_lower_bound): a fast D iteration alone
+        if alone := self.rec.samples.get("d_iter_alone_s"):   # the optimistic bound's chain: a fast D iteration alone
             m["d_iter_alone_s"] = percentile(alone, 10)
         return m
 
     def shutdown(self) -> None:
-        """Join the stream threads; on CUDA give the device memory back (a closed worker
-        keeps no weights, KV cache or graphs alive, so the next one fits)."""
-        self.device.shutdown()
-        if self.device.kind == "cuda" and self.runner is not None:
+        """Join the stream threads; on CUDA free the device memory (weights, KV, graphs: the next worker fits)."""
+        self.faults.release_hangs()       # an injected device hang ends, so its thread joins
+        self.device.shutdown()            # a stalled device's memory stays: freeing it waits for the device
+        if self.device.kind == "cuda" and self.runner is not None and self.device.stalled is None:
             self.runner.release_cuda()

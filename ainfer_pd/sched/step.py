@@ -52,6 +52,9 @@ class StepInputs:
     d_drafting: bool = False
     """This rank's speculator would draft for its rows now (``spec.method``, a replica leader of
     several ranks: :meth:`~ainfer_pd.spec.speculator.Speculator.would_draft`)."""
+    stash_drops: int = 0
+    """MTP stashes this replica leader forgot since it last announced them, which its TP followers
+    drop at this step (``spec.method: mtp`` under attention TP: ``MtpReplica.drop_stashes``)."""
 
     def to_payload(self) -> tuple[int, ...]:
         return tuple(int(getattr(self, f.name)) for f in fields(self))

@@ -177,18 +177,25 @@ def choose(costs: VerifyCosts, rates: list[float], available: list[int], *, k_ma
     at = max(B, world_rows)                  # the iteration's size: its cost, for every replica alike
     longest = min(k_max, max(available))
     runs = [_partial_sums(a, min(n, longest)) for a, n in zip(rates, available)]   # E(a, 0..n) per row
-    drafting = costs.draft_at(at)
-    base = costs.base_at(at)
-    host = host_s / base if base else 0.0
-    for w, ratio in sorted(costs.at(at).items()):
-        k = w - 1
-        if not 1 <= k <= longest or (drafting is not None and k not in drafting):
-            continue
-        cost = ratio + (drafting[k] if drafting is not None else 0.0) + host
+    for k, cost in relative_costs(costs, at, longest, host_s):
         gain = sum(run[min(k, len(run) - 1)] for run in runs) / (B * cost)
         if gain >= min_gain and gain > best.gain:
             best = SpecPlan(k, tuple(min(k, n) for n in available), gain)
     return best
+
+
+def relative_costs(costs: VerifyCosts, at: int, longest: int, host_s: float) -> list[tuple[int, float]]:
+    """(K, the cost of an iteration verifying K drafts a row over a plain one) for every K in
+    [1, ``longest``] the table has at ``at`` rows: the verify's ratio, the device drafter's chain
+    (when it has K) and ``host_s`` over one plain iteration."""
+    drafting, base = costs.draft_at(at), costs.base_at(at)
+    host = host_s / base if base else 0.0
+    out = []
+    for w, ratio in sorted(costs.at(at).items()):
+        k = w - 1
+        if 1 <= k <= longest and (drafting is None or k in drafting):
+            out.append((k, ratio + (drafting[k] if drafting is not None else 0.0) + host))
+    return out
 
 
 def _partial_sums(rate: float, n: int) -> list[float]:

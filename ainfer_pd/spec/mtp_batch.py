@@ -9,6 +9,15 @@ run later on a stream.
   not written yet), plus e - 1 when a prompt chunk that is not the last knows t_e. Tokens are
   gathered on the device from the pass's own input ids (a row the overlapped D loop feeds gets
   its token there), so nothing waits for the host.
+* :func:`decode_catch_up` - the same for a pass of decode rows only (D iterations, verifies), in a
+  fixed shape: one MTP row per pass row, row j at position p_j - 1 on h_{p_j - 1} (the pass's row
+  j - 1 of the same turn, or the turn's stash for its first row) and the pass's own input id t_{p_j}.
+  Every tensor but the first rows' stash rows and KV slots derives on the device from the pass's
+  own (positions, write slots, lengths, block table), so the decode graphs capture it with the pass
+  (:mod:`~ainfer_pd.engine.runtime.mtp_graphs`); a first row without a stash writes the scratch slot.
+* :func:`world_chain_batches` - the same on several ranks: a fixed depth over a fixed row count,
+  the rows past a job's cap and past the jobs padding (the scratch slot and block), so every rank
+  runs the same collectives.
 * :func:`chain_batches` - the draft chain: step j of row r at position n_r - 2 + j (n_r its
   sequence length), the rows longest-cap first so each step's rows are a prefix of the last's.
 
@@ -119,6 +128,65 @@ def catch_up_batch(kv, device, num_pass_rows: int, prefill, decode, ahead: list[
                    _ids(keep, device), keeps, drops)
 
 
+@dataclass(slots=True)
+class DecodeCatchUp:
+    """The MTP layer's pass after a pass of decode rows only, one MTP row per pass row
+    (:func:`decode_catch_up`; run by :func:`run_decode_catch_up`)."""
+
+    first: Tensor                     # [N] bool: the row is its turn's first (its h from the stash)
+    first_write: Tensor               # [N] the MTP KV slot of a first row (scratch: no stash, or not first)
+    refs: list[tuple[int, str, int]]  # (row, trajectory, position): a first row's stash row, read at run time
+    ref_rows: Tensor                  # [len(refs)] their rows, on the device (built here: an H2D copy on the
+                                      # D stream at run time would wait for the stream to drain)
+    keeps: list[tuple[str, int, int, int]]   # (tid, a, b, p0): stash = h[a:b] (pass rows), positions p0 ..
+
+    def padded(self, n: int, scratch: int) -> tuple[Tensor, Tensor]:
+        """(``first``, ``first_write``) over ``n`` pass rows: the rows past the batch's (a padded
+        D batch of several ranks) are first rows writing ``scratch``."""
+        m = int(self.first.shape[0])
+        if m == n:
+            return self.first, self.first_write
+        return (torch.cat([self.first, self.first.new_ones(n - m)]),
+                torch.cat([self.first_write, self.first_write.new_full((n - m,), scratch)]))
+
+
+def decode_catch_up(kv, device, decode, ahead: list[int] | None, drafts: list[list[int]] | None,
+                    covers: Callable[[str, int], bool], scratch: int) -> DecodeCatchUp:
+    """The catch-up of a pass of ``decode`` rows only (``ahead`` / ``drafts`` as the runner's build
+    took them): turn i's rows are its 1 + len(drafts[i]) pass rows from position s = seq_len + ahead
+    - 1; its first MTP row (position s - 1) is real when the turn's stash will hold h_{s-1} at run
+    time (``ahead``: the iteration in flight stashes it; else ``covers(tid, s - 1)``), else it
+    writes ``scratch``. The turn's stash becomes its pass rows' hidden states."""
+    first, fwrite, refs, keeps = [], [], [], []
+    q = 0
+    for i, t in enumerate(decode):
+        a = ahead[i] if ahead else 0
+        r = 1 + (len(drafts[i]) if drafts else 0)
+        tid, s = t.tid, t.seq_len + a - 1
+        real = s >= 1 and (a or covers(tid, s - 1))
+        first += [True] + [False] * (r - 1)
+        fwrite += [kv.slot_of(tid, s - 1) if real else scratch] + [scratch] * (r - 1)
+        if real:
+            refs.append((q, tid, s - 1))
+        keeps.append((tid, q, q + r, s))
+        q += r
+    return DecodeCatchUp(torch.tensor(first, dtype=torch.bool, device=device), _ids(fwrite, device), refs,
+                         _ids([j for j, _, _ in refs], device), keeps)
+
+
+def decode_catch_up_batch(fb: ForwardBatch, first: Tensor, first_write: Tensor) -> ForwardBatch:
+    """The MTP rows of a decode pass ``fb`` (device ops only: captured in the decode graphs): row j
+    at position p_j - 1 with the pass's input id t_{p_j}, its key at ``first_write`` for a first row
+    and at the pass's row j - 1's slot otherwise, its context the p_j keys before, read through the
+    pass's block table (a padded row: position 0, one key, the scratch slot)."""
+    d = fb.decode
+    return ForwardBatch(
+        input_ids=fb.input_ids, positions=(fb.positions - 1).clamp_(min=0),
+        write_slots=torch.where(first, first_write, fb.write_slots.roll(1, 0)),
+        decode=DecodeMeta(None, (d.ctx_lens - 1).clamp_(min=1), block_table=d.block_table, block_size=d.block_size),
+        block_size=fb.block_size)
+
+
 def _ids(v: list[int], device) -> Tensor:
     return torch.tensor(v, dtype=torch.int64, device=device)
 
@@ -139,6 +207,38 @@ def chain_batches(kv, device, jobs: list[tuple[str, int, int, int]]) -> list[For
             positions=torch.tensor(pos, dtype=torch.int64, device=device),
             write_slots=torch.tensor([kv.slot_of(tid, p) for (tid, _, _, _), p in zip(rows, pos)],
                                      dtype=torch.int64, device=device),
+            decode=DecodeMeta(None, torch.tensor(lens, dtype=torch.int64, device=device),
+                              block_table=table.to(device), block_size=bs),
+            block_size=bs))
+    return out
+
+
+def world_chain_batches(kv, device, jobs: list[tuple[str, int, int, int]], R: int, depth: int,
+                        scratch_slot: int, scratch_block: int) -> list[ForwardBatch]:
+    """The draft chain of several ranks: ``depth`` steps of ``R`` rows each (every rank the same:
+    the MTP layer's collectives gather every replica's rows). Row r < len(jobs) is job r while
+    its cap exceeds the step (at position n_r - 2 + j, as :func:`chain_batches`), every other row
+    padding (position 0, one key in the scratch block, its key into the scratch slot)."""
+    if len(jobs) > R:
+        raise ValueError(f"{len(jobs)} chain rows over a world chain of {R}")
+    bs, out = kv.block_size, []
+    for j in range(depth):
+        live = [r for r, job in enumerate(jobs) if job[3] > j]
+        pos, slots, ids = [0] * R, [scratch_slot] * R, [0] * R
+        for r in live:
+            tid, n, tok, _ = jobs[r]
+            pos[r] = n - 2 + j
+            slots[r] = kv.slot_of(tid, pos[r])
+            ids[r] = tok
+        lens = [p + 1 for p in pos]
+        nb = -(-max(lens) // bs) if R else 1
+        table = torch.full((R, nb), scratch_block, dtype=torch.int64)
+        if live:
+            table[live] = kv.block_table([jobs[r][0] for r in live], nb)
+        out.append(ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+            positions=torch.tensor(pos, dtype=torch.int64, device=device),
+            write_slots=torch.tensor(slots, dtype=torch.int64, device=device),
             decode=DecodeMeta(None, torch.tensor(lens, dtype=torch.int64, device=device),
                               block_table=table.to(device), block_size=bs),
             block_size=bs))

@@ -12,14 +12,16 @@ are, so a sequence the drafter holds stale (a cancelled turn's tokens) only cost
 :meth:`Speculator.plan` gives a batch's drafts: each row's draft is capped at the tokens it has
 left less one (``max_new_tokens`` and the context limit: the K + 1 positions a verify writes stay
 inside the turn's KV reservation, and the tokens it emits never pass the turn's limit), then
-:func:`~.adaptive.choose` takes K from the measured verify cost at the batch's size (on several
-ranks the world's: the most rows any replica runs, ``world_rows``) and the rows' acceptance
-(``spec.adaptive``; else every row verifies its whole draft). :meth:`observe` feeds the
+:func:`~.adaptive.choose` takes K from the measured verify cost at the batch's size and the rows'
+acceptance (``spec.adaptive``; else every row verifies its whole draft). On several ranks a
+leader drafts up to the caps and offers them (:meth:`Speculator.offer`); K is the world's, the
+same on every rank (:func:`~.verify_shape.world_k`), and :meth:`Speculator.plan_at` trims the
+drafts to it. :meth:`observe` feeds the
 acceptance back. :meth:`worth_drafting` says, before any drafting, whether the cost table could
 let the batch speculate at all (at high batch it cannot: the D loop then stays overlapped).
 A row whose recent host drafts came back empty is skipped (:mod:`~.backoff`: not drafted, a
-zero-length draft) until its re-probe (an MTP row never is: its empty drafts are transient), and :meth:`worth_drafting` counts only the rows it would
-probe now: a batch of rows all in backoff stays overlapped, with no host drafting at all.
+zero-length draft) until its re-probe (an MTP row never is: its empty drafts are transient), and
+:meth:`worth_drafting` counts only the rows it would probe now: a batch of rows all in backoff stays overlapped, with no host drafting at all.
 """
 from __future__ import annotations
 
@@ -29,9 +31,9 @@ from dataclasses import dataclass
 
 from ..config_spec import SpecConfig
 from ..engine.loop.state import SeqTokens, Turn
-from ..errors import UnsupportedOptionError
 from .adaptive import Acceptance, VerifyCosts, choose, observe
 from .backoff import NO_BACKOFF, Backoff, after_draft
+from .verify_shape import DraftOffer
 from .suffix import SuffixDrafter
 
 log = logging.getLogger("ainfer_pd.spec")
@@ -79,6 +81,7 @@ class Speculator:
         fades while nothing is drafted, so a batch it stopped is tried again later."""
         self.num_empty_plans = 0              # plan() calls that gave no verify (no row had a draft, or K = 0)
         self.num_rows_skipped = 0             # rows of a plan not drafted: in backoff
+        self._offer_s = 0.0                   # host seconds of the last offer's drafts (several ranks)
 
     # ------------------------------------------------------------------ the drafter's sequences
     def sync(self, t: Turn) -> None:
@@ -146,28 +149,40 @@ class Speculator:
         left = min(t.params.max_new_tokens - len(t.out_tokens), self.max_context_len - t.seq_len)
         return max(0, min(self.k_max, left - 1))
 
-    async def prepare(self, rows: list[Turn]) -> None:
-        """Before :meth:`plan`: a drafter that runs on the device (MTP) drafts ``rows`` now, each
-        up to its cap (one D stream item); a model-free one has nothing to do."""
+    async def prepare(self, rows: list[Turn], world: tuple[int, int] | None = None, share=None) -> None:
+        """Before :meth:`plan` / :meth:`offer`: a drafter that runs on the device (MTP) drafts
+        ``rows`` now, each up to its cap (one D stream item; ``world`` = (rows, depth) on several
+        ranks, ``share`` the chain's way to the TP followers: :meth:`~.mtp.MtpDrafter.prepare`); a
+        model-free one has nothing to do."""
         if self.on_device:
-            await self.drafter.prepare(rows, [self.cap(t) for t in rows])
+            await self.drafter.prepare(rows, [self.cap(t) for t in rows], world, share)
 
-    def plan(self, rows: list[Turn], world_rows: int = 0) -> SpecBatch | None:
-        """The drafts of a batch of ``rows`` (:meth:`_plan`; ``world_rows`` as in
-        :meth:`worth_drafting`), with the host time they took: a plan that gives no verify counts
-        it here (spent for nothing), a verify batch carries it to the D driver, which adds the
-        verify's build."""
+    def plan(self, rows: list[Turn]) -> SpecBatch | None:
+        """The drafts of a batch of ``rows`` on one rank (:meth:`_plan`), with the host time they
+        took: a plan that gives no verify counts it here (spent for nothing), a verify batch
+        carries it to the D driver, which adds the verify's build."""
         t0 = time.perf_counter()
-        batch = self._plan(rows, world_rows)
+        batch = self._plan(rows)
         if batch is None:
             self.observe_host(time.perf_counter() - t0)        # spent, for no verify
         else:
             batch.host_s = time.perf_counter() - t0
         return batch
 
-    def _plan(self, rows: list[Turn], world_rows: int) -> SpecBatch | None:
-        """The drafts of a batch of ``rows``; None when no row verifies any (plain decoding).
-        A row in backoff is synced (its tokens serve its siblings' drafts) but not drafted."""
+    def _plan(self, rows: list[Turn]) -> SpecBatch | None:
+        """The drafts of a batch of ``rows``; None when no row verifies any (plain decoding)."""
+        drafts = self._draft_rows(rows)
+        gain = 1.0
+        if self.cfg.adaptive:
+            choice = choose(self.costs, self.rates(rows), [len(d) for d in drafts], k_max=self.k_max,
+                            host_s=self.host_s)
+            drafts = [d[:n] for d, n in zip(drafts, choice.per_row)]
+            gain = choice.gain
+        return self._batch(rows, drafts, gain)
+
+    def _draft_rows(self, rows: list[Turn]) -> list[list[int]]:
+        """Each row's draft up to its cap. A row in backoff is synced (its tokens serve its
+        siblings' drafts) but not drafted."""
         drafts = []
         for t in rows:
             self.sync(t)
@@ -180,17 +195,32 @@ class Speculator:
             else:
                 drafts.append(self.drafter.draft(t.tid, c))
                 self._after_draft(t, len(drafts[-1]))
-        gain = 1.0
-        if self.cfg.adaptive:
-            choice = choose(self.costs, self.rates(rows), [len(d) for d in drafts], k_max=self.k_max,
-                            host_s=self.host_s, world_rows=world_rows)
-            drafts = [d[:n] for d, n in zip(drafts, choice.per_row)]
-            gain = choice.gain
-        k = max((len(d) for d in drafts), default=0)
-        if k == 0:
+        return drafts
+
+    def _batch(self, rows: list[Turn], drafts: list[list[int]], gain: float) -> SpecBatch | None:
+        if max((len(d) for d in drafts), default=0) == 0:
             self.num_empty_plans += 1
             return None
-        return SpecBatch(rows, drafts, k, gain)
+        return SpecBatch(rows, drafts, max(len(d) for d in drafts), gain)
+
+    # ------------------------------------------------------------------ several ranks: the world's K
+    def offer(self, rows: list[Turn]) -> tuple[list[list[int]], DraftOffer]:
+        """A replica leader's drafts for ``rows``, each up to its cap, and what it announces
+        (:class:`~.verify_shape.DraftOffer`); the world's K then trims them (:meth:`plan_at`)."""
+        t0 = time.perf_counter()
+        drafts = self._draft_rows(rows)
+        self._offer_s = time.perf_counter() - t0
+        return drafts, DraftOffer.of(self.rates(rows), [len(d) for d in drafts], self.k_max, self.host_s)
+
+    def plan_at(self, rows: list[Turn], drafts: list[list[int]], k: int) -> SpecBatch | None:
+        """The verify batch of :meth:`offer`'s ``drafts`` at the world's K = ``k`` (None: K = 0, or
+        no row of this replica drafts at it), with the host time the drafts took."""
+        batch = self._batch(rows, [d[:k] for d in drafts], 1.0)
+        if batch is None:
+            self.observe_host(self._offer_s)               # spent, for no verify of this replica's
+        else:
+            batch.host_s = self._offer_s
+        return batch
 
     def observe_host(self, seconds: float) -> None:
         """A drafting iteration spent ``seconds`` on the host before its launch."""
@@ -232,27 +262,20 @@ class Speculator:
                 "spec_tokens_per_row_pass": self.num_emitted / rows if rows else 0.0}
 
 
-def _check_ranks(sc: SpecConfig) -> None:
-    """What speculation on several ranks (``DistRanks``) does not build, refused by name."""
-    if sc.mtp:
-        raise UnsupportedOptionError("spec.method mtp on several ranks is not built: the MTP layer's catch-up after "
-                                     "every target pass and its draft chain on the D stream run its own attention "
-                                     "and MoE, whose collectives would have to join every rank's in the step's order "
-                                     "too (spec.method suffix is built on several ranks)", key="spec.method")
-
-
 def make_speculator(cfg, runner, decode_ctx, recorder, dist) -> Speculator | None:
     """The engine's speculator (``spec.method``; None: off), with its cost tables: the config's,
     or measured now on the D stream (``spec.adaptive`` without a table): the verify's, and under
-    ``mtp`` the MTP chain's (``spec.draft_costs``). On several ranks (``dist``, suffix only) every
-    rank measures the verify table, its passes padded as a real iteration's, and the world's table
-    is agreed (``DistRanks.agree_costs``); a replica leader's speculator only (a TP follower gets
-    None: it runs its leader's verify batches)."""
+    ``mtp`` the MTP chain's (``spec.draft_costs``). On several ranks (``dist``) every
+    rank measures the verify table (and the chain's), its passes padded as a real iteration's, the world's tables are
+    agreed (``DistRanks.agree_costs``) and every rank keeps it for the world's K
+    (``DistRanks.use_spec``); a replica leader's speculator only (a TP follower gets None: it runs
+    its leader's verify batches and, under ``mtp``, its catch-ups and draft chains, on its drafter)."""
     sc = cfg.spec
     if not sc.enabled:
         return None
-    if dist is not None:
-        _check_ranks(sc)
+    if sc.mtp:                          # the runner's passes already feed it (engine.runtime.mtp_runner)
+        runner.drafter.ctx = decode_ctx
+    pad = None if dist is None else (lambda n: dist.padded_rows(n, runner.graphs))
     times, drafts = sc.verify_costs, sc.draft_costs or None
     top = cfg.scheduler.max_decode_batch
     batches = tuple(sorted(times) if times else sorted({b for b in (1, 4, 16, 64, 128) if b < top} | {top}))
@@ -260,7 +283,6 @@ def make_speculator(cfg, runner, decode_ctx, recorder, dist) -> Speculator | Non
     if not times and sc.adaptive:
         from ..engine.runtime.verify_costs import measure_verify_costs
         widths = sorted({w for w in (1, 2, 3, 5, 9) if w <= sc.num_draft_tokens + 1} | {sc.num_draft_tokens + 1})
-        pad = None if dist is None else (lambda n: dist.padded_rows(n, runner.graphs))
         times = decode_ctx.stream.submit(
             lambda: measure_verify_costs(runner, decode_ctx, batches, tuple(widths), context, pad=pad),
             label="D.verify_costs").enqueued().result()
@@ -268,20 +290,20 @@ def make_speculator(cfg, runner, decode_ctx, recorder, dist) -> Speculator | Non
         if dist is not None:
             times = dist.agree_costs(times)
             log.info("the world's verify costs (s), the most any rank measured: %s", times)
-    if dist is not None and not dist.is_leader:
-        return None                      # a TP follower never drafts: it runs its leader's verify batch
     if sc.mtp and sc.adaptive and drafts is None and sc.verify_costs:
         log.warning("spec.verify_costs given without spec.draft_costs: the MTP chain's device time is not "
                     "counted against speculation (give both, or neither to measure both)")
     elif sc.mtp and sc.adaptive and drafts is None:          # the chain runs on the device: its cost counts
         from ..engine.runtime.verify_costs import measure_draft_costs
-        drafts = decode_ctx.stream.submit(measure_draft_costs, runner, decode_ctx, batches,
-                                          tuple(range(1, sc.num_draft_tokens + 1)), context,
-                                          label="D.draft_costs").enqueued().result()
+        drafts = decode_ctx.stream.submit(
+            lambda: measure_draft_costs(runner, decode_ctx, batches, tuple(range(1, sc.num_draft_tokens + 1)),
+                                        context, pad=pad), label="D.draft_costs").enqueued().result()
         log.info("MTP draft chain costs (s) by batch and drafts: %s", drafts)
-    drafter = None
-    if sc.mtp:                          # the runner's passes already feed it (engine.runtime.mtp_runner)
-        drafter = runner.drafter
-        drafter.ctx = decode_ctx
+        if dist is not None:
+            drafts = dist.agree_costs(drafts)
     costs = VerifyCosts.from_times(times, drafts if sc.mtp else None) if times else None
-    return Speculator(sc, cfg.model.max_context_len, costs, recorder, drafter)
+    if dist is not None:                 # every rank decides the world's K from the same table
+        dist.use_spec(sc, costs)
+        if not dist.is_leader:
+            return None                  # a TP follower never drafts: it runs its leader's verify batch
+    return Speculator(sc, cfg.model.max_context_len, costs, recorder, runner.drafter if sc.mtp else None)

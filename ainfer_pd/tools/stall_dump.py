@@ -63,36 +63,25 @@ def dump(loop: asyncio.AbstractEventLoop | None, stream: TextIO, *, limit: int =
     dump_stream_items(stream)
 
 
-def unfinished_items() -> dict[str, list]:
-    """Every live device stream's items not finished yet (launched and not complete on the device,
-    or not launched), oldest first, by stream name. Found by walking the collector's objects: this
-    runs once, in a stalled process, and needs nothing registered beforehand."""
-    from ..engine.runtime.streams import Work
-    by_stream: dict[str, list] = {}
-    for obj in gc.get_objects():
-        if type(obj) is Work and not _finished(obj):
-            by_stream.setdefault(obj.stream.name, []).append(obj)
-    return {name: sorted(items, key=lambda w: w.enqueued_at) for name, items in sorted(by_stream.items())}
-
-
-def _finished(w) -> bool:
-    try:
-        return w.is_done()
-    except Exception:             # noqa: BLE001 - a CUDA query in a broken context: report it unfinished
-        return False
+def unfinished_items() -> list[tuple[str, list]]:
+    """(stream name, its items not finished yet, oldest first:
+    :meth:`~ainfer_pd.engine.runtime.streams.Stream.unfinished`) for every live device stream that has
+    some, by name. The streams are found by walking the collector's objects: this runs once, in a
+    stalled process, and needs nothing registered beforehand."""
+    from ..engine.runtime.streams import Stream
+    found = [(obj.name, obj.unfinished()) for obj in gc.get_objects() if type(obj) is Stream]
+    return sorted(((name, items) for name, items in found if items), key=lambda e: e[0])
 
 
 def dump_stream_items(stream: TextIO, *, per_stream: int = 4) -> None:
     """The oldest ``per_stream`` unfinished items of each device stream (:func:`unfinished_items`)."""
     items = unfinished_items()
-    print(f"===== stall dump: unfinished stream items ({sum(map(len, items.values()))}) =====", file=stream)
-    for name, ws in items.items():
+    print(f"===== stall dump: unfinished stream items ({sum(len(ws) for _, ws in items)}) =====", file=stream)
+    for name, ws in items:
         print(f"-- stream {name}: {len(ws)} unfinished", file=stream)
         for w in ws[:per_stream]:
-            state = ("launched, running on the device" if w._future.done() else
-                     "in its launch" if w.t_started is not None else "queued")
             print(f"     {w.label} lane={w.lane} enqueued_at={w.enqueued_at:.3f} started={w.t_started} "
-                  f"launched={w.t_launched}: {state} attrs={w.attrs}", file=stream)
+                  f"launched={w.t_launched}: {w.state} attrs={w.attrs}", file=stream)
     stream.flush()
 
 

@@ -16,8 +16,9 @@ from ..errors import DistributedError, RendezvousMismatch, RendezvousTimeout
 
 __all__ = ["MAX_PAYLOAD", "RendezvousBase", "in_daemon_thread", "resolve_threadsafe", "scoped_name"]
 
-MAX_PAYLOAD = 12
-"""Default number of int64 payload entries one rank may send per rendezvous."""
+MAX_PAYLOAD = 16
+"""Default number of int64 payload entries one rank may send per rendezvous (a step's
+:class:`~ainfer_pd.sched.step.StepInputs` takes 13)."""
 _NONE = -(2 ** 63)                   # encodes epoch/boundary None
 _I64_MIN, _I64_MAX = -(2 ** 63) + 1, 2 ** 63 - 1
 _HDR = 5                             # row: seq, tag crc, epoch, boundary, n, payload...

@@ -116,11 +116,24 @@ class KVCacheManager(BlockAddressing, KVAudit):
     def root(self, tid: str) -> bytes:
         return ROOT if self.sharing else ROOT + tid.encode()
 
-    def prompt_hashes(self, tokens: Sequence[int], limit: int | None = None, tid: str = "") -> list[bytes]:
+    def prompt_hashes(self, tokens: Sequence[int], limit: int | None = None, tid: str = "",
+                      known: tuple | None = None) -> list[bytes]:
         """Chained hashes of the full blocks of ``tokens`` within ``limit`` tokens (default all
-        but the last token: it is always fed again for its logits)."""
+        but the last token: it is always fed again for its logits). ``known`` = (tokens, hashes)
+        of an earlier prompt of ``tid`` (``Trajectory.block_hashes``): the blocks of ``tokens``
+        that repeat it keep those hashes (a chained hash is a function of the tokens up to its
+        block, checked here by comparing them), only the blocks past them are hashed: a
+        continuation of a 12K-token context hashes its new blocks, not 750."""
         limit = len(tokens) - 1 if limit is None else limit
-        return chain_hashes(tokens, self.block_size, max(0, limit), self.root(tid))
+        bs, out = self.block_size, []
+        if known is not None:
+            ktoks, khashes = known
+            m = min(len(khashes), max(0, limit) // bs, len(ktoks) // bs)
+            if m and list(tokens[:m * bs]) != list(ktoks[:m * bs]):
+                m = 0                               # another prompt: hash it all
+            out = list(khashes[:m])
+        parent = out[-1] if out else self.root(tid)
+        return out + chain_hashes(tokens, bs, max(0, limit), parent, start_block=len(out))
 
     def match(self, tokens: Sequence[int], limit: int | None = None,
               hashes: Sequence[bytes] | None = None, tid: str = "") -> tuple[PrefixMatch, int]:
@@ -203,7 +216,7 @@ class KVCacheManager(BlockAddressing, KVAudit):
         blocks += self.alloc.allocate(max(0, need), lifetime)
         kv = TrajectoryKV(blocks=blocks, num_tokens=kept, lifetime=lifetime, last_used=now,
                           num_shared=len(m.shared), hashes=list(m.hashes), tokens=tokens, root=root,
-                          block_arr=array("q", blocks))
+                          block_arr=array("q", blocks), prompt_hashes=hashes if len(tokens) else ())
         # the prompt's full blocks this sequence will complete: siblings wait for them (admission_view)
         kv.writing = list(hashes[len(m.shared):]) if self.sharing and len(tokens) else []
         for h in kv.writing:
@@ -222,10 +235,11 @@ class KVCacheManager(BlockAddressing, KVAudit):
             raise LifetimeError(f"stale result for {tid!r}: lifetime {lifetime} no longer owns its blocks")
         kv.num_tokens = max(kv.num_tokens, num_tokens)
         bs = self.block_size
+        known = kv.prompt_hashes                 # the prompt's blocks: hashed once, before admission
         for j in range(len(kv.hashes), min(kv.num_tokens // bs, len(kv.blocks))):
             parent = kv.hashes[-1] if kv.hashes else kv.root
             toks = tuple(kv.tokens[j * bs:(j + 1) * bs])
-            h = block_hash(parent, toks)
+            h = known[j] if j < len(known) else block_hash(parent, toks)
             kv.hashes.append(h)
             if not kv.stale and self.alloc.register_full(kv.blocks[j], h, parent, toks) and h in self.wanted:
                 self.version += 1

@@ -19,6 +19,7 @@ class TrajectoryKV:
     stale: bool = False          # computed (partly) with old weights: shares nothing, cached never
     num_shared: int = 0          # leading blocks found in the cache (read-only, owned by nobody)
     hashes: list[bytes] = field(default_factory=list)   # chained hashes of the complete blocks
+    prompt_hashes: Any = ()      # the prompt's block hashes, known at reservation: completed blocks take them
     tokens: Any = ()             # the sequence's token ids (sliceable; grows while it decodes)
     root: bytes = ROOT           # parent hash of its first block (salted by the trajectory without sharing)
     writing: list[bytes] = field(default_factory=list)  # hashes of prompt blocks it will complete

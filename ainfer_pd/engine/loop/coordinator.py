@@ -4,11 +4,14 @@
   for the next change the engine notifies (no polling).
 * :class:`RankCoordinator`: several ranks (or one under ``torch.distributed``); a rendezvous of
   every rank's inputs on the control group. A step with nothing to do sleeps briefly and steps
-  again: a peer's change is seen only at a step.
+  again: a peer's change is seen only at a step. At every step a replica leader also announces
+  the MTP stashes it forgot, and its TP followers drop them right after the rendezvous
+  (:class:`~.mtp_replica.MtpReplica`): every step, the last one included.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Awaitable, Callable
 
 Changed = Callable[..., Awaitable[None]]
@@ -44,17 +47,26 @@ class LocalCoordinator:
 
 
 class RankCoordinator:
-    def __init__(self, rendezvous, recorder: Recorder, ranks: int, changed: Changed) -> None:
+    """``mtp``: the rank's :class:`~.mtp_replica.MtpReplica` (the stash drops of the module
+    docstring; None: none)."""
+
+    def __init__(self, rendezvous, recorder: Recorder, ranks: int, changed: Changed, mtp=None) -> None:
         self.rdv = rendezvous
         self.rec = recorder
         self.ranks = ranks
         self._changed = changed
+        self.mtp = mtp
 
     async def exchange(self, inputs: StepInputs, *, epoch: int) -> list[StepInputs]:
+        if self.mtp is not None:
+            inputs = dataclasses.replace(inputs, stash_drops=self.mtp.stash_drops())
         t0 = self.rec.now()
         states = await self.rdv.arrive("step", inputs.to_payload(), epoch=epoch)
         self.rec.sample("step_sync_s", self.rec.now() - t0)
-        return [StepInputs.from_payload(s) for s in states]
+        states = [StepInputs.from_payload(s) for s in states]
+        if self.mtp is not None:
+            await self.mtp.drop_stashes(states)
+        return states
 
     async def idle(self, seen: asyncio.Event) -> None:
         await asyncio.sleep(IDLE_BACKOFF_S)

@@ -13,7 +13,7 @@ import asyncio
 from typing import Callable
 
 from ...sched.planner import plan_decode
-from .d_overlap import InFlightD, decode_sampled, feed_of, needs_host_history, rows_after
+from .d_overlap import InFlightD, decode_sampled, feed_of, rows_after
 from ..runtime.runner import BatchPlan
 from .state import Turn, TurnState
 from .timings import EngineTimings
@@ -81,16 +81,13 @@ class DDriver:
         batch = None
         if self.dist is not None:
             if verify:                       # inside the round: P is released after the verify's launch
-                batch = await self._agreed_drafts(rows)
+                batch = await self._agreed_drafts(rows, rnd)
         elif self.spec is not None and self.spec.worth_drafting(rows):
             if self.prev is not None:        # drafts continue the rows' last tokens: read them first
                 await self.settle()
                 rows = self.rows(limit)
             await self.spec.prepare(rows)    # a device drafter (MTP) drafts on the D stream first
             batch = self.spec.plan(rows)     # its host time: the drafts, and the build below
-        if self.prev is not None and needs_host_history(rows):
-            await self.settle()
-            rows = self.rows(limit)
         ahead = [0] * len(rows)
         if self.overlap and batch is None:
             rows, ahead = rows_after(rows, self.prev, self.max_context_len)
@@ -112,17 +109,32 @@ class DDriver:
         self.num_iters += 1
         self.notify()
 
-    async def _agreed_drafts(self, rows: list[Turn]):
-        """Several ranks, a drafting iteration: a replica leader's drafts for ``rows`` (None: it
-        has none; a TP follower never drafts), K costed at the most rows any rank runs in it (the
-        step's :attr:`~.ranks.DistRanks.world_rows`), then every rank's verify shape agreed
-        (:meth:`~.ranks.DistRanks.agree_verify`; no overlapped iteration is in flight here)."""
-        batch, world = None, self.dist.world_rows
-        if self.spec is not None and self.spec.worth_drafting(rows, world):
-            await self.spec.prepare(rows)
-            batch = self.spec.plan(rows, world)
-        await self.dist.agree_verify(batch.drafts if batch is not None else [[] for _ in rows], self.p.epoch)
-        return batch
+    async def _agreed_drafts(self, rows: list[Turn], rnd):
+        """Several ranks, a drafting iteration: a replica leader drafts ``rows`` up to their caps
+        (when its speculator could speculate at the step's :attr:`~.ranks.DistRanks.world_rows`),
+        every rank offers what its rows would verify and gain at each K, and verifies at the
+        world's K (:meth:`~.ranks.DistRanks.agree_verify`; no overlapped iteration is in flight
+        here). A device drafter (MTP) runs its chain on every rank, drafting or not: the world's
+        depth over the step's padded rows (its collectives join every rank's). Returns this
+        replica's verify batch (None: its rows decode plainly). Under attention TP the leader's
+        chain goes to its TP followers, which run it too (:class:`~.mtp_replica.MtpReplica`)."""
+        spec, dist = self.spec, self.dist
+        drafts, offer = None, dist.plain_offer(len(rows))
+        drafting = spec is not None and spec.worth_drafting(rows, dist.world_rows)
+        if dist.spec_cfg.mtp:
+            depth = dist.spec_cfg.num_draft_tokens
+            dist.book_chain(depth, rnd)
+            if spec is None:                 # a TP follower: its leader's chain
+                await dist.mtp.follow_chain(dist.rows_agreed, depth)
+            else:
+                await spec.prepare(rows if drafting else [], world=(dist.rows_agreed, depth),
+                                   share=dist.mtp.share_chain if dist.mtp is not None else None)
+        elif drafting:
+            await spec.prepare(rows)
+        if drafting:
+            drafts, offer = spec.offer(rows)
+        k = await dist.agree_verify(offer, self.p.epoch)
+        return None if drafts is None else spec.plan_at(rows, drafts, k)
 
     async def _plain(self, rows: list[Turn], rnd, t_ready: float, batch=None) -> None:
         """An iteration launched, read and booked; ``batch`` (a :class:`~ainfer_pd.spec.speculator.SpecBatch`):
@@ -174,6 +186,7 @@ class DDriver:
             skew = self.faults.d_skew_s()
             if skew:
                 await asyncio.sleep(skew)
+            fn = self.faults.d_item(fn)
         if self.dist is not None:
             self.dist.before_d_launch(rnd)
         w = self.ctx.stream.submit(fn, *args, label="D.iter", attrs={**D_ITEM, "epoch": rnd.epoch if rnd else None},

@@ -17,8 +17,9 @@ What the host does not know when it launches n+1 is which rows n ended:
   are no longer decoding, and gives the turn's blocks back only once that pass drained
   (``TurnBook.pending_finish``; the trajectory drains meanwhile, so its next turn, a release or
   a sleep wait for it);
-* a row with a repetition penalty needs its history, n's token included, on the host: the loop
-  reads n first (no overlap for that iteration).
+* a row with a repetition penalty needs its history, n's token included: the host history has
+  the tokens read, and n's token is the row's input id in n+1, on the device, which the
+  sampler's penalty mask takes too (``sample_on_device(seen_ids=)``), so such rows overlap as well.
 
 Seeded sampling stays exact: a row's noise counter is the index of the token it draws, which
 counts the tokens still on the device.
@@ -71,11 +72,6 @@ def rows_after(rows: list[Turn], prev: InFlightD | None, max_context_len: int) -
     return out, ahead
 
 
-def needs_host_history(rows: list[Turn]) -> bool:
-    """Some row samples with a repetition penalty: its history must be read first."""
-    return any(t.params.repetition_penalty != 1.0 for t in rows)
-
-
 def feed_of(rows: list[Turn], ahead: list[int], prev: InFlightD | None, device) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(dst, src): the rows of the next iteration whose input is prev's token at row src."""
     if prev is None or not any(ahead):
@@ -97,4 +93,7 @@ def decode_sampled(runner, plan: BatchPlan, ctx, sample_rows: list[SampleRow],
         prev_tok = prev_work.enqueued().result().tok
         plan.fb.input_ids.index_copy_(0, dst, prev_tok.index_select(0, src))
     logits = runner.decode(plan, ctx)
-    return sample_on_device(logits, sample_rows, pinned=True)
+    # a row's input id is its last token: for a row fed from prev, not in its host history yet
+    # (a repetition penalty counts it from the device: such rows overlap too)
+    seen = plan.fb.input_ids if any(r.params.repetition_penalty != 1.0 for r in sample_rows) else None
+    return sample_on_device(logits, sample_rows, pinned=True, seen_ids=seen)

@@ -19,6 +19,7 @@ turnstile epoch, timing, completion, the tokens).
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 from typing import Any, Callable
 
 from ...metrics.export import set_log_context
@@ -49,7 +50,8 @@ class EpochWalk:
     all-reduce (attention TP; None: this rank holds every head)."""
 
     __slots__ = ("epoch", "plan", "ep", "runner", "ctx", "rec", "faults", "faults_on", "timeout_s", "all_reduce",
-                 "gated", "lane", "st", "notified", "o", "items", "head", "waited", "counts_waited", "seg_b")
+                 "gated", "lane", "st", "notified", "o", "items", "head", "waited", "counts_waited", "seg_b",
+                 "mtp_routed", "mtp")
 
     def __init__(self, epoch: int, plan, ep, *, runner, ctx, rec, faults, timeout_s: float,
                  all_reduce: Callable[..., Any] | None = None) -> None:
@@ -68,6 +70,11 @@ class EpochWalk:
         self.waited = 0.0              # host seconds spent at boundaries (permits and receive counts)
         self.counts_waited = 0.0       # of those, for receive counts
         self.seg_b = 0                 # the boundary P last passed: its communication's segment
+        # under attention TP the MTP catch-up (spec.method mtp) after the last layer is walked as
+        # items too, its all-reduce routed as the layers' are (else it runs inside the last experts)
+        self.mtp_routed = (all_reduce is not None and runner.after_layers is not None
+                           and getattr(plan, "catch_up", None) is not None)
+        self.mtp: Any = None           # its pending state between the MTP attention and the rest
 
     async def enqueue(self, segments: PSegments, mode: EpochMode, counts: bool) -> None:
         """Enqueue every segment, passing each boundary as ``mode`` says; ``counts``: wait for the
@@ -88,6 +95,8 @@ class EpochWalk:
         last = None                    # the latest attention's last item: done = its counts are on their way
         for seg, label in segments:
             kind, b = seg.kind, seg.boundary
+            if kind == HEAD and self.mtp_routed:      # still inside the last layer's segment
+                self._mtp_catch_up()
             if b is not None:
                 if kind == EMBED:                      # the entry
                     if gated:
@@ -162,11 +171,25 @@ class EpochWalk:
             w = ctx.stream.submit(self._attn_route, layer, label=label, attrs=P_ITEM, lane=self.lane)
             self.items.append(w)
             return w
-        wa = ctx.stream.submit(self._attention_only, layer, label=label, attrs=P_ITEM, lane=self.lane)
+        return self._all_reduced(partial(self._attention_only, layer), label, lambda: self.o,
+                                 partial(self._route, layer), f"P.route{layer}")
+
+    def _mtp_catch_up(self) -> None:
+        """Enqueue the MTP catch-up after the last layer as the layers' attention is under TP: the
+        MTP layer's attention, its all-reduce, the rest."""
+        self._all_reduced(self._mtp_attention, "P.mtp_attn", lambda: self.mtp.o, self._mtp_rest, "P.mtp_rest")
+
+    def _all_reduced(self, first: Callable[[], None], first_label: str, partial_sum: Callable[[], Any],
+                     then: Callable[[Any], None], then_label: str):
+        """Enqueue ``first`` (it leaves a sum over this rank's heads: ``partial_sum()``), the sum's
+        all-reduce (routed by the ordering: the engine's hook; ``seg_b``: its segment), then
+        ``then(all_reduce_item)`` after it; returns the last item."""
+        ctx = self.ctx
+        wa = ctx.stream.submit(first, label=first_label, attrs=P_ITEM, lane=self.lane)
         self.items.append(wa)
-        ar = self.all_reduce(lambda: self.o, after=wa, epoch=self.epoch, boundary=self.seg_b, gated=self.gated)
+        ar = self.all_reduce(partial_sum, after=wa, epoch=self.epoch, boundary=self.seg_b, gated=self.gated)
         self.items.append(ar)
-        w = ctx.stream.submit(self._route, layer, ar, label=f"P.route{layer}", attrs=P_ITEM, lane=self.lane,
+        w = ctx.stream.submit(then, ar, label=then_label, attrs=P_ITEM, lane=self.lane,
                               deps=(ar,) if ar.stream is not ctx.stream else ())
         self.items.append(w)
         return w
@@ -202,7 +225,16 @@ class EpochWalk:
         self.notified = self.runner.notify(self.ctx, self.st)
 
     def _experts(self, layer: int) -> None:
-        self.st = self.runner.experts(layer, self.st, self.ctx, self.notified)
+        r = self.runner
+        self.st = r.experts(layer, self.st, self.ctx, self.notified)
+        if r.after_layers is not None and layer == r.num_layers - 1 and not self.mtp_routed:
+            r.after_layers(self.st, self.plan, self.ctx)        # inside the last layer's segment
+
+    def _mtp_attention(self) -> None:
+        self.mtp = self.runner.after_layers_attention(self.st, self.plan, self.ctx)
+
+    def _mtp_rest(self, ar) -> None:
+        self.runner.after_layers_rest(self.mtp, ar.enqueued().result(), self.ctx)
 
     def _head(self) -> Any:
         return self.runner.head(self.st, self.plan)

@@ -8,8 +8,10 @@ spread over every rank, so every expert exchange and every D collective needs ev
 same order: the engine's step (:mod:`ainfer_pd.sched.step`) is agreed over the control rendezvous,
 a replica with nothing to prefill runs the epoch with an empty batch, and every replica's D batch
 is padded to the agreed row count (D's collectives gather every replica's rows); a drafting
-iteration's positions (rows plus drafts) are agreed at the iteration (:meth:`DistRanks.agree_verify`),
+iteration's K and positions (rows plus drafts) are agreed at the iteration (:meth:`DistRanks.agree_verify`),
 and the verify cost table every rank measured at start is agreed once (:meth:`DistRanks.agree_costs`).
+Under ``spec.method: mtp`` with attention TP each batch's MTP catch-up, a verify round's draft chain
+and the stashes a leader forgot travel to its TP followers too (:class:`~.mtp_replica.MtpReplica`).
 
 ``parallel.ordering`` routes P's attention all-reduce (:func:`~ainfer_pd.comm.ordering.collective_stream`):
 under ``selective`` a registered one goes onto the D stream behind the D launch of the round that
@@ -20,19 +22,24 @@ is raised as :class:`~ainfer_pd.errors.PeerLostError` naming it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
+
+import torch
 
 from ...comm.collectives import RankCollectives
 from ...comm.ordering import P_ATP_ALL_REDUCE, collective_stream
 from ...comm.topology import ATTN_DP_D, ATTN_TP_D, CONTROL, REPLICA, Topology
 from ...comm.watchdog import Watchdog
 from ...errors import PeerLostError, StallError
-from ...spec.verify_shape import VerifyShape, agreed_positions, verify_counts
+from ...spec.verify_shape import DraftOffer, positions_at, verify_counts, world_k
 from ...spec.world_costs import world_times
 from ..runtime.replica import ReplicaChannel, decode_numel, pack_decode, pack_prefill, pad_decode, unpack_decode, unpack_prefill
 from ..runtime.runner import BatchPlan
 from ..runtime.tensor_parallel import DecodeHooks, PrefillHooks
+from .device_watch import frontier
+from .mtp_replica import MtpReplica
 
 log = logging.getLogger("ainfer_pd.lockstep")
 _instances = itertools.count()
@@ -65,12 +72,17 @@ class DistRanks:
         self.owned_rendezvous = None  # the control rendezvous make_engine created (closed by aclose)
         self.rows_agreed = 0          # the padded rows of every replica's D batch at this step
         self.world_rows = 0           # the most decode rows any rank announced at the last step
+        self.spec_cfg = None          # the spec section and the world's verify cost table (use_spec)
+        self.spec_costs = None
         # the block-table width of every D broadcast (the widest a row can need, plus the scratch)
         self.table_width = -(-cfg.model.max_context_len // cfg.cache.block_size) + 1
         self.stall_s = cfg.parallel.stall_timeout_s
         self.engine = None
         self.watchdog: Watchdog | None = None
         self.decode_hooks: DecodeHooks | None = None
+        self.mtp: MtpReplica | None = None
+        """The MTP drafter's catch-ups, chains and stash drops in the replica broadcast
+        (``spec.method: mtp`` under attention TP: :mod:`.mtp_replica`); None otherwise."""
 
     @property
     def tp_shard(self) -> tuple[int, int] | None:
@@ -85,6 +97,8 @@ class DistRanks:
         if self.dispatchers is not None:
             r.ep = ExpertParallel(r.model, self.dispatchers, eng.device)
         self.decode_hooks = DecodeHooks(self.colls.D, r.model, r.ep, eng.decode_ctx)
+        if self.replica is not None and eng.cfg.spec.mtp:
+            self.mtp = MtpReplica(self.replica, r.drafter, eng.device.torch_device, eng.kv.block_size, self.table_width)
         for ctx, colls, hooks in ((eng.prefill_ctx, self.colls.P, PrefillHooks(self.colls.P, r.ep, eng.prefill_ctx)),
                                   (eng.decode_ctx, self.colls.D, self.decode_hooks)):
             ctx.comm.install(colls, None if self.dispatchers is None else self.dispatchers.get(ctx), hooks.hooks())
@@ -109,11 +123,7 @@ class DistRanks:
         return any(s.num_pending for s in self.engine.device.streams.values())
 
     def _frontier(self) -> dict:
-        e = self.engine
-        st = e.device.streams
-        return {"d_done": e.d.num_iters, "p_done": st["P"].num_done if "P" in st else 0,
-                "requests_done": e.book.num_finished, "epoch": e.p.epoch, "colls": self.colls.frontier(),
-                "pending": {n: s.num_pending for n, s in st.items()}}
+        return {**frontier(self.engine), "colls": self.colls.frontier()}
 
     async def explain(self, exc: BaseException) -> BaseException:
         """A failure of this rank's loops: a stall stays a stall; after a peer died, name it."""
@@ -167,20 +177,31 @@ class DistRanks:
         tdist.all_gather_object(tables, times, group=self.control)
         return world_times(tables)
 
-    async def agree_verify(self, drafts: list[list[int]], epoch: int) -> None:
-        """A drafting iteration's shape (:mod:`~ainfer_pd.spec.verify_shape`): this rank announces
-        its verify batch (``drafts[i]`` for its row i; a TP follower, none), every rank pads its D
-        batch to the most positions announced (:attr:`rows_agreed`); a leader counts what the
-        agreement cost it (``verify_sync_s``: the rendezvous' wait, on every rank)."""
-        mine = VerifyShape.of(drafts)
+    def use_spec(self, spec_cfg, costs) -> None:
+        """Speculation is on: its config section and the world's verify cost table (the same on
+        every rank: the config's, or agreed by :meth:`agree_costs`), which :meth:`agree_verify` reads."""
+        self.spec_cfg, self.spec_costs = spec_cfg, costs
+
+    def plain_offer(self, rows: int) -> DraftOffer:
+        """The offer of ``rows`` without drafts (a TP follower: 0)."""
+        return DraftOffer.plain(rows, self.spec_cfg.num_draft_tokens)
+
+    async def agree_verify(self, mine: DraftOffer, epoch: int) -> int:
+        """A drafting iteration's K and shape (:mod:`~ainfer_pd.spec.verify_shape`): this rank
+        announces its offer, every rank computes the world's K from every offer and pads its D
+        batch to the most positions any rank has at K (:attr:`rows_agreed`); a leader counts what
+        the agreement cost it (``verify_sync_s``: the rendezvous' wait, on every rank). Returns K."""
+        sc = self.spec_cfg
         t0 = self.rec.now()
         states = await self.rdv.arrive("verify", mine.to_payload(), epoch=epoch)
         self.rec.sample("verify_sync_s", self.rec.now() - t0)
-        shapes = [VerifyShape.from_payload(s) for s in states]
-        self.rows_agreed = self.padded_rows(agreed_positions(shapes), self.engine.runner.graphs)
+        offers = [DraftOffer.from_payload(s, sc.num_draft_tokens) for s in states]
+        k = world_k(self.spec_costs, offers, adaptive=sc.adaptive)
+        self.rows_agreed = self.padded_rows(positions_at(offers, k), self.engine.runner.graphs)
         if self.is_leader:
-            for name, n in verify_counts(mine, shapes, self.rows_agreed).items():
+            for name, n in verify_counts(mine, offers, k, self.rows_agreed).items():
                 self.rec.count(name, n)
+        return k
 
     async def decode_plan(self, rows: list, drafts: list[list[int]] | None = None) -> BatchPlan:
         """This replica's D batch (a verify batch with ``drafts``: row i feeds 1 + len(drafts[i])
@@ -189,18 +210,32 @@ class DistRanks:
         shared with the TP followers."""
         e = self.engine
         B, r, width = self.rows_agreed, e.runner, self.table_width
+        n = decode_numel(B, width)
+        mtp = self.mtp                                  # the D batch's catch-up travels with it
+        numel = n + (mtp.decode_numel(B) if mtp is not None else 0)
         if not self.is_leader:
-            buf = await self.replica.share(None, decode_numel(B, width), "D batch")
-            fb = unpack_decode(buf, B, width, e.device.torch_device, e.kv.block_size)
-            return BatchPlan(fb, [], [], [])
+            buf = await self.replica.share(None, numel, "D batch")
+            plan = BatchPlan(unpack_decode(buf[:n], B, width, e.device.torch_device, e.kv.block_size), [], [], [])
+            return mtp.decode_plan(plan, buf[n:], B) if mtp is not None else plan
         plan = r.build([], rows, drafts=drafts)
         if self.replica is None and not self.decode_hooks.dp:
             return plan                  # ATP = 1 and no DP-attention gather: D's dispatcher takes any row count
         # the DP-attention all-gather / reduce-scatter (attn_dp.D) need every replica at the agreed rows
         fb = pad_decode(plan.fb, B, r.scratch_slot, r.scratch_block)
         if self.replica is not None:
-            await self.replica.share(pack_decode(fb, width), decode_numel(B, width), "D batch")
-        return BatchPlan(fb, [], rows, plan.logit_turns, drafts=plan.drafts)
+            payload = pack_decode(fb, width)
+            if mtp is not None:
+                payload = torch.cat([payload, mtp.pack_decode(plan, B)])
+            await self.replica.share(payload, numel, "D batch")
+        return dataclasses.replace(plan, fb=fb)        # (an MTP plan keeps its catch-up, padded when it runs)
+
+    def book_chain(self, depth: int, rnd) -> None:
+        """The MTP draft chain's collectives in host order (``depth`` passes of the MTP layer), before
+        its D stream item is submitted at a verify round (``rnd``: the turnstile round it runs in)."""
+        h = self.decode_hooks
+        self.colls.D.enqueue_schedule(h.layer_schedule(len(h.model.layers) - 1) * depth, stream="D",
+                                      epoch=rnd.epoch if rnd is not None else None,
+                                      boundary=rnd.boundary if rnd is not None else None)
 
     def before_d_launch(self, rnd) -> None:
         """D's collectives in host order, with the round that orders them (trace-check's G)."""
@@ -214,13 +249,18 @@ class DistRanks:
 
     # ------------------------------------------------------------------ P
     async def share_prefill(self, plan: BatchPlan | None) -> BatchPlan:
-        """A replica's P batch: the leader sends ``plan``; a follower receives its leader's."""
+        """A replica's P batch: the leader sends ``plan`` (and its MTP catch-up, under ``mtp``); a
+        follower receives its leader's."""
+        mtp = self.mtp
         if plan is not None:
-            await self.replica.share(pack_prefill(plan.fb), None, "P batch")
+            payload = pack_prefill(plan.fb)
+            await self.replica.share(payload if mtp is None else mtp.pack_prefill(plan, payload), None, "P batch")
             return plan
         buf = await self.replica.share(None, None, "P batch")
+        batch, cu = mtp.split_prefill(buf) if mtp is not None else (buf, None)
         e = self.engine
-        return BatchPlan(unpack_prefill(buf, e.device.torch_device, e.kv.block_size), [], [], [])
+        plan = BatchPlan(unpack_prefill(batch, e.device.torch_device, e.kv.block_size), [], [], [])
+        return mtp.prefill_plan(plan, cu) if mtp is not None else plan
 
     def p_all_reduce_hook(self, device, delay_s: float):
         """P's attention all-reduce of one layer (attention TP; None without), on the stream the

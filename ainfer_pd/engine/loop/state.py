@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,6 +27,9 @@ class Trajectory:
     num_turns: int = 0
     releasing: bool = False                            # RolloutWorker.release is waiting for the drain
     group: str = ""                                    # priority group: siblings of one first prompt share it
+    block_hashes: tuple | None = None
+    """(the tokens, their full blocks' chained hashes) of its last turn's prompt: the next turn
+    hashes only the blocks past them (``KVCacheManager.prompt_hashes(known=)``)."""
 
 
 class SeqTokens:
@@ -71,6 +75,7 @@ class Turn:
     p_mark: int = 0                     # the engine's admitted prefill tokens when it was submitted
     drained: asyncio.Event = field(default_factory=asyncio.Event)   # set once no device work touches it
     prompt_hashes: list | None = None   # chained block hashes of the prompt (computed once, for the prefix cache)
+    history: Any = None                 # context + out_tokens as array('q') (repetition penalty: TurnBook.sample_row)
     routed_experts: torch.Tensor | None = None   # gathered when the turn ends (routing replay)
     prefix_view: tuple | None = None    # (kv version, AdmissionView): the prefix cache's view of it, memoized
 

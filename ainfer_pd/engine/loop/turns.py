@@ -13,6 +13,7 @@ changes here is reported through ``notify``.
 from __future__ import annotations
 
 import logging
+from array import array
 from collections import deque
 from typing import Any, Callable
 
@@ -265,8 +266,15 @@ class TurnBook(TurnEndings):
     @staticmethod
     def sample_row(t: Turn, ahead: int = 0) -> SampleRow:
         """``ahead``: tokens of ``t`` sampled on the device and not read yet (their count is the
-        noise counter's offset; a repetition penalty needs them read: see ``engine.d_overlap``)."""
-        hist = (t.context + t.out_tokens) if t.params.repetition_penalty != 1.0 else None
+        noise counter's offset; a repetition penalty takes the one fed on the device from the pass's
+        input ids: see ``engine.d_overlap``)."""
+        hist = None
+        if t.params.repetition_penalty != 1.0:       # the turn's ids, kept as array('q'): extended, not rebuilt
+            hist = t.history
+            if hist is None or len(hist) < len(t.context):
+                hist = t.history = array("q", t.context)
+            hist.extend(t.out_tokens[len(hist) - len(t.context):])
+            hist = array("q", hist)                   # a snapshot (a memcpy): the row may be sampled on a stream
         return SampleRow(t.params, t.seed, len(t.out_tokens) + ahead, hist)
 
     def _append_token(self, t: Turn, tok: int, lp: float) -> None:

@@ -31,17 +31,36 @@ from ..attention import ForwardBatch
 from .model import SegmentState
 
 
-def mtp_forward(model: nn.Module, fb: ForwardBatch, hidden: Tensor, kv: Tensor) -> Tensor:
+def mtp_forward(model: nn.Module, fb: ForwardBatch, hidden: Tensor, kv: Tensor, hooks=None) -> Tensor:
     """The MTP layer over the rows of ``fb`` (``input_ids``: t_{i+1}; ``positions``: i; its KV
     written at ``write_slots`` of ``kv`` = layer L's cache [2, S, Hk, hd]) with the hidden states
     ``hidden`` [T, D] (h_i, or the MTP layer's own output when chaining) -> its output [T, D]
-    (before ``head_norm``: the hidden state the next chained step takes)."""
+    (before ``head_norm``: the hidden state the next chained step takes). ``hooks``: the phase's
+    :class:`~ainfer_pd.engine.runtime.tensor_parallel.PhaseHooks` on several ranks (its experts
+    through the phase's dispatcher, D's DP-attention gather around them), None on one rank."""
+    pre, o = mtp_attention(model, fb, hidden, kv)
+    reduce = hooks.attn_reduce if hooks is not None else None
+    return mtp_rest(model, fb, pre, o if reduce is None else reduce(o), hooks)
+
+
+def mtp_attention(model: nn.Module, fb: ForwardBatch, hidden: Tensor, kv: Tensor) -> tuple[SegmentState, Tensor]:
+    """:func:`mtp_forward` up to its attention: the layer's input (``eh_proj`` of the two normed
+    halves) and the attention output over this rank's heads [T, D] (a partial sum under attention
+    TP, to be reduced before :func:`mtp_rest`; a P walk routes that reduce by the ordering)."""
     c, m, kn = model.cfg, model.mtp, model.kernels
-    L = c.num_layers
     e = F.embedding(fb.input_ids, m.embed if m.embed is not None else model.embed)        # [T, D]
     x = torch.cat([kn.rms_norm(e, m.enorm, c.rms_eps), kn.rms_norm(hidden, m.hnorm, c.rms_eps)], dim=-1)
-    st = model.attn_route(L, SegmentState(h=F.linear(x, m.eh_proj)), fb, kv)
-    return model.experts(L, st).h
+    pre = SegmentState(h=F.linear(x, m.eh_proj))
+    return pre, model.attention(c.num_layers, pre, fb, kv)
+
+
+def mtp_rest(model: nn.Module, fb: ForwardBatch, pre: SegmentState, o: Tensor, hooks=None) -> Tensor:
+    """:func:`mtp_forward` after its attention ``o`` (reduced): the residual, the router and the
+    MoE (through the phase's dispatcher, D's DP-attention gather around it) -> the output [T, D]."""
+    L = model.cfg.num_layers
+    experts, gather = (hooks.experts, hooks.gather) if hooks is not None else (None, None)
+    st = model.experts(L, model.after_attention(L, pre, o, fb.write_slots), experts)
+    return st.h if gather is None else gather(st.h)
 
 
 def mtp_logits(model: nn.Module, h: Tensor) -> Tensor:

@@ -117,18 +117,28 @@ class DecodeGraphs:
     def _capture(self, B: int, L: int, dev) -> None:
         s = self._static(B, L, dev)
         fb = self._fb(s)
+        g, out = self._record(lambda: self._run(fb, s), dev)
+        self.graphs[(B, L)] = (g, s, out)
+
+    def _record(self, fn, dev):
+        """(the CUDA graph of ``fn``, its static outputs): ``fn`` warmed up twice on a side stream
+        (Triton compiles, cuBLAS picks), then captured into the graphs' shared pool."""
         side = torch.cuda.Stream(device=dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side), torch.inference_mode():
             for _ in range(2):                       # warm up outside the graph
-                self.runner.forward_fb(fb, self.ctx)
+                fn()
         torch.cuda.current_stream(dev).wait_stream(side)
         g = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(g, pool=self.pool, capture_error_mode=CAPTURE_MODE):
-            out = self.runner.forward_fb(fb, self.ctx)
+            out = fn()
         if self.pool is None:
             self.pool = g.pool()
-        self.graphs[(B, L)] = (g, s, out)
+        return g, out
+
+    def _run(self, fb: ForwardBatch, s: dict[str, Tensor]):
+        """What a graph captures: one D pass over its static batch -> logits [B, V]."""
+        return self.runner.forward_fb(fb, self.ctx)
 
     def release(self) -> None:
         """Drop every graph, its static buffers and the shared memory pool (and the runner
@@ -144,8 +154,9 @@ class DecodeGraphs:
             return None
         return self.batch_sizes[i], self.ctx_buckets[j]
 
-    def try_run(self, fb: ForwardBatch) -> Tensor | None:
-        """Replay the bucket that fits ``fb`` (decode rows only); None if none fits."""
+    def try_run(self, fb: ForwardBatch, *extra) -> Tensor | None:
+        """Replay the bucket that fits ``fb`` (decode rows only); None if none fits. ``extra``:
+        what a subclass's graphs take beside the batch (:meth:`_fill`, :meth:`_result`)."""
         d = fb.decode
         if d is None or fb.prefill:
             return None
@@ -156,6 +167,16 @@ class DecodeGraphs:
         if key is None or key not in self.graphs:
             return None
         g, s, out = self.graphs[key]
+        self._fill(s, fb, *extra)
+        g.replay()
+        self.num_replays += 1
+        return self._result(out, B, *extra)
+
+    def _fill(self, s: dict[str, Tensor], fb: ForwardBatch, *extra) -> None:
+        """The static inputs of a replay: ``fb``'s B rows, the rest padding (scratch slot, block 0,
+        one key)."""
+        d = fb.decode
+        B, nb = d.block_table.shape
         s["ids"][:B].copy_(fb.input_ids)
         s["pos"][:B].copy_(fb.positions)
         s["write"][:B].copy_(fb.write_slots)
@@ -165,6 +186,7 @@ class DecodeGraphs:
         s["table"][B:].zero_()                # padded rows: block 0, masked beyond their 1 key
         s["lens"][:B].copy_(d.ctx_lens)
         s["lens"][B:].fill_(1)
-        g.replay()
-        self.num_replays += 1
+
+    def _result(self, out, B: int, *extra) -> Tensor:
+        """The replay's logits of the batch's B rows (a copy: the next replay overwrites ``out``)."""
         return out[:B].clone()

@@ -27,9 +27,8 @@ Work items, streams and the :class:`Device` base: :mod:`.streams` (importable fr
 """
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures as cf
 import contextlib
+import logging
 import threading
 import time
 from typing import Any, Callable
@@ -40,6 +39,9 @@ from ...comm.topology import ATTN_DP_D
 from ...metrics.recorder import Recorder
 from .collective_residency import CollectiveResidency
 from .streams import Device, Stream, StreamHold, Work  # noqa: F401 - importable from here
+from .waiters import BlockingWaiters
+
+log = logging.getLogger(__name__)
 
 
 class CpuDevice(Device):
@@ -110,6 +112,7 @@ class CudaDevice(Device):
     """Real CUDA streams; completion through CUDA events."""
 
     kind = "cuda"
+    items_run_in_launch = False
 
     def __init__(self, recorder: Recorder, index: int = 0, high_priority_stream: str = "none",
                  lane_sms: dict[tuple[str, str], int] | None = None) -> None:
@@ -129,18 +132,22 @@ class CudaDevice(Device):
         self._ref_event.record()
         torch.cuda.synchronize()
         self._ref_host = recorder.now()
-        # one waiter per item in flight (P and D each have at most a few); synchronize releases the GIL
-        self._waiters = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="ainfer-cuda-wait")
+        # one waiter per item in flight (P and D each have at most a few); synchronize releases the GIL.
+        # Daemon threads: on a stalled device their synchronize never returns (:mod:`.waiters`)
+        self._waiters = BlockingWaiters(8, "ainfer-cuda-wait")
         for name, lane in self.lane_sms:              # at start: a partition that cannot be had fails here
             self.cuda_stream(name, lane)
 
     async def wait_event(self, event) -> None:
         """Until ``event`` has completed, without blocking the loop (a waiter thread blocks)."""
-        await asyncio.get_running_loop().run_in_executor(self._waiters, event.synchronize)
+        await self._waiters.run(event.synchronize)
 
     def shutdown(self) -> None:
         super().shutdown()
-        self._waiters.shutdown(wait=True)
+        stuck = self._waiters.shutdown(wait=self.stalled is None)
+        if stuck:
+            log.warning("device stalled: %d waiter thread(s) left blocked in a CUDA synchronize (daemons: the "
+                        "process can still exit)", len(stuck))
 
     @property
     def torch_device(self) -> torch.device:

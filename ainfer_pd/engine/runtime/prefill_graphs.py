@@ -203,6 +203,11 @@ class PrefillBinding:
     def experts(self, layer: int) -> None:
         self.b.experts[layer].replay()
 
+    def hidden(self) -> Tensor:
+        """The pass's last hidden states [T, D] (before the final norm; valid until the bucket's next
+        replay): what the MTP catch-up reads after the head."""
+        return self.b.h_out[:self.T]
+
     def head(self) -> Tensor:
         self.g.num_replays += 1
         return self.g.model.head(SegmentState(h=self.b.h_out[:self.T]), self.fb.logits_rows)

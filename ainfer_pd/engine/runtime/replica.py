@@ -24,20 +24,35 @@ from torch import Tensor
 from ...errors import DistributedError, RendezvousTimeout
 from ..attention import DecodeMeta, ForwardBatch, PrefillSeq
 
-__all__ = ["ReplicaChannel", "pack_prefill", "unpack_prefill", "pad_decode", "pack_decode", "unpack_decode"]
+__all__ = ["ReplicaChannel", "pack_prefill", "unpack_prefill", "pack_seqs", "unpack_seqs", "pad_decode", "pack_decode",
+           "unpack_decode"]
 
 
 # ====================================================================== P batches
+def pack_seqs(seqs: list[PrefillSeq]) -> Tensor:
+    """[(q0, n, ctx, nb) x S, blocks ...] int64 (host): prefill sequences and their block ids."""
+    table, blocks = [], []
+    for s in seqs:
+        ids = s.block_ids.to("cpu", torch.int64)
+        table += [s.q_start, s.q_len, s.ctx_len, ids.numel()]
+        blocks.append(ids)
+    return torch.cat([torch.tensor(table, dtype=torch.int64), *blocks])
+
+
+def unpack_seqs(buf: Tensor, S: int) -> tuple[list[PrefillSeq], int]:
+    """The ``S`` sequences of :func:`pack_seqs` at the start of ``buf``, and the entries they took."""
+    table = buf[:4 * S].view(S, 4).tolist()
+    o, seqs = 4 * S, []
+    for q0, n, ctx, nb in table:
+        seqs.append(PrefillSeq(q0, n, ctx, block_ids=buf[o:o + nb].clone()))
+        o += nb
+    return seqs, o
+
+
 def pack_prefill(fb: ForwardBatch) -> Tensor:
     """[T, S, ids T, positions T, slots T, (q0, n, ctx, nb) x S, blocks ...] int64 (host)."""
-    seqs, blocks = [], []
-    for s in fb.prefill:
-        ids = s.block_ids.to("cpu", torch.int64)
-        seqs += [s.q_start, s.q_len, s.ctx_len, ids.numel()]
-        blocks.append(ids)
     head = torch.tensor([int(fb.input_ids.shape[0]), len(fb.prefill)], dtype=torch.int64)
-    return torch.cat([head, fb.input_ids.cpu(), fb.positions.cpu(), fb.write_slots.cpu(),
-                      torch.tensor(seqs, dtype=torch.int64), *blocks])
+    return torch.cat([head, fb.input_ids.cpu(), fb.positions.cpu(), fb.write_slots.cpu(), pack_seqs(fb.prefill)])
 
 
 def unpack_prefill(buf: Tensor, device: torch.device, block_size: int) -> ForwardBatch:
@@ -45,13 +60,7 @@ def unpack_prefill(buf: Tensor, device: torch.device, block_size: int) -> Forwar
     T, S = int(buf[0]), int(buf[1])
     o = 2
     ids, pos, slots = buf[o:o + T], buf[o + T:o + 2 * T], buf[o + 2 * T:o + 3 * T]
-    o += 3 * T
-    table = buf[o:o + 4 * S].view(S, 4).tolist()
-    o += 4 * S
-    seqs = []
-    for q0, n, ctx, nb in table:
-        seqs.append(PrefillSeq(q0, n, ctx, block_ids=buf[o:o + nb].clone()))
-        o += nb
+    seqs, _ = unpack_seqs(buf[o + 3 * T:], S)
     return ForwardBatch(input_ids=ids.to(device), positions=pos.to(device), write_slots=slots.to(device),
                         prefill=seqs, logits_rows=torch.zeros(0, dtype=torch.int64, device=device),
                         block_size=block_size)

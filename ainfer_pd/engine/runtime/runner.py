@@ -248,6 +248,10 @@ class ModelRunner:
             fn = lambda x, r, i: ep.finish(ctx, notified, x, r, i)      # noqa: E731
         return self.model.experts(layer, st, fn)
 
+    after_layers = None
+    """Run by the P walk after the last layer's experts, ``(st, plan, ctx)`` (the MTP catch-up:
+    :class:`~.mtp_runner.MtpRunner`); None: nothing runs there."""
+
     def head(self, st: SegmentState | Replayed, plan: BatchPlan) -> Tensor:
         if type(st) is Replayed:
             return st.binding.head()
@@ -272,64 +276,20 @@ class ModelRunner:
     def decode(self, plan: BatchPlan, ctx: PhaseContext) -> Tensor:
         """One D iteration: CUDA-graph replay when a bucket fits, else eager. The path taken is
         counted in ``decode_paths`` (``graph``, ``eager-no-graphs``, ``eager-past-graphs``)."""
-        if self.graphs is None:
-            self.decode_paths["eager-no-graphs"] += 1
-            return self.forward_fb(plan.fb, ctx)
-        out = self.graphs.try_run(plan.fb)
+        out = None if self.graphs is None else self.graphs.try_run(plan.fb, *self.graph_inputs(plan))
         if out is not None:
             self.decode_paths["graph"] += 1
             return out
-        self.decode_paths["eager-past-graphs"] += 1
-        return self.forward_fb(plan.fb, ctx)
+        self.decode_paths["eager-no-graphs" if self.graphs is None else "eager-past-graphs"] += 1
+        return self.forward(plan, ctx)
 
-    def warmup_prefill(self, ctx: PhaseContext, max_tokens: int, cached: int = 512) -> list[int]:
-        """Run P passes of 16, 24, 32, 48 .. ``max_tokens`` tokens, as first turns and as
-        continuations on ``cached`` keys, writing only the scratch slot. Returns the sizes."""
-        dev, scratch, bs = self.device, self.scratch_slot, self.kv.block_size
-        sizes, n = [], 16
-        while n < max_tokens:
-            sizes += [n, n * 3 // 2]
-            n *= 2
-        sizes = sorted({min(s, max_tokens) for s in sizes} | {max_tokens})
-        for n in sizes:
-            for p0 in (0, cached):
-                fb = ForwardBatch(
-                    input_ids=torch.zeros(n, dtype=torch.int64, device=dev),
-                    positions=torch.arange(p0, p0 + n, dtype=torch.int64, device=dev),
-                    write_slots=torch.full((n,), scratch, dtype=torch.int64, device=dev),
-                    prefill=[PrefillSeq(0, n, p0 + n, block_ids=torch.full((-(-(p0 + n) // bs),), self.scratch_block,
-                                                                           dtype=torch.int64))],
-                    logits_rows=torch.tensor([n - 1], dtype=torch.int64, device=dev), block_size=bs)
-                self.forward_fb(fb, ctx)
-        self.warmup_eager_decode(ctx)
-        return sizes
-
-    def warmup_eager_decode(self, ctx: PhaseContext) -> list[int]:
-        """Eager decode passes of one row at key lengths 16 .. max_context_len (doubling), over the
-        scratch block: every split-count variant of the decode kernels is compiled before the first
-        mixed batch or long row needs it. Writes only the scratch slot. Returns the lengths."""
-        dev, bs = self.device, self.kv.block_size
-        lens, n = [], 16
-        while n < self.sections.model.max_context_len:
-            lens.append(n)
-            n *= 2
-        lens.append(self.sections.model.max_context_len)
-        for L in lens:
-            nb = -(-L // bs)
-            fb = ForwardBatch(
-                input_ids=torch.zeros(1, dtype=torch.int64, device=dev),
-                positions=torch.full((1,), L - 1, dtype=torch.int64, device=dev),
-                write_slots=torch.full((1,), self.scratch_slot, dtype=torch.int64, device=dev),
-                decode=DecodeMeta(None, torch.full((1,), L, dtype=torch.int64, device=dev),
-                                  block_table=torch.full((1, nb), self.scratch_block, dtype=torch.int64, device=dev),
-                                  block_size=bs),
-                logits_rows=torch.zeros(1, dtype=torch.int64, device=dev), block_size=bs)
-            self.forward_fb(fb, ctx)
-        return lens
+    def graph_inputs(self, plan: BatchPlan) -> tuple:
+        """What a decode graph replay takes beside the batch (:meth:`.cuda_graphs.DecodeGraphs.try_run`)."""
+        return ()
 
     def capture_decode_graphs(self, ctx: PhaseContext) -> int:
         """CUDA only: capture decode graphs for the configured buckets."""
-        from .cuda_graphs import DecodeGraphs, graph_buckets
+        from .cuda_graphs import graph_buckets
         s = self.sections
         dc, mc = s.device, s.model
         if mc.dtype != "bfloat16" and self.moe_backend != "triton":
@@ -344,10 +304,15 @@ class ModelRunner:
             log.warning("decode graphs cover %d of the model's %d context tokens (device.graph_max_context): rows "
                         "past %d decode eagerly, host-bound (about 24 ms an iteration whatever the batch on the "
                         "H200 Qwen3-30B-A3B shape, against 4-20 ms replayed)", ctxs[-1], mc.max_context_len, ctxs[-1])
-        self.graphs = DecodeGraphs(self, sizes, ctxs, self.scratch_slot, ctx)
+        self.graphs = self.new_decode_graphs(sizes, ctxs, ctx)
         self.graphs.capture_all()
         self.capture_prefill_graphs()
         return len(self.graphs.graphs)
+
+    def new_decode_graphs(self, sizes: tuple[int, ...], ctxs: tuple[int, ...], ctx: PhaseContext):
+        """The decode graph set of this runner's passes (not captured yet)."""
+        from .cuda_graphs import DecodeGraphs
+        return DecodeGraphs(self, sizes, ctxs, self.scratch_slot, ctx)
 
     def prefill_graphs_refusal(self) -> str | None:
         """Why P passes cannot replay captured graphs here (None: they can)."""

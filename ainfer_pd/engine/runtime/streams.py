@@ -12,13 +12,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import contextlib
+import logging
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from ...metrics.recorder import Recorder
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Work", "StreamHold", "Stream", "Device"]
 
@@ -64,6 +68,15 @@ class Work:
             self.stream.device._note_completed(self)
         return result
 
+    @property
+    def state(self) -> str:
+        """Where an unfinished item is (stall reports): ``queued`` (its launcher has not begun it),
+        ``in its launch`` (the launch call runs: on the CPU device the item itself), ``launched, not
+        complete on the device``."""
+        if self._future.done():
+            return "launched, not complete on the device"
+        return "in its launch" if self.t_started is not None else "queued"
+
     def is_done(self) -> bool:
         if not self._future.done():
             return False
@@ -97,11 +110,22 @@ class Stream:
         self.num_done = 0
         """Items that ran (progress for the multi-rank watchdog)."""
         self._lock = threading.Lock()
+        self._unfinished: deque[Work] = deque()
+        """Submitted items, oldest first, not yet seen complete (CPU: ran; CUDA: the end event
+        passed). FIFO, so the completed ones are a prefix: :meth:`oldest_unfinished` drops it."""
+        self._prune_at = 64
+        self.num_completed = 0
+        """Items seen complete by :meth:`oldest_unfinished` (the device watchdog's progress)."""
+        self.parked = 0
+        """Holds (:meth:`hold`) parked on the launcher thread now: held on purpose, not stalled."""
 
-    def _post(self, item: Callable[[], None]) -> None:
-        """Queue ``item`` on the launcher thread (FIFO), counted in :attr:`num_pending` until it returns."""
+    def _post(self, item: Callable[[], None], work: "Work | None" = None) -> None:
+        """Queue ``item`` on the launcher thread (FIFO), counted in :attr:`num_pending` until it
+        returns; ``work`` joins the unfinished items under the same lock."""
         with self._lock:
             self._pending += 1
+            if work is not None:
+                self._unfinished.append(work)
 
         def run() -> None:
             try:
@@ -130,16 +154,48 @@ class Stream:
             else:
                 work._future.set_result(result)
 
-        self._post(run)
+        self._post(run, work)
+        if len(self._unfinished) >= self._prune_at:     # bounded without a watchdog (amortized O(1))
+            self.oldest_unfinished()
+            self._prune_at = max(64, 2 * len(self._unfinished))
         return work
+
+    def oldest_unfinished(self) -> "Work | None":
+        """Drop the completed items at the head of the unfinished ones (counted in
+        :attr:`num_completed`) and return the first that is not complete, or None. CUDA
+        completion is read with a non-blocking ``event.query()``."""
+        with self._lock:
+            q = self._unfinished
+            while q:
+                try:
+                    done = q[0].is_done()
+                except Exception:   # noqa: BLE001 - a CUDA query in a broken context: unfinished
+                    done = False
+                if not done:
+                    return q[0]
+                q.popleft()
+                self.num_completed += 1
+            return None
+
+    def unfinished(self) -> list["Work"]:
+        """The items not seen complete yet, oldest first (after dropping the completed head)."""
+        self.oldest_unfinished()
+        with self._lock:
+            return list(self._unfinished)
 
     def hold(self, label: str = "hold") -> "StreamHold":
         """Park this stream's launcher at a FIFO point (see :class:`StreamHold`); returns at once."""
         h = StreamHold(self.name, label)
 
         def park() -> None:
-            h.reached.set_result(None)
-            h._release.wait()
+            with self._lock:
+                self.parked += 1
+            try:
+                h.reached.set_result(None)
+                h._release.wait()
+            finally:
+                with self._lock:
+                    self.parked -= 1
 
         self._post(park)
         return h
@@ -149,16 +205,30 @@ class Stream:
         with self._lock:
             return self._pending
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def shutdown(self, wait: bool = True) -> None:
+        """Cancel what is queued and stop the launcher thread; ``wait``: join it (a stalled
+        device's shutdown does not: an item stuck on the device may never let it go)."""
+        self._pool.shutdown(wait=wait, cancel_futures=True)
 
 
 class Device:
     kind = "abstract"
+    items_run_in_launch = True
+    """An item's launch call runs it (the CPU device), so an item stuck in its launch is the device
+    not progressing. False (CUDA): a launch only enqueues, and a long one is host work (a kernel's
+    first compile), so only launched items owe the device's progress (:meth:`has_unfinished_work`)."""
 
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
         self.streams: dict[str, Stream] = {}
+        self.stalled: str | None = None
+        """Why the device was found stalled (the device watchdog's report), else None: its shutdown
+        then joins no thread that may be stuck on it, and its memory is not freed."""
+
+    def mark_stalled(self, why: str) -> None:
+        """The device stopped progressing (:class:`~ainfer_pd.errors.DeviceStallError`)."""
+        if self.stalled is None:
+            self.stalled = why
 
     def stream(self, name: str) -> Stream:
         if name not in self.streams:
@@ -167,6 +237,40 @@ class Device:
 
     def _execute(self, stream: Stream, work: Work, fn: Callable, args: tuple) -> Any:
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ the device watchdog's view
+    def num_completed(self) -> int:
+        """Stream items seen complete so far, all streams (progress: it grows while the device runs)."""
+        total = 0
+        for s in list(self.streams.values()):
+            s.oldest_unfinished()              # drops (and counts) the completed head
+            total += s.num_completed
+        return total
+
+    def has_unfinished_work(self) -> bool:
+        """Some stream that is not parked on purpose (:meth:`Stream.hold`) has an item not
+        complete (where launches only enqueue, one whose launch returned): the device owes progress
+        (idle, parked or compiling in a launch: never a stall)."""
+        return any(not s.parked and self._owes(s.oldest_unfinished()) for s in list(self.streams.values()))
+
+    def _owes(self, w: "Work | None") -> bool:
+        return w is not None and (self.items_run_in_launch or w._future.done())
+
+    def unfinished_report(self) -> list[dict]:
+        """Each stream's oldest unfinished item (JSON-ready, for a stall's message): stream, label,
+        lane, trace attributes, seconds since it was submitted, its state, and how many items of
+        the stream are unfinished."""
+        now = self.recorder.now()
+        out = []
+        for name, s in sorted(self.streams.items()):
+            items = s.unfinished()
+            if not items:
+                continue
+            w = items[0]
+            out.append({"stream": name, "label": w.label, "lane": w.lane, "attrs": dict(w.attrs),
+                        "age_s": round(now - w.enqueued_at, 3), "state": w.state, "count": len(items),
+                        "parked": bool(s.parked)})
+        return out
 
     def _note_completed(self, work: Work) -> None:  # pragma: no cover - CUDA only
         pass
@@ -206,8 +310,12 @@ class Device:
         raise NotImplementedError
 
     def shutdown(self) -> None:
+        """Stop every stream's launcher; joined unless the device stalled (:attr:`stalled`: its
+        memory is then kept too, since freeing it would wait for the device)."""
         for s in self.streams.values():
-            s.shutdown()
+            s.shutdown(wait=self.stalled is None)
+        if self.stalled is not None:
+            log.warning("the device stalled: its stream threads are not joined and its memory is not given back")
 
     def live_threads(self) -> list[threading.Thread]:
         return [t for t in threading.enumerate() if t.name.startswith("ainfer-")]

@@ -145,16 +145,16 @@ class DecodeHooks:
 
     def schedule(self) -> list:
         """The attention collectives of one D iteration, in the order it runs them (D's expert
-        exchange is its dispatcher's, on its own communicator: not an attention collective)."""
-        out: list = []
-        for lyr in self.model.layers:
-            if self.tp:
-                out.append(D_ATP_REDUCE_SCATTER)
-            if self.dp and lyr.is_moe:
-                out += [D_ADP_ALL_GATHER, D_ADP_REDUCE_SCATTER]
-            if self.tp:
-                out.append(D_ATP_ALL_GATHER)
-        return out
+        exchange is its dispatcher's, on its own communicator: not an attention collective); a
+        model with an MTP layer runs it last (its catch-up)."""
+        return [k for i in range(len(self.model.layers)) for k in self.layer_schedule(i)]
+
+    def layer_schedule(self, layer: int) -> list:
+        """The attention collectives of one pass of layer ``layer`` (an MTP chain step: the MTP layer's)."""
+        out: list = [D_ATP_REDUCE_SCATTER] if self.tp else []
+        if self.dp and self.model.layers[layer].is_moe:
+            out += [D_ADP_ALL_GATHER, D_ADP_REDUCE_SCATTER]
+        return out + ([D_ATP_ALL_GATHER] if self.tp else [])
 
     def hooks(self) -> PhaseHooks:
         experts = None if self.ep is None else (self.experts_dp if self.dp else self.experts)  # None: every expert local

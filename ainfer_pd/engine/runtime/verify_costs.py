@@ -74,11 +74,13 @@ def measure_verify_costs(runner, ctx: PhaseContext, batches: tuple[int, ...], wi
 
 @torch.no_grad()
 def measure_draft_costs(runner, ctx: PhaseContext, batches: tuple[int, ...], ks: tuple[int, ...],
-                        context_len: int, reps: int = 3) -> dict[int, dict[int, float]]:
+                        context_len: int, reps: int = 3, pad=None) -> dict[int, dict[int, float]]:
     """Seconds of the MTP layer's draft chain of k steps over B rows at ``context_len`` keys (its
     own KV layer; each step the layer, its head and the argmax, as
     :meth:`~ainfer_pd.spec.mtp.MtpDrafter.prepare` runs it): ``{B: {k: s}}``, the median of
-    ``reps`` after one warm-up. Writes only the scratch slot."""
+    ``reps`` after one warm-up. Writes only the scratch slot. On several ranks every rank runs the
+    same grid (the MTP layer's collectives pair up: ``ctx``'s hooks), B rows padded by ``pad`` as a
+    world chain's (every replica the same rows, a multiple of ATP)."""
     from ..model.mtp_layer import mtp_forward, mtp_logits
     model = runner.model
     kv = runner.kv_cache[model.cfg.num_layers]
@@ -86,12 +88,14 @@ def measure_draft_costs(runner, ctx: PhaseContext, batches: tuple[int, ...], ks:
     out: dict[int, dict[int, float]] = {}
     for B in batches:
         fb = _decode_batch(runner, B, 1, L)
-        h0 = torch.zeros(B, model.cfg.hidden_size, dtype=model.embed.dtype, device=runner.device)
+        if pad is not None:
+            fb = pad_decode(fb, pad(B), runner.scratch_slot, runner.scratch_block)
+        h0 = torch.zeros(fb.positions.shape[0], model.cfg.hidden_size, dtype=model.embed.dtype, device=runner.device)
 
         def chain(k: int) -> None:
             h = h0
             for _ in range(k):
-                h = mtp_forward(model, fb, h, kv)
+                h = mtp_forward(model, fb, h, kv, ctx.comm.hooks)
                 fb.input_ids = mtp_logits(model, h).argmax(dim=-1)
         out[B] = {k: _median_time(lambda: chain(k), runner.device, reps) for k in ks}
     return out
