@@ -11,6 +11,8 @@ through ``ModelRunner.forward_fb`` gives:
   long sleep kernel), so the launch queue never waits for the device: pure host time;
 * ``host_us_per_layer``: ``host_ms`` over the layers.
 
+``launch`` (ms, median): the host time inside P's item launch calls during the continuation (on CUDA
+the enqueue of its kernels; near ``span``: the epoch was host-bound inside the engine).
 ``pickup`` / ``span`` / ``items`` / ``tail`` (ms, median; :func:`p_timeline`) split the engine's side
 from P's stream items' recorded device intervals: the call to P's first item starting on the device,
 the device span to its last item's end, the items' own union, and that end to ``continue_``
@@ -184,7 +186,7 @@ async def _continuation(w: RolloutWorker, rng: random.Random, n: int, cached: in
     m0 = w.metrics()
     rec = w.engine.rec
     t_call = rec.now()
-    with around():
+    with around(), _timed_launches(w.engine) as launches:
         o2 = await w.continue_(o.trajectory_id, [rng.randrange(2, V) for _ in range(n)], one)
     t_ret = rec.now()
     m = w.metrics()
@@ -194,7 +196,30 @@ async def _continuation(w: RolloutWorker, rng: random.Random, n: int, cached: in
     return {"wall": wall * 1e3, "epochs": epochs, "permit": permit * 1e3, "permits": permits,
             "counts": _delta_sum(m, m0, "p_counts_wait_s")[0] * 1e3, "d_iters": _delta_sum(m, m0, "d_iter_s")[1],
             "d_rows": d_rows, "exclusive": sum(m.get(k, 0) - m0.get(k, 0) for k in EXCLUSIVE),
-            **p_timeline(rec, w.engine.prefill_ctx.stream.name, t_call, t_ret)}
+            **p_timeline(rec, w.engine.prefill_ctx.stream.name, t_call, t_ret),
+            "launch_ms": round(sum(launches) * 1e3, 2), "launches": len(launches)}
+
+
+@contextlib.contextmanager
+def _timed_launches(engine):
+    """The host time of each P stream item's launch call (on CUDA: enqueueing its kernels) while
+    the body runs, in seconds: where it is near ``span_ms`` the epoch was host-bound inside the
+    engine, whatever the standalone ``host_ms`` says."""
+    dev, name, out = engine.device, engine.prefill_ctx.stream.name, []
+    execute = dev._execute
+
+    def timed(stream, work, fn, args):
+        t0 = time.perf_counter()
+        try:
+            return execute(stream, work, fn, args)
+        finally:
+            if stream.name == name:
+                out.append(time.perf_counter() - t0)
+    dev._execute = timed
+    try:
+        yield out
+    finally:
+        del dev._execute
 
 
 def p_timeline(rec, stream: str, t_call: float, t_ret: float) -> dict:
@@ -223,7 +248,8 @@ async def engine_epochs(w: RolloutWorker, n: int, cached: int, reps: int) -> dic
     walls = [r["wall"] for r in runs]       # a continuation over the P budget takes 2 epochs
     med = lambda k: None if runs[-1][k] is None else round(statistics.median(r[k] for r in runs), 2)
     return {"epoch_wall_ms": round(statistics.median(walls), 2), "epoch_wall_all_ms": [round(x, 2) for x in walls],
-            "epochs": runs[-1]["epochs"], **{k: med(k) for k in ("pickup_ms", "span_ms", "p_items_ms", "tail_ms")}}
+            "epochs": runs[-1]["epochs"],
+            **{k: med(k) for k in ("pickup_ms", "span_ms", "p_items_ms", "tail_ms", "launch_ms")}}
 
 
 async def beside_epochs(w: RolloutWorker, n: int, cached: int, reps: int, profile: bool) -> dict:
@@ -318,7 +344,7 @@ async def main() -> int:
     cases = [tuple(int(x) for x in c.split(":")) for c in a.cases.split(",")]
     rows, beside = [], None
     print(f"{'n':>6} {'cached':>6} {'wall_ms':>8} {'busy_ms':>8} {'host_ms':>8} {'us/layer':>8} {'wall/busy':>9} "
-          f"{'pickup':>7} {'span':>7} {'items':>7} {'tail':>7}", flush=True)
+          f"{'pickup':>7} {'span':>7} {'items':>7} {'tail':>7} {'launch':>7}", flush=True)
     async with RolloutWorker(cfg) as w:
         warm = await w.generate([2 + i for i in range(64)], SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True))
         await w.release(warm.trajectory_id)
@@ -331,7 +357,7 @@ async def main() -> int:
             print(f"{n:>6} {cached:>6} {r['epoch_wall_ms']:>8.2f} {_f(r.get('busy_ms'), '>8.2f')} "
                   f"{_f(r.get('host_ms'), '>8.2f')} {_f(r.get('host_us_per_layer'), '>8.1f')} "
                   f"{_f(r.get('wall_busy'), '>9.3f')} {_f(r['pickup_ms'], '>7.2f')} {_f(r['span_ms'], '>7.2f')} "
-                  f"{_f(r['p_items_ms'], '>7.2f')} {_f(r['tail_ms'], '>7.2f')}", flush=True)
+                  f"{_f(r['p_items_ms'], '>7.2f')} {_f(r['tail_ms'], '>7.2f')} {_f(r['launch_ms'], '>7.2f')}", flush=True)
         if a.cprofile:
             print(await asyncio.to_thread(host_profile, w.engine.runner, *cases[0], a.cprofile), flush=True)
         if a.beside_d:
