@@ -37,6 +37,8 @@ def test_p_epoch_host_bench_splits_a_continuation_on_the_cpu(tmp_path):
         assert r["epochs"] == 1 and r["epoch_wall_ms"] > 0
         assert r["pickup_ms"] >= 0 and r["tail_ms"] >= 0 and 0 < r["p_items_ms"] <= r["span_ms"] + 1e-6, r
         assert r["span_ms"] <= r["epoch_wall_ms"] + 1.0, r          # P's items run inside its epoch
+        # the CPU device's launch call runs the item: its launch time covers the item's interval
+        assert r["launch_ms"] >= 0.9 * r["p_items_ms"], r
 
 
 @pytest.mark.parametrize("part", ["suffix", "mtp"])
