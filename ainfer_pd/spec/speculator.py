@@ -96,8 +96,12 @@ class Speculator:
         tid = t.tid
         g = self.pending_group.get(tid)
         if g is None:
-            g = self.pending_group[tid] = (t.traj.group or tid) if self.cfg.siblings else tid
+            g = self.pending_group[tid] = self._group(t)
         self.pending.setdefault(g, {})[tid] = t
+
+    def _group(self, t: Turn) -> object:
+        """The drafter's group of ``t``'s sequence: its GRPO siblings' (``spec.siblings``), else its own."""
+        return (t.traj.group or t.tid) if self.cfg.siblings else t.tid
 
     def _flush(self, t: Turn) -> None:
         """Give the drafter the tokens of every sequence of ``t``'s group noted since (``t`` first
@@ -116,8 +120,7 @@ class Speculator:
             self.drafter.forget(tid)
             n = 0
         if n < total:
-            group = (t.traj.group or tid) if self.cfg.siblings else tid
-            self.drafter.extend(tid, SeqTokens(t)[n:total], group=group)
+            self.drafter.extend(tid, SeqTokens(t)[n:total], group=self._group(t))
         self.held[tid] = (t, total)
 
     def forget(self, tid: str) -> None:
@@ -163,8 +166,9 @@ class Speculator:
 
     def _worth(self, rows: list[Turn], world_rows: int) -> tuple[bool, bool]:
         """(worth drafting, the cost table decided it). A table that keeps K = 0 even were every
-        row to bring a whole draft at the best acceptance any row has decides it at once, with no
-        per-row work (:func:`~.adaptive.could_pay`): a batch that cannot speculate costs O(K)."""
+        row to bring a whole draft at the best acceptance any trajectory has decides it at once,
+        with no per-row work (:func:`~.adaptive.could_pay`): a batch that cannot speculate costs
+        one pass over the known acceptances and O(K)."""
         if self.cfg.adaptive and self.costs is not None and rows:
             best = max(max((a.rate for a in self.acc.values()), default=0.0), Acceptance().rate)
             if not could_pay(self.costs, best, len(rows), k_max=self.k_max, host_s=self.host_s,
