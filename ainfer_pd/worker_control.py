@@ -212,9 +212,11 @@ class WorkerControl(WeightSync, KvCalibration):
 
     async def _recapture_graphs(self) -> None:
         eng = self.engine
-        w = eng.decode_ctx.stream.submit(eng.runner.capture_decode_graphs, eng.decode_ctx, label="D.capture")
-        await self._or_closed(asyncio.wrap_future(w.enqueued()), "the decode graphs were recaptured")
-        await w.done()
+        for ctx, capture, label in ((eng.decode_ctx, eng.runner.capture_decode_graphs, "D.capture"),
+                                    (eng.prefill_ctx, eng.runner.capture_prefill_graphs, "P.capture")):
+            w = ctx.stream.submit(capture, ctx, label=label)     # one after the other, each on its phase's stream
+            await self._or_closed(asyncio.wrap_future(w.enqueued()), f"the graphs were recaptured ({label})")
+            await w.done()
         self._capture_owed = False
 
     async def _with_streams_parked(self, fn, on_done=None, *, locked: bool = False) -> Any:

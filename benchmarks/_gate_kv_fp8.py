@@ -190,6 +190,7 @@ def kv_fp8_model_checks(gate, bw: float) -> None:
         from ainfer_pd.engine.runtime.cuda_graphs import graph_buckets
         t0 = time.time()
         n = runner.capture_decode_graphs(dctx)
+        runner.capture_prefill_graphs(pctx)
         dc = cfg.device
         sizes, ctxs = graph_buckets(dc.graph_batch_sizes, cfg.scheduler.max_decode_batch, dc.graph_context_tiers,
                                     dc.graph_max_context, mc.max_context_len)

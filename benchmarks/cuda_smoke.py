@@ -30,6 +30,12 @@ async def run(policy: str, graphs: bool, dtype: str = "bfloat16", overlap: bool 
                 tg.create_task(conv(i))
         m = w.metrics()
         replays = w.engine.runner.graphs.num_replays if w.engine.runner.graphs else 0
+        if graphs:                # each phase's graphs captured on its own stream (cuda_graphs.phase_capture)
+            r, dev = w.engine.runner, w.engine.device
+            owned = r.graphs.stream is dev.cuda_stream("D") and (r.pgraphs is None or r.pgraphs.stream is dev.cuda_stream("P"))
+            print(f"  graphs on their phase's streams: {owned} (P graphs {'captured' if r.pgraphs else 'none'})", flush=True)
+            if not owned:
+                raise SystemExit(f"{policy}: the D and P graphs were not captured on their phases' streams")
         print(f"{policy:16s} graphs={graphs} overlap={overlap} p_sms={p_sms} makespan {time.time()-t:.2f}s replays {replays} "
               f"rdv {m.get('rendezvous', 0)} conc {m['concurrent_fraction']:.2f} leak-free {w.kv_leak_free()}", flush=True)
     return outs

@@ -272,10 +272,25 @@ def prefill_fb(runner, n: int, cached: int, seed: int = 0) -> ForwardBatch:
                         torch.tensor([n - 1], device=DEV), block_size=bs)
 
 
+def iter_batches(cfg: WorkerConfig, tag: str, headroom: int = 6 << 30) -> tuple[int, ...]:
+    """The batches of ``ITER_B`` whose KV pool at ``ITER_CTX`` fits this device beside the weights
+    (``headroom`` for the graphs and activations); those left out are said (an H100 holds the
+    Qwen3-30B-A3B shape's bf16 weights and B 64 at 2K, not B 128: H200 figures need the H200)."""
+    from ainfer_pd.engine.kv.residency import kv_block_bytes
+    torch.cuda.empty_cache()
+    free = torch.cuda.mem_get_info()[0] - cfg.model.rank_weight_bytes(cfg.parallel.expert_parallel) - headroom
+    fits = tuple(b for b in ITER_B if (b * ITER_CTX // 16 + 1024) * kv_block_bytes(cfg) <= free) or ITER_B[:1]
+    if fits != ITER_B:
+        fig(f"{tag}_decode_batches_left_out", {"batches": [b for b in ITER_B if b not in fits],
+                                                "why": f"KV pool past the {free / 2**30:.1f} GiB free beside the weights"})
+    return fits
+
+
 def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: bool, extra: dict | None = None) -> None:
     """The model-level checks and figures of one config (``extra``: settings on top, e.g. FP8)."""
     mc0 = WorkerConfig.from_yaml(cfg_path).model
-    num_blocks = max(ITER_B) * ITER_CTX // 16 + 1024
+    batches = iter_batches(model_cfg(cfg_path, 1, extra), tag)
+    num_blocks = max(batches) * ITER_CTX // 16 + 1024
     cfg = model_cfg(cfg_path, num_blocks, extra)
     t0 = time.time()
     kv = KVCacheManager(num_blocks, 16)
@@ -293,6 +308,7 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
             from ainfer_pd.engine.runtime.cuda_graphs import graph_buckets
             t0 = time.time()
             n = runner.capture_decode_graphs(dctx)
+            runner.capture_prefill_graphs(pctx)
             dc = cfg.device
             sizes, ctxs = graph_buckets(dc.graph_batch_sizes, cfg.scheduler.max_decode_batch, dc.graph_context_tiers,
                                         dc.graph_max_context, mc.max_context_len)
@@ -302,6 +318,10 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
                                          "memory_MiB": round(runner.graphs.memory_bytes / 2**20, 1)})
             # ---- P passes replay the piecewise P graphs, equal to the eager pass
             pg = runner.pgraphs
+            streams = (runner.graphs.stream, pg.stream if pg is not None else None)
+            check(f"{tag}_graphs_captured_on_their_phase_streams",
+                  streams == (runner.phase_stream(dctx), runner.phase_stream(pctx)) and streams[0] != streams[1],
+                  f"D graphs on {streams[0]}, P graphs on {streams[1]} (one stream: one cuBLAS workspace for both)")
             check(f"{tag}_prefill_graphs_captured", pg is not None and len(pg.graphs) > 0,
                   f"{len(pg.graphs) if pg else 0} token buckets; refusal: {runner.prefill_graphs_refusal()}")
             if pg is not None:
@@ -320,7 +340,7 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
                           f"argmax {'equal' if bool((glog.argmax(-1) == eager.argmax(-1)).all()) else 'differs'}")
             # ---- a row at the model's whole context replays a graph (no context cliff), equal to eager
             Lmax = mc.max_context_len
-            for B in (1, 4):
+            for B in (b for b in (1, 4) if b * -(-Lmax // 16) <= num_blocks):
                 r0 = runner.graphs.num_replays
                 glog = runner.graphs.try_run(decode_fb(runner, B, Lmax, seed=7))
                 replayed = glog is not None and runner.graphs.num_replays == r0 + 1
@@ -333,7 +353,7 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
         # ---- whole decode iteration (graph) vs its bound, ctx 2K
         rows = {}
         C = ITER_CTX
-        for B in ITER_B:
+        for B in batches:
             fb = decode_fb(runner, B, C, seed=B)
             touched = touched_experts(runner, decode_fb(runner, B, C, seed=B))
             bound = (attn_b + touched * exp_b + B * C * kv_tok + eh_b + B * mc.hidden_size * 2) / bw
@@ -358,7 +378,8 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
         if capture_all:
             long_rows = {}
             for B, C in ITER_LONG:
-                if runner.graphs is None or runner.graphs.bucket(B, C) not in runner.graphs.graphs:
+                if runner.graphs is None or runner.graphs.bucket(B, C) not in runner.graphs.graphs \
+                        or B * -(-C // 16) > num_blocks:
                     continue
                 fb = decode_fb(runner, B, C, seed=B + C)
                 touched = touched_experts(runner, decode_fb(runner, B, C, seed=B + C))

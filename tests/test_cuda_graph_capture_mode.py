@@ -48,8 +48,22 @@ def test_every_capture_site_passes_the_one_capture_mode():
                 bad.append(f"{rel}:{n.lineno}: CAPTURE_MODE is not imported from {HOME}")
     assert not bad, "\n".join(bad)
     assert defined == [HOME] and CAPTURE_MODE == "thread_local"
-    # the decode and prefill graphs at least (so the walk cannot pass by finding nothing)
-    assert {HOME, "ainfer_pd/engine/runtime/prefill_graphs.py"} <= set(sites)
+    # the library captures in one place, phase_capture (so the walk cannot pass by finding nothing):
+    # the decode, MTP and prefill graph sets all go through it, each on its phase's stream
+    assert [s for s in sites if s.startswith("ainfer_pd/")] == [HOME]
+
+
+def test_the_library_captures_only_on_a_phase_stream():
+    """``phase_capture`` passes ``stream=``: a capture on torch's one default capture stream would give
+    the D and P graphs one cuBLAS workspace (the overlap / FP8 fine-grained hang), and the graph sets
+    call ``phase_capture``, never ``torch.cuda.graph`` themselves."""
+    tree = ast.parse((ROOT / HOME).read_text())
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "phase_capture")
+    calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and _is_capture(n)]
+    assert len(calls) == 1 and "stream" in {k.arg for k in calls[0].keywords}
+    for rel in (HOME, "ainfer_pd/engine/runtime/prefill_graphs.py"):
+        src = (ROOT / rel).read_text()
+        assert "phase_capture(fn, self.stream, self.pool)" in src, rel
 
 
 class _Stale:

@@ -1,9 +1,12 @@
 """The P graphs' host-side rules (the capture and replay themselves run on the GPU gate)."""
+import torch
+
 from ainfer_pd import WorkerConfig
 from ainfer_pd.engine.runtime.cuda_graphs import graph_buckets
 from ainfer_pd.engine.kv.kv_cache import KVCacheManager
 from ainfer_pd.engine.runtime.prefill_graphs import prefill_graph_buckets
 from ainfer_pd.engine.runtime.runner import ModelRunner, RunnerSections
+from ainfer_pd.phase import Phase, PhaseContext
 
 
 def test_prefill_graph_buckets_stop_at_the_prefill_budget():
@@ -24,6 +27,41 @@ def test_a_cpu_runner_refuses_prefill_graphs_and_says_why():
     cfg = WorkerConfig.from_yaml("configs/tiny-cpu.yaml")
     r = ModelRunner(RunnerSections.from_config(cfg), __import__("torch").device("cpu"), KVCacheManager(64, cfg.cache.block_size))
     assert r.prefill_graphs_refusal() == "no CUDA device"
-    assert r.capture_prefill_graphs() == 0 and r.pgraphs is None
+    assert r.capture_prefill_graphs(PhaseContext(Phase.PREFILL, None)) == 0 and r.pgraphs is None
     plan = r.build([], [])
     assert plan.replay is None
+
+
+class _Device:
+    """The device half of the engine's streams: which CUDA stream each stream name maps to."""
+
+    def __init__(self):
+        self.asked = []
+
+    def cuda_stream(self, name, lane=None):
+        self.asked.append((name, lane))
+        return f"cuda:{name}"
+
+
+class _Stream:
+    def __init__(self, device, name):
+        self.device, self.name = device, name
+
+
+def test_each_phase_captures_its_graphs_on_its_own_stream(monkeypatch):
+    """torch keys cuBLAS's workspace by (handle, stream): graphs of both phases captured on one stream
+    would share one workspace and corrupt each other's split-K semaphores when replayed at once (the
+    GPU gate's hang). The capture stream is the phase's own CUDA stream, or one the runner keeps per
+    phase; never shared."""
+    cfg = WorkerConfig.from_yaml("configs/tiny-cpu.yaml")
+    r = ModelRunner(RunnerSections.from_config(cfg), torch.device("cpu"), KVCacheManager(64, cfg.cache.block_size))
+    dev = _Device()
+    d, p = PhaseContext(Phase.DECODE, _Stream(dev, "D")), PhaseContext(Phase.PREFILL, _Stream(dev, "P"))
+    assert (r.phase_stream(d), r.phase_stream(p)) == ("cuda:D", "cuda:P")
+    assert dev.asked == [("D", None), ("P", None)]
+    # without device streams (a runner driven by a benchmark) each phase gets a stream of its own, kept
+    made = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: made.append(device) or f"stream{len(made)}")
+    bare_d, bare_p = PhaseContext(Phase.DECODE, None), PhaseContext(Phase.PREFILL, None)
+    assert r.phase_stream(bare_d) == "stream1" and r.phase_stream(bare_p) == "stream2"
+    assert r.phase_stream(bare_d) == "stream1" and len(made) == 2

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from ainfer_pd.errors import SpecInputError
-from ainfer_pd.spec.adaptive import (Acceptance, VerifyCosts, choose, expected_tokens, observe)
+from ainfer_pd.spec.adaptive import (Acceptance, VerifyCosts, choose, could_pay, expected_tokens, observe)
 
 # a decode-bound shape: more tokens per row are almost free at B = 16, expensive at B = 128
 TIMES = {16: {1: 10.0, 2: 10.3, 4: 10.9, 5: 11.2, 9: 12.5},
@@ -151,3 +151,23 @@ def test_host_time_before_the_launch_counts_against_speculating():
     assert COSTS.base_at(16) == TIMES[16][1] and COSTS.base_at(128) == TIMES[128][1] and COSTS.base_at(500) is None
     with pytest.raises(SpecInputError, match="host_s"):
         choose(COSTS, rates, avail, host_s=-1.0)
+
+
+def test_could_pay_bounds_choose():
+    """could_pay (the D loop's O(K) check before any per-row work) is an upper bound: where it says
+    no, choose keeps K = 0 for every batch of that size whose rates are at most the bound's rate;
+    where a batch speculates, it says yes."""
+    rng = random.Random(3)
+    for _ in range(400):
+        B = rng.choice([1, 3, 16, 40, 64])
+        rates = [rng.random() for _ in range(B)]
+        avail = [rng.randint(0, 8) for _ in range(B)]
+        host = rng.choice([0.0, 0.5, 3.0, 20.0])
+        top = max(rates)
+        k = choose(COSTS, rates, avail, host_s=host).k
+        if not could_pay(COSTS, top, B, host_s=host):
+            assert k == 0
+        if k > 0:
+            assert could_pay(COSTS, top, B, host_s=host)
+    assert not could_pay(COSTS, 1.0, 0)
+    assert could_pay(COSTS, 0.9, 16) and not could_pay(COSTS, 0.9, 16, host_s=100.0)

@@ -331,7 +331,7 @@ def _stand_in_graphs(w, sizes: tuple[int, ...], context: int):
             return fb
 
     r = w.engine.runner
-    g = StandIn(r, sizes, (context,), r.scratch_slot, w.engine.decode_ctx)
+    g = StandIn(r, sizes, (context,), r.scratch_slot, w.engine.decode_ctx, None)    # records no CUDA graph: no stream
     with torch.inference_mode():
         for B in sizes:
             g._capture(B, g.max_context, r.device)

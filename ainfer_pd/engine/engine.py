@@ -108,8 +108,7 @@ class Engine:
         self.stepping = False         # the step loop runs (quiesce waits only for a loop that steps)
 
     def _build_device(self, cfg: WorkerConfig, recorder: Recorder) -> None:
-        """The KV pool, the model runner, the phase contexts; then (CUDA) the decode graphs,
-        captured on the D stream's own thread so they bind D-owned state, and P's warm-up."""
+        """KV pool, runner, phase contexts; then (CUDA) each phase's graphs and P's warm-up."""
         dc = cfg.device
         if self.device.kind == "cpu":
             torch.set_num_threads(dc.cpu_threads_per_stream)
@@ -124,9 +123,10 @@ class Engine:
         self.decode_ctx = PhaseContext(Phase.DECODE, self.device.stream("D"))
         if self.dist is not None:
             self.dist.install(self)           # the phase hooks, before the graphs bind them
-        if self.device.kind == "cuda" and dc.cuda_graphs:
-            self.decode_ctx.stream.submit(self.runner.capture_decode_graphs, self.decode_ctx,
-                                          label="D.capture").enqueued().result()
+        if self.device.kind == "cuda" and dc.cuda_graphs:  # each on its phase's stream, thread (phase_capture)
+            for ctx, capture in ((self.decode_ctx, self.runner.capture_decode_graphs),
+                                 (self.prefill_ctx, self.runner.capture_prefill_graphs)):
+                ctx.stream.submit(capture, ctx, label=f"{ctx.stream.name}.capture").enqueued().result()
         if self.device.kind == "cuda" and dc.warmup_prefill:
             self.prefill_ctx.stream.submit(warmup_prefill, self.runner, self.prefill_ctx,
                                            cfg.scheduler.max_prefill_tokens, label="P.warmup").enqueued().result()

@@ -184,6 +184,21 @@ def choose(costs: VerifyCosts, rates: list[float], available: list[int], *, k_ma
     return best
 
 
+def could_pay(costs: VerifyCosts, rate: float, rows: int, *, k_max: int = K_MAX, min_gain: float = MIN_GAIN,
+              host_s: float = 0.0, world_rows: int = 0) -> bool:
+    """Could :func:`choose` take K > 0 for some batch of ``rows`` rows whose acceptance rates are at
+    most ``rate``? An upper bound of every such batch's gain (every row a whole draft of ``k_max``
+    at ``rate``; E grows with the rate and the drafts), in O(K): False means choose keeps K = 0
+    whatever the rows bring, so nothing needs to be known of them (not their drafts: nothing is
+    drafted)."""
+    if rows == 0:
+        return False
+    at = max(rows, world_rows)
+    slack = 1.0 - 1e-9                       # choose sums the rows' terms: a rounding, not a gain
+    return any(expected_tokens(rate, k) / cost >= min_gain * slack
+               for k, cost in relative_costs(costs, at, k_max, host_s))
+
+
 def relative_costs(costs: VerifyCosts, at: int, longest: int, host_s: float) -> list[tuple[int, float]]:
     """(K, the cost of an iteration verifying K drafts a row over a plain one) for every K in
     [1, ``longest``] the table has at ``at`` rows: the verify's ratio, the device drafter's chain

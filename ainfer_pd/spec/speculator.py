@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from ..config_spec import SpecConfig
 from ..engine.loop.state import SeqTokens, Turn
-from .adaptive import Acceptance, VerifyCosts, choose, observe
+from .adaptive import Acceptance, VerifyCosts, choose, could_pay, observe
 from .backoff import NO_BACKOFF, Backoff, after_draft
 from .verify_shape import DraftOffer
 from .suffix import SuffixDrafter
@@ -68,7 +68,9 @@ class Speculator:
         self.on_device = callable(getattr(self.drafter, "prepare", None))
         """The drafter runs on the device (MTP): its empty drafts are transient (no hidden state
         stashed yet), so no row backs off; a host drafter's rows do (:mod:`.backoff`)."""
-        self.held: dict[str, tuple[Turn, int]] = {}        # tid -> (the turn last synced, tokens the drafter holds)
+        self.held: dict[str, tuple[Turn, int]] = {}        # tid -> (the turn last given, tokens the drafter holds)
+        self.pending: dict[object, dict[str, Turn]] = {}   # group -> {tid: its turn noted, not given yet}
+        self.pending_group: dict[str, object] = {}         # tid -> its group, while noted in pending
         self.acc: dict[str, Acceptance] = {}
         self.backoff: dict[str, tuple[Turn, Backoff]] = {}  # tid -> (the turn drafted empty, its backoff)
         self.num_verifies = 0
@@ -85,6 +87,31 @@ class Speculator:
 
     # ------------------------------------------------------------------ the drafter's sequences
     def sync(self, t: Turn) -> None:
+        """The drafter is to hold ``t``'s sequence. A host drafter is given it lazily: the turn is
+        noted and its tokens are indexed only when a row of its group is drafted (:meth:`_flush`),
+        so a rollout that never drafts indexes nothing and its releases forget nothing."""
+        if self.on_device:                  # its extend is a no-op: a rollback's forget stays eager
+            self._give(t)
+            return
+        tid = t.tid
+        g = self.pending_group.get(tid)
+        if g is None:
+            g = self.pending_group[tid] = self._group(t)
+        self.pending.setdefault(g, {})[tid] = t
+
+    def _group(self, t: Turn) -> object:
+        """The drafter's group of ``t``'s sequence: its GRPO siblings' (``spec.siblings``), else its own."""
+        return (t.traj.group or t.tid) if self.cfg.siblings else t.tid
+
+    def _flush(self, t: Turn) -> None:
+        """Give the drafter the tokens of every sequence of ``t``'s group noted since (``t`` first
+        noted by :meth:`sync`): ``t`` is drafted next."""
+        g = self.pending_group.get(t.tid)           # None: given already (a device drafter's, eagerly)
+        for s in (self.pending.pop(g).values() if g is not None else ()):
+            del self.pending_group[s.tid]
+            self._give(s)
+
+    def _give(self, t: Turn) -> None:
         """Give the drafter the tokens of ``t``'s sequence it does not hold yet."""
         tid = t.tid
         turn, n = self.held.get(tid, (None, 0))
@@ -93,12 +120,17 @@ class Speculator:
             self.drafter.forget(tid)
             n = 0
         if n < total:
-            group = (t.traj.group or tid) if self.cfg.siblings else tid
-            self.drafter.extend(tid, SeqTokens(t)[n:total], group=group)
+            self.drafter.extend(tid, SeqTokens(t)[n:total], group=self._group(t))
         self.held[tid] = (t, total)
 
     def forget(self, tid: str) -> None:
         """The trajectory was released: its sequence and acceptance go."""
+        g = self.pending_group.pop(tid, None)
+        if g is not None:
+            noted = self.pending[g]
+            del noted[tid]
+            if not noted:
+                del self.pending[g]
         self.drafter.forget(tid)
         self.held.pop(tid, None)
         self.acc.pop(tid, None)
@@ -133,7 +165,15 @@ class Speculator:
         return self._worth(rows, world_rows)[0]
 
     def _worth(self, rows: list[Turn], world_rows: int) -> tuple[bool, bool]:
-        """(worth drafting, the cost table decided it)."""
+        """(worth drafting, the cost table decided it). A table that keeps K = 0 even were every
+        row to bring a whole draft at the best acceptance any trajectory has decides it at once,
+        with no per-row work (:func:`~.adaptive.could_pay`): a batch that cannot speculate costs
+        one pass over the known acceptances and O(K)."""
+        if self.cfg.adaptive and self.costs is not None and rows:
+            best = max(max((a.rate for a in self.acc.values()), default=0.0), Acceptance().rate)
+            if not could_pay(self.costs, best, len(rows), k_max=self.k_max, host_s=self.host_s,
+                             world_rows=world_rows):
+                return False, True
         available = [self.cap(t) if self.probes(t) else 0 for t in rows]
         if not any(available):
             return False, False
@@ -182,7 +222,7 @@ class Speculator:
 
     def _draft_rows(self, rows: list[Turn]) -> list[list[int]]:
         """Each row's draft up to its cap. A row in backoff is synced (its tokens serve its
-        siblings' drafts) but not drafted."""
+        siblings' drafts, once one of them is drafted) but not drafted."""
         drafts = []
         for t in rows:
             self.sync(t)
@@ -193,6 +233,7 @@ class Speculator:
                 self.num_rows_skipped += 1
                 drafts.append([])
             else:
+                self._flush(t)
                 drafts.append(self.drafter.draft(t.tid, c))
                 self._after_draft(t, len(drafts[-1]))
         return drafts

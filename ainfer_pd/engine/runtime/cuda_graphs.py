@@ -18,7 +18,7 @@ import bisect
 import contextlib
 import gc
 import logging
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor
@@ -34,6 +34,24 @@ threads (the event loop, the other phase's launcher, the CUDA-event waiters) may
 in torch's default ``"global"`` mode any such call from another thread invalidates the capture
 (``cudaErrorStreamCaptureInvalidated``: a P-graph capture at the GPU gate). ``"thread_local"``
 refuses only the capturing thread's own unsafe calls."""
+
+
+def phase_capture(fn, stream: torch.cuda.Stream, pool=None) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """(the CUDA graph of ``fn`` captured on ``stream``, ``fn``'s output). ``stream`` is the CUDA
+    stream of the phase the graph belongs to, never a stream another phase's graphs were captured on.
+
+    A captured cuBLAS GEMM keeps the workspace it was captured with, and torch keys that workspace by
+    (thread's cuBLAS handle, current stream). Captured on torch's one default capture stream from one
+    thread, the D graphs and the P graphs held the *same* workspace; replayed at once on the two
+    phases' streams, a split-K GEMM of one overwrote the other's semaphores and spun for ever (the GPU
+    gate's overlap and FP8 fine-grained hangs: one ``nvjet_sm90_tst`` kernel resident on all 132 SMs at
+    100% utilisation, no other kernel; gone with a zero workspace). Captured on its phase's stream,
+    every user of a workspace runs on that stream (or a lane FIFO-ordered with it): phase-owned state,
+    as SPEC 3.5 asks of the communication buffers."""
+    g = torch.cuda.CUDAGraph()
+    with torch.inference_mode(), torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode=CAPTURE_MODE):
+        out = fn()
+    return g, out
 
 
 @contextlib.contextmanager
@@ -66,9 +84,12 @@ def graph_buckets(batch_sizes: tuple[int, ...], max_decode_batch: int, context_t
 
 class DecodeGraphs:
     def __init__(self, runner, batch_sizes: tuple[int, ...], ctx_buckets: tuple[int, ...], scratch_slot: int,
-                 ctx) -> None:
+                 ctx, stream: torch.cuda.Stream) -> None:
         self.runner = runner
         self.ctx = ctx                 # the D PhaseContext the graphs belong to
+        self.stream = stream
+        """The D phase's own CUDA stream: every graph is warmed up and captured on it
+        (:func:`phase_capture`)."""
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.ctx_buckets = tuple(sorted(ctx_buckets))
         self.scratch = scratch_slot
@@ -121,17 +142,14 @@ class DecodeGraphs:
         self.graphs[(B, L)] = (g, s, out)
 
     def _record(self, fn, dev):
-        """(the CUDA graph of ``fn``, its static outputs): ``fn`` warmed up twice on a side stream
-        (Triton compiles, cuBLAS picks), then captured into the graphs' shared pool."""
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side), torch.inference_mode():
+        """(the CUDA graph of ``fn``, its static outputs): ``fn`` warmed up twice (Triton compiles,
+        cuBLAS picks), then captured into the graphs' shared pool, both on the phase's stream."""
+        self.stream.wait_stream(torch.cuda.current_stream(dev))     # the static inputs are written
+        with torch.cuda.stream(self.stream), torch.inference_mode():
             for _ in range(2):                       # warm up outside the graph
                 fn()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(g, pool=self.pool, capture_error_mode=CAPTURE_MODE):
-            out = fn()
+        g, out = phase_capture(fn, self.stream, self.pool)
+        torch.cuda.current_stream(dev).wait_stream(self.stream)
         if self.pool is None:
             self.pool = g.pool()
         return g, out

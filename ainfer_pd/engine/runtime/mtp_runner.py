@@ -80,7 +80,7 @@ class MtpRunner(ModelRunner):
 
     def new_decode_graphs(self, sizes: tuple[int, ...], ctxs: tuple[int, ...], ctx: PhaseContext):
         from .mtp_graphs import MtpDecodeGraphs
-        return MtpDecodeGraphs(self, sizes, ctxs, self.scratch_slot, ctx)
+        return MtpDecodeGraphs(self, sizes, ctxs, self.scratch_slot, ctx, self.phase_stream(ctx))
 
     def release_cuda(self) -> None:  # pragma: no cover - CUDA only
         self.drafter.clear()

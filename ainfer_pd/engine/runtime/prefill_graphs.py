@@ -37,7 +37,7 @@ from torch import Tensor
 
 from ..attention import ForwardBatch
 from ..model.model import MoETransformer, SegmentState
-from .cuda_graphs import CAPTURE_MODE, capture_session
+from .cuda_graphs import capture_session, phase_capture
 
 log = logging.getLogger("ainfer_pd.prefill_graphs")
 
@@ -65,8 +65,11 @@ class _Bucket:
 
 class PrefillGraphs:
     def __init__(self, model: MoETransformer, kv_cache_of, buckets: tuple[int, ...], scratch_slot: int,
-                 device: torch.device) -> None:
+                 device: torch.device, stream: torch.cuda.Stream) -> None:
         self.model = model
+        self.stream = stream
+        """The P phase's own CUDA stream: the pieces are warmed up and captured on it
+        (:func:`.cuda_graphs.phase_capture`: never the stream of D's graphs)."""
         self.kv_cache_of = kv_cache_of          # () -> the runner's KV pool (it is reallocated on wake)
         self.buckets = tuple(sorted(buckets))
         self.scratch = scratch_slot
@@ -94,9 +97,7 @@ class PrefillGraphs:
                  self.memory_bytes / 2**20)
 
     def _graph(self, fn) -> tuple[Any, Any]:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool, capture_error_mode=CAPTURE_MODE):
-            out = fn()
+        g, out = phase_capture(fn, self.stream, self.pool)
         if self.pool is None:
             self.pool = g.pool()
         return g, out
@@ -110,15 +111,15 @@ class PrefillGraphs:
                     torch.zeros(T, H, hd, dtype=dt, device=dev), torch.zeros(T, H, hd, dtype=dt, device=dev))
         fb = ForwardBatch(b.ids, b.pos, b.write, [], None, None, block_size=0)
         kv = self.kv_cache_of()
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side), torch.inference_mode():
+        cs = self.stream
+        cs.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(cs), torch.inference_mode():
             # warm up every piece once outside capture (Triton compiles, cuBLAS picks), then capture
             st = self._embed(fb)
             for i in range(c.num_layers):
                 self._pre(i, st, fb, kv[i], b)
                 st = self._experts(i, self._post(i, st, fb, b))
-            side.synchronize()
+            cs.synchronize()
             b.embed, st = self._graph(lambda: self._embed(fb))
             rope = b.rope = fb.rope
             for i in range(c.num_layers):
@@ -130,7 +131,7 @@ class PrefillGraphs:
                 g, st = self._graph(lambda: self._experts(i, st))
                 b.experts.append(g)
             b.h_out = st.h
-        torch.cuda.current_stream(dev).wait_stream(side)
+        torch.cuda.current_stream(dev).wait_stream(cs)
         return b
 
     # ------------------------------------------------------------------ the pieces (captured)

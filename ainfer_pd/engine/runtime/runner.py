@@ -99,7 +99,8 @@ class ModelRunner:
         log.info("attention backend %s, MoE backend %s", self.model.attn_backend.name, self.moe_backend)
         self.graphs = None
         self.pgraphs = None
-        """The P graphs (:mod:`.prefill_graphs`), captured with the decode graphs where P can replay."""
+        """The P graphs (:mod:`.prefill_graphs`), captured on P's stream where P can replay."""
+        self._phase_streams: dict = {}          # Phase -> CUDA stream, where no device stream is given
         self.decode_paths: dict[str, int] = {"graph": 0, "eager-no-graphs": 0, "eager-past-graphs": 0}
         """D iterations by the path they took (runner.decode)."""
         self.ep = None                 # P's ExpertParallel when experts are spread over ranks
@@ -306,13 +307,22 @@ class ModelRunner:
                         "H200 Qwen3-30B-A3B shape, against 4-20 ms replayed)", ctxs[-1], mc.max_context_len, ctxs[-1])
         self.graphs = self.new_decode_graphs(sizes, ctxs, ctx)
         self.graphs.capture_all()
-        self.capture_prefill_graphs()
         return len(self.graphs.graphs)
 
     def new_decode_graphs(self, sizes: tuple[int, ...], ctxs: tuple[int, ...], ctx: PhaseContext):
         """The decode graph set of this runner's passes (not captured yet)."""
         from .cuda_graphs import DecodeGraphs
-        return DecodeGraphs(self, sizes, ctxs, self.scratch_slot, ctx)
+        return DecodeGraphs(self, sizes, ctxs, self.scratch_slot, ctx, self.phase_stream(ctx))
+
+    def phase_stream(self, ctx: PhaseContext) -> torch.cuda.Stream:
+        """The CUDA stream ``ctx``'s graphs are captured on (:func:`.cuda_graphs.phase_capture`): its
+        stream's own CUDA stream on a device, else (a runner driven without one: benchmarks) a stream
+        this runner keeps for that phase. Never one stream for two phases."""
+        if ctx.stream is not None:
+            return ctx.stream.device.cuda_stream(ctx.stream.name)
+        if ctx.phase not in self._phase_streams:
+            self._phase_streams[ctx.phase] = torch.cuda.Stream(device=self.device)
+        return self._phase_streams[ctx.phase]
 
     def prefill_graphs_refusal(self) -> str | None:
         """Why P passes cannot replay captured graphs here (None: they can)."""
@@ -331,9 +341,9 @@ class ModelRunner:
             return "routing replay records in the eager pass"
         return None
 
-    def capture_prefill_graphs(self) -> int:
-        """CUDA only: capture the P graphs of every token bucket (:mod:`.prefill_graphs`); 0 and
-        a log line saying why when P cannot replay here."""
+    def capture_prefill_graphs(self, ctx: PhaseContext) -> int:
+        """CUDA only: capture the P graphs of every token bucket (:mod:`.prefill_graphs`) on the P
+        phase ``ctx``'s stream; 0 and a log line saying why when P cannot replay here."""
         from .prefill_graphs import PrefillGraphs
         why = self.prefill_graphs_refusal()
         if why is not None:
@@ -341,7 +351,8 @@ class ModelRunner:
             return 0
         sc = self.sections
         buckets = prefill_graph_buckets(sc.device.prefill_graph_tokens, sc.scheduler.max_prefill_tokens)
-        self.pgraphs = PrefillGraphs(self.model, lambda: self.kv_cache, buckets, self.scratch_slot, self.device)
+        self.pgraphs = PrefillGraphs(self.model, lambda: self.kv_cache, buckets, self.scratch_slot, self.device,
+                                     self.phase_stream(ctx))
         self.pgraphs.capture_all()
         return len(self.pgraphs.graphs)
 
