@@ -12,9 +12,11 @@ held-out stdlib code, GRPO groups of ``--siblings`` sampled rows plus one greedy
 (``spec.method suffix``, adaptive, the cost table measured at start), per policy, ``--reps`` times
 each. Two arrival shapes: ``p1`` (every trajectory at once, observations returned at once) and
 ``trace`` (trajectories arrive over ``--arrival-s`` and each observation comes after a tool wait of
-``--tool-wait-s`` +- 50%). Printed: makespan, D iterations, drafts verified / accepted and the tokens
-a verifying row emitted per pass; FIG lines. Outputs with and without speculation are compared
-(greedy and seeded rows: they must be equal).
+``--tool-wait-s`` +- 50%). Printed: makespan, D iterations, drafts verified / accepted, the tokens
+a verifying row emitted per pass and the tokens generated, with each run's breakdown (D build /
+launch / post, P epochs); FIG lines. Outputs are compared with the first spec-off run's (greedy and
+seeded rows: equal in float32; in bf16 a batch's composition changes GEMM shapes and may flip a
+token, so runs also differ in length).
 
     python benchmarks/spec_bench.py verify-costs [--config configs/qwen3-30b-a3b-shape.yaml]
     python benchmarks/spec_bench.py makespan [--device cuda] [--policies normal,fine-grained] [--reps 3]
@@ -34,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ainfer_pd import RolloutWorker, SamplingParams, WorkerConfig  # noqa: E402
+from ainfer_pd.tools.report import breakdown  # noqa: E402
 
 
 def commit() -> str:
@@ -155,7 +158,8 @@ def makespan(a) -> None:
                           f"verifies={spec.get('spec_verifies', 0)} drafted={spec.get('spec_drafted', 0)} "
                           f"accepted={spec.get('spec_accepted', 0)} acceptance={acc:.3f} "
                           f"empty_plans={spec.get('spec_empty_plans', 0)} rows_skipped={spec.get('spec_rows_skipped', 0)} "
-                          f"outputs_equal_off={same}")
+                          f"outputs_equal_off={same} tokens={sum(len(t) for traj in outs for t in traj)}")
+                    print(f"    {breakdown(m)}")    # where the time went: a spec-on D loop against off's
                 print(f"{shape:>6} {policy:>13} spec {'on ' if spec_on else 'off'}: makespan "
                       f"{statistics.median(spans):.3f} s (median of {a.reps}: {', '.join(f'{s:.3f}' for s in spans)})")
 
