@@ -303,6 +303,17 @@ def _f(x, spec: str) -> str:
 async def beside_rows(w: RolloutWorker, a, cases: list, alone: dict, profile: bool) -> dict:
     cfg = w.cfg
     d_tokens = min(a.d_tokens, cfg.model.max_context_len - a.d_prompt)
+    # the D rows must fit the pool beside the largest case's epoch (an H100's pool beside the bf16
+    # Qwen3-30B-A3B weights holds ~196K tokens, not 32 x 6,144 and a 6,144-token epoch)
+    kv = w.engine.kv
+    pool = kv.pool_blocks() * kv.block_size
+    fit = (int(0.85 * pool) - max(n + c for n, c in cases)) // a.beside_d - a.d_prompt
+    if fit < 64:
+        raise SystemExit(f"--beside-d {a.beside_d} rows of {a.d_prompt} prompt tokens do not fit the KV pool "
+                         f"({pool} tokens) beside the cases; give fewer rows or a shorter --d-prompt")
+    if fit < d_tokens:
+        print(f"D rows' new tokens capped at {fit} (asked {d_tokens}): the KV pool holds {pool} tokens", flush=True)
+        d_tokens = fit
     tasks = await start_d(w, a.beside_d, a.d_prompt, d_tokens)
     rows = []
     print(f"beside D ({a.beside_d} rows, policy {cfg.scheduler.policy})\n{'n':>6} {'cached':>6} {'wall_ms':>8} "

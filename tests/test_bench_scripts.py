@@ -41,6 +41,20 @@ def test_p_epoch_host_bench_splits_a_continuation_on_the_cpu(tmp_path):
         assert r["launch_ms"] >= 0.9 * r["p_items_ms"], r
 
 
+def test_p_epoch_host_bench_fits_the_d_rows_to_the_kv_pool(tmp_path):
+    """Beside D, the D rows' new tokens are capped so the rows and the largest case's epoch fit the
+    pool (on an H100 32 x 6,144 tokens did not: no row decoded and the run failed)."""
+    out = tmp_path / "p_epoch.json"
+    res = subprocess.run([sys.executable, "benchmarks/p_epoch_host_bench.py", "--config", "configs/tiny-cpu.yaml",
+                          "--no-profile", "--cases", "64:128", "--reps", "1", "--beside-d", "32", "--d-prompt", "64",
+                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "capped at 1670 (asked 4032)" in res.stdout           # (0.85 * 4,096 x 16 - 192) // 32 - 64
+    beside = json.loads(out.read_text())["beside_d"]
+    assert beside["d_tokens"] == 1670 and beside["d_rows_ended_early"] == 0
+    assert min(beside["rows"][0]["d_iters"]) > 0
+
+
 @pytest.mark.parametrize("part", ["suffix", "mtp"])
 def test_gate_spec_sections_run_on_the_cpu(tmp_path, part):
     """The GPU gate's speculation sections on the CPU. suffix: drafts verified and accepted on the
