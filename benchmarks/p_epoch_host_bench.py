@@ -9,7 +9,11 @@ through ``ModelRunner.forward_fb`` gives:
 * ``busy_ms``: the sum of its CUDA kernels' device time (torch profiler), the **device** time;
 * ``host_ms``: how long the host takes to enqueue it, timed with the device kept busy beforehand (a
   long sleep kernel), so the launch queue never waits for the device: pure host time;
-* ``host_us_per_layer``: ``host_ms`` over the layers.
+* ``host_us_per_layer``: ``host_ms`` over the layers;
+* ``device_gaps`` (JSON, and a line under the table): the profiled pass's device span, the union of
+  its kernels and the idle between them, with the longest gaps and the kernels that waited
+  (:func:`device_gaps`): ``gaps_ms`` near ``wall - busy`` puts the miss in the pass itself (launch
+  ramps, graph starts), near 0 in the engine around it.
 
 ``launch`` (ms, median): the host time inside P's item launch calls during the continuation (on CUDA
 the enqueue of its kernels; near ``span``: the epoch was host-bound inside the engine).
@@ -91,6 +95,33 @@ def _prefill_fb(runner, n: int, cached: int) -> ForwardBatch:
                         block_size=bs)
 
 
+def device_gaps(kernels: list[tuple[str, float, float]], top: int = 5) -> dict:
+    """Where a pass's device time is idle: ``kernels`` are (name, start_us, end_us) of one pass's
+    device activity. Returns the span (first start to last end), the union of the kernels' intervals,
+    the idle inside the span (``gaps_ms``), how many gaps exceed 10 us, the ``top`` longest gaps with
+    the kernels around them, and the idle summed by the kernel that waited to start (its name up to
+    the first ``<`` or ``(``): a gap before every launch of one kernel names what the device waits
+    for (a host sync, a launch ramp, a graph's first node)."""
+    ks = sorted(kernels, key=lambda k: k[1])
+    if not ks:
+        return {"span_ms": 0.0, "union_ms": 0.0, "gaps_ms": 0.0, "gaps_over_10us": 0, "top_gaps": [], "gap_before": {}}
+    union, end, prev, gaps, before = 0.0, ks[0][1], None, [], {}
+    for name, a, b in ks:
+        if a > end and prev is not None:
+            g = a - end
+            gaps.append((round(g, 1), prev, name))
+            key = name.split("<")[0].split("(")[0]
+            before[key] = before.get(key, 0.0) + g
+        union += max(0.0, b - max(a, end))
+        if b > end:
+            end, prev = b, name
+    span = end - ks[0][1]
+    return {"span_ms": round(span / 1e3, 3), "union_ms": round(union / 1e3, 3), "gaps_ms": round((span - union) / 1e3, 3),
+            "gaps_over_10us": sum(g[0] > 10 for g in gaps),
+            "top_gaps": [{"us": g, "after": p[:60], "before": n[:60]} for g, p, n in sorted(gaps, reverse=True)[:top]],
+            "gap_before": {k: round(v / 1e3, 3) for k, v in sorted(before.items(), key=lambda kv: -kv[1])[:top]}}
+
+
 def forward_figures(runner, n: int, cached: int, reps: int = 5) -> dict:
     from torch.profiler import ProfilerActivity, profile
     ctx = PhaseContext(Phase.PREFILL, None)
@@ -107,6 +138,9 @@ def forward_figures(runner, n: int, cached: int, reps: int = 5) -> dict:
             step()
             torch.cuda.synchronize()
         busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+        from torch.autograd import DeviceType
+        gaps = device_gaps([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                            if e.device_type == DeviceType.CUDA])
         hosts = []
         for _ in range(reps):
             torch.cuda.synchronize()
@@ -117,7 +151,7 @@ def forward_figures(runner, n: int, cached: int, reps: int = 5) -> dict:
             torch.cuda.synchronize()
     host = min(hosts)
     return {"busy_ms": round(busy, 2), "host_ms": round(host, 2),
-            "host_us_per_layer": round(host * 1e3 / runner.sections.model.num_layers, 1)}
+            "host_us_per_layer": round(host * 1e3 / runner.sections.model.num_layers, 1), "device_gaps": gaps}
 
 
 def host_profile(runner, n: int, cached: int, top: int) -> str:
@@ -369,6 +403,8 @@ async def main() -> int:
                   f"{_f(r.get('host_ms'), '>8.2f')} {_f(r.get('host_us_per_layer'), '>8.1f')} "
                   f"{_f(r.get('wall_busy'), '>9.3f')} {_f(r['pickup_ms'], '>7.2f')} {_f(r['span_ms'], '>7.2f')} "
                   f"{_f(r['p_items_ms'], '>7.2f')} {_f(r['tail_ms'], '>7.2f')} {_f(r['launch_ms'], '>7.2f')}", flush=True)
+            if "device_gaps" in r:
+                print(f"        the pass alone: {json.dumps(r['device_gaps'])}", flush=True)
         if a.cprofile:
             print(await asyncio.to_thread(host_profile, w.engine.runner, *cases[0], a.cprofile), flush=True)
         if a.beside_d:

@@ -41,6 +41,18 @@ def test_p_epoch_host_bench_splits_a_continuation_on_the_cpu(tmp_path):
         assert r["launch_ms"] >= 0.9 * r["p_items_ms"], r
 
 
+def test_device_gaps_finds_the_idle_between_kernels_and_what_waited():
+    from benchmarks.p_epoch_host_bench import device_gaps
+    ks = [("gemm<a>", 0, 100), ("attn(x)", 150, 200), ("gemm<b>", 180, 260),     # overlap: no gap
+          ("attn(y)", 300, 310), ("norm", 310, 320)]
+    g = device_gaps(ks)
+    assert g["span_ms"] == 0.32 and g["union_ms"] == 0.23 and g["gaps_ms"] == 0.09
+    assert g["gaps_over_10us"] == 2 and g["gap_before"] == {"attn": 0.09}
+    assert g["top_gaps"][0] == {"us": 50, "after": "gemm<a>", "before": "attn(x)"}
+    assert g["top_gaps"][1] == {"us": 40, "after": "gemm<b>", "before": "attn(y)"}
+    assert device_gaps([])["gaps_ms"] == 0.0
+
+
 def test_p_epoch_host_bench_fits_the_d_rows_to_the_kv_pool(tmp_path):
     """Beside D, the D rows' new tokens are capped so the rows and the largest case's epoch fit the
     pool (on an H100 32 x 6,144 tokens did not: no row decoded and the run failed)."""
