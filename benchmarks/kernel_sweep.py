@@ -121,8 +121,12 @@ def main() -> None:
     for B, L in ((64, 2048), (32, 2048), (128, 2048), (64, 4096)) if "decode" in args.sections else ():
         fb, q, kc, vc = uniform_decode(B, L, H, Hk, hd, dt, DEV)
         kvb = 2 * B * L * Hk * hd * 2
-        cands = [(bn, w, st, sk) for sk in (512, 1024, 2048) for (bn, w, st) in ((64, 2, 2), (64, 4, 2), (32, 4, 3),
-                                                                                (128, 4, 2))]
+        # split_keys around the default 256: at B 32 x 2K the graph is ~19 us of fixed latency plus 1.1x
+        # its bytes (the gate at 7b20989), a program's serial walk over its split's key blocks; shorter
+        # splits shorten it (more programs, more partials: 16 / split_keys of the KV bytes)
+        cands = [(bn, w, st, sk) for sk in (64, 128, 256, 512) for (bn, w, st) in ((64, 2, 2), (64, 4, 2), (32, 4, 3),
+                                                                                  (32, 2, 3), (128, 4, 2))
+                 if sk >= bn]
 
         def run(c):
             be = TritonAttention(DEV, decode_overrides={"block_n": c[0], "num_warps": c[1], "num_stages": c[2],
