@@ -118,7 +118,9 @@ def main() -> None:
               b2, bud)
 
     # ---- paged decode attention
-    for B, L in ((64, 2048), (32, 2048), (128, 2048), (64, 4096)) if "decode" in args.sections else ():
+    # one split_keys serves every batch (a row's splits never depend on its batch): B 1 is the rollout's
+    # tail (a long chain decoding alone: 17.5 us a layer of attention against a 1 us bound)
+    for B, L in ((32, 2048), (1, 2048), (64, 2048), (128, 2048), (16, 5000), (64, 4096)) if "decode" in args.sections else ():
         fb, q, kc, vc = uniform_decode(B, L, H, Hk, hd, dt, DEV)
         kvb = 2 * B * L * Hk * hd * 2
         # split_keys around the default 256: at B 32 x 2K the graph is ~19 us of fixed latency plus 1.1x
