@@ -272,6 +272,21 @@ def prefill_fb(runner, n: int, cached: int, seed: int = 0) -> ForwardBatch:
                         torch.tensor([n - 1], device=DEV), block_size=bs)
 
 
+def capture_graphs(runner, cfg: WorkerConfig, tag: str, dctx: PhaseContext, pctx: PhaseContext) -> tuple[int, tuple]:
+    """Each phase's graphs captured on its own stream (D's decode buckets, then P's), and the check
+    that every decode bucket was; returns (decode graphs, their context buckets)."""
+    from ainfer_pd.engine.runtime.cuda_graphs import graph_buckets
+    t0 = time.time()
+    n = runner.capture_decode_graphs(dctx)
+    runner.capture_prefill_graphs(pctx)
+    dc, mc = cfg.device, cfg.model
+    sizes, ctxs = graph_buckets(dc.graph_batch_sizes, cfg.scheduler.max_decode_batch, dc.graph_context_tiers,
+                                dc.graph_max_context, mc.max_context_len)
+    check(f"{tag}_graphs_capture_every_bucket", n == len(sizes) * len(ctxs) and n > 0,
+          f"{n} graphs of {len(sizes) * len(ctxs)} (contexts {list(ctxs)}) in {time.time() - t0:.1f} s")
+    return n, ctxs
+
+
 def iter_batches(cfg: WorkerConfig, tag: str, headroom: int = 6 << 30) -> tuple[int, ...]:
     """The batches of ``ITER_B`` whose KV pool at ``ITER_CTX`` fits this device beside the weights
     (``headroom`` for the graphs and activations); those left out are said (an H100 holds the
@@ -305,15 +320,7 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
     kv_tok = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 2
     with torch.inference_mode():
         if capture_all:
-            from ainfer_pd.engine.runtime.cuda_graphs import graph_buckets
-            t0 = time.time()
-            n = runner.capture_decode_graphs(dctx)
-            runner.capture_prefill_graphs(pctx)
-            dc = cfg.device
-            sizes, ctxs = graph_buckets(dc.graph_batch_sizes, cfg.scheduler.max_decode_batch, dc.graph_context_tiers,
-                                        dc.graph_max_context, mc.max_context_len)
-            check(f"{tag}_graphs_capture_every_bucket", n == len(sizes) * len(ctxs) and n > 0,
-                  f"{n} graphs of {len(sizes) * len(ctxs)} (contexts {list(ctxs)}) in {time.time() - t0:.1f} s")
+            n, ctxs = capture_graphs(runner, cfg, tag, dctx, pctx)
             fig(f"{tag}_graph_capture", {"graphs": n, "contexts": list(ctxs), "capture_s": round(runner.graphs.capture_s, 2),
                                          "memory_MiB": round(runner.graphs.memory_bytes / 2**20, 1)})
             # ---- P passes replay the piecewise P graphs, equal to the eager pass
