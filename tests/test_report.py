@@ -60,10 +60,11 @@ def test_the_last_trajectory_s_chain_is_its_time_less_tool_waits_and_ttfts_per_t
 
 
 def test_the_bound_s_work_terms_leave_out_the_engine_s_set_up_items():
-    """The decode-graph capture and the prefill warm-up run on the D / P streams before the first
-    turn: the engine's work sums (``work_s``) leave them out (on the H200 the capture alone was
+    """Each phase's graph capture, the prefill warm-up and speculation's cost tables run on the D / P
+    streams before the first turn: the engine's work sums (``work_s``) leave them out (on the H200 the capture alone was
     3-5 s of a 34-39 s run, and the D term was the bound)."""
-    timeline = [("D.capture", "D", 0.0, 4.0, {}), ("P.warmup", "P", 4.0, 4.5, {}),
+    timeline = [("D.capture", "D", 0.0, 4.0, {}), ("P.capture", "P", 4.0, 4.6, {}), ("P.warmup", "P", 4.6, 4.8, {}),
+                ("D.verify_costs", "D", 4.0, 4.9, {}), ("D.draft_costs", "D", 4.9, 5.0, {}),
                 ("D.iter", "D", 5.0, 6.0, {}), ("P.attn0", "P", 6.0, 6.5, {}), ("P.experts0", "P", 7.0, 7.25, {})]
     assert report.work_s(timeline, "D") == pytest.approx(1.0)
     assert report.work_s(timeline, "P") == pytest.approx(0.75)

@@ -16,9 +16,10 @@ def percentile(values: Iterable[float], q: float) -> float:
     return float(np.percentile(a, q)) if a.size else NAN
 
 
-SETUP_ITEMS = frozenset({"D.capture", "P.warmup"})
-"""Stream items that set an engine up before its first turn (the decode-graph capture, the prefill
-warm-up; :class:`~ainfer_pd.engine.engine.Engine` on CUDA): time on the P / D streams, but no work of
+SETUP_ITEMS = frozenset({"D.capture", "P.capture", "P.warmup", "D.verify_costs", "D.draft_costs"})
+"""Stream items that set an engine up before its first turn (each phase's graph capture, the prefill
+warm-up, :class:`~ainfer_pd.engine.engine.Engine` on CUDA; speculation's cost tables measured at
+start, :func:`~ainfer_pd.spec.speculator.make_speculator`): time on the P / D streams, but no work of
 the workload, so not in the bound's P and D terms."""
 
 
