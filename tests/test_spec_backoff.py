@@ -113,7 +113,7 @@ def test_a_new_turn_of_a_row_in_backoff_is_probed_at_once_and_forget_drops_the_b
     assert spec.probes(nxt)
     spec.plan([nxt])
     assert spec.backoff["a"][1].wait == 2                 # the trajectory's wait carries over
-    spec.forget("a")
+    spec.release("a")
     assert not spec.backoff
 
 
@@ -136,6 +136,8 @@ def test_a_device_drafter_s_rows_never_back_off():
 
         def forget(self, tid):
             pass
+
+        release = forget
 
     d = Device()
     spec = Speculator(SpecConfig(method="suffix", adaptive=False, num_draft_tokens=4), 4096, None, _Rec(), d)

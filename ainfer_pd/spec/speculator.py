@@ -63,7 +63,7 @@ class Speculator:
         self.cfg, self.max_context_len, self.costs, self.rec = cfg, max_context_len, costs, rec
         self.k_max = cfg.num_draft_tokens
         self.drafter = drafter if drafter is not None else SuffixDrafter()
-        """``extend`` / ``forget`` / ``draft`` (host), and ``prepare`` for one that drafts on the
+        """``extend`` / ``release`` / ``forget`` / ``draft`` (host), and ``prepare`` for one that drafts on the
         device (:class:`~.mtp.MtpDrafter`); the suffix drafter by default."""
         self.on_device = callable(getattr(self.drafter, "prepare", None))
         """The drafter runs on the device (MTP): its empty drafts are transient (no hidden state
@@ -123,15 +123,17 @@ class Speculator:
             self.drafter.extend(tid, SeqTokens(t)[n:total], group=self._group(t))
         self.held[tid] = (t, total)
 
-    def forget(self, tid: str) -> None:
-        """The trajectory was released: its sequence and acceptance go."""
+    def release(self, tid: str) -> None:
+        """The trajectory was released: its acceptance and backoff go, and the drafter is told
+        (:meth:`~.suffix.SuffixDrafter.release`: its tokens stay for its live siblings). A sequence
+        only noted, never given, is not given now."""
         g = self.pending_group.pop(tid, None)
         if g is not None:
             noted = self.pending[g]
             del noted[tid]
             if not noted:
                 del self.pending[g]
-        self.drafter.forget(tid)
+        self.drafter.release(tid)
         self.held.pop(tid, None)
         self.acc.pop(tid, None)
         self.backoff.pop(tid, None)
