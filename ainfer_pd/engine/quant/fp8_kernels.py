@@ -316,7 +316,7 @@ def fp8_moe_gate_up_kernel(
     the products are computed transposed (:func:`_scaled_mma`). Padding rows read token 0's row
     and columns past I wrap to the start (no masked loads; neither is stored)."""
     active, e, pairs, rmask, offs_n, nmask = _expert_block(SORTED, BLOCK_EXPERT, NUM_POST, num_pairs, P, I,
-                                                           BLOCK_M, BLOCK_N, GROUP_M)
+                                                           BLOCK_M, BLOCK_N, GROUP_M, False)
     if not active:
         return
     tok = (tl.where(rmask, pairs, 0) // TOPK).to(tl.int64)
@@ -375,7 +375,7 @@ def fp8_moe_down_kernel(
     ON_LOAD: A is the float32 act, quantized here (AS unused). FOLD: OUT[token] = the sum of its
     k rows too (:func:`_fold_slots`). SWAP_AB, padding rows, columns past N: as gate_up."""
     active, e, pairs, rmask, offs_n, nmask = _expert_block(SORTED, BLOCK_EXPERT, NUM_POST, num_pairs, P, N,
-                                                           BLOCK_M, BLOCK_N, GROUP_M)
+                                                           BLOCK_M, BLOCK_N, GROUP_M, False)
     if not active:
         return
     prow = pairs.to(tl.int64)
