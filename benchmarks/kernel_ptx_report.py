@@ -87,12 +87,13 @@ def compile_stats(kernel, ptr_types: dict, ints: dict, const: dict, warps: int, 
 
 
 def plan_stats(bm: int, bn: int, bk: int, gm: int, warps: int, stages: int, swap: bool = False,
-               fuse_quant: bool | None = None, kernels: tuple[str, ...] = ("gate_up", "down")) -> dict:
+               fuse_quant: bool | None = None, kernels: tuple[str, ...] = ("gate_up", "down"),
+               direct: bool = False) -> dict:
     """``kernels`` of one tile plan, separate-launch path (act quantized in gate_up's epilogue
-    when block_n is 128)."""
+    when block_n is 128); ``direct``: each pair its own row block (a token alone)."""
     from ainfer_pd.engine.quant.fp8_kernels import fp8_moe_down_kernel, fp8_moe_gate_up_kernel
     common = dict(TOPK=8, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, GROUP=128, ON_LOAD=False, FOLD=False,
-                  SWAP_AB=swap, EVEN_K=True, EXACT=False)
+                  SWAP_AB=swap, EVEN_K=True, EXACT=False, DIRECT=direct)
     fq = bn == 128 if fuse_quant is None else fuse_quant
     out = {}
     if "gate_up" in kernels:

@@ -52,12 +52,14 @@ for kv in ("fp8e4nv", "bf16"):
     out["prefill_" + kv] = ops(paged_prefill_kernel, ptr,
                                dict(GROUP=8, HEAD_DIM=128, PAGE=16, BLOCK_M=64, BLOCK_N=64, IEEE=False, KV_FP8=fp8))
 
-def moe(p, swap):
-    return plan_stats(p.block_m, p.block_n, p.block_k, p.group_m, p.num_warps, p.num_stages, swap)
+def moe(p, swap, direct=False):
+    return plan_stats(p.block_m, p.block_n, p.block_k, p.group_m, p.num_warps, p.num_stages, swap, direct=direct)
 
-decode, prefill = fp8_moe_plan(8, 128), fp8_moe_plan(8 * 8192, 128)
+decode, prefill, alone = fp8_moe_plan(8, 128), fp8_moe_plan(8 * 8192, 128), fp8_moe_plan(8, 128, tokens=1)
 out["moe_decode"] = {"gate_up": moe(decode.gate_up, decode.swap_ab)["gate_up"],
-                     "down": moe(decode.down, decode.swap_ab)["down"]}
+                     "down": moe(decode.down, decode.swap_ab)["down"],
+                     "gate_up direct": moe(alone.gate_up, alone.swap_ab, alone.direct)["gate_up"],
+                     "down direct": moe(alone.down, alone.swap_ab, alone.direct)["down"]}
 out["moe_prefill"] = {"gate_up": moe(prefill.gate_up, prefill.swap_ab)["gate_up"],
                       "down": moe(prefill.down, prefill.swap_ab)["down"]}
 out["moe_gate_up_64x128_w4"] = plan_stats(64, 128, 128, 8, 4, 3)["gate_up"]
