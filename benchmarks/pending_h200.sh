@@ -2,10 +2,10 @@
 # The H200 figures still owed (docs/RESULTS.md), in one device call of < 10 minutes, after the
 # gate: speculation's makespan with each run's breakdown (issue 38, "never slower than off": on an
 # H100 at 9edec3f fine-grained P1 was still 1.30x slower with no draft made, normal even), the
-# decode attention tile sweep (issue 33), and the P epoch's pickup / span / tail /
-# launch split and the pass's own device gaps, alone and beside 32 decoding rows (issue 33's 512-token
-# 1.50: the launch calls took 4.9 of its 30.1 ms span on the H100, so the device idle is elsewhere). Each step is bounded; logs
-# go to $OUT (tar them: a call returns at most 8 files).
+# decode attention tile sweep (issue 33), and the P epoch's pickup / span / tail / launch split and
+# the pass's own device gaps, alone and beside 32 decoding rows (issue 33's 512-token 1.50: the
+# launch calls took 4.9 of its 30.1 ms span on the H100, so the device idle is elsewhere). Each step
+# is bounded; logs go to $OUT (tar them: a call returns at most 8 files).
 #
 #   OUT=$OUT/m bash benchmarks/pending_h200.sh && (cd $OUT && tar czf m.tgz m && rm -rf m)
 set -u
