@@ -14,6 +14,7 @@ bf16 <= 2e-2, and never worse than 2x the torch reference path's own bf16 error 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -80,10 +81,14 @@ def guarded(name: str, fn, *a, **k):
         R["errors"][name] = f"{type(exc).__name__}: {exc}"
         traceback.print_exc()
         check(name, False, f"raised {type(exc).__name__}: {str(exc)[:300]}")
-        torch.cuda.synchronize()
-        return None
     finally:
         save()
+    # The traceback's frames held the failed section's tensors (a model, its KV pool): freed here,
+    # or every later section, and the sections run as processes of their own, runs out of memory.
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return None
 
 
 def bench_ms(fn, rep_ms: int = 100) -> float:

@@ -63,6 +63,18 @@ out["moe_decode"] = {"gate_up": moe(decode.gate_up, decode.swap_ab)["gate_up"],
 out["moe_prefill"] = {"gate_up": moe(prefill.gate_up, prefill.swap_ab)["gate_up"],
                       "down": moe(prefill.down, prefill.swap_ab)["down"]}
 out["moe_gate_up_64x128_w4"] = plan_stats(64, 128, 128, 8, 4, 3)["gate_up"]
+
+from ainfer_pd.engine.fused_moe import moe_plan
+from ainfer_pd.engine.fused_moe.kernels import moe_down_kernel, moe_gate_up_kernel
+for p in (moe_plan(8, 128, False, tokens=1), moe_plan(8 * 64, 128, False, tokens=64)):
+    lay = dict.fromkeys(("SORTED", "BLOCK_EXPERT", "NUM_POST"), "*i64" if p.direct else "*i32")  # as launched
+    c = dict(IEEE=False, DIRECT=p.direct)
+    tiles = lambda g: dict(BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m)
+    out["bf16_moe_direct" if p.direct else "bf16_moe_aligned"] = {
+        "gate_up": compile_stats(moe_gate_up_kernel, {**lay, "X": "*bf16", "W": "*bf16", "ACT": "*bf16"}, {},
+                                 dict(c, TOPK=8, **tiles(p.gate_up)), p.gate_up.num_warps, p.gate_up.num_stages),
+        "down": compile_stats(moe_down_kernel, {**lay, "A": "*bf16", "W": "*bf16", "OUT": "*bf16", "TOPW": "*fp32"},
+                              {}, dict(c, **tiles(p.down)), p.down.num_warps, p.down.num_stages)}
 out["moe_128x128_w8"] = plan_stats(128, 128, 128, 8, 8, 3)
 print(json.dumps(out))
 '''
@@ -118,3 +130,14 @@ def test_fp8_moe_prefill_tiles_spill_nothing(ptx_ops):
     for name, s in tiles.items():
         assert s["spill"] == 0 and s["cvt_f16"] == 0, (name, s)
         assert s["mma"] and all(".e4m3.e4m3" in m for m in s["mma"]), (name, s)
+
+
+def test_bf16_moe_kernels_compile_for_both_layouts(ptx_ops):
+    """The bf16 fused MoE's kernels compile with the direct plan's int64 expert ids and the aligned
+    plan's int32 layout (the interpreter does not type-check: a direct helper whose two returns
+    differed in type compiled only on the GPU), each with its bf16 MMAs."""
+    assert set(ptx_ops) >= {"bf16_moe_direct", "bf16_moe_aligned"}
+    for name in ("bf16_moe_direct", "bf16_moe_aligned"):
+        for kernel, s in ptx_ops[name].items():
+            assert s["mma"] and all("bf16" in m for m in s["mma"]), (name, kernel, s)
+

@@ -43,14 +43,16 @@ def _expert_block(SORTED, BLOCK_EXPERT, NUM_POST, num_pairs, P, NCOLS, BLOCK_M: 
     ``num_pairs * BLOCK_M``, SORTED and NUM_POST are not read)."""
     pid_m, pid_n = _tile_ids(tl.cdiv(P, BLOCK_M), tl.cdiv(NCOLS, BLOCK_N), GROUP_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if DIRECT:
-        e = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
+    if DIRECT:                        # one branch is compiled: one return, one set of types
+        active = pid_m < num_pairs
         pairs = pid_m + tl.zeros([BLOCK_M], tl.int32)
-        return pid_m < num_pairs, e, pairs, tl.arange(0, BLOCK_M) == 0, offs_n, offs_n < NCOLS
-    active = pid_m * BLOCK_M < tl.load(NUM_POST)
+        rmask = tl.arange(0, BLOCK_M) == 0
+    else:
+        active = pid_m * BLOCK_M < tl.load(NUM_POST)
+        pairs = tl.load(SORTED + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int32)
+        rmask = pairs < num_pairs
     e = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
-    pairs = tl.load(SORTED + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    return active, e, pairs, pairs < num_pairs, offs_n, offs_n < NCOLS
+    return active, e, pairs, rmask, offs_n, offs_n < NCOLS
 
 
 @triton.jit(do_not_specialize=["num_pairs", "P"])
