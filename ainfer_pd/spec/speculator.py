@@ -21,7 +21,9 @@ acceptance back. :meth:`worth_drafting` says, before any drafting, whether the c
 let the batch speculate at all (at high batch it cannot: the D loop then stays overlapped).
 A row whose recent host drafts came back empty is skipped (:mod:`~.backoff`: not drafted, a
 zero-length draft) until its re-probe (an MTP row never is: its empty drafts are transient), and
-:meth:`worth_drafting` counts only the rows it would probe now: a batch of rows all in backoff stays overlapped, with no host drafting at all.
+:meth:`worth_drafting` counts only the rows it would probe now: a batch of rows all in backoff stays overlapped, with no host drafting at all;
+overlapped, :meth:`stale_hit` probes them on the tokens already read, and the D driver reads the
+iteration in flight (giving up the overlap) only when one of them has a draft.
 """
 from __future__ import annotations
 
@@ -185,6 +187,28 @@ class Speculator:
             return False, False
         return choose(self.costs, self.rates(rows), available, k_max=self.k_max, host_s=self.host_s,
                       world_rows=world_rows).k > 0, True
+
+    def stale_hit(self, rows: list[Turn]) -> bool:
+        """Overlapped, before reading the iteration in flight (which holds each row's next token):
+        would any row be worth settling for? A host drafter probes each row it would draft now on
+        the tokens it has (one short of the fresh context); a row with no draft there books the
+        empty probe (:mod:`.backoff`) and gives no reason to settle. A fresh draft's match ends at
+        the in-flight token, so one that begins there is missed until the row's next probe; a
+        device drafter (MTP) always says yes (its drafts need the settled tokens). Drafts stay
+        suggestions: this only decides whether the overlap is given up for them."""
+        if self.on_device:
+            return True
+        hit = False
+        for t in rows:
+            if self.cap(t) == 0 or not self.probes(t):
+                continue
+            self.sync(t)
+            self._flush(t)
+            if self.drafter.draft(t.tid, 1):
+                hit = True
+            else:
+                self._after_draft(t, 0)
+        return hit
 
     def cap(self, t: Turn) -> int:
         """The most drafts ``t`` may verify: its tokens left (length, context) less one."""
