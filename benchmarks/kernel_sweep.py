@@ -163,24 +163,13 @@ def main() -> None:
         kc, vc = kv[0], kv[1]
         out = torch.empty_like(q)
         fl = sum(4 * H * hd * (n * c + n * n / 2) for c, n in seqs)
-        cands = [(64, 64, 4, 2), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3),
-                 # packed: a program's rows are the G heads of one KV head (block_m / G tokens)
-                 (64, 64, 4, 2, True), (128, 64, 4, 3, True), (128, 64, 8, 3, True), (128, 128, 8, 3, True),
-                 (128, 64, 8, 4, True), (128, 64, 8, 2, True), (128, 32, 8, 3, True), (64, 64, 8, 3, True),
-                 (256, 64, 8, 3, True), (64, 128, 4, 3, True)]
-
-        ref = []
+        cands = [(128, 128, 8, 3), (64, 64, 4, 2), (128, 64, 4, 3), (128, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4),
+                 (128, 128, 8, 4), (128, 64, 8, 3)]
 
         def runp(c):
             be = TritonAttention(DEV, prefill_override=PrefillPlan(*c))
             fb.prefill_meta = None
-            out.zero_()
             be.prefill(q, kc, vc, fb, out)
-            if not ref:                         # the first plan's output: every other one is checked against it
-                ref.append(out.clone())
-            err = (out.float() - ref[0].float()).abs().max().item()
-            if err > 3e-2:
-                raise AssertionError(f"output differs from the first plan's by {err:.3g}")
             return ms(lambda: be.prefill(q, kc, vc, fb, out))
         sweep(f"attn_prefill_{'+'.join(f'{c}:{n}' for c, n in seqs)}", cands, runp, fl / 800e12 * 1e3, bud)
     if args.out:

@@ -50,11 +50,7 @@ for kv in ("fp8e4nv", "bf16"):
                               dict(GROUP=8, GROUP_PAD=16, HEAD_DIM=128, PAGE=16, BLOCK_N=64, SPLIT_KEYS=256,
                                    MAX_SPLITS=16, SINGLE=False, IEEE=False, KV_FP8=fp8))
     out["prefill_" + kv] = ops(paged_prefill_kernel, ptr,
-                               dict(GROUP=8, HEAD_DIM=128, PAGE=16, BLOCK_M=64, BLOCK_N=64, IEEE=False, KV_FP8=fp8,
-                                    PACK=False))
-    out["prefill_packed_" + kv] = ops(paged_prefill_kernel, ptr,
-                                      dict(GROUP=8, HEAD_DIM=128, PAGE=16, BLOCK_M=128, BLOCK_N=64, IEEE=False,
-                                           KV_FP8=fp8, PACK=True))
+                               dict(GROUP=8, HEAD_DIM=128, PAGE=16, BLOCK_M=64, BLOCK_N=64, IEEE=False, KV_FP8=fp8))
 
 def moe(p, swap, direct=False):
     return plan_stats(p.block_m, p.block_n, p.block_k, p.group_m, p.num_warps, p.num_stages, swap, direct=direct)
@@ -109,13 +105,12 @@ def test_fp8_pool_decode_widens_to_float16_once_per_pair(ptx_ops):
 
 
 def test_fp8_pool_prefill_runs_float16_mmas(ptx_ops):
-    for name in ("prefill_fp8e4nv", "prefill_packed_fp8e4nv"):
-        ops = ptx_ops[name]
-        assert ops.get("cvt.rn.f16x2.e4m3x2", 0) > 0 and _mmas(ops) and all(".f16.f16" in op for op in _mmas(ops)), ops
+    ops = ptx_ops["prefill_fp8e4nv"]
+    assert ops.get("cvt.rn.f16x2.e4m3x2", 0) > 0 and _mmas(ops) and all(".f16.f16" in op for op in _mmas(ops)), ops
 
 
 def test_bf16_pool_kernels_keep_bf16_mmas(ptx_ops):
-    for name in ("decode_bf16", "prefill_bf16", "prefill_packed_bf16"):
+    for name in ("decode_bf16", "prefill_bf16"):
         ops = ptx_ops[name]
         assert _mmas(ops) and all("bf16" in op for op in _mmas(ops)), ops
         assert ops.get("cvt.rn.f16x2.e4m3x2", 0) == 0, ops

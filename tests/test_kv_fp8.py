@@ -102,7 +102,6 @@ def _fp8_case(seed, seqs, dec, H=8, Hk=2, hd=16):
     ("mixed", [(0, 6), (9, 2)], [3, 22, 8], {}),
     ("decode-split", [], [2, 40, 61], {"decode_overrides": {"block_n": 16, "split_keys": 16}}),
     ("prefill-tiles", [(0, 37), (50, 5)], [], {"prefill_override": PrefillPlan(16, 16, 4, 1)}),
-    ("prefill-packed", [(0, 37), (50, 5)], [], {"prefill_override": PrefillPlan(32, 16, 4, 1, pack=True)}),
 ])
 def test_triton_kernels_match_reference_on_fp8_pool(name, seqs, dec, be):
     """Both backends on the same FP8 pool with non-unit scales: each within 1e-5 of the float64
@@ -121,7 +120,6 @@ def test_triton_kernels_match_reference_on_fp8_pool(name, seqs, dec, be):
 @pytest.mark.parametrize("name,seqs,dec,be", [
     ("decode-split", [], [2, 40, 61], {"decode_overrides": {"block_n": 16, "split_keys": 16}}),
     ("prefill-tiles", [(0, 37), (50, 5)], [], {"prefill_override": PrefillPlan(16, 16, 4, 1)}),
-    ("prefill-packed", [(0, 37), (50, 5)], [], {"prefill_override": PrefillPlan(32, 16, 4, 1, pack=True)}),
 ])
 @pytest.mark.parametrize("q_scale", [1.0, 2.0 ** 22])
 def test_bf16_queries_on_an_fp8_pool_run_the_float16_mma(name, seqs, dec, be, q_scale):

@@ -124,19 +124,6 @@ def test_triton_prefill_tiles_cross_sequences_and_long_cached_prefix():
     check(be, 4, [(0, 37), (50, 5), (3, 16)], [])
 
 
-@pytest.mark.parametrize("H,Hk,block_m", [(8, 2, 16), (8, 1, 32), (4, 4, 16), (6, 2, 16)])
-def test_triton_packed_prefill_matches_dense(H, Hk, block_m):
-    """The packed prefill (a program's rows are the G heads of one KV head, block_m / G tokens a
-    tile): tiles that cross sequences, a long cached prefix, a tile of one token (G = 8 at 32
-    rows: 4 tokens a tile), G = 1; a group that is not a power of two (3) runs unpacked."""
-    from ainfer_pd.engine.attention.plan import PrefillPlan
-    plan = PrefillPlan(block_m, 16, 4, 1, pack=True)
-    G = H // Hk
-    assert plan.packs(G) == (G & (G - 1) == 0)
-    be = TritonAttention(torch.device("cpu"), prefill_override=plan)
-    check(be, 8, [(0, 37), (50, 5), (3, 16), (9, 1)], [], H=H, Hk=Hk)
-
-
 def test_reused_block_in_two_tables():
     """A decode row whose first blocks are the prefill sequence's own (shared physical blocks)."""
     check(TritonAttention(torch.device("cpu")), 5, [(0, 8)], [12, 5], reuse=True)

@@ -33,20 +33,10 @@ class DecodePlan:
 
 @dataclass(frozen=True, slots=True)
 class PrefillPlan:
-    block_m: int          # query rows of a program: tokens, or tokens x G heads when packed
+    block_m: int
     block_n: int
     num_warps: int
     num_stages: int
-    pack: bool = False    # a program's rows are the G heads of one KV head (block_m / G tokens)
-
-    def tokens(self, group: int) -> int:
-        """Tokens of one query tile (the prefill metadata's tile length)."""
-        return self.block_m // group if self.pack else self.block_m
-
-    def packs(self, group: int) -> bool:
-        """Does this plan pack ``group`` query heads into a program's rows? (``group`` a power of two
-        dividing block_m; else the launch runs one program per query head.)"""
-        return self.pack and group & (group - 1) == 0 and self.block_m % group == 0 and self.block_m >= 16
 
 
 def decode_plan(max_keys: int, *, block_n: int = 64, split_keys: int = 256, num_warps: int = 2,

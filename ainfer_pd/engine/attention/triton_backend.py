@@ -143,18 +143,15 @@ class TritonAttention:
         Hk = kc.shape[1]
         self.check_head_dim(hd)
         plan = self.prefill_plan(hd, q.dtype)
-        G = H // Hk
-        pack = plan.packs(G)
-        pm = fb.build_prefill_meta(plan.tokens(G) if pack else plan.block_m)
+        pm = fb.build_prefill_meta(plan.block_m)
         NT = int(pm.tile_seq.shape[0])
         if NT == 0:
             return
         scale = _LOG2E / math.sqrt(hd)
         fp8, ks = _kv_format(kc, kv_scale, out)
-        paged_prefill_kernel[(NT, Hk if pack else H)](
+        paged_prefill_kernel[(NT, H)](
             q, kc, vc, out, pm.block_table, pm.q_start, pm.q_len, pm.ctx_len, pm.tile_seq, pm.tile_m, ks, scale,
             q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
             out.stride(0), out.stride(1), pm.block_table.stride(0),
-            GROUP=G, HEAD_DIM=hd, PAGE=fb.block_size, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-            IEEE=q.dtype == torch.float32, KV_FP8=fp8, PACK=pack, num_warps=plan.num_warps,
-            num_stages=plan.num_stages)
+            GROUP=H // Hk, HEAD_DIM=hd, PAGE=fb.block_size, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+            IEEE=q.dtype == torch.float32, KV_FP8=fp8, num_warps=plan.num_warps, num_stages=plan.num_stages)

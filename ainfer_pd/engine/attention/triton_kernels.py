@@ -15,11 +15,7 @@ otherwise compile a new variant for each new divisibility (0.5-0.9 s stalls insi
 seen on the H200).
 * ``paged_prefill_kernel`` (grid ``NT x H``): flash-attention forward over varlen query tiles of
   every sequence of a pass, causal aligned to the end of each sequence's keys (lower right):
-  query i of a sequence with ``cached`` earlier keys sees keys ``0 .. cached + i``. ``PACK``
-  (grid ``NT x Hk``, tiles of ``BLOCK_M / G`` tokens): a program's rows are the G query heads of
-  one KV head for each token of its tile, so every K/V tile it loads serves G heads (the G-fold
-  K/V traffic of one program per query head was ~7.6 TB/s of L2 reads at 64-row tiles on the H200),
-  and its diagonal is BLOCK_M / G tokens wide.
+  query i of a sequence with ``cached`` earlier keys sees keys ``0 .. cached + i``.
 
 Softmax runs in base 2 with the scale folded into ``scale_log2 = log2(e) / sqrt(hd)``.
 
@@ -221,21 +217,10 @@ def paged_prefill_kernel(
     stride_ts,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
-    PACK: tl.constexpr = False,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
-    if PACK:                       # grid NT x Hk: row r is token r // GROUP of the tile, head r % GROUP
-        TOKENS = BLOCK_M // GROUP
-        kvh = h
-        r = tl.arange(0, BLOCK_M)
-        tok = r // GROUP
-        heads = h * GROUP + r % GROUP
-    else:                          # grid NT x H: row r is token r, of head h
-        TOKENS = BLOCK_M
-        kvh = h // GROUP
-        tok = tl.arange(0, BLOCK_M)
-        heads = h
+    kvh = h // GROUP
     seq = tl.load(TSEQ + t)
     m0 = tl.load(TM + t)
     q0 = tl.load(QSTART + seq)
@@ -244,12 +229,11 @@ def paged_prefill_kernel(
     cached = ctx - qlen
     if KV_FP8:
         scale_log2 = scale_log2 * tl.load(KV_SCALE)
-    offs_m = m0 + tok
+    offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     mmask = offs_m < qlen
     rows = (q0 + offs_m).to(tl.int64)
-    q_off = rows * stride_qt + heads * stride_qh
-    q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=mmask[:, None], other=0.0)
+    q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=mmask[:, None], other=0.0)
     q, scale_log2 = _mma_query(q, scale_log2, KV_FP8)
     tbl = TABLE + seq.to(tl.int64) * stride_ts
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -257,7 +241,7 @@ def paged_prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     # keys below `lo` are visible to every row of the tile (key <= cached + m0): no mask
     lo = ((cached + m0 + 1) // BLOCK_N) * BLOCK_N
-    hi = cached + tl.minimum(m0 + TOKENS, qlen)
+    hi = cached + tl.minimum(m0 + BLOCK_M, qlen)
     for n0 in range(0, lo, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         blk = tl.load(tbl + offs_n // PAGE)
@@ -279,8 +263,8 @@ def paged_prefill_kernel(
     if KV_FP8:
         acc = acc * tl.load(KV_SCALE + 1)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    o_off = rows * stride_ot + heads * stride_oh
-    tl.store(O + o_off[:, None] + offs_d[None, :], out.to(O.dtype.element_ty), mask=mmask[:, None])
+    tl.store(O + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=mmask[:, None])
 
 
 @triton.jit
