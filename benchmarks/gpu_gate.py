@@ -608,17 +608,26 @@ def bench(out: Path, args, *, tag: str = "", policies: str = "normal,fine-graine
 
 
 def profiles(out: Path) -> None:
-    """Top CUDA kernels of an eager Qwen3-shape decode step (B 64, ctx 2K) and a 4K prefill (diagnosis),
-    all in one ``profiles.txt`` (a device run returns only a few files)."""
+    """Top CUDA kernels of an eager Qwen3-shape decode step (B 64, ctx 2K), a 4K prefill and a
+    continuation (diagnosis), then the FP8 model's 4K prefill (issue 37's prefill miss), all in one
+    ``profiles.txt`` (a device run returns only a few files)."""
+    (out / "profiles.txt").write_text("")
+    _profile_model(out, {}, ("decode_b64_ctx2048", "prefill_4096", "continuation_575_on_1500"))
+    _profile_model(out, {"model.quantization": "fp8"}, ("prefill_4096",), "fp8_")
+
+
+def _profile_model(out: Path, extra: dict, names: tuple[str, ...], tag: str = "") -> None:
     from torch.profiler import ProfilerActivity, profile
-    cfg = model_cfg("configs/qwen3-30b-a3b-shape.yaml", 64 * 2048 // 16 + 1024)
+    cfg = model_cfg("configs/qwen3-30b-a3b-shape.yaml", 64 * 2048 // 16 + 1024, extra)
     runner = ModelRunner(RunnerSections.from_config(cfg), DEV, KVCacheManager(cfg.cache.num_blocks, 16))
     dctx, pctx = PhaseContext(Phase.DECODE, None), PhaseContext(Phase.PREFILL, None)
-    (out / "profiles.txt").write_text("")
+    cases = {"decode_b64_ctx2048": lambda: (decode_fb(runner, 64, 2048), dctx),
+             "prefill_4096": lambda: (prefill_fb(runner, 4096, 0), pctx),
+             "continuation_575_on_1500": lambda: (prefill_fb(runner, 575, 1500), pctx)}
     with torch.inference_mode():
-        for name, fb, ctx in (("decode_b64_ctx2048", decode_fb(runner, 64, 2048), dctx),
-                              ("prefill_4096", prefill_fb(runner, 4096, 0), pctx),
-                              ("continuation_575_on_1500", prefill_fb(runner, 575, 1500), pctx)):
+        for name in names:
+            fb, ctx = cases[name]()
+            name = tag + name
             for _ in range(2):
                 fb.prefill_meta = None
                 runner.forward_fb(fb, ctx)
