@@ -404,7 +404,9 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
             fig(f"{tag}_decode_iteration_long", long_rows)
         # ---- eager decode uses the same kernels as the graphs, no cuDNN
         from torch.profiler import ProfilerActivity, profile
-        fb = decode_fb(runner, *EAGER_PROFILE)
+        B, C = EAGER_PROFILE                    # the rows that fit the pool (an H100's is smaller beside the weights)
+        B = max(1, min(B, runner.kv.alloc.num_blocks // -(-C // runner.kv.block_size)))
+        fb = decode_fb(runner, B, C)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             runner.forward_fb(fb, dctx)
             torch.cuda.synchronize()
