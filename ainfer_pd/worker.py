@@ -213,7 +213,7 @@ class RolloutWorker(WorkerLifecycle, WorkerControl):
         del self.trajectories[trajectory_id]
         self.engine.kv.release(trajectory_id)
         if self.engine.spec is not None:
-            self.engine.spec.forget(trajectory_id)       # its drafts' sequence goes with its KV
+            self.engine.spec.release(trajectory_id)       # its drafts and backoff go with its KV
         self.engine.notify()                 # blocks may have come back: admission re-checks
         self.engine.book.record_trajectory(traj.group or trajectory_id, traj.num_turns, len(traj.tokens))
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .engine.model.weights import WeightStage
+from .engine.runtime.runner import graph_captures
 from .errors import AInferPDError, InvalidRequestError, WeightUpdateError, WorkerAsleepError, WorkerClosedError
 from .worker_calibration import KvCalibration
 from .worker_sync import WeightSync
@@ -212,9 +213,9 @@ class WorkerControl(WeightSync, KvCalibration):
 
     async def _recapture_graphs(self) -> None:
         eng = self.engine
-        for ctx, capture, label in ((eng.decode_ctx, eng.runner.capture_decode_graphs, "D.capture"),
-                                    (eng.prefill_ctx, eng.runner.capture_prefill_graphs, "P.capture")):
-            w = ctx.stream.submit(capture, ctx, label=label)     # one after the other, each on its phase's stream
+        for ctx, capture in graph_captures(eng.runner, eng.decode_ctx, eng.prefill_ctx):
+            label = f"{ctx.stream.name}.capture"
+            w = ctx.stream.submit(capture, ctx, label=label)
             await self._or_closed(asyncio.wrap_future(w.enqueued()), f"the graphs were recaptured ({label})")
             await w.done()
         self._capture_owed = False

@@ -14,6 +14,7 @@ bf16 <= 2e-2, and never worse than 2x the torch reference path's own bf16 error 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -80,10 +81,14 @@ def guarded(name: str, fn, *a, **k):
         R["errors"][name] = f"{type(exc).__name__}: {exc}"
         traceback.print_exc()
         check(name, False, f"raised {type(exc).__name__}: {str(exc)[:300]}")
-        torch.cuda.synchronize()
-        return None
     finally:
         save()
+    # The traceback's frames held the failed section's tensors (a model, its KV pool): freed here,
+    # or every later section, and the sections run as processes of their own, runs out of memory.
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return None
 
 
 def bench_ms(fn, rep_ms: int = 100) -> float:
@@ -399,7 +404,9 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
             fig(f"{tag}_decode_iteration_long", long_rows)
         # ---- eager decode uses the same kernels as the graphs, no cuDNN
         from torch.profiler import ProfilerActivity, profile
-        fb = decode_fb(runner, *EAGER_PROFILE)
+        B, C = EAGER_PROFILE                    # the rows that fit the pool (an H100's is smaller beside the weights)
+        B = max(1, min(B, runner.kv.alloc.num_blocks // -(-C // runner.kv.block_size)))
+        fb = decode_fb(runner, B, C)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             runner.forward_fb(fb, dctx)
             torch.cuda.synchronize()
@@ -603,17 +610,26 @@ def bench(out: Path, args, *, tag: str = "", policies: str = "normal,fine-graine
 
 
 def profiles(out: Path) -> None:
-    """Top CUDA kernels of an eager Qwen3-shape decode step (B 64, ctx 2K) and a 4K prefill (diagnosis),
-    all in one ``profiles.txt`` (a device run returns only a few files)."""
+    """Top CUDA kernels of an eager Qwen3-shape decode step (B 64, ctx 2K), a 4K prefill and a
+    continuation (diagnosis), then the FP8 model's 4K prefill (issue 37's prefill miss), all in one
+    ``profiles.txt`` (a device run returns only a few files)."""
+    (out / "profiles.txt").write_text("")
+    _profile_model(out, {}, ("decode_b64_ctx2048", "prefill_4096", "continuation_575_on_1500"))
+    _profile_model(out, {"model.quantization": "fp8"}, ("prefill_4096",), "fp8_")
+
+
+def _profile_model(out: Path, extra: dict, names: tuple[str, ...], tag: str = "") -> None:
     from torch.profiler import ProfilerActivity, profile
-    cfg = model_cfg("configs/qwen3-30b-a3b-shape.yaml", 64 * 2048 // 16 + 1024)
+    cfg = model_cfg("configs/qwen3-30b-a3b-shape.yaml", 64 * 2048 // 16 + 1024, extra)
     runner = ModelRunner(RunnerSections.from_config(cfg), DEV, KVCacheManager(cfg.cache.num_blocks, 16))
     dctx, pctx = PhaseContext(Phase.DECODE, None), PhaseContext(Phase.PREFILL, None)
-    (out / "profiles.txt").write_text("")
+    cases = {"decode_b64_ctx2048": lambda: (decode_fb(runner, 64, 2048), dctx),
+             "prefill_4096": lambda: (prefill_fb(runner, 4096, 0), pctx),
+             "continuation_575_on_1500": lambda: (prefill_fb(runner, 575, 1500), pctx)}
     with torch.inference_mode():
-        for name, fb, ctx in (("decode_b64_ctx2048", decode_fb(runner, 64, 2048), dctx),
-                              ("prefill_4096", prefill_fb(runner, 4096, 0), pctx),
-                              ("continuation_575_on_1500", prefill_fb(runner, 575, 1500), pctx)):
+        for name in names:
+            fb, ctx = cases[name]()
+            name = tag + name
             for _ in range(2):
                 fb.prefill_meta = None
                 runner.forward_fb(fb, ctx)

@@ -29,6 +29,7 @@ _MMA = ("wgmma.mma_async", "mma.sync")
 _CVT_F16 = "cvt.rn.f16x2.e4m3x2"
 _D, _I, _NB_D, _NB_I = 2048, 768, 16, 6           # Qwen3-30B-A3B: hidden, expert intermediate, their 128-blocks
 _LAYOUT = {"SORTED": "*i32", "BLOCK_EXPERT": "*i32", "NUM_POST": "*i32"}
+_DIRECT_LAYOUT = dict.fromkeys(_LAYOUT, "*i64")   # a direct plan passes the routing's int64 expert ids
 # The integer arguments' values at the launch: the runtime specializes each one divisible by 16
 # (and every 16-byte aligned pointer) as such, which is what lets the loads become pipelined
 # cp.async copies; a compile without it shows unpipelined loops and other register counts.
@@ -87,19 +88,22 @@ def compile_stats(kernel, ptr_types: dict, ints: dict, const: dict, warps: int, 
 
 
 def plan_stats(bm: int, bn: int, bk: int, gm: int, warps: int, stages: int, swap: bool = False,
-               fuse_quant: bool | None = None, kernels: tuple[str, ...] = ("gate_up", "down")) -> dict:
+               fuse_quant: bool | None = None, kernels: tuple[str, ...] = ("gate_up", "down"),
+               direct: bool = False) -> dict:
     """``kernels`` of one tile plan, separate-launch path (act quantized in gate_up's epilogue
-    when block_n is 128)."""
+    when block_n is 128); ``direct``: each pair its own row block (a token alone)."""
     from ainfer_pd.engine.quant.fp8_kernels import fp8_moe_down_kernel, fp8_moe_gate_up_kernel
     common = dict(TOPK=8, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, GROUP=128, ON_LOAD=False, FOLD=False,
-                  SWAP_AB=swap, EVEN_K=True, EXACT=False)
+                  SWAP_AB=swap, EVEN_K=True, EXACT=False, DIRECT=direct)
     fq = bn == 128 if fuse_quant is None else fuse_quant
+    layout = _DIRECT_LAYOUT if direct else _LAYOUT
     out = {}
     if "gate_up" in kernels:
-        out["gate_up"] = compile_stats(fp8_moe_gate_up_kernel, *gate_up_args(fq),
+        ptrs, ints = gate_up_args(fq)
+        out["gate_up"] = compile_stats(fp8_moe_gate_up_kernel, {**ptrs, **layout}, ints,
                                        dict(common, FUSE_QUANT=fq, NCNT_PAD=1), warps, stages)
     if "down" in kernels:
-        out["down"] = compile_stats(fp8_moe_down_kernel, DOWN_PTRS, DOWN_INTS, common, warps, stages)
+        out["down"] = compile_stats(fp8_moe_down_kernel, {**DOWN_PTRS, **layout}, DOWN_INTS, common, warps, stages)
     return out
 
 

@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=240)
     ap.add_argument("--out", default=None)
     ap.add_argument("--sections", default="moe64,moe128,moe512,moe4096,decode,prefill",
-                    help="comma list among moe64, moe128, moe512, moe4096, moe16384, decode, prefill")
+                    help="comma list among moe64, moe128, moe512, moe4096, moe16384, moedirect, decode, prefill")
     args = ap.parse_args()
     x = torch.empty(2 << 30, dtype=torch.uint8, device=DEV)
     y = torch.empty_like(x)
@@ -116,6 +116,26 @@ def main() -> None:
               b1, bud)
         sweep(f"moe_down_T{T}", cands, lambda c: ms(lambda: launch_down(act, w2, rows, layout(c[0]), topw, GemmPlan(*c))),
               b2, bud)
+
+    # ---- fused MoE at a handful of tokens (the rollout's tail): the aligned layout against a direct plan
+    # (each pair its own row block: no align / scatter launch), whole fused_experts calls in a CUDA graph
+    if "moedirect" in args.sections:
+        from _cuda_timing import graph_of
+        from ainfer_pd.engine.fused_moe import MoEPlan, fused_experts, moe_plan
+        for T in (1, 2, 4, 8):
+            xx = torch.randn(T, D, device=DEV, dtype=dt)
+            r = route(xx, rw, K)
+            aligned = moe_plan(T * K, E, False)
+            direct = MoEPlan(aligned.gate_up, aligned.down, direct=True)
+            wb = int((r.counts > 0).sum()) * 3 * D * I * 2
+            res = {}
+            for name, plan in (("aligned", aligned), ("direct", direct)):
+                g = graph_of(lambda: fused_experts(xx, r, w13, w2, plan))
+                res[name] = ms(g.replay)
+            print(f"moe T={T}: aligned {res['aligned'] * 1e3:.1f} us, direct {res['direct'] * 1e3:.1f} us "
+                  f"({res['direct'] / res['aligned']:.3f}x), weight bytes bound {wb / bw * 1e6:.1f} us", flush=True)
+            RES[f"moe_direct_T{T}"] = {**{k: round(v, 5) for k, v in res.items()}, "bound_ms": wb / bw * 1e3,
+                                       "direct_over_aligned": round(res["direct"] / res["aligned"], 3)}
 
     # ---- paged decode attention
     # one split_keys serves every batch (a row's splits never depend on its batch): B 1 is the rollout's

@@ -17,8 +17,9 @@ multi-turn rollouts, with and without sibling drafts (issue 38, "must be measure
    the group's other sequences so far), accepts the longest prefix equal to the row's real next
    tokens, and emits that plus one (clipped at the turn's end); the emitted tokens are appended.
    Rows advance in lockstep, one prefill or verify per iteration, so a sibling's index holds only
-   what it had produced by then. A finished trajectory is ``forget``-ed (released); the column
-   "+sib kept" keeps finished siblings' sequences instead.
+   what it had produced by then. A finished trajectory is ``release``-d, as the engine does (its
+   tokens stay for its live siblings: the column "+sib kept"); the column "+sib" ``forget``-s it
+   instead (the engine before: a released sibling's tokens went with it).
 3. **Why a replay is exact here.** Greedy rows: verification accepts a draft while it equals the
    argmax, which is the token plain decoding produced. Sampled rows: suffix drafts are point
    masses and ``spec/verify.py`` samples every position with the sampler's counter noise
@@ -161,8 +162,10 @@ def replay(rows: list[dict], k: int, max_new: int, siblings: bool, keep_finished
                 s["seg"] += 1
                 if s["seg"] == len(r["segs"]):
                     s["done"] = True
-                    if not keep_finished:
-                        d.forget(r["id"])                # released
+                    if keep_finished:
+                        d.release(r["id"])               # released: the engine's
+                    else:
+                        d.forget(r["id"])                # the comparison: its tokens go
     return [s["steps"] for s in state]
 
 

@@ -293,3 +293,20 @@ def test_fp8_plan_table():
     assert (old.gate_up, old.down) == (UNFUSED.gate_up, UNFUSED.down)
     assert not (old.quant_x_on_load or old.quant_act_on_load or old.fold_sum)
     assert as_fp8_moe_plan(LOAD) is LOAD
+
+
+@pytest.mark.parametrize("plan", [SWAP, LOAD_FOLD, SWAP_LOAD_FOLD], ids=["swap", "fold", "swap_fold"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_a_direct_plan_gives_the_aligned_plans_bits(plan, T):
+    """``direct``: each pair its own row block, its expert read from the routing (no layout launches);
+    the same tiles over the same K steps, so the aligned plan's output bit for bit (the fold's last
+    arriver sums the same rows in slot order). A token alone gets a direct plan by default."""
+    x, r, ws = moe_case(T, 8, 2 if T > 1 else 4, 200, 96, F32)
+    direct = dataclasses.replace(plan, gate_up=dataclasses.replace(plan.gate_up, group_m=1),
+                                 down=dataclasses.replace(plan.down, group_m=1))
+    aligned = fused_experts_fp8(x, r, *ws, plan=direct)
+    assert torch.equal(fused_experts_fp8(x, r, *ws, plan=dataclasses.replace(direct, direct=True)), aligned)
+    assert rel_err(aligned, fp8.experts_fp8_reference(x, r.topk_idx, r.topk_weights, *ws)) <= 1e-4
+    assert fp8_moe_plan(4, 8, tokens=1).direct and not fp8_moe_plan(8, 8, tokens=2).direct
+    with pytest.raises(ValueError, match="row groups"):
+        check_fp8_moe_plan(dataclasses.replace(LOAD, direct=True))

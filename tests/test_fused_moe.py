@@ -115,3 +115,29 @@ def test_gate_router_check_accepts_either_expert_of_a_tie_and_refuses_a_wrong_ch
     _, werr = topk_choice_error(torch.tensor([[1, 3], [0, 1]]), w.flip(-1), probs, norm=True)
     assert werr > 0.5
     assert topk_choice_error(torch.tensor([[1, 1], [0, 1]]), w, probs, norm=True)[0] == float("inf")
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 16, 4), (3, 8, 2), (1, 8, 8)])
+def test_a_direct_plan_needs_no_layout_and_matches_the_aligned_one(T, E, k):
+    """``MoEPlan.direct``: each pair its own row block, the expert read from the routing (no align /
+    scatter launches): the reference's result, and a token decoding alone gets the aligned plan's
+    bits (the same tiles over the same K steps, one row of the block used)."""
+    D, I = 32, 48
+    w13, w2, rw = weights(E, D, I, seed=4)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(11))
+    r = route(x, rw, k)
+    tiles = (GemmPlan(16, 16, 16, 1, 4, 1), GemmPlan(16, 16, 16, 1, 4, 1))
+    direct = fused_experts(x, r, w13, w2, MoEPlan(*tiles, direct=True))
+    ref = experts_local(x, r, w13, w2)
+    assert (direct - ref).abs().max().item() < 1e-4 * max(1.0, ref.abs().max().item())
+    aligned = fused_experts(x, r, w13, w2, MoEPlan(*tiles))
+    assert torch.equal(direct, aligned)
+    with pytest.raises(AssertionError, match="row groups"):
+        fused_experts(x, r, w13, w2, MoEPlan(GemmPlan(16, 16, 16, 4, 4, 1), GemmPlan(16, 16, 16, 4, 4, 1), direct=True))
+
+
+def test_a_token_alone_takes_the_direct_plan_with_the_small_tiles():
+    from ainfer_pd.engine.fused_moe import moe_plan
+    alone, small = moe_plan(8, 128, False, tokens=1), moe_plan(8, 128, False)
+    assert alone.direct and not small.direct and (alone.gate_up, alone.down) == (small.gate_up, small.down)
+    assert not moe_plan(16, 128, False, tokens=2).direct and not moe_plan(8, 128, True, tokens=1).direct

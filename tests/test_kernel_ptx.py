@@ -52,15 +52,29 @@ for kv in ("fp8e4nv", "bf16"):
     out["prefill_" + kv] = ops(paged_prefill_kernel, ptr,
                                dict(GROUP=8, HEAD_DIM=128, PAGE=16, BLOCK_M=64, BLOCK_N=64, IEEE=False, KV_FP8=fp8))
 
-def moe(p, swap):
-    return plan_stats(p.block_m, p.block_n, p.block_k, p.group_m, p.num_warps, p.num_stages, swap)
+def moe(p, swap, direct=False):
+    return plan_stats(p.block_m, p.block_n, p.block_k, p.group_m, p.num_warps, p.num_stages, swap, direct=direct)
 
-decode, prefill = fp8_moe_plan(8, 128), fp8_moe_plan(8 * 8192, 128)
+decode, prefill, alone = fp8_moe_plan(8, 128), fp8_moe_plan(8 * 8192, 128), fp8_moe_plan(8, 128, tokens=1)
 out["moe_decode"] = {"gate_up": moe(decode.gate_up, decode.swap_ab)["gate_up"],
-                     "down": moe(decode.down, decode.swap_ab)["down"]}
+                     "down": moe(decode.down, decode.swap_ab)["down"],
+                     "gate_up direct": moe(alone.gate_up, alone.swap_ab, alone.direct)["gate_up"],
+                     "down direct": moe(alone.down, alone.swap_ab, alone.direct)["down"]}
 out["moe_prefill"] = {"gate_up": moe(prefill.gate_up, prefill.swap_ab)["gate_up"],
                       "down": moe(prefill.down, prefill.swap_ab)["down"]}
 out["moe_gate_up_64x128_w4"] = plan_stats(64, 128, 128, 8, 4, 3)["gate_up"]
+
+from ainfer_pd.engine.fused_moe import moe_plan
+from ainfer_pd.engine.fused_moe.kernels import moe_down_kernel, moe_gate_up_kernel
+for p in (moe_plan(8, 128, False, tokens=1), moe_plan(8 * 64, 128, False, tokens=64)):
+    lay = dict.fromkeys(("SORTED", "BLOCK_EXPERT", "NUM_POST"), "*i64" if p.direct else "*i32")  # as launched
+    c = dict(IEEE=False, DIRECT=p.direct)
+    tiles = lambda g: dict(BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m)
+    out["bf16_moe_direct" if p.direct else "bf16_moe_aligned"] = {
+        "gate_up": compile_stats(moe_gate_up_kernel, {**lay, "X": "*bf16", "W": "*bf16", "ACT": "*bf16"}, {},
+                                 dict(c, TOPK=8, **tiles(p.gate_up)), p.gate_up.num_warps, p.gate_up.num_stages),
+        "down": compile_stats(moe_down_kernel, {**lay, "A": "*bf16", "W": "*bf16", "OUT": "*bf16", "TOPW": "*fp32"},
+                              {}, dict(c, **tiles(p.down)), p.down.num_warps, p.down.num_stages)}
 out["moe_128x128_w8"] = plan_stats(128, 128, 128, 8, 8, 3)
 print(json.dumps(out))
 '''
@@ -116,3 +130,14 @@ def test_fp8_moe_prefill_tiles_spill_nothing(ptx_ops):
     for name, s in tiles.items():
         assert s["spill"] == 0 and s["cvt_f16"] == 0, (name, s)
         assert s["mma"] and all(".e4m3.e4m3" in m for m in s["mma"]), (name, s)
+
+
+def test_bf16_moe_kernels_compile_for_both_layouts(ptx_ops):
+    """The bf16 fused MoE's kernels compile with the direct plan's int64 expert ids and the aligned
+    plan's int32 layout (the interpreter does not type-check: a direct helper whose two returns
+    differed in type compiled only on the GPU), each with its bf16 MMAs."""
+    assert set(ptx_ops) >= {"bf16_moe_direct", "bf16_moe_aligned"}
+    for name in ("bf16_moe_direct", "bf16_moe_aligned"):
+        for kernel, s in ptx_ops[name].items():
+            assert s["mma"] and all("bf16" in m for m in s["mma"]), (name, kernel, s)
+

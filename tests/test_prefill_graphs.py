@@ -5,7 +5,7 @@ from ainfer_pd import WorkerConfig
 from ainfer_pd.engine.runtime.cuda_graphs import graph_buckets
 from ainfer_pd.engine.kv.kv_cache import KVCacheManager
 from ainfer_pd.engine.runtime.prefill_graphs import prefill_graph_buckets
-from ainfer_pd.engine.runtime.runner import ModelRunner, RunnerSections
+from ainfer_pd.engine.runtime.runner import ModelRunner, RunnerSections, graph_captures
 from ainfer_pd.phase import Phase, PhaseContext
 
 
@@ -25,7 +25,7 @@ def test_decode_graph_buckets_cover_the_whole_context_by_default():
 
 def test_a_cpu_runner_refuses_prefill_graphs_and_says_why():
     cfg = WorkerConfig.from_yaml("configs/tiny-cpu.yaml")
-    r = ModelRunner(RunnerSections.from_config(cfg), __import__("torch").device("cpu"), KVCacheManager(64, cfg.cache.block_size))
+    r = ModelRunner(RunnerSections.from_config(cfg), torch.device("cpu"), KVCacheManager(64, cfg.cache.block_size))
     assert r.prefill_graphs_refusal() == "no CUDA device"
     assert r.capture_prefill_graphs(PhaseContext(Phase.PREFILL, None)) == 0 and r.pgraphs is None
     plan = r.build([], [])
@@ -59,6 +59,8 @@ def test_each_phase_captures_its_graphs_on_its_own_stream(monkeypatch):
     d, p = PhaseContext(Phase.DECODE, _Stream(dev, "D")), PhaseContext(Phase.PREFILL, _Stream(dev, "P"))
     assert (r.phase_stream(d), r.phase_stream(p)) == ("cuda:D", "cuda:P")
     assert dev.asked == [("D", None), ("P", None)]
+    assert [(c, f.__name__) for c, f in graph_captures(r, d, p)] == [(d, "capture_decode_graphs"),
+                                                                   (p, "capture_prefill_graphs")]
     # without device streams (a runner driven by a benchmark) each phase gets a stream of its own, kept
     made = []
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: made.append(device) or f"stream{len(made)}")

@@ -113,7 +113,7 @@ def test_a_new_turn_of_a_row_in_backoff_is_probed_at_once_and_forget_drops_the_b
     assert spec.probes(nxt)
     spec.plan([nxt])
     assert spec.backoff["a"][1].wait == 2                 # the trajectory's wait carries over
-    spec.forget("a")
+    spec.release("a")
     assert not spec.backoff
 
 
@@ -136,6 +136,8 @@ def test_a_device_drafter_s_rows_never_back_off():
 
         def forget(self, tid):
             pass
+
+        release = forget
 
     d = Device()
     spec = Speculator(SpecConfig(method="suffix", adaptive=False, num_draft_tokens=4), 4096, None, _Rec(), d)
@@ -165,3 +167,34 @@ def test_measured_host_time_stops_speculating_and_fades_until_it_is_tried_again(
     assert spec.metrics()["spec_host_ms"] == pytest.approx(1e3 * spec.host_s)
     batch = spec.plan([t])
     assert batch is not None and batch.host_s > 0
+
+
+def test_the_stale_probe_settles_only_for_a_row_with_a_draft_and_books_the_empty_ones():
+    """Overlapped, before the iteration in flight is read: rows whose known tokens give no draft
+    book an empty probe (backoff) and give no reason to settle; a periodic row does; a row in
+    backoff or at its cap is not probed; a device drafter always settles."""
+    spec = _spec()
+    rows = [_turn(f"r{i}", [100 * i + j for j in range(30)]) for i in range(3)]
+    assert not spec.stale_hit(rows)
+    assert all(spec.backoff[t.tid][1].wait == 1 for t in rows)
+    assert not spec.stale_hit(rows) and all(spec.backoff[t.tid][1].wait == 1 for t in rows)   # in backoff: skipped
+    periodic = _turn("p", [7, 8, 9] * 6)
+    assert spec.stale_hit(rows + [periodic]) and "p" not in spec.backoff
+    full = _turn("f", [7, 8, 9] * 6)
+    full.params = SamplingParams(max_new_tokens=1)
+    assert spec.cap(full) == 0 and not spec.stale_hit([full]) and "f" not in spec.backoff
+
+    class Device:
+        async def prepare(self, rows, caps) -> None:
+            pass
+
+        def draft(self, tid, k):
+            raise AssertionError("a device drafter is not probed on stale tokens")
+
+        def extend(self, tid, tokens, group=""):
+            pass
+
+        release = forget = lambda self, tid: None
+
+    dev = Speculator(SpecConfig(method="suffix", adaptive=False, num_draft_tokens=4), 4096, None, _Rec(), Device())
+    assert dev.stale_hit(rows)

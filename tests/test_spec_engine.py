@@ -153,6 +153,33 @@ def test_a_table_that_never_pays_costs_the_d_loop_no_per_row_work(ids, plain):
     _same(asyncio.run(go()), want)
 
 
+def test_rows_with_no_draft_keep_the_d_loop_overlapped():
+    """Seeded samples at temperature 1.5 rarely repeat a 3-gram: with speculation on (not
+    adaptive: every probing row would be drafted) the overlapped D loop reads the iteration in
+    flight only for a row whose known tokens give a draft (:meth:`~ainfer_pd.spec.speculator.
+    Speculator.stale_hit`); the rows with none back off on those probes, so most iterations stay
+    overlapped (before, each one with a probing row gave its overlap up), and the tokens equal
+    spec off."""
+    params = [SamplingParams(max_new_tokens=40, temperature=1.5, seed=100 + i, ignore_eos=True) for i in range(6)]
+    prompts = [[1000 + 37 * i + j for j in range(12)] for i in range(6)]
+
+    async def go(spec: bool):
+        cfg = hf_worker_cfg(DIR, **({"spec": {**SPEC}} if spec else {}))
+        async with RolloutWorker(cfg) as w:
+            calls = {"stale_hit": 0, "prepare": 0}
+            if spec:
+                _count(w.engine.spec, "stale_hit", calls), _count(w.engine.spec, "prepare", calls)
+            outs = await asyncio.gather(*(w.generate(p, sp) for p, sp in zip(prompts, params)))
+            m = w.metrics()
+            assert w.engine.d.overlap
+            return [o.token_ids for o in outs], m, calls
+    off, m_off, _ = asyncio.run(go(False))
+    on, m_on, calls = asyncio.run(go(True))
+    assert on == off
+    assert calls["stale_hit"] > 0 and calls["prepare"] < 0.25 * m_on["d_iter_s_count"], (calls, m_on["d_iter_s_count"])
+    assert m_on["d_rows_fed"] > 0.5 * m_off["d_rows_fed"], (m_on["d_rows_fed"], m_off["d_rows_fed"])
+
+
 def test_measured_verify_costs_at_start(ids):
     """Adaptive without a table: the engine measures one at start (width 1 included)."""
     async def go():

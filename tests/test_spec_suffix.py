@@ -163,6 +163,34 @@ def test_forget_drops_a_sibling_and_its_occurrences():
     assert d.draft("c", 2) == [] and not d.groups
 
 
+def test_a_released_sibling_drafts_for_the_live_ones_and_the_group_goes_with_the_last(monkeypatch):
+    """A GRPO response that ended is what its siblings most likely repeat: its tokens stay in the
+    group's index after its release, at no cost (nothing is filtered out of the index), and the
+    whole group goes with its last live member."""
+    d = SuffixDrafter()
+    d.extend("a", [1, 2, 3, 4, 5], group="g")
+    d.extend("b", [1, 2, 3], group="g")
+    monkeypatch.setattr(SuffixIndex, "forget", lambda self, seq_id: pytest.fail("a release filtered the index"))
+    d.release("a")
+    assert d.draft("b", 2) == [4, 5]                 # from the released sibling
+    d.release("a")                                   # twice: a no-op
+    d.release("b")
+    assert not d.groups and d.num_tokens == 0 and not (d._group_of or d._live or d._members)
+    d.extend("solo", [1, 2, 1, 2])                   # a group of its own goes at its release
+    d.release("solo")
+    assert not d.groups and not d._group_of
+    monkeypatch.undo()
+    d.extend("a", [1, 2, 3, 4, 5], group="g")
+    d.extend("b", [9, 9], group="g")
+    d.release("a")
+    d.extend("a", [7, 8], group="g")                 # a released id extended again: a new sequence
+    assert d.groups["g"].tokens("a") == [7, 8]
+    d.forget("b")                                    # a rollback's forget: a is the live member left
+    assert d.groups["g"].tokens("a") == [7, 8] and "b" not in d.groups["g"]
+    d.forget("a")
+    assert not d.groups and not (d._group_of or d._live or d._members)
+
+
 def test_bad_tokens_and_arguments_are_refused():
     ix = SuffixIndex()
     with pytest.raises(SpecInputError, match="non-negative"):

@@ -49,7 +49,7 @@ from .loop.timings import EngineTimings
 from .loop.p_walk import GATED_LANE
 from .kv.residency import Residency, kv_blocks_from_memory
 from .runtime.mtp_runner import MtpRunner
-from .runtime.runner import ModelRunner, RunnerSections
+from .runtime.runner import ModelRunner, RunnerSections, graph_captures
 from .runtime.warmup import warmup_prefill
 from .loop.state import Turn
 from .loop.turns import TurnBook
@@ -124,8 +124,7 @@ class Engine:
         if self.dist is not None:
             self.dist.install(self)           # the phase hooks, before the graphs bind them
         if self.device.kind == "cuda" and dc.cuda_graphs:  # each on its phase's stream, thread (phase_capture)
-            for ctx, capture in ((self.decode_ctx, self.runner.capture_decode_graphs),
-                                 (self.prefill_ctx, self.runner.capture_prefill_graphs)):
+            for ctx, capture in graph_captures(self.runner, self.decode_ctx, self.prefill_ctx):
                 ctx.stream.submit(capture, ctx, label=f"{ctx.stream.name}.capture").enqueued().result()
         if self.device.kind == "cuda" and dc.warmup_prefill:
             self.prefill_ctx.stream.submit(warmup_prefill, self.runner, self.prefill_ctx,

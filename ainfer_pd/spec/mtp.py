@@ -283,6 +283,10 @@ class MtpDrafter:
         self.ready.pop(tid, None)
         self.keys.forget(tid)
 
+    def release(self, tid: str) -> None:
+        """The trajectory was released: as :meth:`forget` (a stash serves its own row only)."""
+        self.forget(tid)
+
     def drop(self, keys: list[int]) -> None:
         """A TP follower: its leader forgot the stashes of these keys."""
         for key in keys:

@@ -21,7 +21,9 @@ acceptance back. :meth:`worth_drafting` says, before any drafting, whether the c
 let the batch speculate at all (at high batch it cannot: the D loop then stays overlapped).
 A row whose recent host drafts came back empty is skipped (:mod:`~.backoff`: not drafted, a
 zero-length draft) until its re-probe (an MTP row never is: its empty drafts are transient), and
-:meth:`worth_drafting` counts only the rows it would probe now: a batch of rows all in backoff stays overlapped, with no host drafting at all.
+:meth:`worth_drafting` counts only the rows it would probe now: a batch of rows all in backoff stays overlapped, with no host drafting at all;
+overlapped, :meth:`stale_hit` probes them on the tokens already read, and the D driver reads the
+iteration in flight (giving up the overlap) only when one of them has a draft.
 """
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ class Speculator:
         self.cfg, self.max_context_len, self.costs, self.rec = cfg, max_context_len, costs, rec
         self.k_max = cfg.num_draft_tokens
         self.drafter = drafter if drafter is not None else SuffixDrafter()
-        """``extend`` / ``forget`` / ``draft`` (host), and ``prepare`` for one that drafts on the
+        """``extend`` / ``release`` / ``forget`` / ``draft`` (host), and ``prepare`` for one that drafts on the
         device (:class:`~.mtp.MtpDrafter`); the suffix drafter by default."""
         self.on_device = callable(getattr(self.drafter, "prepare", None))
         """The drafter runs on the device (MTP): its empty drafts are transient (no hidden state
@@ -123,15 +125,17 @@ class Speculator:
             self.drafter.extend(tid, SeqTokens(t)[n:total], group=self._group(t))
         self.held[tid] = (t, total)
 
-    def forget(self, tid: str) -> None:
-        """The trajectory was released: its sequence and acceptance go."""
+    def release(self, tid: str) -> None:
+        """The trajectory was released: its acceptance and backoff go, and the drafter is told
+        (:meth:`~.suffix.SuffixDrafter.release`: its tokens stay for its live siblings). A sequence
+        only noted, never given, is not given now."""
         g = self.pending_group.pop(tid, None)
         if g is not None:
             noted = self.pending[g]
             del noted[tid]
             if not noted:
                 del self.pending[g]
-        self.drafter.forget(tid)
+        self.drafter.release(tid)
         self.held.pop(tid, None)
         self.acc.pop(tid, None)
         self.backoff.pop(tid, None)
@@ -183,6 +187,28 @@ class Speculator:
             return False, False
         return choose(self.costs, self.rates(rows), available, k_max=self.k_max, host_s=self.host_s,
                       world_rows=world_rows).k > 0, True
+
+    def stale_hit(self, rows: list[Turn]) -> bool:
+        """Overlapped, before reading the iteration in flight (which holds each row's next token):
+        would any row be worth settling for? A host drafter probes each row it would draft now on
+        the tokens it has (one short of the fresh context); a row with no draft there books the
+        empty probe (:mod:`.backoff`) and gives no reason to settle. A fresh draft's match ends at
+        the in-flight token, so one that begins there is missed until the row's next probe; a
+        device drafter (MTP) always says yes (its drafts need the settled tokens). Drafts stay
+        suggestions: this only decides whether the overlap is given up for them."""
+        if self.on_device:
+            return True
+        hit = False
+        for t in rows:
+            if self.cap(t) == 0 or not self.probes(t):
+                continue
+            self.sync(t)
+            self._flush(t)
+            if self.drafter.draft(t.tid, 1):
+                hit = True
+            else:
+                self._after_draft(t, 0)
+        return hit
 
     def cap(self, t: Turn) -> int:
         """The most drafts ``t`` may verify: its tokens left (length, context) less one."""

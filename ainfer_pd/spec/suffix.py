@@ -222,40 +222,70 @@ class SuffixIndex:
 
 class SuffixDrafter:
     """Drafts for many trajectories: one :class:`SuffixIndex` per group of siblings. A trajectory
-    joins its group on its first :meth:`extend` (``group=None``: a group of its own)."""
+    joins its group on its first :meth:`extend` (``group=None``: a group of its own) and is one of
+    the group's live members until :meth:`release`; a released member's tokens stay in the index for
+    its siblings (an ended GRPO response is what the others are most likely to repeat), and the
+    group goes, whole, with its last live member."""
 
     def __init__(self, **index_kw) -> None:
         self._index_kw = index_kw
         SuffixIndex(**index_kw)                       # check the arguments once, here
         self.groups: dict[object, SuffixIndex] = {}
-        self._group_of: dict[object, object] = {}
+        self._group_of: dict[object, object] = {}     # every sequence held, live or released
+        self._members: dict[object, set] = {}         # group -> every sequence held (live or released)
+        self._live: dict[object, set] = {}            # group -> its live members
 
     def extend(self, seq_id: object, tokens: Iterable[int], *, group: object = None) -> None:
         g = self._group_of.get(seq_id)
         if g is None:
             g = seq_id if group is None else group
             self._group_of[seq_id] = g
+            self._members.setdefault(g, set()).add(seq_id)
         elif group is not None and group != g:
             raise SpecInputError(f"sequence {seq_id!r} is in group {g!r}, not {group!r}")
         idx = self.groups.get(g)
         if idx is None:
             idx = self.groups[g] = SuffixIndex(**self._index_kw)
+        live = self._live.setdefault(g, set())
+        if seq_id not in live:
+            if seq_id in idx:                         # a released id extended again: a new sequence
+                idx.forget(seq_id)
+            live.add(seq_id)
         idx.extend(seq_id, tokens)
 
+    def release(self, seq_id: object) -> None:
+        """The sequence's trajectory ended: it drafts no more, its tokens stay for its live siblings;
+        with the group's last live member the whole group goes (nothing is filtered out of an index:
+        a release costs O(1), the group's end O(members))."""
+        g = self._group_of.get(seq_id)
+        if g is None:
+            return
+        live = self._live.get(g)
+        if live is not None:
+            live.discard(seq_id)
+        if not live:
+            self.forget_group(g)
+
     def forget(self, seq_id: object) -> None:
-        """Drop a sequence (its siblings keep drafting from theirs); an emptied group goes."""
+        """Drop a sequence and its occurrences (a rolled-back sequence: its tokens are wrong); its
+        siblings keep drafting from theirs; a group without live members goes."""
         g = self._group_of.pop(seq_id, None)
         if g is None:
             return
         idx = self.groups[g]
         idx.forget(seq_id)
-        if not len(idx):
-            del self.groups[g]                        # (a member evicted from it starts it again)
+        self._members[g].discard(seq_id)
+        live = self._live.get(g)
+        if live is not None:
+            live.discard(seq_id)
+        if not len(idx) or not live:
+            self.forget_group(g)                      # (a member evicted from it starts it again)
 
     def forget_group(self, group: object) -> None:
         """Drop a whole group (all its siblings ended)."""
         self.groups.pop(group, None)
-        for sid in [s for s, g in self._group_of.items() if g == group]:
+        self._live.pop(group, None)
+        for sid in self._members.pop(group, ()):
             del self._group_of[sid]
 
     def draft(self, seq_id: object, k: int) -> list[int]:

@@ -16,8 +16,8 @@ from torch import Tensor
 from ..model.moe import Routing
 from .plan import GemmPlan, MoEPlan, moe_plan
 
-__all__ = ["GemmPlan", "MoEPlan", "align_blocks", "align_blocks_triton", "fused_experts", "fused_softmax_route",
-           "launch_down", "launch_gate_up", "moe_plan"]
+__all__ = ["GemmPlan", "MoEPlan", "align_blocks", "align_blocks_triton", "direct_layout", "fused_experts",
+           "fused_softmax_route", "launch_down", "launch_gate_up", "moe_plan"]
 
 
 def align_blocks(r: Routing, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -70,31 +70,39 @@ def align_blocks_triton(r: Routing, block_m: int) -> tuple[Tensor, Tensor, Tenso
     return sorted_ids, block_expert, num_post
 
 
+def direct_layout(r: Routing) -> tuple[Tensor, Tensor, Tensor]:
+    """The layout of a :attr:`MoEPlan.direct` plan: the routing's flat expert ids, nothing built
+    (row block m is pair m; the kernels read only the expert ids)."""
+    flat = r.topk_idx.reshape(-1)
+    return flat, flat, flat
+
+
 def launch_gate_up(x: Tensor, w13: Tensor, act: Tensor, layout: tuple[Tensor, Tensor, Tensor], top_k: int,
-                   g: GemmPlan) -> None:
+                   g: GemmPlan, direct: bool = False) -> None:
     """act [N, I] = silu(x[tok] @ W13[e, :, :I]) * (x[tok] @ W13[e, :, I:]) for every pair."""
     from .kernels import moe_gate_up_kernel
-    _launch(moe_gate_up_kernel, layout, g, act.shape[1], x, w13, act, num_k=x.shape[1], TOPK=top_k)
+    _launch(moe_gate_up_kernel, layout, g, act.shape[1], x, w13, act, num_k=x.shape[1], direct=direct, TOPK=top_k)
 
 
 def launch_down(act: Tensor, w2: Tensor, rows: Tensor, layout: tuple[Tensor, Tensor, Tensor], topw: Tensor,
-                g: GemmPlan) -> None:
+                g: GemmPlan, direct: bool = False) -> None:
     """rows [N, D] = topw[pair] * act[pair] @ W2[e] for every pair."""
     from .kernels import moe_down_kernel
-    _launch(moe_down_kernel, layout, g, rows.shape[1], act, w2, rows, num_k=act.shape[1], topw=topw)
+    _launch(moe_down_kernel, layout, g, rows.shape[1], act, w2, rows, num_k=act.shape[1], topw=topw, direct=direct)
 
 
 def _launch(kernel, layout, g: GemmPlan, ncols: int, a: Tensor, w: Tensor, out: Tensor, *, num_k: int,
-            topw: Tensor | None = None, **meta) -> None:
-    """One expert GEMM over the aligned row blocks: a [N or T, K] rows, w [E, K, ncols] -> out [N, ncols]."""
+            topw: Tensor | None = None, direct: bool = False, **meta) -> None:
+    """One expert GEMM over the aligned row blocks (``direct``: one block a pair, :func:`direct_layout`):
+    a [N or T, K] rows, w [E, K, ncols] -> out [N, ncols]."""
     sorted_ids, block_expert, num_post = layout
-    P = sorted_ids.numel()
+    P = sorted_ids.numel() * (g.block_m if direct else 1)
     grid = (triton_cdiv(P, g.block_m) * triton_cdiv(ncols, g.block_n),)
     ptrs = (a, w, out, sorted_ids, block_expert, num_post) + ((topw,) if topw is not None else ())
     kernel[grid](*ptrs, out.shape[0], P, num_k, ncols,
                  a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
                  BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
-                 IEEE=a.dtype == torch.float32, num_warps=g.num_warps, num_stages=g.num_stages, **meta)
+                 IEEE=a.dtype == torch.float32, DIRECT=direct, num_warps=g.num_warps, num_stages=g.num_stages, **meta)
 
 
 def fused_experts(x: Tensor, r: Routing, w13: Tensor, w2: Tensor, plan: MoEPlan | None = None) -> Tensor:
@@ -105,14 +113,15 @@ def fused_experts(x: Tensor, r: Routing, w13: Tensor, w2: Tensor, plan: MoEPlan 
     N = T * k
     if N == 0:
         return torch.zeros_like(x)
-    plan = plan or moe_plan(N, E, x.dtype == torch.float32)
+    plan = plan or moe_plan(N, E, x.dtype == torch.float32, tokens=T)
     assert plan.gate_up.block_m == plan.down.block_m, "both GEMMs walk the same aligned blocks"
-    layout = align_blocks_triton(r, plan.block_m)
+    assert not plan.direct or plan.gate_up.group_m == plan.down.group_m == 1, "a direct plan has no row groups"
+    layout = direct_layout(r) if plan.direct else align_blocks_triton(r, plan.block_m)
     x = x.contiguous()
     act = torch.empty(N, I2 // 2, dtype=x.dtype, device=x.device)
-    launch_gate_up(x, w13, act, layout, k, plan.gate_up)
+    launch_gate_up(x, w13, act, layout, k, plan.gate_up, plan.direct)
     rows = torch.empty(N, D, dtype=x.dtype, device=x.device)
-    launch_down(act, w2, rows, layout, r.topk_weights.reshape(-1).contiguous(), plan.down)
+    launch_down(act, w2, rows, layout, r.topk_weights.reshape(-1).contiguous(), plan.down, plan.direct)
     return rows.view(T, k, D).sum(dim=1)          # fp32 accumulation, one rounding
 
 

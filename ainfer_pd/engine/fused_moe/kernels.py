@@ -36,15 +36,23 @@ def _tile_ids(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _expert_block(SORTED, BLOCK_EXPERT, NUM_POST, num_pairs, P, NCOLS, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+                  BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, DIRECT: tl.constexpr):
     """This program's row block and column tile: (in use, expert, pair ids, row mask, columns,
-    column mask). Blocks past NUM_POST hold only padding (the caller exits)."""
+    column mask). Blocks past NUM_POST hold only padding (the caller exits). ``DIRECT``: row block
+    ``m`` is pair ``m`` alone and ``BLOCK_EXPERT`` the routing's flat expert ids (no layout: P is
+    ``num_pairs * BLOCK_M``, SORTED and NUM_POST are not read)."""
     pid_m, pid_n = _tile_ids(tl.cdiv(P, BLOCK_M), tl.cdiv(NCOLS, BLOCK_N), GROUP_M)
-    active = pid_m * BLOCK_M < tl.load(NUM_POST)
-    e = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
-    pairs = tl.load(SORTED + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    return active, e, pairs, pairs < num_pairs, offs_n, offs_n < NCOLS
+    if DIRECT:                        # one branch is compiled: one return, one set of types
+        active = pid_m < num_pairs
+        pairs = pid_m + tl.zeros([BLOCK_M], tl.int32)
+        rmask = tl.arange(0, BLOCK_M) == 0
+    else:
+        active = pid_m * BLOCK_M < tl.load(NUM_POST)
+        pairs = tl.load(SORTED + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int32)
+        rmask = pairs < num_pairs
+    e = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
+    return active, e, pairs, rmask, offs_n, offs_n < NCOLS
 
 
 @triton.jit(do_not_specialize=["num_pairs", "P"])
@@ -53,10 +61,10 @@ def moe_gate_up_kernel(
     num_pairs, P, K, I,
     stride_xt, stride_we, stride_wk, stride_wn, stride_an,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, IEEE: tl.constexpr,
+    GROUP_M: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr,
 ):
     active, e, pairs, rmask, offs_n, nmask = _expert_block(SORTED, BLOCK_EXPERT, NUM_POST, num_pairs, P, I,
-                                                           BLOCK_M, BLOCK_N, GROUP_M)
+                                                           BLOCK_M, BLOCK_N, GROUP_M, DIRECT)
     if not active:
         return
     tok = (pairs // TOPK).to(tl.int64)
@@ -91,10 +99,10 @@ def moe_down_kernel(
     num_pairs, P, K, N,
     stride_an, stride_we, stride_wk, stride_wn, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, IEEE: tl.constexpr,
+    GROUP_M: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr,
 ):
     active, e, pairs, rmask, offs_n, nmask = _expert_block(SORTED, BLOCK_EXPERT, NUM_POST, num_pairs, P, N,
-                                                           BLOCK_M, BLOCK_N, GROUP_M)
+                                                           BLOCK_M, BLOCK_N, GROUP_M, DIRECT)
     if not active:
         return
     prow = pairs.to(tl.int64)

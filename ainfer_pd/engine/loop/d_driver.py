@@ -82,7 +82,8 @@ class DDriver:
         if self.dist is not None:
             if verify:                       # inside the round: P is released after the verify's launch
                 batch = await self._agreed_drafts(rows, rnd)
-        elif self.spec is not None and self.spec.worth_drafting(rows):
+        elif (self.spec is not None and self.spec.worth_drafting(rows)
+              and (self.prev is None or self.spec.stale_hit(rows))):
             if self.prev is not None:        # drafts continue the rows' last tokens: read them first
                 await self.settle()
                 rows = self.rows(limit)

@@ -309,6 +309,7 @@ def fp8_moe_gate_up_kernel(
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, GROUP: tl.constexpr, ON_LOAD: tl.constexpr, FUSE_QUANT: tl.constexpr,
     FOLD: tl.constexpr, NCNT_PAD: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, EXACT: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     """ACT[pair, n] = silu(g) * u, g / u = x_q[tok] . W[e, n] / W[e, I + n] (block scales applied);
     ON_LOAD: X is the float x, quantized here (XS unused). FOLD: the first column tile's programs
@@ -316,7 +317,7 @@ def fp8_moe_gate_up_kernel(
     the products are computed transposed (:func:`_scaled_mma`). Padding rows read token 0's row
     and columns past I wrap to the start (no masked loads; neither is stored)."""
     active, e, pairs, rmask, offs_n, nmask = _expert_block(SORTED, BLOCK_EXPERT, NUM_POST, num_pairs, P, I,
-                                                           BLOCK_M, BLOCK_N, GROUP_M)
+                                                           BLOCK_M, BLOCK_N, GROUP_M, DIRECT)
     if not active:
         return
     tok = (tl.where(rmask, pairs, 0) // TOPK).to(tl.int64)
@@ -369,13 +370,13 @@ def fp8_moe_down_kernel(
     stride_an, stride_asn, stride_we, stride_wn, stride_wse, stride_wsn, stride_rn, stride_ot,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, GROUP: tl.constexpr, ON_LOAD: tl.constexpr, FOLD: tl.constexpr, SWAP_AB: tl.constexpr,
-    EVEN_K: tl.constexpr, EXACT: tl.constexpr,
+    EVEN_K: tl.constexpr, EXACT: tl.constexpr, DIRECT: tl.constexpr,
 ):
     """ROWS[pair, n] = topw[pair] * act_q[pair] . W[e, n] (block scales applied), in ROWS' dtype;
     ON_LOAD: A is the float32 act, quantized here (AS unused). FOLD: OUT[token] = the sum of its
     k rows too (:func:`_fold_slots`). SWAP_AB, padding rows, columns past N: as gate_up."""
     active, e, pairs, rmask, offs_n, nmask = _expert_block(SORTED, BLOCK_EXPERT, NUM_POST, num_pairs, P, N,
-                                                           BLOCK_M, BLOCK_N, GROUP_M)
+                                                           BLOCK_M, BLOCK_N, GROUP_M, DIRECT)
     if not active:
         return
     prow = pairs.to(tl.int64)

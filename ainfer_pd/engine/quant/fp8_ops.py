@@ -19,7 +19,7 @@ import os
 import torch
 from torch import Tensor
 
-from ..fused_moe import align_blocks_triton
+from ..fused_moe import align_blocks_triton, direct_layout
 from ..fused_moe.plan import GemmPlan, MoEPlan
 from ..model.moe import Routing
 from .fp8 import BLOCK, FP8, blocks, check_scale, w13_scale_shape
@@ -135,17 +135,18 @@ def fp8_linear(x: Tensor, w_q: Tensor, w_scale: Tensor, bias: Tensor | None = No
 
 
 def _moe_launch(kernel, layout: tuple[Tensor, Tensor, Tensor], g: GemmPlan, ncols: int, ptrs: tuple,
-                sizes: tuple, strides: tuple, **meta) -> None:
-    """One expert GEMM over the aligned row blocks (``ncols`` output columns): sizes = (pairs, K
-    reduced, NCNT), the kernel's sizes with ``P`` and ``ncols`` filled in; K steps unmasked when
-    block_k divides K."""
+                sizes: tuple, strides: tuple, direct: bool = False, **meta) -> None:
+    """One expert GEMM over the aligned row blocks (``ncols`` output columns; ``direct``: one block a
+    pair, :func:`..fused_moe.direct_layout`): sizes = (pairs, K reduced, NCNT), the kernel's sizes
+    with ``P`` and ``ncols`` filled in; K steps unmasked when block_k divides K."""
     sorted_ids = layout[0]
-    P = sorted_ids.numel()
+    P = sorted_ids.numel() * (g.block_m if direct else 1)
     num_pairs, num_k, ncnt = sizes
     kernel[(_cdiv(P, g.block_m) * _cdiv(ncols, g.block_n),)](
         *layout, *ptrs, num_pairs, P, num_k, ncols, ncnt, *strides,
         BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m, GROUP=BLOCK,
-        EVEN_K=num_k % g.block_k == 0, EXACT=_exact_cast(), num_warps=g.num_warps, num_stages=g.num_stages, **meta)
+        EVEN_K=num_k % g.block_k == 0, EXACT=_exact_cast(), DIRECT=direct, num_warps=g.num_warps,
+        num_stages=g.num_stages, **meta)
 
 
 def launch_fp8_gate_up(x: Tensor, x_scale: Tensor | None, w13_q: Tensor, w13_scale: Tensor,
@@ -169,7 +170,7 @@ def launch_fp8_gate_up(x: Tensor, x_scale: Tensor | None, w13_q: Tensor, w13_sca
     strides = (x.stride(0), 0 if x_scale is None else xs.stride(0), w13_q.stride(0), w13_q.stride(1),
                w13_scale.stride(0), w13_scale.stride(1), act.stride(0), act_s.stride(0))
     _moe_launch(fp8_moe_gate_up_kernel, layout, g, inter, (x, xs, w13_q, w13_scale, act, act_s, cnt),
-                (N, x.shape[1], ncnt), strides, TOPK=top_k, ON_LOAD=x_scale is None, FUSE_QUANT=fused,
+                (N, x.shape[1], ncnt), strides, plan.direct, TOPK=top_k, ON_LOAD=x_scale is None, FUSE_QUANT=fused,
                 FOLD=counters is not None, NCNT_PAD=max(1, 1 << max(0, ncnt - 1).bit_length()), SWAP_AB=plan.swap_ab)
     if fused:
         return act, act_s
@@ -178,7 +179,7 @@ def launch_fp8_gate_up(x: Tensor, x_scale: Tensor | None, w13_q: Tensor, w13_sca
 
 def launch_fp8_down(act: Tensor, act_scale: Tensor | None, w2_q: Tensor, w2_scale: Tensor, rows: Tensor,
                     layout: tuple[Tensor, Tensor, Tensor], topw: Tensor, g: GemmPlan, top_k: int,
-                    fold: tuple[Tensor, Tensor] | None = None, swap_ab: bool = False) -> None:
+                    fold: tuple[Tensor, Tensor] | None = None, swap_ab: bool = False, direct: bool = False) -> None:
     """rows [N, D] = topw[pair] * act[pair] @ (w2_q [E, D, I] + w2_scale [E, nb(D), nb(I)])[e]^T for
     every pair, in rows' dtype: act [N, I] float32 quantized in the kernel (act_scale None), or
     float8 with act_scale [N, nb(I)]; topw [N] the flat top-k weights. ``fold`` = (counters [T,
@@ -191,7 +192,7 @@ def launch_fp8_down(act: Tensor, act_scale: Tensor | None, w2_q: Tensor, w2_scal
                w2_scale.stride(0), w2_scale.stride(1), rows.stride(0), out.stride(0))
     _moe_launch(fp8_moe_down_kernel, layout, g, rows.shape[1],
                 (act, act if act_scale is None else act_scale, w2_q, w2_scale, rows, topw, cnt, out),
-                (rows.shape[0], act.shape[1], ncnt), strides, TOPK=top_k, ON_LOAD=act_scale is None,
+                (rows.shape[0], act.shape[1], ncnt), strides, direct, TOPK=top_k, ON_LOAD=act_scale is None,
                 FOLD=fold is not None, SWAP_AB=swap_ab)
 
 
@@ -216,8 +217,8 @@ def fused_experts_fp8(x: Tensor, routing: Routing, w13_q: Tensor, w13_scale: Ten
     [E, nb(D), nb(I)] -> [T, D] in x's dtype. ``plan``: :func:`.fp8_plan.fp8_moe_plan` by default;
     a plain MoEPlan is the separate-launch path (:func:`.fp8_plan.as_fp8_moe_plan`).
 
-    Launches: the layout (2), gate_up, down, and the sum of each token's k rows (in slot order: a
-    token's output does not depend on its batch); plus x's quantization unless gate_up quantizes
+    Launches: the layout (2; none for a direct plan, a token alone), gate_up, down, and the sum of each
+    token's k rows (in slot order: a token's output does not depend on its batch); plus x's quantization unless gate_up quantizes
     on load, act's unless down does or gate_up's epilogue does, minus the sum when down folds it."""
     T, D = x.shape
     k = routing.topk_idx.shape[1]
@@ -225,10 +226,10 @@ def fused_experts_fp8(x: Tensor, routing: Routing, w13_q: Tensor, w13_scale: Ten
     N = T * k
     if N == 0:
         return torch.zeros_like(x)
-    p = fp8_moe_plan(N, w13_q.shape[0]) if plan is None else as_fp8_moe_plan(plan)
+    p = fp8_moe_plan(N, w13_q.shape[0], tokens=T) if plan is None else as_fp8_moe_plan(plan)
     check_fp8_moe_plan(p)
     _require(not p.fold_sum or _fold_supported(), "fold_sum needs Triton >= 3.5 (tensor atomics' results broadcast)")
-    layout = align_blocks_triton(routing, p.block_m)
+    layout = direct_layout(routing) if p.direct else align_blocks_triton(routing, p.block_m)
     x = x if x.stride(-1) == 1 else x.contiguous()
     xa, xs = (x, None) if p.quant_x_on_load else per_token_group_quant(x)
     counters = torch.empty(T, _cdiv(D, p.down.block_n), dtype=torch.int32, device=x.device) if p.fold_sum else None
@@ -237,7 +238,7 @@ def fused_experts_fp8(x: Tensor, routing: Routing, w13_q: Tensor, w13_scale: Ten
     topw = routing.topk_weights.reshape(-1).contiguous()
     if p.fold_sum:
         out = torch.empty_like(x)
-        launch_fp8_down(act, act_s, w2_q, w2_scale, rows, layout, topw, p.down, k, (counters, out), p.swap_ab)
+        launch_fp8_down(act, act_s, w2_q, w2_scale, rows, layout, topw, p.down, k, (counters, out), p.swap_ab, p.direct)
         return out
-    launch_fp8_down(act, act_s, w2_q, w2_scale, rows, layout, topw, p.down, k, swap_ab=p.swap_ab)
+    launch_fp8_down(act, act_s, w2_q, w2_scale, rows, layout, topw, p.down, k, swap_ab=p.swap_ab, direct=p.direct)
     return rows.view(T, k, D).sum(dim=1)          # float32 accumulation, one rounding

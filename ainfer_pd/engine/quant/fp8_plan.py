@@ -72,6 +72,10 @@ class Fp8MoEPlan:
     has no e4m3 on sm_90: the weights were widened to float16). block_n is then the MMA's M
     (64 or 128 with 4 warps) and block_m >= 16 (tl.dot's least)."""
 
+    direct: bool = False
+    """Each pair its own row block, no layout launches (:attr:`..fused_moe.plan.MoEPlan.direct`):
+    a token decoding alone."""
+
     @property
     def block_m(self) -> int:
         return self.gate_up.block_m
@@ -86,14 +90,19 @@ _MOE_SMALL = Fp8MoEPlan(GemmPlan(16, 64, 128, 1, 4, 4), GemmPlan(16, 64, 128, 1,
 _MOE_MEDIUM = Fp8MoEPlan(GemmPlan(64, 128, 128, 8, 8, 3), GemmPlan(64, 128, 128, 8, 4, 4),
                          quant_x_on_load=False, quant_act_on_load=False)
 _MOE_LARGE = _MOE_MEDIUM
+_MOE_ALONE = Fp8MoEPlan(_MOE_SMALL.gate_up, _MOE_SMALL.down, quant_x_on_load=False, quant_act_on_load=False,
+                        swap_ab=True, direct=True)
 # dense GEMM: (rows) -> plan
 _GEMM_SMALL = GemmPlan(16, 32, 128, 1, 4, 4)
 _GEMM_MEDIUM = GemmPlan(64, 128, 128, 8, 4, 3)
 _GEMM_LARGE = GemmPlan(128, 128, 128, 8, 8, 3)
 
 
-def fp8_moe_plan(num_pairs: int, num_experts: int) -> Fp8MoEPlan:
-    """The fused MoE's plan for ``num_pairs`` (token, slot) rows over ``num_experts`` experts."""
+def fp8_moe_plan(num_pairs: int, num_experts: int, tokens: int | None = None) -> Fp8MoEPlan:
+    """The fused MoE's plan for ``num_pairs`` (token, slot) rows over ``num_experts`` experts; a
+    token decoding alone (``tokens`` 1) takes the decode tiles without the layout launches."""
+    if tokens == 1:
+        return _MOE_ALONE
     return by_rows_per_expert(num_pairs, num_experts, _MOE_SMALL, _MOE_MEDIUM, _MOE_LARGE)
 
 
@@ -102,7 +111,7 @@ def as_fp8_moe_plan(plan: MoEPlan | Fp8MoEPlan) -> Fp8MoEPlan:
     launches of their own (act in gate_up's epilogue when its block_n is 128), a torch sum."""
     if isinstance(plan, Fp8MoEPlan):
         return plan
-    return Fp8MoEPlan(plan.gate_up, plan.down, quant_x_on_load=False, quant_act_on_load=False)
+    return Fp8MoEPlan(plan.gate_up, plan.down, quant_x_on_load=False, quant_act_on_load=False, direct=plan.direct)
 
 
 def fp8_gemm_plan(rows: int) -> GemmPlan:
@@ -138,6 +147,8 @@ def check_fp8_moe_plan(plan: Fp8MoEPlan) -> None:
     need weight tiles (block_n) of whole 64-row wgmma M sides."""
     if plan.gate_up.block_m != plan.down.block_m:
         raise ValueError("both GEMMs walk the same aligned blocks: gate_up and down need one block_m")
+    if plan.direct and (plan.gate_up.group_m != 1 or plan.down.group_m != 1):
+        raise ValueError("a direct plan has no row groups: group_m must be 1")
     for name, g in (("gate_up", plan.gate_up), ("down", plan.down)):
         if plan.swap_ab and g.block_n % _WGMMA_M:
             raise ConfigError(f"swap_ab: {name}.block_n must be a multiple of {_WGMMA_M} (the weight tile is the "

@@ -374,3 +374,10 @@ class ModelRunner:
     @property
     def num_layers(self) -> int:
         return self.sections.model.num_layers
+
+
+def graph_captures(runner: ModelRunner, dctx: PhaseContext, pctx: PhaseContext) -> tuple:
+    """Each phase's graph capture, D's then P's, as (its context, the runner's capture): each is
+    submitted on its phase's own stream and launcher, one after the other (engine start, wake;
+    :func:`.cuda_graphs.phase_capture`)."""
+    return (dctx, runner.capture_decode_graphs), (pctx, runner.capture_prefill_graphs)

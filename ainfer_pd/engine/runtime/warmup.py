@@ -30,6 +30,7 @@ def warmup_prefill(runner, ctx: PhaseContext, max_tokens: int, cached: int = 512
     warmup_eager_decode(runner, ctx)
     return sizes
 
+
 def warmup_eager_decode(runner, ctx: PhaseContext) -> list[int]:
     """Eager decode passes of one row at key lengths 16 .. max_context_len (doubling), over the
     scratch block: every split-count variant of the decode kernels is compiled before the first
