@@ -95,13 +95,17 @@ def _prefill_fb(runner, n: int, cached: int) -> ForwardBatch:
                         block_size=bs)
 
 
-def device_gaps(kernels: list[tuple[str, float, float]], top: int = 5) -> dict:
+def device_gaps(kernels: list[tuple[str, float, float]], top: int = 5,
+                host: list[tuple[str, float, float]] | None = None) -> dict:
     """Where a pass's device time is idle: ``kernels`` are (name, start_us, end_us) of one pass's
     device activity. Returns the span (first start to last end), the union of the kernels' intervals,
     the idle inside the span (``gaps_ms``), how many gaps exceed 10 us, the ``top`` longest gaps with
     the kernels around them, and the idle summed by the kernel that waited to start (its name up to
     the first ``<`` or ``(``): a gap before every launch of one kernel names what the device waits
-    for (a host sync, a launch ramp, a graph's first node)."""
+    for (a host sync, a launch ramp, a graph's first node). ``host``: (name, start_us, end_us) of the
+    host's CUDA runtime calls in the same window; each top gap then says which calls overlapped it
+    most (``host_us``: a ``cudaStreamSynchronize`` there is a host waiting, launches a host that is
+    late, nothing a host busy elsewhere)."""
     ks = sorted(kernels, key=lambda k: k[1])
     if not ks:
         return {"span_ms": 0.0, "union_ms": 0.0, "gaps_ms": 0.0, "gaps_over_10us": 0, "top_gaps": [], "gap_before": {}}
@@ -109,7 +113,7 @@ def device_gaps(kernels: list[tuple[str, float, float]], top: int = 5) -> dict:
     for name, a, b in ks:
         if a > end and prev is not None:
             g = a - end
-            gaps.append((round(g, 1), prev, name))
+            gaps.append((round(g, 1), prev, name, end, a))
             key = name.split("<")[0].split("(")[0]
             before[key] = before.get(key, 0.0) + g
         union += max(0.0, b - max(a, end))
@@ -118,8 +122,38 @@ def device_gaps(kernels: list[tuple[str, float, float]], top: int = 5) -> dict:
     span = end - ks[0][1]
     return {"span_ms": round(span / 1e3, 3), "union_ms": round(union / 1e3, 3), "gaps_ms": round((span - union) / 1e3, 3),
             "gaps_over_10us": sum(g[0] > 10 for g in gaps),
-            "top_gaps": [{"us": g, "after": p[:60], "before": n[:60]} for g, p, n in sorted(gaps, reverse=True)[:top]],
+            "top_gaps": [{"us": g, "after": p[:60], "before": n[:60],
+                          **({"host_us": host_during(host, a0, b0)} if host is not None else {})}
+                         for g, p, n, a0, b0 in sorted(gaps, reverse=True)[:top]],
             "gap_before": {k: round(v / 1e3, 3) for k, v in sorted(before.items(), key=lambda kv: -kv[1])[:top]}}
+
+
+def host_during(host: list[tuple[str, float, float]], a: float, b: float, top: int = 3) -> dict:
+    """The ``top`` host calls (by name) overlapping the interval [a, b] most, with their overlap in us."""
+    over: dict[str, float] = {}
+    for name, s, e in host:
+        o = min(e, b) - max(s, a)
+        if o > 0:
+            over[name] = over.get(name, 0.0) + o
+    return {k: round(v, 1) for k, v in sorted(over.items(), key=lambda kv: -kv[1])[:top]}
+
+
+@contextlib.contextmanager
+def engine_timeline(out: dict):
+    """Profile the device and the host's CUDA runtime calls while the body runs (an engine
+    continuation: its epoch as the engine runs it, launcher thread and event loop included), then
+    ``out["engine_gaps"]``: :func:`device_gaps` of every kernel and copy in the window, each top gap
+    with the runtime calls that overlapped it."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        yield
+        torch.cuda.synchronize()
+    evs = prof.events()
+    ks = [(e.name, e.time_range.start, e.time_range.end) for e in evs if e.device_type == DeviceType.CUDA]
+    host = [(e.name, e.time_range.start, e.time_range.end) for e in evs
+            if e.device_type == DeviceType.CPU and e.name.startswith("cuda")]
+    out["engine_gaps"] = device_gaps(ks, host=host)
 
 
 def forward_figures(runner, n: int, cached: int, reps: int = 5) -> dict:
@@ -405,6 +439,9 @@ async def main() -> int:
                   f"{_f(r['p_items_ms'], '>7.2f')} {_f(r['tail_ms'], '>7.2f')} {_f(r['launch_ms'], '>7.2f')}", flush=True)
             if "device_gaps" in r:
                 print(f"        the pass alone: {json.dumps(r['device_gaps'])}", flush=True)
+            if profile:                         # one more continuation, its whole epoch profiled in the engine
+                await _continuation(w, random.Random(n + cached), n, cached, around=lambda: engine_timeline(r))
+                print(f"        the epoch in the engine: {json.dumps(r['engine_gaps'])}", flush=True)
         if a.cprofile:
             print(await asyncio.to_thread(host_profile, w.engine.runner, *cases[0], a.cprofile), flush=True)
         if a.beside_d:

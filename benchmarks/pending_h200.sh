@@ -3,7 +3,9 @@
 # gate: the P epoch's pickup / span / tail / launch split and the pass's own device gaps, alone and
 # beside 16 decoding rows (issue 33's 512-token 1.50: the launch calls took 4.9 of its 30.1 ms span
 # on the H100, so the device idle is elsewhere; 16 rows of 1,024 fit an H100's pool beside the
-# bf16 weights, 32 of 2,048 did not), then speculation's makespan at 5 repetitions (issue 38: at
+# bf16 weights, 32 of 2,048 did not; "the epoch in the engine": one continuation profiled as the engine
+# runs it, each long device gap with the host's runtime calls during it: at 1dcd601 ~6.5 ms of the
+# 512-token epoch lay between its items), then speculation's makespan at 5 repetitions (issue 38: at
 # n = 3 on the H100 normal's spread, 0.86-1.19 s, was wider than its gap). Each step is bounded;
 # logs go to $OUT (tar them: a call returns at most 8 files).
 #

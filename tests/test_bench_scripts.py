@@ -51,6 +51,10 @@ def test_device_gaps_finds_the_idle_between_kernels_and_what_waited():
     assert g["top_gaps"][0] == {"us": 50, "after": "gemm<a>", "before": "attn(x)"}
     assert g["top_gaps"][1] == {"us": 40, "after": "gemm<b>", "before": "attn(y)"}
     assert device_gaps([])["gaps_ms"] == 0.0
+    # with the host's runtime calls: each top gap says which overlapped it most
+    host = [("cudaStreamSynchronize", 95, 160), ("cudaLaunchKernel", 262, 268), ("cudaLaunchKernel", 270, 290)]
+    h = device_gaps(ks, host=host)["top_gaps"]
+    assert h[0]["host_us"] == {"cudaStreamSynchronize": 50} and h[1]["host_us"] == {"cudaLaunchKernel": 26}
 
 
 def test_p_epoch_host_bench_fits_the_d_rows_to_the_kv_pool(tmp_path):
