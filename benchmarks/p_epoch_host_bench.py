@@ -138,22 +138,26 @@ def host_during(host: list[tuple[str, float, float]], a: float, b: float, top: i
     return {k: round(v, 1) for k, v in sorted(over.items(), key=lambda kv: -kv[1])[:top]}
 
 
+def _intervals(prof, device: bool, prefix: str = "") -> list[tuple[str, float, float]]:
+    """(name, start_us, end_us) of the profile's device activity (``device``), or of its host events
+    whose name starts with ``prefix``."""
+    from torch.autograd import DeviceType
+    kind = DeviceType.CUDA if device else DeviceType.CPU
+    return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+            if e.device_type == kind and e.name.startswith(prefix)]
+
+
 @contextlib.contextmanager
 def engine_timeline(out: dict):
     """Profile the device and the host's CUDA runtime calls while the body runs (an engine
     continuation: its epoch as the engine runs it, launcher thread and event loop included), then
     ``out["engine_gaps"]``: :func:`device_gaps` of every kernel and copy in the window, each top gap
     with the runtime calls that overlapped it."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         yield
         torch.cuda.synchronize()
-    evs = prof.events()
-    ks = [(e.name, e.time_range.start, e.time_range.end) for e in evs if e.device_type == DeviceType.CUDA]
-    host = [(e.name, e.time_range.start, e.time_range.end) for e in evs
-            if e.device_type == DeviceType.CPU and e.name.startswith("cuda")]
-    out["engine_gaps"] = device_gaps(ks, host=host)
+    out["engine_gaps"] = device_gaps(_intervals(prof, True), host=_intervals(prof, False, "cuda"))
 
 
 def forward_figures(runner, n: int, cached: int, reps: int = 5) -> dict:
@@ -172,9 +176,7 @@ def forward_figures(runner, n: int, cached: int, reps: int = 5) -> dict:
             step()
             torch.cuda.synchronize()
         busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
-        from torch.autograd import DeviceType
-        gaps = device_gaps([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-                            if e.device_type == DeviceType.CUDA])
+        gaps = device_gaps(_intervals(prof, True))
         hosts = []
         for _ in range(reps):
             torch.cuda.synchronize()
