@@ -10,13 +10,15 @@ engine measures at start). Graphs are captured for up to ``--max-graph-rows`` ro
 held-out stdlib code, GRPO groups of ``--siblings`` sampled rows plus one greedy row per prompt,
 ``--turns`` turns with observations), through ``RolloutWorker`` with speculation off and on
 (``spec.method suffix``, adaptive, the cost table measured at start), per policy, ``--reps`` times
-each. Two arrival shapes: ``p1`` (every trajectory at once, observations returned at once) and
-``trace`` (trajectories arrive over ``--arrival-s`` and each observation comes after a tool wait of
-``--tool-wait-s`` +- 50%). Printed: makespan, D iterations, drafts verified / accepted, the tokens
-a verifying row emitted per pass and the tokens generated, with each run's breakdown (D build /
-launch / post, P epochs); FIG lines. Outputs are compared with the first spec-off run's (greedy and
-seeded rows: equal in float32; in bf16 a batch's composition changes GEMM shapes and may flip a
-token, so runs also differ in length).
+each, the off and on runs interleaved (ABBA: a drift of the machine falls on both). Two arrival
+shapes: ``p1`` (every trajectory at once, observations returned at once) and ``trace`` (trajectories
+arrive over ``--arrival-s`` and each observation comes after a tool wait of ``--tool-wait-s`` +-
+50%). Printed: makespan, D iterations, drafts verified / accepted, the tokens a verifying row
+emitted per pass and the tokens generated, with each run's breakdown (D build / launch / post, P
+epochs); FIG lines, and per cell the ratio of the medians and the paired ratios (the i-th on run
+over the i-th off run, neighbours in time). Outputs are compared with the first spec-off run's
+(greedy and seeded rows: equal in float32; in bf16 a batch's composition changes GEMM shapes and may
+flip a token, so runs also differ in length).
 
     python benchmarks/spec_bench.py verify-costs [--config configs/qwen3-30b-a3b-shape.yaml]
     python benchmarks/spec_bench.py makespan [--device cuda] [--policies normal,fine-grained] [--reps 3]
@@ -127,6 +129,13 @@ async def _rollout(a, tok, cfg, shape: str):
     return makespan, [j.result() for j in jobs], m, spec
 
 
+def _order(reps: int) -> list[bool]:
+    """Spec off / on per run, interleaved in ABBA blocks (off, on, on, off, ...): a drift of the
+    machine over the cell (clocks, caches, the host's other load) falls on both sides alike, which
+    running every off rep before every on rep does not."""
+    return [(r % 4) in (1, 2) for r in range(2 * reps)]
+
+
 def makespan(a) -> None:
     import torch
     from transformers import AutoTokenizer
@@ -136,32 +145,42 @@ def makespan(a) -> None:
             "cache": {"block_size": 16, "num_blocks": a.kv_blocks},
             "scheduler": {"max_decode_batch": a.max_decode_batch}}
     print(f"makespan, model {a.model}, {a.prompts} prompts x ({a.siblings} sampled T={a.temperature} + 1 greedy) x "
-          f"{a.turns} turns, max_new_tokens {a.max_new_tokens}, device {a.device} {a.dtype}, commit {commit()}")
+          f"{a.turns} turns, max_new_tokens {a.max_new_tokens}, device {a.device} {a.dtype}, commit {commit()}; "
+          f"spec off / on interleaved (ABBA), {a.reps} of each")
     for shape in a.shapes.split(","):
         for policy in a.policies.split(","):
-            ref = None
+            cfgs = {}
             for spec_on in (False, True):
                 over = {**base, "scheduler": {**base["scheduler"], "policy": policy}}
                 if spec_on:
                     over["spec"] = {"method": "suffix", "num_draft_tokens": a.k}
-                cfg = WorkerConfig.from_pretrained(str(a.model), over)
-                spans, outs = [], None
-                for r in range(a.reps):
-                    span, outs, m, spec = asyncio.run(_rollout(a, tok, cfg, shape))
-                    spans.append(span)
-                    if ref is None:
-                        ref = outs
-                    same = outs == ref
-                    acc = spec.get("spec_accepted", 0) / max(1, spec.get("spec_drafted", 0))
-                    print(f"FIG spec_makespan shape={shape} policy={policy} spec={'on' if spec_on else 'off'} rep={r} "
-                          f"makespan_s={span:.3f} d_iters={m.get('d_iter_s_count', 0)} "
-                          f"verifies={spec.get('spec_verifies', 0)} drafted={spec.get('spec_drafted', 0)} "
-                          f"accepted={spec.get('spec_accepted', 0)} acceptance={acc:.3f} "
-                          f"empty_plans={spec.get('spec_empty_plans', 0)} rows_skipped={spec.get('spec_rows_skipped', 0)} "
-                          f"outputs_equal_off={same} tokens={sum(len(t) for traj in outs for t in traj)}")
-                    print(f"    {breakdown(m)}")    # where the time went: a spec-on D loop against off's
+                cfgs[spec_on] = WorkerConfig.from_pretrained(str(a.model), over)
+            ref = None
+            spans: dict[bool, list[float]] = {False: [], True: []}
+            for spec_on in _order(a.reps):
+                r = len(spans[spec_on])
+                span, outs, m, spec = asyncio.run(_rollout(a, tok, cfgs[spec_on], shape))
+                spans[spec_on].append(span)
+                if ref is None:
+                    ref = outs
+                same = outs == ref
+                acc = spec.get("spec_accepted", 0) / max(1, spec.get("spec_drafted", 0))
+                print(f"FIG spec_makespan shape={shape} policy={policy} spec={'on' if spec_on else 'off'} rep={r} "
+                      f"makespan_s={span:.3f} d_iters={m.get('d_iter_s_count', 0)} "
+                      f"verifies={spec.get('spec_verifies', 0)} drafted={spec.get('spec_drafted', 0)} "
+                      f"accepted={spec.get('spec_accepted', 0)} acceptance={acc:.3f} "
+                      f"empty_plans={spec.get('spec_empty_plans', 0)} rows_skipped={spec.get('spec_rows_skipped', 0)} "
+                      f"outputs_equal_off={same} tokens={sum(len(t) for traj in outs for t in traj)}")
+                print(f"    {breakdown(m)}")    # where the time went: a spec-on D loop against off's
+            for spec_on in (False, True):
+                s = spans[spec_on]
                 print(f"{shape:>6} {policy:>13} spec {'on ' if spec_on else 'off'}: makespan "
-                      f"{statistics.median(spans):.3f} s (median of {a.reps}: {', '.join(f'{s:.3f}' for s in spans)})")
+                      f"{statistics.median(s):.3f} s (median of {a.reps}: {', '.join(f'{x:.3f}' for x in s)})")
+            ratios = [on / off for off, on in zip(spans[False], spans[True])]
+            print(f"FIG spec_makespan_ratio shape={shape} policy={policy} on_over_off_median="
+                  f"{statistics.median(spans[True]) / statistics.median(spans[False]):.3f} paired_ratios="
+                  f"{','.join(f'{x:.3f}' for x in ratios)} paired_median={statistics.median(ratios):.3f} "
+                  f"paired_min={min(ratios):.3f} paired_max={max(ratios):.3f}")
 
 
 def main() -> None:
