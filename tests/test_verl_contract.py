@@ -466,12 +466,15 @@ async def test_tool_agent_under_fully_async_client_resumes_an_aborted_turn_with_
     n = 300                                                      # tokens of each turn
     task = asyncio.ensure_future(loop.run({**GREEDY, "max_tokens": n, "ignore_eos": True},
                                           raw_prompt=[{"role": "user", "content": " ".join(f"t{20 + i}" for i in range(30))}]))
-    for _ in range(6000):                                        # the second turn is running
-        m = (await server.metrics.remote())["server"]
-        if since(m).get("turns", 0) >= 1 and m["inflight"]:
+    iters = None
+    for _ in range(6000):            # the second turn is running and has decoded a few tokens (not a fixed sleep:
+        full = await server.metrics.remote()                     # under load its first token came after 0.1 s)
+        m = full["server"]
+        if iters is None and since(m).get("turns", 0) >= 1 and m["inflight"]:
+            iters = full.get("d_iter_s_count", 0)
+        if iters is not None and full.get("d_iter_s_count", 0) >= iters + 5:
             break
         await asyncio.sleep(0.01)
-    await asyncio.sleep(0.1)
     await replica.abort_all_requests(reset_prefix_cache=False)
     await replica.resume_generation()
     out = await asyncio.wait_for(task, 300)
