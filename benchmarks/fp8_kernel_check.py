@@ -109,6 +109,13 @@ PREFILL_SWEEP = {
     "x_load_w4": Fp8MoEPlan(GemmPlan(64, 128, 128, 8, 4, 3), _P_DN, quant_act_on_load=False),
     "gu_w4": MoEPlan(GemmPlan(64, 128, 128, 8, 4, 3), _P_DN),                 # spilled before the scalar scale
     "t128": MoEPlan(GemmPlan(128, 128, 128, 8, 8, 3), GemmPlan(128, 128, 128, 8, 8, 3)),     # likewise
+    # gate_up of 64 columns a program (gate and up 64 each), 4 warps: 167 registers a thread and 72 KB
+    # of shared memory at 3 stages, so 3 CTAs an SM where the 64 x 128 x 8-warp tile fits one (171 x 256
+    # registers, 120 KB): the other CTAs' wgmmas can fill each K step's wait and its scaling FMAs, which
+    # one CTA leaves the tensor cores idle for. act is then float32, quantized by a launch of its own
+    # (a program's 64 columns are half a 128-column group)
+    "gu_n64_w4": MoEPlan(GemmPlan(64, 64, 128, 8, 4, 3), _P_DN),
+    "gu_n64_w4_s4": MoEPlan(GemmPlan(64, 64, 128, 8, 4, 4), _P_DN),
 }
 LINEAR_SWEEP = ((GemmPlan(16, 32, 128, 1, 4, 4), True), (GemmPlan(16, 32, 128, 1, 4, 4), False),
                 (GemmPlan(16, 64, 128, 1, 4, 4), True), (GemmPlan(16, 128, 128, 1, 4, 3), True))
