@@ -86,14 +86,13 @@ def verify_costs(a) -> None:
 
 
 # ------------------------------------------------------------------------------------ makespan
-async def _trajectory(w, tok, prompt: str, obs: list[str], params: list[SamplingParams], end_id: int,
+async def _trajectory(w, prompt: list[int], obs: list[list[int]], params: list[SamplingParams], end_id: int,
                       t_start: float, waits: list[float]):
     await asyncio.sleep(t_start)
-    o = await w.generate(tok(prompt)["input_ids"], params[0])
+    o = await w.generate(prompt, params[0])
     outs = [o.token_ids]
-    for text, p, wait in zip(obs, params[1:], waits):
+    for ob, p, wait in zip(obs, params[1:], waits):
         await asyncio.sleep(wait)
-        ob = tok(text)["input_ids"]
         if o.finish_reason != "stop":
             ob = [end_id] + ob
         o = await w.continue_(o.trajectory_id, ob, p)
@@ -106,6 +105,10 @@ async def _rollout(a, tok, cfg, shape: str):
     from spec_acceptance_bench import _seed, tasks
     end_id = tok.convert_tokens_to_ids("<|end|>")
     rng = random.Random(a.seed)
+    # the texts (read from the stdlib) and their token ids before the clock starts: ~1 s of file
+    # globbing and tokenizing on the CPU VM was inside the makespan
+    work = [(tok(prompt)["input_ids"], [tok(t)["input_ids"] for t in obs])
+            for prompt, obs in tasks(a.prompts, a.seed, a.turns)]
     async with RolloutWorker(cfg) as w:
         warm = await w.generate([1, 2, 3, 4], SamplingParams(max_new_tokens=4, temperature=0.0))
         await w.release(warm.trajectory_id)
@@ -113,7 +116,7 @@ async def _rollout(a, tok, cfg, shape: str):
         jobs = []
         t0 = time.perf_counter()
         async with asyncio.TaskGroup() as tg:
-            for i, (prompt, obs) in enumerate(tasks(a.prompts, a.seed, a.turns)):
+            for i, (prompt, obs) in enumerate(work):
                 for s in range(a.siblings + 1):
                     greedy = s == a.siblings
                     params = [SamplingParams(max_new_tokens=a.max_new_tokens, temperature=0.0 if greedy else a.temperature,
@@ -121,7 +124,7 @@ async def _rollout(a, tok, cfg, shape: str):
                     start = rng.uniform(0, a.arrival_s) if shape == "trace" else 0.0
                     waits = [rng.uniform(0.5, 1.5) * a.tool_wait_s if shape == "trace" else 0.0
                              for _ in range(a.turns - 1)]
-                    jobs.append(tg.create_task(_trajectory(w, tok, prompt, obs, params, end_id, start, waits)))
+                    jobs.append(tg.create_task(_trajectory(w, prompt, obs, params, end_id, start, waits)))
         makespan = time.perf_counter() - t0
         m = w.metrics()
     spec = {k: m[k] - m0.get(k, 0) for k in ("spec_verifies", "spec_drafted", "spec_accepted", "spec_empty_plans",
