@@ -203,3 +203,23 @@ def test_bad_tokens_and_arguments_are_refused():
         SuffixIndex(min_match=5, max_match=4)
     with pytest.raises(SpecInputError, match="cap_tokens"):
         SuffixDrafter(cap_tokens=10)
+
+
+@pytest.mark.parametrize("min_match", [1, 3, 5])
+def test_a_bulk_extend_indexes_as_token_by_token_extends(min_match):
+    """An extend of many tokens builds its keys in bulk (``_gram_keys``), a short one per position:
+    the same index (keys, occurrences, their order and the per-key cap) either way, and forget
+    removes every key the bulk path added."""
+    rng = random.Random(min_match)
+    seq = [rng.randrange(6) for _ in range(400)]            # a small vocabulary: keys repeat past the cap
+    bulk, one, mixed = (SuffixIndex(min_match=min_match, max_candidates=8) for _ in range(3))
+    bulk.extend("a", seq)
+    for t in seq:
+        one.extend("a", [t])
+    for i in range(0, len(seq), 37):
+        mixed.extend("a", seq[i:i + 37])
+    assert bulk._index == one._index == mixed._index and bulk.occurrences == one.occurrences
+    bulk.extend("b", seq[:50])
+    bulk.forget("a")
+    bulk.forget("b")
+    assert not bulk._index and len(bulk) == 0

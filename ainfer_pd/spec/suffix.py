@@ -13,7 +13,7 @@ Why an n-gram index with hash-chained position lists, not a suffix automaton or 
 both find the longest match in O(match), but a suffix automaton cannot forget a sequence (the
 memory cap and ``forget`` would rebuild it) and a depth-D suffix tree adds up to D Python nodes per
 token (a few KB each in CPython). Here a token costs one tuple hash, one dict lookup and one list
-append to add (~2 us), and about 4 B (its id in an ``array``) plus one list entry and one int
+append to add (~0.4 us; the keys built in bulk by :func:`_gram_keys`), and about 4 B (its id in an ``array``) plus one list entry and one int
 (~45 B), plus ~120 B more for an n-gram never seen before (dict slot, list): ~170 B per token on
 random tokens, ~90 B on a repetitive trace (``benchmarks/suffix_draft_bench.py``). The longest
 match is exact among the ``max_candidates`` most recent occurrences of the key (older ones are
@@ -29,7 +29,7 @@ Drafts are suggestions: verification (:mod:`.verify`) makes the output exact wha
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from ..errors import SpecInputError
 
@@ -42,6 +42,8 @@ MAX_CANDIDATES = 32
 CAP_TOKENS = 1 << 16
 """Tokens one group keeps before evicting its least recently extended sequences."""
 
+_BULK = 8
+"""Past this many new tokens an extend builds its keys in bulk (:func:`_gram_keys`)."""
 _POS_BITS = 32
 _POS_MASK = (1 << _POS_BITS) - 1
 
@@ -92,8 +94,16 @@ class SuffixIndex:
         start = len(seq)
         seq.extend(new)
         self.num_tokens += len(new)
-        for p in range(max(start, self.min_match - 1), len(seq)):
-            self._add(seq, slot, p)
+        first = max(start, self.min_match - 1)
+        index, cap, base = self._index, self.max_candidates, slot << _POS_BITS
+        for p, key in enumerate(_gram_keys(seq, first, self.min_match), first):
+            occ = index.get(key)
+            if occ is None:
+                index[key] = [base | p]
+                continue
+            occ.append(base | p)
+            if len(occ) > cap:
+                del occ[0]
         if self.num_tokens > self.cap_tokens:
             self._evict(seq_id)
 
@@ -105,7 +115,7 @@ class SuffixIndex:
         seq = self._tokens.pop(slot)
         self.num_tokens -= len(seq)
         n = self.min_match
-        for key in {hash(tuple(seq[p - n + 1:p + 1])) for p in range(n - 1, len(seq))}:
+        for key in set(_gram_keys(seq, n - 1, n)):
             occ = self._index.get(key)
             if occ is None:
                 continue
@@ -130,17 +140,6 @@ class SuffixIndex:
         return self._vote(ctx, starts, k) if starts else []
 
     # ------------------------------------------------------------------------------ internals
-    def _add(self, seq: array, slot: int, p: int) -> None:
-        """Index the n-gram of ``seq`` ending at position ``p``."""
-        key = hash(tuple(seq[p - self.min_match + 1:p + 1]))
-        occ = self._index.get(key)
-        if occ is None:
-            self._index[key] = [slot << _POS_BITS | p]
-            return
-        occ.append(slot << _POS_BITS | p)
-        if len(occ) > self.max_candidates:
-            del occ[0]
-
     def _longest(self, ctx: array, slot: int, occ: list[int]) -> list[tuple[array, int, bool]]:
         """(sequence, continuation start, own sequence?) of the occurrences agreeing longest with
         the end of ``ctx``, newest first."""
@@ -303,6 +302,17 @@ class SuffixDrafter:
     @property
     def num_tokens(self) -> int:
         return sum(idx.num_tokens for idx in self.groups.values())
+
+
+def _gram_keys(seq: array, first: int, n: int) -> Iterator[int]:
+    """The index keys of the n-grams of ``seq`` ending at positions ``first`` .. ``len(seq) - 1``
+    (``first >= n - 1``): ``hash`` of each n-gram's tuple, the tuples built by ``zip`` over n
+    shifted slices (C loops: half the time of slicing one tuple per position, which was most of a
+    first probe's indexing of a row's context)."""
+    if len(seq) - first <= _BULK:          # a few tokens (a decode step's): one slice each
+        return [hash(tuple(seq[p - n + 1:p + 1])) for p in range(first, len(seq))]
+    end = len(seq) - n + 1
+    return map(hash, zip(*(seq[first - n + 1 + j:end + j] for j in range(n))))
 
 
 def _checked(tokens: Iterable[int]) -> array:
