@@ -223,3 +223,23 @@ def test_a_bulk_extend_indexes_as_token_by_token_extends(min_match):
     bulk.forget("a")
     bulk.forget("b")
     assert not bulk._index and len(bulk) == 0
+
+
+def test_an_n_gram_seen_once_holds_an_int_and_one_seen_again_a_list():
+    """The index's occurrences: one int for an n-gram seen once (no list: no GC-tracked object a
+    token), a list once it is seen again; drafting and forgetting read both."""
+    ix = SuffixIndex(min_match=2)
+    ix.extend("a", [1, 2, 3, 4, 1, 2])
+    kinds = sorted(type(v).__name__ for v in ix._index.values())
+    assert kinds == ["int", "int", "int", "list"] and ix.occurrences == 5
+    assert ix.draft("a", 3) == [3, 4, 1]
+    ix.extend("b", [3, 4, 9])
+    assert ix.draft("b", 2) == [] and ix.occurrences == 7
+    ix.forget("a")
+    assert ix.occurrences == 2 and all(type(v) is int for v in ix._index.values())
+    one = SuffixIndex(min_match=1, max_candidates=1)          # a cap of 1: the newest occurrence, an int
+    one.extend("c", [5, 6, 5, 7, 5])
+    assert all(type(v) is int for v in one._index.values())
+    assert one.draft("c", 1) == []                           # (5,)'s newest occurrence is the context's own end
+    one.extend("c", [8])
+    assert one.draft("c", 1) == [] and one._index[hash((5,))] == 4
