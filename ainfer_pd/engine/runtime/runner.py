@@ -377,7 +377,8 @@ class ModelRunner:
 
 
 def graph_captures(runner: ModelRunner, dctx: PhaseContext, pctx: PhaseContext) -> tuple:
-    """Each phase's graph capture, D's then P's, as (its context, the runner's capture): each is
-    submitted on its phase's own stream and launcher, one after the other (engine start, wake;
-    :func:`.cuda_graphs.phase_capture`)."""
-    return (dctx, runner.capture_decode_graphs), (pctx, runner.capture_prefill_graphs)
+    """Each phase's graph capture, D's then P's, as (its context, the runner's capture, the stream
+    item's label, "D.capture" / "P.capture"): each is submitted on its phase's own stream and
+    launcher, one after the other (engine start, wake; :func:`.cuda_graphs.phase_capture`)."""
+    return tuple((ctx, capture, f"{ctx.stream.name}.capture")
+                 for ctx, capture in ((dctx, runner.capture_decode_graphs), (pctx, runner.capture_prefill_graphs)))
