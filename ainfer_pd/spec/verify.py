@@ -41,8 +41,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..engine.model.sampler import (SampleRow, _to_device, _why_not_a_distribution, history_with, sample_on_device,
-                                    uniform)
+from ..engine.model.sampler import (SampleRow, _to_device, _why_not_a_distribution, history_with, row_history,
+                                    sample_on_device, uniform)
 from ..errors import SpecInputError
 
 ACCEPT_SALT = 0xA5A5_5A5A_C3C3_3C3C
@@ -77,8 +77,9 @@ def expand_rows(rows: list[SampleRow], drafts: list[list[int]], width: int) -> l
     number ``step + j``, after the row's first j drafts (which join its repetition history)."""
     out = []
     for r, d in zip(rows, drafts):
+        h = row_history(r)
         for j in range(width):
-            out.append(SampleRow(r.params, r.seed, r.step + j, None if r.history is None else history_with(r.history, d[:j])))
+            out.append(SampleRow(r.params, r.seed, r.step + j, None if h is None else history_with(h, d[:j])))
     return out
 
 

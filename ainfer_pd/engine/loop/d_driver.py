@@ -162,7 +162,7 @@ class DDriver:
         prev = self.prev
         t_build = self.rec.now()
         plan = self.runner.build([], rows, ahead)
-        sample_rows = [self.book.sample_row(t, a) for t, a in zip(rows, ahead)]
+        sample_rows = [self.book.sample_row(t, a, live=True) for t, a in zip(rows, ahead)]
         feed = feed_of(rows, ahead, prev, self.runner.device)
         self.rec.sample("d_build_s", self.rec.now() - t_build)
         self.rec.count("d_rows_fed", sum(ahead))

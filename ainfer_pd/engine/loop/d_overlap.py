@@ -20,6 +20,9 @@ What the host does not know when it launches n+1 is which rows n ended:
 * a row with a repetition penalty needs its history, n's token included: the host history has
   the tokens read, and n's token is the row's input id in n+1, on the device, which the
   sampler's penalty mask takes too (``sample_on_device(seen_ids=)``), so such rows overlap as well.
+  The rows' histories are not copied a step: each is the turn's live history with its length
+  (``TurnBook.sample_row(live=True)``), and the runner's :class:`~..model.seen_masks.SeenMasks`
+  keeps each trajectory's mask on the device, uploading only the tokens read since.
 
 Seeded sampling stays exact: a row's noise counter is the index of the token it draws, which
 counts the tokens still on the device.
@@ -96,4 +99,4 @@ def decode_sampled(runner, plan: BatchPlan, ctx, sample_rows: list[SampleRow],
     # a row's input id is its last token: for a row fed from prev, not in its host history yet
     # (a repetition penalty counts it from the device: such rows overlap too)
     seen = plan.fb.input_ids if any(r.params.repetition_penalty != 1.0 for r in sample_rows) else None
-    return sample_on_device(logits, sample_rows, pinned=True, seen_ids=seen)
+    return sample_on_device(logits, sample_rows, pinned=True, seen_ids=seen, masks=runner.seen_masks)

@@ -264,16 +264,20 @@ class TurnBook(TurnEndings):
                                                f"(sampling params {t.params})"), drained=False)
 
     @staticmethod
-    def sample_row(t: Turn, ahead: int = 0) -> SampleRow:
+    def sample_row(t: Turn, ahead: int = 0, live: bool = False) -> SampleRow:
         """``ahead``: tokens of ``t`` sampled on the device and not read yet (their count is the
         noise counter's offset; a repetition penalty takes the one fed on the device from the pass's
-        input ids: see ``engine.d_overlap``)."""
+        input ids: see ``engine.d_overlap``). ``live``: a penalized row carries the turn's history
+        itself with its length and key (for a :class:`~..model.seen_masks.SeenMasks` pool), else a
+        snapshot copy."""
         hist = None
         if t.params.repetition_penalty != 1.0:       # the turn's ids, kept as array('q'): extended, not rebuilt
             hist = t.history
             if hist is None or len(hist) < len(t.context):
                 hist = t.history = array("q", t.context)
             hist.extend(t.out_tokens[len(hist) - len(t.context):])
+            if live:                                  # append-only: its first len(hist) ids stay this row's
+                return SampleRow(t.params, t.seed, len(t.out_tokens) + ahead, hist, t.tid, len(hist))
             hist = array("q", hist)                   # a snapshot (a memcpy): the row may be sampled on a stream
         return SampleRow(t.params, t.seed, len(t.out_tokens) + ahead, hist)
 
