@@ -151,12 +151,18 @@ class DDriver:
         self.rec.sample("d_build_s", self.rec.now() - t_build)
         hold = self.book.in_flight(rows)
         try:
-            w, t_launch = await self._launch(rows, rnd, t_ready, self.runner.decode, plan, self.ctx)
-            logits = await w.done()
+            if batch is None:            # sampled by the item, on the D stream: the read touches no device
+                sample_rows = [self.book.sample_row(t, live=True) for t in plan.logit_turns]
+                w, t_launch = await self._launch(rows, rnd, t_ready, decode_sampled, self.runner, plan, self.ctx,
+                                                 sample_rows, None)
+                out = {"sampled": await w.done()}
+            else:
+                w, t_launch = await self._launch(rows, rnd, t_ready, self.runner.decode, plan, self.ctx)
+                out = {"logits": await w.done()}
         finally:
             self.in_flight = False
             hold.release()
-        self._book(w, t_launch, plan, logits=logits, batch=batch)
+        self._book(w, t_launch, plan, batch=batch, **out)
 
     async def _overlapped(self, rows: list[Turn], ahead: list[int], rnd, t_ready: float) -> None:
         prev = self.prev

@@ -86,16 +86,18 @@ def feed_of(rows: list[Turn], ahead: list[int], prev: InFlightD | None, device) 
 
 def decode_sampled(runner, plan: BatchPlan, ctx, sample_rows: list[SampleRow],
                    feed: tuple[torch.Tensor, torch.Tensor] | None, prev_work=None) -> DeviceSample:
-    """The D stream item of an overlapped iteration: the inputs prev left on the device, the
-    iteration (graph replay when a bucket fits), then its sampling and the non-blocking copy
-    of the 2R results to the host. ``prev_work``: prev's D stream item; the stream is FIFO, so
-    its launch call has returned when this one runs and its result (the sampled tokens on the
-    device, produced earlier on this stream) is there without waiting."""
+    """The D stream item of an iteration: the inputs prev left on the device (overlapped), the
+    iteration (graph replay when a bucket fits), then the sampling of its ``sample_rows`` (the
+    first logits rows: a multi-rank plan may pad more) and the non-blocking copy of the 2R
+    results to the host. ``prev_work``: prev's D stream item; the stream is FIFO, so its launch
+    call has returned when this one runs and its result (the sampled tokens on the device,
+    produced earlier on this stream) is there without waiting. The plain D loop runs it too,
+    without ``feed``: the host reads the tokens after the item completed, off the device."""
     if feed is not None:
         dst, src = feed
         prev_tok = prev_work.enqueued().result().tok
         plan.fb.input_ids.index_copy_(0, dst, prev_tok.index_select(0, src))
-    logits = runner.decode(plan, ctx)
+    logits = runner.decode(plan, ctx)[:len(sample_rows)]
     # a row's input id is its last token: for a row fed from prev, not in its host history yet
     # (a repetition penalty counts it from the device: such rows overlap too)
     seen = plan.fb.input_ids if any(r.params.repetition_penalty != 1.0 for r in sample_rows) else None

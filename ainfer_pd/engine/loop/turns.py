@@ -169,8 +169,11 @@ class TurnBook(TurnEndings):
         return any(not t.abort_requested for t in self.decoding)
 
     # ================================================================== results of a pass
-    def finish_prefill(self, plan: BatchPlan, logits: torch.Tensor) -> None:
-        """Promote completed prompts to D (lifetime-checked); advance partial chunks."""
+    def finish_prefill(self, plan: BatchPlan, logits: torch.Tensor | None = None, *,
+                       sampled: DeviceSample | None = None) -> None:
+        """Promote completed prompts to D (lifetime-checked); advance partial chunks. Their first
+        tokens: ``sampled`` on the device already (every logits row of the plan, by P's head item),
+        or sampled here from ``logits``."""
         now = self.rec.now()
         for t, start, n in plan.prefill:
             self.num_prefill_tokens += n                 # computed, whatever becomes of the turn
@@ -185,7 +188,7 @@ class TurnBook(TurnEndings):
                 and self.kv.is_current(t.tid, t.lifetime)]
         if keep:
             turns = [plan.logit_turns[i] for i in keep]
-            toks, lps, bad = sample(logits[keep], [self.sample_row(t) for t in turns])
+            toks, lps, bad = self._tokens(keep, turns, logits, sampled)
             self._fail_unsampled(turns, bad)
             for i, (t, tok, lp) in enumerate(zip(turns, toks, lps)):
                 if i in bad:
@@ -200,8 +203,8 @@ class TurnBook(TurnEndings):
     def finish_decode(self, plan: BatchPlan, logits: torch.Tensor | None = None, *,
                       sampled: DeviceSample | None = None) -> None:
         """Append each live decode row's sampled token (its KV for the fed token is written).
-        ``sampled``: the iteration was sampled on the device already (every row of the plan, the
-        overlapped D loop); rows that ended or were aborted since are skipped."""
+        ``sampled``: the iteration was sampled on the device already (every row of the plan, by
+        its D item); rows that ended or were aborted since are skipped."""
         live = [i for i, t in enumerate(plan.logit_turns) if not t.abort_requested and t.state is TurnState.DECODING]
         if sampled is not None and len(live) < len(plan.logit_turns):
             self.rec.count("d_rows_unused", len(plan.logit_turns) - len(live))   # ended or aborted since the launch
@@ -210,12 +213,7 @@ class TurnBook(TurnEndings):
         turns = [plan.logit_turns[i] for i in live]
         for t in turns:
             self.kv.mark_written(t.tid, t.lifetime, t.seq_len)
-        if sampled is None:
-            toks, lps, bad = sample(logits[live], [self.sample_row(t) for t in turns])
-        else:
-            all_toks, all_lps, all_bad = read_sample(sampled)
-            toks, lps = [all_toks[i] for i in live], [all_lps[i] for i in live]
-            bad = {j: all_bad[i] for j, i in enumerate(live) if i in all_bad}
+        toks, lps, bad = self._tokens(live, turns, logits, sampled)
         self._fail_unsampled(turns, bad)
         for i, (t, tok, lp) in enumerate(zip(turns, toks, lps)):
             if i not in bad:
@@ -253,6 +251,17 @@ class TurnBook(TurnEndings):
             accepted[live[j]] = v.accepted[j]
         self._fail_unsampled(rows, {j: why for j, why in v.bad.items() if rows[j].state is TurnState.DECODING})
         return accepted
+
+    def _tokens(self, idx: list[int], turns: list[Turn], logits: torch.Tensor | None,
+                sampled: DeviceSample | None) -> tuple[list[int], list[float], dict[int, str]]:
+        """The tokens, logprobs and unsampled rows of the plan's logits rows ``idx`` (``turns``):
+        read from ``sampled`` (the item sampled every row; no device work here), else sampled now
+        from ``logits`` (a device read on the event loop: the mixed-chunked loop's)."""
+        if sampled is None:
+            return sample(logits[idx], [self.sample_row(t) for t in turns])
+        all_toks, all_lps, all_bad = read_sample(sampled)
+        return ([all_toks[i] for i in idx], [all_lps[i] for i in idx],
+                {j: all_bad[i] for j, i in enumerate(idx) if i in all_bad})
 
     def _fail_unsampled(self, turns: list[Turn], bad: dict[int, str]) -> None:
         """Rows the sampler could not sample end alone with SamplingError (their device work
