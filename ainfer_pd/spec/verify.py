@@ -104,6 +104,29 @@ def verify_on_device(logits: Tensor, drafts: list[list[int]], rows: list[SampleR
                         ds.x, drafts)
 
 
+def verify_starts(drafts: list[list[int]]) -> list[int]:
+    """Each row's first position in a verify pass's flat logits (row i feeds 1 + len(drafts[i]))."""
+    out, at = [], 0
+    for d in drafts:
+        out.append(at)
+        at += 1 + len(d)
+    return out
+
+
+def verify_rows(logits: Tensor, drafts: list[list[int]], rows: list[SampleRow], *, starts: list[int] | None = None,
+                pinned: bool = False) -> DeviceVerify:
+    """:func:`verify_on_device` over a verify pass's flat logits [positions, V]: row i's positions
+    begin at ``starts[i]`` (default :func:`verify_starts`: the pass's own rows, in order), gathered
+    to [R, 1 + the longest draft, V] (a row with fewer drafts repeats its last position, never
+    read)."""
+    if starts is None:
+        starts = verify_starts(drafts)
+    width = 1 + max((len(d) for d in drafts), default=0)
+    idx = [s + min(j, len(d)) for s, d in zip(starts, drafts) for j in range(width)]
+    x = logits[_to_device(logits.device, pinned)(torch.tensor(idx, dtype=torch.int64))].view(len(drafts), width, -1)
+    return verify_on_device(x, drafts, rows, pinned=pinned)
+
+
 def read_verify(dv: DeviceVerify) -> Verified:
     """The host view of a :class:`DeviceVerify` whose copy completed. Per row: tokens up to and
     including the first that is not its draft (or the one after the last draft); a position

@@ -13,7 +13,7 @@ import asyncio
 from typing import Callable
 
 from ...sched.planner import plan_decode
-from .d_overlap import InFlightD, decode_sampled, feed_of, rows_after
+from .d_overlap import InFlightD, decode_sampled, feed_of, rows_after, verify_sampled
 from ..runtime.runner import BatchPlan
 from .state import Turn, TurnState
 from .timings import EngineTimings
@@ -151,14 +151,14 @@ class DDriver:
         self.rec.sample("d_build_s", self.rec.now() - t_build)
         hold = self.book.in_flight(rows)
         try:
-            if batch is None:            # sampled by the item, on the D stream: the read touches no device
-                sample_rows = [self.book.sample_row(t, live=True) for t in plan.logit_turns]
-                w, t_launch = await self._launch(rows, rnd, t_ready, decode_sampled, self.runner, plan, self.ctx,
-                                                 sample_rows, None)
-                out = {"sampled": await w.done()}
+            # sampled (verified) by the item, on the D stream: the read touches no device
+            if batch is None:
+                fn, args, key = decode_sampled, ([self.book.sample_row(t, live=True) for t in plan.logit_turns],
+                                                 None), "sampled"
             else:
-                w, t_launch = await self._launch(rows, rnd, t_ready, self.runner.decode, plan, self.ctx)
-                out = {"logits": await w.done()}
+                fn, args, key = verify_sampled, ([self.book.sample_row(t) for t in plan.decode],), "verified"
+            w, t_launch = await self._launch(rows, rnd, t_ready, fn, self.runner, plan, self.ctx, *args)
+            out = {key: await w.done()}
         finally:
             self.in_flight = False
             hold.release()
@@ -238,7 +238,7 @@ class DDriver:
         t_done = self.rec.now()
         self.timings.d_read(w, t_launch, t_done, overlapped=self.overlap, p_running=self.p.running)
         if batch is not None:
-            self.spec.observe(batch, self.book.finish_verify(plan, out["logits"]))
+            self.spec.observe(batch, self.book.finish_verify(plan, **out))
         else:
             self.book.finish_decode(plan, **out)
             if self.spec is not None:       # ended rows' last tokens reach their siblings' drafts

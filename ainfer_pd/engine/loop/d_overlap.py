@@ -36,6 +36,7 @@ import torch
 
 from ..runtime.runner import BatchPlan
 from ..model.sampler import DeviceSample, SampleRow, sample_on_device
+from ...spec.verify import DeviceVerify, verify_rows
 from .state import Turn
 
 
@@ -102,3 +103,14 @@ def decode_sampled(runner, plan: BatchPlan, ctx, sample_rows: list[SampleRow],
     # (a repetition penalty counts it from the device: such rows overlap too)
     seen = plan.fb.input_ids if any(r.params.repetition_penalty != 1.0 for r in sample_rows) else None
     return sample_on_device(logits, sample_rows, pinned=True, seen_ids=seen, masks=runner.seen_masks)
+
+
+def verify_sampled(runner, plan: BatchPlan, ctx, sample_rows: list[SampleRow]) -> DeviceVerify | None:
+    """The D stream item of a verify iteration (speculative decoding, plain loop): the pass, then
+    the verification of ``plan.drafts`` on the D stream with a non-blocking copy to the host
+    (``TurnBook.finish_verify(verified=)`` reads it); None for a plan without rows (a TP
+    follower's: it verifies nothing)."""
+    logits = runner.decode(plan, ctx)
+    if not plan.drafts:
+        return None
+    return verify_rows(logits, plan.drafts, sample_rows, pinned=True)

@@ -125,7 +125,7 @@ class EpochWalk:
             else:
                 self.head = stream.submit(self._head, label=label, attrs=P_ITEM, lane=lane)
 
-    async def done(self) -> DeviceSample:
+    async def done(self) -> DeviceSample | None:
         """The head's result (the logits rows sampled) once it completed, raising the first failure
         of the items before it (the stream runs on after a failed item, so a failure is only seen
         by looking)."""
@@ -241,5 +241,7 @@ class EpochWalk:
     def _mtp_rest(self, ar) -> None:
         self.runner.after_layers_rest(self.mtp, ar.enqueued().result(), self.ctx)
 
-    def _head(self) -> DeviceSample:
-        return sample_on_device(self.runner.head(self.st, self.plan), self.sample_rows, pinned=True)
+    def _head(self) -> DeviceSample | None:
+        """The logits rows sampled (None: the epoch completes no prompt, nothing to sample)."""
+        logits = self.runner.head(self.st, self.plan)
+        return sample_on_device(logits, self.sample_rows, pinned=True) if self.sample_rows else None

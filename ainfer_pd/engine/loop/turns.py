@@ -29,7 +29,7 @@ from ..kv.kv_cache import KVCacheManager
 from ..model.routed_experts import of_turn
 from ..runtime.runner import BatchPlan
 from ..model.sampler import DeviceSample, SampleRow, read_sample, sample
-from ...spec.verify import verify
+from ...spec.verify import DeviceVerify, read_verify, verify_rows, verify_starts
 from .state import InFlight, Turn, TurnState
 from .turn_endings import TurnEndings
 
@@ -219,37 +219,39 @@ class TurnBook(TurnEndings):
             if i not in bad:
                 self._append_token(t, tok, lp)
 
-    def finish_verify(self, plan: BatchPlan, logits: torch.Tensor) -> list[int | None]:
+    def finish_verify(self, plan: BatchPlan, logits: torch.Tensor | None = None, *,
+                      verified: DeviceVerify | None = None) -> list[int | None]:
         """A verify pass (speculative decoding: ``plan.drafts``) was read: each live row's emitted
         run, its accepted drafts then the one token after them (:func:`~ainfer_pd.spec.verify.verify`:
         the sampler's tokens and the target's logprobs), is appended token by token, each marking
         written the KV its predecessor's position holds (that position was fed in this pass with
         the accepted prefix), so a stop token or the length limit ends the turn at once and the
-        rest of the run is dropped; a rejected draft's KV is never marked written. Returns the
-        drafts each row accepted (None: a row ended or aborted since the launch)."""
+        rest of the run is dropped; a rejected draft's KV is never marked written. ``verified``:
+        the item verified every row on the device already (:func:`verify_rows`), else it is done
+        here from ``logits``. Returns the drafts each row accepted (None: a row ended or aborted
+        since the launch)."""
         turns, drafts = plan.decode, plan.drafts
-        starts, at = [], 0
-        for d in drafts:
-            starts.append(at)
-            at += 1 + len(d)
         accepted: list[int | None] = [None] * len(turns)
         live = [i for i, t in enumerate(turns) if not t.abort_requested and t.state is TurnState.DECODING]
         if not live:
             return accepted
-        width = 1 + max(len(drafts[i]) for i in live)
-        # [R, width] rows of the logits; a row with fewer drafts repeats its last position (never read)
-        idx = [starts[i] + min(j, len(drafts[i])) for i in live for j in range(width)]
-        x = logits[torch.tensor(idx, dtype=torch.int64, device=logits.device)].view(len(live), width, -1)
         rows = [turns[i] for i in live]
-        v = verify(x, [drafts[i] for i in live], [self.sample_row(t) for t in rows])
+        if verified is None:
+            starts = verify_starts(drafts)
+            v = read_verify(verify_rows(logits, [drafts[i] for i in live], [self.sample_row(t) for t in rows],
+                                        starts=[starts[i] for i in live]))
+            at = range(len(live))
+        else:
+            v, at = read_verify(verified), live
         for j, t in enumerate(rows):
-            for tok, lp in zip(v.tokens[j], v.logprobs[j]):
+            for tok, lp in zip(v.tokens[at[j]], v.logprobs[at[j]]):
                 if t.state is not TurnState.DECODING:
                     break
                 self.kv.mark_written(t.tid, t.lifetime, t.seq_len)
                 self._append_token(t, tok, lp)
-            accepted[live[j]] = v.accepted[j]
-        self._fail_unsampled(rows, {j: why for j, why in v.bad.items() if rows[j].state is TurnState.DECODING})
+            accepted[live[j]] = v.accepted[at[j]]
+        bad = {j: v.bad[at[j]] for j in range(len(rows)) if at[j] in v.bad}
+        self._fail_unsampled(rows, {j: why for j, why in bad.items() if rows[j].state is TurnState.DECODING})
         return accepted
 
     def _tokens(self, idx: list[int], turns: list[Turn], logits: torch.Tensor | None,
