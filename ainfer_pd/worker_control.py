@@ -213,8 +213,7 @@ class WorkerControl(WeightSync, KvCalibration):
 
     async def _recapture_graphs(self) -> None:
         eng = self.engine
-        for ctx, capture in graph_captures(eng.runner, eng.decode_ctx, eng.prefill_ctx):
-            label = f"{ctx.stream.name}.capture"
+        for ctx, capture, label in graph_captures(eng.runner, eng.decode_ctx, eng.prefill_ctx):
             w = ctx.stream.submit(capture, ctx, label=label)
             await self._or_closed(asyncio.wrap_future(w.enqueued()), f"the graphs were recaptured ({label})")
             await w.done()

@@ -5,7 +5,10 @@
 ``TurnBook.sample_row``'s snapshot and of enqueueing ``sample_on_device`` with
 ``pinned=True`` (as the overlapped D loop samples), against the same rows without a penalty. On
 CUDA the device work is asynchronous, so the figure is host time; on the CPU the tensor work runs
-inline and is counted too (read the difference between the two rows).
+inline and is counted too (read the difference between the rows). The ``pool`` row is the D loop's
+way (``TurnBook.sample_row(live=True)`` and the runner's ``SeenMasks``): each row passes its live
+history and length, one token is appended to every history a step, and the pool uploads only those
+(its first step, every whole history, is left out as the warm-up).
 
     python benchmarks/sampler_host_bench.py [--device cuda] [--rows 64] [--history 10000]
 """
@@ -25,17 +28,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ainfer_pd import SamplingParams  # noqa: E402
 from ainfer_pd.engine.model.sampler import SampleRow, sample_on_device  # noqa: E402
+from ainfer_pd.engine.model.seen_masks import SeenMasks  # noqa: E402
 
 
-def host_ms(logits: torch.Tensor, hists: list[array], params: SamplingParams, reps: int) -> float:
-    """Median ms of building the rows (a snapshot of each history) and enqueueing their sampling."""
+def host_ms(logits: torch.Tensor, hists: list[array], params: SamplingParams, reps: int, pool: bool = False) -> float:
+    """Median ms of building the rows (a snapshot of each history; ``pool``: the live histories, one
+    token longer each step, through a :class:`SeenMasks`) and enqueueing their sampling."""
     times = []
-    for _ in range(reps + 1):
+    masks = SeenMasks() if pool else None
+    hists = [array("q", h) for h in hists] if pool else hists
+    for step in range(reps + 1):
         if logits.is_cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        rows = [SampleRow(params, 1, 0, array("q", h) if params.repetition_penalty != 1.0 else None) for h in hists]
-        sample_on_device(logits, rows, pinned=True)
+        if pool:
+            for i, h in enumerate(hists):
+                h.append((i + step) % logits.shape[1])
+            rows = [SampleRow(params, 1, 0, h, f"t{i}", len(h)) for i, h in enumerate(hists)]
+        else:
+            rows = [SampleRow(params, 1, 0, array("q", h) if params.repetition_penalty != 1.0 else None)
+                    for h in hists]
+        sample_on_device(logits, rows, pinned=True, masks=masks)
         times.append(time.perf_counter() - t0)
     if logits.is_cuda:
         torch.cuda.synchronize()
@@ -53,11 +66,11 @@ def main() -> None:
     rng = random.Random(0)
     hists = [array("q", [rng.randrange(args.vocab) for _ in range(args.history)]) for _ in range(args.rows)]
     logits = torch.randn(args.rows, args.vocab, device=args.device, dtype=torch.bfloat16)
-    for pen in (1.0, 1.05):
+    for pen, pool in ((1.0, False), (1.05, False), (1.05, True)):
         p = SamplingParams(temperature=1.0, repetition_penalty=pen, seed=3)
-        ms = host_ms(logits, hists, p, args.reps)
+        ms = host_ms(logits, hists, p, args.reps, pool)
         print(f"FIG sampler_host rows={args.rows} history={args.history} vocab={args.vocab} device={args.device} "
-              f"repetition_penalty={pen} host_ms={ms:.2f}", flush=True)
+              f"repetition_penalty={pen} pool={pool} host_ms={ms:.2f}", flush=True)
 
 
 if __name__ == "__main__":

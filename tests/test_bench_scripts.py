@@ -101,10 +101,12 @@ def test_fp8_accuracy_bench_teacher_forced_on_an_hf_model():
     assert 0.0 <= float(fig["dlogprob_p50"]) <= float(fig["dlogprob_p99"]) <= float(fig["dlogprob_max"])
 
 
-def test_sampler_host_bench_prints_both_rows():
+def test_sampler_host_bench_prints_its_three_rows():
     res = subprocess.run([sys.executable, "benchmarks/sampler_host_bench.py", "--device", "cpu", "--rows", "4",
                           "--history", "300", "--vocab", "1024", "--reps", "1"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     figs = [dict(kv.split("=", 1) for kv in ln.split()[2:]) for ln in res.stdout.splitlines() if ln.startswith("FIG")]
-    assert [f["repetition_penalty"] for f in figs] == ["1.0", "1.05"] and all(float(f["host_ms"]) > 0 for f in figs)
+    assert [(f["repetition_penalty"], f["pool"]) for f in figs] == [("1.0", "False"), ("1.05", "False"),
+                                                                     ("1.05", "True")]
+    assert all(float(f["host_ms"]) > 0 for f in figs)

@@ -59,8 +59,8 @@ def test_each_phase_captures_its_graphs_on_its_own_stream(monkeypatch):
     d, p = PhaseContext(Phase.DECODE, _Stream(dev, "D")), PhaseContext(Phase.PREFILL, _Stream(dev, "P"))
     assert (r.phase_stream(d), r.phase_stream(p)) == ("cuda:D", "cuda:P")
     assert dev.asked == [("D", None), ("P", None)]
-    assert [(c, f.__name__) for c, f in graph_captures(r, d, p)] == [(d, "capture_decode_graphs"),
-                                                                   (p, "capture_prefill_graphs")]
+    assert [(c, f.__name__, label) for c, f, label in graph_captures(r, d, p)] == [
+        (d, "capture_decode_graphs", "D.capture"), (p, "capture_prefill_graphs", "P.capture")]
     # without device streams (a runner driven by a benchmark) each phase gets a stream of its own, kept
     made = []
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: made.append(device) or f"stream{len(made)}")

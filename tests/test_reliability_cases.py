@@ -330,23 +330,27 @@ async def test_case05_one_request_whose_distribution_is_nan_fails_alone(policy, 
     with SamplingError; greedy requests batched with it finish and equal a recompute, the
     worker keeps serving and leaves ``async with`` cleanly (before: the whole P epoch failed;
     in decode or under mixed-chunked the engine died and an ExceptionGroup came out). The plain
-    D loop, which samples through ``turns.sample``; the overlapped loop samples on the D stream
-    (tests/test_overlap_decode.py has its NaN case)."""
+    D loop; P's head item and D's item sample on their streams (``sample_on_device``), the
+    mixed-chunked loop through ``turns.sample`` (tests/test_overlap_decode.py has the overlapped
+    loop's NaN case)."""
+    from ainfer_pd.engine.loop import d_overlap, p_walk
     cfg = tiny_cfg(**{"scheduler.policy": policy, "scheduler.overlap_decode": False})
-    poison: set[str] = set()
     steps = {"n": 0}
-    real = turns_mod.sample
 
-    def poisoned(logits, rows):
-        logits = logits.clone()
-        for i, r in enumerate(rows):
-            if r.params.seed == 4242:
-                steps["n"] += 1
-                if where == "prefill" or steps["n"] > 3:
-                    logits[i] = math.nan
-        return real(logits, rows)
+    def poisoned(real):
+        def run(logits, rows, **kw):
+            logits = logits.clone()
+            for i, r in enumerate(rows):
+                if r.params.seed == 4242:
+                    steps["n"] += 1
+                    if where == "prefill" or steps["n"] > 3:
+                        logits[i] = math.nan
+            return real(logits, rows, **kw)
+        return run
 
-    monkeypatch.setattr(turns_mod, "sample", poisoned)
+    monkeypatch.setattr(turns_mod, "sample", poisoned(turns_mod.sample))
+    for mod in (d_overlap, p_walk):
+        monkeypatch.setattr(mod, "sample_on_device", poisoned(mod.sample_on_device))
     rng = random.Random(5)
     async with RolloutWorker(cfg) as w:
         prompts = [rand_ids(rng, 30) for _ in range(3)]

@@ -203,3 +203,43 @@ def test_bad_tokens_and_arguments_are_refused():
         SuffixIndex(min_match=5, max_match=4)
     with pytest.raises(SpecInputError, match="cap_tokens"):
         SuffixDrafter(cap_tokens=10)
+
+
+@pytest.mark.parametrize("min_match", [1, 3, 5])
+def test_a_bulk_extend_indexes_as_token_by_token_extends(min_match):
+    """An extend of many tokens builds its keys in bulk (``_gram_keys``), a short one per position:
+    the same index (keys, occurrences, their order and the per-key cap) either way, and forget
+    removes every key the bulk path added."""
+    rng = random.Random(min_match)
+    seq = [rng.randrange(6) for _ in range(400)]            # a small vocabulary: keys repeat past the cap
+    bulk, one, mixed = (SuffixIndex(min_match=min_match, max_candidates=8) for _ in range(3))
+    bulk.extend("a", seq)
+    for t in seq:
+        one.extend("a", [t])
+    for i in range(0, len(seq), 37):
+        mixed.extend("a", seq[i:i + 37])
+    assert bulk._index == one._index == mixed._index and bulk.occurrences == one.occurrences
+    bulk.extend("b", seq[:50])
+    bulk.forget("a")
+    bulk.forget("b")
+    assert not bulk._index and len(bulk) == 0
+
+
+def test_an_n_gram_seen_once_holds_an_int_and_one_seen_again_a_list():
+    """The index's occurrences: one int for an n-gram seen once (no list: no GC-tracked object a
+    token), a list once it is seen again; drafting and forgetting read both."""
+    ix = SuffixIndex(min_match=2)
+    ix.extend("a", [1, 2, 3, 4, 1, 2])
+    kinds = sorted(type(v).__name__ for v in ix._index.values())
+    assert kinds == ["int", "int", "int", "list"] and ix.occurrences == 5
+    assert ix.draft("a", 3) == [3, 4, 1]
+    ix.extend("b", [3, 4, 9])
+    assert ix.draft("b", 2) == [] and ix.occurrences == 7
+    ix.forget("a")
+    assert ix.occurrences == 2 and all(type(v) is int for v in ix._index.values())
+    one = SuffixIndex(min_match=1, max_candidates=1)          # a cap of 1: the newest occurrence, an int
+    one.extend("c", [5, 6, 5, 7, 5])
+    assert all(type(v) is int for v in one._index.values())
+    assert one.draft("c", 1) == []                           # (5,)'s newest occurrence is the context's own end
+    one.extend("c", [8])
+    assert one.draft("c", 1) == [] and one._index[hash((5,))] == 4

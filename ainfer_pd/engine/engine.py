@@ -124,8 +124,8 @@ class Engine:
         if self.dist is not None:
             self.dist.install(self)           # the phase hooks, before the graphs bind them
         if self.device.kind == "cuda" and dc.cuda_graphs:  # each on its phase's stream, thread (phase_capture)
-            for ctx, capture in graph_captures(self.runner, self.decode_ctx, self.prefill_ctx):
-                ctx.stream.submit(capture, ctx, label=f"{ctx.stream.name}.capture").enqueued().result()
+            for ctx, capture, label in graph_captures(self.runner, self.decode_ctx, self.prefill_ctx):
+                ctx.stream.submit(capture, ctx, label=label).enqueued().result()
         if self.device.kind == "cuda" and dc.warmup_prefill:
             self.prefill_ctx.stream.submit(warmup_prefill, self.runner, self.prefill_ctx,
                                            cfg.scheduler.max_prefill_tokens, label="P.warmup").enqueued().result()

@@ -12,10 +12,13 @@ so far (a repeating pattern drafts through its period).
 Why an n-gram index with hash-chained position lists, not a suffix automaton or a suffix tree:
 both find the longest match in O(match), but a suffix automaton cannot forget a sequence (the
 memory cap and ``forget`` would rebuild it) and a depth-D suffix tree adds up to D Python nodes per
-token (a few KB each in CPython). Here a token costs one tuple hash, one dict lookup and one list
-append to add (~2 us), and about 4 B (its id in an ``array``) plus one list entry and one int
-(~45 B), plus ~120 B more for an n-gram never seen before (dict slot, list): ~170 B per token on
-random tokens, ~90 B on a repetitive trace (``benchmarks/suffix_draft_bench.py``). The longest
+token (a few KB each in CPython). Here a token costs one tuple hash and one dict lookup to add
+(the keys built in bulk by :func:`_gram_keys`: 0.65 ms for 2,048 tokens on the CPU VM), and about
+4 B (its id in an ``array``) plus its occurrence: an n-gram seen once holds one int (the dict
+slot and the int, no list: most n-grams of sampled text occur once, and a list each was one
+GC-tracked object a token), one seen more a list of them. ~106 B per token on random tokens,
+~70 B on a repetitive trace (``benchmarks/suffix_draft_bench.py``; 169 / 88 B with a list per
+n-gram). The longest
 match is exact among the ``max_candidates`` most recent occurrences of the key (older ones are
 dropped from the key's list); its length is found by comparing ``array`` slices (a binary search,
 C-level compares), so a draft is O(candidates x (log max_match + k)) Python steps.
@@ -23,13 +26,13 @@ C-level compares), so a draft is O(candidates x (log max_match + k)) Python step
 Memory is bounded per group: past ``cap_tokens`` the least recently extended sequences are
 evicted (finished siblings first; a sequence extended after its eviction starts again from the
 new tokens); one sequence longer than the cap keeps its last ``cap_tokens // 2`` tokens.
-Forgetting removes a sequence's occurrences eagerly (one list filter per distinct key it holds).
+Forgetting removes a sequence's occurrences eagerly (one int check or list filter per distinct key it holds).
 Drafts are suggestions: verification (:mod:`.verify`) makes the output exact whatever they are.
 """
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from ..errors import SpecInputError
 
@@ -42,6 +45,8 @@ MAX_CANDIDATES = 32
 CAP_TOKENS = 1 << 16
 """Tokens one group keeps before evicting its least recently extended sequences."""
 
+_BULK = 8
+"""Past this many new tokens an extend builds its keys in bulk (:func:`_gram_keys`)."""
 _POS_BITS = 32
 _POS_MASK = (1 << _POS_BITS) - 1
 
@@ -73,7 +78,7 @@ class SuffixIndex:
     @property
     def occurrences(self) -> int:
         """Positions indexed (at most one per token held)."""
-        return sum(len(occ) for occ in self._index.values())
+        return sum(1 if occ.__class__ is int else len(occ) for occ in self._index.values())
 
     def tokens(self, seq_id: object) -> list[int]:
         """The tokens held for ``seq_id`` (empty if none)."""
@@ -92,8 +97,18 @@ class SuffixIndex:
         start = len(seq)
         seq.extend(new)
         self.num_tokens += len(new)
-        for p in range(max(start, self.min_match - 1), len(seq)):
-            self._add(seq, slot, p)
+        first = max(start, self.min_match - 1)
+        index, cap, base = self._index, self.max_candidates, slot << _POS_BITS
+        for p, key in enumerate(_gram_keys(seq, first, self.min_match), first):
+            occ = index.get(key)
+            if occ is None:                   # most n-grams occur once: a plain int, no list
+                index[key] = base | p
+            elif occ.__class__ is int:
+                index[key] = [occ, base | p] if cap > 1 else base | p
+            else:
+                occ.append(base | p)
+                if len(occ) > cap:
+                    del occ[0]
         if self.num_tokens > self.cap_tokens:
             self._evict(seq_id)
 
@@ -105,13 +120,21 @@ class SuffixIndex:
         seq = self._tokens.pop(slot)
         self.num_tokens -= len(seq)
         n = self.min_match
-        for key in {hash(tuple(seq[p - n + 1:p + 1])) for p in range(n - 1, len(seq))}:
+        for key in set(_gram_keys(seq, n - 1, n)):
             occ = self._index.get(key)
             if occ is None:
                 continue
-            occ[:] = [e for e in occ if e >> _POS_BITS != slot]
-            if not occ:
+            if occ.__class__ is int:
+                if occ >> _POS_BITS == slot:
+                    del self._index[key]
+                continue
+            left = [e for e in occ if e >> _POS_BITS != slot]
+            if not left:
                 del self._index[key]
+            elif len(left) == 1:
+                self._index[key] = left[0]
+            else:
+                occ[:] = left
 
     def draft(self, seq_id: object, k: int) -> list[int]:
         """Up to ``k`` tokens likely to follow ``seq_id``'s sequence ([] when no earlier occurrence
@@ -124,23 +147,14 @@ class SuffixIndex:
         if L < n:
             return []
         occ = self._index.get(hash(tuple(ctx[L - n:])))
-        if not occ:
+        if occ is None:
             return []
+        if occ.__class__ is int:
+            occ = (occ,)
         starts = self._longest(ctx, slot, occ)
         return self._vote(ctx, starts, k) if starts else []
 
     # ------------------------------------------------------------------------------ internals
-    def _add(self, seq: array, slot: int, p: int) -> None:
-        """Index the n-gram of ``seq`` ending at position ``p``."""
-        key = hash(tuple(seq[p - self.min_match + 1:p + 1]))
-        occ = self._index.get(key)
-        if occ is None:
-            self._index[key] = [slot << _POS_BITS | p]
-            return
-        occ.append(slot << _POS_BITS | p)
-        if len(occ) > self.max_candidates:
-            del occ[0]
-
     def _longest(self, ctx: array, slot: int, occ: list[int]) -> list[tuple[array, int, bool]]:
         """(sequence, continuation start, own sequence?) of the occurrences agreeing longest with
         the end of ``ctx``, newest first."""
@@ -303,6 +317,17 @@ class SuffixDrafter:
     @property
     def num_tokens(self) -> int:
         return sum(idx.num_tokens for idx in self.groups.values())
+
+
+def _gram_keys(seq: array, first: int, n: int) -> Iterator[int]:
+    """The index keys of the n-grams of ``seq`` ending at positions ``first`` .. ``len(seq) - 1``
+    (``first >= n - 1``): ``hash`` of each n-gram's tuple, the tuples built by ``zip`` over n
+    shifted slices (C loops: half the time of slicing one tuple per position, which was most of a
+    first probe's indexing of a row's context)."""
+    if len(seq) - first <= _BULK:          # a few tokens (a decode step's): one slice each
+        return [hash(tuple(seq[p - n + 1:p + 1])) for p in range(first, len(seq))]
+    end = len(seq) - n + 1
+    return map(hash, zip(*(seq[first - n + 1 + j:end + j] for j in range(n))))
 
 
 def _checked(tokens: Iterable[int]) -> array:

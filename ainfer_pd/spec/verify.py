@@ -41,8 +41,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..engine.model.sampler import (SampleRow, _to_device, _why_not_a_distribution, history_with, sample_on_device,
-                                    uniform)
+from ..engine.model.sampler import (SampleRow, _to_device, _why_not_a_distribution, history_with, row_history,
+                                    sample_on_device, uniform)
 from ..errors import SpecInputError
 
 ACCEPT_SALT = 0xA5A5_5A5A_C3C3_3C3C
@@ -77,8 +77,9 @@ def expand_rows(rows: list[SampleRow], drafts: list[list[int]], width: int) -> l
     number ``step + j``, after the row's first j drafts (which join its repetition history)."""
     out = []
     for r, d in zip(rows, drafts):
+        h = row_history(r)
         for j in range(width):
-            out.append(SampleRow(r.params, r.seed, r.step + j, None if r.history is None else history_with(r.history, d[:j])))
+            out.append(SampleRow(r.params, r.seed, r.step + j, None if h is None else history_with(h, d[:j])))
     return out
 
 
@@ -101,6 +102,29 @@ def verify_on_device(logits: Tensor, drafts: list[list[int]], rows: list[SampleR
     out, lp, accepted = _rejection(ds.x.view(R, K1, V), tok, D, draft_probs, rows, to)
     return DeviceVerify(out, accepted, _to_host(torch.stack([out.double(), lp.double()]).view(2, R * K1), pinned),
                         ds.x, drafts)
+
+
+def verify_starts(drafts: list[list[int]]) -> list[int]:
+    """Each row's first position in a verify pass's flat logits (row i feeds 1 + len(drafts[i]))."""
+    out, at = [], 0
+    for d in drafts:
+        out.append(at)
+        at += 1 + len(d)
+    return out
+
+
+def verify_rows(logits: Tensor, drafts: list[list[int]], rows: list[SampleRow], *, starts: list[int] | None = None,
+                pinned: bool = False) -> DeviceVerify:
+    """:func:`verify_on_device` over a verify pass's flat logits [positions, V]: row i's positions
+    begin at ``starts[i]`` (default :func:`verify_starts`: the pass's own rows, in order), gathered
+    to [R, 1 + the longest draft, V] (a row with fewer drafts repeats its last position, never
+    read)."""
+    if starts is None:
+        starts = verify_starts(drafts)
+    width = 1 + max((len(d) for d in drafts), default=0)
+    idx = [s + min(j, len(d)) for s, d in zip(starts, drafts) for j in range(width)]
+    x = logits[_to_device(logits.device, pinned)(torch.tensor(idx, dtype=torch.int64))].view(len(drafts), width, -1)
+    return verify_on_device(x, drafts, rows, pinned=pinned)
 
 
 def read_verify(dv: DeviceVerify) -> Verified:

@@ -16,7 +16,7 @@ from torch import Tensor
 from ..model.moe import Routing
 from .plan import GemmPlan, MoEPlan, moe_plan
 
-__all__ = ["GemmPlan", "MoEPlan", "align_blocks", "align_blocks_triton", "direct_layout", "fused_experts",
+__all__ = ["GemmPlan", "MoEPlan", "align_blocks", "align_blocks_triton", "direct_layout", "fused_experts", "layout_rows",
            "fused_softmax_route", "launch_down", "launch_gate_up", "moe_plan"]
 
 
@@ -77,6 +77,12 @@ def direct_layout(r: Routing) -> tuple[Tensor, Tensor, Tensor]:
     return flat, flat, flat
 
 
+def layout_rows(layout: tuple[Tensor, Tensor, Tensor], block_m: int, direct: bool) -> int:
+    """``P``, the padded rows the expert GEMMs walk over ``layout``: the aligned layout's sorted
+    length, or a direct plan's pairs times ``block_m`` (one row block each)."""
+    return layout[0].numel() * (block_m if direct else 1)
+
+
 def launch_gate_up(x: Tensor, w13: Tensor, act: Tensor, layout: tuple[Tensor, Tensor, Tensor], top_k: int,
                    g: GemmPlan, direct: bool = False) -> None:
     """act [N, I] = silu(x[tok] @ W13[e, :, :I]) * (x[tok] @ W13[e, :, I:]) for every pair."""
@@ -96,7 +102,7 @@ def _launch(kernel, layout, g: GemmPlan, ncols: int, a: Tensor, w: Tensor, out: 
     """One expert GEMM over the aligned row blocks (``direct``: one block a pair, :func:`direct_layout`):
     a [N or T, K] rows, w [E, K, ncols] -> out [N, ncols]."""
     sorted_ids, block_expert, num_post = layout
-    P = sorted_ids.numel() * (g.block_m if direct else 1)
+    P = layout_rows(layout, g.block_m, direct)
     grid = (triton_cdiv(P, g.block_m) * triton_cdiv(ncols, g.block_n),)
     ptrs = (a, w, out, sorted_ids, block_expert, num_post) + ((topw,) if topw is not None else ())
     kernel[grid](*ptrs, out.shape[0], P, num_k, ncols,

@@ -110,6 +110,7 @@ class Residency:
         r.graphs = None
         r.release_prefill_graphs()
         r.kv_cache = None
+        r.seen_masks.release()            # the D loop's penalty masks: rebuilt from the histories
         if r.routed is not None:          # routing replay's per-slot ids go with the KV pool
             r.routed.release()
         self.state.kv = False

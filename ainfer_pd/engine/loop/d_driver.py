@@ -13,7 +13,7 @@ import asyncio
 from typing import Callable
 
 from ...sched.planner import plan_decode
-from .d_overlap import InFlightD, decode_sampled, feed_of, rows_after
+from .d_overlap import InFlightD, decode_sampled, feed_of, rows_after, verify_sampled
 from ..runtime.runner import BatchPlan
 from .state import Turn, TurnState
 from .timings import EngineTimings
@@ -151,18 +151,24 @@ class DDriver:
         self.rec.sample("d_build_s", self.rec.now() - t_build)
         hold = self.book.in_flight(rows)
         try:
-            w, t_launch = await self._launch(rows, rnd, t_ready, self.runner.decode, plan, self.ctx)
-            logits = await w.done()
+            # sampled (verified) by the item, on the D stream: the read touches no device
+            if batch is None:
+                fn, args, key = decode_sampled, ([self.book.sample_row(t, live=True) for t in plan.logit_turns],
+                                                 None), "sampled"
+            else:
+                fn, args, key = verify_sampled, ([self.book.sample_row(t) for t in plan.decode],), "verified"
+            w, t_launch = await self._launch(rows, rnd, t_ready, fn, self.runner, plan, self.ctx, *args)
+            out = {key: await w.done()}
         finally:
             self.in_flight = False
             hold.release()
-        self._book(w, t_launch, plan, logits=logits, batch=batch)
+        self._book(w, t_launch, plan, batch=batch, **out)
 
     async def _overlapped(self, rows: list[Turn], ahead: list[int], rnd, t_ready: float) -> None:
         prev = self.prev
         t_build = self.rec.now()
         plan = self.runner.build([], rows, ahead)
-        sample_rows = [self.book.sample_row(t, a) for t, a in zip(rows, ahead)]
+        sample_rows = [self.book.sample_row(t, a, live=True) for t, a in zip(rows, ahead)]
         feed = feed_of(rows, ahead, prev, self.runner.device)
         self.rec.sample("d_build_s", self.rec.now() - t_build)
         self.rec.count("d_rows_fed", sum(ahead))
@@ -232,7 +238,7 @@ class DDriver:
         t_done = self.rec.now()
         self.timings.d_read(w, t_launch, t_done, overlapped=self.overlap, p_running=self.p.running)
         if batch is not None:
-            self.spec.observe(batch, self.book.finish_verify(plan, out["logits"]))
+            self.spec.observe(batch, self.book.finish_verify(plan, **out))
         else:
             self.book.finish_decode(plan, **out)
             if self.spec is not None:       # ended rows' last tokens reach their siblings' drafts

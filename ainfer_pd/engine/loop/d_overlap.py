@@ -20,6 +20,9 @@ What the host does not know when it launches n+1 is which rows n ended:
 * a row with a repetition penalty needs its history, n's token included: the host history has
   the tokens read, and n's token is the row's input id in n+1, on the device, which the
   sampler's penalty mask takes too (``sample_on_device(seen_ids=)``), so such rows overlap as well.
+  The rows' histories are not copied a step: each is the turn's live history with its length
+  (``TurnBook.sample_row(live=True)``), and the runner's :class:`~..model.seen_masks.SeenMasks`
+  keeps each trajectory's mask on the device, uploading only the tokens read since.
 
 Seeded sampling stays exact: a row's noise counter is the index of the token it draws, which
 counts the tokens still on the device.
@@ -33,6 +36,7 @@ import torch
 
 from ..runtime.runner import BatchPlan
 from ..model.sampler import DeviceSample, SampleRow, sample_on_device
+from ...spec.verify import DeviceVerify, verify_rows
 from .state import Turn
 
 
@@ -83,17 +87,30 @@ def feed_of(rows: list[Turn], ahead: list[int], prev: InFlightD | None, device) 
 
 def decode_sampled(runner, plan: BatchPlan, ctx, sample_rows: list[SampleRow],
                    feed: tuple[torch.Tensor, torch.Tensor] | None, prev_work=None) -> DeviceSample:
-    """The D stream item of an overlapped iteration: the inputs prev left on the device, the
-    iteration (graph replay when a bucket fits), then its sampling and the non-blocking copy
-    of the 2R results to the host. ``prev_work``: prev's D stream item; the stream is FIFO, so
-    its launch call has returned when this one runs and its result (the sampled tokens on the
-    device, produced earlier on this stream) is there without waiting."""
+    """The D stream item of an iteration: the inputs prev left on the device (overlapped), the
+    iteration (graph replay when a bucket fits), then the sampling of its ``sample_rows`` (the
+    first logits rows: a multi-rank plan may pad more) and the non-blocking copy of the 2R
+    results to the host. ``prev_work``: prev's D stream item; the stream is FIFO, so its launch
+    call has returned when this one runs and its result (the sampled tokens on the device,
+    produced earlier on this stream) is there without waiting. The plain D loop runs it too,
+    without ``feed``: the host reads the tokens after the item completed, off the device."""
     if feed is not None:
         dst, src = feed
         prev_tok = prev_work.enqueued().result().tok
         plan.fb.input_ids.index_copy_(0, dst, prev_tok.index_select(0, src))
-    logits = runner.decode(plan, ctx)
+    logits = runner.decode(plan, ctx)[:len(sample_rows)]
     # a row's input id is its last token: for a row fed from prev, not in its host history yet
     # (a repetition penalty counts it from the device: such rows overlap too)
     seen = plan.fb.input_ids if any(r.params.repetition_penalty != 1.0 for r in sample_rows) else None
-    return sample_on_device(logits, sample_rows, pinned=True, seen_ids=seen)
+    return sample_on_device(logits, sample_rows, pinned=True, seen_ids=seen, masks=runner.seen_masks)
+
+
+def verify_sampled(runner, plan: BatchPlan, ctx, sample_rows: list[SampleRow]) -> DeviceVerify | None:
+    """The D stream item of a verify iteration (speculative decoding, plain loop): the pass, then
+    the verification of ``plan.drafts`` on the D stream with a non-blocking copy to the host
+    (``TurnBook.finish_verify(verified=)`` reads it); None for a plan without rows (a TP
+    follower's: it verifies nothing)."""
+    logits = runner.decode(plan, ctx)
+    if not plan.drafts:
+        return None
+    return verify_rows(logits, plan.drafts, sample_rows, pinned=True)

@@ -156,7 +156,7 @@ class PDriver:
         t_start = self.rec.now()
         hold = self.book.in_flight(t for t, _, _ in work)
         try:
-            logits = await self._walk(epoch, plan, mode, counts, d_enqueued, entered, t_start)
+            sampled = await self._walk(epoch, plan, mode, counts, d_enqueued, entered, t_start)
         finally:
             hold.release()                    # before the cleanups: the epoch's aborted turns drained
             self.running = self.exclusive = False
@@ -166,7 +166,7 @@ class PDriver:
         self.rec.sample("p_epoch_s", self.rec.now() - t_start)
         self.slowdown.observe(mode.gated, self.rec.now() - t_start, plan.num_tokens)
         self.rec.sample("p_epoch_tokens", plan.num_tokens)
-        self.book.finish_prefill(plan, logits)
+        self.book.finish_prefill(plan, sampled=sampled)
 
     async def _walk(self, epoch, plan, mode: EpochMode, counts: bool, d_enqueued, entered, t_start):
         """The walk inside the turnstile's epoch; the final boundary as ``mode.final`` says."""
@@ -175,7 +175,8 @@ class PDriver:
             if entered is not None:
                 entered.set()
             walk = EpochWalk(epoch, plan, ep, runner=self.runner, ctx=self.ctx, rec=self.rec, faults=self.faults,
-                             timeout_s=self.timeout_s, all_reduce=self.all_reduce)
+                             timeout_s=self.timeout_s, all_reduce=self.all_reduce,
+                             sample_rows=[self.book.sample_row(t) for t in plan.logit_turns])
             await walk.enqueue(self.segments, mode, counts)
             waited = walk.waited
             self.rec.sample("p_enqueue_s", self.rec.now() - t_start - waited)
@@ -185,13 +186,13 @@ class PDriver:
                 ep.publish(1, final=True)
             done = mode.final is EpochFinal.COMPLETE or not mux
             if done:
-                logits = await walk.done()
+                sampled = await walk.done()
                 if mux:
                     ep.publish(1, final=True)
         if not done:
-            logits = await walk.done()
+            sampled = await walk.done()
         if plan.num_tokens and not counts:
             # P time per boundary without the permit waits: host enqueue and device run overlap,
             # so this is the device-paced time (with D's work interleaved when multiplexed)
             self.timings.p_boundary(self.rec.now() - t_start - waited, boundaries)
-        return logits
+        return sampled

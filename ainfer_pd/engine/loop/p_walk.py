@@ -25,6 +25,7 @@ from typing import Any, Callable
 from ...metrics.export import set_log_context
 from ...sched.epoch_mode import EpochMode
 from ..model.model import ATTENTION, EMBED, EXPERTS, HEAD, Segment
+from ..model.sampler import DeviceSample, SampleRow, sample_on_device
 
 P_ITEM = {"phase": "P", "kind": "compute"}
 
@@ -47,15 +48,18 @@ class EpochWalk:
 
     ``ep``: the turnstile's :class:`~ainfer_pd.turnstile.turnstile.EpochHandle` of the epoch;
     ``all_reduce(tensor, after=, epoch=, boundary=, gated=)``: enqueue a layer's attention
-    all-reduce (attention TP; None: this rank holds every head)."""
+    all-reduce (attention TP; None: this rank holds every head); ``sample_rows``: the sampler's
+    row of each logits row (the prompts the epoch completes), sampled by the head item on the P
+    stream, so the event loop reads the first tokens without touching the device."""
 
     __slots__ = ("epoch", "plan", "ep", "runner", "ctx", "rec", "faults", "faults_on", "timeout_s", "all_reduce",
                  "gated", "lane", "st", "notified", "o", "items", "head", "waited", "counts_waited", "seg_b",
-                 "mtp_routed", "mtp")
+                 "mtp_routed", "mtp", "sample_rows")
 
     def __init__(self, epoch: int, plan, ep, *, runner, ctx, rec, faults, timeout_s: float,
-                 all_reduce: Callable[..., Any] | None = None) -> None:
+                 all_reduce: Callable[..., Any] | None = None, sample_rows: list[SampleRow] | None = None) -> None:
         self.epoch, self.plan, self.ep = epoch, plan, ep
+        self.sample_rows = sample_rows if sample_rows is not None else []
         self.runner, self.ctx, self.rec, self.faults = runner, ctx, rec, faults
         self.faults_on = faults.active
         self.timeout_s = timeout_s
@@ -66,7 +70,7 @@ class EpochWalk:
         self.notified: Any = None
         self.o: Any = None
         self.items: list = []          # every item enqueued before the head: a failed one fails the epoch
-        self.head = None               # the head's item (the logits)
+        self.head = None               # the head's item (its logits rows sampled)
         self.waited = 0.0              # host seconds spent at boundaries (permits and receive counts)
         self.counts_waited = 0.0       # of those, for receive counts
         self.seg_b = 0                 # the boundary P last passed: its communication's segment
@@ -121,9 +125,10 @@ class EpochWalk:
             else:
                 self.head = stream.submit(self._head, label=label, attrs=P_ITEM, lane=lane)
 
-    async def done(self) -> Any:
-        """The head's result once it completed, raising the first failure of the items before it
-        (the stream runs on after a failed item, so a failure is only seen by looking)."""
+    async def done(self) -> DeviceSample | None:
+        """The head's result (the logits rows sampled) once it completed, raising the first failure
+        of the items before it (the stream runs on after a failed item, so a failure is only seen
+        by looking)."""
         try:
             result = await self.head.done()
         except BaseException:
@@ -236,5 +241,7 @@ class EpochWalk:
     def _mtp_rest(self, ar) -> None:
         self.runner.after_layers_rest(self.mtp, ar.enqueued().result(), self.ctx)
 
-    def _head(self) -> Any:
-        return self.runner.head(self.st, self.plan)
+    def _head(self) -> DeviceSample | None:
+        """The logits rows sampled (None: the epoch completes no prompt, nothing to sample)."""
+        logits = self.runner.head(self.st, self.plan)
+        return sample_on_device(logits, self.sample_rows, pinned=True) if self.sample_rows else None

@@ -29,7 +29,7 @@ from ..kv.kv_cache import KVCacheManager
 from ..model.routed_experts import of_turn
 from ..runtime.runner import BatchPlan
 from ..model.sampler import DeviceSample, SampleRow, read_sample, sample
-from ...spec.verify import verify
+from ...spec.verify import DeviceVerify, read_verify, verify_rows, verify_starts
 from .state import InFlight, Turn, TurnState
 from .turn_endings import TurnEndings
 
@@ -169,8 +169,11 @@ class TurnBook(TurnEndings):
         return any(not t.abort_requested for t in self.decoding)
 
     # ================================================================== results of a pass
-    def finish_prefill(self, plan: BatchPlan, logits: torch.Tensor) -> None:
-        """Promote completed prompts to D (lifetime-checked); advance partial chunks."""
+    def finish_prefill(self, plan: BatchPlan, logits: torch.Tensor | None = None, *,
+                       sampled: DeviceSample | None = None) -> None:
+        """Promote completed prompts to D (lifetime-checked); advance partial chunks. Their first
+        tokens: ``sampled`` on the device already (every logits row of the plan, by P's head item),
+        or sampled here from ``logits``."""
         now = self.rec.now()
         for t, start, n in plan.prefill:
             self.num_prefill_tokens += n                 # computed, whatever becomes of the turn
@@ -185,7 +188,7 @@ class TurnBook(TurnEndings):
                 and self.kv.is_current(t.tid, t.lifetime)]
         if keep:
             turns = [plan.logit_turns[i] for i in keep]
-            toks, lps, bad = sample(logits[keep], [self.sample_row(t) for t in turns])
+            toks, lps, bad = self._tokens(keep, turns, logits, sampled)
             self._fail_unsampled(turns, bad)
             for i, (t, tok, lp) in enumerate(zip(turns, toks, lps)):
                 if i in bad:
@@ -200,8 +203,8 @@ class TurnBook(TurnEndings):
     def finish_decode(self, plan: BatchPlan, logits: torch.Tensor | None = None, *,
                       sampled: DeviceSample | None = None) -> None:
         """Append each live decode row's sampled token (its KV for the fed token is written).
-        ``sampled``: the iteration was sampled on the device already (every row of the plan, the
-        overlapped D loop); rows that ended or were aborted since are skipped."""
+        ``sampled``: the iteration was sampled on the device already (every row of the plan, by
+        its D item); rows that ended or were aborted since are skipped."""
         live = [i for i, t in enumerate(plan.logit_turns) if not t.abort_requested and t.state is TurnState.DECODING]
         if sampled is not None and len(live) < len(plan.logit_turns):
             self.rec.count("d_rows_unused", len(plan.logit_turns) - len(live))   # ended or aborted since the launch
@@ -210,49 +213,57 @@ class TurnBook(TurnEndings):
         turns = [plan.logit_turns[i] for i in live]
         for t in turns:
             self.kv.mark_written(t.tid, t.lifetime, t.seq_len)
-        if sampled is None:
-            toks, lps, bad = sample(logits[live], [self.sample_row(t) for t in turns])
-        else:
-            all_toks, all_lps, all_bad = read_sample(sampled)
-            toks, lps = [all_toks[i] for i in live], [all_lps[i] for i in live]
-            bad = {j: all_bad[i] for j, i in enumerate(live) if i in all_bad}
+        toks, lps, bad = self._tokens(live, turns, logits, sampled)
         self._fail_unsampled(turns, bad)
         for i, (t, tok, lp) in enumerate(zip(turns, toks, lps)):
             if i not in bad:
                 self._append_token(t, tok, lp)
 
-    def finish_verify(self, plan: BatchPlan, logits: torch.Tensor) -> list[int | None]:
+    def finish_verify(self, plan: BatchPlan, logits: torch.Tensor | None = None, *,
+                      verified: DeviceVerify | None = None) -> list[int | None]:
         """A verify pass (speculative decoding: ``plan.drafts``) was read: each live row's emitted
         run, its accepted drafts then the one token after them (:func:`~ainfer_pd.spec.verify.verify`:
         the sampler's tokens and the target's logprobs), is appended token by token, each marking
         written the KV its predecessor's position holds (that position was fed in this pass with
         the accepted prefix), so a stop token or the length limit ends the turn at once and the
-        rest of the run is dropped; a rejected draft's KV is never marked written. Returns the
-        drafts each row accepted (None: a row ended or aborted since the launch)."""
+        rest of the run is dropped; a rejected draft's KV is never marked written. ``verified``:
+        the item verified every row on the device already (:func:`verify_rows`), else it is done
+        here from ``logits``. Returns the drafts each row accepted (None: a row ended or aborted
+        since the launch)."""
         turns, drafts = plan.decode, plan.drafts
-        starts, at = [], 0
-        for d in drafts:
-            starts.append(at)
-            at += 1 + len(d)
         accepted: list[int | None] = [None] * len(turns)
         live = [i for i, t in enumerate(turns) if not t.abort_requested and t.state is TurnState.DECODING]
         if not live:
             return accepted
-        width = 1 + max(len(drafts[i]) for i in live)
-        # [R, width] rows of the logits; a row with fewer drafts repeats its last position (never read)
-        idx = [starts[i] + min(j, len(drafts[i])) for i in live for j in range(width)]
-        x = logits[torch.tensor(idx, dtype=torch.int64, device=logits.device)].view(len(live), width, -1)
         rows = [turns[i] for i in live]
-        v = verify(x, [drafts[i] for i in live], [self.sample_row(t) for t in rows])
+        if verified is None:
+            starts = verify_starts(drafts)
+            v = read_verify(verify_rows(logits, [drafts[i] for i in live], [self.sample_row(t) for t in rows],
+                                        starts=[starts[i] for i in live]))
+            at = range(len(live))
+        else:
+            v, at = read_verify(verified), live
         for j, t in enumerate(rows):
-            for tok, lp in zip(v.tokens[j], v.logprobs[j]):
+            for tok, lp in zip(v.tokens[at[j]], v.logprobs[at[j]]):
                 if t.state is not TurnState.DECODING:
                     break
                 self.kv.mark_written(t.tid, t.lifetime, t.seq_len)
                 self._append_token(t, tok, lp)
-            accepted[live[j]] = v.accepted[j]
-        self._fail_unsampled(rows, {j: why for j, why in v.bad.items() if rows[j].state is TurnState.DECODING})
+            accepted[live[j]] = v.accepted[at[j]]
+        bad = {j: v.bad[at[j]] for j in range(len(rows)) if at[j] in v.bad}
+        self._fail_unsampled(rows, {j: why for j, why in bad.items() if rows[j].state is TurnState.DECODING})
         return accepted
+
+    def _tokens(self, idx: list[int], turns: list[Turn], logits: torch.Tensor | None,
+                sampled: DeviceSample | None) -> tuple[list[int], list[float], dict[int, str]]:
+        """The tokens, logprobs and unsampled rows of the plan's logits rows ``idx`` (``turns``):
+        read from ``sampled`` (the item sampled every row; no device work here), else sampled now
+        from ``logits`` (a device read on the event loop: the mixed-chunked loop's)."""
+        if sampled is None:
+            return sample(logits[idx], [self.sample_row(t) for t in turns])
+        all_toks, all_lps, all_bad = read_sample(sampled)
+        return ([all_toks[i] for i in idx], [all_lps[i] for i in idx],
+                {j: all_bad[i] for j, i in enumerate(idx) if i in all_bad})
 
     def _fail_unsampled(self, turns: list[Turn], bad: dict[int, str]) -> None:
         """Rows the sampler could not sample end alone with SamplingError (their device work
@@ -264,16 +275,20 @@ class TurnBook(TurnEndings):
                                                f"(sampling params {t.params})"), drained=False)
 
     @staticmethod
-    def sample_row(t: Turn, ahead: int = 0) -> SampleRow:
+    def sample_row(t: Turn, ahead: int = 0, live: bool = False) -> SampleRow:
         """``ahead``: tokens of ``t`` sampled on the device and not read yet (their count is the
         noise counter's offset; a repetition penalty takes the one fed on the device from the pass's
-        input ids: see ``engine.d_overlap``)."""
+        input ids: see ``engine.d_overlap``). ``live``: a penalized row carries the turn's history
+        itself with its length and key (for a :class:`~..model.seen_masks.SeenMasks` pool), else a
+        snapshot copy."""
         hist = None
         if t.params.repetition_penalty != 1.0:       # the turn's ids, kept as array('q'): extended, not rebuilt
             hist = t.history
             if hist is None or len(hist) < len(t.context):
                 hist = t.history = array("q", t.context)
             hist.extend(t.out_tokens[len(hist) - len(t.context):])
+            if live:                                  # append-only: its first len(hist) ids stay this row's
+                return SampleRow(t.params, t.seed, len(t.out_tokens) + ahead, hist, t.tid, len(hist))
             hist = array("q", hist)                   # a snapshot (a memcpy): the row may be sampled on a stream
         return SampleRow(t.params, t.seed, len(t.out_tokens) + ahead, hist)
 

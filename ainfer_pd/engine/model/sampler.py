@@ -40,6 +40,24 @@ class SampleRow:
     seed: int = 0                         # the request's seed, or the worker's fallback for it
     step: int = 0                         # index of the token drawn in this turn (the noise counter)
     history: Sequence[int] | None = None  # tokens seen (for the repetition penalty; array('q') from the engine)
+    key: str | None = None
+    """Set (the trajectory's id): ``history`` is the trajectory's live history, append-only, of which
+    this row's are the first ``length`` tokens (no snapshot copy a step; a :class:`.seen_masks.SeenMasks`
+    pool keeps its mask on the device). Read it through :func:`row_history`."""
+    length: int = 0
+
+
+def row_history(r: SampleRow) -> Sequence[int] | None:
+    """The tokens ``r`` has seen, as a sequence of its own (a live history sliced at its length)."""
+    if r.key is None or r.history is None:
+        return r.history
+    return r.history[:r.length]
+
+
+def history_len(r: SampleRow) -> int:
+    if r.history is None:
+        return 0
+    return r.length if r.key is not None else len(r.history)
 
 
 def sample_seed(params: SamplingParams, fallback_seed: int) -> int:
@@ -88,26 +106,35 @@ def _ids(history) -> Tensor:
     return torch.tensor(list(history), dtype=torch.int64)
 
 
-def _penalize(x: Tensor, rows: list[SampleRow], to, seen_ids: Tensor | None = None) -> Tensor:
-    """x [R, V] with each row's repetition penalty applied to the tokens of its history: the
-    tokens seen are a mask scattered from the rows' histories, padded with an extra column V
-    (duplicates set it once; no per-token Python work: 64 rows of 10K tokens took ~150 ms of host
-    time a step as sorted sets and nested lists). ``seen_ids`` [R] (on the device): one more token
-    each row has seen (the overlapped D loop: the token fed on the device, not in the host history
-    yet)."""
-    idx = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0 and r.history is not None
-           and len(r.history)]
+def _penalize(x: Tensor, rows: list[SampleRow], to, seen_ids: Tensor | None = None, masks=None) -> Tensor:
+    """x [R, V] with each row's repetition penalty applied to the tokens of its history. The
+    tokens seen are a mask: with ``masks`` (a :class:`.seen_masks.SeenMasks` pool) and every
+    penalized row keyed, the pool's, which uploads only what each slot has not seen yet; else
+    scattered from the rows' whole histories, padded with an extra column V (duplicates set it
+    once; no per-token Python work: 64 rows of 10K tokens took ~150 ms of host time a step as
+    sorted sets and nested lists). ``seen_ids`` [R] (on the device): one more token each row has
+    seen (the overlapped D loop: the token fed on the device, not in the host history yet)."""
+    idx = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0 and history_len(r)]
     if not idx:
         return x
     V = x.shape[1]
-    pad = to(torch.nn.utils.rnn.pad_sequence([_ids(rows[i].history) for i in idx], batch_first=True,
-                                             padding_value=V))
     pen = to(torch.tensor([rows[i].params.repetition_penalty for i in idx], dtype=x.dtype))[:, None]
+    extra = None
     if seen_ids is not None:
-        pad = torch.cat([pad, seen_ids.index_select(0, to(torch.tensor(idx, dtype=torch.int64)))[:, None]], dim=1)
+        extra = seen_ids.index_select(0, to(torch.tensor(idx, dtype=torch.int64)))[:, None]
+    if masks is not None and all(rows[i].key is not None for i in idx):
+        seen = masks.gather([rows[i].key for i in idx], [rows[i].history for i in idx],
+                            [rows[i].length for i in idx], V, x.device, to)
+        if extra is not None:
+            seen.scatter_(1, extra, True)
+    else:
+        pad = to(torch.nn.utils.rnn.pad_sequence([_ids(row_history(rows[i])) for i in idx], batch_first=True,
+                                                 padding_value=V))
+        if extra is not None:
+            pad = torch.cat([pad, extra], dim=1)
+        seen = torch.zeros(len(idx), V + 1, dtype=torch.bool, device=x.device).scatter_(1, pad, True)[:, :V]
 
     def penalize(sub: Tensor) -> Tensor:
-        seen = torch.zeros(sub.shape[0], V + 1, dtype=torch.bool, device=sub.device).scatter_(1, pad, True)[:, :V]
         return torch.where(seen, torch.where(sub > 0, sub / pen, sub * pen), sub)
     return _on_rows(x, idx, penalize, to)
 
@@ -149,13 +176,14 @@ class DeviceSample:
 
 
 def sample_on_device(logits: Tensor, rows: list[SampleRow], *, pinned: bool = False,
-                     seen_ids: Tensor | None = None) -> DeviceSample:
+                     seen_ids: Tensor | None = None, masks=None) -> DeviceSample:
     """Enqueue the sampling of logits [R, V] on the current stream and the copy of its 2R
     results to the host. ``pinned`` (CUDA): every copy goes through pinned memory without
     blocking (the host launcher never waits for the iteration it samples), so the host may read
     :attr:`DeviceSample.host` only once the stream passed it (the engine's overlapped D loop reads
     it after the iteration's completion event); else the copies block. ``seen_ids``: a token per
-    row its repetition history holds beyond ``rows[i].history`` (:func:`_penalize`)."""
+    row its repetition history holds beyond ``rows[i].history``; ``masks``: the caller's
+    :class:`.seen_masks.SeenMasks` pool for keyed rows (:func:`_penalize`)."""
     x = logits.float()
     R, V = x.shape
     dev = x.device
@@ -163,7 +191,7 @@ def sample_on_device(logits: Tensor, rows: list[SampleRow], *, pinned: bool = Fa
         e = torch.zeros(0, dtype=torch.int64, device=dev)
         return DeviceSample(e, torch.zeros(2, 0, dtype=torch.float64), x)
     to = _to_device(dev, pinned)
-    x = _penalize(x, rows, to, seen_ids)
+    x = _penalize(x, rows, to, seen_ids, masks)
     greedy = [r.params.greedy for r in rows]
     sampled = not all(greedy)
     if sampled:

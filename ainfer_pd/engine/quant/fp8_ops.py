@@ -19,7 +19,7 @@ import os
 import torch
 from torch import Tensor
 
-from ..fused_moe import align_blocks_triton, direct_layout
+from ..fused_moe import align_blocks_triton, direct_layout, layout_rows
 from ..fused_moe.plan import GemmPlan, MoEPlan
 from ..model.moe import Routing
 from .fp8 import BLOCK, FP8, blocks, check_scale, w13_scale_shape
@@ -139,8 +139,7 @@ def _moe_launch(kernel, layout: tuple[Tensor, Tensor, Tensor], g: GemmPlan, ncol
     """One expert GEMM over the aligned row blocks (``ncols`` output columns; ``direct``: one block a
     pair, :func:`..fused_moe.direct_layout`): sizes = (pairs, K reduced, NCNT), the kernel's sizes
     with ``P`` and ``ncols`` filled in; K steps unmasked when block_k divides K."""
-    sorted_ids = layout[0]
-    P = sorted_ids.numel() * (g.block_m if direct else 1)
+    P = layout_rows(layout, g.block_m, direct)
     num_pairs, num_k, ncnt = sizes
     kernel[(_cdiv(P, g.block_m) * _cdiv(ncols, g.block_n),)](
         *layout, *ptrs, num_pairs, P, num_k, ncols, ncnt, *strides,

@@ -18,6 +18,7 @@ from ..attention.kv_fp8 import new_kv_pool
 from ...hf.kv_scales import kv_scales_for
 from ..kv.kv_cache import KVCacheManager
 from ..model.model import MoETransformer, SegmentState, build_model
+from ..model.seen_masks import SeenMasks
 from .prefill_graphs import prefill_graph_buckets
 from .runner_sections import RunnerSections
 from ...phase import Phase, PhaseContext
@@ -104,6 +105,9 @@ class ModelRunner:
         self.decode_paths: dict[str, int] = {"graph": 0, "eager-no-graphs": 0, "eager-past-graphs": 0}
         """D iterations by the path they took (runner.decode)."""
         self.ep = None                 # P's ExpertParallel when experts are spread over ranks
+        self.seen_masks = SeenMasks()
+        """The D loop's repetition-penalty masks on the device (:mod:`..model.seen_masks`; empty until
+        a penalized row decodes), used on the D stream only."""
 
     def new_kv_cache(self) -> Tensor:
         """The KV pool, zeroed: ``[layers, 2, (num_blocks + 1) * block_size, Hk, hd]`` (layers: the MTP one
@@ -361,6 +365,7 @@ class ModelRunner:
         self.graphs = None
         self.release_prefill_graphs()
         self.kv_cache = None
+        self.seen_masks.release()
         for p in self.model.parameters():
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         torch.cuda.synchronize()
@@ -377,7 +382,8 @@ class ModelRunner:
 
 
 def graph_captures(runner: ModelRunner, dctx: PhaseContext, pctx: PhaseContext) -> tuple:
-    """Each phase's graph capture, D's then P's, as (its context, the runner's capture): each is
-    submitted on its phase's own stream and launcher, one after the other (engine start, wake;
-    :func:`.cuda_graphs.phase_capture`)."""
-    return (dctx, runner.capture_decode_graphs), (pctx, runner.capture_prefill_graphs)
+    """Each phase's graph capture, D's then P's, as (its context, the runner's capture, the stream
+    item's label, "D.capture" / "P.capture"): each is submitted on its phase's own stream and
+    launcher, one after the other (engine start, wake; :func:`.cuda_graphs.phase_capture`)."""
+    return tuple((ctx, capture, f"{ctx.stream.name}.capture")
+                 for ctx, capture in ((dctx, runner.capture_decode_graphs), (pctx, runner.capture_prefill_graphs)))
