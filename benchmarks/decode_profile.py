@@ -1,7 +1,7 @@
 """Kernel breakdown of one captured decode-graph replay (GPU host): where a small-batch D iteration
 of the Qwen3-30B-A3B shape spends its device time, against the HBM bound of its bytes.
 
-    python benchmarks/decode_profile.py [--batches 1,64] [--ctx 5000] [--out DIR]
+    python benchmarks/decode_profile.py [--batches 1,64] [--ctx 5000] [--out DIR] [--set model.quantization=fp8]
 Prints, per batch: the replay's wall time, the number of kernels in it, the sum of their device
 times, and the top kernels by device time (name, calls, total us, us per call).
 """
@@ -16,11 +16,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpu_gate import bench_ms, decode_fb, model_cfg  # noqa: E402
+from gpu_gate import bench_ms, decode_fb  # noqa: E402
 
 from ainfer_pd.engine.kv.kv_cache import KVCacheManager  # noqa: E402
 from ainfer_pd.engine.runtime.runner import ModelRunner, RunnerSections  # noqa: E402
 from ainfer_pd.phase import Phase, PhaseContext  # noqa: E402
+from ainfer_pd.tools.options import load_config  # noqa: E402
 
 
 def main() -> None:
@@ -30,11 +31,13 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=5000)
     ap.add_argument("--rows", type=int, default=22)
     ap.add_argument("--out", default="")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override (repeatable)")
     a = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
     Bs = [int(b) for b in a.batches.split(",")]
-    cfg = model_cfg(a.config, max(Bs) * (a.ctx + 16) // 16 + 1024,
-                    {"device.graph_batch_sizes": Bs, "device.graph_max_context": 8192})
+    cfg = load_config(a.config, a.set).replace(**{"cache.num_blocks": max(Bs) * (a.ctx + 16) // 16 + 1024,
+                                                  "device.device": "cuda", "device.graph_batch_sizes": Bs,
+                                                  "device.graph_max_context": 8192})
     runner = ModelRunner(RunnerSections.from_config(cfg), torch.device("cuda"), KVCacheManager(cfg.cache.num_blocks, 16))
     runner.kv_cache.normal_(0, 1)
     dctx = PhaseContext(Phase.DECODE, None)
