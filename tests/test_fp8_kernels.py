@@ -266,13 +266,16 @@ def test_fused_experts_fp8_rejects_the_bf16_layout():
 
 
 def test_fp8_plan_table():
-    """Every size quantizes by launches of its own (on load measured slower on the H200), prefill with
-    act in the gate_up epilogue; every K step within one scale column; on load needs K steps of 128."""
-    decode, prefill = fp8_moe_plan(8, 128), fp8_moe_plan(8 * 8192, 128)
+    """Every size quantizes by launches of its own (on load measured slower on the H200); medium sizes
+    quantize act in the gate_up epilogue, prefill (64-column gate_up tiles, 3 CTAs an SM: faster on the
+    H100) by a launch of its own; every K step within one scale column; on load needs K steps of 128."""
+    decode, medium, prefill = fp8_moe_plan(8, 128), fp8_moe_plan(32 * 128, 128), fp8_moe_plan(8 * 8192, 128)
     assert decode.block_m <= 16 < prefill.block_m
     assert not (decode.quant_x_on_load or decode.quant_act_on_load or decode.fold_sum)
     assert decode.swap_ab and not prefill.swap_ab
-    assert not prefill.quant_x_on_load and fuses_act_quant(prefill)
+    assert not medium.quant_x_on_load and fuses_act_quant(medium)
+    assert not (prefill.quant_x_on_load or prefill.quant_act_on_load) and not fuses_act_quant(prefill)
+    assert prefill.gate_up.block_n == 64 and prefill.gate_up.num_warps == 4
     assert fp8_gemm_plan(1).block_m <= 16 < fp8_gemm_plan(8192).block_m
     for n in (1, 64, 1024, 65536):
         check_fp8_moe_plan(fp8_moe_plan(n, 128))
