@@ -23,7 +23,10 @@ A row whose recent host drafts came back empty is skipped (:mod:`~.backoff`: not
 zero-length draft) until its re-probe (an MTP row never is: its empty drafts are transient), and
 :meth:`worth_drafting` counts only the rows it would probe now: a batch of rows all in backoff stays overlapped, with no host drafting at all;
 overlapped, :meth:`stale_hit` probes them on the tokens already read, and the D driver reads the
-iteration in flight (giving up the overlap) only when one of them has a draft.
+iteration in flight (giving up the overlap, before its turnstile round) only when one of them has a
+draft. That draft's first token foretold the token in flight; the plan books it, once read, as one
+draft judged in the row's acceptance, so a row that samples away from its drafts stops costing
+the overlap without ever verifying.
 """
 from __future__ import annotations
 
@@ -74,6 +77,8 @@ class Speculator:
         self.pending: dict[object, dict[str, Turn]] = {}   # group -> {tid: its turn noted, not given yet}
         self.pending_group: dict[str, object] = {}         # tid -> its group, while noted in pending
         self.acc: dict[str, Acceptance] = {}
+        self._best_rate: float | None = None  # the best rate in acc (None: to be recomputed)
+        self._stale: dict[str, tuple[Turn, int, int]] = {}   # tid -> (turn, position, token) a stale probe foretold
         self.backoff: dict[str, tuple[Turn, Backoff]] = {}  # tid -> (the turn drafted empty, its backoff)
         self.num_verifies = 0
         self.num_drafted = 0
@@ -137,7 +142,8 @@ class Speculator:
                 del self.pending[g]
         self.drafter.release(tid)
         self.held.pop(tid, None)
-        self.acc.pop(tid, None)
+        if self.acc.pop(tid, None) is not None:
+            self._best_rate = None
         self.backoff.pop(tid, None)
 
     # ------------------------------------------------------------------ a batch
@@ -174,19 +180,20 @@ class Speculator:
         with no per-row work (:func:`~.adaptive.could_pay`): a batch that cannot speculate costs
         one pass over the known acceptances and O(K)."""
         if self.cfg.adaptive and self.costs is not None and rows:
-            best = max(max((a.rate for a in self.acc.values()), default=0.0), Acceptance().rate)
-            if not could_pay(self.costs, best, len(rows), k_max=self.k_max, host_s=self.host_s,
+            if self._best_rate is None:
+                self._best_rate = max(max((a.rate for a in self.acc.values()), default=0.0), Acceptance().rate)
+            if not could_pay(self.costs, self._best_rate, len(rows), k_max=self.k_max, host_s=self.host_s,
                              world_rows=world_rows):
                 return False, True
-        available = [self.cap(t) if self.probes(t) else 0 for t in rows]
-        if not any(available):
+        probing = [t for t in rows if self.probes(t) and self.cap(t)]
+        if not probing:
             return False, False
         if not self.cfg.adaptive:
             return True, False
         if self.costs is None:
             return False, False
-        return choose(self.costs, self.rates(rows), available, k_max=self.k_max, host_s=self.host_s,
-                      world_rows=world_rows).k > 0, True
+        return choose(self.costs, self.rates(probing), [self.cap(t) for t in probing], k_max=self.k_max,
+                      host_s=self.host_s, world_rows=world_rows, plain_rows=len(rows) - len(probing)).k > 0, True
 
     def stale_hit(self, rows: list[Turn]) -> bool:
         """Overlapped, before reading the iteration in flight (which holds each row's next token):
@@ -198,17 +205,28 @@ class Speculator:
         suggestions: this only decides whether the overlap is given up for them."""
         if self.on_device:
             return True
-        hit = False
+        self._stale.clear()
         for t in rows:
             if self.cap(t) == 0 or not self.probes(t):
                 continue
             self.sync(t)
             self._flush(t)
-            if self.drafter.draft(t.tid, 1):
-                hit = True
+            d = self.drafter.draft(t.tid, 1)
+            if d:
+                self._stale[t.tid] = (t, t.seq_len, d[0])
             else:
                 self._after_draft(t, 0)
-        return hit
+        return bool(self._stale)
+
+    def _judge_stale(self, t: Turn) -> None:
+        """A stale probe's draft foretold the token ``t`` had in flight: now read, it is one draft
+        token judged (accepted when equal: under sampling that happens with the target's
+        probability of the draft, as a verify's acceptance does), booked in ``t``'s acceptance.
+        Rows that sample freely then stop settling the overlap for drafts that never verify."""
+        turn, pos, tok = self._stale.pop(t.tid, (None, 0, 0))
+        if turn is t and t.seq_len > pos:
+            self.acc[t.tid] = observe(self.acc.get(t.tid, Acceptance()), 1, int(SeqTokens(t)[pos:pos + 1] == [tok]))
+            self._best_rate = None
 
     def cap(self, t: Turn) -> int:
         """The most drafts ``t`` may verify: its tokens left (length, context) less one."""
@@ -252,6 +270,8 @@ class Speculator:
         drafts = []
         for t in rows:
             self.sync(t)
+            if self._stale:
+                self._judge_stale(t)
             c = self.cap(t)
             if c == 0:
                 drafts.append([])
@@ -262,6 +282,7 @@ class Speculator:
                 self._flush(t)
                 drafts.append(self.drafter.draft(t.tid, c))
                 self._after_draft(t, len(drafts[-1]))
+        self._stale.clear()
         return drafts
 
     def _batch(self, rows: list[Turn], drafts: list[list[int]], gain: float) -> SpecBatch | None:
@@ -315,6 +336,7 @@ class Speculator:
             self.num_emitted += a + 1
             if d:
                 self.acc[t.tid] = observe(self.acc.get(t.tid, Acceptance()), len(d), a)
+                self._best_rate = None
             self.sync(t)
         self.rec.count("spec_verifies")
 
