@@ -228,3 +228,19 @@ def test_worth_drafting_counts_rows_not_probed_as_plain_rows():
     probing = _turn("p", [7, 8, 9] * 6)
     assert spec.worth_drafting([probing])
     assert not spec.worth_drafting([probing] + quiet)
+
+
+def test_probing_rows_agrees_with_probes_and_cap_row_by_row():
+    """``probing_rows`` (the per-iteration pass, inlined) keeps exactly the rows that
+    :meth:`Speculator.probes` drafts now with ``cap`` > 0, with those caps: rows in backoff, past
+    it, at their length limit, a new turn of a backed-off trajectory."""
+    from ainfer_pd.spec.speculator import probing_rows
+    spec = _spec()
+    rows = [_turn(f"r{i}", [100 * i + j for j in range(30)]) for i in range(6)]
+    spec.stale_hit(rows)                                  # all drafted empty: in backoff
+    _step(rows[1], next(FRESH)), _step(rows[1], next(FRESH))       # past its wait
+    rows[2].params = SamplingParams(max_new_tokens=1)     # cap 0
+    rows[3] = _turn("r3", list(rows[3].context))          # a new turn of r3: probed at once
+    want = [(t.tid, spec.cap(t)) for t in rows if spec.probes(t) and spec.cap(t)]
+    got, caps = probing_rows(rows, spec.backoff, spec.k_max, spec.max_context_len, spec.on_device)
+    assert [(t.tid, c) for t, c in zip(got, caps)] == want and {t for t, _ in want} == {"r1", "r3"}

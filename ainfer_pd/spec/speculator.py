@@ -30,7 +30,6 @@ the overlap without ever verifying.
 """
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 
@@ -41,7 +40,6 @@ from .backoff import NO_BACKOFF, Backoff, after_draft
 from .verify_shape import DraftOffer
 from .suffix import SuffixDrafter
 
-log = logging.getLogger("ainfer_pd.spec")
 
 HOST_DECAY = 0.7
 """Weight of the past in the host-time EMA, per drafting iteration."""
@@ -185,15 +183,15 @@ class Speculator:
             if not could_pay(self.costs, self._best_rate, len(rows), k_max=self.k_max, host_s=self.host_s,
                              world_rows=world_rows):
                 return False, True
-        probing = [t for t in rows if self.probes(t) and self.cap(t)]
+        probing, caps = probing_rows(rows, self.backoff, self.k_max, self.max_context_len, self.on_device)
         if not probing:
             return False, False
         if not self.cfg.adaptive:
             return True, False
         if self.costs is None:
             return False, False
-        return choose(self.costs, self.rates(probing), [self.cap(t) for t in probing], k_max=self.k_max,
-                      host_s=self.host_s, world_rows=world_rows, plain_rows=len(rows) - len(probing)).k > 0, True
+        return choose(self.costs, self.rates(probing), caps, k_max=self.k_max, host_s=self.host_s,
+                      world_rows=world_rows, plain_rows=len(rows) - len(probing)).k > 0, True
 
     def stale_hit(self, rows: list[Turn]) -> bool:
         """Overlapped, before reading the iteration in flight (which holds each row's next token):
@@ -351,48 +349,19 @@ class Speculator:
                 "spec_tokens_per_row_pass": self.num_emitted / rows if rows else 0.0}
 
 
-def make_speculator(cfg, runner, decode_ctx, recorder, dist) -> Speculator | None:
-    """The engine's speculator (``spec.method``; None: off), with its cost tables: the config's,
-    or measured now on the D stream (``spec.adaptive`` without a table): the verify's, and under
-    ``mtp`` the MTP chain's (``spec.draft_costs``). On several ranks (``dist``) every
-    rank measures the verify table (and the chain's), its passes padded as a real iteration's, the world's tables are
-    agreed (``DistRanks.agree_costs``) and every rank keeps it for the world's K
-    (``DistRanks.use_spec``); a replica leader's speculator only (a TP follower gets None: it runs
-    its leader's verify batches and, under ``mtp``, its catch-ups and draft chains, on its drafter)."""
-    sc = cfg.spec
-    if not sc.enabled:
-        return None
-    if sc.mtp:                          # the runner's passes already feed it (engine.runtime.mtp_runner)
-        runner.drafter.ctx = decode_ctx
-    pad = None if dist is None else (lambda n: dist.padded_rows(n, runner.graphs))
-    times, drafts = sc.verify_costs, sc.draft_costs or None
-    top = cfg.scheduler.max_decode_batch
-    batches = tuple(sorted(times) if times else sorted({b for b in (1, 4, 16, 64, 128) if b < top} | {top}))
-    context = min(2048, cfg.model.max_context_len // 2)
-    if not times and sc.adaptive:
-        from ..engine.runtime.verify_costs import measure_verify_costs
-        widths = sorted({w for w in (1, 2, 3, 5, 9) if w <= sc.num_draft_tokens + 1} | {sc.num_draft_tokens + 1})
-        times = decode_ctx.stream.submit(
-            lambda: measure_verify_costs(runner, decode_ctx, batches, tuple(widths), context, pad=pad),
-            label="D.verify_costs").enqueued().result()
-        log.info("verify costs (s) by batch and width: %s", times)
-        if dist is not None:
-            times = dist.agree_costs(times)
-            log.info("the world's verify costs (s), the most any rank measured: %s", times)
-    if sc.mtp and sc.adaptive and drafts is None and sc.verify_costs:
-        log.warning("spec.verify_costs given without spec.draft_costs: the MTP chain's device time is not "
-                    "counted against speculation (give both, or neither to measure both)")
-    elif sc.mtp and sc.adaptive and drafts is None:          # the chain runs on the device: its cost counts
-        from ..engine.runtime.verify_costs import measure_draft_costs
-        drafts = decode_ctx.stream.submit(
-            lambda: measure_draft_costs(runner, decode_ctx, batches, tuple(range(1, sc.num_draft_tokens + 1)),
-                                        context, pad=pad), label="D.draft_costs").enqueued().result()
-        log.info("MTP draft chain costs (s) by batch and drafts: %s", drafts)
-        if dist is not None:
-            drafts = dist.agree_costs(drafts)
-    costs = VerifyCosts.from_times(times, drafts if sc.mtp else None) if times else None
-    if dist is not None:                 # every rank decides the world's K from the same table
-        dist.use_spec(sc, costs)
-        if not dist.is_leader:
-            return None                  # a TP follower never drafts: it runs its leader's verify batch
-    return Speculator(sc, cfg.model.max_context_len, costs, recorder, runner.drafter if sc.mtp else None)
+def probing_rows(rows: list[Turn], backoff: dict, k_max: int, max_context_len: int,
+                 on_device: bool) -> tuple[list[Turn], list[int]]:
+    """The rows :meth:`Speculator.probes` would draft now with a cap > 0 (:meth:`Speculator.cap`),
+    and their caps: one pass with both inlined (every D iteration runs it, over every row)."""
+    probing, caps = [], []
+    for t in rows:
+        n = len(t.context) + len(t.out_tokens)
+        if not on_device:
+            b = backoff.get(t.tid)
+            if b is not None and b[0] is t and n < b[1].probe_at:
+                continue
+        c = min(k_max, t.params.max_new_tokens - len(t.out_tokens) - 1, max_context_len - n - 1)
+        if c > 0:
+            probing.append(t)
+            caps.append(c)
+    return probing, caps
