@@ -134,7 +134,7 @@ CASES = {
     "mixed": ([(0, 129), (800, 64)], [5, 1000, 2500]),
 }
 MOE_CHECK = (128, 2048, 768, 8, (1, 48, 333, 2048))      # E, D, I, k, token counts
-ITER_B, ITER_CTX = (1, 4, 16, 64, 128), 2048
+ITER_B, ITER_CTX = (1, 4, 16, 40, 64, 128), 2048     # 40: between buckets (its graph has 24 padding rows)
 ITER_LONG = ((16, 2048), (16, 8192), (16, 16384), (32, 8192))     # (B, context): the long-context decode rows
 PREFILL = ((2048, 0), (4096, 0), (8192, 0), (575, 1500))
 ATTN_PARTS = ((32, 2048), (64, 2048), (64, 4096), (128, 2048))

@@ -266,13 +266,16 @@ def test_fused_experts_fp8_rejects_the_bf16_layout():
 
 
 def test_fp8_plan_table():
-    """Every size quantizes by launches of its own (on load measured slower on the H200), prefill with
-    act in the gate_up epilogue; every K step within one scale column; on load needs K steps of 128."""
-    decode, prefill = fp8_moe_plan(8, 128), fp8_moe_plan(8 * 8192, 128)
+    """Every size quantizes by launches of its own (on load measured slower on the H200); medium sizes
+    quantize act in the gate_up epilogue, prefill (64-column gate_up tiles, 3 CTAs an SM: faster on the
+    H100) by a launch of its own; every K step within one scale column; on load needs K steps of 128."""
+    decode, medium, prefill = fp8_moe_plan(8, 128), fp8_moe_plan(32 * 128, 128), fp8_moe_plan(8 * 8192, 128)
     assert decode.block_m <= 16 < prefill.block_m
     assert not (decode.quant_x_on_load or decode.quant_act_on_load or decode.fold_sum)
     assert decode.swap_ab and not prefill.swap_ab
-    assert not prefill.quant_x_on_load and fuses_act_quant(prefill)
+    assert not medium.quant_x_on_load and fuses_act_quant(medium)
+    assert not (prefill.quant_x_on_load or prefill.quant_act_on_load) and not fuses_act_quant(prefill)
+    assert prefill.gate_up.block_n == 64 and prefill.gate_up.num_warps == 4
     assert fp8_gemm_plan(1).block_m <= 16 < fp8_gemm_plan(8192).block_m
     for n in (1, 64, 1024, 65536):
         check_fp8_moe_plan(fp8_moe_plan(n, 128))
@@ -310,3 +313,24 @@ def test_a_direct_plan_gives_the_aligned_plans_bits(plan, T):
     assert fp8_moe_plan(4, 8, tokens=1).direct and not fp8_moe_plan(8, 8, tokens=2).direct
     with pytest.raises(ValueError, match="row groups"):
         check_fp8_moe_plan(dataclasses.replace(LOAD, direct=True))
+
+
+@pytest.mark.parametrize("plan", [None, LOAD_FOLD, SWAP, SWAP_LOAD_FOLD, "direct"])
+def test_padding_rows_run_no_fp8_expert_and_come_back_zero(plan):
+    """A routing with padding rows (expert -1, weight 0: ``fused_softmax_route`` given the rows' KV
+    slots): the real rows' outputs are bit-equal to the batch routed whole, the padding rows' are
+    0, under separate launches, the k-slot fold (whose counters a padding row never reaches) and a
+    direct plan."""
+    from ainfer_pd.engine.fused_moe import fused_softmax_route
+    T, E, k, D, inter, scratch = 9, 8, 3, 160, 96, 10_000
+    x, _, ws = moe_case(T, E, k, D, inter, F32)
+    router = torch.randn(E, D, generator=torch.Generator().manual_seed(3))
+    slots = torch.arange(T, dtype=torch.int64)
+    pad_rows = [1, 4, 8]
+    slots[pad_rows] = scratch
+    live = [i for i in range(T) if i not in pad_rows]
+    padded, whole = fused_softmax_route(x, router, k, True, (slots, scratch)), fused_softmax_route(x, router, k, True)
+    if plan == "direct":
+        plan = dataclasses.replace(SWAP, direct=True)
+    out, ref = fused_experts_fp8(x, padded, *ws, plan=plan), fused_experts_fp8(x, whole, *ws, plan=plan)
+    assert torch.equal(out[live], ref[live]) and (out[pad_rows] == 0).all()

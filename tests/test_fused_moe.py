@@ -141,3 +141,32 @@ def test_a_token_alone_takes_the_direct_plan_with_the_small_tiles():
     alone, small = moe_plan(8, 128, False, tokens=1), moe_plan(8, 128, False)
     assert alone.direct and not small.direct and (alone.gate_up, alone.down) == (small.gate_up, small.down)
     assert not moe_plan(16, 128, False, tokens=2).direct and not moe_plan(8, 128, True, tokens=1).direct
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_padding_rows_route_nowhere_and_real_rows_are_unchanged(direct):
+    """A graph bucket's (or a replica's) padding rows write the scratch slot: given the rows' slots
+    and that slot, the fused router routes them nowhere (expert -1, weight 0, no receive count), the
+    experts run for the real rows only, whose outputs are bitwise those of the same batch routed
+    whole, and the padding rows' outputs are 0. A padding row alone (a replica with no rows) runs
+    the direct plan with nothing to do."""
+    from ainfer_pd.engine.fused_moe import fused_softmax_route
+    E, D, I, k, T, scratch = 16, 32, 48, 4, 11, 999
+    w13, w2, rw = weights(E, D, I, seed=5)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(13))
+    slots = torch.arange(T, dtype=torch.int64)
+    pad_rows = [3, 7, 8, 10]
+    slots[pad_rows] = scratch
+    live = [i for i in range(T) if i not in pad_rows]
+    r = fused_softmax_route(x, rw, k, True, (slots, scratch))
+    full = fused_softmax_route(x, rw, k, True)
+    assert r.padded and not full.padded
+    assert (r.topk_idx[pad_rows] == -1).all() and (r.topk_weights[pad_rows] == 0).all()
+    assert torch.equal(r.topk_idx[live], full.topk_idx[live])
+    assert torch.equal(r.counts, torch.bincount(full.topk_idx[live].reshape(-1), minlength=E))
+    tiles = (GemmPlan(16, 16, 16, 1, 4, 1), GemmPlan(16, 16, 16, 1, 4, 1))
+    out = fused_experts(x, r, w13, w2, MoEPlan(*tiles, direct=direct))
+    routed_all = fused_experts(x, full, w13, w2, MoEPlan(*tiles, direct=direct))
+    assert torch.equal(out[live], routed_all[live]) and (out[pad_rows] == 0).all()
+    one = fused_softmax_route(x[:1], rw, k, True, (torch.tensor([scratch]), scratch))
+    assert (fused_experts(x[:1], one, w13, w2) == 0).all() and int(one.counts.sum()) == 0

@@ -75,3 +75,43 @@ def test_triton_backends_match_reference_per_architecture(arch, hf_model_dir):
         with torch.inference_mode():
             logits.append(runner.forward_fb(fb, PhaseContext(Phase.PREFILL, None)))
     assert torch.allclose(logits[0], logits[1], atol=2e-4, rtol=1e-4), (logits[0] - logits[1]).abs().max()
+
+
+def test_padding_rows_cost_no_expert_and_leave_the_real_rows_logits():
+    """Decode rows padded as a replica or a graph bucket pads them (token 0, the scratch slot):
+    on the fused MoE every layer's router counts only the real rows' pairs (no expert runs for a
+    padding row), and the real rows' logits are those of the batch without padding."""
+    import torch
+
+    from ainfer_pd.engine.attention import DecodeMeta, ForwardBatch
+    from ainfer_pd.engine.kv.kv_cache import KVCacheManager
+    from ainfer_pd.engine.runtime.replica import pad_decode
+    from ainfer_pd.engine.runtime.runner import ModelRunner, RunnerSections
+    from ainfer_pd.phase import Phase, PhaseContext
+    cfg = tiny_cfg(**{"model.num_layers": 2, "cache.num_blocks": 32, "cache.block_size": 4,
+                      "device.attention_backend": "triton", "device.moe_backend": "triton"})
+    runner = ModelRunner(RunnerSections.from_config(cfg), torch.device("cpu"), KVCacheManager(32, 4))
+    g = torch.Generator().manual_seed(0)
+    runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape, generator=g))
+    model, k = runner.model, cfg.model.top_k
+    counts = []
+    route = model.route_kernel
+
+    def counting(*a, **kw):
+        r = route(*a, **kw)
+        counts.append(int(r.counts.sum()))
+        return r
+    model.route_kernel = counting
+    fb = ForwardBatch(torch.tensor([5, 9, 17]), torch.tensor([6, 3, 9]), torch.tensor([4 * 1 + 2, 4 * 3 + 3, 4 * 6 + 1]),
+                      decode=DecodeMeta(None, torch.tensor([7, 4, 10]),
+                                        block_table=torch.tensor([[0, 1, 0], [3, 0, 0], [4, 5, 6]]), block_size=4),
+                      logits_rows=torch.tensor([0, 1, 2]), block_size=4)
+    padded = pad_decode(fb, 8, runner.scratch_slot, runner.scratch_block)
+    ctx = PhaseContext(Phase.DECODE, None)
+    with torch.inference_mode():
+        want = runner.forward_fb(fb, ctx)
+        n = len(counts)
+        got = runner.forward_fb(padded, ctx)
+    moe_layers = sum(model.layers[i].is_moe for i in range(cfg.model.num_layers))
+    assert counts[:n] == counts[n:] == [3 * k] * moe_layers
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()

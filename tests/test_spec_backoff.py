@@ -198,3 +198,49 @@ def test_the_stale_probe_settles_only_for_a_row_with_a_draft_and_books_the_empty
 
     dev = Speculator(SpecConfig(method="suffix", adaptive=False, num_draft_tokens=4), 4096, None, _Rec(), Device())
     assert dev.stale_hit(rows)
+
+
+def test_a_stale_probe_s_foretold_token_is_booked_as_one_draft_judged():
+    """The stale probe's draft foretells the token in flight: once read, the plan books it in the
+    row's acceptance (accepted when equal, rejected otherwise), as a verify of one draft would; a
+    row that samples away from its drafts then loses its rate without ever verifying."""
+    spec = _spec(adaptive=True)
+    hit, miss = _turn("h", [7, 8, 9] * 6), _turn("m", [4, 5, 6] * 6)
+    assert spec.stale_hit([hit, miss]) and set(spec._stale) == {"h", "m"}
+    _step(hit, 7)                       # the period's next token: as foretold
+    _step(miss, next(FRESH))            # sampled away from it
+    spec.plan([hit, miss])
+    prior = 0.5
+    assert spec.acc["h"].rate > prior > spec.acc["m"].rate
+    assert spec.acc["m"].tried == spec.acc["h"].tried and not spec._stale
+    before = dict(spec.acc)
+    spec.plan([hit, miss])              # nothing foretold since: nothing booked
+    assert spec.acc == before
+
+
+def test_worth_drafting_counts_rows_not_probed_as_plain_rows():
+    """Rows in backoff are left out of the choice but still count in the batch: one probing row
+    among many is not worth a verify that costs every row a wider pass, alone it is."""
+    costs = VerifyCosts.from_times({B: {1: 1.0, 2: 1.08, 3: 1.1, 5: 1.15} for B in (1, 4, 16)})
+    spec = Speculator(SpecConfig(method="suffix", adaptive=True, num_draft_tokens=4), 4096, costs, _Rec())
+    quiet = [_turn(f"q{i}", [100 * i + j for j in range(30)]) for i in range(12)]
+    assert not spec.stale_hit(quiet)                       # every one drafted empty: in backoff now
+    probing = _turn("p", [7, 8, 9] * 6)
+    assert spec.worth_drafting([probing])
+    assert not spec.worth_drafting([probing] + quiet)
+
+
+def test_probing_rows_agrees_with_probes_and_cap_row_by_row():
+    """``probing_rows`` (the per-iteration pass, inlined) keeps exactly the rows that
+    :meth:`Speculator.probes` drafts now with ``cap`` > 0, with those caps: rows in backoff, past
+    it, at their length limit, a new turn of a backed-off trajectory."""
+    from ainfer_pd.spec.speculator import probing_rows
+    spec = _spec()
+    rows = [_turn(f"r{i}", [100 * i + j for j in range(30)]) for i in range(6)]
+    spec.stale_hit(rows)                                  # all drafted empty: in backoff
+    _step(rows[1], next(FRESH)), _step(rows[1], next(FRESH))       # past its wait
+    rows[2].params = SamplingParams(max_new_tokens=1)     # cap 0
+    rows[3] = _turn("r3", list(rows[3].context))          # a new turn of r3: probed at once
+    want = [(t.tid, spec.cap(t)) for t in rows if spec.probes(t) and spec.cap(t)]
+    got, caps = probing_rows(rows, spec.backoff, spec.k_max, spec.max_context_len, spec.on_device)
+    assert [(t.tid, c) for t, c in zip(got, caps)] == want and {t for t, _ in want} == {"r1", "r3"}

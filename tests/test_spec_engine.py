@@ -201,3 +201,50 @@ def test_refusals():
         tiny_cfg(**{"spec.method": "suffix", "spec.num_draft_tokens": 9})
     with pytest.raises(ConfigError, match="verify_costs"):
         tiny_cfg(**{"spec.method": "suffix", "spec.verify_costs": {4: {2: 0.1}}})
+
+
+def test_the_stale_probe_and_its_read_happen_outside_the_turnstile_round(ids):
+    """Fine-grained, rows decoding while prompts arrive: a D iteration decides whether it drafts,
+    and reads the iteration in flight for the stale probe's hit, before its turnstile round, so P
+    (stopped at its boundary through the round, until the launch's ACK) never waits for that read
+    or that host work. Tokens equal speculation off."""
+    prompt, obs = ids
+    params = [SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True) for _ in range(4)]
+    late = [SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True) for _ in range(6)]
+
+    async def go(spec: bool):
+        cfg = hf_worker_cfg(DIR, "fine-grained", **({"spec": {**SPEC}} if spec else {}))
+        async with RolloutWorker(cfg) as w:
+            seen = {"in_round": 0, "settles": 0, "rounds": 0}
+            ts, d = w.engine.turnstile, w.engine.d
+            before, after, settle = ts.before_decode, ts.after_decode, d.settle
+            state = {"open": False}
+
+            async def before_decode():
+                rnd = await before()
+                state["open"] = rnd is not None
+                seen["rounds"] += rnd is not None
+                return rnd
+
+            async def after_decode(rnd):
+                state["open"] = False
+                return await after(rnd)
+
+            async def spy_settle():
+                if d.prev is not None:
+                    seen["settles"] += 1
+                    seen["in_round"] += state["open"]
+                return await settle()
+            ts.before_decode, ts.after_decode, d.settle = before_decode, after_decode, spy_settle
+
+            async def arrive(i, p):
+                await asyncio.sleep(0.05 * (i + 1))
+                return await w.generate(obs[: 24 + 8 * i], p)
+            outs = await asyncio.gather(*(w.generate(prompt, p) for p in params),
+                                        *(arrive(i, p) for i, p in enumerate(late)))
+            return [o.token_ids for o in outs], seen
+    off, _ = asyncio.run(go(False))
+    on, seen = asyncio.run(go(True))
+    assert on == off
+    assert seen["rounds"] > 0 and seen["settles"] > 0, seen
+    assert seen["in_round"] == 0, seen

@@ -243,3 +243,33 @@ def test_an_n_gram_seen_once_holds_an_int_and_one_seen_again_a_list():
     assert one.draft("c", 1) == []                           # (5,)'s newest occurrence is the context's own end
     one.extend("c", [8])
     assert one.draft("c", 1) == [] and one._index[hash((5,))] == 4
+
+
+def test_siblings_sharing_a_prompt_index_it_once_and_draft_as_if_each_did(monkeypatch):
+    """GRPO siblings start with the same prompt: the second and later index only what follows it
+    (``SHARE_MIN``+ shared first tokens), the first's positions serve them, and their drafts are
+    what indexing every copy gives. Forgetting the sibling that holds the prompt's positions hands
+    them to the others (they index it themselves), drafts unchanged."""
+    import ainfer_pd.spec.suffix as sx
+    rng = random.Random(5)
+    prompt = [rng.randrange(1000) for _ in range(300)]
+    outs = {f"s{i}": [rng.randrange(1000) for _ in range(20)] + prompt[100:104] for i in range(4)}
+
+    def build(share: bool) -> SuffixIndex:
+        monkeypatch.setattr(sx, "SHARE_MIN", 64 if share else 10**9)
+        ix = SuffixIndex()
+        for sid, out in outs.items():
+            ix.extend(sid, prompt)
+            ix.extend(sid, out)
+        return ix
+    shared, full = build(True), build(False)
+    assert full.occurrences - shared.occurrences == 3 * (len(prompt) - 2)     # 3 copies of the prompt not indexed
+    for sid in outs:                                   # each output ends on a prompt 4-gram: its continuation
+        assert shared.draft(sid, 5) == full.draft(sid, 5) == prompt[104:109]
+    monkeypatch.setattr(sx, "SHARE_MIN", 64)
+    shared.forget("s0")                                # held the prompt's positions for s1..s3
+    full.forget("s0")
+    assert full.occurrences - shared.occurrences == 2 * (len(prompt) - 2)     # s1 holds them now
+    for sid in ("s1", "s2", "s3"):
+        assert shared.draft(sid, 5) == full.draft(sid, 5) == prompt[104:109]
+    assert not shared._base or all(of in shared._tokens for of, _ in shared._base.values())

@@ -35,7 +35,7 @@ from ..phase import Phase, PhaseContext
 from ..sched.epoch_mode import policy_traits
 from ..sched.span import Activation, SpanInputs, make_span_policy
 from ..sched.step import COUNTERS, StepDecision, StepInputs, decide_step
-from ..spec.speculator import make_speculator
+from ..spec.make import make_speculator
 from ..turnstile.rendezvous import LocalRendezvous
 from ..turnstile.turnstile import Turnstile
 from .runtime.device import Device, make_device

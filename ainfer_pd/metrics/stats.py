@@ -19,7 +19,7 @@ def percentile(values: Iterable[float], q: float) -> float:
 SETUP_ITEMS = frozenset({"D.capture", "P.capture", "P.warmup", "D.verify_costs", "D.draft_costs"})
 """Stream items that set an engine up before its first turn (each phase's graph capture, the prefill
 warm-up, :class:`~ainfer_pd.engine.engine.Engine` on CUDA; speculation's cost tables measured at
-start, :func:`~ainfer_pd.spec.speculator.make_speculator`): time on the P / D streams, but no work of
+start, :func:`~ainfer_pd.spec.make.make_speculator`): time on the P / D streams, but no work of
 the workload, so not in the bound's P and D terms."""
 
 

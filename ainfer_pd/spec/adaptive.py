@@ -156,12 +156,14 @@ class SpecPlan:
 
 
 def choose(costs: VerifyCosts, rates: list[float], available: list[int], *, k_max: int = K_MAX,
-           min_gain: float = MIN_GAIN, host_s: float = 0.0, world_rows: int = 0) -> SpecPlan:
+           min_gain: float = MIN_GAIN, host_s: float = 0.0, world_rows: int = 0, plain_rows: int = 0) -> SpecPlan:
     """The speculation length for a batch: ``rates`` each row's acceptance rate, ``available``
     the drafts each row has (its drafter's output, up to ``k_max``), ``host_s`` the host seconds
     speculating adds before the launch. ``world_rows`` (several ranks): the most rows any replica
     runs in this lockstep iteration, which sets its cost: the table is read at
-    max(``world_rows``, the batch's rows) (module docstring), the tokens counted are this batch's."""
+    max(``world_rows``, the batch's rows) (module docstring), the tokens counted are this batch's.
+    ``plain_rows``: more rows of the batch with no draft (each one token, whatever K), left out of
+    ``rates`` / ``available`` and of ``per_row``, so a caller need not list them."""
     if len(rates) != len(available):
         raise SpecInputError(f"{len(rates)} acceptance rates but {len(available)} draft counts")
     if any(n < 0 for n in available) or any(not 0.0 <= a <= 1.0 for a in rates):
@@ -170,15 +172,17 @@ def choose(costs: VerifyCosts, rates: list[float], available: list[int], *, k_ma
         raise SpecInputError(f"host_s must be a time >= 0, got {host_s!r}")
     if not min_gain >= 1.0:
         raise SpecInputError(f"min_gain must be >= 1 (below, speculation may be slower than none), got {min_gain}")
-    B = len(rates)
-    best = SpecPlan(0, (0,) * B, 1.0)
-    if B == 0:
+    if plain_rows < 0:
+        raise SpecInputError(f"plain_rows must be >= 0, got {plain_rows}")
+    B = len(rates) + plain_rows
+    best = SpecPlan(0, (0,) * len(rates), 1.0)
+    if not rates:
         return best
     at = max(B, world_rows)                  # the iteration's size: its cost, for every replica alike
     longest = min(k_max, max(available))
     runs = [_partial_sums(a, min(n, longest)) for a, n in zip(rates, available)]   # E(a, 0..n) per row
     for k, cost in relative_costs(costs, at, longest, host_s):
-        gain = sum(run[min(k, len(run) - 1)] for run in runs) / (B * cost)
+        gain = (plain_rows + sum(run[min(k, len(run) - 1)] for run in runs)) / (B * cost)
         if gain >= min_gain and gain > best.gain:
             best = SpecPlan(k, tuple(min(k, n) for n in available), gain)
     return best

@@ -106,7 +106,7 @@ class MtpDrafter:
     def __init__(self, runner) -> None:
         self.runner = runner
         self.ctx = None
-        """The D phase context the chain runs on (set by ``make_speculator``)."""
+        """The D phase context the chain runs on (set by ``spec.make.make_speculator``)."""
         self.stash: dict[str | int, Stash] = {}
         """Trajectory id -> its stash; on a TP follower, stash key -> its leader's stash of that key."""
         self.keys = StashKeys()

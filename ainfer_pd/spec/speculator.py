@@ -23,11 +23,13 @@ A row whose recent host drafts came back empty is skipped (:mod:`~.backoff`: not
 zero-length draft) until its re-probe (an MTP row never is: its empty drafts are transient), and
 :meth:`worth_drafting` counts only the rows it would probe now: a batch of rows all in backoff stays overlapped, with no host drafting at all;
 overlapped, :meth:`stale_hit` probes them on the tokens already read, and the D driver reads the
-iteration in flight (giving up the overlap) only when one of them has a draft.
+iteration in flight (giving up the overlap, before its turnstile round) only when one of them has a
+draft. That draft's first token foretold the token in flight; the plan books it, once read, as one
+draft judged in the row's acceptance, so a row that samples away from its drafts stops costing
+the overlap without ever verifying.
 """
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 
@@ -38,7 +40,6 @@ from .backoff import NO_BACKOFF, Backoff, after_draft
 from .verify_shape import DraftOffer
 from .suffix import SuffixDrafter
 
-log = logging.getLogger("ainfer_pd.spec")
 
 HOST_DECAY = 0.7
 """Weight of the past in the host-time EMA, per drafting iteration."""
@@ -74,6 +75,8 @@ class Speculator:
         self.pending: dict[object, dict[str, Turn]] = {}   # group -> {tid: its turn noted, not given yet}
         self.pending_group: dict[str, object] = {}         # tid -> its group, while noted in pending
         self.acc: dict[str, Acceptance] = {}
+        self._best_rate: float | None = None  # the best rate in acc (None: to be recomputed)
+        self._stale: dict[str, tuple[Turn, int, int]] = {}   # tid -> (turn, position, token) a stale probe foretold
         self.backoff: dict[str, tuple[Turn, Backoff]] = {}  # tid -> (the turn drafted empty, its backoff)
         self.num_verifies = 0
         self.num_drafted = 0
@@ -137,7 +140,8 @@ class Speculator:
                 del self.pending[g]
         self.drafter.release(tid)
         self.held.pop(tid, None)
-        self.acc.pop(tid, None)
+        if self.acc.pop(tid, None) is not None:
+            self._best_rate = None
         self.backoff.pop(tid, None)
 
     # ------------------------------------------------------------------ a batch
@@ -174,19 +178,20 @@ class Speculator:
         with no per-row work (:func:`~.adaptive.could_pay`): a batch that cannot speculate costs
         one pass over the known acceptances and O(K)."""
         if self.cfg.adaptive and self.costs is not None and rows:
-            best = max(max((a.rate for a in self.acc.values()), default=0.0), Acceptance().rate)
-            if not could_pay(self.costs, best, len(rows), k_max=self.k_max, host_s=self.host_s,
+            if self._best_rate is None:
+                self._best_rate = max(max((a.rate for a in self.acc.values()), default=0.0), Acceptance().rate)
+            if not could_pay(self.costs, self._best_rate, len(rows), k_max=self.k_max, host_s=self.host_s,
                              world_rows=world_rows):
                 return False, True
-        available = [self.cap(t) if self.probes(t) else 0 for t in rows]
-        if not any(available):
+        probing, caps = probing_rows(rows, self.backoff, self.k_max, self.max_context_len, self.on_device)
+        if not probing:
             return False, False
         if not self.cfg.adaptive:
             return True, False
         if self.costs is None:
             return False, False
-        return choose(self.costs, self.rates(rows), available, k_max=self.k_max, host_s=self.host_s,
-                      world_rows=world_rows).k > 0, True
+        return choose(self.costs, self.rates(probing), caps, k_max=self.k_max, host_s=self.host_s,
+                      world_rows=world_rows, plain_rows=len(rows) - len(probing)).k > 0, True
 
     def stale_hit(self, rows: list[Turn]) -> bool:
         """Overlapped, before reading the iteration in flight (which holds each row's next token):
@@ -198,17 +203,28 @@ class Speculator:
         suggestions: this only decides whether the overlap is given up for them."""
         if self.on_device:
             return True
-        hit = False
+        self._stale.clear()
         for t in rows:
             if self.cap(t) == 0 or not self.probes(t):
                 continue
             self.sync(t)
             self._flush(t)
-            if self.drafter.draft(t.tid, 1):
-                hit = True
+            d = self.drafter.draft(t.tid, 1)
+            if d:
+                self._stale[t.tid] = (t, t.seq_len, d[0])
             else:
                 self._after_draft(t, 0)
-        return hit
+        return bool(self._stale)
+
+    def _judge_stale(self, t: Turn) -> None:
+        """A stale probe's draft foretold the token ``t`` had in flight: now read, it is one draft
+        token judged (accepted when equal: under sampling that happens with the target's
+        probability of the draft, as a verify's acceptance does), booked in ``t``'s acceptance.
+        Rows that sample freely then stop settling the overlap for drafts that never verify."""
+        turn, pos, tok = self._stale.pop(t.tid, (None, 0, 0))
+        if turn is t and t.seq_len > pos:
+            self.acc[t.tid] = observe(self.acc.get(t.tid, Acceptance()), 1, int(SeqTokens(t)[pos:pos + 1] == [tok]))
+            self._best_rate = None
 
     def cap(self, t: Turn) -> int:
         """The most drafts ``t`` may verify: its tokens left (length, context) less one."""
@@ -252,6 +268,8 @@ class Speculator:
         drafts = []
         for t in rows:
             self.sync(t)
+            if self._stale:
+                self._judge_stale(t)
             c = self.cap(t)
             if c == 0:
                 drafts.append([])
@@ -262,6 +280,7 @@ class Speculator:
                 self._flush(t)
                 drafts.append(self.drafter.draft(t.tid, c))
                 self._after_draft(t, len(drafts[-1]))
+        self._stale.clear()
         return drafts
 
     def _batch(self, rows: list[Turn], drafts: list[list[int]], gain: float) -> SpecBatch | None:
@@ -315,6 +334,7 @@ class Speculator:
             self.num_emitted += a + 1
             if d:
                 self.acc[t.tid] = observe(self.acc.get(t.tid, Acceptance()), len(d), a)
+                self._best_rate = None
             self.sync(t)
         self.rec.count("spec_verifies")
 
@@ -329,48 +349,19 @@ class Speculator:
                 "spec_tokens_per_row_pass": self.num_emitted / rows if rows else 0.0}
 
 
-def make_speculator(cfg, runner, decode_ctx, recorder, dist) -> Speculator | None:
-    """The engine's speculator (``spec.method``; None: off), with its cost tables: the config's,
-    or measured now on the D stream (``spec.adaptive`` without a table): the verify's, and under
-    ``mtp`` the MTP chain's (``spec.draft_costs``). On several ranks (``dist``) every
-    rank measures the verify table (and the chain's), its passes padded as a real iteration's, the world's tables are
-    agreed (``DistRanks.agree_costs``) and every rank keeps it for the world's K
-    (``DistRanks.use_spec``); a replica leader's speculator only (a TP follower gets None: it runs
-    its leader's verify batches and, under ``mtp``, its catch-ups and draft chains, on its drafter)."""
-    sc = cfg.spec
-    if not sc.enabled:
-        return None
-    if sc.mtp:                          # the runner's passes already feed it (engine.runtime.mtp_runner)
-        runner.drafter.ctx = decode_ctx
-    pad = None if dist is None else (lambda n: dist.padded_rows(n, runner.graphs))
-    times, drafts = sc.verify_costs, sc.draft_costs or None
-    top = cfg.scheduler.max_decode_batch
-    batches = tuple(sorted(times) if times else sorted({b for b in (1, 4, 16, 64, 128) if b < top} | {top}))
-    context = min(2048, cfg.model.max_context_len // 2)
-    if not times and sc.adaptive:
-        from ..engine.runtime.verify_costs import measure_verify_costs
-        widths = sorted({w for w in (1, 2, 3, 5, 9) if w <= sc.num_draft_tokens + 1} | {sc.num_draft_tokens + 1})
-        times = decode_ctx.stream.submit(
-            lambda: measure_verify_costs(runner, decode_ctx, batches, tuple(widths), context, pad=pad),
-            label="D.verify_costs").enqueued().result()
-        log.info("verify costs (s) by batch and width: %s", times)
-        if dist is not None:
-            times = dist.agree_costs(times)
-            log.info("the world's verify costs (s), the most any rank measured: %s", times)
-    if sc.mtp and sc.adaptive and drafts is None and sc.verify_costs:
-        log.warning("spec.verify_costs given without spec.draft_costs: the MTP chain's device time is not "
-                    "counted against speculation (give both, or neither to measure both)")
-    elif sc.mtp and sc.adaptive and drafts is None:          # the chain runs on the device: its cost counts
-        from ..engine.runtime.verify_costs import measure_draft_costs
-        drafts = decode_ctx.stream.submit(
-            lambda: measure_draft_costs(runner, decode_ctx, batches, tuple(range(1, sc.num_draft_tokens + 1)),
-                                        context, pad=pad), label="D.draft_costs").enqueued().result()
-        log.info("MTP draft chain costs (s) by batch and drafts: %s", drafts)
-        if dist is not None:
-            drafts = dist.agree_costs(drafts)
-    costs = VerifyCosts.from_times(times, drafts if sc.mtp else None) if times else None
-    if dist is not None:                 # every rank decides the world's K from the same table
-        dist.use_spec(sc, costs)
-        if not dist.is_leader:
-            return None                  # a TP follower never drafts: it runs its leader's verify batch
-    return Speculator(sc, cfg.model.max_context_len, costs, recorder, runner.drafter if sc.mtp else None)
+def probing_rows(rows: list[Turn], backoff: dict, k_max: int, max_context_len: int,
+                 on_device: bool) -> tuple[list[Turn], list[int]]:
+    """The rows :meth:`Speculator.probes` would draft now with a cap > 0 (:meth:`Speculator.cap`),
+    and their caps: one pass with both inlined (every D iteration runs it, over every row)."""
+    probing, caps = [], []
+    for t in rows:
+        n = len(t.context) + len(t.out_tokens)
+        if not on_device:
+            b = backoff.get(t.tid)
+            if b is not None and b[0] is t and n < b[1].probe_at:
+                continue
+        c = min(k_max, t.params.max_new_tokens - len(t.out_tokens) - 1, max_context_len - n - 1)
+        if c > 0:
+            probing.append(t)
+            caps.append(c)
+    return probing, caps

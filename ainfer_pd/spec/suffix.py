@@ -27,6 +27,8 @@ Memory is bounded per group: past ``cap_tokens`` the least recently extended seq
 evicted (finished siblings first; a sequence extended after its eviction starts again from the
 new tokens); one sequence longer than the cap keeps its last ``cap_tokens // 2`` tokens.
 Forgetting removes a sequence's occurrences eagerly (one int check or list filter per distinct key it holds).
+Siblings' shared prompt is indexed once: a new sequence whose first ``SHARE_MIN``+ tokens repeat a held one's
+indexes only what follows them (a group of 9 GRPO rows indexes its prompt once, not 9 times).
 Drafts are suggestions: verification (:mod:`.verify`) makes the output exact whatever they are.
 """
 from __future__ import annotations
@@ -45,6 +47,9 @@ MAX_CANDIDATES = 32
 CAP_TOKENS = 1 << 16
 """Tokens one group keeps before evicting its least recently extended sequences."""
 
+SHARE_MIN = 64
+"""A new sequence whose first tokens repeat this many or more of a held one's (a GRPO sibling's
+prompt) indexes only what follows them: the held sequence's occurrences serve both."""
 _BULK = 8
 """Past this many new tokens an extend builds its keys in bulk (:func:`_gram_keys`)."""
 _POS_BITS = 32
@@ -66,6 +71,7 @@ class SuffixIndex:
         self._slot: dict[object, int] = {}          # seq id -> slot (dict order: least recently extended first)
         self._tokens: dict[int, array] = {}         # slot -> its token ids
         self._index: dict[int, list[int]] = {}      # hash of an n-gram -> (slot << 32 | last position), oldest first
+        self._base: dict[int, tuple[int, int]] = {}  # slot -> (the slot holding its first m tokens, m): not indexed here
         self._next_slot = 0
         self.num_tokens = 0
 
@@ -86,18 +92,43 @@ class SuffixIndex:
         return [] if slot is None else self._tokens[slot].tolist()
 
     def extend(self, seq_id: object, tokens: Iterable[int]) -> None:
-        """Append ``tokens`` to ``seq_id``'s sequence (a new one if unknown) and index them."""
+        """Append ``tokens`` to ``seq_id``'s sequence (a new one if unknown) and index them. A new
+        sequence sharing its first ``SHARE_MIN``+ tokens with a held one indexes only the rest."""
         new = _checked(tokens)
         slot = self._slot.pop(seq_id, None)
+        shared = 0
         if slot is None:
             slot, self._next_slot = self._next_slot, self._next_slot + 1
             self._tokens[slot] = array("i")
+            shared = self._share(slot, new)
         self._slot[seq_id] = slot                   # most recently extended: last to go
         seq = self._tokens[slot]
         start = len(seq)
         seq.extend(new)
         self.num_tokens += len(new)
-        first = max(start, self.min_match - 1)
+        self._index_from(slot, max(start, shared, self.min_match - 1))
+        if self.num_tokens > self.cap_tokens:
+            self._evict(seq_id)
+
+    def _share(self, slot: int, new: array) -> int:
+        """The most first tokens ``new`` shares with a held sequence, if ``SHARE_MIN`` or more (that
+        sequence's positions index them for ``slot`` too; 0: none)."""
+        best, of = 0, None
+        for s, seq in self._tokens.items():
+            if s != slot and len(seq) >= SHARE_MIN:
+                m = _common_prefix(seq, new)
+                if m > best:
+                    best, of = m, s
+        if best < SHARE_MIN:
+            return 0
+        self._base[slot] = (of, best)
+        return best
+
+    def _index_from(self, slot: int, first: int, end: int | None = None) -> None:
+        """Index ``slot``'s n-grams ending at positions ``first`` .. ``end`` - 1 (default: its end)."""
+        seq = self._tokens[slot]
+        if end is not None:
+            seq = seq[:end]
         index, cap, base = self._index, self.max_candidates, slot << _POS_BITS
         for p, key in enumerate(_gram_keys(seq, first, self.min_match), first):
             occ = index.get(key)
@@ -109,14 +140,25 @@ class SuffixIndex:
                 occ.append(base | p)
                 if len(occ) > cap:
                     del occ[0]
-        if self.num_tokens > self.cap_tokens:
-            self._evict(seq_id)
 
     def forget(self, seq_id: object) -> None:
-        """Drop ``seq_id``'s sequence and its occurrences (no-op if unknown)."""
+        """Drop ``seq_id``'s sequence and its occurrences (no-op if unknown). A sequence whose first
+        tokens it held for (:meth:`_share`) indexes them itself now."""
         slot = self._slot.pop(seq_id, None)
         if slot is None:
             return
+        self._base.pop(slot, None)
+        heir = None
+        for d, (of, m) in list(self._base.items()):
+            if of != slot:
+                continue
+            if heir is None:                          # the first indexes its shared tokens itself
+                heir, hm = d, m
+                del self._base[d]
+                self._index_from(d, self.min_match - 1, m)
+            else:                                     # the others lean on it, up to what they share
+                self._base[d] = (heir, min(m, hm))
+                self._index_from(d, max(self.min_match - 1, min(m, hm)), m)
         seq = self._tokens.pop(slot)
         self.num_tokens -= len(seq)
         n = self.min_match
@@ -328,6 +370,21 @@ def _gram_keys(seq: array, first: int, n: int) -> Iterator[int]:
         return [hash(tuple(seq[p - n + 1:p + 1])) for p in range(first, len(seq))]
     end = len(seq) - n + 1
     return map(hash, zip(*(seq[first - n + 1 + j:end + j] for j in range(n))))
+
+
+def _common_prefix(a: array, b: array) -> int:
+    """How many first tokens ``a`` and ``b`` share (array slice compares: C loops, log steps)."""
+    hi = min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    lo = 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _checked(tokens: Iterable[int]) -> array:

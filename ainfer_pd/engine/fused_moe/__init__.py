@@ -126,15 +126,20 @@ def fused_experts(x: Tensor, r: Routing, w13: Tensor, w2: Tensor, plan: MoEPlan 
     x = x.contiguous()
     act = torch.empty(N, I2 // 2, dtype=x.dtype, device=x.device)
     launch_gate_up(x, w13, act, layout, k, plan.gate_up, plan.direct)
-    rows = torch.empty(N, D, dtype=x.dtype, device=x.device)
+    # padding rows' pairs run nowhere (r.padded): their rows stay 0, not uninitialised memory
+    rows = (torch.zeros if r.padded else torch.empty)(N, D, dtype=x.dtype, device=x.device)
     launch_down(act, w2, rows, layout, r.topk_weights.reshape(-1).contiguous(), plan.down, plan.direct)
     return rows.view(T, k, D).sum(dim=1)          # fp32 accumulation, one rounding
 
 
-def fused_softmax_route(x: Tensor, router_w: Tensor, top_k: int, norm_topk_prob: bool = True) -> Routing:
+def fused_softmax_route(x: Tensor, router_w: Tensor, top_k: int, norm_topk_prob: bool = True,
+                        pad: tuple[Tensor, int] | None = None) -> Routing:
     """The softmax router (``engine.routing``, kind ``softmax``) in two launches after the router
     GEMM: x [T, D], router_w [E, D] -> Routing (counts included). Same choice as the torch path
-    up to float32 rounding of the softmax; exact ties go to the lowest expert id."""
+    up to float32 rounding of the softmax; exact ties go to the lowest expert id. ``pad`` =
+    (the rows' KV write slots [T], the padding slot): a row writing the padding slot (a graph
+    bucket's or a replica's padding) is routed nowhere (expert -1, weight 0, no count): padding
+    rows cost no expert reads (:attr:`Routing.padded`)."""
     from .kernels import softmax_topk_kernel
     T = x.shape[0]
     E = router_w.shape[0]
@@ -142,11 +147,12 @@ def fused_softmax_route(x: Tensor, router_w: Tensor, top_k: int, norm_topk_prob:
     topk_w = torch.empty(T, top_k, dtype=x.dtype, device=x.device)
     topk_idx = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
     counts = torch.zeros(E, dtype=torch.int64, device=x.device)
+    slots, pad_slot = pad if pad is not None else (counts, 0)
     if T:
-        softmax_topk_kernel[(T,)](logits, topk_w, topk_idx, counts, E, logits.stride(0), K=top_k,
+        softmax_topk_kernel[(T,)](logits, topk_w, topk_idx, counts, slots, E, logits.stride(0), pad_slot, K=top_k,
                                   K_PAD=max(2, 1 << (top_k - 1).bit_length()), E_PAD=max(16, 1 << (E - 1).bit_length()),
-                                  NORM=norm_topk_prob, num_warps=1 if E <= 256 else 4)
-    return Routing(topk_idx, topk_w, None, counts)
+                                  NORM=norm_topk_prob, HAS_PAD=pad is not None, num_warps=1 if E <= 256 else 4)
+    return Routing(topk_idx, topk_w, None, counts, padded=pad is not None)
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -52,6 +52,8 @@ def _expert_block(SORTED, BLOCK_EXPERT, NUM_POST, num_pairs, P, NCOLS, BLOCK_M: 
         pairs = tl.load(SORTED + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int32)
         rmask = pairs < num_pairs
     e = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
+    if DIRECT:                        # a padding row's pair (expert -1, :func:`softmax_topk_kernel`): nothing
+        active = active & (e >= 0)
     return active, e, pairs, rmask, offs_n, offs_n < NCOLS
 
 
@@ -156,21 +158,24 @@ def moe_align_kernel(
 def moe_scatter_kernel(TOPK_IDX, SORTED, CURSOR, num_pairs, BLOCK: tl.constexpr):
     """Each (token, slot) pair takes the next slot of its expert's padded run (atomic cursor).
     Which pairs share a row block varies from run to run; no result depends on it (rows of a
-    block are computed independently)."""
+    block are computed independently). A padding row's pairs (expert -1) take none."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < num_pairs
-    e = tl.load(TOPK_IDX + offs, mask=m, other=0)
+    e = tl.load(TOPK_IDX + offs, mask=offs < num_pairs, other=-1)
+    m = e >= 0
     dest = tl.atomic_add(CURSOR + e, 1, mask=m)
     tl.store(SORTED + dest, offs, mask=m)
 
 
-@triton.jit(do_not_specialize=["E"])
-def softmax_topk_kernel(LOGITS, TOPK_W, TOPK_IDX, COUNTS, E, stride_l,
-                        K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, NORM: tl.constexpr):
+@triton.jit(do_not_specialize=["E", "pad_slot"])
+def softmax_topk_kernel(LOGITS, TOPK_W, TOPK_IDX, COUNTS, SLOTS, E, stride_l, pad_slot,
+                        K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, NORM: tl.constexpr,
+                        HAS_PAD: tl.constexpr):
     """One token: softmax (float32) over its E router logits, the top K by repeated max (ties:
     the lowest expert id first; descending, as ``torch.topk``), weights renormalised over the K
     when NORM, and one count per chosen expert (atomic). Replaces the softmax, top-k (select
-    and sort), sum, divide, cast and scatter-add launches of the torch router."""
+    and sort), sum, divide, cast and scatter-add launches of the torch router. HAS_PAD: a token
+    whose KV slot (SLOTS) is ``pad_slot`` is a padding row of a graph bucket or a replica: its
+    K pairs get expert -1 and weight 0 and count nowhere, so no expert runs for it."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_PAD)
     emask = offs < E
@@ -186,10 +191,17 @@ def softmax_topk_kernel(LOGITS, TOPK_W, TOPK_IDX, COUNTS, E, stride_l,
         idx = tl.min(tl.where((p == best) & emask, offs, E_PAD), 0)
         wv = tl.where(kk == j, best, wv)
         iv = tl.where(kk == j, idx.to(tl.int64), iv)
-        tl.atomic_add(COUNTS + idx, 1)
+        if HAS_PAD:
+            tl.atomic_add(COUNTS + idx, 1, mask=tl.load(SLOTS + t) != pad_slot)
+        else:
+            tl.atomic_add(COUNTS + idx, 1)
         p = tl.where(offs == idx, -1.0, p)
     if NORM:
         wv = wv / tl.sum(wv, 0)
+    if HAS_PAD:
+        live = tl.load(SLOTS + t) != pad_slot
+        wv = tl.where(live, wv, 0.0)
+        iv = tl.where(live, iv, -1)
     kmask = kk < K
     tl.store(TOPK_W + t * K + kk, wv.to(TOPK_W.dtype.element_ty), mask=kmask)
     tl.store(TOPK_IDX + t * K + kk, iv, mask=kmask)

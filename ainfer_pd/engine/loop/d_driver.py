@@ -76,17 +76,14 @@ class DDriver:
         rank agrees its shape first; without it no rank drafts."""
         t_ready = self.t_wanted if self.t_wanted is not None else self.rec.now()
         self.t_wanted = None
+        drafting = self.dist is None and self.spec is not None and await self._will_draft(limit)
         rnd = await self.turnstile.before_decode()
         rows = self.rows(limit)
         batch = None
         if self.dist is not None:
             if verify:                       # inside the round: P is released after the verify's launch
                 batch = await self._agreed_drafts(rows, rnd)
-        elif (self.spec is not None and self.spec.worth_drafting(rows)
-              and (self.prev is None or self.spec.stale_hit(rows))):
-            if self.prev is not None:        # drafts continue the rows' last tokens: read them first
-                await self.settle()
-                rows = self.rows(limit)
+        elif drafting:
             await self.spec.prepare(rows)    # a device drafter (MTP) drafts on the D stream first
             batch = self.spec.plan(rows)     # its host time: the drafts, and the build below
         ahead = [0] * len(rows)
@@ -109,6 +106,21 @@ class DDriver:
                 self.dist.d_iteration_done()
         self.num_iters += 1
         self.notify()
+
+    async def _will_draft(self, limit: int | None) -> bool:
+        """One rank, before the iteration's turnstile round: does it draft? The speculator's
+        cost check, then (overlapped) its probe on the tokens already read, and the read of the
+        iteration in flight a hit asks for (drafts continue the rows' last tokens). Done before
+        the round, that host work and that wait for the device overlap P's walk instead of
+        holding P's release (inside the round P waits for the launch's ACK)."""
+        rows = self.rows(limit)
+        if not self.spec.worth_drafting(rows):
+            return False
+        if self.prev is not None:
+            if not self.spec.stale_hit(rows):
+                return False
+            await self.settle()
+        return True
 
     async def _agreed_drafts(self, rows: list[Turn], rnd):
         """Several ranks, a drafting iteration: a replica leader drafts ``rows`` up to their caps

@@ -152,9 +152,12 @@ class MoETransformer(nn.Module):
         self.fp8_kernels = Fp8Kernels()
         """What the FP8 projections run (``model.quantization: fp8``): the torch references unless the
         runner selects the Triton MoE backend (:mod:`.linear`)."""
-        self.route_kernel: Callable[[Tensor, Tensor, int, bool], Routing] | None = None
+        self.route_kernel: Callable[..., Routing] | None = None
         """A fused softmax router (``fused_moe.fused_softmax_route``, set with the Triton MoE
         backend); None: ``engine.routing.route``."""
+        self.pad_slot: int | None = None
+        """The KV slot padding rows write (the runner's scratch slot): the fused router routes
+        them nowhere (:meth:`route_rows`); None: every row is routed."""
         self.kv_scales: Tensor | None = None
         """[num_layers, 2] float32 (K, V) scales of an FP8 KV pool (``cache.kv_dtype: fp8_e4m3``, set
         by the runner with the pool; :mod:`..attention.kv_fp8`); None: the pool is in the model dtype."""
@@ -283,17 +286,23 @@ class MoETransformer(nn.Module):
             lo = self.tp_shard[0] * n
             h, write_slots = h[lo:lo + n], write_slots[lo:lo + n]
         h, xn = self.kernels.add_rms_norm(o, h, lyr.ffn_norm, c.rms_eps)
-        routing = self.route_rows(i, xn) if lyr.is_moe else None
+        routing = self.route_rows(i, xn, write_slots) if lyr.is_moe else None
         if routing is not None and self.routing_sink is not None and i < c.num_layers:    # not the MTP layer
             self.routing_sink.record(i, write_slots, routing.topk_idx)
         return SegmentState(h=h, xn=xn, routing=routing)
 
-    def route_rows(self, i: int, xn: Tensor) -> Routing:
-        """The router of layer i's MoE over any rows xn [N, D] (e.g. every replica's, gathered)."""
+    def route_rows(self, i: int, xn: Tensor, write_slots: Tensor | None = None) -> Routing:
+        """The router of layer i's MoE over any rows xn [N, D] (e.g. every replica's, gathered).
+        With the rows' KV ``write_slots``, the fused router leaves the padding rows (those writing
+        :attr:`pad_slot`: a graph bucket's, a replica's) out of the experts, when this model runs
+        them all (an expert exchange routes every row)."""
         lyr = self.layers[i]
         spec = self.router_spec
         if self.route_kernel is not None and spec.kind == "softmax" and spec.scaling == 1.0:
-            return self.route_kernel(xn, lyr.router, spec.top_k, spec.norm_topk_prob)
+            pad = None
+            if write_slots is not None and self.pad_slot is not None and self.holds_all_experts:
+                pad = (write_slots, self.pad_slot)
+            return self.route_kernel(xn, lyr.router, spec.top_k, spec.norm_topk_prob, pad)
         return route(xn, lyr.router, spec, lyr.router_bias)
 
     def attn_route(self, i: int, st: SegmentState, fb: ForwardBatch, kv: Tensor,

@@ -24,12 +24,15 @@ class Routing:
     the grouped GEMM ends) are computed on first use: the fused MoE kernels need neither.
     """
 
-    __slots__ = ("topk_idx", "topk_weights", "counts", "_order", "_offsets")
+    __slots__ = ("topk_idx", "topk_weights", "counts", "_order", "_offsets", "padded")
 
     def __init__(self, topk_idx: Tensor, topk_weights: Tensor, order: Tensor | None, counts: Tensor,
-                 offsets: Tensor | None = None) -> None:
+                 offsets: Tensor | None = None, padded: bool = False) -> None:
         self.topk_idx, self.topk_weights, self.counts = topk_idx, topk_weights, counts
         self._order, self._offsets = order, offsets
+        self.padded = padded
+        """Padding rows may be routed nowhere (expert -1, weight 0, not counted;
+        ``fused_moe.fused_softmax_route``): only the fused expert kernels take such a routing."""
 
     @property
     def order(self) -> Tensor:

@@ -79,6 +79,7 @@ class ModelRunner:
         # Hk = this rank's KV heads (the model's: a TP shard holds num_kv_heads / ATP).
         self.scratch_block = kv.alloc.num_blocks
         self.scratch_slot = self.scratch_block * kv.block_size
+        self.model.pad_slot = self.scratch_slot      # padding rows (graph buckets, replicas) route nowhere
         self.routed = None
         """Per-slot expert ids (routing replay), allocated with the KV pool when ``cache.routed_experts``."""
         if sections.cache.routed_experts:
