@@ -80,7 +80,8 @@ def test_triton_backends_match_reference_per_architecture(arch, hf_model_dir):
 def test_padding_rows_cost_no_expert_and_leave_the_real_rows_logits():
     """Decode rows padded as a replica or a graph bucket pads them (token 0, the scratch slot):
     on the fused MoE every layer's router counts only the real rows' pairs (no expert runs for a
-    padding row), and the real rows' logits are those of the batch without padding."""
+    padding row), and the real rows' logits are those of the batch without padding; the batch
+    without padding is routed plainly (``ForwardBatch.padded`` False: no zeroed rows)."""
     import torch
 
     from ainfer_pd.engine.attention import DecodeMeta, ForwardBatch
@@ -94,12 +95,13 @@ def test_padding_rows_cost_no_expert_and_leave_the_real_rows_logits():
     g = torch.Generator().manual_seed(0)
     runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape, generator=g))
     model, k = runner.model, cfg.model.top_k
-    counts = []
+    counts, masked = [], []
     route = model.route_kernel
 
     def counting(*a, **kw):
         r = route(*a, **kw)
         counts.append(int(r.counts.sum()))
+        masked.append(r.padded)
         return r
     model.route_kernel = counting
     fb = ForwardBatch(torch.tensor([5, 9, 17]), torch.tensor([6, 3, 9]), torch.tensor([4 * 1 + 2, 4 * 3 + 3, 4 * 6 + 1]),
@@ -114,4 +116,5 @@ def test_padding_rows_cost_no_expert_and_leave_the_real_rows_logits():
         got = runner.forward_fb(padded, ctx)
     moe_layers = sum(model.layers[i].is_moe for i in range(cfg.model.num_layers))
     assert counts[:n] == counts[n:] == [3 * k] * moe_layers
+    assert not any(masked[:n]) and all(masked[n:])      # a batch with no padding rows pays nothing for them
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()

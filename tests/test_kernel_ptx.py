@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 _CHILD = r'''
 import json, sys
 from benchmarks.kernel_ptx_report import compile_stats, plan_stats
-from ainfer_pd.engine.attention.triton_kernels import paged_decode_kernel, paged_prefill_kernel
+from ainfer_pd.engine.attention.triton_kernels import paged_decode_kernel, paged_prefill_kernel, qkv_prologue_kernel
 from ainfer_pd.engine.quant.fp8_plan import fp8_moe_plan
 
 def ops(kernel, ptrs, const):
@@ -51,6 +51,10 @@ for kv in ("fp8e4nv", "bf16"):
                                    MAX_SPLITS=16, SINGLE=False, IEEE=False, KV_FP8=fp8))
     out["prefill_" + kv] = ops(paged_prefill_kernel, ptr,
                                dict(GROUP=8, HEAD_DIM=128, PAGE=16, BLOCK_M=64, BLOCK_N=64, IEEE=False, KV_FP8=fp8))
+    pro = {**{n: "*bf16" for n in ("Q", "K", "V", "QW", "KW", "COS", "SIN")}, "KC": "*" + kv, "VC": "*" + kv,
+           "SLOTS": "*i64", "KV_SCALE": "*fp32", "eps": "fp32"}
+    out["prologue_" + kv] = compile_stats(qkv_prologue_kernel, pro, {}, dict(HEAD_DIM=128, HALF=64, QB=16, KB=4,
+                                          HAS_NORM=True, KV_FP8=fp8, EXACT=False), warps=4, stages=1)
 
 def moe(p, swap, direct=False):
     return plan_stats(p.block_m, p.block_n, p.block_k, p.group_m, p.num_warps, p.num_stages, swap, direct=direct)
@@ -114,6 +118,12 @@ def test_bf16_pool_kernels_keep_bf16_mmas(ptx_ops):
         ops = ptx_ops[name]
         assert _mmas(ops) and all("bf16" in op for op in _mmas(ops)), ops
         assert ops.get("cvt.rn.f16x2.e4m3x2", 0) == 0, ops
+
+
+def test_the_prologue_s_tiles_of_heads_compile_without_spills(ptx_ops):
+    for kv in ("fp8e4nv", "bf16"):
+        s = ptx_ops["prologue_" + kv]
+        assert s["spill"] == 0 and s["regs"] > 0, s
 
 
 def test_fp8_moe_decode_plan_runs_e4m3_wgmma_without_widening_or_spills(ptx_ops):

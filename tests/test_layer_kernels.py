@@ -26,9 +26,10 @@ def test_rms_norm_and_residual_add(D):
 
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("rotary", [16, 8])          # full and partial (glm4_moe) rotary width
-def test_prologue_matches_reference(qk_norm, rotary):
-    T, H, Hk, hd, S = 5, 4, 2, 16, 40
-    g = torch.Generator().manual_seed(rotary + qk_norm)
+@pytest.mark.parametrize("H,Hk", [(4, 2), (20, 3)])  # one tile of heads; two query tiles, the last and the KV one padded
+def test_prologue_matches_reference(qk_norm, rotary, H, Hk):
+    T, hd, S = 5, 16, 40
+    g = torch.Generator().manual_seed(rotary + qk_norm + H)
     qkv = torch.randn(T, (H + 2 * Hk) * hd, generator=g)
     qw, kw = (torch.randn(hd, generator=g), torch.randn(hd, generator=g)) if qk_norm else (None, None)
     rope = rope_cos_sin(torch.tensor([0, 3, 9, 10, 31]), rotary, 10000.0, torch.float32)

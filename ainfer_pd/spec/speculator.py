@@ -204,9 +204,7 @@ class Speculator:
         if self.on_device:
             return True
         self._stale.clear()
-        for t in rows:
-            if self.cap(t) == 0 or not self.probes(t):
-                continue
+        for t in probing_rows(rows, self.backoff, self.k_max, self.max_context_len, self.on_device)[0]:
             self.sync(t)
             self._flush(t)
             d = self.drafter.draft(t.tid, 1)

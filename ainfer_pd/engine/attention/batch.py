@@ -104,6 +104,10 @@ class ForwardBatch:
     rope: tuple[Tensor, Tensor] | None = None   # cos/sin of ``positions`` (computed once per pass)
     block_size: int = 0               # KV block size (0: unknown, the paged kernels then refuse)
     prefill_meta: PrefillMeta | None = None     # built by the paged backend on first use
+    padded: bool = False
+    """Some rows may be padding (a graph bucket's, a replica's: they write the scratch slot): the
+    fused router routes those nowhere (``MoETransformer.route_rows``). False: every row is real,
+    and the pass pays nothing for padding."""
 
     @property
     def num_prefill_tokens(self) -> int:

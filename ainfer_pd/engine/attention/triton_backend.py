@@ -26,6 +26,12 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _heads_per_program(n: int) -> int:
+    """Heads of one prologue program: a [16, head_dim] tile at most (Qwen3's 32 query heads: 2
+    programs a token, its 4 KV heads: 1)."""
+    return min(_pow2(n), 16)
+
+
 def _kv_format(cache: Tensor, kv_scale: Tensor | None, dummy: Tensor) -> tuple[bool, Tensor]:
     """(the pool is FP8, the pointer the kernels read its [2] float32 scales from; ``dummy``, never
     read, for a pool in the model dtype)."""
@@ -83,12 +89,14 @@ class TritonAttention:
         kc, vc = kv[0], kv[1]
         has_norm = q_w is not None
         fp8, ks = _kv_format(kc, kv_scale, cos)
-        qkv_prologue_kernel[(T, H + k.shape[1])](
+        Hk = k.shape[1]
+        qb, kb = _heads_per_program(H), _heads_per_program(Hk)
+        qkv_prologue_kernel[(T, -(-H // qb) + -(-Hk // kb))](
             q, k, v, q_w if has_norm else q, k_w if has_norm else k, cos, sin, slots, kc, vc, ks,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
-            kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), H, eps,
-            HEAD_DIM=hd, HALF=cos.shape[-1], HAS_NORM=has_norm, KV_FP8=fp8,
-            EXACT=fp8 and os.environ.get("TRITON_INTERPRET") == "1", num_warps=1)
+            kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), H, Hk, eps,
+            HEAD_DIM=hd, HALF=cos.shape[-1], QB=qb, KB=kb, HAS_NORM=has_norm, KV_FP8=fp8,
+            EXACT=fp8 and os.environ.get("TRITON_INTERPRET") == "1", num_warps=4 if max(qb, kb) * hd >= 1024 else 1)
         return q
 
     # ------------------------------------------------------------------ decode

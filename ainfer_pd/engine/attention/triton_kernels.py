@@ -292,21 +292,23 @@ def rms_norm_kernel(
 
 
 @triton.jit
-def _norm_rope(ptr, w_ptr, cs_t, SIN_OFF, offs, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+def _norm_rope(ptrs, w_ptr, cs_t, offs, hmask, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                HAS_NORM: tl.constexpr, COS, SIN):
-    """One head vector: optional RMS norm with weight, then half-split RoPE over 2 * HALF dims."""
+    """A tile of head vectors ``ptrs`` [heads, HEAD_DIM] (rows of ``hmask`` False are padding):
+    optional RMS norm with weight, then half-split RoPE over 2 * HALF dims."""
     rot = offs < 2 * HALF
     partner = tl.where(offs < HALF, offs + HALF, offs - HALF)
-    x = tl.load(ptr + offs).to(tl.float32)
-    p = tl.load(ptr + partner, mask=rot, other=0.0).to(tl.float32)
+    x = tl.load(ptrs, mask=hmask[:, None], other=0.0).to(tl.float32)
+    p = tl.load(ptrs + (partner - offs)[None, :], mask=hmask[:, None] & rot[None, :], other=0.0).to(tl.float32)
     if HAS_NORM:
-        rstd = tl.rsqrt(tl.sum(x * x, 0) / HEAD_DIM + eps)
-        x = x * rstd * tl.load(w_ptr + offs).to(tl.float32)
-        p = p * rstd * tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
+        x = x * rstd * tl.load(w_ptr + offs).to(tl.float32)[None, :]
+        p = p * rstd * tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)[None, :]
     j = offs % HALF
-    c = tl.load(COS + cs_t + j, mask=rot, other=1.0).to(tl.float32)
-    s = tl.load(SIN + cs_t + j, mask=rot, other=0.0).to(tl.float32)
-    return tl.where(offs < HALF, x * c - p * s, tl.where(rot, x * c + p * s, x))
+    c = tl.load(COS + cs_t + j, mask=rot, other=1.0).to(tl.float32)[None, :]
+    s = tl.load(SIN + cs_t + j, mask=rot, other=0.0).to(tl.float32)[None, :]
+    lo = (offs < HALF)[None, :]
+    return tl.where(lo, x * c - p * s, tl.where(rot[None, :], x * c + p * s, x))
 
 
 @triton.jit
@@ -314,29 +316,37 @@ def qkv_prologue_kernel(
     Q, K, V, QW, KW, COS, SIN, SLOTS, KC, VC, KV_SCALE,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
     stride_kcn, stride_kch, stride_vcn, stride_vch,
-    H, eps,
-    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr, KV_FP8: tl.constexpr, EXACT: tl.constexpr,
+    H, HK, eps,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr,
+    HAS_NORM: tl.constexpr, KV_FP8: tl.constexpr, EXACT: tl.constexpr,
 ):
-    """Program (token t, head h): h < H rotates query head h in place; h >= H rotates key head
-    h - H and writes it, and the value head, into the cache slot of token t (no [T, Hk, hd] copy);
-    an FP8 pool gets them quantized with the layer's scales ``KV_SCALE`` [2]."""
+    """Program (token t, j): j < cdiv(H, QB) rotates the QB query heads of block j in place; the
+    programs after it rotate KB key heads each and write them, and their value heads, into the cache
+    slot of token t (no [T, Hk, hd] copy); an FP8 pool gets them quantized with the layer's scales
+    ``KV_SCALE`` [2]. A tile of heads a program: one head a program left a 4,096-token prefill
+    waiting on ~40 waves of 1-warp programs."""
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    j = tl.program_id(1)
+    nqb = tl.cdiv(H, QB)
     offs = tl.arange(0, HEAD_DIM)
     cs_t = t * stride_ct
-    if h < H:
-        ptr = Q + t * stride_qt + h * stride_qh
-        out = _norm_rope(ptr, QW, cs_t, 0, offs, eps, HEAD_DIM, HALF, HAS_NORM, COS, SIN)
-        tl.store(ptr + offs, out.to(Q.dtype.element_ty))
+    if j < nqb:
+        heads = j * QB + tl.arange(0, QB)
+        hmask = heads < H
+        ptrs = Q + t * stride_qt + heads[:, None] * stride_qh + offs[None, :]
+        out = _norm_rope(ptrs, QW, cs_t, offs, hmask, eps, HEAD_DIM, HALF, HAS_NORM, COS, SIN)
+        tl.store(ptrs, out.to(Q.dtype.element_ty), mask=hmask[:, None])
     else:
-        kh = h - H
-        slot = tl.load(SLOTS + t).to(tl.int64)
         # (names of their own: a value defined in both branches of a runtime `if` must keep one type)
-        k_row = _norm_rope(K + t * stride_kt + kh * stride_kh, KW, cs_t, 0, offs, eps, HEAD_DIM, HALF, HAS_NORM,
-                           COS, SIN)
-        v_row = tl.load(V + t * stride_vt + kh * stride_vh + offs)
+        kh = (j - nqb) * KB + tl.arange(0, KB)
+        kmask = kh < HK
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        k_row = _norm_rope(K + t * stride_kt + kh[:, None] * stride_kh + offs[None, :], KW, cs_t, offs, kmask, eps,
+                           HEAD_DIM, HALF, HAS_NORM, COS, SIN)
+        v_row = tl.load(V + t * stride_vt + kh[:, None] * stride_vh + offs[None, :], mask=kmask[:, None])
         if KV_FP8:
             k_row = _to_e4m3(k_row, tl.load(KV_SCALE), EXACT)
             v_row = _to_e4m3(v_row.to(tl.float32), tl.load(KV_SCALE + 1), EXACT)
-        tl.store(KC + slot * stride_kcn + kh * stride_kch + offs, k_row.to(KC.dtype.element_ty))
-        tl.store(VC + slot * stride_vcn + kh * stride_vch + offs, v_row)
+        tl.store(KC + slot * stride_kcn + kh[:, None] * stride_kch + offs[None, :], k_row.to(KC.dtype.element_ty),
+                 mask=kmask[:, None])
+        tl.store(VC + slot * stride_vcn + kh[:, None] * stride_vch + offs[None, :], v_row, mask=kmask[:, None])

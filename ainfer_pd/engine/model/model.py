@@ -272,30 +272,31 @@ class MoETransformer(nn.Module):
         lyr = self.layers[i]
         return project(lyr, "wo", o, lyr.bo, self.fp8_kernels)
 
-    def after_attention(self, i: int, st: SegmentState, o: Tensor, write_slots: Tensor) -> SegmentState:
+    def after_attention(self, i: int, st: SegmentState, o: Tensor, fb: ForwardBatch) -> SegmentState:
         """Residual add of the (reduced) attention output, FFN norm, then the router of layer i's
         MoE (None for a dense layer): its ``counts`` are what an expert exchange notifies to peers.
         With a ``routing_sink`` (routing replay) the router's choice of each row is recorded at its
-        KV slot (``write_slots`` [T], the pass's). When the reduce was a reduce-scatter (``o`` has
+        KV slot (``fb.write_slots`` [T]); a batch that may hold padding rows (``fb.padded``) routes
+        them nowhere (:meth:`route_rows`). When the reduce was a reduce-scatter (``o`` has
         fewer rows than the pass: attention TP in D, :mod:`.tensor_parallel`), the rest of the layer
         runs on this TP rank's share of the rows, ``[r n, (r + 1) n)`` for ``n`` rows of ``o``."""
         c, lyr = self.cfg, self.layers[i]
-        h = st.h
+        h, write_slots = st.h, fb.write_slots
         if o.shape[0] != h.shape[0]:
             n = o.shape[0]
             lo = self.tp_shard[0] * n
             h, write_slots = h[lo:lo + n], write_slots[lo:lo + n]
         h, xn = self.kernels.add_rms_norm(o, h, lyr.ffn_norm, c.rms_eps)
-        routing = self.route_rows(i, xn, write_slots) if lyr.is_moe else None
+        routing = self.route_rows(i, xn, write_slots if fb.padded else None) if lyr.is_moe else None
         if routing is not None and self.routing_sink is not None and i < c.num_layers:    # not the MTP layer
             self.routing_sink.record(i, write_slots, routing.topk_idx)
         return SegmentState(h=h, xn=xn, routing=routing)
 
     def route_rows(self, i: int, xn: Tensor, write_slots: Tensor | None = None) -> Routing:
         """The router of layer i's MoE over any rows xn [N, D] (e.g. every replica's, gathered).
-        With the rows' KV ``write_slots``, the fused router leaves the padding rows (those writing
-        :attr:`pad_slot`: a graph bucket's, a replica's) out of the experts, when this model runs
-        them all (an expert exchange routes every row)."""
+        With the rows' KV ``write_slots`` (a batch that may hold padding rows), the fused router
+        leaves the padding rows (those writing :attr:`pad_slot`: a graph bucket's, a replica's) out
+        of the experts, when this model runs them all (an expert exchange routes every row)."""
         lyr = self.layers[i]
         spec = self.router_spec
         if self.route_kernel is not None and spec.kind == "softmax" and spec.scaling == 1.0:
@@ -311,7 +312,7 @@ class MoETransformer(nn.Module):
         o = self.attention(i, st, fb, kv)
         if attn_reduce is not None:
             o = attn_reduce(o)
-        return self.after_attention(i, st, o, fb.write_slots)
+        return self.after_attention(i, st, o, fb)
 
     def experts(self, i: int, st: SegmentState, expert_fn: ExpertFn | None = None) -> SegmentState:
         """Routed experts (local, or through an expert-parallel backend) plus the shared expert;

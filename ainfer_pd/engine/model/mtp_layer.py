@@ -59,7 +59,7 @@ def mtp_rest(model: nn.Module, fb: ForwardBatch, pre: SegmentState, o: Tensor, h
     MoE (through the phase's dispatcher, D's DP-attention gather around it) -> the output [T, D]."""
     L = model.cfg.num_layers
     experts, gather = (hooks.experts, hooks.gather) if hooks is not None else (None, None)
-    st = model.experts(L, model.after_attention(L, pre, o, fb.write_slots), experts)
+    st = model.experts(L, model.after_attention(L, pre, o, fb), experts)
     return st.h if gather is None else gather(st.h)
 
 

@@ -133,7 +133,8 @@ class DecodeGraphs:
 
     def _fb(self, s: dict[str, Tensor]) -> ForwardBatch:
         meta = DecodeMeta(None, s["lens"], block_table=s["table"], block_size=self.block_size)
-        return ForwardBatch(s["ids"], s["pos"], s["write"], [], meta, s["rows"], block_size=self.block_size)
+        return ForwardBatch(s["ids"], s["pos"], s["write"], [], meta, s["rows"], block_size=self.block_size,
+                            padded=True)                  # rows past a replay's batch: padding
 
     def _capture(self, B: int, L: int, dev) -> None:
         s = self._static(B, L, dev)

@@ -109,7 +109,7 @@ class PrefillGraphs:
         b = _Bucket(T, torch.zeros(T, dtype=torch.int64, device=dev), torch.zeros(T, dtype=torch.int64, device=dev),
                     torch.full((T,), self.scratch, dtype=torch.int64, device=dev),
                     torch.zeros(T, H, hd, dtype=dt, device=dev), torch.zeros(T, H, hd, dtype=dt, device=dev))
-        fb = ForwardBatch(b.ids, b.pos, b.write, [], None, None, block_size=0)
+        fb = ForwardBatch(b.ids, b.pos, b.write, [], None, None, block_size=0, padded=True)   # tokens past T's: padding
         kv = self.kv_cache_of()
         cs = self.stream
         cs.wait_stream(torch.cuda.current_stream(dev))
@@ -147,7 +147,7 @@ class PrefillGraphs:
         """B_l: O projection of b.o, residual + FFN norm, router."""
         T = b.T
         o = self.model.attention_out(i, b.o.view(T, -1))
-        return self.model.after_attention(i, st, o, fb.write_slots)
+        return self.model.after_attention(i, st, o, fb)
 
     def _experts(self, i: int, st: SegmentState) -> SegmentState:
         return self.model.experts(i, st)

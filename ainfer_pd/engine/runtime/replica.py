@@ -93,7 +93,7 @@ def pad_decode(fb: ForwardBatch, rows: int, scratch_slot: int, scratch_block: in
     return ForwardBatch(input_ids=ext(fb.input_ids, 0), positions=ext(fb.positions, 0),
                         write_slots=ext(fb.write_slots, scratch_slot),
                         decode=DecodeMeta(None, ext(lens, 1), block_table=table, block_size=bs),
-                        logits_rows=fb.logits_rows, block_size=bs)
+                        logits_rows=fb.logits_rows, block_size=bs, padded=k > 0)
 
 
 def pack_decode(fb: ForwardBatch, width: int) -> Tensor:
@@ -119,7 +119,8 @@ def unpack_decode(buf: Tensor, rows: int, width: int, device: torch.device, bloc
     table = buf[1 + 4 * B:].view(B, width)[:, :W]
     return ForwardBatch(input_ids=v[0].to(device), positions=v[1].to(device), write_slots=v[2].to(device),
                         decode=DecodeMeta(None, v[3].to(device), block_table=table.to(device), block_size=block_size),
-                        logits_rows=torch.zeros(0, dtype=torch.int64, device=device), block_size=block_size)
+                        logits_rows=torch.zeros(0, dtype=torch.int64, device=device), block_size=block_size,
+                        padded=True)          # the leader's rows, padded to the agreed count
 
 
 # ====================================================================== the channel

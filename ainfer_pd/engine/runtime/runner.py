@@ -236,7 +236,7 @@ class ModelRunner:
         return self.model.attention(layer, st, plan.fb, self.kv_cache[layer])
 
     def after_attention(self, layer: int, st: SegmentState, o: Tensor, plan: BatchPlan) -> SegmentState:
-        return self.model.after_attention(layer, st, o, plan.fb.write_slots)
+        return self.model.after_attention(layer, st, o, plan.fb)
 
     def notify(self, ctx: PhaseContext, st: SegmentState):
         """Start the expert exchange of this layer (peers learn the shape); None without EP
