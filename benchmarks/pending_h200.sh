@@ -1,22 +1,20 @@
 #!/usr/bin/env bash
-# The device figures still owed (docs/RESULTS.md), in one device call of < 10 minutes, after the
-# gate: the P epoch's pickup / span / tail / launch split and the pass's own device gaps, alone and
-# beside 16 decoding rows (issue 33's 512-token 1.50: the launch calls took 4.9 of its 30.1 ms span
-# on the H100, so the device idle is elsewhere; 16 rows of 1,024 fit an H100's pool beside the
-# bf16 weights, 32 of 2,048 did not; "the epoch in the engine": one continuation profiled as the engine
-# runs it, each long device gap with the host's runtime calls during it: at 1dcd601 ~6.5 ms of the
-# 512-token epoch lay between its items), then speculation's makespan at 5 repetitions (issue 38: at
-# n = 3 on the H100 normal's spread, 0.86-1.19 s, was wider than its gap; off and on interleaved
-# now), then the sampler's host time with a repetition penalty (its `pool` row: gate_queue/seen-masks,
-# 11.3 ms a step before at 10K-token histories). Each step is bounded; logs go to $OUT (tar them: a
-# call returns at most 8 files).
+# The device figures still owed (docs/RESULTS.md, "Not measured yet"), in one device call of < 10
+# minutes, after the gate of gate_queue/ (spec-gap, walk-coalesce) merged: speculation's makespan on /
+# off at 4 interleaved pairs on both shapes (issue 38's "never slower": on ef3e9b8 P1 normal 1.050 and
+# trace fine-grained 1.021, before spec-gap charged the overlap a draft gives up); the P epoch alone
+# and beside decoding rows (issue 33: 0.80 / 1.41 over the alone busy time on the H100 at ef3e9b8, 16
+# rows; the H200 fits 32 rows of 2,048 beside the bf16 weights); the FP8 decode iteration's kernels at
+# B 64 (issue 37: H200 1.39x its bound before the relaxed router atomics). Each step is bounded; logs
+# go to $OUT (tar them: a call returns at most 8 files).
 #
 #   OUT=$OUT/m bash benchmarks/pending_h200.sh && (cd $OUT && tar czf m.tgz m && rm -rf m)
 set -u
 M=${OUT:-/tmp/pending}; mkdir -p "$M"
 nvidia-smi --query-gpu=name --format=csv,noheader > "$M/gpu.txt" 2>&1
-( time timeout 200 python benchmarks/p_epoch_host_bench.py --cases 512:2048,2048:4096 --beside-d 16 --d-prompt 1024 \
+( time timeout 240 python benchmarks/spec_bench.py makespan --reps 4 ) > "$M/spec_makespan.txt" 2>&1
+( time timeout 200 python benchmarks/p_epoch_host_bench.py --cases 512:2048,2048:4096 --beside-d 32 --d-prompt 2048 \
     --set scheduler.policy=fine-grained ) > "$M/p_epoch.txt" 2>&1
-( time timeout 340 python benchmarks/spec_bench.py makespan --reps 5 ) > "$M/spec_makespan.txt" 2>&1
-( timeout 60 python benchmarks/sampler_host_bench.py --history 10000 --reps 9 ) > "$M/sampler_host.txt" 2>&1
-grep -h "makespan\|ms\b" "$M"/*.txt | tail -20
+( timeout 90 python benchmarks/decode_profile.py --batches 64 --ctx 2048 --set model.quantization=fp8 ) \
+    > "$M/fp8_decode_profile.txt" 2>&1
+grep -h "spec_makespan_ratio\|ratio\|replay" "$M"/*.txt | tail -20
