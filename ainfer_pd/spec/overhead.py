@@ -16,14 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DECAY = 0.7
-"""Weight of the past in each estimate, per drafting iteration observed."""
+from ..engine.loop.timings import ema
+
+ALPHA = 0.3
+"""Weight of a new observation in each estimate (the past keeps 0.7), per drafting iteration."""
 FORGET = 0.98
 """Each estimate's factor at an iteration it kept from drafting (it halves in ~35)."""
-
-
-def _ema(old: float, new: float) -> float:
-    return new if old == 0.0 else DECAY * old + (1 - DECAY) * new
 
 
 @dataclass(slots=True)
@@ -33,11 +31,11 @@ class DraftOverhead:
 
     def observe_host(self, seconds: float) -> None:
         """A drafting iteration spent ``seconds`` on the host before its launch."""
-        self.host_s = _ema(self.host_s, seconds)
+        self.host_s = ema(self.host_s, seconds, ALPHA)
 
     def observe_lost(self, seconds: float) -> None:
         """Drafting left the device idle ``seconds`` once (a launch that waited for the host)."""
-        self.lost_s = _ema(self.lost_s, seconds)
+        self.lost_s = ema(self.lost_s, seconds, ALPHA)
 
     def fade(self) -> None:
         """An iteration the estimates kept from drafting."""

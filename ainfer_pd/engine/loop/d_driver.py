@@ -82,7 +82,7 @@ class DDriver:
         rank agrees its shape first; without it no rank drafts."""
         t_ready = self.t_wanted if self.t_wanted is not None else self.rec.now()
         self.t_wanted = None
-        if self._broke is not None and self.rec.now() - self._broke[1] > (self.timings.d_iter_ema or 0.0):
+        if self._broke is not None and self.rec.now() - self._broke[1] > self.timings.d_iter_ema:
             self._broke = None    # a verify's read, then D waited (rows, P): not a gap drafting made
         drafting = self.dist is None and self.spec is not None and await self._will_draft(limit)
         rnd = await self.turnstile.before_decode()
@@ -263,7 +263,7 @@ class DDriver:
         """The speculator is charged the device idle before ``w`` when ``w`` is the launch after
         the overlap was given up for a draft: from the device end of the iteration read before it
         to ``w``'s device start (the host's build and launch, no longer hidden behind the device)."""
-        iv = getattr(w, "interval", None)
+        iv = w.interval
         if iv is None:
             return
         if w is self._gap_launch:
