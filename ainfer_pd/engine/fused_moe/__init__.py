@@ -17,6 +17,7 @@ from ..model.moe import Routing
 from .plan import GemmPlan, MoEPlan, moe_plan
 
 __all__ = ["GemmPlan", "MoEPlan", "align_blocks", "align_blocks_triton", "direct_layout", "fused_experts", "layout_rows",
+           "moe_sum",
            "fused_softmax_route", "launch_down", "launch_gate_up", "moe_plan"]
 
 
@@ -129,7 +130,22 @@ def fused_experts(x: Tensor, r: Routing, w13: Tensor, w2: Tensor, plan: MoEPlan 
     # padding rows' pairs run nowhere (r.padded): their rows stay 0, not uninitialised memory
     rows = (torch.zeros if r.padded else torch.empty)(N, D, dtype=x.dtype, device=x.device)
     launch_down(act, w2, rows, layout, r.topk_weights.reshape(-1).contiguous(), plan.down, plan.direct)
-    return rows.view(T, k, D).sum(dim=1)          # fp32 accumulation, one rounding
+    return moe_sum(rows, T, k)
+
+
+def moe_sum(rows: Tensor, T: int, k: int, dtype: torch.dtype | None = None) -> Tensor:
+    """Each token's k rows of ``rows`` [T * k, D] added in slot order (float32, one rounding) ->
+    [T, D] in ``dtype`` (rows' by default): :func:`~.kernels.moe_sum_kernel`, one launch."""
+    from .kernels import moe_sum_kernel
+    D = rows.shape[1]
+    out = torch.empty(T, D, dtype=dtype or rows.dtype, device=rows.device)
+    if T == 0 or D == 0:
+        return out
+    assert rows.stride(1) == 1 and rows.shape[0] == T * k, "rows [T * k, D] with unit column stride"
+    block = min(1024, 1 << (D - 1).bit_length())
+    moe_sum_kernel[(T, triton_cdiv(D, block))](rows, out, D, rows.stride(0), out.stride(0), TOPK=k, BLOCK_D=block,
+                                               num_warps=4)
+    return out
 
 
 def fused_softmax_route(x: Tensor, router_w: Tensor, top_k: int, norm_topk_prob: bool = True,

@@ -19,7 +19,7 @@ import os
 import torch
 from torch import Tensor
 
-from ..fused_moe import align_blocks_triton, direct_layout, layout_rows
+from ..fused_moe import align_blocks_triton, direct_layout, layout_rows, moe_sum
 from ..fused_moe.plan import GemmPlan, MoEPlan
 from ..model.moe import Routing
 from .fp8 import BLOCK, FP8, blocks, check_scale, w13_scale_shape
@@ -242,4 +242,4 @@ def fused_experts_fp8(x: Tensor, routing: Routing, w13_q: Tensor, w13_scale: Ten
         launch_fp8_down(act, act_s, w2_q, w2_scale, rows, layout, topw, p.down, k, (counters, out), p.swap_ab, p.direct)
         return out
     launch_fp8_down(act, act_s, w2_q, w2_scale, rows, layout, topw, p.down, k, swap_ab=p.swap_ab, direct=p.direct)
-    return rows.view(T, k, D).sum(dim=1)          # float32 accumulation, one rounding
+    return moe_sum(rows, T, k)                    # float32 accumulation, one rounding
