@@ -190,3 +190,22 @@ def test_moe_sum_adds_each_token_s_rows_in_slot_order_in_float32(T, k, D, dtype)
         torch.testing.assert_close(got.float(), want.to(dtype).float(), rtol=2 ** -7, atol=1e-6)
     assert torch.equal(moe_sum(rows[k:2 * k], 1, k), got[1:2]) if T > 1 else True
     assert torch.equal(moe_sum(rows, T, k, torch.float32), want)
+
+
+def test_moe_sum_skips_the_pairs_routed_nowhere_without_reading_their_rows():
+    """A padded batch's padding pairs (expert -1) were never written: whatever their rows hold
+    (NaN here), the token's sum is the sum of its other rows, and a token of padding pairs only is 0."""
+    T, k, D = 4, 3, 40
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(T * k, D, generator=g)
+    ids = torch.randint(0, 8, (T, k), generator=g)
+    ids[1, 2] = -1
+    ids[3] = -1
+    skip = (ids.reshape(-1) < 0)
+    rows[skip] = float("nan")
+    got = moe_sum(rows, T, k, ids=ids)
+    want = torch.where(skip[:, None], 0.0, rows).view(T, k, D)
+    acc = torch.zeros(T, D)
+    for j in range(k):
+        acc += want[:, j]
+    assert torch.equal(got, acc) and torch.equal(got[3], torch.zeros(D))
