@@ -4,7 +4,11 @@ segment loop, stream submission, boundaries) - what a host-launch-bound P epoch 
 its kernel launches. An ungated epoch, P host pacing "epoch" (no receive-count waits), an empty
 batch, the real CPU streams.
 
-    python benchmarks/p_walk_host_bench.py --layers 48 --epochs 300
+    python benchmarks/p_walk_host_bench.py --layers 48 --epochs 300 [--per-layer]
+
+``--per-layer``: the walk publishes and passes a boundary at every expert notification point and
+layer end, as a fine-grained epoch beside D does, every permit granted at once (the gate open):
+what the per-layer walk costs over the one-item body when P never waits.
 
 Prints the host enqueue time of one epoch (``p_enqueue_s``), of one whole epoch (``p_epoch_s``:
 enqueue + the no-op items running on the P stream's thread) and of one plain forward walk
@@ -28,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from ainfer_pd import WorkerConfig  # noqa: E402
 from ainfer_pd.engine.engine import Engine  # noqa: E402
 from ainfer_pd.metrics.recorder import Recorder  # noqa: E402
-from ainfer_pd.sched.epoch_mode import epoch_mode  # noqa: E402
+from ainfer_pd.sched.epoch_mode import EpochMode, epoch_mode  # noqa: E402
 
 
 def _no_device_work(runner) -> None:
@@ -45,9 +49,11 @@ def _no_device_work(runner) -> None:
     m.head = lambda st, rows: None
 
 
-async def _epochs(eng: Engine, n: int) -> None:
+async def _epochs(eng: Engine, n: int, per_layer: bool = False) -> None:
     plan = eng.runner.build([], [])
     mode = epoch_mode("normal", False, False)
+    if per_layer:           # every boundary published and passed, none waited at (not gated: the gate open)
+        mode = EpochMode(gated=False, exclusive=True, per_layer=True, final=None)
     for i in range(n):
         eng.p.epoch += 1
         await eng.p.run_epoch(eng.p.epoch, [], mode, d_enqueued=False, plan=plan)
@@ -59,6 +65,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--epochs", type=int, default=300)
     ap.add_argument("--forwards", type=int, default=3000)
+    ap.add_argument("--per-layer", action="store_true", help="a boundary at every notification point and layer end")
     args = ap.parse_args()
     cfg = WorkerConfig.from_yaml(args.config).replace(**{
         "model.num_layers": args.layers, "scheduler.policy": "normal", "mux.p_host_pacing": "epoch",
@@ -67,9 +74,9 @@ def main() -> None:
     eng = Engine(cfg, rec)
     _no_device_work(eng.runner)
     try:
-        asyncio.run(_epochs(eng, 20))                     # warm-up
+        asyncio.run(_epochs(eng, 20, args.per_layer))     # warm-up
         rec.samples.clear()
-        asyncio.run(_epochs(eng, args.epochs))
+        asyncio.run(_epochs(eng, args.epochs, args.per_layer))
         fb = eng.runner.build([], []).fb
         fwd = []
         for _ in range(args.forwards):
@@ -85,6 +92,7 @@ def main() -> None:
     fw, fw_med = min(fwd), statistics.median(fwd)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     print(json.dumps({"commit": commit or "?", "layers": args.layers, "segments": segs, "epochs": args.epochs,
+                      "per_layer": args.per_layer,
                       "p_enqueue_us_min": round(enq * 1e6, 1), "p_enqueue_us_median": round(enq_med * 1e6, 1),
                       "p_enqueue_us_per_segment_min": round(enq * 1e6 / segs, 2),
                       "p_epoch_us_min": round(ep * 1e6, 1), "p_epoch_us_median": round(ep_med * 1e6, 1),

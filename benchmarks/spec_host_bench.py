@@ -4,7 +4,8 @@ model, one run per ``--policies`` entry, speculation on with a given verify cost
 every width ~1.0-1.1x a plain pass, like the small model's on a GPU, so every batch is worth a
 probe), and around the speculator's loop calls a timer: calls and total ms of ``worth_drafting``,
 ``stale_hit`` and ``plan``, and how many times the D loop read an overlapped iteration early
-(``settles``: each one gives the overlap up). Runs on the CPU VM (``--device cpu``, float32) or a
+(``settles``: each one gives the overlap up), and the speculator's estimates of a drafting
+iteration's host time and of the device idle it causes (``host_ms``, ``lost_ms``). Runs on the CPU VM (``--device cpu``, float32) or a
 GPU host.
 
     python benchmarks/spec_host_bench.py [--device cpu] [--policies fine-grained,normal] [--reps 1]
@@ -89,7 +90,8 @@ def main() -> None:
             print(f"FIG spec_host policy={policy} rep={r} makespan_s={span:.3f} d_iters={m.get('d_iter_s_count', 0)} "
                   f"spec_loop_ms={total:.1f} {calls} settles={acc.get('settles', 0)} "
                   f"verifies={spec.get('spec_verifies', 0)} drafted={spec.get('spec_drafted', 0)} "
-                  f"accepted={spec.get('spec_accepted', 0)} empty_plans={spec.get('spec_empty_plans', 0)}")
+                  f"accepted={spec.get('spec_accepted', 0)} empty_plans={spec.get('spec_empty_plans', 0)} "
+                  f"host_ms={spec.get('spec_host_ms', 0.0):.2f} lost_ms={spec.get('spec_lost_ms', 0.0):.2f}")
 
 
 if __name__ == "__main__":

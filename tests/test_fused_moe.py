@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ainfer_pd.engine.fused_moe import GemmPlan, MoEPlan, align_blocks, fused_experts
+from ainfer_pd.engine.fused_moe import GemmPlan, MoEPlan, align_blocks, fused_experts, moe_sum
 from ainfer_pd.engine.model.moe import experts_local, route
 
 
@@ -170,3 +170,42 @@ def test_padding_rows_route_nowhere_and_real_rows_are_unchanged(direct):
     assert torch.equal(out[live], routed_all[live]) and (out[pad_rows] == 0).all()
     one = fused_softmax_route(x[:1], rw, k, True, (torch.tensor([scratch]), scratch))
     assert (fused_experts(x[:1], one, w13, w2) == 0).all() and int(one.counts.sum()) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,k,D", [(5, 8, 48), (3, 2, 2048), (1, 4, 1500)])
+def test_moe_sum_adds_each_token_s_rows_in_slot_order_in_float32(T, k, D, dtype):
+    """The k rows of a token, added one after the other in float32 and rounded once (the same
+    bits alone or in any batch); D past one column block and not a power of two."""
+    g = torch.Generator().manual_seed(T * k + D)
+    rows = (torch.randn(T * k, D, generator=g) * 3).to(dtype)
+    want = torch.zeros(T, D, dtype=torch.float32)
+    for j in range(k):
+        want += rows.view(T, k, D)[:, j].float()
+    got = moe_sum(rows, T, k)
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        assert torch.equal(got, want)
+    else:                    # Triton's interpreter rounds float32 -> bfloat16 toward zero: within one ulp
+        torch.testing.assert_close(got.float(), want.to(dtype).float(), rtol=2 ** -7, atol=1e-6)
+    assert torch.equal(moe_sum(rows[k:2 * k], 1, k), got[1:2]) if T > 1 else True
+    assert torch.equal(moe_sum(rows, T, k, torch.float32), want)
+
+
+def test_moe_sum_skips_the_pairs_routed_nowhere_without_reading_their_rows():
+    """A padded batch's padding pairs (expert -1) were never written: whatever their rows hold
+    (NaN here), the token's sum is the sum of its other rows, and a token of padding pairs only is 0."""
+    T, k, D = 4, 3, 40
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(T * k, D, generator=g)
+    ids = torch.randint(0, 8, (T, k), generator=g)
+    ids[1, 2] = -1
+    ids[3] = -1
+    skip = (ids.reshape(-1) < 0)
+    rows[skip] = float("nan")
+    got = moe_sum(rows, T, k, ids=ids)
+    want = torch.where(skip[:, None], 0.0, rows).view(T, k, D)
+    acc = torch.zeros(T, D)
+    for j in range(k):
+        acc += want[:, j]
+    assert torch.equal(got, acc) and torch.equal(got[3], torch.zeros(D))

@@ -80,6 +80,9 @@ for p in (moe_plan(8, 128, False, tokens=1), moe_plan(8 * 64, 128, False, tokens
         "down": compile_stats(moe_down_kernel, {**lay, "A": "*bf16", "W": "*bf16", "OUT": "*bf16", "TOPW": "*fp32"},
                               {}, dict(c, **tiles(p.down)), p.down.num_warps, p.down.num_stages)}
 out["moe_128x128_w8"] = plan_stats(128, 128, 128, 8, 8, 3)
+from ainfer_pd.engine.fused_moe.kernels import moe_sum_kernel
+out["moe_sum"] = compile_stats(moe_sum_kernel, {"ROWS": "*bf16", "IDS": "*i64", "OUT": "*bf16"}, {},
+                               dict(TOPK=8, BLOCK_D=1024, HAS_IDS=True), warps=4, stages=1)
 print(json.dumps(out))
 '''
 
@@ -118,6 +121,11 @@ def test_bf16_pool_kernels_keep_bf16_mmas(ptx_ops):
         ops = ptx_ops[name]
         assert _mmas(ops) and all("bf16" in op for op in _mmas(ops)), ops
         assert ops.get("cvt.rn.f16x2.e4m3x2", 0) == 0, ops
+
+
+def test_the_moe_sum_compiles_without_spills(ptx_ops):
+    s = ptx_ops["moe_sum"]
+    assert s["spill"] == 0 and s["regs"] > 0, s
 
 
 def test_the_prologue_s_tiles_of_heads_compile_without_spills(ptx_ops):

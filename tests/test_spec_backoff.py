@@ -153,18 +153,18 @@ def test_measured_host_time_stops_speculating_and_fades_until_it_is_tried_again(
     spec = _spec(adaptive=True)                          # CHEAP: a verify costs ~a plain iteration
     t = _turn("h", [5, 6, 7, 8] * 10)                    # repeats: the suffix drafter has drafts
     assert spec.worth_drafting([t])
-    spec.observe_host(0.5)
-    assert spec.host_s == 0.5
-    spec.observe_host(1.5)
-    assert spec.host_s == pytest.approx(0.7 * 0.5 + 0.3 * 1.5)
-    spec.observe_host(100.0)                             # host time 30x a plain iteration (1 s at B 1)
+    spec.overhead.observe_host(0.5)
+    assert spec.overhead.host_s == 0.5
+    spec.overhead.observe_host(1.5)
+    assert spec.overhead.host_s == pytest.approx(0.7 * 0.5 + 0.3 * 1.5)
+    spec.overhead.observe_host(100.0)                             # host time 30x a plain iteration (1 s at B 1)
     assert not spec.worth_drafting([t])
     tries = 1
     while not spec.worth_drafting([t]):                  # each idle iteration forgets a little
         tries += 1
         assert tries < 400
     assert 100 < tries < 400
-    assert spec.metrics()["spec_host_ms"] == pytest.approx(1e3 * spec.host_s)
+    assert spec.metrics()["spec_host_ms"] == pytest.approx(1e3 * spec.overhead.host_s)
     batch = spec.plan([t])
     assert batch is not None and batch.host_s > 0
 
@@ -244,3 +244,20 @@ def test_probing_rows_agrees_with_probes_and_cap_row_by_row():
     want = [(t.tid, spec.cap(t)) for t in rows if spec.probes(t) and spec.cap(t)]
     got, caps = probing_rows(rows, spec.backoff, spec.k_max, spec.max_context_len, spec.on_device)
     assert [(t.tid, c) for t, c in zip(got, caps)] == want and {t for t, _ in want} == {"r1", "r3"}
+
+
+def test_measured_device_idle_counts_against_drafting_as_host_time_does():
+    """``lost_s`` (the overlap a draft gave up) is added to the host time in the choice: idle 30x
+    a plain iteration stops drafting, and it fades with the host time until the batch is tried."""
+    spec = _spec(adaptive=True)
+    t = _turn("i", [5, 6, 7, 8] * 10)
+    assert spec.worth_drafting([t])
+    spec.overhead.observe_lost(100.0)
+    assert spec.overhead.total_s == 100.0 and spec.overhead.host_s == 0.0
+    assert not spec.worth_drafting([t])
+    tries = 1
+    while not spec.worth_drafting([t]):
+        tries += 1
+        assert tries < 400
+    assert 100 < tries < 400
+    assert spec.metrics()["spec_lost_ms"] == pytest.approx(1e3 * spec.overhead.lost_s)

@@ -248,3 +248,63 @@ def test_the_stale_probe_and_its_read_happen_outside_the_turnstile_round(ids):
     assert on == off
     assert seen["rounds"] > 0 and seen["settles"] > 0, seen
     assert seen["in_round"] == 0, seen
+
+
+def test_the_overlap_a_draft_gives_up_is_charged_to_the_speculator(ids, monkeypatch):
+    """Overlapped D loop (normal): when a stale hit reads the iteration in flight early, or a
+    verify is read before the next launch is built, the launch after it waits for the host; the
+    speculator is charged that device idle (``lost_s``, counted against drafting with its host
+    time), measured from the device end of the iteration read before to the launch's device start.
+    Tokens equal speculation off."""
+    from ainfer_pd.spec.overhead import DraftOverhead
+    prompt, _ = ids
+    params = [SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True) for _ in range(4)]
+    charged: list[tuple[float, float, float]] = []       # (lost, the launch's device start, the end before)
+
+    async def go(spec: bool):
+        cfg = hf_worker_cfg(DIR, "normal", **({"spec": {**SPEC}} if spec else {}))   # overlap_decode auto
+        async with RolloutWorker(cfg) as w:
+            d = w.engine.d
+            charge = d._charge_gap
+
+            def spy(work):
+                before, gap = d._last_end, work is d._gap_launch
+                charge(work)
+                if gap and before is not None and work.interval is not None:
+                    charged.append((d.spec.overhead.lost_s, work.interval[0], before))
+            monkeypatch.setattr(d, "_charge_gap", spy)
+            outs = await asyncio.gather(*(w.generate(prompt, p) for p in params))
+            return [o.token_ids for o in outs], (d.spec.overhead.lost_s if d.spec is not None else None)
+    off, _ = asyncio.run(go(False))
+    seen: list[float] = []
+    real = DraftOverhead.observe_lost
+    monkeypatch.setattr(DraftOverhead, "observe_lost", lambda self, s: (seen.append(s), real(self, s))[1])
+    on, lost = asyncio.run(go(True))
+    assert on == off
+    assert seen and len(seen) == len(charged), (seen, charged)
+    for s, (_, start, end) in zip(seen, charged):
+        assert s == pytest.approx(max(0.0, start - end))         # the idle between the two device intervals
+    assert lost > 0.0
+
+
+def test_only_the_launch_after_a_break_is_charged_its_device_idle():
+    """The charge itself: the launch marked as following a break is charged the idle from the
+    device end of the iteration read before it to its device start, once; any other launch, or
+    one without a recorded interval, is charged nothing. (The driver marks no launch when a P
+    epoch began since the break, P is running, or D's next iteration started later than one D
+    iteration's time after a verify's read.)"""
+    from types import SimpleNamespace
+    from ainfer_pd.engine.loop.d_driver import DDriver
+    lost = []
+    d = DDriver.__new__(DDriver)
+    d.spec = SimpleNamespace(overhead=SimpleNamespace(observe_lost=lost.append))
+    d._last_end, d._gap_launch = 1.0, None
+    w = SimpleNamespace(interval=(1.25, 2.0))
+    d._gap_launch = w
+    d._charge_gap(w)
+    assert lost == [0.25] and d._last_end == 2.0 and d._gap_launch is None
+    d._charge_gap(SimpleNamespace(interval=(2.5, 3.0)))             # not the launch after a break
+    assert lost == [0.25] and d._last_end == 3.0
+    d._gap_launch = w2 = SimpleNamespace(interval=None)              # no device interval: nothing
+    d._charge_gap(w2)
+    assert lost == [0.25]

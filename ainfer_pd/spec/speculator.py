@@ -37,15 +37,9 @@ from ..config_spec import SpecConfig
 from ..engine.loop.state import SeqTokens, Turn
 from .adaptive import Acceptance, VerifyCosts, choose, could_pay, observe
 from .backoff import NO_BACKOFF, Backoff, after_draft
+from .overhead import DraftOverhead
 from .verify_shape import DraftOffer
 from .suffix import SuffixDrafter
-
-
-HOST_DECAY = 0.7
-"""Weight of the past in the host-time EMA, per drafting iteration."""
-HOST_FORGET = 0.98
-"""The host-time estimate's factor at each iteration that does not draft: a batch the host time
-stopped is tried again after a few dozen iterations (the estimate halves in ~35)."""
 
 
 @dataclass(slots=True)
@@ -82,10 +76,9 @@ class Speculator:
         self.num_drafted = 0
         self.num_accepted = 0
         self.num_emitted = 0
-        self.host_s = 0.0
-        """EMA of the host seconds a drafting iteration spent before its launch (the overlapped
-        iteration read, the drafts), counted against speculating (:func:`~.adaptive.choose`); it
-        fades while nothing is drafted, so a batch it stopped is tried again later."""
+        self.overhead = DraftOverhead()
+        """What a drafting iteration costs besides its verify (its host time, the device idle it
+        causes: :mod:`.overhead`), counted against speculating; it fades while nothing is drafted."""
         self.num_empty_plans = 0              # plan() calls that gave no verify (no row had a draft, or K = 0)
         self.num_rows_skipped = 0             # rows of a plan not drafted: in backoff
         self._offer_s = 0.0                   # host seconds of the last offer's drafts (several ranks)
@@ -164,7 +157,7 @@ class Speculator:
         (several ranks): the most rows any replica runs in the iteration (:func:`~.adaptive.choose`)."""
         worth, costed = self._worth(rows, world_rows)
         if costed and not worth:
-            self.host_s *= HOST_FORGET
+            self.overhead.fade()
         return worth
 
     def would_draft(self, rows: list[Turn], world_rows: int = 0) -> bool:
@@ -180,7 +173,7 @@ class Speculator:
         if self.cfg.adaptive and self.costs is not None and rows:
             if self._best_rate is None:
                 self._best_rate = max(max((a.rate for a in self.acc.values()), default=0.0), Acceptance().rate)
-            if not could_pay(self.costs, self._best_rate, len(rows), k_max=self.k_max, host_s=self.host_s,
+            if not could_pay(self.costs, self._best_rate, len(rows), k_max=self.k_max, host_s=self.overhead.total_s,
                              world_rows=world_rows):
                 return False, True
         probing, caps = probing_rows(rows, self.backoff, self.k_max, self.max_context_len, self.on_device)
@@ -190,7 +183,7 @@ class Speculator:
             return True, False
         if self.costs is None:
             return False, False
-        return choose(self.costs, self.rates(probing), caps, k_max=self.k_max, host_s=self.host_s,
+        return choose(self.costs, self.rates(probing), caps, k_max=self.k_max, host_s=self.overhead.total_s,
                       world_rows=world_rows, plain_rows=len(rows) - len(probing)).k > 0, True
 
     def stale_hit(self, rows: list[Turn]) -> bool:
@@ -244,7 +237,7 @@ class Speculator:
         t0 = time.perf_counter()
         batch = self._plan(rows)
         if batch is None:
-            self.observe_host(time.perf_counter() - t0)        # spent, for no verify
+            self.overhead.observe_host(time.perf_counter() - t0)        # spent, for no verify
         else:
             batch.host_s = time.perf_counter() - t0
         return batch
@@ -255,7 +248,7 @@ class Speculator:
         gain = 1.0
         if self.cfg.adaptive:
             choice = choose(self.costs, self.rates(rows), [len(d) for d in drafts], k_max=self.k_max,
-                            host_s=self.host_s)
+                            host_s=self.overhead.total_s)
             drafts = [d[:n] for d, n in zip(drafts, choice.per_row)]
             gain = choice.gain
         return self._batch(rows, drafts, gain)
@@ -294,21 +287,17 @@ class Speculator:
         t0 = time.perf_counter()
         drafts = self._draft_rows(rows)
         self._offer_s = time.perf_counter() - t0
-        return drafts, DraftOffer.of(self.rates(rows), [len(d) for d in drafts], self.k_max, self.host_s)
+        return drafts, DraftOffer.of(self.rates(rows), [len(d) for d in drafts], self.k_max, self.overhead.total_s)
 
     def plan_at(self, rows: list[Turn], drafts: list[list[int]], k: int) -> SpecBatch | None:
         """The verify batch of :meth:`offer`'s ``drafts`` at the world's K = ``k`` (None: K = 0, or
         no row of this replica drafts at it), with the host time the drafts took."""
         batch = self._batch(rows, [d[:k] for d in drafts], 1.0)
         if batch is None:
-            self.observe_host(self._offer_s)               # spent, for no verify of this replica's
+            self.overhead.observe_host(self._offer_s)      # spent, for no verify of this replica's
         else:
             batch.host_s = self._offer_s
         return batch
-
-    def observe_host(self, seconds: float) -> None:
-        """A drafting iteration spent ``seconds`` on the host before its launch."""
-        self.host_s = seconds if self.host_s == 0.0 else HOST_DECAY * self.host_s + (1 - HOST_DECAY) * seconds
 
     def _after_draft(self, t: Turn, drafted: int) -> None:
         if self.on_device:
@@ -342,7 +331,8 @@ class Speculator:
         rows = self.num_emitted - self.num_accepted                  # one row-verify emits accepted + 1
         return {"spec_verifies": self.num_verifies, "spec_drafted": self.num_drafted,
                 "spec_empty_plans": self.num_empty_plans, "spec_rows_skipped": self.num_rows_skipped,
-                "spec_accepted": self.num_accepted, "spec_host_ms": 1e3 * self.host_s,
+                "spec_accepted": self.num_accepted, "spec_host_ms": 1e3 * self.overhead.host_s,
+                "spec_lost_ms": 1e3 * self.overhead.lost_s,
                 "spec_acceptance": self.num_accepted / self.num_drafted if self.num_drafted else 0.0,
                 "spec_tokens_per_row_pass": self.num_emitted / rows if rows else 0.0}
 

@@ -106,6 +106,11 @@ class EpochHandle:
                       permit=_finite(permit_before), granted=_finite(ctl.permit), wait_s=waited)
         ts._check_current(self.epoch_id, "permit")
 
+    def passes(self, boundary: int) -> bool:
+        """Would :meth:`permit` for ``boundary`` (published) return without waiting, now? (Until
+        P's coroutine yields nothing can change it: the D loop grants on the same event loop.)"""
+        return self._ts.controller.may_pass(boundary)
+
     def publish(self, boundary: int, *, final: bool = False) -> None:
         """P reached ``boundary`` (``final``: it is the epoch's last); wakes the D loop."""
         ts, ctl = self._ts, self._ts.controller

@@ -17,6 +17,7 @@ from ..model.moe import Routing
 from .plan import GemmPlan, MoEPlan, moe_plan
 
 __all__ = ["GemmPlan", "MoEPlan", "align_blocks", "align_blocks_triton", "direct_layout", "fused_experts", "layout_rows",
+           "moe_sum",
            "fused_softmax_route", "launch_down", "launch_gate_up", "moe_plan"]
 
 
@@ -126,10 +127,29 @@ def fused_experts(x: Tensor, r: Routing, w13: Tensor, w2: Tensor, plan: MoEPlan 
     x = x.contiguous()
     act = torch.empty(N, I2 // 2, dtype=x.dtype, device=x.device)
     launch_gate_up(x, w13, act, layout, k, plan.gate_up, plan.direct)
-    # padding rows' pairs run nowhere (r.padded): their rows stay 0, not uninitialised memory
-    rows = (torch.zeros if r.padded else torch.empty)(N, D, dtype=x.dtype, device=x.device)
+    rows = torch.empty(N, D, dtype=x.dtype, device=x.device)
     launch_down(act, w2, rows, layout, r.topk_weights.reshape(-1).contiguous(), plan.down, plan.direct)
-    return rows.view(T, k, D).sum(dim=1)          # fp32 accumulation, one rounding
+    # padding rows' pairs run nowhere (r.padded): their rows are never written, the sum skips them
+    return moe_sum(rows, T, k, ids=r.topk_idx if r.padded else None)
+
+
+def moe_sum(rows: Tensor, T: int, k: int, dtype: torch.dtype | None = None, ids: Tensor | None = None) -> Tensor:
+    """Each token's k rows of ``rows`` [T * k, D] added in slot order (float32, one rounding) ->
+    [T, D] in ``dtype`` (rows' by default): :func:`~.kernels.moe_sum_kernel`, one launch. ``ids``
+    [T, k] (a padded batch's routing): a pair routed nowhere (expert -1) adds 0, its row unread."""
+    from .kernels import moe_sum_kernel
+    D = rows.shape[1]
+    out = torch.empty(T, D, dtype=dtype or rows.dtype, device=rows.device)
+    if T == 0 or D == 0:
+        return out
+    assert rows.stride(1) == 1 and rows.shape[0] == T * k, "rows [T * k, D] with unit column stride"
+    block = min(1024, 1 << (D - 1).bit_length())
+    if ids is not None:
+        assert ids.shape == (T, k) and ids.is_contiguous(), "ids [T, k], contiguous"
+    moe_sum_kernel[(T, triton_cdiv(D, block))](rows, ids if ids is not None else rows, out, D, rows.stride(0),
+                                               out.stride(0), TOPK=k, BLOCK_D=block, HAS_IDS=ids is not None,
+                                               num_warps=4)
+    return out
 
 
 def fused_softmax_route(x: Tensor, router_w: Tensor, top_k: int, norm_topk_prob: bool = True,

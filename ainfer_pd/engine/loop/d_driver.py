@@ -39,6 +39,12 @@ class DDriver:
         self.t_wanted: float | None = None    # since when D has had rows it could not run
         self.num_iters = 0
         self.device_delay_s = 0.0             # fault injection: replicas out of phase on the device
+        # the overlap given up for a draft (a stale hit's early read, a verify read before the next
+        # launch): (P's epoch, the time) then, and the launch that starts after the gap the
+        # speculator is charged (:meth:`_charge_gap`)
+        self._broke: tuple[int, float] | None = None
+        self._gap_launch = None
+        self._last_end: float | None = None   # the device end of the iteration read last
 
     # ------------------------------------------------------------------ rows
     def live_rows(self) -> list[Turn]:
@@ -76,6 +82,8 @@ class DDriver:
         rank agrees its shape first; without it no rank drafts."""
         t_ready = self.t_wanted if self.t_wanted is not None else self.rec.now()
         self.t_wanted = None
+        if self._broke is not None and self.rec.now() - self._broke[1] > self.timings.d_iter_ema:
+            self._broke = None    # a verify's read, then D waited (rows, P): not a gap drafting made
         drafting = self.dist is None and self.spec is not None and await self._will_draft(limit)
         rnd = await self.turnstile.before_decode()
         rows = self.rows(limit)
@@ -90,6 +98,7 @@ class DDriver:
         if self.overlap and batch is None:
             rows, ahead = rows_after(rows, self.prev, self.max_context_len)
         if not rows and self.dist is None:
+            self._broke = None
             if rnd is not None:
                 await self.turnstile.after_decode(rnd)
             await self.settle()
@@ -120,6 +129,7 @@ class DDriver:
             if not self.spec.stale_hit(rows):
                 return False
             await self.settle()
+            self._broke = (self.p.epoch, self.rec.now())
         return True
 
     async def _agreed_drafts(self, rows: list[Turn], rnd):
@@ -159,7 +169,7 @@ class DDriver:
         else:
             plan = self.runner.build([], rows, drafts=drafts)
         if batch is not None:
-            self.spec.observe_host(batch.host_s + self.rec.now() - t_build)     # on the launch's path now
+            self.spec.overhead.observe_host(batch.host_s + self.rec.now() - t_build)     # on the launch's path now
         self.rec.sample("d_build_s", self.rec.now() - t_build)
         hold = self.book.in_flight(rows)
         try:
@@ -175,6 +185,8 @@ class DDriver:
             self.in_flight = False
             hold.release()
         self._book(w, t_launch, plan, batch=batch, **out)
+        if batch is not None and self.overlap:     # read before the next launch is built: a gap
+            self._broke = (self.p.epoch, self.rec.now())
 
     async def _overlapped(self, rows: list[Turn], ahead: list[int], rnd, t_ready: float) -> None:
         prev = self.prev
@@ -210,6 +222,10 @@ class DDriver:
             self.dist.before_d_launch(rnd)
         w = self.ctx.stream.submit(fn, *args, label="D.iter", attrs={**D_ITEM, "epoch": rnd.epoch if rnd else None},
                                    delay_s=self.device_delay_s)
+        if self._broke is not None:
+            # no P epoch since (it would fill the gap): the device idles from the last read end to w
+            clean = self._broke[0] == self.p.epoch and not self.p.running
+            self._gap_launch, self._broke = (w if clean else None), None
         self.in_flight = True
         self.last = w
         if rows:
@@ -243,12 +259,26 @@ class DDriver:
         self._book(it.work, it.t_launch, it.plan, sampled=ds)
         self.notify()
 
+    def _charge_gap(self, w) -> None:
+        """The speculator is charged the device idle before ``w`` when ``w`` is the launch after
+        the overlap was given up for a draft: from the device end of the iteration read before it
+        to ``w``'s device start (the host's build and launch, no longer hidden behind the device)."""
+        iv = w.interval
+        if iv is None:
+            return
+        if w is self._gap_launch:
+            self._gap_launch = None
+            if self._last_end is not None and self.spec is not None:
+                self.spec.overhead.observe_lost(max(0.0, iv[0] - self._last_end))
+        self._last_end = iv[1]
+
     def _book(self, w, t_launch: float, plan: BatchPlan, batch=None, **out) -> None:
         """An iteration read: its timing samples, its tokens booked (``out``: the logits, or the
         tokens sampled on the device; a verify batch's runs through the speculator), the cleanups
         it unblocked, and the host time that took."""
         t_done = self.rec.now()
         self.timings.d_read(w, t_launch, t_done, overlapped=self.overlap, p_running=self.p.running)
+        self._charge_gap(w)
         if batch is not None:
             self.spec.observe(batch, self.book.finish_verify(plan, **out))
         else:

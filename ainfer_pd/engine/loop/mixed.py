@@ -44,7 +44,7 @@ async def _step(eng, work, rows) -> None:
     t_build = rec.now()
     plan = eng.runner.build(work, rows, drafts=batch.drafts if batch is not None else None)
     if batch is not None:
-        spec.observe_host(batch.host_s + rec.now() - t_build)
+        spec.overhead.observe_host(batch.host_s + rec.now() - t_build)
     t0 = rec.now()
     # a step without a prefill chunk is a plain decode iteration (graph replay when captured)
     step = eng.runner.decode if not work else eng.runner.forward

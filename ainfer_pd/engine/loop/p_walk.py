@@ -36,6 +36,12 @@ a green context of that many SMs; an exclusive epoch's items run on the whole de
 PSegments = tuple[tuple[Segment, str], ...]
 """Each segment with the label of its P stream item ("P.attn3")."""
 
+COALESCE_MAX = 16
+"""The most segments one P stream item runs while the walk passes boundaries without waiting:
+segments passed back to back are submitted together (each item is a hand-off to the launcher
+thread, ~100 an epoch of 48 layers one by one), at most this many, so the launcher starts on
+the first ones while the walk goes on."""
+
 
 def p_segments(segments: tuple[Segment, ...]) -> PSegments:
     """The P walk's view of a model's segments (built once per engine)."""
@@ -96,6 +102,20 @@ class EpochWalk:
             items.append(stream.submit(self._body, segments[:-1], label="P.body", attrs=P_ITEM, lane=lane))
             self.head = stream.submit(self._head, label=segments[-1][1], attrs=P_ITEM, lane=lane)
             return
+        # Segments passed without a wait are submitted together (COALESCE_MAX at most), and
+        # whatever is pending is submitted before any wait: the walk yields to the event loop (where
+        # the D loop runs) only at a wait, so P's items and D's reach the streams in the same order
+        # as one item a segment. Under attention TP a layer's all-reduce sits between its items:
+        # one a segment.
+        coalesce = self.all_reduce is None
+        pending: list[tuple[Segment, str]] = []
+
+        def flush():
+            if pending:
+                run = tuple(pending)
+                pending.clear()
+                items.append(stream.submit(self._body, run, label=run[0][1], attrs=P_ITEM, lane=lane))
+            return items[-1] if items else None
         last = None                    # the latest attention's last item: done = its counts are on their way
         for seg, label in segments:
             kind, b = seg.kind, seg.boundary
@@ -113,17 +133,26 @@ class EpochWalk:
                     if fine:
                         ep.publish(b)
                     if counts and kind == EXPERTS:
+                        if coalesce:
+                            last = flush()             # it ends with this layer's attention
                         await self._counts(last, b)
                     if fine:
+                        if coalesce and not ep.passes(b):
+                            flush()
                         await self._permit(b)
-            if kind == ATTENTION:
+            if kind == HEAD:
+                flush()
+                self.head = stream.submit(self._head, label=label, attrs=P_ITEM, lane=lane)
+            elif coalesce:
+                pending.append((seg, label))
+                if kind == EMBED or len(pending) >= COALESCE_MAX:     # the launcher starts at once
+                    flush()
+            elif kind == ATTENTION:
                 last = self._attention(seg.layer, label)
             elif kind == EXPERTS:
                 items.append(stream.submit(self._experts, seg.layer, label=label, attrs=P_ITEM, lane=lane))
-            elif kind == EMBED:
-                items.append(stream.submit(self._embed, label=label, attrs=P_ITEM, lane=lane))
             else:
-                self.head = stream.submit(self._head, label=label, attrs=P_ITEM, lane=lane)
+                items.append(stream.submit(self._embed, label=label, attrs=P_ITEM, lane=lane))
 
     async def done(self) -> DeviceSample | None:
         """The head's result (the logits rows sampled) once it completed, raising the first failure
@@ -201,7 +230,8 @@ class EpochWalk:
 
     # ------------------------------------------------------------------ segments (on the P stream)
     def _body(self, segments: PSegments) -> None:
-        """Every segment but the head, back to back (an epoch that passes no boundary inside)."""
+        """``segments`` back to back: every one but the head (an epoch that passes no boundary
+        inside), or a run the walk passed without a wait (:data:`COALESCE_MAX`)."""
         for seg, _ in segments:
             kind = seg.kind
             if kind == ATTENTION:

@@ -19,7 +19,7 @@ import os
 import torch
 from torch import Tensor
 
-from ..fused_moe import align_blocks_triton, direct_layout, layout_rows
+from ..fused_moe import align_blocks_triton, direct_layout, layout_rows, moe_sum
 from ..fused_moe.plan import GemmPlan, MoEPlan
 from ..model.moe import Routing
 from .fp8 import BLOCK, FP8, blocks, check_scale, w13_scale_shape
@@ -233,13 +233,13 @@ def fused_experts_fp8(x: Tensor, routing: Routing, w13_q: Tensor, w13_scale: Ten
     xa, xs = (x, None) if p.quant_x_on_load else per_token_group_quant(x)
     counters = torch.empty(T, _cdiv(D, p.down.block_n), dtype=torch.int32, device=x.device) if p.fold_sum else None
     act, act_s = launch_fp8_gate_up(xa, xs, w13_q, w13_scale, layout, k, p, counters)
-    # padding rows' pairs run nowhere (routing.padded): their rows stay 0, not uninitialised memory
-    rows = (torch.zeros if routing.padded and not p.fold_sum else torch.empty)(
-        N, D, dtype=torch.float32 if p.fold_sum else x.dtype, device=x.device)
+    # padding rows' pairs run nowhere (routing.padded): their rows are never written; the sum (the
+    # fold's, or moe_sum's) skips them
+    rows = torch.empty(N, D, dtype=torch.float32 if p.fold_sum else x.dtype, device=x.device)
     topw = routing.topk_weights.reshape(-1).contiguous()
     if p.fold_sum:                   # a padding row's pairs never arrive: its sum is never written
         out = torch.zeros_like(x) if routing.padded else torch.empty_like(x)
         launch_fp8_down(act, act_s, w2_q, w2_scale, rows, layout, topw, p.down, k, (counters, out), p.swap_ab, p.direct)
         return out
     launch_fp8_down(act, act_s, w2_q, w2_scale, rows, layout, topw, p.down, k, swap_ab=p.swap_ab, direct=p.direct)
-    return rows.view(T, k, D).sum(dim=1)          # float32 accumulation, one rounding
+    return moe_sum(rows, T, k, ids=routing.topk_idx if routing.padded else None)     # float32, one rounding
