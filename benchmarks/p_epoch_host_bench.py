@@ -39,7 +39,11 @@ device, so recorded, not subtracted, as the engine's P boundary timing does), th
 under the torch profiler: ``p_busy_ms`` is the device time of the kernels on P's CUDA streams only (its
 own and its green-context lane, each named by a marker kernel's ``device_resource_id``),
 ``other_busy_ms`` D's. ``ratio`` = median ``wall_less_waits_ms`` / ``p_busy_ms``, ``ratio_alone`` =
-the same over the alone row's ``busy_ms``. The JSON keeps ``rows`` and adds ``beside_d``.
+the same over the alone row's ``busy_ms``. ``items`` (``p_items_ms``, median) is the union of P's
+stream items' recorded device intervals (CUDA events, so P graph replays count, which the profiler's
+stream split misses) and ``r_items`` the median of wall / items per continuation: the epoch's wall over
+the time P's own stream had work on the device beside D (1.0: P's host never left it idle; permit
+waits stay in the wall, a gated epoch's by design). The JSON keeps ``rows`` and adds ``beside_d``.
 ``--no-profile`` drops every profiler figure, so the engine side runs on CPU too
 (``--config configs/tiny-cpu.yaml --d-prompt 256 --cases 128:256 --beside-d 4``).
 
@@ -333,6 +337,9 @@ async def beside_epochs(w: RolloutWorker, n: int, cached: int, reps: int, profil
            "wall_less_waits_all_ms": [round(x, 2) for x in less], "epochs": max(r["epochs"] for r in runs),
            "permits": [r["permits"] for r in runs], "exclusive": sum(r["exclusive"] for r in runs),
            "d_iters": [r["d_iters"] for r in runs], "d_rows": min(r["d_rows"] for r in runs)}
+    if all(r["p_items_ms"] for r in runs):
+        row.update(span_ms=med("span_ms"), p_items_ms=med("p_items_ms"),
+                   r_items=round(statistics.median(r["wall"] / r["p_items_ms"] for r in runs), 3))
     if profile:
         busy: dict = {}
         r = await _continuation(w, rng, n, cached, around=lambda: p_stream_busy(w.engine, busy))
@@ -387,7 +394,8 @@ async def beside_rows(w: RolloutWorker, a, cases: list, alone: dict, profile: bo
     tasks = await start_d(w, a.beside_d, a.d_prompt, d_tokens)
     rows = []
     print(f"beside D ({a.beside_d} rows, policy {cfg.scheduler.policy})\n{'n':>6} {'cached':>6} {'wall_ms':>8} "
-          f"{'permit':>8} {'wall-w':>8} {'p_busy':>8} {'ratio':>6} {'r_alone':>7} {'d_iters':>8}", flush=True)
+          f"{'permit':>8} {'wall-w':>8} {'p_busy':>8} {'ratio':>6} {'r_alone':>7} {'items':>8} {'r_items':>7} "
+          f"{'d_iters':>8}", flush=True)
     for n, cached in cases:
         r = await beside_epochs(w, n, cached, a.reps, profile)
         busy, busy_alone = r.get("p_busy_ms"), alone.get((n, cached))
@@ -396,7 +404,8 @@ async def beside_rows(w: RolloutWorker, a, cases: list, alone: dict, profile: bo
         rows.append(r)
         print(f"{n:>6} {cached:>6} {r['epoch_wall_ms']:>8.2f} {r['permit_wait_ms']:>8.2f} "
               f"{r['wall_less_waits_ms']:>8.2f} {_f(busy, '>8.2f')} {_f(r['ratio'], '>6.3f')} "
-              f"{_f(r['ratio_alone'], '>7.3f')} {min(r['d_iters']):>8}", flush=True)
+              f"{_f(r['ratio_alone'], '>7.3f')} {_f(r.get('p_items_ms'), '>8.2f')} {_f(r.get('r_items'), '>7.3f')} "
+              f"{min(r['d_iters']):>8}", flush=True)
         if min(r["d_iters"]) <= 0 or r["d_rows"] < a.beside_d:
             print(f"  WARNING: not beside D (d_iters {r['d_iters']}, {r['d_rows']} rows at the end)", flush=True)
     early = await stop_d(w, tasks)
