@@ -11,7 +11,7 @@ from ainfer_pd.config_spec import SpecConfig
 from ainfer_pd.engine.loop.state import Trajectory, Turn
 from ainfer_pd.errors import SpecInputError
 from ainfer_pd.spec.adaptive import VerifyCosts
-from ainfer_pd.spec.backoff import MAX_WAIT, NO_BACKOFF, Backoff, after_draft
+from ainfer_pd.spec.backoff import MAX_REST, MAX_WAIT, NO_BACKOFF, Backoff, Rest, after_draft
 from ainfer_pd.spec.speculator import Speculator
 
 CHEAP = VerifyCosts.from_times({B: {1: 1.0, 2: 1.001, 3: 1.002, 5: 1.004} for B in (1, 4, 16)})
@@ -226,6 +226,7 @@ def test_worth_drafting_counts_rows_not_probed_as_plain_rows():
     quiet = [_turn(f"q{i}", [100 * i + j for j in range(30)]) for i in range(12)]
     assert not spec.stale_hit(quiet)                       # every one drafted empty: in backoff now
     probing = _turn("p", [7, 8, 9] * 6)
+    assert not spec.worth_drafting([probing])              # that fruitless probe rests the speculator once
     assert spec.worth_drafting([probing])
     assert not spec.worth_drafting([probing] + quiet)
 
@@ -261,3 +262,56 @@ def test_measured_device_idle_counts_against_drafting_as_host_time_does():
         assert tries < 400
     assert 100 < tries < 400
     assert spec.metrics()["spec_lost_ms"] == pytest.approx(1e3 * spec.overhead.lost_s)
+
+
+def test_the_rest_doubles_after_each_fruitless_try_up_to_its_cap_and_a_paying_verify_resets_it():
+    r = Rest()
+    assert not r.tick()
+    r.fruitless()                                        # rests the next 1 iteration, then 2, 4, ...
+    for wait in (1, 2, 4, 8, 16, 32, MAX_REST):
+        assert r.resting() and [r.tick() for _ in range(wait)] == [True] * wait
+        assert not r.resting() and not r.tick()
+        r.fruitless()
+    r.paid()
+    assert not r.resting() and not r.tick()
+    never = Rest(max_wait=0)
+    never.fruitless()
+    assert not never.tick()
+
+
+def test_a_fruitless_try_rests_the_speculator_with_no_check_at_all():
+    """Adaptive host drafting: a batch the table stops, then a plan with no verify, rest the whole
+    speculator (``worth_drafting`` answers no without looking at the rows: they are never probed),
+    the overhead still fading at each iteration; a verify that accepted a draft ends the rest."""
+    spec = _spec(adaptive=True)
+    t = _turn("h", [5, 6, 7, 8] * 10)
+    looked = []
+    real = Speculator._worth
+    spec._worth = lambda rows, world_rows: looked.append(len(rows)) or real(spec, rows, world_rows)
+    spec.overhead.observe_host(100.0)
+    assert not spec.worth_drafting([t]) and looked == [1]          # the table: K = 0, fruitless
+    before = spec.overhead.total_s
+    assert not spec.worth_drafting([t]) and looked == [1]          # resting: no check
+    assert spec.overhead.total_s < before                          # it fades all the same
+    spec.overhead = type(spec.overhead)()                          # the overhead forgotten
+    assert spec.worth_drafting([t]) and len(looked) == 2
+    batch = spec.plan([t])
+    assert batch is not None
+    spec.observe(batch, [0])                                       # accepted nothing: fruitless
+    assert spec.rest.resting() and not spec.worth_drafting([t]) and len(looked) == 2
+    while not spec.worth_drafting([t]):
+        pass
+    spec.observe(spec.plan([t]), [1])                              # a draft accepted: no rest
+    assert not spec.rest.resting() and spec.rest.wait == 0
+
+
+def test_the_stale_probe_settles_only_for_drafts_the_cost_table_would_verify():
+    """Adaptive: a stale draft found is not enough to give the overlap up; its rows' drafts (what
+    follows the token in flight) must pay at the table's cost with the overhead in it. Expensive
+    verifies keep the overlap (and rest the speculator); cheap ones settle."""
+    dear = VerifyCosts.from_times({B: {1: 1.0, 2: 1.9, 3: 2.8, 5: 4.6} for B in (1, 4, 16)})
+    for costs, settles in ((CHEAP, True), (dear, False)):
+        spec = Speculator(SpecConfig(method="suffix", adaptive=True, num_draft_tokens=4), 4096, costs, _Rec())
+        rows = [_turn(f"p{i}", [7 + i, 8, 9] * 6) for i in range(2)]
+        assert spec.stale_hit(rows) is settles and len(spec._stale) == 2
+        assert spec.rest.resting() is not settles

@@ -51,7 +51,7 @@ class StepInputs:
     """The KV pool and the weights are on the device and the rank is not going to sleep."""
     d_drafting: bool = False
     """This rank's speculator would draft for its rows now (``spec.method``, a replica leader of
-    several ranks: :meth:`~ainfer_pd.spec.speculator.Speculator.would_draft`)."""
+    several ranks: :meth:`~ainfer_pd.spec.speculator.Speculator.worth_drafting`)."""
     stash_drops: int = 0
     """MTP stashes this replica leader forgot since it last announced them, which its TP followers
     drop at this step (``spec.method: mtp`` under attention TP: ``MtpReplica.drop_stashes``)."""

@@ -47,3 +47,41 @@ def after_draft(b: Backoff, seq_len: int, drafted: int, *, max_wait: int = MAX_W
         return NO_BACKOFF
     wait = min(max_wait, max(1, 2 * b.wait))
     return Backoff(wait, seq_len + wait + 1)          # skipped at seq_len + 1 ... seq_len + wait
+
+
+MAX_REST = 32
+"""The most D iterations the whole speculator rests between two fruitless tries."""
+
+
+@dataclass(slots=True)
+class Rest:
+    """The speculator's own backoff, over the D iterations it is asked about (its
+    ``worth_drafting`` calls): a try that bought nothing (the cost table kept K = 0, a stale probe
+    gave no reason to give the overlap up, a plan gave no verify, a verify accepted nothing) rests
+    it ``wait`` iterations, with no check at all, and each further fruitless try doubles ``wait`` up
+    to ``max_wait``; a verify that accepted a draft resets it. The row backoff above spares a row's
+    drafts; this spares the iteration the check itself, which on a host-bound D loop is paid on
+    the launch's path every iteration (``max_wait`` 0: never rests)."""
+
+    max_wait: int = MAX_REST
+    wait: int = 0
+    until: int = 0
+    now: int = 0
+
+    def tick(self) -> bool:
+        """A D iteration asks: is the speculator resting at it?"""
+        self.now += 1
+        return self.now < self.until
+
+    def resting(self) -> bool:
+        """Would the next :meth:`tick` rest (no side effect)?"""
+        return self.now + 1 < self.until
+
+    def fruitless(self) -> None:
+        """The try at the current iteration bought nothing: rest ``wait`` iterations, doubled."""
+        self.wait = min(self.max_wait, max(1, 2 * self.wait))
+        self.until = self.now + self.wait + 1          # rests at now + 1 ... now + wait
+
+    def paid(self) -> None:
+        """A verify accepted a draft: try at every iteration again."""
+        self.wait = self.until = 0

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from ..config_spec import SpecConfig
 from ..engine.loop.state import SeqTokens, Turn
 from .adaptive import Acceptance, VerifyCosts, choose, could_pay, observe
-from .backoff import NO_BACKOFF, Backoff, after_draft
+from .backoff import NO_BACKOFF, Backoff, Rest, after_draft
 from .overhead import DraftOverhead
 from .verify_shape import DraftOffer
 from .suffix import SuffixDrafter
@@ -72,6 +72,10 @@ class Speculator:
         self._best_rate: float | None = None  # the best rate in acc (None: to be recomputed)
         self._stale: dict[str, tuple[Turn, int, int]] = {}   # tid -> (turn, position, token) a stale probe foretold
         self.backoff: dict[str, tuple[Turn, Backoff]] = {}  # tid -> (the turn drafted empty, its backoff)
+        self.rest = Rest() if cfg.adaptive and not self.on_device else Rest(max_wait=0)
+        """The whole speculator's backoff over D iterations after fruitless tries (:class:`~.backoff.Rest`):
+        adaptive host drafting only (not adaptive, every row verifies its whole draft; a device
+        drafter's empty drafts are transient)."""
         self.num_verifies = 0
         self.num_drafted = 0
         self.num_accepted = 0
@@ -153,17 +157,18 @@ class Speculator:
     def worth_drafting(self, rows: list[Turn], world_rows: int = 0) -> bool:
         """Could the batch speculate, were every row probed now to bring a whole draft (its cap)?
         (False: no drafting, the iteration decodes one token per row; so when every row is in
-        backoff. A batch the cost table stopped fades the host-time estimate.) ``world_rows``
-        (several ranks): the most rows any replica runs in the iteration (:func:`~.adaptive.choose`)."""
+        backoff. A batch the cost table stopped fades the host-time estimate; it and every
+        fruitless try rest the speculator, :class:`~.backoff.Rest`: no check at all then.)
+        ``world_rows`` (several ranks): the most rows any replica runs in the iteration
+        (:func:`~.adaptive.choose`)."""
+        if self.rest.tick():
+            self.overhead.fade()
+            return False
         worth, costed = self._worth(rows, world_rows)
         if costed and not worth:
             self.overhead.fade()
+            self.rest.fruitless()
         return worth
-
-    def would_draft(self, rows: list[Turn], world_rows: int = 0) -> bool:
-        """:meth:`worth_drafting` without its side effect: what a replica leader of several ranks
-        announces at a step (:attr:`~ainfer_pd.sched.step.StepInputs.d_drafting`)."""
-        return self._worth(rows, world_rows)[0]
 
     def _worth(self, rows: list[Turn], world_rows: int) -> tuple[bool, bool]:
         """(worth drafting, the cost table decided it). A table that keeps K = 0 even were every
@@ -192,20 +197,32 @@ class Speculator:
         the tokens it has (one short of the fresh context); a row with no draft there books the
         empty probe (:mod:`.backoff`) and gives no reason to settle. A fresh draft's match ends at
         the in-flight token, so one that begins there is missed until the row's next probe; a
-        device drafter (MTP) always says yes (its drafts need the settled tokens). Drafts stay
-        suggestions: this only decides whether the overlap is given up for them."""
+        device drafter (MTP) always says yes (its drafts need the settled tokens). Adaptive, the
+        drafts found must also pay: each row's stale draft is taken up to its cap plus the token
+        in flight, and what follows that token (the fresh draft, were it foretold right) goes to
+        :func:`~.adaptive.choose` with the rows' acceptance and the overhead (the overlap this read
+        gives up is in it); K = 0 there keeps the overlap, as a probe with no draft does, and rests
+        the speculator. Drafts stay suggestions: this only decides whether the overlap is given up
+        for them."""
         if self.on_device:
             return True
         self._stale.clear()
-        for t in probing_rows(rows, self.backoff, self.k_max, self.max_context_len, self.on_device)[0]:
+        lens = []
+        for t, c in zip(*probing_rows(rows, self.backoff, self.k_max, self.max_context_len, self.on_device)):
             self.sync(t)
             self._flush(t)
-            d = self.drafter.draft(t.tid, 1)
+            d = self.drafter.draft(t.tid, c + 1)
             if d:
                 self._stale[t.tid] = (t, t.seq_len, d[0])
+                lens.append(len(d) - 1)
             else:
                 self._after_draft(t, 0)
-        return bool(self._stale)
+        hit = bool(self._stale) and (not self.cfg.adaptive or self.costs is None or choose(
+            self.costs, self.rates([s[0] for s in self._stale.values()]), lens, k_max=self.k_max,
+            host_s=self.overhead.total_s, plain_rows=len(rows) - len(lens)).k > 0)
+        if not hit:
+            self.rest.fruitless()
+        return hit
 
     def _judge_stale(self, t: Turn) -> None:
         """A stale probe's draft foretold the token ``t`` had in flight: now read, it is one draft
@@ -238,6 +255,7 @@ class Speculator:
         batch = self._plan(rows)
         if batch is None:
             self.overhead.observe_host(time.perf_counter() - t0)        # spent, for no verify
+            self.rest.fruitless()
         else:
             batch.host_s = time.perf_counter() - t0
         return batch
@@ -295,6 +313,7 @@ class Speculator:
         batch = self._batch(rows, [d[:k] for d in drafts], 1.0)
         if batch is None:
             self.overhead.observe_host(self._offer_s)      # spent, for no verify of this replica's
+            self.rest.fruitless()
         else:
             batch.host_s = self._offer_s
         return batch
@@ -313,6 +332,10 @@ class Speculator:
         """A verify was read: row i accepted ``accepted[i]`` of its drafts (None: the row was not
         booked, ended or aborted since the launch); the drafter gets the rows' new tokens."""
         self.num_verifies += 1
+        if any(accepted):                   # None (a row not booked) and 0 alike: nothing bought
+            self.rest.paid()
+        else:
+            self.rest.fruitless()
         for t, d, a in zip(batch.rows, batch.drafts, accepted):
             if a is None:
                 continue

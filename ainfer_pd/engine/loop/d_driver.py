@@ -63,10 +63,13 @@ class DDriver:
         """Several ranks: this replica leader's speculator would draft for its next rows (what it
         announces at a step: :attr:`~ainfer_pd.sched.step.StepInputs.d_drafting`), its K costed at
         the most rows any rank had at the last step, or its own if more (this step's are not agreed
-        yet)."""
+        yet). Asked once a step, it is the speculator's iteration: it fades the overhead and
+        ticks its rest as :meth:`~ainfer_pd.spec.speculator.Speculator.worth_drafting` does on one
+        rank (a leader whose announcement is fruitless rests, and comes back)."""
         if self.dist is None or self.spec is None:
             return False
-        return self.spec.would_draft(self.rows(), self.dist.world_rows)
+        rows = self.rows()
+        return self.spec.worth_drafting(rows, max(len(rows), self.dist.world_rows))
 
     def wanted(self) -> None:
         """D has rows but may not run at this step (its wait counts from the first such step)."""
