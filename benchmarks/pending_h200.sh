@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The device figures still owed (docs/RESULTS.md, "Not measured yet"), in one device call of < 10
-# minutes, after the gate of gate_queue/ (spec-gap, walk-coalesce) merged: speculation's makespan on /
-# off at 4 interleaved pairs on both shapes (issue 38's "never slower": on ef3e9b8 P1 normal 1.050 and
-# trace fine-grained 1.021, before spec-gap charged the overlap a draft gives up); the P epoch alone
-# and beside decoding rows (issue 33: 0.80 / 1.41 over the alone busy time on the H100 at ef3e9b8, 16
-# rows; the H200 fits 32 rows of 2,048 beside the bf16 weights); the FP8 decode iteration's kernels at
-# B 64 (issue 37: H200 1.39x its bound before the relaxed router atomics). Each step is bounded; logs
-# go to $OUT (tar them: a call returns at most 8 files).
+# minutes: speculation's makespan on / off at 4 interleaved pairs on both shapes with spec-rest (issue
+# 38's "never slower": on ca85129's H100 the trace 1.010 / 1.056 normal / fine-grained, P1 not measured
+# since spec-rest); the P epoch alone and beside decoding rows (issue 33: r_items 1.056 / 1.012 on the
+# H100 with 16 rows; the H200 fits 32 rows of 2,048 beside the bf16 weights); the FP8 decode
+# iteration's kernels at B 64 (issue 37: H200 1.39x its bound before the relaxed router atomics, the
+# H100 1.23x since). On an H100 use --beside-d 16 --d-prompt 1024. Each step is bounded; logs go to
+# $OUT (tar them: a call returns at most 8 files). The FP8 ladder is a call of its own
+# (docs/BENCHMARKS.md).
 #
 #   OUT=$OUT/m bash benchmarks/pending_h200.sh && (cd $OUT && tar czf m.tgz m && rm -rf m)
 set -u
