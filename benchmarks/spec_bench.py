@@ -160,10 +160,12 @@ def makespan(a) -> None:
                 cfgs[spec_on] = WorkerConfig.from_pretrained(str(a.model), over)
             ref = None
             spans: dict[bool, list[float]] = {False: [], True: []}
+            toks: dict[bool, list[int]] = {False: [], True: []}
             for spec_on in _order(a.reps):
                 r = len(spans[spec_on])
                 span, outs, m, spec = asyncio.run(_rollout(a, tok, cfgs[spec_on], shape))
                 spans[spec_on].append(span)
+                toks[spec_on].append(sum(len(t) for traj in outs for t in traj))
                 if ref is None:
                     ref = outs
                 same = outs == ref
@@ -180,10 +182,14 @@ def makespan(a) -> None:
                 print(f"{shape:>6} {policy:>13} spec {'on ' if spec_on else 'off'}: makespan "
                       f"{statistics.median(s):.3f} s (median of {a.reps}: {', '.join(f'{x:.3f}' for x in s)})")
             ratios = [on / off for off, on in zip(spans[False], spans[True])]
+            # bf16 runs emit different token counts (a batch's composition changes its GEMMs): the
+            # makespan per token emitted, paired the same way, takes that out of the comparison
+            per_tok = [(on / ton) / (off / tof) for off, on, tof, ton in zip(spans[False], spans[True], toks[False], toks[True])]
             print(f"FIG spec_makespan_ratio shape={shape} policy={policy} on_over_off_median="
                   f"{statistics.median(spans[True]) / statistics.median(spans[False]):.3f} paired_ratios="
                   f"{','.join(f'{x:.3f}' for x in ratios)} paired_median={statistics.median(ratios):.3f} "
-                  f"paired_min={min(ratios):.3f} paired_max={max(ratios):.3f}")
+                  f"paired_min={min(ratios):.3f} paired_max={max(ratios):.3f} "
+                  f"paired_per_token_median={statistics.median(per_tok):.3f}")
 
 
 def main() -> None:
