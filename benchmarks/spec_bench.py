@@ -175,7 +175,7 @@ def makespan(a) -> None:
                       f"verifies={spec.get('spec_verifies', 0)} drafted={spec.get('spec_drafted', 0)} "
                       f"accepted={spec.get('spec_accepted', 0)} acceptance={acc:.3f} "
                       f"empty_plans={spec.get('spec_empty_plans', 0)} rows_skipped={spec.get('spec_rows_skipped', 0)} "
-                      f"outputs_equal_off={same} tokens={sum(len(t) for traj in outs for t in traj)}")
+                      f"outputs_equal_off={same} tokens={toks[spec_on][-1]}")
                 print(f"    {breakdown(m)}")    # where the time went: a spec-on D loop against off's
             for spec_on in (False, True):
                 s = spans[spec_on]

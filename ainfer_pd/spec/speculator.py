@@ -207,17 +207,18 @@ class Speculator:
         if self.on_device:
             return True
         self._stale.clear()
+        priced = self.cfg.adaptive and self.costs is not None     # else the foretold token is all it needs
         lens = []
         for t, c in zip(*probing_rows(rows, self.backoff, self.k_max, self.max_context_len, self.on_device)):
             self.sync(t)
             self._flush(t)
-            d = self.drafter.draft(t.tid, c + 1)
+            d = self.drafter.draft(t.tid, c + 1 if priced else 1)
             if d:
                 self._stale[t.tid] = (t, t.seq_len, d[0])
                 lens.append(len(d) - 1)
             else:
                 self._after_draft(t, 0)
-        hit = bool(self._stale) and (not self.cfg.adaptive or self.costs is None or choose(
+        hit = bool(self._stale) and (not priced or choose(
             self.costs, self.rates([s[0] for s in self._stale.values()]), lens, k_max=self.k_max,
             host_s=self.overhead.total_s, plain_rows=len(rows) - len(lens)).k > 0)
         if not hit:
