@@ -163,9 +163,7 @@ def main() -> None:
         kc, vc = kv[0], kv[1]
         out = torch.empty_like(q)
         fl = sum(4 * H * hd * (n * c + n * n / 2) for c, n in seqs)
-        # (block_m, block_n, warps, stages); the 4-warp tiles spill (their 64 x 128 key and value
-        # pointers are 64-bit: 636 bytes at 64 x 64, benchmarks/kernel_ptx_report.py) and still time best at
-        # 575 on 1,500; q heads packed per KV head were no faster (docs/history.md)
+        # (block_m, block_n, warps, stages); q heads packed per KV head were no faster (docs/history.md)
         cands = [(64, 64, 4, 2), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4),
                  (128, 128, 8, 4), (128, 64, 8, 3)]
 
