@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from ainfer_pd import RolloutWorker, SamplingParams, WorkerConfig  # noqa: E402
 from ainfer_pd.tools.report import breakdown  # noqa: E402
+from benchmarks._ratio_ci import ratio_ci_text  # noqa: E402
 
 
 def commit() -> str:
@@ -189,7 +190,7 @@ def makespan(a) -> None:
                   f"{statistics.median(spans[True]) / statistics.median(spans[False]):.3f} paired_ratios="
                   f"{','.join(f'{x:.3f}' for x in ratios)} paired_median={statistics.median(ratios):.3f} "
                   f"paired_min={min(ratios):.3f} paired_max={max(ratios):.3f} "
-                  f"paired_per_token_median={statistics.median(per_tok):.3f}")
+                  f"paired_per_token_median={statistics.median(per_tok):.3f} {ratio_ci_text(ratios)}")
 
 
 def main() -> None:

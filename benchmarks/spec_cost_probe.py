@@ -14,8 +14,9 @@ variant alike):
 * ``on-table``: ``on`` with a given cost table under which no batch pays (no measurement at start,
   the speculator asked every iteration and never drafting).
 
-Per variant: the median makespan, its ratio to ``off``, and the medians of the D iteration's
-device time and launch->done. Prints measured figures only.
+Per variant: the median makespan, its ratio to the first variant's (and the geometric mean of the
+per-rep ratios with its 95% interval), and the medians of the D iteration's device time and
+launch->done. Prints measured figures only.
 
     python benchmarks/spec_cost_probe.py [--shape p1] [--policy normal] [--reps 6] [--variants off,off-wide,on,on-narrow,on-table]
 """
@@ -34,6 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from ainfer_pd import WorkerConfig  # noqa: E402
 from ainfer_pd.engine.runtime import cuda_graphs  # noqa: E402
 from ainfer_pd.tools.report import breakdown  # noqa: E402
+from benchmarks._ratio_ci import ratio_ci_text  # noqa: E402
 
 VARIANTS = ("off", "off-wide", "on", "on-narrow", "on-table")
 _GRAPH_ROWS = {"scale": 1.0}     # the decode graphs' row cap, over the config's (variants patch it)
@@ -100,7 +102,10 @@ def main() -> None:
     base = statistics.median(x[0] for x in runs[variants[0]])
     for v in variants:
         span = statistics.median(x[0] for x in runs[v])
-        print(f"FIG spec_cost variant={v} makespan_median_s={span:.3f} over_{variants[0]}={span / base:.3f} "
+        # paired by rep: each rep runs every variant once, in a rotated order
+        paired = "" if v == variants[0] else " " + ratio_ci_text(
+            [a[0] / b[0] for a, b in zip(runs[v], runs[variants[0]])])
+        print(f"FIG spec_cost variant={v} makespan_median_s={span:.3f} over_{variants[0]}={span / base:.3f}{paired} "
               f"d_device_ms_median={statistics.median(x[1] for x in runs[v]):.3f} "
               f"d_iter_ms_median={statistics.median(x[2] for x in runs[v]):.3f} "
               f"verifies={sum(x[3] for x in runs[v])}")

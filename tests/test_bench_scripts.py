@@ -110,3 +110,20 @@ def test_sampler_host_bench_prints_its_three_rows():
     assert [(f["repetition_penalty"], f["pool"]) for f in figs] == [("1.0", "False"), ("1.05", "False"),
                                                                      ("1.05", "True")]
     assert all(float(f["host_ms"]) > 0 for f in figs)
+
+
+def test_ratio_ci_is_the_t_interval_of_the_log_ratios():
+    import math
+
+    from benchmarks._ratio_ci import ratio_ci, ratio_ci_text
+    assert ratio_ci([1.0, 1.0, 1.0]) == (1.0, 1.0, 1.0)
+    g, lo, hi = ratio_ci([1.1, 0.9])                          # 1 degree of freedom: t = 12.706
+    half = 12.706 * abs(math.log(1.1) - math.log(0.9)) / math.sqrt(2) / math.sqrt(2)
+    assert math.isclose(g, math.sqrt(1.1 * 0.9)) and math.isclose(math.log(hi) - math.log(g), half, rel_tol=1e-9)
+    assert math.isclose(math.log(g) - math.log(lo), half, rel_tol=1e-9)
+    g, lo, hi = ratio_ci([1.03] * 5 + [1.05] * 5)
+    assert 1.03 < lo < g < hi < 1.05
+    assert math.isnan(ratio_ci([1.2])[1])
+    assert ratio_ci_text([1.0, 1.0]) == "paired_geomean=1.000 paired_ci95=1.000-1.000"
+    with pytest.raises(ValueError):
+        ratio_ci([1.0, 0.0])
