@@ -124,6 +124,26 @@ def test_triton_prefill_tiles_cross_sequences_and_long_cached_prefix():
     check(be, 4, [(0, 37), (50, 5), (3, 16)], [])
 
 
+def test_long_prefill_passes_take_the_long_tile():
+    """From LONG_PREFILL_TOKENS query tokens the 128 x 128 tile on 8 warps (above the P graphs'
+    default buckets, so a replayed pass runs the tile its eager pass would); fp32 keeps its tile."""
+    from ainfer_pd.engine.attention.plan import LONG_PREFILL_TOKENS, PrefillPlan, prefill_plan
+    assert LONG_PREFILL_TOKENS > 2048
+    assert prefill_plan(128, False, LONG_PREFILL_TOKENS - 1) == PrefillPlan(64, 64, 4, 2)
+    assert prefill_plan(128, False, LONG_PREFILL_TOKENS) == PrefillPlan(128, 128, 8, 3)
+    assert prefill_plan(256, False, 8192) == PrefillPlan(64, 64, 4, 2)
+    assert prefill_plan(128, True, 8192) == PrefillPlan(32, 32, 4, 1)
+    assert prefill_plan(128, False, 8192, kv_fp8=True) == PrefillPlan(64, 64, 4, 2)     # not measured on FP8 pools
+
+
+def test_triton_prefill_long_tile_matches_dense():
+    """The long tile's shape (128 x 128) over sequences shorter and longer than a tile, one with a
+    cached prefix, in the interpreter."""
+    from ainfer_pd.engine.attention.plan import PrefillPlan
+    be = TritonAttention(torch.device("cpu"), prefill_override=PrefillPlan(128, 128, 8, 3))
+    check(be, 7, [(0, 140), (8, 5), (20, 60)], [], H=8, Hk=2)
+
+
 def test_reused_block_in_two_tables():
     """A decode row whose first blocks are the prefill sequence's own (shared physical blocks)."""
     check(TritonAttention(torch.device("cpu")), 5, [(0, 8)], [12, 5], reuse=True)
