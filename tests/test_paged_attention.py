@@ -189,6 +189,30 @@ def test_varlen_metadata_parts_start_on_16_byte_boundaries():
         assert pm.ctx_len.tolist() == [c + n for c, n in seqs]
 
 
+def test_heavy_first_orders_tiles_by_the_keys_they_attend():
+    """The launch order puts the tiles with the most keys first (a causal grid's longest programs
+    in its first wave); the same tiles as in sequence order, ties in sequence order."""
+    seqs = [(0, 70), (2, 3), (9, 4), (0, 1), (5, 33)]
+    fb = make_case(1, seqs, [], 4, 2, 16)[0]
+    plain = fb.build_prefill_meta(16)
+    tiles = list(zip(plain.tile_seq.tolist(), plain.tile_m.tolist()))
+    assert tiles[:5] == [(0, 0), (0, 16), (0, 32), (0, 48), (0, 64)]             # sequence order
+    heavy = fb.build_prefill_meta(16, heavy_first=True)
+    assert fb.build_prefill_meta(16, heavy_first=True) is heavy                  # cached
+    order = list(zip(heavy.tile_seq.tolist(), heavy.tile_m.tolist()))
+    keys = [seqs[i][0] + min(m + 16, seqs[i][1]) for i, m in order]
+    assert sorted(order) == sorted(tiles) and keys == sorted(keys, reverse=True)
+    assert order[:4] == [(0, 64), (0, 48), (0, 32), (4, 32)] and keys[:4] == [70, 64, 48, 38]
+
+
+def test_triton_prefill_in_sequence_order_matches_dense():
+    """Both launch orders compute the same rows (every program is independent of the others)."""
+    from ainfer_pd.engine.attention.plan import PrefillPlan
+    outs = [check(TritonAttention(torch.device("cpu"), prefill_override=PrefillPlan(16, 16, 4, 1, heavy_first=h)),
+                  8, [(0, 37), (50, 5), (3, 16)], []) for h in (False, True)]
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_triton_decode_caps_splits_and_lengthens_them_for_long_rows():
     """Past max_splits x split_keys keys a row's splits grow (its keys over max_splits), so a graph
     captured for the whole context has a bounded grid and partial buffer; rows still match the

@@ -37,6 +37,10 @@ class PrefillPlan:
     block_n: int
     num_warps: int
     num_stages: int
+    heavy_first: bool = True
+    """Launch the query tiles with the most keys first (causal: a sequence's last tiles), so the
+    grid's last wave holds the shortest programs, not the longest (the tail FlashAttention's
+    kernels avoid the same way); False: in sequence order."""
 
 
 def decode_plan(max_keys: int, *, block_n: int = 64, split_keys: int = 256, num_warps: int = 2,

@@ -152,7 +152,7 @@ class TritonAttention:
         self.check_head_dim(hd)
         fp8, ks = _kv_format(kc, kv_scale, out)
         plan = self.prefill_plan(hd, q.dtype, T, fp8)
-        pm = fb.build_prefill_meta(plan.block_m)
+        pm = fb.build_prefill_meta(plan.block_m, plan.heavy_first)
         NT = int(pm.tile_seq.shape[0])
         if NT == 0:
             return
