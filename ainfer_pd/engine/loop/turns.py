@@ -23,7 +23,7 @@ from ...config import ModelConfig, SchedulerConfig
 from ...errors import SamplingError
 from ...metrics.recorder import Recorder
 from ...sched.planner import PendingPrefill, fits, plan_prefill
-from ...sched.priority import History, PriorityConfig, Work, order
+from ...sched.priority import History, PriorityConfig, Work, order, short_first_under_pressure
 from ..kv import prefix
 from ..kv.kv_cache import KVCacheManager
 from ..model.routed_experts import of_turn
@@ -89,8 +89,22 @@ class TurnBook(TurnEndings):
     def pending_view(self) -> list[PendingPrefill]:
         """Admissible waiting turns in the order the priority policy serves them.
         NOTE: a turn whose missing prefix a sibling is writing waits for it (prefix.pending_view)."""
-        turns = [t for t in self.waiting if not (t.abort_requested or self.behind_drain(t))]
-        return prefix.pending_view(self.kv, self.by_priority(turns, waiting=True))
+        turns = self.by_priority([t for t in self.waiting if not (t.abort_requested or self.behind_drain(t))],
+                                 waiting=True)
+        view = prefix.pending_view(self.kv, turns)
+        if self.priority.policy != "fifo" or not view:
+            return view
+        by_id = {t.request_id: t for t in turns}
+        first = next((p.request_id for p in view if not p.admitted), None)
+        head = by_id.get(first)
+        overdue = head is not None and self.num_p_admitted_tokens - head.p_mark >= self.priority.ttft_bound_tokens
+        # blocks an admission takes without evicting a waiting turn's cached prefix: the free ones and
+        # the cached ones no waiting turn reuses (siblings' shared prefixes counted once a sibling)
+        kv = self.kv
+        wanted = sum((len(by_id[p.request_id].context) - p.remaining_tokens) // kv.block_size
+                     for p in view if not p.admitted)
+        spare = kv.alloc.num_free + max(0, kv.alloc.num_cached - wanted)
+        return short_first_under_pressure(view, spare, self.priority.short_prefill_tokens, overdue)
 
     def by_priority(self, turns: list[Turn], *, waiting: bool) -> list[Turn]:
         """``turns`` (arrival order) in the order ``scheduler.priority`` serves them."""
