@@ -119,9 +119,9 @@ def short_first_under_pressure(pending: list, spare_blocks: int, short_tokens: i
     continuation on retained KV) moved ahead of the other turns not admitted yet, when admitting
     the first of those needs more than ``spare_blocks`` (the blocks it could take without evicting
     a waiting turn's cached prefix): it would evict the waiting continuations' prefixes, which
-    then prefill their whole context again. Turns
-    admitted already keep their place; so does everything when ``short_tokens`` is 0, when
-    nothing is short, or when the first turn is ``head_overdue`` (past the first-token bound)."""
+    then prefill their whole context again. Turns admitted already keep their place; so does
+    everything when ``short_tokens`` is 0, when nothing is short, or when the first turn is
+    ``head_overdue`` (past the first-token bound)."""
     head = next((p for p in pending if not p.admitted), None)
     if short_tokens <= 0 or head is None or head_overdue or head.blocks_needed <= spare_blocks:
         return pending
