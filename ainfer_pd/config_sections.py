@@ -111,9 +111,11 @@ class SchedulerConfig:
     ttft_bound_tokens: int = 16384
     """critical-path: prefill tokens admitted ahead of a waiting turn before it goes first."""
     short_prefill_tokens: int = 0
-    """critical-path: a waiting turn with at most this many prompt tokens left to prefill (its
-    cached prefix not counted: e.g. a tool observation on retained KV) goes ahead of the turns
-    not started yet; 0: off."""
+    """A waiting turn with at most this many prompt tokens left to prefill (its cached prefix not
+    counted: e.g. a tool observation on retained KV) goes ahead of the turns not started yet:
+    always under critical-path; under fifo only while the next turn to admit needs more KV blocks
+    than are free (its admission would evict cached prefixes, the waiting continuations' among
+    them: ``sched.priority.short_first_under_pressure``). 0: off."""
     overlap_decode: bool | str = "auto"
     """Overlapped D loop (the single-rank engine; not mixed-chunked, not the lockstep engine): D
     iteration n+1 is launched before the host has read iteration n's tokens, which feed it on the

@@ -364,3 +364,43 @@ async def _worker_storm(seed: int, policy: str, max_prefill: int) -> None:
 async def test_random_worker_storms_on_a_12_block_pool_finish(policy, max_prefill):
     for seed in range(4):
         await _worker_storm(seed, policy, max_prefill)
+
+
+def test_fifo_under_pressure_admits_a_continuation_on_retained_kv_before_a_head_that_evicts_it(loop):
+    """A first turn H waits at the head and needs more blocks than are free; behind it, C continues
+    a context whose KV is cached. With ``short_prefill_tokens`` C goes first and reuses its prefix
+    (admitting H first would evict it: C would prefill its whole context again)."""
+    bs, n = 16, 12
+    for short, first in ((0, "H.0"), (64, "C.0")):
+        cfg = tiny_cfg(**{"cache.num_blocks": n, "cache.block_size": bs, "scheduler.short_prefill_tokens": short})
+        kv = KVCacheManager(n, bs)
+        book = TurnBook(cfg.model, cfg.scheduler, Recorder(), kv)
+        rng = random.Random(6)
+        ctx = rand_ids(rng, 96)
+        _cache(kv, "C", ctx)                                   # 6 blocks cached, 6 free
+        _turn(book, loop, "H", rand_ids(rng, 120), 8)          # 8 blocks: evicts 2 of C's if admitted first
+        c = _turn(book, loop, "C", ctx + rand_ids(rng, 10), 4)
+        pend = book.pending_view()
+        assert pend[0].request_id == first, (short, [p.request_id for p in pend])
+        chunks, admitted = plan_prefill(pend, 2048, book.available_blocks())
+        work = book.admit(chunks, admitted, 2048)
+        if short:
+            assert admitted[0] == "C.0" and c.num_cached == 96 and [t.request_id for t, _, _ in work][0] == "C.0"
+        assert kv.check_no_leak()
+
+
+def test_cached_blocks_no_waiting_turn_reuses_are_no_pressure(loop):
+    """The same queue with 6 more cached blocks that no waiting turn reuses (an ended trajectory's):
+    H's admission can take those, so fifo keeps H first."""
+    bs, n = 16, 18
+    cfg = tiny_cfg(**{"cache.num_blocks": n, "cache.block_size": bs, "scheduler.short_prefill_tokens": 64})
+    kv = KVCacheManager(n, bs)
+    book = TurnBook(cfg.model, cfg.scheduler, Recorder(), kv)
+    rng = random.Random(7)
+    _cache(kv, "old", rand_ids(rng, 96))
+    ctx = rand_ids(rng, 96)
+    _cache(kv, "C", ctx)
+    _turn(book, loop, "H", rand_ids(rng, 120), 8)
+    _turn(book, loop, "C", ctx + rand_ids(rng, 10), 4)
+    assert kv.alloc.num_free == 6 and kv.num_cached_blocks == 12
+    assert [p.request_id for p in book.pending_view()] == ["H.0", "C.0"]

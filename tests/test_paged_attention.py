@@ -124,6 +124,26 @@ def test_triton_prefill_tiles_cross_sequences_and_long_cached_prefix():
     check(be, 4, [(0, 37), (50, 5), (3, 16)], [])
 
 
+def test_long_prefill_passes_take_the_long_tile():
+    """From LONG_PREFILL_TOKENS query tokens the 128 x 128 tile on 8 warps (above the P graphs'
+    default buckets, so a replayed pass runs the tile its eager pass would); fp32 keeps its tile."""
+    from ainfer_pd.engine.attention.plan import LONG_PREFILL_TOKENS, PrefillPlan, prefill_plan
+    assert LONG_PREFILL_TOKENS > 2048
+    assert prefill_plan(128, False, LONG_PREFILL_TOKENS - 1) == PrefillPlan(64, 64, 4, 2)
+    assert prefill_plan(128, False, LONG_PREFILL_TOKENS) == PrefillPlan(128, 128, 8, 3)
+    assert prefill_plan(256, False, 8192) == PrefillPlan(64, 64, 4, 2)
+    assert prefill_plan(128, True, 8192) == PrefillPlan(32, 32, 4, 1)
+    assert prefill_plan(128, False, 8192, kv_fp8=True) == PrefillPlan(64, 64, 4, 2)     # not measured on FP8 pools
+
+
+def test_triton_prefill_long_tile_matches_dense():
+    """The long tile's shape (128 x 128) over sequences shorter and longer than a tile, one with a
+    cached prefix, in the interpreter."""
+    from ainfer_pd.engine.attention.plan import PrefillPlan
+    be = TritonAttention(torch.device("cpu"), prefill_override=PrefillPlan(128, 128, 8, 3))
+    check(be, 7, [(0, 140), (8, 5), (20, 60)], [], H=8, Hk=2)
+
+
 def test_reused_block_in_two_tables():
     """A decode row whose first blocks are the prefill sequence's own (shared physical blocks)."""
     check(TritonAttention(torch.device("cpu")), 5, [(0, 8)], [12, 5], reuse=True)
@@ -167,6 +187,30 @@ def test_varlen_metadata_parts_start_on_16_byte_boundaries():
             assert (t.data_ptr() - base) % 16 == 0
         assert pm.q_len.tolist() == [n for _, n in seqs]
         assert pm.ctx_len.tolist() == [c + n for c, n in seqs]
+
+
+def test_heavy_first_orders_tiles_by_the_keys_they_attend():
+    """The launch order puts the tiles with the most keys first (a causal grid's longest programs
+    in its first wave); the same tiles as in sequence order, ties in sequence order."""
+    seqs = [(0, 70), (2, 3), (9, 4), (0, 1), (5, 33)]
+    fb = make_case(1, seqs, [], 4, 2, 16)[0]
+    plain = fb.build_prefill_meta(16)
+    tiles = list(zip(plain.tile_seq.tolist(), plain.tile_m.tolist()))
+    assert tiles[:5] == [(0, 0), (0, 16), (0, 32), (0, 48), (0, 64)]             # sequence order
+    heavy = fb.build_prefill_meta(16, heavy_first=True)
+    assert fb.build_prefill_meta(16, heavy_first=True) is heavy                  # cached
+    order = list(zip(heavy.tile_seq.tolist(), heavy.tile_m.tolist()))
+    keys = [seqs[i][0] + min(m + 16, seqs[i][1]) for i, m in order]
+    assert sorted(order) == sorted(tiles) and keys == sorted(keys, reverse=True)
+    assert order[:4] == [(0, 64), (0, 48), (0, 32), (4, 32)] and keys[:4] == [70, 64, 48, 38]
+
+
+def test_triton_prefill_in_sequence_order_matches_dense():
+    """Both launch orders compute the same rows (every program is independent of the others)."""
+    from ainfer_pd.engine.attention.plan import PrefillPlan
+    outs = [check(TritonAttention(torch.device("cpu"), prefill_override=PrefillPlan(16, 16, 4, 1, heavy_first=h)),
+                  8, [(0, 37), (50, 5), (3, 16)], []) for h in (False, True)]
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_triton_decode_caps_splits_and_lengthens_them_for_long_rows():

@@ -116,3 +116,21 @@ def test_short_prefill_tokens_is_checked():
     assert tiny_cfg().scheduler.short_prefill_tokens == 0
     with pytest.raises(ConfigError, match="short_prefill_tokens"):
         tiny_cfg(**{"scheduler.short_prefill_tokens": -1})
+
+
+def test_fifo_under_kv_pressure_serves_short_prefills_first():
+    """When the first turn to admit needs more blocks than are free (its admission evicts cached
+    prefixes), waiting continuations with little left to prefill go ahead of the other waiting
+    turns, in their order; admitted turns keep their place. Otherwise nothing moves."""
+    from ainfer_pd.sched.planner import PendingPrefill as P
+    from ainfer_pd.sched.priority import short_first_under_pressure as sf
+    pend = [P("chunk", 300, True, 0), P("head", 900, False, 60), P("obs1", 40, False, 4), P("first", 700, False, 50),
+            P("obs2", 200, False, 15)]
+    ids = lambda v: [p.request_id for p in v]                                            # noqa: E731
+    assert ids(sf(pend, 10, 256, False)) == ["chunk", "obs1", "obs2", "head", "first"]
+    assert sf(pend, 60, 256, False) is pend                 # the head fits in the free blocks
+    assert sf(pend, 10, 0, False) is pend                   # off
+    assert sf(pend, 10, 256, True) is pend                  # the head is past the first-token bound
+    assert sf(pend, 10, 30, False) is pend                  # nothing short
+    short_head = [P("obs0", 10, False, 20)] + pend[1:]
+    assert sf(short_head, 10, 256, False) is short_head     # the head is short itself

@@ -11,7 +11,7 @@ goes first whatever its score. A waiting turn with little left to prefill (``sho
 e.g. a tool observation on retained KV) can go ahead of the rest: it delays them by a little P
 work and its own first token by none of theirs (a burst of first turns would otherwise hold back
 every continuation that arrives while it is prefilled). ``fifo`` keeps the arrival order (the
-behaviour before).
+behaviour before), except under KV pressure (:func:`short_first_under_pressure`).
 
 Everything here is plain data in, an order out; the engine keeps the mechanism (admission
 with the one KV rule, D-first planning).
@@ -111,3 +111,23 @@ def order(items: list[Work], h: History, cfg: PriorityConfig) -> list[Work]:
     rest = [(i, w) for i, w in enumerate(waiting) if w.p_tokens_ahead < cfg.ttft_bound_tokens]
     rest.sort(key=lambda iw: (-score(iw[1], h, cfg), iw[0]))
     return started + short + over + [w for _, w in rest]
+
+
+def short_first_under_pressure(pending: list, spare_blocks: int, short_tokens: int, head_overdue: bool) -> list:
+    """``fifo`` under KV pressure: the planner's pending view (:class:`~.planner.PendingPrefill`, in
+    arrival order) with the waiting turns that have at most ``short_tokens`` left to prefill (a
+    continuation on retained KV) moved ahead of the other turns not admitted yet, when admitting
+    the first of those needs more than ``spare_blocks`` (the blocks it could take without evicting
+    a waiting turn's cached prefix): it would evict the waiting continuations' prefixes, which
+    then prefill their whole context again. Turns admitted already keep their place; so does
+    everything when ``short_tokens`` is 0, when nothing is short, or when the first turn is
+    ``head_overdue`` (past the first-token bound)."""
+    head = next((p for p in pending if not p.admitted), None)
+    if short_tokens <= 0 or head is None or head_overdue or head.blocks_needed <= spare_blocks:
+        return pending
+    started = [p for p in pending if p.admitted]
+    short = [p for p in pending if not p.admitted and p.remaining_tokens <= short_tokens]
+    if not short or short[0] is head:
+        return pending
+    rest = [p for p in pending if not p.admitted and p.remaining_tokens > short_tokens]
+    return started + short + rest

@@ -78,6 +78,17 @@ class PrefillMeta:
     tile_m: Tensor        # [NT] int32 first query row of the tile, within its sequence
     block_m: int
     max_ctx: int
+    heavy_first: bool = False   # tiles ordered by their keys, most first (PrefillPlan.heavy_first)
+
+
+def heaviest_first(seqs: list[PrefillSeq], tseq: list[int], tm: list[int], block_m: int) -> tuple[list[int], list[int]]:
+    """The tiles (sequence ``tseq[j]``, first token ``tm[j]``) in descending order of the keys each
+    attends (``cached + min(m + block_m, q_len)``), ties in the order given."""
+    def keys(j: int) -> int:
+        s = seqs[tseq[j]]
+        return s.ctx_len - s.q_len + min(tm[j] + block_m, s.q_len)
+    order = sorted(range(len(tseq)), key=lambda j: -keys(j))
+    return [tseq[j] for j in order], [tm[j] for j in order]
 
 
 def slots_of_blocks(block_ids: Tensor, block_size: int, n: int) -> Tensor:
@@ -113,10 +124,13 @@ class ForwardBatch:
     def num_prefill_tokens(self) -> int:
         return sum(s.q_len for s in self.prefill)
 
-    def build_prefill_meta(self, block_m: int) -> PrefillMeta:
-        """Host-built varlen metadata (one host-to-device copy per pass), cached on the batch."""
+    def build_prefill_meta(self, block_m: int, heavy_first: bool = False) -> PrefillMeta:
+        """Host-built varlen metadata (one host-to-device copy per pass), cached on the batch.
+        ``heavy_first``: the tiles in descending order of the keys they attend (a tile of tokens
+        ``m .. m + block_m`` of a sequence with ``cached`` keys before its first query attends
+        ``cached + min(m + block_m, q_len)``), ties in sequence order."""
         pm = self.prefill_meta
-        if pm is not None and pm.block_m == block_m:
+        if pm is not None and pm.block_m == block_m and pm.heavy_first == heavy_first:
             return pm
         bs = self.block_size
         dev = self.input_ids.device
@@ -137,6 +151,8 @@ class ForwardBatch:
             for m in range(0, s.q_len, block_m):
                 tseq.append(i)
                 tm.append(m)
+        if heavy_first:
+            tseq, tm = heaviest_first(self.prefill, tseq, tm, block_m)
         # one host-to-device copy; every part starts on a 16-byte boundary (Triton specialises
         # pointer arguments on 16-byte alignment: unaligned parts would compile new kernel variants
         # for new sequence / tile counts, ~1 s stalls inside P epochs)
@@ -153,6 +169,6 @@ class ForwardBatch:
         dv = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
         S, NT = len(starts), len(tseq)
         v = [dv[at:at + len(p)] for p, at in zip(parts, offs)]
-        pm = PrefillMeta(v[0], v[1], v[2], dv[o:].view(S, nb), v[3], v[4], block_m, max(ctxs))
+        pm = PrefillMeta(v[0], v[1], v[2], dv[o:].view(S, nb), v[3], v[4], block_m, max(ctxs), heavy_first)
         self.prefill_meta = pm
         return pm

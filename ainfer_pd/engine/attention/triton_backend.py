@@ -142,21 +142,21 @@ class TritonAttention:
         return out
 
     # ------------------------------------------------------------------ prefill
-    def prefill_plan(self, head_dim: int, dtype: torch.dtype) -> PrefillPlan:
-        return self.prefill_override or prefill_plan(head_dim, dtype == torch.float32)
+    def prefill_plan(self, head_dim: int, dtype: torch.dtype, tokens: int = 0, kv_fp8: bool = False) -> PrefillPlan:
+        return self.prefill_override or prefill_plan(head_dim, dtype == torch.float32, tokens, kv_fp8)
 
     def prefill(self, q: Tensor, kc: Tensor, vc: Tensor, fb: ForwardBatch, out: Tensor,
                 kv_scale: Tensor | None = None) -> None:
         T, H, hd = q.shape
         Hk = kc.shape[1]
         self.check_head_dim(hd)
-        plan = self.prefill_plan(hd, q.dtype)
-        pm = fb.build_prefill_meta(plan.block_m)
+        fp8, ks = _kv_format(kc, kv_scale, out)
+        plan = self.prefill_plan(hd, q.dtype, T, fp8)
+        pm = fb.build_prefill_meta(plan.block_m, plan.heavy_first)
         NT = int(pm.tile_seq.shape[0])
         if NT == 0:
             return
         scale = _LOG2E / math.sqrt(hd)
-        fp8, ks = _kv_format(kc, kv_scale, out)
         paged_prefill_kernel[(NT, H)](
             q, kc, vc, out, pm.block_table, pm.q_start, pm.q_len, pm.ctx_len, pm.tile_seq, pm.tile_m, ks, scale,
             q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),

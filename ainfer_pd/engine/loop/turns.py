@@ -23,7 +23,7 @@ from ...config import ModelConfig, SchedulerConfig
 from ...errors import SamplingError
 from ...metrics.recorder import Recorder
 from ...sched.planner import PendingPrefill, fits, plan_prefill
-from ...sched.priority import History, PriorityConfig, Work, order
+from ...sched.priority import History, PriorityConfig, Work, order, short_first_under_pressure
 from ..kv import prefix
 from ..kv.kv_cache import KVCacheManager
 from ..model.routed_experts import of_turn
@@ -89,8 +89,24 @@ class TurnBook(TurnEndings):
     def pending_view(self) -> list[PendingPrefill]:
         """Admissible waiting turns in the order the priority policy serves them.
         NOTE: a turn whose missing prefix a sibling is writing waits for it (prefix.pending_view)."""
-        turns = [t for t in self.waiting if not (t.abort_requested or self.behind_drain(t))]
-        return prefix.pending_view(self.kv, self.by_priority(turns, waiting=True))
+        turns = self.by_priority([t for t in self.waiting if not (t.abort_requested or self.behind_drain(t))],
+                                 waiting=True)
+        view = prefix.pending_view(self.kv, turns)
+        kv, pr = self.kv, self.priority
+        first = next((p for p in view if not p.admitted), None)
+        # (the D loop asks for this view every iteration: nothing more unless the head needs more
+        # blocks than are free, the only case the order below can change)
+        if pr.policy != "fifo" or pr.short_prefill_tokens <= 0 or first is None \
+                or first.blocks_needed <= kv.alloc.num_free:
+            return view
+        by_id = {t.request_id: t for t in turns}
+        overdue = self.num_p_admitted_tokens - by_id[first.request_id].p_mark >= pr.ttft_bound_tokens
+        # blocks an admission takes without evicting a waiting turn's cached prefix: the free ones and
+        # the cached ones no waiting turn reuses (a prefix siblings share counted once per sibling)
+        wanted = sum((len(by_id[p.request_id].context) - p.remaining_tokens) // kv.block_size
+                     for p in view if not p.admitted)
+        spare = kv.alloc.num_free + max(0, kv.alloc.num_cached - wanted)
+        return short_first_under_pressure(view, spare, pr.short_prefill_tokens, overdue)
 
     def by_priority(self, turns: list[Turn], *, waiting: bool) -> list[Turn]:
         """``turns`` (arrival order) in the order ``scheduler.priority`` serves them."""
