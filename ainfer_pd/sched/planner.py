@@ -42,6 +42,24 @@ def fits(demand_blocks: int, pool_blocks: int) -> bool:
     return demand_blocks <= pool_blocks
 
 
+def within_live_cap(first: list[bool], active: int, cap: int) -> list[bool]:
+    """Which of the waiting turns (in the order served) may be admitted under
+    ``scheduler.max_live_trajectories`` = ``cap``: every continuation (``first[i]`` False), and
+    first turns of new trajectories only while the ``active`` trajectories (in progress:
+    ``TurnBook.live_capped``) plus the first turns kept before them stay under ``cap`` (0: no
+    limit). A pool too small for every trajectory's context at once otherwise holds
+    them all and evicts their contexts in turn, each continuation prefilling its whole context
+    again; held back, a trajectory starts once another is done or between turns."""
+    if cap <= 0:
+        return [True] * len(first)
+    room = cap - active
+    keep = []
+    for f in first:
+        keep.append(not f or room > 0)
+        room -= 1 if f else 0
+    return keep
+
+
 def plan_decode(running: list[str], max_rows: int) -> tuple[str, ...]:
     """D-first: every ready decode row, oldest first, up to the batch limit."""
     return tuple(running[:max_rows])

@@ -30,6 +30,7 @@ from ..model.routed_experts import of_turn
 from ..runtime.runner import BatchPlan
 from ..model.sampler import DeviceSample, SampleRow, read_sample, sample
 from ...spec.verify import DeviceVerify, read_verify, verify_rows, verify_starts
+from .live_cap import LiveCap
 from .state import InFlight, Turn, TurnState
 from .turn_endings import TurnEndings
 
@@ -57,6 +58,7 @@ class TurnBook(TurnEndings):
         """The model's whole stop set (``eos_token_id`` + ``stop_token_ids``: issue 34, item 2)."""
         sc = scheduler
         self.priority = PriorityConfig(sc.priority, sc.priority_aging_s, sc.ttft_bound_tokens, sc.short_prefill_tokens)
+        self.live = LiveCap(sc.max_live_trajectories, recorder, notify)
         self.history = History()           # finished trajectories: the critical-path predictor
         self.num_p_admitted_tokens = 0     # prefill tokens admitted so far (the first-token bound)
         self.pending_cleanup: list[Turn] = []
@@ -91,6 +93,8 @@ class TurnBook(TurnEndings):
         NOTE: a turn whose missing prefix a sibling is writing waits for it (prefix.pending_view)."""
         turns = self.by_priority([t for t in self.waiting if not (t.abort_requested or self.behind_drain(t))],
                                  waiting=True)
+        if self.live.cap:
+            turns = self.live.capped(turns, self.decoding, self.waiting)
         view = prefix.pending_view(self.kv, turns)
         kv, pr = self.kv, self.priority
         first = next((p for p in view if not p.admitted), None)
@@ -170,6 +174,7 @@ class TurnBook(TurnEndings):
                     blocked = True        # FIFO: nothing behind it either (cannot happen: same rule as the plan)
                     continue
                 prefix.reserve(self.kv, t, now)
+                self.live.admitted(t.tid)
                 self.num_p_admitted_tokens += len(t.context) - t.prefilled
                 n = min(len(t.context) - t.prefilled, left)
             elif t.lifetime:
