@@ -9,7 +9,7 @@ import pytest
 from ainfer_pd import RolloutWorker, SamplingParams
 from ainfer_pd.errors import ConfigError
 from ainfer_pd.engine.loop.state import Trajectory
-from ainfer_pd.sched.planner import within_live_cap
+from ainfer_pd.sched.planner import AUTO_LIVE_MIN_FINISHED, auto_live_cap, within_live_cap
 from tests.conftest import rand_ids, tiny_cfg
 from tests.test_turn_book import Book, loop  # noqa: F401  (the fixture)
 
@@ -21,6 +21,28 @@ def test_first_turns_are_kept_only_while_the_active_ones_stay_under_the_cap():
     assert within_live_cap([True] * 4, active=9, cap=0) == [True] * 4          # 0: no limit
     with pytest.raises(ConfigError, match="max_live_trajectories"):
         tiny_cfg(**{"scheduler.max_live_trajectories": -1})
+
+
+def test_auto_caps_at_what_the_pool_holds_of_the_finished_trajectories_mean_context():
+    assert auto_live_cap(71_392, 4_500.0, finished=64) == 15
+    assert auto_live_cap(1_000, 4_500.0, finished=64) == 1                     # at least one
+    assert auto_live_cap(71_392, 4_500.0, finished=AUTO_LIVE_MIN_FINISHED - 1) == 0   # too few finished: no cap
+    assert auto_live_cap(71_392, None, finished=0) == 0
+    assert tiny_cfg(**{"scheduler.max_live_trajectories": "auto"}).scheduler.max_live_trajectories == "auto"
+    for bad in ("many", True, 2.5):
+        with pytest.raises(ConfigError, match="max_live_trajectories"):
+            tiny_cfg(**{"scheduler.max_live_trajectories": bad})
+
+
+def test_an_auto_book_caps_once_enough_trajectories_finished(loop):  # noqa: F811
+    b = Book(loop, num_blocks=64)                                              # 1,024 tokens
+    b.book.live.cap = "auto"
+    a, c = b.turn("a"), b.turn("c")
+    assert [w[0] for w in b.admit()] == [a, c]                                 # nothing finished: no cap
+    for i in range(AUTO_LIVE_MIN_FINISHED):
+        b.book.record_trajectory(f"done{i}", 2, 600)                           # the pool holds one of them
+    d = b.turn("d")
+    assert d.request_id not in [p.request_id for p in b.book.pending_view()]   # a, c in progress: d waits
 
 
 def test_the_book_holds_first_turns_at_the_cap_and_admits_continuations(loop):  # noqa: F811

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Iterable
 
-from ...sched.planner import within_live_cap
+from ...sched.planner import auto_live_cap, within_live_cap
 from .state import Turn
 
 LIVE_IDLE_S = 0.2
@@ -23,15 +23,24 @@ caller that runs every first turn before any second one waits this long once a w
 
 
 class LiveCap:
-    """The trajectories in progress on one rank's turn book, under ``cap`` (0: no limit)."""
+    """The trajectories in progress on one rank's turn book, under ``cap`` (0: no limit; ``auto``:
+    :func:`~ainfer_pd.sched.planner.auto_live_cap` from the trajectories finished so far)."""
 
-    def __init__(self, cap: int, recorder, notify: Callable[[], None]) -> None:
+    def __init__(self, cap: int | str, recorder, notify: Callable[[], None]) -> None:
         self.cap = cap
         self.rec = recorder
         self.notify = notify
         self.live: set[str] = set()       # admitted once, not released
         self.idle_s = LIVE_IDLE_S
         self._idle_since: float | None = None
+
+    def cap_now(self, history, pool_tokens: int) -> int:
+        """The cap in force (``auto``: from ``history``, the turn book's finished trajectories)."""
+        if self.cap != "auto":
+            return self.cap
+        total = history.tokens.get("*")
+        return auto_live_cap(pool_tokens, total[0] / total[1] if total and total[1] else None,
+                             total[1] if total else 0)
 
     def admitted(self, tid: str) -> None:
         self.live.add(tid)
@@ -40,9 +49,9 @@ class LiveCap:
         """The trajectory was released: it no longer counts."""
         self.live.discard(tid)
 
-    def capped(self, turns: list[Turn], decoding: Iterable[Turn], waiting: Iterable[Turn]) -> list[Turn]:
-        """``turns`` (waiting, in the order served) less the first turns the cap holds back; a first
-        turn is one of a trajectory with no turn before it and no KV reserved yet."""
+    def capped(self, turns: list[Turn], decoding: Iterable[Turn], waiting: Iterable[Turn], cap: int) -> list[Turn]:
+        """``turns`` (waiting, in the order served) less the first turns ``cap`` (:meth:`cap_now`)
+        holds back; a first turn is one of a trajectory with no turn before it and no KV reserved yet."""
         running = {t.tid for t in decoding} | {t.tid for t in waiting if t.lifetime or t.traj.num_turns > 1}
         now = self.rec.now()
         if running:
@@ -53,5 +62,5 @@ class LiveCap:
                 asyncio.get_running_loop().call_later(self.idle_s, self.notify)
         idle = not running and now - self._idle_since >= self.idle_s
         active = 0 if idle else len(running | self.live)
-        keep = within_live_cap([t.traj.num_turns == 1 and not t.lifetime for t in turns], active, self.cap)
+        keep = within_live_cap([t.traj.num_turns == 1 and not t.lifetime for t in turns], active, cap)
         return [t for t, k in zip(turns, keep) if k]

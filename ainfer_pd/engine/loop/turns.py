@@ -93,8 +93,8 @@ class TurnBook(TurnEndings):
         NOTE: a turn whose missing prefix a sibling is writing waits for it (prefix.pending_view)."""
         turns = self.by_priority([t for t in self.waiting if not (t.abort_requested or self.behind_drain(t))],
                                  waiting=True)
-        if self.live.cap:
-            turns = self.live.capped(turns, self.decoding, self.waiting)
+        if self.live.cap and (cap := self.live.cap_now(self.history, self.kv.alloc.num_blocks * self.kv.block_size)):
+            turns = self.live.capped(turns, self.decoding, self.waiting, cap)
         view = prefix.pending_view(self.kv, turns)
         kv, pr = self.kv, self.priority
         first = next((p for p in view if not p.admitted), None)
