@@ -117,10 +117,11 @@ class SchedulerConfig:
     than are free (its admission would evict cached prefixes, the waiting continuations' among
     them: ``sched.priority.short_first_under_pressure``). 0: off."""
     max_live_trajectories: int | str = 0
-    """At most this many trajectories in progress at once: a new trajectory's first turn waits while
-    this many others are in progress (a turn decoding, prefilling or waiting, or between turns:
-    admitted once and not released). Continuations are never held, and when no trajectory has a
-    turn at all first turns go ahead up to the cap (no caller waits for good). For a KV pool too
+    """At most this many trajectories in progress at once on a rank (its KV pool's): a new
+    trajectory's first turn waits while this many others are in progress (a turn decoding,
+    prefilling or waiting, or between turns: admitted once and not released). Continuations are
+    never held, and when no trajectory has had a turn for 0.2 s first turns go ahead up to the cap
+    (no caller waits for good: ``engine.loop.live_cap``). For a KV pool too
     small for every trajectory's context at once, which otherwise holds them all and evicts their
     contexts in turn (each continuation prefilling its whole context again). 0: no limit; ``auto``:
     as many as the pool holds at the mean final context of the trajectories finished so far on this
