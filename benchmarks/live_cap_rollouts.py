@@ -30,11 +30,11 @@ async def rollouts(a, cap: str) -> str:
     trace = build_trace(args, cfg)
     out = []
     async with RolloutWorker(cfg) as w:
-        book, kv = w.engine.book, w.engine.kv
+        book = w.engine.book
         for step in range(a.rollouts):
             before = w.metrics()["prefill_tokens"]
             r = await replay(w, trace, cell=a.cell, seed=step)
-            cap_now = book.live.cap_now(book.history, kv.alloc.num_blocks * kv.block_size)
+            cap_now = book.live.cap_now(book.history)
             out.append(f"rollout {step}: makespan {r.makespan_s:.2f} s, prefilled {int(w.metrics()['prefill_tokens'] - before)}"
                        f" prompt tokens, {r.failures} failures, cap after it {cap_now}")
     return f"max_live_trajectories={cap}: " + " | ".join(out)

@@ -46,7 +46,7 @@ def within_live_cap(first: list[bool], active: int, cap: int) -> list[bool]:
     """Which of the waiting turns (in the order served) may be admitted under
     ``scheduler.max_live_trajectories`` = ``cap``: every continuation (``first[i]`` False), and
     first turns of new trajectories only while the ``active`` trajectories (in progress:
-    ``TurnBook.live_capped``) plus the first turns kept before them stay under ``cap`` (0: no
+    ``engine.loop.live_cap.LiveCap.capped``) plus the first turns kept before them stay under ``cap`` (0: no
     limit). A pool too small for every trajectory's context at once otherwise holds
     them all and evicts their contexts in turn, each continuation prefilling its whole context
     again; held back, a trajectory starts once another is done or between turns."""

@@ -26,21 +26,22 @@ class LiveCap:
     """The trajectories in progress on one rank's turn book, under ``cap`` (0: no limit; ``auto``:
     :func:`~ainfer_pd.sched.planner.auto_live_cap` from the trajectories finished so far)."""
 
-    def __init__(self, cap: int | str, recorder, notify: Callable[[], None]) -> None:
+    def __init__(self, cap: int | str, kv, recorder, notify: Callable[[], None]) -> None:
         self.cap = cap
+        self.kv = kv                      # the pool ``auto`` sizes the cap against
         self.rec = recorder
         self.notify = notify
         self.live: set[str] = set()       # admitted once, not released
         self.idle_s = LIVE_IDLE_S
         self._idle_since: float | None = None
 
-    def cap_now(self, history, pool_tokens: int) -> int:
-        """The cap in force (``auto``: from ``history``, the turn book's finished trajectories)."""
+    def cap_now(self, history) -> int:
+        """The cap in force (``auto``: from ``history``, the turn book's finished trajectories, and
+        the pool's tokens)."""
         if self.cap != "auto":
             return self.cap
-        total = history.tokens.get("*")
-        return auto_live_cap(pool_tokens, total[0] / total[1] if total and total[1] else None,
-                             total[1] if total else 0)
+        return auto_live_cap(self.kv.alloc.num_blocks * self.kv.block_size, history.mean(history.tokens, "*"),
+                             history.tokens.get("*", (0, 0))[1])
 
     def admitted(self, tid: str) -> None:
         self.live.add(tid)

@@ -58,7 +58,7 @@ class TurnBook(TurnEndings):
         """The model's whole stop set (``eos_token_id`` + ``stop_token_ids``: issue 34, item 2)."""
         sc = scheduler
         self.priority = PriorityConfig(sc.priority, sc.priority_aging_s, sc.ttft_bound_tokens, sc.short_prefill_tokens)
-        self.live = LiveCap(sc.max_live_trajectories, recorder, notify)
+        self.live = LiveCap(sc.max_live_trajectories, kv, recorder, notify)
         self.history = History()           # finished trajectories: the critical-path predictor
         self.num_p_admitted_tokens = 0     # prefill tokens admitted so far (the first-token bound)
         self.pending_cleanup: list[Turn] = []
@@ -93,7 +93,7 @@ class TurnBook(TurnEndings):
         NOTE: a turn whose missing prefix a sibling is writing waits for it (prefix.pending_view)."""
         turns = self.by_priority([t for t in self.waiting if not (t.abort_requested or self.behind_drain(t))],
                                  waiting=True)
-        if self.live.cap and (cap := self.live.cap_now(self.history, self.kv.alloc.num_blocks * self.kv.block_size)):
+        if self.live.cap and (cap := self.live.cap_now(self.history)):
             turns = self.live.capped(turns, self.decoding, self.waiting, cap)
         view = prefix.pending_view(self.kv, turns)
         kv, pr = self.kv, self.priority
