@@ -104,13 +104,17 @@ class TurnBook(TurnEndings):
                 or first.blocks_needed <= kv.alloc.num_free:
             return view
         by_id = {t.request_id: t for t in turns}
-        overdue = self.num_p_admitted_tokens - by_id[first.request_id].p_mark >= pr.ttft_bound_tokens
+        overdue = self.p_tokens_ahead(by_id[first.request_id]) >= pr.ttft_bound_tokens
         # blocks an admission takes without evicting a waiting turn's cached prefix: the free ones and
         # the cached ones no waiting turn reuses (a prefix siblings share counted once per sibling)
         wanted = sum((len(by_id[p.request_id].context) - p.remaining_tokens) // kv.block_size
                      for p in view if not p.admitted)
         spare = kv.alloc.num_free + max(0, kv.alloc.num_cached - wanted)
         return short_first_under_pressure(view, spare, pr.short_prefill_tokens, overdue)
+
+    def p_tokens_ahead(self, t: Turn) -> int:
+        """Prefill tokens admitted since ``t`` was submitted (what the first-token bound counts)."""
+        return self.num_p_admitted_tokens - t.p_mark
 
     def by_priority(self, turns: list[Turn], *, waiting: bool) -> list[Turn]:
         """``turns`` (arrival order) in the order ``scheduler.priority`` serves them."""
@@ -119,7 +123,7 @@ class TurnBook(TurnEndings):
         now = self.rec.now()
         short = waiting and self.priority.short_prefill_tokens > 0
         work = [Work(t.request_id, t.traj.group or t.tid, t.traj.num_turns - 1, len(t.context) + len(t.out_tokens),
-                     now - t.t_submit, (self.num_p_admitted_tokens - t.p_mark) if waiting else 0,
+                     now - t.t_submit, self.p_tokens_ahead(t) if waiting else 0,
                      bool(t.lifetime) if waiting else False,
                      prefix.prefill_left(self.kv, t) if short else 0) for t in turns]
         by_id = {t.request_id: t for t in turns}
