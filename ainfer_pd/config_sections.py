@@ -116,6 +116,16 @@ class SchedulerConfig:
     always under critical-path; under fifo only while the next turn to admit needs more KV blocks
     than are free (its admission would evict cached prefixes, the waiting continuations' among
     them: ``sched.priority.short_first_under_pressure``). 0: off."""
+    max_live_trajectories: int | str = 0
+    """At most this many trajectories in progress at once on a rank (its KV pool's): a new
+    trajectory's first turn waits while this many others are in progress (a turn decoding,
+    prefilling or waiting, or between turns: admitted once and not released). Continuations are
+    never held, and when no trajectory has had a turn for 0.2 s first turns go ahead up to the cap
+    (no caller waits for good: ``engine.loop.live_cap``). For a KV pool too
+    small for every trajectory's context at once, which otherwise holds them all and evicts their
+    contexts in turn (each continuation prefilling its whole context again). 0: no limit; ``auto``:
+    as many as the pool holds at the mean final context of the trajectories finished so far on this
+    worker (none before 4 have: an RL trainer's later rollouts; ``sched.planner.auto_live_cap``)."""
     overlap_decode: bool | str = "auto"
     """Overlapped D loop (the single-rank engine; not mixed-chunked, not the lockstep engine): D
     iteration n+1 is launched before the host has read iteration n's tokens, which feed it on the
@@ -128,6 +138,9 @@ class SchedulerConfig:
         if self.policy not in POLICIES:
             raise ConfigError(f"scheduler.policy={self.policy!r}: unknown policy, expected one of {POLICIES}")
         check_positive(self, "max_prefill_tokens", "max_decode_batch", "mixed_chunk_tokens", "ttft_bound_tokens")
+        m = self.max_live_trajectories
+        if m != "auto" and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+            raise ConfigError(f"scheduler.max_live_trajectories must be an int >= 0 (0: no limit) or 'auto', got {m!r}")
         if self.short_prefill_tokens < 0:
             raise ConfigError(f"scheduler.short_prefill_tokens must be >= 0 (0: off), got {self.short_prefill_tokens}")
         from .sched.priority import PRIORITIES

@@ -216,6 +216,7 @@ class RolloutWorker(WorkerLifecycle, WorkerControl):
             self.engine.spec.release(trajectory_id)       # its drafts and backoff go with its KV
         self.engine.notify()                 # blocks may have come back: admission re-checks
         self.engine.book.record_trajectory(traj.group or trajectory_id, traj.num_turns, len(traj.tokens))
+        self.engine.book.live.released(trajectory_id)
 
     def find_prefix_trajectory(self, prompt_ids: Sequence[int], *, min_tokens: int | None = None) -> tuple[str, int] | None:
         """The idle retained trajectory sharing the longest KV-valid prefix with

@@ -173,7 +173,8 @@ def main() -> None:
         out = torch.empty_like(q)
         fl = sum(4 * H * hd * (n * c + n * n / 2) for c, n in seqs)
         # (block_m, block_n, warps, stages[, heavy_first]): the tiles with the most keys launched first
-        # (default) or in sequence order (False); q heads packed per KV head were no faster (docs/history.md)
+        # (default) or in sequence order (False); q heads packed per KV head, lazy rescaling and
+        # warp_specialize were no faster (docs/history.md)
         cands = [(64, 64, 4, 2), (64, 64, 4, 2, False), (128, 128, 8, 3), (128, 128, 8, 3, False), (128, 64, 4, 3),
                  (128, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4), (128, 128, 8, 4), (128, 64, 8, 3)]
 

@@ -12,7 +12,7 @@ from ainfer_pd.engine.loop.state import Trajectory, Turn
 from ainfer_pd.errors import SpecInputError
 from ainfer_pd.spec.adaptive import VerifyCosts
 from ainfer_pd.spec.backoff import MAX_REST, MAX_WAIT, NO_BACKOFF, Backoff, Rest, after_draft
-from ainfer_pd.spec.speculator import Speculator
+from ainfer_pd.spec.speculator import SpecBatch, Speculator
 
 CHEAP = VerifyCosts.from_times({B: {1: 1.0, 2: 1.001, 3: 1.002, 5: 1.004} for B in (1, 4, 16)})
 
@@ -303,6 +303,25 @@ def test_a_fruitless_try_rests_the_speculator_with_no_check_at_all():
         pass
     spec.observe(spec.plan([t]), [1])                              # a draft accepted: no rest
     assert not spec.rest.resting() and spec.rest.wait == 0
+
+
+def test_only_a_verify_that_paid_for_itself_ends_the_rest():
+    """Adaptive: a verify ends the speculator's rest only when its booked rows emitted more tokens than
+    plain decoding would have in its time at the table's price; one accepted draft among four rows
+    verifying at 1.9x a plain pass bought less than it cost (5 tokens for 4 x 1.9) and rests it
+    like a verify that accepted nothing. Not adaptive: any accepted draft."""
+    dear = VerifyCosts.from_times({B: {1: 1.0, 2: 1.9, 3: 2.8, 5: 4.6} for B in (1, 4, 16)})
+    rows = [_turn(f"v{i}", [3, 4, 5] * 8) for i in range(4)]
+    for accepted, pays in (([1, 0, 0, 0], False), ([0, 0, 0, 0], False), ([1, 1, 1, 1], True),
+                           ([1, 0, None, None], False), ([1, 1, None, None], True)):
+        spec = Speculator(SpecConfig(method="suffix", adaptive=True, num_draft_tokens=4), 4096, dear, _Rec())
+        spec.observe(SpecBatch(rows, [[9]] * 4, 1, 1.2), accepted)
+        assert spec.rest.resting() is not pays, accepted
+    plain = _spec(adaptive=False)
+    plain.rest = Rest()                                  # a rest to end (not adaptive: never rests itself)
+    plain.rest.fruitless()
+    plain.observe(SpecBatch(rows, [[9]] * 4, 1, 1.0), [1, 0, 0, 0])
+    assert not plain.rest.resting()
 
 
 def test_the_stale_probe_settles_only_for_drafts_the_cost_table_would_verify():

@@ -42,6 +42,39 @@ def fits(demand_blocks: int, pool_blocks: int) -> bool:
     return demand_blocks <= pool_blocks
 
 
+def within_live_cap(first: list[bool], active: int, cap: int) -> list[bool]:
+    """Which of the waiting turns (in the order served) may be admitted under
+    ``scheduler.max_live_trajectories`` = ``cap``: every continuation (``first[i]`` False), and
+    first turns of new trajectories only while the ``active`` trajectories (in progress:
+    ``engine.loop.live_cap.LiveCap.capped``) plus the first turns kept before them stay under ``cap`` (0: no
+    limit). A pool too small for every trajectory's context at once otherwise holds
+    them all and evicts their contexts in turn, each continuation prefilling its whole context
+    again; held back, a trajectory starts once another is done or between turns."""
+    if cap <= 0:
+        return [True] * len(first)
+    room = cap - active
+    keep = []
+    for f in first:
+        keep.append(not f or room > 0)
+        room -= 1 if f else 0
+    return keep
+
+
+AUTO_LIVE_MIN_FINISHED = 4
+"""Finished trajectories ``max_live_trajectories: auto`` needs before it caps anything."""
+
+
+def auto_live_cap(pool_tokens: int, mean_final_tokens: float | None, finished: int) -> int:
+    """``scheduler.max_live_trajectories: auto``: as many trajectories as the KV pool holds at the
+    mean final context of the trajectories finished so far on this worker (an RL trainer's rollouts
+    reuse one worker: from its second rollout on, the first one's lengths), at least 1; 0 (no cap)
+    before :data:`AUTO_LIVE_MIN_FINISHED` have finished. The whole context is what a trajectory
+    holds at its end, so the cap keeps every admitted one's context resident to the end."""
+    if finished < AUTO_LIVE_MIN_FINISHED or not mean_final_tokens or mean_final_tokens <= 0:
+        return 0
+    return max(1, int(pool_tokens // mean_final_tokens))
+
+
 def plan_decode(running: list[str], max_rows: int) -> tuple[str, ...]:
     """D-first: every ready decode row, oldest first, up to the batch limit."""
     return tuple(running[:max_rows])

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from ..config_spec import SpecConfig
 from ..engine.loop.state import SeqTokens, Turn
-from .adaptive import Acceptance, VerifyCosts, choose, could_pay, observe
+from .adaptive import Acceptance, VerifyCosts, choose, could_pay, observe, relative_costs
 from .backoff import NO_BACKOFF, Backoff, Rest, after_draft
 from .overhead import DraftOverhead
 from .verify_shape import DraftOffer
@@ -333,7 +333,7 @@ class Speculator:
         """A verify was read: row i accepted ``accepted[i]`` of its drafts (None: the row was not
         booked, ended or aborted since the launch); the drafter gets the rows' new tokens."""
         self.num_verifies += 1
-        if any(accepted):                   # None (a row not booked) and 0 alike: nothing bought
+        if self._paid(batch, accepted):
             self.rest.paid()
         else:
             self.rest.fruitless()
@@ -348,6 +348,21 @@ class Speculator:
                 self._best_rate = None
             self.sync(t)
         self.rec.count("spec_verifies")
+
+    def _paid(self, batch: SpecBatch, accepted: list[int | None]) -> bool:
+        """Did the verify pay for itself: its booked rows emitted more tokens than plain decoding of
+        them would have in its time, at the cost table's price (width ``batch.k`` + 1 at its rows, with
+        the host overhead :func:`~.adaptive.choose` counted)? One accepted draft among 64 rows does not
+        pay for a verify 1.5x a plain pass, and must not end the speculator's rest (it would try again
+        at every iteration). Without a table (not adaptive): any accepted draft. None (a row not
+        booked) and 0 alike buy nothing."""
+        got = [a for a in accepted if a is not None]
+        if not any(got):
+            return False
+        if self.costs is None or not self.cfg.adaptive:
+            return True
+        cost = dict(relative_costs(self.costs, len(got), batch.k, self.overhead.total_s)).get(batch.k)
+        return cost is None or (len(got) + sum(got)) >= len(got) * cost
 
     def metrics(self) -> dict[str, float]:
         """Drafts verified and accepted so far, the tokens a verifying row emitted per pass, the

@@ -30,6 +30,7 @@ from ..model.routed_experts import of_turn
 from ..runtime.runner import BatchPlan
 from ..model.sampler import DeviceSample, SampleRow, read_sample, sample
 from ...spec.verify import DeviceVerify, read_verify, verify_rows, verify_starts
+from .live_cap import LiveCap
 from .state import InFlight, Turn, TurnState
 from .turn_endings import TurnEndings
 
@@ -57,6 +58,7 @@ class TurnBook(TurnEndings):
         """The model's whole stop set (``eos_token_id`` + ``stop_token_ids``: issue 34, item 2)."""
         sc = scheduler
         self.priority = PriorityConfig(sc.priority, sc.priority_aging_s, sc.ttft_bound_tokens, sc.short_prefill_tokens)
+        self.live = LiveCap(sc.max_live_trajectories, kv, recorder, notify)
         self.history = History()           # finished trajectories: the critical-path predictor
         self.num_p_admitted_tokens = 0     # prefill tokens admitted so far (the first-token bound)
         self.pending_cleanup: list[Turn] = []
@@ -91,6 +93,8 @@ class TurnBook(TurnEndings):
         NOTE: a turn whose missing prefix a sibling is writing waits for it (prefix.pending_view)."""
         turns = self.by_priority([t for t in self.waiting if not (t.abort_requested or self.behind_drain(t))],
                                  waiting=True)
+        if self.live.cap and (cap := self.live.cap_now(self.history)):
+            turns = self.live.capped(turns, self.decoding, self.waiting, cap)
         view = prefix.pending_view(self.kv, turns)
         kv, pr = self.kv, self.priority
         first = next((p for p in view if not p.admitted), None)
@@ -100,13 +104,17 @@ class TurnBook(TurnEndings):
                 or first.blocks_needed <= kv.alloc.num_free:
             return view
         by_id = {t.request_id: t for t in turns}
-        overdue = self.num_p_admitted_tokens - by_id[first.request_id].p_mark >= pr.ttft_bound_tokens
+        overdue = self.p_tokens_ahead(by_id[first.request_id]) >= pr.ttft_bound_tokens
         # blocks an admission takes without evicting a waiting turn's cached prefix: the free ones and
         # the cached ones no waiting turn reuses (a prefix siblings share counted once per sibling)
         wanted = sum((len(by_id[p.request_id].context) - p.remaining_tokens) // kv.block_size
                      for p in view if not p.admitted)
         spare = kv.alloc.num_free + max(0, kv.alloc.num_cached - wanted)
         return short_first_under_pressure(view, spare, pr.short_prefill_tokens, overdue)
+
+    def p_tokens_ahead(self, t: Turn) -> int:
+        """Prefill tokens admitted since ``t`` was submitted (what the first-token bound counts)."""
+        return self.num_p_admitted_tokens - t.p_mark
 
     def by_priority(self, turns: list[Turn], *, waiting: bool) -> list[Turn]:
         """``turns`` (arrival order) in the order ``scheduler.priority`` serves them."""
@@ -115,7 +123,7 @@ class TurnBook(TurnEndings):
         now = self.rec.now()
         short = waiting and self.priority.short_prefill_tokens > 0
         work = [Work(t.request_id, t.traj.group or t.tid, t.traj.num_turns - 1, len(t.context) + len(t.out_tokens),
-                     now - t.t_submit, (self.num_p_admitted_tokens - t.p_mark) if waiting else 0,
+                     now - t.t_submit, self.p_tokens_ahead(t) if waiting else 0,
                      bool(t.lifetime) if waiting else False,
                      prefix.prefill_left(self.kv, t) if short else 0) for t in turns]
         by_id = {t.request_id: t for t in turns}
@@ -170,6 +178,7 @@ class TurnBook(TurnEndings):
                     blocked = True        # FIFO: nothing behind it either (cannot happen: same rule as the plan)
                     continue
                 prefix.reserve(self.kv, t, now)
+                self.live.admitted(t.tid)
                 self.num_p_admitted_tokens += len(t.context) - t.prefilled
                 n = min(len(t.context) - t.prefilled, left)
             elif t.lifetime:
