@@ -5,7 +5,8 @@
 #                                                  #       | grpo-long-p1 | grpo-long-trace
 #   (p1-short / trace-short: SHORT_POLICIES run with fifo, CP_POLICIES with critical-path;
 #    lever: LEVER_POLICIES (default fine-grained+critical-path) with LEVER="KEY=VALUE[ KEY=VALUE...]" on
-#    top, rows labelled by it (spaces as +), on CELL (default P1))
+#    top (or joined by +, as ladder_call.sh's specs need: LEVER=model.quantization=fp8+cache.kv_dtype=fp8_e4m3),
+#    rows labelled by it (spaces as +), on CELL (default P1))
 #
 # Each part writes $OUT/ladder_PART.json (default docs/results/ladder), with runs_PART.jsonl (per-request
 # records) and PART_*.png (bench's plots: the first repeat's timeline per variant) beside it; then, here:
@@ -60,7 +61,7 @@ case "$PART" in
               --priorities "${PRIORITIES:-critical-path}" --spans "${SPANS:-1,2,3,4,auto}" ;;
   decode-only) python benchmarks/ladder.py run "${common[@]}" --cells P1 --policies normal,fine-grained \
               --priorities fifo --decode-only ;;
-  lever)    sets=(); for kv in ${LEVER:?LEVER=KEY=VALUE[ KEY=VALUE...]}; do sets+=(--set "$kv"); done
+  lever)    : "${LEVER:?LEVER=KEY=VALUE[ KEY=VALUE...]}"; sets=(); for kv in ${LEVER//+/ }; do sets+=(--set "$kv"); done
             python benchmarks/ladder.py run "${common[@]}" --cells "${CELL:-P1}" --policies "${LEVER_POLICIES:-fine-grained}" \
               --priorities "${PRIORITIES:-critical-path}" "${sets[@]}" --variant "${LEVER// /+}" \
               --part "lever-${LEVER//[^A-Za-z0-9]/_}${SUFFIX:+-$SUFFIX}" ;;

@@ -525,3 +525,24 @@ def test_h200_ladder_runs_the_long_context_parts_with_their_own_settings(tmp_pat
     p = args("p1")
     assert "--workload" not in p and last(p, "--max-turns") == "4"
     assert last(p, "--set", "device.graph_max_context=") == "device.graph_max_context=8192"
+
+
+def test_a_lever_of_several_settings_joined_by_plus(tmp_path):
+    """ladder_call.sh's specs split on spaces, so a lever of two settings (FP8 weights and FP8 KV)
+    is written with +: h200_ladder.sh gives bench one --set each."""
+    import os
+    import subprocess
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    for name in ("python", "nvidia-smi"):
+        (bin_ / name).write_text('#!/bin/sh\necho "$0 $*"\n')
+        (bin_ / name).chmod(0o755)
+    sh = Path(ladder.__file__).parent / "h200_ladder.sh"
+    env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "OUT": str(tmp_path / "o"),
+           "LEVER": "model.quantization=fp8+cache.kv_dtype=fp8_e4m3", "CELL": "trace"}
+    out = subprocess.run(["bash", str(sh), "abc123", "lever"], env=env, capture_output=True, text=True,
+                         timeout=30).stdout
+    run = [ln for ln in out.splitlines() if "ladder.py run" in ln]
+    assert len(run) == 1, out
+    assert "--set model.quantization=fp8 --set cache.kv_dtype=fp8_e4m3" in run[0]
+    assert "--cells trace" in run[0] and "--variant model.quantization=fp8+cache.kv_dtype=fp8_e4m3" in run[0]
