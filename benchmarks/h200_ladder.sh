@@ -23,8 +23,8 @@
 # grpo-long-p1 / grpo-long-trace (issue 33 item 4): the long-context agentic workload, rows grpo-long/P1 and
 # grpo-long/trace: GRPO groups of GROUP (8) siblings sharing a prompt, CONV (64) trajectories of at most
 # TURNS (6) turns, retained contexts on the paper's distribution (p50/p90/p99 4,716/8,828/12,507, up to
-# 14.8K): graphs over the 16K context (device.graph_max_context=16384) and a KV pool of GMEM (0.5) of the
-# memory free after the weights (every trajectory's context at once: ~330K tokens, 32 GB). POLICIES x
+# 14.8K): graphs over the 16K context (device.graph_max_context=16384) and the config's KV pool, or GMEM of the
+# memory free after the weights (every trajectory's context at once is ~330K tokens, 32 GB: 0.5 on the H200). POLICIES x
 # PRIORITIES as for p1 / trace (default: all five x fifo,critical-path; plan owes the five with fifo and
 # normal,fine-grained with critical-path).
 # What latest.json still lacks, packed into device calls: python benchmarks/ladder.py plan [--commit HASH]
@@ -68,7 +68,7 @@ case "$PART" in
   grpo-long-p1|grpo-long-trace)
             cell=$([ "$PART" = grpo-long-p1 ] && echo P1 || echo trace)
             python benchmarks/ladder.py run "${common[@]}" --cells $cell --workload grpo-long --group-size "${GROUP:-8}" \
-              --set cache.gpu_memory_fraction="${GMEM:-0.5}" --policies "${POLICIES:-$ALL}" \
+              ${GMEM:+--set cache.gpu_memory_fraction=$GMEM} --policies "${POLICIES:-$ALL}" \
               --priorities "${PRIORITIES:-fifo,critical-path}" ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;
 esac

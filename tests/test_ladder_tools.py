@@ -517,32 +517,15 @@ def test_h200_ladder_runs_the_long_context_parts_with_their_own_settings(tmp_pat
     assert last(g, "--workload") == "grpo-long" and last(g, "--group-size") == "8" and last(g, "--cells") == "trace"
     assert last(g, "--max-turns") == "6" and last(g, "--conversations") == "64" and last(g, "--part") == "grpo-long-trace-x"
     assert last(g, "--set", "device.graph_max_context=") == "device.graph_max_context=16384"
-    assert last(g, "--set", "cache.gpu_memory_fraction=") == "cache.gpu_memory_fraction=0.5"
+    assert not [x for x in g if x.startswith("cache.gpu_memory_fraction=")]       # the config's own KV fraction
     assert last(g, "--policies") == "normal,fine-grained" and last(g, "--priorities") == "fifo"
     g = args("grpo-long-p1", GROUP="4", TURNS="3", GMEM="0.7")
     assert last(g, "--cells") == "P1" and last(g, "--group-size") == "4" and last(g, "--max-turns") == "3"
     assert last(g, "--set", "cache.gpu_memory_fraction=") == "cache.gpu_memory_fraction=0.7"
     p = args("p1")
     assert "--workload" not in p and last(p, "--max-turns") == "4"
+    lv = args("lever", LEVER="model.quantization=fp8+cache.kv_dtype=fp8_e4m3", CELL="trace")   # ladder_call's specs
+    assert last(lv, "--set", "model.") == "model.quantization=fp8"                    # split on spaces: + joins
+    assert last(lv, "--set", "cache.") == "cache.kv_dtype=fp8_e4m3" and last(lv, "--cells") == "trace"
     assert last(p, "--set", "device.graph_max_context=") == "device.graph_max_context=8192"
 
-
-def test_a_lever_of_several_settings_joined_by_plus(tmp_path):
-    """ladder_call.sh's specs split on spaces, so a lever of two settings (FP8 weights and FP8 KV)
-    is written with +: h200_ladder.sh gives bench one --set each."""
-    import os
-    import subprocess
-    bin_ = tmp_path / "bin"
-    bin_.mkdir()
-    for name in ("python", "nvidia-smi"):
-        (bin_ / name).write_text('#!/bin/sh\necho "$0 $*"\n')
-        (bin_ / name).chmod(0o755)
-    sh = Path(ladder.__file__).parent / "h200_ladder.sh"
-    env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "OUT": str(tmp_path / "o"),
-           "LEVER": "model.quantization=fp8+cache.kv_dtype=fp8_e4m3", "CELL": "trace"}
-    out = subprocess.run(["bash", str(sh), "abc123", "lever"], env=env, capture_output=True, text=True,
-                         timeout=30).stdout
-    run = [ln for ln in out.splitlines() if "ladder.py run" in ln]
-    assert len(run) == 1, out
-    assert "--set model.quantization=fp8 --set cache.kv_dtype=fp8_e4m3" in run[0]
-    assert "--cells trace" in run[0] and "--variant model.quantization=fp8+cache.kv_dtype=fp8_e4m3" in run[0]
