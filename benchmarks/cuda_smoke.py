@@ -4,30 +4,69 @@ import random
 import sys
 import time
 
+import torch
+
 from ainfer_pd import RolloutWorker, SamplingParams, WorkerConfig
 
 
-async def run(policy: str, graphs: bool, dtype: str = "bfloat16", overlap: bool = False, p_sms: int = 0):
-    cfg = WorkerConfig.from_yaml("configs/tiny-cpu.yaml").replace(**{
+def smoke_cfg(policy: str, graphs: bool, dtype: str = "bfloat16", overlap: bool = False, p_sms: int = 0):
+    return WorkerConfig.from_yaml("configs/tiny-cpu.yaml").replace(**{
         "device.device": "cuda", "device.cuda_graphs": graphs, "model.dtype": dtype, "scheduler.policy": policy,
         "device.graph_max_context": 2048, "scheduler.max_decode_batch": 32, "scheduler.overlap_decode": overlap,
         "device.p_stream_sms": p_sms})
+
+
+async def conversations(w) -> dict:
+    """24 greedy two-turn conversations at once; their tokens by (conversation, turn)."""
     outs = {}
+
+    async def conv(i):
+        rng = random.Random(i)
+        o = await w.generate([rng.randrange(2, 512) for _ in range(rng.randrange(50, 600))],
+                             SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True))
+        outs[(i, 0)] = o.token_ids
+        o2 = await w.continue_(o.trajectory_id, [rng.randrange(2, 512) for _ in range(40)],
+                               SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True))
+        outs[(i, 1)] = o2.token_ids
+        await w.release(o.trajectory_id)
+    async with asyncio.TaskGroup() as tg:
+        for i in range(24):
+            tg.create_task(conv(i))
+    return outs
+
+
+async def sleep_cycle() -> int:
+    """fp32 with graphs: the conversations, sleep(2), what stays allocated and how much of it torch's
+    cuBLAS workspaces are (one per thread's handle and stream, 32 MiB each on sm_90, kept by the
+    caching allocator through ``empty_cache``: freed here, by this script, where no graph of any
+    other owner exists; the sleeping worker's own graphs are released), wake, the conversations
+    again (recaptured graphs, fresh workspaces): the turns that differ. The library's ``sleep(2)``
+    left ~1 GiB allocated on the H200 (e244292), growing ~60 MB a cycle: this says whether the
+    workspaces are that memory."""
+    import gc
+    async with RolloutWorker(smoke_cfg("normal", True, "float32")) as w:
+        before = await conversations(w)
+        awake = torch.cuda.memory_allocated()
+        await w.sleep(2)
+        asleep = torch.cuda.memory_allocated()
+        gc.collect()
+        torch._C._cuda_clearCublasWorkspaces()
+        torch.cuda.empty_cache()
+        cleared = torch.cuda.memory_allocated()
+        await w.wake_up()
+        after = await conversations(w)
+    diff = sum(after[k] != before[k] for k in before)
+    print(f"  sleep(2): allocated {awake / 2**20:.1f} MiB awake, {asleep / 2**20:.1f} MiB asleep, "
+          f"{cleared / 2**20:.1f} MiB once torch's cuBLAS workspaces are freed; after wake_up {diff} of "
+          f"{len(before)} turns differ", flush=True)
+    return diff
+
+
+async def run(policy: str, graphs: bool, dtype: str = "bfloat16", overlap: bool = False, p_sms: int = 0):
+    cfg = smoke_cfg(policy, graphs, dtype, overlap, p_sms)
     async with RolloutWorker(cfg) as w:
         t = time.time()
-
-        async def conv(i):
-            rng = random.Random(i)
-            o = await w.generate([rng.randrange(2, 512) for _ in range(rng.randrange(50, 600))],
-                                 SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True))
-            outs[(i, 0)] = o.token_ids
-            o2 = await w.continue_(o.trajectory_id, [rng.randrange(2, 512) for _ in range(40)],
-                                   SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True))
-            outs[(i, 1)] = o2.token_ids
-            await w.release(o.trajectory_id)
-        async with asyncio.TaskGroup() as tg:
-            for i in range(24):
-                tg.create_task(conv(i))
+        outs = await conversations(w)
         m = w.metrics()
         replays = w.engine.runner.graphs.num_replays if w.engine.runner.graphs else 0
         if graphs:                # each phase's graphs captured on its own stream (cuda_graphs.phase_capture)
@@ -75,6 +114,7 @@ async def main():
             bad += diff
         print(f"  bf16: {policy} (graphs{', overlapped' if overlap else ''}) differs from eager normal in {diff} "
               f"of {len(ref)} turns", flush=True)
+    bad += await sleep_cycle()
     sys.exit(1 if bad else 0)
 
 asyncio.run(main())
