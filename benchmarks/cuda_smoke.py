@@ -50,7 +50,8 @@ async def sleep_cycle() -> int:
         await w.sleep(2)
         asleep = torch.cuda.memory_allocated()
         gc.collect()
-        torch._C._cuda_clearCublasWorkspaces()
+        if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+            torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.empty_cache()
         cleared = torch.cuda.memory_allocated()
         await w.wake_up()
