@@ -188,7 +188,7 @@ def kv_fp8_model_checks(gate, bw: float) -> None:
     dctx, pctx = PhaseContext(Phase.DECODE, None), PhaseContext(Phase.PREFILL, None)
     with torch.inference_mode():
         gate.capture_graphs(runner, cfg, "qwen3fp8_kvfp8", dctx, pctx)
-        for Bq, C in ((64, 2048), (16, 16384)):
+        for Bq, C in ((64, 2048), (128, 2048), (16, 16384)):
             fb = gate.decode_fb(runner, Bq, C, seed=Bq)
             r0 = runner.graphs.num_replays
             glog = runner.graphs.try_run(fb)

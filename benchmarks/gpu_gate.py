@@ -675,11 +675,11 @@ def main() -> None:
         guarded("fp8_kernel_checks", fp8_kernel_checks, check, DEV)
         guarded("qwen3fp8_figures", model_figures, "qwen3fp8", "configs/qwen3-30b-a3b-shape.yaml", bw, peak, True,
                 {"model.quantization": "fp8"})
-        summarize_fp8(R["figures"], target)
         # the FP8 KV cache (cache.kv_dtype: fp8_e4m3): decode attention at 16K and the model's graphs on it
         from _gate_kv_fp8 import kv_fp8_attention_checks, kv_fp8_model_checks
         guarded("kv_fp8_attention_checks", kv_fp8_attention_checks, sys.modules[__name__], bw)
         guarded("qwen3fp8_kvfp8_model_checks", kv_fp8_model_checks, sys.modules[__name__], bw)
+        summarize_fp8(R["figures"], target)        # after both: the tokens/s with and without the FP8 KV cache
     if "paper" in only:
         guarded("paper_figures", model_figures, "paper", "configs/h200-bench.yaml", bw, peak, True)
     if "profile" in only:
