@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--sections", default="moe64,moe128,moe512,moe4096,decode,prefill",
                     help="comma list among moe64, moe128, moe512, moe2048, moe4096, moe8192, moe16384, moedirect, "
-                         "decode, prefill")
+                         "decode, prefill, prefilltma")
     args = ap.parse_args()
     x = torch.empty(2 << 30, dtype=torch.uint8, device=DEV)
     y = torch.empty_like(x)
@@ -191,9 +191,48 @@ def main() -> None:
                 raise ValueError(f"output {gap:.3g} off the first candidate's")
             return ms(lambda: be.prefill(q, kc, vc, fb, out))
         sweep(f"attn_prefill_{'+'.join(f'{c}:{n}' for c, n in seqs)}", cands, runp, fl / 800e12 * 1e3, bud)
+    if "prefilltma" in args.sections:
+        prefill_tma_sweep(H, Hk, hd, dt, bud)
     if args.out:
         Path(args.out).write_text(json.dumps(RES, indent=1))
     print(f"sweep done in {time.time() - T0:.0f} s", flush=True)
+
+
+def prefill_tma_sweep(H: int, Hk: int, hd: int, dt, bud: float) -> None:
+    """The TMA candidate (``prefill_tma.py``: the pass's own keys through tensor descriptors) beside
+    the engine's kernel at its long and default tiles, on the same pool (the new keys written in)."""
+    from prefill_tma import prefill_tma, use_torch_allocator
+    use_torch_allocator()
+    for seqs in ([(0, 4096)], [(0, 8192)], [(1500, 575), (1500, 575)]):
+        fb, q, k, v, kv, _ = paged_case(seqs, [], H, Hk, hd, dt, DEV)
+        kc, vc = kv[0], kv[1]
+        kc[fb.write_slots], vc[fb.write_slots] = k, v
+        out = torch.empty_like(q)
+        fl = sum(4 * H * hd * (n * c + n * n / 2) for c, n in seqs)
+        # ("engine", block_m, block_n, warps, stages) / ("tma", block_m, block_n, warps, stages, warp_specialize)
+        cands = [("engine", 128, 128, 8, 3), ("engine", 64, 64, 4, 2), ("tma", 128, 128, 8, 2, False),
+                 ("tma", 128, 128, 8, 2, True), ("tma", 128, 64, 8, 3, False), ("tma", 128, 64, 8, 3, True),
+                 ("tma", 128, 128, 8, 3, False), ("tma", 128, 64, 4, 3, False), ("tma", 64, 64, 4, 3, False)]
+        ref = None
+
+        def runp(c):
+            nonlocal ref
+            fb.prefill_meta = None           # the candidate's own tile metadata, built once, cached on the batch
+            if c[0] == "engine":
+                be = TritonAttention(DEV, prefill_override=PrefillPlan(*c[1:]))
+
+                def fn():
+                    be.prefill(q, kc, vc, fb, out)
+            else:
+                def fn():
+                    prefill_tma(q, k, v, kc, vc, fb, out, *c[1:])
+            fn()
+            if ref is None:
+                ref = out.clone()
+            elif (gap := (out.float() - ref.float()).abs().max().item()) > 2e-2:
+                raise ValueError(f"output {gap:.3g} off the engine kernel's")
+            return ms(fn)
+        sweep(f"attn_prefill_tma_{'+'.join(f'{c}:{n}' for c, n in seqs)}", cands, runp, fl / 800e12 * 1e3, bud)
 
 
 if __name__ == "__main__":
