@@ -166,73 +166,59 @@ def main() -> None:
         sweep(f"attn_decode_B{B}_L{L}", cands, run, kvb / bw * 1e3, bud)
         del fb, q, kc, vc
 
-    # ---- varlen paged prefill attention (4096 and 8192 new tokens; and a 575-token continuation on 1500)
-    for seqs in ([(0, 4096)], [(0, 8192)], [(1500, 575), (1500, 575)]) if "prefill" in args.sections else ():
-        fb, q, k, v, kv, _ = paged_case(seqs, [], H, Hk, hd, dt, DEV)
-        kc, vc = kv[0], kv[1]
-        out = torch.empty_like(q)
-        fl = sum(4 * H * hd * (n * c + n * n / 2) for c, n in seqs)
-        # (block_m, block_n, warps, stages[, heavy_first]): the tiles with the most keys launched first
-        # (default) or in sequence order (False); q heads packed per KV head, lazy rescaling and
-        # warp_specialize were no faster (docs/history.md)
-        cands = [(64, 64, 4, 2), (64, 64, 4, 2, False), (128, 128, 8, 3), (128, 128, 8, 3, False), (128, 64, 4, 3),
-                 (128, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4), (128, 128, 8, 4), (128, 64, 8, 3)]
-
-        ref = None
-
-        def runp(c):
-            nonlocal ref
-            be = TritonAttention(DEV, prefill_override=PrefillPlan(*c))
-            fb.prefill_meta = None
-            be.prefill(q, kc, vc, fb, out)
-            if ref is None:
-                ref = out.clone()       # the first candidate's output (the default tile): every other within bf16
-            elif (gap := (out.float() - ref.float()).abs().max().item()) > 2e-2:
-                raise ValueError(f"output {gap:.3g} off the first candidate's")
-            return ms(lambda: be.prefill(q, kc, vc, fb, out))
-        sweep(f"attn_prefill_{'+'.join(f'{c}:{n}' for c, n in seqs)}", cands, runp, fl / 800e12 * 1e3, bud)
+    # ---- varlen paged prefill attention: (block_m, block_n, warps, stages[, heavy_first]), the tiles with the
+    # most keys launched first (default) or in sequence order (False); q heads packed per KV head, lazy
+    # rescaling and warp_specialize were no faster (docs/history.md)
+    if "prefill" in args.sections:
+        prefill_sweep("attn_prefill", [(64, 64, 4, 2), (64, 64, 4, 2, False), (128, 128, 8, 3), (128, 128, 8, 3, False),
+                                       (128, 64, 4, 3), (128, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4),
+                                       (128, 128, 8, 4), (128, 64, 8, 3)], bud)
+    # the TMA candidate (prefill_tma.py: the pass's own keys through tensor descriptors) beside the engine's
+    # long and default tiles: ("tma", block_m, block_n, warps, stages, warp_specialize)
     if "prefilltma" in args.sections:
-        prefill_tma_sweep(H, Hk, hd, dt, bud)
+        prefill_sweep("attn_prefill_tma", [(128, 128, 8, 3), (64, 64, 4, 2), ("tma", 128, 128, 8, 2, False),
+                                           ("tma", 128, 128, 8, 2, True), ("tma", 128, 64, 8, 3, False),
+                                           ("tma", 128, 64, 8, 3, True), ("tma", 128, 128, 8, 3, False),
+                                           ("tma", 128, 64, 4, 3, False), ("tma", 64, 64, 4, 3, False)], bud)
     if args.out:
         Path(args.out).write_text(json.dumps(RES, indent=1))
     print(f"sweep done in {time.time() - T0:.0f} s", flush=True)
 
 
-def prefill_tma_sweep(H: int, Hk: int, hd: int, dt, bud: float) -> None:
-    """The TMA candidate (``prefill_tma.py``: the pass's own keys through tensor descriptors) beside
-    the engine's kernel at its long and default tiles, on the same pool (the new keys written in)."""
-    from prefill_tma import prefill_tma, use_torch_allocator
-    use_torch_allocator()
+def prefill_sweep(name: str, cands, bud: float) -> None:
+    """Each candidate at 4,096 and 8,192 new tokens and two 575-token continuations on 1,500 cached,
+    its output within bf16 of the first candidate's: an engine tile (a :class:`PrefillPlan`'s
+    fields) or ``("tma", ...)``, :func:`prefill_tma.prefill_tma`'s tile. The pass's new keys are
+    written into the pool first, where the engine's kernel reads them and the TMA one does not."""
+    if any(c[0] == "tma" for c in cands):
+        from prefill_tma import prefill_tma, use_torch_allocator
+        use_torch_allocator()
     for seqs in ([(0, 4096)], [(0, 8192)], [(1500, 575), (1500, 575)]):
-        fb, q, k, v, kv, _ = paged_case(seqs, [], H, Hk, hd, dt, DEV)
+        fb, q, k, v, kv, _ = paged_case(seqs, [], H, Hk, hd, torch.bfloat16, DEV)
         kc, vc = kv[0], kv[1]
         kc[fb.write_slots], vc[fb.write_slots] = k, v
         out = torch.empty_like(q)
         fl = sum(4 * H * hd * (n * c + n * n / 2) for c, n in seqs)
-        # ("engine", block_m, block_n, warps, stages) / ("tma", block_m, block_n, warps, stages, warp_specialize)
-        cands = [("engine", 128, 128, 8, 3), ("engine", 64, 64, 4, 2), ("tma", 128, 128, 8, 2, False),
-                 ("tma", 128, 128, 8, 2, True), ("tma", 128, 64, 8, 3, False), ("tma", 128, 64, 8, 3, True),
-                 ("tma", 128, 128, 8, 3, False), ("tma", 128, 64, 4, 3, False), ("tma", 64, 64, 4, 3, False)]
         ref = None
 
         def runp(c):
             nonlocal ref
             fb.prefill_meta = None           # the candidate's own tile metadata, built once, cached on the batch
-            if c[0] == "engine":
-                be = TritonAttention(DEV, prefill_override=PrefillPlan(*c[1:]))
+            if c[0] == "tma":
+                def fn():
+                    prefill_tma(q, k, v, kc, vc, fb, out, *c[1:])
+            else:
+                be = TritonAttention(DEV, prefill_override=PrefillPlan(*c))
 
                 def fn():
                     be.prefill(q, kc, vc, fb, out)
-            else:
-                def fn():
-                    prefill_tma(q, k, v, kc, vc, fb, out, *c[1:])
             fn()
             if ref is None:
-                ref = out.clone()
+                ref = out.clone()       # the first candidate's output (the default tile): every other within bf16
             elif (gap := (out.float() - ref.float()).abs().max().item()) > 2e-2:
-                raise ValueError(f"output {gap:.3g} off the engine kernel's")
+                raise ValueError(f"output {gap:.3g} off the first candidate's")
             return ms(fn)
-        sweep(f"attn_prefill_tma_{'+'.join(f'{c}:{n}' for c, n in seqs)}", cands, runp, fl / 800e12 * 1e3, bud)
+        sweep(f"{name}_{'+'.join(f'{c}:{n}' for c, n in seqs)}", cands, runp, fl / 800e12 * 1e3, bud)
 
 
 if __name__ == "__main__":
