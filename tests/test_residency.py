@@ -100,3 +100,38 @@ def test_kv_blocks_for_budget():
     # 141 GiB card, 0.9 of it, 61 GiB of weights, 2 GiB reserve, 1.5 MiB blocks
     assert kv_blocks_for_budget(141 * GiB, 0.9, 61 * GiB, 3 << 19, 2 * GiB) == int((0.9 * 141 - 63) * GiB) // (3 << 19)
     assert kv_blocks_for_budget(80 * GiB, 0.5, 61 * GiB, 1 << 20, 2 * GiB) == 16       # never below 16
+
+
+def test_kv_sizing_counts_what_a_closed_worker_left_in_reference_cycles(monkeypatch):
+    """A released worker's runner <-> graph objects are a cycle; until it is collected, its device
+    memory counts as in use. The pool is sized after the collection (CPU stand-in: the free bytes
+    the driver reports depend on whether the cycle's object is still alive)."""
+    import gc
+    import weakref
+
+    import torch
+
+    from ainfer_pd.engine.kv import residency
+
+    class Held:                       # a closed worker's runner and graphs, holding each other
+        pass
+
+    a, b = Held(), Held()
+    a.other, b.other = b, a
+    alive = weakref.ref(a)
+    del a, b
+    GiB = 1 << 30
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)     # no synchronize / empty_cache here
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: ((20 if alive() is None else 12) * GiB, 80 * GiB))
+    cfg = tiny_cfg(**{"cache.num_blocks": 0, "cache.gpu_memory_fraction": 0.5})
+    was = gc.isenabled()
+    gc.disable()                      # only the sizing's own collection may free the cycle
+    try:
+        assert alive() is not None
+        blocks = residency.kv_blocks_from_memory(cfg)
+    finally:
+        if was:
+            gc.enable()
+    weights = cfg.model.rank_weight_bytes(cfg.parallel.expert_parallel)
+    assert alive() is None
+    assert blocks == int((20 * GiB - weights) * 0.5) // residency.kv_block_bytes(cfg)

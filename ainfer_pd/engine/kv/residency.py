@@ -51,11 +51,40 @@ def kv_block_bytes(cfg) -> int:
         * kv_element_bytes(cc.kv_dtype, mc.torch_dtype)
 
 
+def collect_device_memory(device: torch.device | None = None) -> None:
+    """Give the driver back what this process's CUDA memory holds for nothing: garbage still in
+    reference cycles (a released worker's runner <-> graph objects, whose private pools go with
+    them) is collected, then the caching allocator's unused blocks are freed. Before it, memory a
+    closed worker left behind counts as in use to ``cudaMemGetInfo`` (on the H100 a second worker in
+    one ladder process sized its KV pool ~1 GB smaller than the first). No-op without CUDA."""
+    gc.collect()
+    if torch.cuda.is_available() and (device is None or device.type == "cuda"):
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def release_kv_state(runner) -> None:
+    """Drop what of ``runner`` is bound to its KV pool (no work in flight): the decode graphs
+    (their runner <-> graphs cycle broken, so their private pool goes with the last reference), the
+    P graphs, the pool, the D loop's penalty masks (rebuilt from the histories) and routing
+    replay's per-slot ids."""
+    if runner.graphs is not None:
+        runner.graphs.release()
+    runner.graphs = None
+    runner.release_prefill_graphs()
+    runner.kv_cache = None
+    runner.seen_masks.release()
+    if runner.routed is not None:
+        runner.routed.release()
+
+
 def kv_blocks_from_memory(cfg) -> int:  # pragma: no cover - CUDA only
     """KV blocks for ``cfg`` (a :class:`~ainfer_pd.config.WorkerConfig` without ``cache.num_blocks``)
     on the current CUDA device: :func:`kv_blocks_for_budget` under ``cache.gpu_memory_utilization``,
-    else ``cache.gpu_memory_fraction`` of the memory free now after this rank's weights."""
+    else ``cache.gpu_memory_fraction`` of the memory free after this rank's weights, measured once
+    what earlier workers of the process left behind is collected (:func:`collect_device_memory`)."""
     mc, cc = cfg.model, cfg.cache
+    collect_device_memory()
     free, total = torch.cuda.mem_get_info()
     per_block = kv_block_bytes(cfg)
     weights = mc.rank_weight_bytes(cfg.parallel.expert_parallel)         # this rank's experts only (FP8: 1 byte + scales)
@@ -105,14 +134,7 @@ class Residency:
             return
         r = self.runner
         self._had_graphs = self._had_graphs or r.graphs is not None
-        if r.graphs is not None:
-            r.graphs.release()
-        r.graphs = None
-        r.release_prefill_graphs()
-        r.kv_cache = None
-        r.seen_masks.release()            # the D loop's penalty masks: rebuilt from the histories
-        if r.routed is not None:          # routing replay's per-slot ids go with the KV pool
-            r.routed.release()
+        release_kv_state(r)
         self.state.kv = False
         self._collect()
 
@@ -218,10 +240,7 @@ class Residency:
 
     # ------------------------------------------------------------------ helpers
     def _collect(self) -> None:
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
+        collect_device_memory(self.device)
 
     def device_bytes(self) -> int:
         """Bytes the caching allocator holds on this device (0 on CPU)."""

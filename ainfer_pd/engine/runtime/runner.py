@@ -17,6 +17,7 @@ from ..attention.backend import resolve_kernel_backend
 from ..attention.kv_fp8 import new_kv_pool
 from ...hf.kv_scales import kv_scales_for
 from ..kv.kv_cache import KVCacheManager
+from ..kv.residency import collect_device_memory, release_kv_state
 from ..model.model import MoETransformer, SegmentState, build_model
 from ..model.seen_masks import SeenMasks
 from .prefill_graphs import prefill_graph_buckets
@@ -362,15 +363,12 @@ class ModelRunner:
         return len(self.pgraphs.graphs)
 
     def release_cuda(self) -> None:  # pragma: no cover - CUDA only
-        """Give the device memory back (no work in flight): graphs, the KV pool, the weights' storage."""
-        self.graphs = None
-        self.release_prefill_graphs()
-        self.kv_cache = None
-        self.seen_masks.release()
+        """Give the device memory back (no work in flight), to the driver too: the process's next
+        worker sizes its pool on the whole card (:func:`~..kv.residency.collect_device_memory`)."""
+        release_kv_state(self)
         for p in self.model.parameters():
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        collect_device_memory(self.device)
 
     def release_prefill_graphs(self) -> None:
         if self.pgraphs is not None:
