@@ -135,3 +135,24 @@ def test_kv_sizing_counts_what_a_closed_worker_left_in_reference_cycles(monkeypa
     weights = cfg.model.rank_weight_bytes(cfg.parallel.expert_parallel)
     assert alive() is None
     assert blocks == int((20 * GiB - weights) * 0.5) // residency.kv_block_bytes(cfg)
+
+
+async def test_an_unset_pool_is_sized_from_the_device(monkeypatch):
+    """``cache.num_blocks`` left at its default (0): a CUDA worker sizes the pool from the card's
+    memory (a Hugging Face checkpoint's config no longer gets a fixed 32K-token pool on any card);
+    the CPU stand-in takes CPU_KV_BLOCKS."""
+    from ainfer_pd import WorkerConfig
+    from ainfer_pd.engine.kv import residency
+
+    assert WorkerConfig.from_dict({}).cache.num_blocks == 0
+    cfg = tiny_cfg(**{"cache.num_blocks": 0})
+    monkeypatch.setattr(residency, "kv_blocks_from_memory", lambda c: 777 if c is cfg else -1)
+    assert residency.kv_blocks_for_device(cfg, "cuda") == 777
+    assert residency.kv_blocks_for_device(cfg, "cpu") == residency.CPU_KV_BLOCKS
+    assert residency.kv_blocks_for_device(tiny_cfg(**{"cache.num_blocks": 96}), "cuda") == 96
+    async with RolloutWorker(cfg) as w:
+        assert w.engine.kv.alloc.num_blocks == residency.CPU_KV_BLOCKS
+        out = await w.generate(rand_ids(random.Random(0), 12), SamplingParams(max_new_tokens=4, temperature=0.0))
+        assert len(out.token_ids) == 4
+        await w.release(out.trajectory_id)
+        assert w.kv_leak_free()

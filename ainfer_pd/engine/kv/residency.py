@@ -78,6 +78,23 @@ def release_kv_state(runner) -> None:
         runner.routed.release()
 
 
+CPU_KV_BLOCKS = 2048
+"""The KV pool of a CPU stand-in worker whose config leaves ``cache.num_blocks`` at 0 (no device
+memory to size it from)."""
+
+
+def kv_blocks_for_device(cfg, device_kind: str) -> int:
+    """The KV pool of a worker of ``cfg`` on a ``device_kind`` ("cuda" | "cpu") device:
+    ``cache.num_blocks`` when set, else sized from the CUDA device's memory
+    (:func:`kv_blocks_from_memory`), else :data:`CPU_KV_BLOCKS`."""
+    if cfg.cache.num_blocks:
+        return cfg.cache.num_blocks
+    if device_kind == "cuda":
+        return kv_blocks_from_memory(cfg)
+    log.info("cache.num_blocks 0 on the CPU stand-in: %d KV blocks", CPU_KV_BLOCKS)
+    return CPU_KV_BLOCKS
+
+
 def kv_blocks_from_memory(cfg) -> int:  # pragma: no cover - CUDA only
     """KV blocks for ``cfg`` (a :class:`~ainfer_pd.config.WorkerConfig` without ``cache.num_blocks``)
     on the current CUDA device: :func:`kv_blocks_for_budget` under ``cache.gpu_memory_utilization``,
