@@ -8,7 +8,7 @@ import pytest
 
 from ainfer_pd import RolloutWorker, SamplingParams
 from ainfer_pd.engine.kv.residency import kv_blocks_for_budget
-from ainfer_pd.errors import InvalidRequestError, WorkerAsleepError
+from ainfer_pd.errors import ConfigError, InvalidRequestError, WorkerAsleepError
 from tests.conftest import rand_ids, tiny_cfg
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -150,6 +150,11 @@ async def test_an_unset_pool_is_sized_from_the_device(monkeypatch):
     assert residency.kv_blocks_for_device(cfg, "cuda") == 777
     assert residency.kv_blocks_for_device(cfg, "cpu") == residency.CPU_KV_BLOCKS
     assert residency.kv_blocks_for_device(tiny_cfg(**{"cache.num_blocks": 96}), "cuda") == 96
+    short = -(-cfg.model.max_context_len // cfg.cache.block_size) - 1      # one block short of a full trajectory
+    monkeypatch.setattr(residency, "kv_blocks_from_memory", lambda c: short)
+    with pytest.raises(ConfigError, match="max_context_len"):        # refused at start, not turn by turn
+        residency.kv_blocks_for_device(cfg, "cuda")
+    monkeypatch.setattr(residency, "kv_blocks_from_memory", lambda c: 777 if c is cfg else -1)
     async with RolloutWorker(cfg) as w:
         assert w.engine.kv.alloc.num_blocks == residency.CPU_KV_BLOCKS
         out = await w.generate(rand_ids(random.Random(0), 12), SamplingParams(max_new_tokens=4, temperature=0.0))

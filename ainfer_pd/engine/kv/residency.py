@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ...errors import ConfigError
+
 log = logging.getLogger("ainfer_pd.residency")
 
 WEIGHTS, KV_CACHE = "weights", "kv_cache"
@@ -90,7 +92,13 @@ def kv_blocks_for_device(cfg, device_kind: str) -> int:
     if cfg.cache.num_blocks:
         return cfg.cache.num_blocks
     if device_kind == "cuda":
-        return kv_blocks_from_memory(cfg)
+        blocks = kv_blocks_from_memory(cfg)
+        tokens, need = blocks * cfg.cache.block_size, cfg.model.max_context_len
+        if tokens < need:         # not one trajectory at full length: refused at start, not turn by turn
+            raise ConfigError(f"the KV pool sized from the device memory holds {tokens} tokens ({blocks} blocks), "
+                              f"fewer than one trajectory at model.max_context_len {need}: raise "
+                              f"cache.gpu_memory_fraction / cache.gpu_memory_utilization, or set cache.num_blocks")
+        return blocks
     log.info("cache.num_blocks 0 on the CPU stand-in: %d KV blocks", CPU_KV_BLOCKS)
     return CPU_KV_BLOCKS
 
