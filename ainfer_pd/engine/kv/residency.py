@@ -53,6 +53,24 @@ def kv_block_bytes(cfg) -> int:
         * kv_element_bytes(cc.kv_dtype, mc.torch_dtype)
 
 
+def rank_weight_bytes(cfg) -> int:
+    """Bytes of this rank's weights under ``cfg``: its experts only (FP8: 1 byte + scales), the MTP
+    layer's with ``spec.method: mtp``."""
+    mc = cfg.model
+    weights = mc.rank_weight_bytes(cfg.parallel.expert_parallel)
+    if cfg.spec.mtp:
+        from ..model.mtp_layer import mtp_weight_bytes
+        weights += mtp_weight_bytes(mc, cfg.parallel.expert_parallel)
+    return weights
+
+
+def kv_sizing_inputs(cfg) -> tuple:
+    """What of ``cfg`` a pool sized from the device (``cache.num_blocks`` 0) depends on, besides the
+    memory free when it is sized: configs with equal inputs get equal pools from equal memory."""
+    cc = cfg.cache
+    return (kv_block_bytes(cfg), rank_weight_bytes(cfg), cc.gpu_memory_fraction, cc.gpu_memory_utilization)
+
+
 def collect_device_memory(device: torch.device | None = None) -> None:
     """Give the driver back what this process's CUDA memory holds for nothing: garbage still in
     reference cycles (a released worker's runner <-> graph objects, whose private pools go with
@@ -108,14 +126,10 @@ def kv_blocks_from_memory(cfg) -> int:  # pragma: no cover - CUDA only
     on the current CUDA device: :func:`kv_blocks_for_budget` under ``cache.gpu_memory_utilization``,
     else ``cache.gpu_memory_fraction`` of the memory free after this rank's weights, measured once
     what earlier workers of the process left behind is collected (:func:`collect_device_memory`)."""
-    mc, cc = cfg.model, cfg.cache
+    cc = cfg.cache
     collect_device_memory()
     free, total = torch.cuda.mem_get_info()
-    per_block = kv_block_bytes(cfg)
-    weights = mc.rank_weight_bytes(cfg.parallel.expert_parallel)         # this rank's experts only (FP8: 1 byte + scales)
-    if cfg.spec.mtp:
-        from ..model.mtp_layer import mtp_weight_bytes
-        weights += mtp_weight_bytes(mc, cfg.parallel.expert_parallel)
+    per_block, weights = kv_block_bytes(cfg), rank_weight_bytes(cfg)
     if cc.gpu_memory_utilization > 0:
         return kv_blocks_for_budget(total, cc.gpu_memory_utilization, weights, per_block, reserve_bytes=2 << 30)
     return max(16, int((free - weights) * cc.gpu_memory_fraction) // per_block)
