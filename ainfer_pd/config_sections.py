@@ -28,10 +28,12 @@ KV_SCALES = ("auto", "unit", "checkpoint")
 class CacheConfig:
     block_size: int = 16
     """Tokens per KV block."""
-    num_blocks: int = 2048
-    """KV blocks per rank (0 = size from ``gpu_memory_fraction`` on CUDA)."""
+    num_blocks: int = 0
+    """KV blocks per rank. 0 (the default): sized from the device, on CUDA by
+    ``gpu_memory_utilization`` or ``gpu_memory_fraction``; on the CPU stand-in 2,048 blocks."""
     gpu_memory_fraction: float = 0.85
-    """Fraction of free GPU memory the KV cache may take when ``num_blocks`` is 0."""
+    """Fraction of the GPU memory free after this rank's weights the KV cache takes when
+    ``num_blocks`` is 0 (and ``gpu_memory_utilization`` is not set)."""
     prefix_sharing: bool = True
     """Content-addressed KV blocks shared by every request whose prefix is cached (GRPO siblings,
     a new request id for the same context, a trajectory's own next turn); a turn waits for a

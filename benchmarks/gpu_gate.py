@@ -478,16 +478,9 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
 
 
 def release(runner) -> None:
-    """Free a runner's GPU memory now (runner <-> DecodeGraphs is a reference cycle)."""
-    import gc
-    runner.graphs = None
-    runner.release_prefill_graphs()          # the P graphs hold the runner too (their KV getter)
-    runner.kv_cache = None
-    for p in runner.model.parameters():      # the caller's frame still holds the runner: free its storage now
-        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-    del runner
-    gc.collect()
-    torch.cuda.empty_cache()
+    """Free a runner's GPU memory now (the library's own release: graphs, KV pool, weights' storage,
+    then the allocator's cache back to the driver)."""
+    runner.release_cuda()
 
 
 def summarize_targets() -> None:
@@ -606,7 +599,23 @@ def bench(out: Path, args, *, tag: str = "", policies: str = "normal,fine-graine
                         if k in s}
         fig(f"qwen3_p1{tag}_detail", extra)
         ok = all(f == 0 for f in fails.values())
+        pools = kv_pools(bdir / "runs.jsonl")
+        if pools:           # one process, a worker after another: the bench sizes the pool once (_BenchRun.pinned)
+            check(f"qwen3_p1{tag}_kv_pool_one_for_all", len(set(pools.values())) == 1,
+                  f"KV blocks per run {pools} (cache.num_blocks 0: the first run's pool, sized from the device)")
     check(f"qwen3_p1{tag}_bench_completes", ok)
+
+
+def kv_pools(runs: Path) -> dict[str, int]:
+    """The KV pool (blocks) of each run of a bench's ``runs.jsonl``, by its label."""
+    if not runs.exists():
+        return {}
+    out = {}
+    for line in runs.read_text().splitlines():
+        r = json.loads(line)
+        if "kv_total_blocks" in r.get("metrics", {}):
+            out[r.get("label", str(len(out)))] = int(r["metrics"]["kv_total_blocks"])
+    return out
 
 
 def profiles(out: Path) -> None:

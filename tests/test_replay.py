@@ -282,3 +282,32 @@ def test_a_ranks_share_of_a_trace_draws_the_same_token_ids_as_the_whole_trace():
             assert conversation_token_ids(share, j, seed=3, vocab_size=100) == \
                 conversation_token_ids(trace, ci, seed=3, vocab_size=100)
             assert turn_params(share, j, 0, 4, seed=3) == turn_params(trace, ci, 0, 4, seed=3)
+
+
+async def test_bench_runs_every_policy_on_the_first_runs_pool(tmp_path):
+    """A pool sized from the device is sized once a bench: the later workers of one process would
+    see less free memory (what the process keeps after its first worker), so they get the first's."""
+    from ainfer_pd.tools import bench
+    cfg = WorkerConfig()
+    assert cfg.cache.num_blocks == 0
+    seen = []
+
+    class Sized(FakeWorker):
+        def metrics(self):
+            return {**super().metrics(), "kv_total_blocks": 7874 - 400 * len(seen)}
+
+    def factory(c):
+        seen.append(c.cache.num_blocks)
+        return Sized(c)
+    logs = []
+    await bench.run_bench(cfg, small_trace(), variants=bench.make_variants(["normal", "fine-grained"]),
+                          repeats=2, worker_factory=factory, log=logs.append, plots=False)
+    assert seen == [0, 7474, 7474, 7474]                 # the first run's pool (its worker saw seen == [0])
+    assert any("KV pool 7474 blocks" in ln for ln in logs)
+    run = bench._BenchRun(trace=small_trace(), variants=[], cfgs={}, repeats=1, seed=0, time_scale=1.0,
+                          progress=False, worker_factory=None, total=0, log=lambda s: None)
+    run.pin(cfg, 5000)
+    assert run.pinned(cfg).cache.num_blocks == 5000
+    fp8 = cfg.replace(**{"cache.kv_dtype": "fp8_e4m3"})           # other block bytes: sized for itself
+    assert run.pinned(fp8).cache.num_blocks == 0
+    assert run.pinned(cfg.replace(**{"cache.num_blocks": 64})).cache.num_blocks == 64   # set: kept

@@ -8,7 +8,7 @@ import pytest
 
 from ainfer_pd import RolloutWorker, SamplingParams
 from ainfer_pd.engine.kv.residency import kv_blocks_for_budget
-from ainfer_pd.errors import InvalidRequestError, WorkerAsleepError
+from ainfer_pd.errors import ConfigError, InvalidRequestError, WorkerAsleepError
 from tests.conftest import rand_ids, tiny_cfg
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -100,3 +100,64 @@ def test_kv_blocks_for_budget():
     # 141 GiB card, 0.9 of it, 61 GiB of weights, 2 GiB reserve, 1.5 MiB blocks
     assert kv_blocks_for_budget(141 * GiB, 0.9, 61 * GiB, 3 << 19, 2 * GiB) == int((0.9 * 141 - 63) * GiB) // (3 << 19)
     assert kv_blocks_for_budget(80 * GiB, 0.5, 61 * GiB, 1 << 20, 2 * GiB) == 16       # never below 16
+
+
+def test_kv_sizing_counts_what_a_closed_worker_left_in_reference_cycles(monkeypatch):
+    """A released worker's runner <-> graph objects are a cycle; until it is collected, its device
+    memory counts as in use. The pool is sized after the collection (CPU stand-in: the free bytes
+    the driver reports depend on whether the cycle's object is still alive)."""
+    import gc
+    import weakref
+
+    import torch
+
+    from ainfer_pd.engine.kv import residency
+
+    class Held:                       # a closed worker's runner and graphs, holding each other
+        pass
+
+    a, b = Held(), Held()
+    a.other, b.other = b, a
+    alive = weakref.ref(a)
+    del a, b
+    GiB = 1 << 30
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)     # no synchronize / empty_cache here
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: ((20 if alive() is None else 12) * GiB, 80 * GiB))
+    cfg = tiny_cfg(**{"cache.num_blocks": 0, "cache.gpu_memory_fraction": 0.5})
+    was = gc.isenabled()
+    gc.disable()                      # only the sizing's own collection may free the cycle
+    try:
+        assert alive() is not None
+        blocks = residency.kv_blocks_from_memory(cfg)
+    finally:
+        if was:
+            gc.enable()
+    weights = cfg.model.rank_weight_bytes(cfg.parallel.expert_parallel)
+    assert alive() is None
+    assert blocks == int((20 * GiB - weights) * 0.5) // residency.kv_block_bytes(cfg)
+
+
+async def test_an_unset_pool_is_sized_from_the_device(monkeypatch):
+    """``cache.num_blocks`` left at its default (0): a CUDA worker sizes the pool from the card's
+    memory (a Hugging Face checkpoint's config no longer gets a fixed 32K-token pool on any card);
+    the CPU stand-in takes CPU_KV_BLOCKS."""
+    from ainfer_pd import WorkerConfig
+    from ainfer_pd.engine.kv import residency
+
+    assert WorkerConfig.from_dict({}).cache.num_blocks == 0
+    cfg = tiny_cfg(**{"cache.num_blocks": 0})
+    monkeypatch.setattr(residency, "kv_blocks_from_memory", lambda c: 777 if c is cfg else -1)
+    assert residency.kv_blocks_for_device(cfg, "cuda") == 777
+    assert residency.kv_blocks_for_device(cfg, "cpu") == residency.CPU_KV_BLOCKS
+    assert residency.kv_blocks_for_device(tiny_cfg(**{"cache.num_blocks": 96}), "cuda") == 96
+    short = -(-cfg.model.max_context_len // cfg.cache.block_size) - 1      # one block short of a full trajectory
+    monkeypatch.setattr(residency, "kv_blocks_from_memory", lambda c: short)
+    with pytest.raises(ConfigError, match="max_context_len"):        # refused at start, not turn by turn
+        residency.kv_blocks_for_device(cfg, "cuda")
+    monkeypatch.setattr(residency, "kv_blocks_from_memory", lambda c: 777 if c is cfg else -1)
+    async with RolloutWorker(cfg) as w:
+        assert w.engine.kv.alloc.num_blocks == residency.CPU_KV_BLOCKS
+        out = await w.generate(rand_ids(random.Random(0), 12), SamplingParams(max_new_tokens=4, temperature=0.0))
+        assert len(out.token_ids) == 4
+        await w.release(out.trajectory_id)
+        assert w.kv_leak_free()

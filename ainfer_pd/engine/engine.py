@@ -47,7 +47,7 @@ from .loop.mixed import run_mixed
 from .loop.p_driver import PDriver
 from .loop.timings import EngineTimings
 from .loop.p_walk import GATED_LANE
-from .kv.residency import Residency, kv_blocks_from_memory
+from .kv.residency import Residency, kv_blocks_for_device
 from .runtime.mtp_runner import MtpRunner
 from .runtime.runner import ModelRunner, RunnerSections, graph_captures
 from .runtime.warmup import warmup_prefill
@@ -112,7 +112,7 @@ class Engine:
         dc = cfg.device
         if self.device.kind == "cpu":
             torch.set_num_threads(dc.cpu_threads_per_stream)
-        num_blocks = cfg.cache.num_blocks or kv_blocks_from_memory(cfg)
+        num_blocks = kv_blocks_for_device(cfg, self.device.kind)
         self.kv = KVCacheManager(num_blocks, cfg.cache.block_size, sharing=cfg.cache.prefix_sharing,
                                  wait_min_tokens=cfg.cache.prefix_wait_min_tokens)
         self.runner = (MtpRunner if cfg.spec.mtp else ModelRunner)(   # mtp: its passes feed the MTP drafter

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
 from ..config import POLICIES, SPANS, WorkerConfig
+from ..engine.kv.residency import kv_sizing_inputs
 from ..errors import ConfigError
 from . import report
 from .replay import ReplayResult, replay
@@ -181,6 +182,8 @@ class _BenchRun:
     log: Callable[[str], None]
     runs_file: Any = None
     done: int = 0
+    pools: dict[tuple, int] = field(default_factory=dict)
+    """KV blocks by :func:`~ainfer_pd.engine.kv.residency.kv_sizing_inputs`: the first sizing's."""
 
     async def cell(self, res: BenchResult, cell: str) -> None:
         """Every repeat of every variant in ``cell``; then its aggregates and output mismatches."""
@@ -199,8 +202,9 @@ class _BenchRun:
         """Repeat ``r`` of variant ``v`` in ``cell``: run, summarize, log, append to runs.jsonl."""
         self.done += 1
         label = f"{cell} {v.name} #{r + 1}"
-        rr = await run_one(self.cfgs[v.name], self.trace, cell=cell, seed=self.seed, time_scale=self.time_scale,
+        rr = await run_one(self.pinned(self.cfgs[v.name]), self.trace, cell=cell, seed=self.seed, time_scale=self.time_scale,
                            label=label, progress=self.progress, worker_factory=self.worker_factory)
+        self.pin(self.cfgs[v.name], rr.metrics.get("kv_total_blocks"))
         s = report.summarize(rr)
         if r > 0:
             rr.timeline = None                    # keep memory bounded
@@ -211,6 +215,23 @@ class _BenchRun:
             self.runs_file.write(json.dumps({"cell": cell, "variant": v.name, "repeat": r,
                                              "summary": s, **rr.to_dict()}, default=str) + "\n")
             self.runs_file.flush()
+
+    def pinned(self, cfg: WorkerConfig) -> WorkerConfig:
+        """``cfg`` with the bench's pool for its sizing inputs, where its pool is sized from the device
+        and an earlier run sized one: every policy of one bench process runs on the same pool.
+        Sized again per run, a later worker got a smaller one (on the H100, fine-grained 5% below
+        normal): memory the process keeps once its first worker ran (loaded kernels, cuBLAS
+        workspaces of its streams) counts as used to the next sizing."""
+        blocks = self.pools.get(kv_sizing_inputs(cfg)) if not cfg.cache.num_blocks else None
+        return cfg.replace(**{"cache.num_blocks": blocks}) if blocks else cfg
+
+    def pin(self, cfg: WorkerConfig, blocks: Any) -> None:
+        """The pool a run of ``cfg`` sized from the device (``blocks``) is the bench's for its inputs."""
+        key = kv_sizing_inputs(cfg)
+        if not cfg.cache.num_blocks and blocks and key not in self.pools:
+            self.pools[key] = int(blocks)
+            self.log(f"    KV pool {int(blocks)} blocks, sized from the device by this run: the bench's later "
+                     f"runs of the same weights, KV block and memory fraction get it too")
 
     def _log_run(self, label: str, s: dict[str, float], rr: ReplayResult) -> None:
         """A run's progress line, its time breakdown and (with a timeline) where the device time went."""

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ...errors import ConfigError
+
 log = logging.getLogger("ainfer_pd.residency")
 
 WEIGHTS, KV_CACHE = "weights", "kv_cache"
@@ -51,17 +53,83 @@ def kv_block_bytes(cfg) -> int:
         * kv_element_bytes(cc.kv_dtype, mc.torch_dtype)
 
 
-def kv_blocks_from_memory(cfg) -> int:  # pragma: no cover - CUDA only
-    """KV blocks for ``cfg`` (a :class:`~ainfer_pd.config.WorkerConfig` without ``cache.num_blocks``)
-    on the current CUDA device: :func:`kv_blocks_for_budget` under ``cache.gpu_memory_utilization``,
-    else ``cache.gpu_memory_fraction`` of the memory free now after this rank's weights."""
-    mc, cc = cfg.model, cfg.cache
-    free, total = torch.cuda.mem_get_info()
-    per_block = kv_block_bytes(cfg)
-    weights = mc.rank_weight_bytes(cfg.parallel.expert_parallel)         # this rank's experts only (FP8: 1 byte + scales)
+def rank_weight_bytes(cfg) -> int:
+    """Bytes of this rank's weights under ``cfg``: its experts only (FP8: 1 byte + scales), the MTP
+    layer's with ``spec.method: mtp``."""
+    mc = cfg.model
+    weights = mc.rank_weight_bytes(cfg.parallel.expert_parallel)
     if cfg.spec.mtp:
         from ..model.mtp_layer import mtp_weight_bytes
         weights += mtp_weight_bytes(mc, cfg.parallel.expert_parallel)
+    return weights
+
+
+def kv_sizing_inputs(cfg) -> tuple:
+    """What of ``cfg`` a pool sized from the device (``cache.num_blocks`` 0) depends on, besides the
+    memory free when it is sized: configs with equal inputs get equal pools from equal memory."""
+    cc = cfg.cache
+    return (kv_block_bytes(cfg), rank_weight_bytes(cfg), cc.gpu_memory_fraction, cc.gpu_memory_utilization)
+
+
+def collect_device_memory(device: torch.device | None = None) -> None:
+    """Give the driver back what this process's CUDA memory holds for nothing: garbage still in
+    reference cycles (a released worker's runner <-> graph objects, whose private pools go with
+    them) is collected, then the caching allocator's unused blocks are freed. Before it, memory a
+    closed worker left behind counts as in use to ``cudaMemGetInfo`` (on the H100 a second worker in
+    one ladder process sized its KV pool ~1 GB smaller than the first). No-op without CUDA."""
+    gc.collect()
+    if torch.cuda.is_available() and (device is None or device.type == "cuda"):
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def release_kv_state(runner) -> None:
+    """Drop what of ``runner`` is bound to its KV pool (no work in flight): the decode graphs
+    (their runner <-> graphs cycle broken, so their private pool goes with the last reference), the
+    P graphs, the pool, the D loop's penalty masks (rebuilt from the histories) and routing
+    replay's per-slot ids."""
+    if runner.graphs is not None:
+        runner.graphs.release()
+    runner.graphs = None
+    runner.release_prefill_graphs()
+    runner.kv_cache = None
+    runner.seen_masks.release()
+    if runner.routed is not None:
+        runner.routed.release()
+
+
+CPU_KV_BLOCKS = 2048
+"""The KV pool of a CPU stand-in worker whose config leaves ``cache.num_blocks`` at 0 (no device
+memory to size it from)."""
+
+
+def kv_blocks_for_device(cfg, device_kind: str) -> int:
+    """The KV pool of a worker of ``cfg`` on a ``device_kind`` ("cuda" | "cpu") device:
+    ``cache.num_blocks`` when set, else sized from the CUDA device's memory
+    (:func:`kv_blocks_from_memory`), else :data:`CPU_KV_BLOCKS`."""
+    if cfg.cache.num_blocks:
+        return cfg.cache.num_blocks
+    if device_kind == "cuda":
+        blocks = kv_blocks_from_memory(cfg)
+        tokens, need = blocks * cfg.cache.block_size, cfg.model.max_context_len
+        if tokens < need:         # not one trajectory at full length: refused at start, not turn by turn
+            raise ConfigError(f"the KV pool sized from the device memory holds {tokens} tokens ({blocks} blocks), "
+                              f"fewer than one trajectory at model.max_context_len {need}: raise "
+                              f"cache.gpu_memory_fraction / cache.gpu_memory_utilization, or set cache.num_blocks")
+        return blocks
+    log.info("cache.num_blocks 0 on the CPU stand-in: %d KV blocks", CPU_KV_BLOCKS)
+    return CPU_KV_BLOCKS
+
+
+def kv_blocks_from_memory(cfg) -> int:  # pragma: no cover - CUDA only
+    """KV blocks for ``cfg`` (a :class:`~ainfer_pd.config.WorkerConfig` without ``cache.num_blocks``)
+    on the current CUDA device: :func:`kv_blocks_for_budget` under ``cache.gpu_memory_utilization``,
+    else ``cache.gpu_memory_fraction`` of the memory free after this rank's weights, measured once
+    what earlier workers of the process left behind is collected (:func:`collect_device_memory`)."""
+    cc = cfg.cache
+    collect_device_memory()
+    free, total = torch.cuda.mem_get_info()
+    per_block, weights = kv_block_bytes(cfg), rank_weight_bytes(cfg)
     if cc.gpu_memory_utilization > 0:
         return kv_blocks_for_budget(total, cc.gpu_memory_utilization, weights, per_block, reserve_bytes=2 << 30)
     return max(16, int((free - weights) * cc.gpu_memory_fraction) // per_block)
@@ -105,14 +173,7 @@ class Residency:
             return
         r = self.runner
         self._had_graphs = self._had_graphs or r.graphs is not None
-        if r.graphs is not None:
-            r.graphs.release()
-        r.graphs = None
-        r.release_prefill_graphs()
-        r.kv_cache = None
-        r.seen_masks.release()            # the D loop's penalty masks: rebuilt from the histories
-        if r.routed is not None:          # routing replay's per-slot ids go with the KV pool
-            r.routed.release()
+        release_kv_state(r)
         self.state.kv = False
         self._collect()
 
@@ -218,10 +279,7 @@ class Residency:
 
     # ------------------------------------------------------------------ helpers
     def _collect(self) -> None:
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
+        collect_device_memory(self.device)
 
     def device_bytes(self) -> int:
         """Bytes the caching allocator holds on this device (0 on CPU)."""

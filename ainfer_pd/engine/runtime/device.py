@@ -38,6 +38,7 @@ import torch
 from ...comm.topology import ATTN_DP_D
 from ...metrics.recorder import Recorder
 from .collective_residency import CollectiveResidency
+from .stream_leases import cuda_stream_key, give_back, green_stream_key, take
 from .streams import Device, Stream, StreamHold, Work  # noqa: F401 - importable from here
 from .waiters import BlockingWaiters
 
@@ -124,6 +125,8 @@ class CudaDevice(Device):
         torch.cuda.set_device(index)
         self._cuda_streams: dict[tuple[str, str | None], torch.cuda.Stream] = {}
         self._green: dict[tuple[str, str], Any] = {}     # the green contexts, kept alive with their streams
+        # (stream, lane) -> (lease key, what was leased): given back at shutdown (:mod:`.stream_leases`)
+        self._leases: dict[tuple[str, str | None], tuple[tuple, Any]] = {}
         # stream -> (CUDA stream, end event) of its item launched last: a lane switch waits for it
         self._last_launch: dict[str, tuple[torch.cuda.Stream, Any]] = {}
         self._unnoted: dict[str, list[Work]] = {}      # launched items whose interval is not recorded yet
@@ -148,6 +151,10 @@ class CudaDevice(Device):
         if stuck:
             log.warning("device stalled: %d waiter thread(s) left blocked in a CUDA synchronize (daemons: the "
                         "process can still exit)", len(stuck))
+        if self.stalled is None:                      # a stalled device's streams may never drain: kept
+            for lease, leased in self._leases.values():
+                give_back(lease, leased)
+            self._leases.clear()
 
     @property
     def torch_device(self) -> torch.device:
@@ -162,7 +169,9 @@ class CudaDevice(Device):
             else:
                 # lower number = higher priority; priority_range() is (lowest, highest)
                 prio = torch.cuda.Stream.priority_range()[1] if name == self.high_priority_stream else 0
-                self._cuda_streams[key] = torch.cuda.Stream(device=self.index, priority=prio)
+                lease = cuda_stream_key(self.index, prio)
+                s = take(lease, lambda: torch.cuda.Stream(device=self.index, priority=prio))
+                self._cuda_streams[key], self._leases[key] = s, (lease, s)
         return self._cuda_streams[key]
 
     def _green_stream(self, key: tuple[str, str], sms: int) -> torch.cuda.Stream:
@@ -176,8 +185,12 @@ class CudaDevice(Device):
                               f"this device has {total}")
         try:
             from torch.cuda.green_contexts import GreenContext
-            ctx = GreenContext.create(num_sms=sms, device_id=self.index)
-            s = ctx.Stream()
+
+            def make():
+                g = GreenContext.create(num_sms=sms, device_id=self.index)
+                return g, g.Stream()
+            lease = green_stream_key(self.index, sms)
+            ctx, s = take(lease, make)
             ev = torch.cuda.Event(enable_timing=True)
             ev.record(s)
             ev.synchronize()
@@ -185,7 +198,7 @@ class CudaDevice(Device):
         except (ImportError, RuntimeError) as e:
             raise BackendUnavailableError(f"stream {key[0]} lane {key[1]}: no CUDA green context of {sms} SMs "
                                           f"here ({e})") from e
-        self._green[key] = ctx
+        self._green[key], self._leases[key] = ctx, (lease, (ctx, s))
         return s
 
     def _execute(self, stream: Stream, work: Work, fn: Callable, args: tuple) -> Any:

@@ -17,10 +17,12 @@ from ..attention.backend import resolve_kernel_backend
 from ..attention.kv_fp8 import new_kv_pool
 from ...hf.kv_scales import kv_scales_for
 from ..kv.kv_cache import KVCacheManager
+from ..kv.residency import collect_device_memory, release_kv_state
 from ..model.model import MoETransformer, SegmentState, build_model
 from ..model.seen_masks import SeenMasks
 from .prefill_graphs import prefill_graph_buckets
 from .runner_sections import RunnerSections
+from .stream_leases import cuda_stream_key, give_back, take
 from ...phase import Phase, PhaseContext
 from ..loop.state import Turn
 from .tensor_parallel import LOCAL
@@ -326,7 +328,8 @@ class ModelRunner:
         if ctx.stream is not None:
             return ctx.stream.device.cuda_stream(ctx.stream.name)
         if ctx.phase not in self._phase_streams:
-            self._phase_streams[ctx.phase] = torch.cuda.Stream(device=self.device)
+            key = cuda_stream_key(torch.device(self.device).index or 0, 0)
+            self._phase_streams[ctx.phase] = take(key, lambda: torch.cuda.Stream(device=self.device))
         return self._phase_streams[ctx.phase]
 
     def prefill_graphs_refusal(self) -> str | None:
@@ -362,15 +365,15 @@ class ModelRunner:
         return len(self.pgraphs.graphs)
 
     def release_cuda(self) -> None:  # pragma: no cover - CUDA only
-        """Give the device memory back (no work in flight): graphs, the KV pool, the weights' storage."""
-        self.graphs = None
-        self.release_prefill_graphs()
-        self.kv_cache = None
-        self.seen_masks.release()
+        """Give the device memory back (no work in flight), to the driver too: the process's next
+        worker sizes its pool on the whole card (:func:`~..kv.residency.collect_device_memory`)."""
+        release_kv_state(self)
         for p in self.model.parameters():
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        for s in self._phase_streams.values():       # the next runner's GEMMs reuse their cuBLAS workspaces
+            give_back(cuda_stream_key(s.device_index, 0), s)
+        self._phase_streams.clear()
+        collect_device_memory(self.device)
 
     def release_prefill_graphs(self) -> None:
         if self.pgraphs is not None:
