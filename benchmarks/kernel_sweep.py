@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--sections", default="moe64,moe128,moe512,moe4096,decode,prefill",
                     help="comma list among moe64, moe128, moe512, moe2048, moe4096, moe8192, moe16384, moedirect, "
-                         "decode, prefill, prefilltma")
+                         "moetma2048, moetma4096, moetma8192, decode, prefill, prefilltma")
     args = ap.parse_args()
     x = torch.empty(2 << 30, dtype=torch.uint8, device=DEV)
     y = torch.empty_like(x)
@@ -100,10 +100,18 @@ def main() -> None:
                 (64, 64, 64, 8, 4, 3), (64, 64, 64, 8, 4, 4)]
     medium = [(32, 64, 128, 4, 4, 3), (32, 128, 64, 4, 4, 3), (64, 64, 64, 8, 4, 3), (32, 64, 64, 4, 4, 4),
               (16, 64, 128, 1, 4, 4), (64, 128, 64, 8, 4, 3)]
-    moe_cases = [(T, c) for T, c in ((64, small), (128, small), (512, medium), (2048, large + large_64),
-                                     (4096, large + large_64), (8192, large + large_64), (16384, large))
-                 if f"moe{T}" in args.sections]
-    for T, cands in moe_cases:
+    # moetma{T}: the engine's prefill tiles against the same tiles with the weights through TMA descriptors
+    # (moe_tma.py), ("tma", block_m, block_n, block_k, group_m, warps, stages)
+    tma = [(128, 128, 32, 8, 8, 4), (128, 128, 64, 8, 8, 3), ("tma", 128, 128, 32, 8, 8, 4),
+           ("tma", 128, 128, 64, 8, 8, 3), ("tma", 128, 128, 64, 8, 8, 4), ("tma", 128, 256, 64, 8, 8, 3),
+           ("tma", 64, 128, 64, 8, 4, 4), ("tma", 128, 64, 64, 8, 4, 4)]
+    moe_cases = [(f"moe{T}", T, c) for T, c in ((64, small), (128, small), (512, medium), (2048, large + large_64),
+                                                (4096, large + large_64), (8192, large + large_64), (16384, large))]
+    moe_cases = [(n, T, c) for n, T, c in moe_cases + [(f"moetma{T}", T, tma) for T in (2048, 4096, 8192)]
+                 if n in args.sections.split(",")]
+    if any(n.startswith("moetma") for n, _, _ in moe_cases):
+        from moe_tma import launch_down_tma, launch_gate_up_tma
+    for sec, T, cands in moe_cases:
         xx = torch.randn(T, D, device=DEV, dtype=dt)
         r = route(xx, rw, K)
         touched = int((r.counts > 0).sum())
@@ -121,10 +129,18 @@ def main() -> None:
             return lay[bm]
         b1 = max(wb1 / bw, flops / 800e12) * 1e3
         b2 = max(wb2 / bw, flops / 2 / 800e12) * 1e3
-        sweep(f"moe_gate_up_T{T}", cands, lambda c: ms(lambda: launch_gate_up(xx, w13, act, layout(c[0]), K, GemmPlan(*c))),
-              b1, bud)
-        sweep(f"moe_down_T{T}", cands, lambda c: ms(lambda: launch_down(act, w2, rows, layout(c[0]), topw, GemmPlan(*c))),
-              b2, bud)
+        def gate_up(c):
+            if c[0] == "tma":
+                return ms(lambda: launch_gate_up_tma(xx, w13, act, layout(c[1]), K, GemmPlan(*c[1:])))
+            return ms(lambda: launch_gate_up(xx, w13, act, layout(c[0]), K, GemmPlan(*c)))
+
+        def down(c):
+            if c[0] == "tma":
+                return ms(lambda: launch_down_tma(act, w2, rows, layout(c[1]), topw, GemmPlan(*c[1:])))
+            return ms(lambda: launch_down(act, w2, rows, layout(c[0]), topw, GemmPlan(*c)))
+        tag = "_tma" if sec.startswith("moetma") else ""
+        sweep(f"moe{tag}_gate_up_T{T}", cands, gate_up, b1, bud)
+        sweep(f"moe{tag}_down_T{T}", cands, down, b2, bud)
 
     # ---- fused MoE at a handful of tokens (the rollout's tail): the aligned layout against a direct plan
     # (each pair its own row block: no align / scatter launch), whole fused_experts calls in a CUDA graph
