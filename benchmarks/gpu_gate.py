@@ -688,7 +688,7 @@ def main() -> None:
         from _gate_kv_fp8 import kv_fp8_attention_checks, kv_fp8_model_checks
         guarded("kv_fp8_attention_checks", kv_fp8_attention_checks, sys.modules[__name__], bw)
         guarded("qwen3fp8_kvfp8_model_checks", kv_fp8_model_checks, sys.modules[__name__], bw)
-        summarize_fp8(R["figures"], target)        # after both: the tokens/s with and without the FP8 KV cache
+        summarize_fp8(R["figures"], target, fig)        # after both: the tokens/s with and without the FP8 KV cache
     if "paper" in only:
         guarded("paper_figures", model_figures, "paper", "configs/h200-bench.yaml", bw, peak, True)
     if "profile" in only:

@@ -21,3 +21,15 @@ def test_fp8_targets_with_and_without_the_fp8_kv_cache():
     assert got["fp8_over_bf16_tokens_per_s_b64_ge_1.6"][0] is False                 # 1.41
     assert got["fp8_over_bf16_tokens_per_s_b128_ge_1.6"][0] is False                # 1.32
     assert got["fp8_decode_iteration_b64_le_1.25x"][0] is False
+
+
+def test_the_tokens_per_s_ratio_where_both_models_timed_a_batch():
+    """An 80 GB card: bf16 timed up to B 40 only; the ratio there is a figure, no 1.6 target."""
+    figs = {"qwen3_decode_iteration_b40": {"graph_ms": 23.632}, "qwen3_decode_iteration_b16": {"graph_ms": 16.3},
+            "qwen3fp8_decode_iteration_b40": {"graph_ms": 15.683}, "qwen3fp8_decode_iteration_b16": {"graph_ms": 10.8},
+            "qwen3fp8_decode_iteration_b64": {"graph_ms": 18.0, "ratio": 1.23, "bound_ms": 14.6}}
+    got, figures = {}, {}
+    summarize_fp8(figs, lambda name, met, detail: got.__setitem__(name, met),
+                  lambda name, value, detail="": figures.__setitem__(name, value))
+    assert figures == {"fp8_over_bf16_tokens_per_s_b40": 1.507}
+    assert "fp8_over_bf16_tokens_per_s_b64_ge_1.6" not in got and got["fp8_decode_iteration_b64_le_1.25x"] is True
