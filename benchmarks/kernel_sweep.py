@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--sections", default="moe64,moe128,moe512,moe4096,decode,prefill",
                     help="comma list among moe64, moe128, moe512, moe2048, moe4096, moe8192, moe16384, moedirect, "
-                         "moetma2048, moetma4096, moetma8192, decode, prefill, prefilltma")
+                         "moetma2048, moetma4096, moetma8192, decode, decodetma, prefill, prefilltma")
     args = ap.parse_args()
     x = torch.empty(2 << 30, dtype=torch.uint8, device=DEV)
     y = torch.empty_like(x)
@@ -165,7 +165,8 @@ def main() -> None:
     # ---- paged decode attention
     # one split_keys serves every batch (a row's splits never depend on its batch): B 1 is the rollout's
     # tail (a long chain decoding alone: 17.5 us a layer of attention against a 1 us bound)
-    for B, L in ((32, 2048), (1, 2048), (64, 2048), (128, 2048), (16, 5000), (64, 4096)) if "decode" in args.sections else ():
+    sections = args.sections.split(",")
+    for B, L in ((32, 2048), (1, 2048), (64, 2048), (128, 2048), (16, 5000), (64, 4096)) if "decode" in sections else ():
         fb, q, kc, vc = uniform_decode(B, L, H, Hk, hd, dt, DEV)
         kvb = 2 * B * L * Hk * hd * 2
         # split_keys around the default 256: at B 32 x 2K the graph is ~19 us of fixed latency plus 1.1x
@@ -181,6 +182,26 @@ def main() -> None:
             return ms(lambda: be.decode(q, kc, vc, fb))
         sweep(f"attn_decode_B{B}_L{L}", cands, run, kvb / bw * 1e3, bud)
         del fb, q, kc, vc
+
+    # the TMA decode candidate (decode_tma.py: each page one descriptor load) beside the engine's default:
+    # ("tma", pages a step, warps, stages, split_keys) on the engine's split layout (block_n 64)
+    if "decodetma" in sections:
+        from ainfer_pd.engine.attention.plan import decode_plan
+        from decode_tma import decode_tma
+        tcands = [("engine",)] + [("tma", p, w, st, sk) for sk in (256, 128) for p, w, st in
+                                  ((4, 4, 3), (4, 4, 4), (2, 4, 4), (1, 4, 6), (4, 8, 3), (2, 2, 4))]
+        for B, L in ((32, 2048), (64, 2048), (128, 2048), (16, 5000), (1, 2048)):
+            fb, q, kc, vc = uniform_decode(B, L, H, Hk, hd, dt, DEV)
+            kvb = 2 * B * L * Hk * hd * 2
+
+            def run_tma(c):
+                if c[0] == "engine":
+                    be = TritonAttention(DEV)
+                    return ms(lambda: be.decode(q, kc, vc, fb))
+                plan = decode_plan(L, split_keys=c[4])
+                return ms(lambda: decode_tma(q, kc, vc, fb, plan, pages=c[1], num_warps=c[2], num_stages=c[3]))
+            sweep(f"attn_decode_tma_B{B}_L{L}", tcands, run_tma, kvb / bw * 1e3, bud)
+            del fb, q, kc, vc
 
     # ---- varlen paged prefill attention: (block_m, block_n, warps, stages[, heavy_first]), the tiles with the
     # most keys launched first (default) or in sequence order (False); q heads packed per KV head, lazy
