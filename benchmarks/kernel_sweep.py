@@ -184,12 +184,14 @@ def main() -> None:
         del fb, q, kc, vc
 
     # the TMA decode candidate (decode_tma.py: each page one descriptor load) beside the engine's default:
-    # ("tma", pages a step, warps, stages, split_keys) on the engine's split layout (block_n 64)
+    # ("tma", pages a step, warps, stages, split_keys, joined) on the engine's split layout (block_n 64); joined:
+    # the step's pages one [pages x 16, hd] tile (one softmax update a step), else one update a page
     if "decodetma" in sections:
         from ainfer_pd.engine.attention.plan import decode_plan
         from decode_tma import decode_tma
-        tcands = [("engine",)] + [("tma", p, w, st, sk) for sk in (256, 128) for p, w, st in
-                                  ((4, 4, 3), (4, 4, 4), (2, 4, 4), (1, 4, 6), (4, 8, 3), (2, 2, 4))]
+        tcands = [("engine",)] + [("tma", p, w, st, sk, j) for sk in (256, 128) for p, w, st, j in
+                                  ((4, 4, 3, True), (4, 4, 4, True), (2, 4, 4, True), (4, 2, 3, True),
+                                   (4, 4, 3, False), (1, 4, 6, False), (2, 2, 4, False))]
         for B, L in ((32, 2048), (64, 2048), (128, 2048), (16, 5000), (1, 2048)):
             fb, q, kc, vc = uniform_decode(B, L, H, Hk, hd, dt, DEV)
             kvb = 2 * B * L * Hk * hd * 2
@@ -199,7 +201,8 @@ def main() -> None:
                     be = TritonAttention(DEV)
                     return ms(lambda: be.decode(q, kc, vc, fb))
                 plan = decode_plan(L, split_keys=c[4])
-                return ms(lambda: decode_tma(q, kc, vc, fb, plan, pages=c[1], num_warps=c[2], num_stages=c[3]))
+                return ms(lambda: decode_tma(q, kc, vc, fb, plan, pages=c[1], num_warps=c[2], num_stages=c[3],
+                                             join=c[5]))
             sweep(f"attn_decode_tma_B{B}_L{L}", tcands, run_tma, kvb / bw * 1e3, bud)
             del fb, q, kc, vc
 
