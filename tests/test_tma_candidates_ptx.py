@@ -1,0 +1,73 @@
+"""The sweep's TMA candidates (benchmarks/decode_tma.py, benchmarks/moe_tma.py) compiled for sm_90 on
+this CPU machine (Triton's NVIDIA back end and ptxas, in a child process without ``TRITON_INTERPRET``):
+their K / V pages and weight tiles are TMA bulk tensor copies, with Hopper's MMAs, and the tiles the
+sweep leads with spill nothing. A candidate that does not compile would cost a device call to find."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parent.parent
+
+_CHILD = r'''
+import inspect, json, re, sys
+sys.path.insert(0, "benchmarks")
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from benchmarks.kernel_ptx_report import _ptxas_info
+from decode_tma import decode_tma_kernel
+from moe_tma import moe_down_tma_kernel, moe_gate_up_tma_kernel
+
+def stats(kernel, ptr, const, warps, stages):
+    params = list(inspect.signature(kernel.fn).parameters)
+    const = {k: v for k, v in const.items() if k in params}
+    sig = {p: "constexpr" if p in const else ptr.get(p, "i32") for p in params}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if ptr.get(p, "").startswith("*")}
+    try:
+        k = triton.compile(ASTSource(kernel, sig, const, aligned), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": warps, "num_stages": stages})
+        regs, spill = _ptxas_info(k.asm["ptx"])
+    except Exception as e:
+        if "ptxas" in str(e).lower():
+            print(json.dumps({"skip": str(e)[:300]})); sys.exit(0)
+        raise
+    ptx = k.asm["ptx"]
+    return {"bulk": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)), "spill": spill, "regs": regs,
+            "mma": sorted(set(re.findall(r"(?:wgmma\.mma_async|mma\.sync)\.[\w.]+", ptx)))}
+
+out = {}
+attn = {"Q": "*bf16", "O": "*bf16", "K": "*bf16", "V": "*bf16", "scale_log2": "fp32", "OP": "*fp32", "LSE": "*fp32",
+        "TABLE": "*i32", "LENS": "*i32"}
+for join in (False, True):
+    out[f"decode_join_{join}"] = stats(decode_tma_kernel, attn, dict(HK=4, GROUP=8, GROUP_PAD=16, HEAD_DIM=128, PAGE=16,
+                                       PAGES=4, BLOCK_N=64, SPLIT_KEYS=256, MAX_SPLITS=64, SINGLE=False, IEEE=False,
+                                       JOIN=join), 4, 3)
+lay = {"SORTED": "*i32", "BLOCK_EXPERT": "*i32", "NUM_POST": "*i32"}
+tile = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, IEEE=False)
+out["moe_gate_up"] = stats(moe_gate_up_tma_kernel, {**lay, "X": "*bf16", "W": "*bf16", "ACT": "*bf16"},
+                           dict(tile, TOPK=8), 8, 4)
+out["moe_down"] = stats(moe_down_tma_kernel, {**lay, "A": "*bf16", "W": "*bf16", "OUT": "*bf16", "TOPW": "*fp32"},
+                        tile, 8, 4)
+print(json.dumps(out))
+'''
+
+
+def test_tma_candidates_compile_for_sm90_with_bulk_tensor_copies():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    if "skip" in out:
+        pytest.skip(f"Triton cannot compile for sm_90 here: {out['skip']}")
+    for name, s in out.items():
+        assert s["bulk"] > 0 and s["spill"] == 0 and s["mma"], (name, s)
+    assert all("bf16" in m for s in out.values() for m in s["mma"])
+    assert all(m.startswith("wgmma") for m in out["moe_gate_up"]["mma"] + out["moe_down"]["mma"])
