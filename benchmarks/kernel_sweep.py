@@ -64,13 +64,62 @@ def sweep(name: str, cands, run, bound_ms: float, budget: float) -> None:
                      "all": [[list(cc), tt] for tt, cc in rows]}
 
 
+def fp8_moe_tma_sweep(sizes, rw, bw: float, bud: float) -> None:
+    """The ``fp8moetma{T}`` sections (see main): gate_up and down of each tile pair, engine and TMA."""
+    from ainfer_pd.engine.quant import fp8 as q8
+    from ainfer_pd.engine.quant.fp8_ops import launch_fp8_down, launch_fp8_gate_up, per_token_group_quant
+    from ainfer_pd.engine.quant.fp8_plan import Fp8MoEPlan
+    from fp8_moe_tma import launch_fp8_down_tma, launch_fp8_gate_up_tma
+    g = torch.Generator(device=DEV).manual_seed(1)
+    w13_q, w13_s = q8.quantize_w13(torch.randn(E, I, D, device=DEV, generator=g) * 0.02,
+                                   torch.randn(E, I, D, device=DEV, generator=g) * 0.02)
+    w2_q, w2_s = q8.quantize_blockwise(torch.randn(E, D, I, device=DEV, generator=g) * 0.02)
+    # the engine's prefill plan, then tiles whose TMA kernels compile without spills (`tests/test_tma_candidates_ptx.py`:
+    # with descriptors the engine's 4-warp tiles spill ~300 bytes, 128-row ones 100-900)
+    tiles = [((64, 64, 128, 8, 4, 3), (64, 128, 128, 8, 4, 4)), ((64, 64, 128, 8, 8, 3), (64, 128, 128, 8, 8, 4)),
+             ((64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 8, 4))]
+    cands = [(kind, gu, dn) for gu, dn in tiles for kind in ("engine", "tma")]
+    for T in sizes:
+        xx = torch.randn(T, D, device=DEV, dtype=torch.bfloat16)
+        r = route(xx, rw, K)
+        xq, xs = per_token_group_quant(xx)
+        N = T * K
+        aq, as_ = per_token_group_quant(torch.randn(N, I, device=DEV, dtype=torch.bfloat16))
+        rows = torch.empty(N, D, device=DEV, dtype=torch.bfloat16)
+        topw = r.topk_weights.reshape(-1).contiguous()
+        lay = {}
+
+        def plan(c):
+            return Fp8MoEPlan(GemmPlan(*c[1]), GemmPlan(c[1][0], *c[2][1:]), quant_x_on_load=False,
+                              quant_act_on_load=False)
+
+        def layout(bm):
+            if bm not in lay:
+                lay[bm] = align_blocks(r, bm)
+            return lay[bm]
+
+        def gate_up(c):
+            p, gu = plan(c), (launch_fp8_gate_up_tma if c[0] == "tma" else launch_fp8_gate_up)
+            return ms(lambda: gu(xq, xs, w13_q, w13_s, layout(p.block_m), K, p))
+
+        def down(c):
+            p = plan(c)
+            if c[0] == "tma":
+                return ms(lambda: launch_fp8_down_tma(aq, as_, w2_q, w2_s, rows, layout(p.block_m), topw, p))
+            return ms(lambda: launch_fp8_down(aq, as_, w2_q, w2_s, rows, layout(p.block_m), topw, p.down, K))
+        flops = 2 * N * D * 2 * I
+        sweep(f"fp8_moe_tma_gate_up_T{T}", cands, gate_up, flops / 1600e12 * 1e3, bud)
+        sweep(f"fp8_moe_tma_down_T{T}", cands, down, flops / 2 / 1600e12 * 1e3, bud)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-s", type=float, default=240)
     ap.add_argument("--out", default=None)
     ap.add_argument("--sections", default="moe64,moe128,moe512,moe4096,decode,prefill",
                     help="comma list among moe64, moe128, moe512, moe2048, moe4096, moe8192, moe16384, moedirect, "
-                         "moetma2048, moetma4096, moetma8192, decode, decodetma, prefill, prefilltma")
+                         "moetma2048, moetma4096, moetma8192, fp8moetma2048, fp8moetma4096, fp8moetma8192, decode, "
+                         "decodetma, prefill, prefilltma")
     args = ap.parse_args()
     x = torch.empty(2 << 30, dtype=torch.uint8, device=DEV)
     y = torch.empty_like(x)
@@ -144,6 +193,13 @@ def main() -> None:
 
     # ---- fused MoE at a handful of tokens (the rollout's tail): the aligned layout against a direct plan
     # (each pair its own row block: no align / scatter launch), whole fused_experts calls in a CUDA graph
+    # fp8moetma{T}: the FP8 fused MoE's prefill GEMMs, the engine's kernels against fp8_moe_tma.py's (weights
+    # through TMA descriptors) at the same tiles, ("engine" | "tma", gate_up tile, down tile); x and act quantized
+    # by launches of their own as the prefill plan does (act in gate_up's epilogue when its block_n is 128)
+    fp8_sizes = [T for T in (2048, 4096, 8192) if f"fp8moetma{T}" in args.sections.split(",")]
+    if fp8_sizes:
+        fp8_moe_tma_sweep(fp8_sizes, rw, bw, bud)
+
     if "moedirect" in args.sections:
         from _cuda_timing import graph_of
         from ainfer_pd.engine.fused_moe import MoEPlan, fused_experts, moe_plan

@@ -1,4 +1,4 @@
-"""The sweep's TMA candidates (benchmarks/decode_tma.py, benchmarks/moe_tma.py) compiled for sm_90 on
+"""The sweep's TMA candidates (benchmarks/decode_tma.py, moe_tma.py, fp8_moe_tma.py) compiled for sm_90 on
 this CPU machine (Triton's NVIDIA back end and ptxas, in a child process without ``TRITON_INTERPRET``):
 their K / V pages and weight tiles are TMA bulk tensor copies, with Hopper's MMAs, and the tiles the
 sweep leads with spill nothing. A candidate that does not compile would cost a device call to find."""
@@ -55,6 +55,12 @@ out["moe_gate_up"] = stats(moe_gate_up_tma_kernel, {**lay, "X": "*bf16", "W": "*
                            dict(tile, TOPK=8), 8, 4)
 out["moe_down"] = stats(moe_down_tma_kernel, {**lay, "A": "*bf16", "W": "*bf16", "OUT": "*bf16", "TOPW": "*fp32"},
                         tile, 8, 4)
+from fp8_moe_tma import fp8_moe_down_tma_kernel, fp8_moe_gate_up_tma_kernel
+f8 = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, GROUP=128, EVEN_K=True, EXACT=False)
+out["fp8_moe_gate_up"] = stats(fp8_moe_gate_up_tma_kernel, {**lay, "X": "*fp8e4nv", "XS": "*fp32", "W": "*fp8e4nv",
+                               "WS": "*fp32", "ACT": "*fp32", "ACTS": "*fp32"}, dict(f8, TOPK=8, FUSE_QUANT=False), 8, 3)
+out["fp8_moe_down"] = stats(fp8_moe_down_tma_kernel, {**lay, "A": "*fp8e4nv", "AS": "*fp32", "W": "*fp8e4nv",
+                            "WS": "*fp32", "ROWS": "*bf16", "TOPW": "*bf16"}, dict(f8, BLOCK_N=128), 8, 4)
 print(json.dumps(out))
 '''
 
@@ -69,5 +75,7 @@ def test_tma_candidates_compile_for_sm90_with_bulk_tensor_copies():
         pytest.skip(f"Triton cannot compile for sm_90 here: {out['skip']}")
     for name, s in out.items():
         assert s["bulk"] > 0 and s["spill"] == 0 and s["mma"], (name, s)
-    assert all("bf16" in m for s in out.values() for m in s["mma"])
+    assert all("bf16" in m for name, s in out.items() if not name.startswith("fp8") for m in s["mma"])
     assert all(m.startswith("wgmma") for m in out["moe_gate_up"]["mma"] + out["moe_down"]["mma"])
+    for name in ("fp8_moe_gate_up", "fp8_moe_down"):       # e4m3 wgmma straight from the descriptors' tiles
+        assert all(m.startswith("wgmma") and m.endswith(".e4m3.e4m3") for m in out[name]["mma"]), out[name]
