@@ -14,6 +14,8 @@
 # PART `gate` runs the GPU gate instead (`bash benchmarks/gpu_gate.sh COMMIT`, its files in
 # $OUT/r/SUFFIX/): a gate first, then the ladder parts of the same commit, in one device call. A
 # failed gate ends the call (a ladder of a commit that failed its gate is not measured).
+# PART `sweep` runs `python benchmarks/kernel_sweep.py --sections $SECTIONS` for its estimate less 20 s
+# ($OUT/r/SUFFIX.out and .json): e.g. the gate then the kernel candidates, in one call.
 set -u
 # A part cut by the budget (or hung) is stopped with SIGABRT: PYTHONFAULTHANDLER=1 makes every Python
 # process of it print each thread's stack into its .out first (a hang is told from a slow run), then
@@ -31,13 +33,20 @@ for spec in "$@"; do
   case "$envs" in *SUFFIX=*) ;; *) echo "spec without SUFFIX: $spec" >&2; exit 2 ;; esac
   name=$(echo "$envs" | sed 's/.*SUFFIX=//; s/ .*//; s/[^A-Za-z0-9_-]/_/g')
   now=$(( $(date +%s) - T0 )); left=$(( BUDGET - now ))
-  [ $first = 1 ] || [ "$part" = gate ] || est=$(( est - ${WARMUP_S:-45} ))
+  [ $first = 1 ] || [ "$part" = gate ] || [ "$part" = sweep ] || est=$(( est - ${WARMUP_S:-45} ))
   if [ "$est" -gt "$left" ]; then echo "SKIP (est $est > $left s left): $envs $part"; continue; fi
   echo "== $(date +%T) [$now s] $envs $part (est $est, $left left)"
   if [ "$part" = gate ]; then
     env $envs OUT="$R/$name" timeout -s ABRT -k 20 "$left" bash "$GATE_SH" "$COMMIT" > "$R/$name.out" 2>&1
     rc=$?; echo "gate rc $rc at $(( $(date +%s) - T0 )) s"
     if [ $rc != 0 ]; then echo "GATE FAILED: the parts after it are not run"; break; fi
+    continue
+  fi
+  if [ "$part" = sweep ]; then
+    env $envs timeout -s ABRT -k 20 "$left" bash -c '"${PYTHON:-python}" "${SWEEP_PY:-benchmarks/kernel_sweep.py}" \
+      --sections "${SECTIONS:?SECTIONS}" --budget-s "$1" --out "$2"' _ $(( est > 40 ? est - 20 : 20 )) "$R/$name.json" \
+      > "$R/$name.out" 2>&1
+    echo "sweep rc $? at $(( $(date +%s) - T0 )) s"
     continue
   fi
   nw=""; [ $first = 1 ] || nw="NO_WARMUP=1"

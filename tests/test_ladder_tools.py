@@ -529,3 +529,29 @@ def test_h200_ladder_runs_the_long_context_parts_with_their_own_settings(tmp_pat
     assert last(lv, "--set", "cache.") == "cache.kv_dtype=fp8_e4m3" and last(lv, "--cells") == "trace"
     assert last(p, "--set", "device.graph_max_context=") == "device.graph_max_context=8192"
 
+
+
+def test_a_ladder_call_sweeps_kernels_after_its_gate(tmp_path):
+    """PART ``sweep``: kernel_sweep.py (a stand-in here) with the spec's SECTIONS, its budget the
+    estimate less 20 s, its output and JSON under r/; no warm-up is charged to it."""
+    import subprocess
+    import sys
+    import tarfile
+    gate = tmp_path / "gate.sh"
+    gate.write_text('mkdir -p "$OUT"; exit 0\n')
+    sweep = tmp_path / "sweep.py"
+    sweep.write_text('import json, sys\nprint("args", " ".join(sys.argv[1:]))\n'
+                     'open(sys.argv[sys.argv.index("--out") + 1], "w").write(json.dumps({"ok": 1}))\n')
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(out), "GATE_SH": str(gate), "SWEEP_PY": str(sweep),
+           "PYTHON": sys.executable, "WARMUP_S": "45"}
+    res = subprocess.run(["bash", "benchmarks/ladder_call.sh", "abc", "600", "100|SUFFIX=g|gate",
+                          "150|SECTIONS=decodetma,moetma4096 SUFFIX=sw|sweep"], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "sweep rc 0" in res.stdout and "(est 150," in res.stdout
+    with tarfile.open(out / "r.tgz") as tf:
+        sw_out = tf.extractfile("r/sw.out").read().decode()
+        assert json.loads(tf.extractfile("r/sw.json").read()) == {"ok": 1}
+    assert "--sections decodetma,moetma4096 --budget-s 130 --out" in sw_out
