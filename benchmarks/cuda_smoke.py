@@ -7,6 +7,7 @@ import time
 import torch
 
 from ainfer_pd import RolloutWorker, SamplingParams, WorkerConfig
+from ainfer_pd.engine.kv.residency import collect_device_memory
 
 
 def smoke_cfg(policy: str, graphs: bool, dtype: str = "bfloat16", overlap: bool = False, p_sms: int = 0):
@@ -43,19 +44,16 @@ async def sleep_cycle() -> int:
     again (recaptured graphs, fresh workspaces): the turns that differ. The library's ``sleep(2)``
     left ~1 GiB allocated on the H200 (e244292), growing ~60 MB a cycle: this says whether the
     workspaces are that memory."""
-    import gc
-    gc.collect()
-    torch.cuda.empty_cache()
+    collect_device_memory()
     left = torch.cuda.memory_allocated()        # what the 16 workers before this one left allocated
     async with RolloutWorker(smoke_cfg("normal", True, "float32")) as w:
         before = await conversations(w)
         awake = torch.cuda.memory_allocated()
         await w.sleep(2)
         asleep = torch.cuda.memory_allocated()
-        gc.collect()
         if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
             torch._C._cuda_clearCublasWorkspaces()
-        torch.cuda.empty_cache()
+        collect_device_memory()
         cleared = torch.cuda.memory_allocated()
         await w.wake_up()
         after = await conversations(w)

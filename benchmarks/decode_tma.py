@@ -12,7 +12,7 @@ partial outputs and the merge are the engine's (:func:`~ainfer_pd.engine.attenti
 ``decode_merge_kernel``), so a row's splits are the same in both; a 16-bit pool only.
 
 Device-side descriptors need Triton's scratch allocator (a per-context setting): the launcher sets
-it before each launch.
+it before each launch (:func:`moe_tma.use_torch_allocator`).
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import triton.language as tl
 from ainfer_pd.engine.attention.plan import DecodePlan
 from ainfer_pd.engine.attention.triton_kernels import (_raw_scores, _softmax_step, _split_len,
                                                        decode_merge_kernel)
+from moe_tma import use_torch_allocator   # the candidates' one scratch allocator
 
 _LOG2E = 1.4426950408889634
 
@@ -108,10 +109,6 @@ def decode_tma_kernel(
         tl.store(LSE + b * stride_lb + heads * stride_lh + sp, m_i + tl.log2(l_i), mask=gmask)
 
 
-def _scratch(device: torch.device):
-    return lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device)
-
-
 def decode_tma(q, kc, vc, fb, plan: DecodePlan, pages: int = 4, num_warps: int | None = None,
                num_stages: int | None = None, join: bool = False):
     """Decode attention of ``fb``'s rows (``q`` [B, H, hd]) over the pool ``kc`` / ``vc`` [S, Hk, hd]
@@ -129,17 +126,19 @@ def decode_tma(q, kc, vc, fb, plan: DecodePlan, pages: int = 4, num_warps: int |
     lse = torch.empty(B, H, plan.num_splits, dtype=torch.float32, device=q.device) if split else out
     table = d.block_table
     G = H // Hk
-    triton.set_allocator(_scratch(q.device))
+    use_torch_allocator(q.device)
     decode_tma_kernel[(B, Hk, plan.num_splits)](
         q, kc, vc, table, d.ctx_lens, out, op, lse, _LOG2E / math.sqrt(hd), plan.num_splits, S,
         q.stride(0), q.stride(1), table.stride(0), out.stride(0), out.stride(1),
         op.stride(0), op.stride(1), op.stride(2) if split else 0, lse.stride(0), lse.stride(1),
         HK=Hk, GROUP=G, GROUP_PAD=max(16, 1 << (G - 1).bit_length()), HEAD_DIM=hd, PAGE=page, PAGES=pages,
         BLOCK_N=plan.block_n, SPLIT_KEYS=plan.split_keys, MAX_SPLITS=plan.max_splits, SINGLE=not split,
-        IEEE=q.dtype == torch.float32, JOIN=join, num_warps=num_warps or plan.num_warps, num_stages=num_stages or plan.num_stages)
+        IEEE=q.dtype == torch.float32, JOIN=join, num_warps=num_warps or plan.num_warps,
+        num_stages=num_stages or plan.num_stages)
     if split:
         decode_merge_kernel[(B, H)](
             op, lse, out, d.ctx_lens, plan.num_splits, op.stride(0), op.stride(1), op.stride(2), lse.stride(0),
-            lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=hd, SPLITS_PAD=1 << (plan.num_splits - 1).bit_length(),
-            SPLIT_KEYS=plan.split_keys, MAX_SPLITS=plan.max_splits, BLOCK_N=plan.block_n, num_warps=4)
+            lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=hd,
+            SPLITS_PAD=1 << (plan.num_splits - 1).bit_length(), SPLIT_KEYS=plan.split_keys,
+            MAX_SPLITS=plan.max_splits, BLOCK_N=plan.block_n, num_warps=4)
     return out

@@ -74,8 +74,9 @@ def fp8_moe_tma_sweep(sizes, rw, bw: float, bud: float) -> None:
     w13_q, w13_s = q8.quantize_w13(torch.randn(E, I, D, device=DEV, generator=g) * 0.02,
                                    torch.randn(E, I, D, device=DEV, generator=g) * 0.02)
     w2_q, w2_s = q8.quantize_blockwise(torch.randn(E, D, I, device=DEV, generator=g) * 0.02)
-    # the engine's prefill plan, then tiles whose TMA kernels compile without spills (`tests/test_tma_candidates_ptx.py`:
-    # with descriptors the engine's 4-warp tiles spill ~300 bytes, 128-row ones 100-900)
+    # the engine's prefill plan, then tiles whose TMA kernels compile without spills
+    # (`tests/test_tma_candidates_ptx.py`: with descriptors the engine's 4-warp tiles spill ~300 bytes, 128-row
+    # ones 100-900)
     tiles = [((64, 64, 128, 8, 4, 3), (64, 128, 128, 8, 4, 4)), ((64, 64, 128, 8, 8, 3), (64, 128, 128, 8, 8, 4)),
              ((64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 8, 4))]
     cands = [(kind, gu, dn) for gu, dn in tiles for kind in ("engine", "tma")]
@@ -121,6 +122,7 @@ def main() -> None:
                          "moetma2048, moetma4096, moetma8192, fp8moetma2048, fp8moetma4096, fp8moetma8192, decode, "
                          "decodetma, prefill, prefilltma")
     args = ap.parse_args()
+    sections = args.sections.split(",")            # whole names: "prefill" is not "prefilltma"
     x = torch.empty(2 << 30, dtype=torch.uint8, device=DEV)
     y = torch.empty_like(x)
     bw = 2 * x.numel() / (ms(lambda: y.copy_(x)) / 1e3)
@@ -157,7 +159,7 @@ def main() -> None:
     moe_cases = [(f"moe{T}", T, c) for T, c in ((64, small), (128, small), (512, medium), (2048, large + large_64),
                                                 (4096, large + large_64), (8192, large + large_64), (16384, large))]
     moe_cases = [(n, T, c) for n, T, c in moe_cases + [(f"moetma{T}", T, tma) for T in (2048, 4096, 8192)]
-                 if n in args.sections.split(",")]
+                 if n in sections]
     if any(n.startswith("moetma") for n, _, _ in moe_cases):
         from moe_tma import launch_down_tma, launch_gate_up_tma
     for sec, T, cands in moe_cases:
@@ -191,16 +193,16 @@ def main() -> None:
         sweep(f"moe{tag}_gate_up_T{T}", cands, gate_up, b1, bud)
         sweep(f"moe{tag}_down_T{T}", cands, down, b2, bud)
 
-    # ---- fused MoE at a handful of tokens (the rollout's tail): the aligned layout against a direct plan
-    # (each pair its own row block: no align / scatter launch), whole fused_experts calls in a CUDA graph
     # fp8moetma{T}: the FP8 fused MoE's prefill GEMMs, the engine's kernels against fp8_moe_tma.py's (weights
     # through TMA descriptors) at the same tiles, ("engine" | "tma", gate_up tile, down tile); x and act quantized
     # by launches of their own as the prefill plan does (act in gate_up's epilogue when its block_n is 128)
-    fp8_sizes = [T for T in (2048, 4096, 8192) if f"fp8moetma{T}" in args.sections.split(",")]
+    fp8_sizes = [T for T in (2048, 4096, 8192) if f"fp8moetma{T}" in sections]
     if fp8_sizes:
         fp8_moe_tma_sweep(fp8_sizes, rw, bw, bud)
 
-    if "moedirect" in args.sections:
+    # ---- fused MoE at a handful of tokens (the rollout's tail): the aligned layout against a direct plan
+    # (each pair its own row block: no align / scatter launch), whole fused_experts calls in a CUDA graph
+    if "moedirect" in sections:
         from _cuda_timing import graph_of
         from ainfer_pd.engine.fused_moe import MoEPlan, fused_experts, moe_plan
         for T in (1, 2, 4, 8):
@@ -221,8 +223,8 @@ def main() -> None:
     # ---- paged decode attention
     # one split_keys serves every batch (a row's splits never depend on its batch): B 1 is the rollout's
     # tail (a long chain decoding alone: 17.5 us a layer of attention against a 1 us bound)
-    sections = args.sections.split(",")
-    for B, L in ((32, 2048), (1, 2048), (64, 2048), (128, 2048), (16, 5000), (64, 4096)) if "decode" in sections else ():
+    for B, L in ((32, 2048), (1, 2048), (64, 2048), (128, 2048), (16, 5000), (64, 4096)) if "decode" in sections \
+            else ():
         fb, q, kc, vc = uniform_decode(B, L, H, Hk, hd, dt, DEV)
         kvb = 2 * B * L * Hk * hd * 2
         # split_keys around the default 256: at B 32 x 2K the graph is ~19 us of fixed latency plus 1.1x
@@ -265,13 +267,13 @@ def main() -> None:
     # ---- varlen paged prefill attention: (block_m, block_n, warps, stages[, heavy_first]), the tiles with the
     # most keys launched first (default) or in sequence order (False); q heads packed per KV head, lazy
     # rescaling and warp_specialize were no faster (docs/history.md)
-    if "prefill" in args.sections:
+    if "prefill" in sections:
         prefill_sweep("attn_prefill", [(64, 64, 4, 2), (64, 64, 4, 2, False), (128, 128, 8, 3), (128, 128, 8, 3, False),
                                        (128, 64, 4, 3), (128, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4),
                                        (128, 128, 8, 4), (128, 64, 8, 3)], bud)
     # the TMA candidate (prefill_tma.py: the pass's own keys through tensor descriptors) beside the engine's
     # long and default tiles: ("tma", block_m, block_n, warps, stages, warp_specialize)
-    if "prefilltma" in args.sections:
+    if "prefilltma" in sections:
         prefill_sweep("attn_prefill_tma", [(128, 128, 8, 3), (64, 64, 4, 2), ("tma", 128, 128, 8, 2, False),
                                            ("tma", 128, 128, 8, 2, True), ("tma", 128, 64, 8, 3, False),
                                            ("tma", 128, 64, 8, 3, True), ("tma", 128, 128, 8, 3, False),

@@ -5,11 +5,11 @@ benchmarks/memory_residual.py``). At b6cf56b on the H100 every worker left one 3
 each of its two streams, new streams each time; 2.8 MiB stayed once the workspaces were freed."""
 import asyncio
 import collections
-import gc
 
 import torch
 
 from ainfer_pd import RolloutWorker
+from ainfer_pd.engine.kv.residency import collect_device_memory
 from cuda_smoke import conversations, smoke_cfg   # this script's folder is on sys.path
 
 
@@ -29,18 +29,19 @@ async def main():
             await conversations(w)
             streams = {k: s.cuda_stream for k, s in w.engine.device._cuda_streams.items()}
             blocks = w.metrics().get("kv_total_blocks")
-        gc.collect(); torch.cuda.synchronize(); torch.cuda.empty_cache()
+        collect_device_memory()
         new = set(streams.values()) - seen
         seen |= set(streams.values())
-        print(f"{i} {policy} (KV blocks {blocks}): after close allocated {torch.cuda.memory_allocated()/2**20:.1f} MiB, reserved "
-              f"{torch.cuda.memory_reserved()/2**20:.1f} MiB; streams {len(streams)} ({len(new)} not used before) "
-              f"{sorted(streams)}", flush=True)
+        print(f"{i} {policy} (KV blocks {blocks}): after close allocated {torch.cuda.memory_allocated() / 2**20:.1f} "
+              f"MiB, reserved {torch.cuda.memory_reserved() / 2**20:.1f} MiB; streams {len(streams)} ({len(new)} not "
+              f"used before) {sorted(streams)}", flush=True)
         for (size, stream, pool), n in sorted(live_blocks().items()):
             print(f"    live: {n} x {size/2**20:.2f} MiB on stream {stream:#x} graph-pool {pool}", flush=True)
     if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
-        torch._C._cuda_clearCublasWorkspaces(); torch.cuda.empty_cache()
-        print(f"after clearing cuBLAS workspaces: allocated {torch.cuda.memory_allocated()/2**20:.1f} MiB", flush=True)
-    print("torch._C cublas names:", [n for n in dir(torch._C) if "ublas" in n.lower() or "orkspace" in n])
+        torch._C._cuda_clearCublasWorkspaces()
+        collect_device_memory()
+        print(f"after clearing cuBLAS workspaces: allocated {torch.cuda.memory_allocated() / 2**20:.1f} MiB",
+              flush=True)
 
 
 asyncio.run(main())

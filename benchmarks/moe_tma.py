@@ -99,7 +99,8 @@ def moe_down_tma_kernel(
 
 
 def use_torch_allocator(device: torch.device) -> None:
-    """Triton's scratch for device-side tensor descriptors, from torch's allocator (this context)."""
+    """Triton's scratch for device-side tensor descriptors, from torch's allocator (this context); the
+    sweep's other TMA candidates (decode_tma.py, fp8_moe_tma.py) call it too."""
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device))
 
 

@@ -202,8 +202,9 @@ class _BenchRun:
         """Repeat ``r`` of variant ``v`` in ``cell``: run, summarize, log, append to runs.jsonl."""
         self.done += 1
         label = f"{cell} {v.name} #{r + 1}"
-        rr = await run_one(self.pinned(self.cfgs[v.name]), self.trace, cell=cell, seed=self.seed, time_scale=self.time_scale,
-                           label=label, progress=self.progress, worker_factory=self.worker_factory)
+        rr = await run_one(self.pinned(self.cfgs[v.name]), self.trace, cell=cell, seed=self.seed,
+                           time_scale=self.time_scale, label=label, progress=self.progress,
+                           worker_factory=self.worker_factory)
         self.pin(self.cfgs[v.name], rr.metrics.get("kv_total_blocks"))
         s = report.summarize(rr)
         if r > 0:
