@@ -136,6 +136,13 @@ def _scratch(device: torch.device):
     return alloc
 
 
+def use_tma_scratch(device: torch.device) -> None:
+    """Triton's scratch for device-side tensor descriptors, from torch's allocator on ``device``.
+    Triton's allocator is a ContextVar: set per thread (and context), so one set at start would not
+    reach the stream threads the engine launches from. Call it before every such launch."""
+    triton.set_allocator(_scratch(device))
+
+
 def prefill_tma(q: Tensor, kn: Tensor, vn: Tensor, kc: Tensor, vc: Tensor, fb: ForwardBatch, out: Tensor,
                 plan: PrefillPlan, ws: bool = False) -> None:
     """``out`` [T, H, hd] = causal attention of ``q`` over each prefill sequence of ``fb``: its cached
@@ -149,10 +156,7 @@ def prefill_tma(q: Tensor, kn: Tensor, vn: Tensor, kc: Tensor, vc: Tensor, fb: F
     NT = int(pm.tile_seq.shape[0])
     if NT == 0:
         return
-    # Device-side descriptors take their scratch from Triton's allocator, a ContextVar: set per thread
-    # (and context), so one set at start would not reach the stream threads the engine launches from.
-    # Set here, before every launch, on the queries' device.
-    triton.set_allocator(_scratch(q.device))
+    use_tma_scratch(q.device)
     prefill_tma_kernel[(NT, H)](
         q, kn, vn, kc, vc, out, pm.block_table, pm.q_start, pm.q_len, pm.ctx_len, pm.tile_seq, pm.tile_m,
         _LOG2E / math.sqrt(hd), T, q.stride(0), kn.stride(0), vn.stride(0),
