@@ -12,7 +12,7 @@ partial outputs and the merge are the engine's (:func:`~ainfer_pd.engine.attenti
 ``decode_merge_kernel``), so a row's splits are the same in both; a 16-bit pool only.
 
 Device-side descriptors need Triton's scratch allocator (a per-context setting): the launcher sets
-it before each launch (:func:`moe_tma.use_torch_allocator`).
+it before each launch (:func:`~ainfer_pd.engine.attention.triton_prefill_tma.use_tma_scratch`).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import triton.language as tl
 from ainfer_pd.engine.attention.plan import DecodePlan
 from ainfer_pd.engine.attention.triton_kernels import (_raw_scores, _softmax_step, _split_len,
                                                        decode_merge_kernel)
-from moe_tma import use_torch_allocator   # the candidates' one scratch allocator
+from ainfer_pd.engine.attention.triton_prefill_tma import use_tma_scratch
 
 _LOG2E = 1.4426950408889634
 
@@ -126,7 +126,7 @@ def decode_tma(q, kc, vc, fb, plan: DecodePlan, pages: int = 4, num_warps: int |
     lse = torch.empty(B, H, plan.num_splits, dtype=torch.float32, device=q.device) if split else out
     table = d.block_table
     G = H // Hk
-    use_torch_allocator(q.device)
+    use_tma_scratch(q.device)
     decode_tma_kernel[(B, Hk, plan.num_splits)](
         q, kc, vc, table, d.ctx_lens, out, op, lse, _LOG2E / math.sqrt(hd), plan.num_splits, S,
         q.stride(0), q.stride(1), table.stride(0), out.stride(0), out.stride(1),

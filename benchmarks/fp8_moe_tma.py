@@ -12,7 +12,7 @@ the gathered activation rows and their per-row scales (:func:`_a_tile`, :func:`_
 weight tile's one scale per K step, the epilogues. Prefill's operand order only (no swap_ab).
 
 Device-side descriptors need Triton's scratch allocator, a per-context setting: the launchers set
-it before each launch (:func:`moe_tma.use_torch_allocator`).
+it before each launch (:func:`~ainfer_pd.engine.attention.triton_prefill_tma.use_tma_scratch`).
 """
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ainfer_pd.engine.attention.triton_prefill_tma import use_tma_scratch
 from ainfer_pd.engine.fused_moe import layout_rows, triton_cdiv
 from ainfer_pd.engine.fused_moe.kernels import _expert_block
 from ainfer_pd.engine.quant.fp8 import BLOCK, FP8, blocks
 from ainfer_pd.engine.quant.fp8_kernels import _a_tile, _scale_at, _scaled, _store_act
 from ainfer_pd.engine.quant.fp8_ops import _exact_cast
 from ainfer_pd.engine.quant.fp8_plan import Fp8MoEPlan, fuses_act_quant
-from moe_tma import use_torch_allocator   # the candidates' one scratch allocator
 
 
 @triton.jit
@@ -122,7 +122,7 @@ def launch_fp8_gate_up_tma(x_q, x_scale, w13_q, w13_scale, layout, top_k: int, p
     act = torch.empty(N, inter, dtype=FP8 if fused else torch.float32, device=x_q.device)
     act_s = torch.empty(N, blocks(inter), dtype=torch.float32, device=x_q.device) if fused else act
     P = layout_rows(layout, g.block_m, False)
-    use_torch_allocator(x_q.device)
+    use_tma_scratch(x_q.device)
     fp8_moe_gate_up_tma_kernel[(triton_cdiv(P, g.block_m) * triton_cdiv(inter, g.block_n),)](
         *layout, x_q, x_scale, w13_q, w13_scale, act, act_s, N, P, E, K, inter,
         x_q.stride(0), x_scale.stride(0), w13_scale.stride(0), w13_scale.stride(1), act.stride(0), act_s.stride(0),
@@ -139,7 +139,7 @@ def launch_fp8_down_tma(act_q, act_scale, w2_q, w2_scale, rows, layout, topw, pl
     E, N, K = w2_q.shape
     assert w2_q.is_contiguous() and act_scale is not None
     P = layout_rows(layout, g.block_m, False)
-    use_torch_allocator(act_q.device)
+    use_tma_scratch(act_q.device)
     fp8_moe_down_tma_kernel[(triton_cdiv(P, g.block_m) * triton_cdiv(N, g.block_n),)](
         *layout, act_q, act_scale, w2_q, w2_scale, rows, topw, rows.shape[0], P, E, K, N,
         act_q.stride(0), act_scale.stride(0), w2_scale.stride(0), w2_scale.stride(1), rows.stride(0),

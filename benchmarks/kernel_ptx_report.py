@@ -67,9 +67,9 @@ def _ptxas_info(ptx: str) -> tuple[int, int]:
 
 
 def compile_stats(kernel, ptr_types: dict, ints: dict, const: dict, warps: int, stages: int) -> dict:
-    """regs, spill bytes, MMA instruction counts, e4m3 -> float16 widenings and every conversion /
-    MMA mnemonic's count (``ops``) of one compile, specialized as the runtime would for ``ints``
-    (every pointer 16-byte aligned)."""
+    """regs, spill bytes, MMA instruction counts, e4m3 -> float16 widenings, every conversion /
+    MMA mnemonic's count (``ops``) and the TMA bulk copies (``tma_loads``) of one compile,
+    specialized as the runtime would for ``ints`` (every pointer 16-byte aligned)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -84,7 +84,8 @@ def compile_stats(kernel, ptr_types: dict, ints: dict, const: dict, warps: int, 
     regs, spill = _ptxas_info(ptx)
     ops = Counter(_OPS.findall(ptx))
     return {"regs": regs, "spill": spill, "mma": {op: n for op, n in ops.items() if op.startswith(_MMA)},
-            "cvt_f16": sum(n for op, n in ops.items() if op.startswith(_CVT_F16)), "ops": dict(ops)}
+            "cvt_f16": sum(n for op, n in ops.items() if op.startswith(_CVT_F16)), "ops": dict(ops),
+            "tma_loads": ptx.count("cp.async.bulk.tensor")}
 
 
 def plan_stats(bm: int, bn: int, bk: int, gm: int, warps: int, stages: int, swap: bool = False,

@@ -25,6 +25,7 @@ from _gate_cases import paged_case, uniform_decode  # noqa: E402
 
 from ainfer_pd.engine.attention.plan import PrefillPlan  # noqa: E402
 from ainfer_pd.engine.attention.triton_backend import TritonAttention  # noqa: E402
+from ainfer_pd.engine.attention.triton_prefill_tma import prefill_tma  # noqa: E402
 from ainfer_pd.engine.fused_moe import GemmPlan, align_blocks, launch_down, launch_gate_up  # noqa: E402
 from ainfer_pd.engine.model.moe import route  # noqa: E402
 
@@ -271,8 +272,9 @@ def main() -> None:
         prefill_sweep("attn_prefill", [(64, 64, 4, 2), (64, 64, 4, 2, False), (128, 128, 8, 3), (128, 128, 8, 3, False),
                                        (128, 64, 4, 3), (128, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4),
                                        (128, 128, 8, 4), (128, 64, 8, 3)], bud)
-    # the TMA candidate (prefill_tma.py: the pass's own keys through tensor descriptors) beside the engine's
-    # long and default tiles: ("tma", block_m, block_n, warps, stages, warp_specialize)
+    # the TMA kernel (engine/attention/triton_prefill_tma.py: the pass's own keys through tensor descriptors,
+    # the long passes' plan on Hopper) beside the paged kernel's long and default tiles:
+    # ("tma", block_m, block_n, warps, stages, warp_specialize)
     if "prefilltma" in sections:
         prefill_sweep("attn_prefill_tma", [(128, 128, 8, 3), (64, 64, 4, 2), ("tma", 128, 128, 8, 2, False),
                                            ("tma", 128, 128, 8, 2, True), ("tma", 128, 64, 8, 3, False),
@@ -286,11 +288,9 @@ def main() -> None:
 def prefill_sweep(name: str, cands, bud: float) -> None:
     """Each candidate at 4,096 and 8,192 new tokens and two 575-token continuations on 1,500 cached,
     its output within bf16 of the first candidate's: an engine tile (a :class:`PrefillPlan`'s
-    fields) or ``("tma", ...)``, :func:`prefill_tma.prefill_tma`'s tile. The pass's new keys are
-    written into the pool first, where the engine's kernel reads them and the TMA one does not."""
-    if any(c[0] == "tma" for c in cands):
-        from prefill_tma import prefill_tma, use_torch_allocator
-        use_torch_allocator()
+    fields) or ``("tma", ...)``, :func:`~ainfer_pd.engine.attention.triton_prefill_tma.prefill_tma`'s
+    tile. The pass's new keys are written into the pool first, where the paged kernel reads them and
+    the TMA one does not (it reads ``k`` / ``v``, as the engine's own K / V of the pass)."""
     for seqs in ([(0, 4096)], [(0, 8192)], [(1500, 575), (1500, 575)]):
         fb, q, k, v, kv, _ = paged_case(seqs, [], H, Hk, hd, torch.bfloat16, DEV)
         kc, vc = kv[0], kv[1]
@@ -303,8 +303,10 @@ def prefill_sweep(name: str, cands, bud: float) -> None:
             nonlocal ref
             fb.prefill_meta = None           # the candidate's own tile metadata, built once, cached on the batch
             if c[0] == "tma":
+                plan = PrefillPlan(*c[1:5], own_keys_tma=True)
+
                 def fn():
-                    prefill_tma(q, k, v, kc, vc, fb, out, *c[1:])
+                    prefill_tma(q, k, v, kc, vc, fb, out, plan, ws=c[5])
             else:
                 be = TritonAttention(DEV, prefill_override=PrefillPlan(*c))
 

@@ -12,7 +12,7 @@ a gather of the pair's token row (Hopper's TMA has no row gather). A 3-D descrip
 fills past an expert's K, as the pointer loads' masks do.
 
 Device-side descriptors need Triton's scratch allocator, a per-context setting: the launchers set
-it (torch's allocator) before each launch.
+it before each launch (:func:`~ainfer_pd.engine.attention.triton_prefill_tma.use_tma_scratch`).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ainfer_pd.engine.attention.triton_prefill_tma import use_tma_scratch
 from ainfer_pd.engine.fused_moe import GemmPlan, layout_rows, triton_cdiv
 from ainfer_pd.engine.fused_moe.kernels import _expert_block
 
@@ -98,19 +99,13 @@ def moe_down_tma_kernel(
              mask=rmask[:, None] & nmask[None, :])
 
 
-def use_torch_allocator(device: torch.device) -> None:
-    """Triton's scratch for device-side tensor descriptors, from torch's allocator (this context); the
-    sweep's other TMA candidates (decode_tma.py, fp8_moe_tma.py) call it too."""
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device))
-
-
 def launch_gate_up_tma(x, w13, act, layout, top_k: int, g: GemmPlan) -> None:
     """act [N, I] for every pair, as :func:`ainfer_pd.engine.fused_moe.launch_gate_up` (aligned layout only)."""
     E, K, I2 = w13.shape
     assert w13.is_contiguous() and (I2 // 2) % g.block_n == 0, "W13 [E, K, 2I] contiguous, I a multiple of block_n"
     sorted_ids, block_expert, num_post = layout
     P = layout_rows(layout, g.block_m, False)
-    use_torch_allocator(x.device)
+    use_tma_scratch(x.device)
     grid = (triton_cdiv(P, g.block_m) * triton_cdiv(I2 // 2, g.block_n),)
     moe_gate_up_tma_kernel[grid](
         x, w13, act, sorted_ids, block_expert, num_post, act.shape[0], P, E, K, I2 // 2, x.stride(0), act.stride(0),
@@ -124,7 +119,7 @@ def launch_down_tma(act, w2, rows, layout, topw, g: GemmPlan) -> None:
     assert w2.is_contiguous(), "W2 [E, I, D] contiguous"
     sorted_ids, block_expert, num_post = layout
     P = layout_rows(layout, g.block_m, False)
-    use_torch_allocator(act.device)
+    use_tma_scratch(act.device)
     grid = (triton_cdiv(P, g.block_m) * triton_cdiv(N, g.block_n),)
     moe_down_tma_kernel[grid](
         act, w2, rows, sorted_ids, block_expert, num_post, topw, rows.shape[0], P, E, K, N, act.stride(0),

@@ -3,6 +3,7 @@ front end, its NVIDIA back end and ptxas run (in a child process without ``TRITO
 the suite sets); no GPU is needed. What the interpreter cannot show is checked in the PTX:
 
 * the kernels compile for sm_90 with bfloat16 queries on an FP8 (e4m3) pool, and on a bfloat16 one;
+* the TMA prefill kernel (the long plan's) loads with TMA bulk copies and spills nothing;
 * on the FP8 pool the K / V tiles widen to float16 in one conversion per pair of elements
   (``cvt.rn.f16x2.e4m3x2``) and the MMAs run in float16: no widening through float32 to
   bfloat16 (``cvt.f32.f16`` then ``cvt.rn.bf16x2.f32``, which bound the H200's FP8-pool decode
@@ -55,6 +56,19 @@ for kv in ("fp8e4nv", "bf16"):
            "SLOTS": "*i64", "KV_SCALE": "*fp32", "eps": "fp32"}
     out["prologue_" + kv] = compile_stats(qkv_prologue_kernel, pro, {}, dict(HEAD_DIM=128, HALF=64, QB=16, KB=4,
                                           HAS_NORM=True, KV_FP8=fp8, EXACT=False), warps=4, stages=1)
+out["prologue_keep_k"] = compile_stats(qkv_prologue_kernel, pro, {}, dict(HEAD_DIM=128, HALF=64, QB=16, KB=4,
+                                       HAS_NORM=True, KV_FP8=False, EXACT=False, KEEP_K=True), warps=4, stages=1)
+from ainfer_pd.engine.attention.plan import LONG_PREFILL_TOKENS, prefill_plan
+from ainfer_pd.engine.attention.triton_prefill_tma import prefill_tma_kernel
+tp = prefill_plan(128, False, LONG_PREFILL_TOKENS, tma=True)
+row = (32 + 2 * 4) * 128                   # q / k / v: views of the fused QKV output of Qwen3-30B-A3B's shape
+out["prefill_tma"] = compile_stats(
+    prefill_tma_kernel, {**dict.fromkeys(("Q", "KN", "VN", "K", "V", "O"), "*bf16"), "scale_log2": "fp32",
+                         **dict.fromkeys(("TABLE", "QSTART", "QLEN", "CTX", "TSEQ", "TM"), "*i32")},
+    {"stride_qt": row, "stride_knt": row, "stride_vnt": row, "stride_kn": 512, "stride_kh": 128, "stride_vn": 512,
+     "stride_vh": 128, "stride_ot": 4096, "stride_oh": 128},
+    dict(H=32, GROUP=8, HEAD_DIM=128, PAGE=16, BLOCK_M=tp.block_m, BLOCK_N=tp.block_n, IEEE=False, WS=False),
+    tp.num_warps, tp.num_stages)
 
 def moe(p, swap, direct=False):
     return plan_stats(p.block_m, p.block_n, p.block_k, p.group_m, p.num_warps, p.num_stages, swap, direct=direct)
@@ -121,6 +135,16 @@ def test_bf16_pool_kernels_keep_bf16_mmas(ptx_ops):
         ops = ptx_ops[name]
         assert _mmas(ops) and all("bf16" in op for op in _mmas(ops)), ops
         assert ops.get("cvt.rn.f16x2.e4m3x2", 0) == 0, ops
+
+
+def test_the_tma_prefill_kernel_loads_through_tma_without_spills(ptx_ops):
+    """The long plan's TMA kernel (strided q / k / v views, the row stride a runtime argument): its
+    own keys and queries load with TMA bulk copies, bf16 wgmma, nothing spilled; the prologue that
+    keeps K for it spills nothing either."""
+    s = ptx_ops["prefill_tma"]
+    assert s["tma_loads"] > 0, s
+    assert s["mma"] and all("wgmma" in m and "bf16" in m for m in s["mma"]), s
+    assert s["spill"] == 0 and ptx_ops["prologue_keep_k"]["spill"] == 0, (s, ptx_ops["prologue_keep_k"])
 
 
 def test_the_moe_sum_compiles_without_spills(ptx_ops):

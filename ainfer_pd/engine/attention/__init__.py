@@ -44,15 +44,16 @@ def attend(q: Tensor, kv: Tensor, fb: ForwardBatch, backend: AttentionBackend | 
     be = backend or _REFERENCE
     kc, vc = kv[0], kv[1]
     n_p = fb.num_prefill_tokens
+    own_kv, fb.own_kv = fb.own_kv, None      # this layer's (the prologue's): not held past its attention
     if fb.decode is None:
         out = q.new_empty(q.shape)
         if fb.prefill:
-            be.prefill(q, kc, vc, fb, out, kv_scale=kv_scale)
+            be.prefill(q, kc, vc, fb, out, kv_scale=kv_scale, own_kv=own_kv)
         return out
     od = be.decode(q[n_p:], kc, vc, fb, kv_scale=kv_scale)
     if not fb.prefill:
         return od
     out = q.new_empty(q.shape)
-    be.prefill(q, kc, vc, fb, out, kv_scale=kv_scale)
+    be.prefill(q, kc, vc, fb, out, kv_scale=kv_scale, own_kv=own_kv)
     out[n_p:] = od
     return out

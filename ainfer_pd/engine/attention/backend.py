@@ -33,13 +33,17 @@ class AttentionBackend(Protocol):
         """``h = residual + x`` and ``rms_norm(h) * w`` (the residual add fused into the norm)."""
 
     def prologue(self, q: Tensor, k: Tensor, v: Tensor, q_w: Tensor | None, k_w: Tensor | None, eps: float,
-                 rope: tuple[Tensor, Tensor], kv: Tensor, slots: Tensor, kv_scale: Tensor | None = None) -> Tensor:
+                 rope: tuple[Tensor, Tensor], kv: Tensor, slots: Tensor, kv_scale: Tensor | None = None,
+                 keep_k: bool = False) -> Tensor:
         """Optional QK-norm (weights ``q_w`` / ``k_w`` [hd]), RoPE of q and k (half-split over the
-        first ``2 * cos.shape[-1]`` dims), K/V written into ``kv`` [2, S, Hk, hd] at ``slots``; returns q."""
+        first ``2 * cos.shape[-1]`` dims), K/V written into ``kv`` [2, S, Hk, hd] at ``slots``; returns q.
+        ``keep_k``: the roped keys are also stored back into ``k`` in place (unquantized)."""
 
     def prefill(self, q: Tensor, kc: Tensor, vc: Tensor, fb: ForwardBatch, out: Tensor,
-                kv_scale: Tensor | None = None) -> None:
-        """Every prefill sequence of ``fb`` (causal, lower-right aligned): rows into ``out``."""
+                kv_scale: Tensor | None = None, own_kv: tuple[Tensor, Tensor] | None = None) -> None:
+        """Every prefill sequence of ``fb`` (causal, lower-right aligned): rows into ``out``. ``own_kv``:
+        the pass's roped K and V [T, Hk, hd] (``ForwardBatch.own_kv``), which a backend may read in
+        place of the pool's copy of them (the triton one's long passes, through TMA), or ignore."""
 
     def decode(self, q: Tensor, kc: Tensor, vc: Tensor, fb: ForwardBatch, kv_scale: Tensor | None = None) -> Tensor:
         """The decode rows ``q [B, H, hd]`` -> ``[B, H, hd]``; fixed shapes (graph-capturable)."""

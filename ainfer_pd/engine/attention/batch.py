@@ -115,6 +115,11 @@ class ForwardBatch:
     rope: tuple[Tensor, Tensor] | None = None   # cos/sin of ``positions`` (computed once per pass)
     block_size: int = 0               # KV block size (0: unknown, the paged kernels then refuse)
     prefill_meta: PrefillMeta | None = None     # built by the paged backend on first use
+    own_kv: tuple[Tensor, Tensor] | None = None
+    """The pass's roped K and V [T, Hk, hd] (views of the QKV projection's output), set by the model's
+    attention prologue for the layer being run when the backend's prefill reads them (TMA:
+    ``TritonAttention.reads_own_kv``), None otherwise; :func:`~ainfer_pd.engine.attention.attend`
+    hands them to the prefill and clears them."""
     padded: bool = False
     """Some rows may be padding (a graph bucket's, a replica's: they write the scratch slot): the
     fused router routes those nowhere (``MoETransformer.route_rows``). False: every row is real,

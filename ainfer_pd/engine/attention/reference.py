@@ -74,13 +74,17 @@ class TorchAttention:
         return h, rms_norm(h, w, eps)
 
     def prologue(self, q: Tensor, k: Tensor, v: Tensor, q_w: Tensor | None, k_w: Tensor | None, eps: float,
-                 rope: tuple[Tensor, Tensor], kv: Tensor, slots: Tensor, kv_scale: Tensor | None = None) -> Tensor:
+                 rope: tuple[Tensor, Tensor], kv: Tensor, slots: Tensor, kv_scale: Tensor | None = None,
+                 keep_k: bool = False) -> Tensor:
         """Optional QK-norm, RoPE of q and k, K/V written into the cache at ``slots`` (quantized
-        with ``kv_scale`` [2] into an FP8 pool); returns q."""
+        with ``kv_scale`` [2] into an FP8 pool); returns q. ``keep_k``: the roped keys into ``k`` too."""
+        k_in = k
         if q_w is not None:
             q, k = rms_norm(q, q_w, eps), rms_norm(k, k_w, eps)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if keep_k:
+            k_in.copy_(k)
         store_kv(kv[0], slots, k, None if kv_scale is None else kv_scale[0])
         store_kv(kv[1], slots, v, None if kv_scale is None else kv_scale[1])
         return q
@@ -88,9 +92,10 @@ class TorchAttention:
     # ---------------------------------------------------------------- attention
 
     def prefill(self, q: Tensor, kc: Tensor, vc: Tensor, fb: ForwardBatch, out: Tensor,
-                kv_scale: Tensor | None = None) -> None:
+                kv_scale: Tensor | None = None, own_kv: tuple[Tensor, Tensor] | None = None) -> None:
         """Rows of every prefill sequence of ``fb``: q [T, H, hd] -> out [T, H, hd] (in place).
-        An FP8 pool is dequantized with ``kv_scale`` [2] (K, V) as it is gathered."""
+        An FP8 pool is dequantized with ``kv_scale`` [2] (K, V) as it is gathered. ``own_kv`` is
+        ignored: every key is gathered from the pool."""
         groups = q.shape[1] // kc.shape[1]
         k_s, v_s = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
         for s in fb.prefill:

@@ -2,7 +2,9 @@
 
 No gather into dense copies, no GQA expansion: the kernels read each sequence's K/V in place
 through its block table. Decode has fixed shapes for a given (rows, blocks per row), so it
-replays inside CUDA graphs; prefill is one launch for every sequence of a P segment.
+replays inside CUDA graphs; prefill is one launch for every sequence of a P segment. A long prefill
+pass on Hopper or newer reads its own keys and values contiguous, through TMA descriptors
+(:mod:`.triton_prefill_tma`, when the plan says ``own_keys_tma`` and the model kept them: ``own_kv``).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from .kv_fp8 import is_fp8
 from .plan import DecodePlan, PrefillPlan, decode_plan, prefill_plan
 from .triton_kernels import (decode_merge_kernel, paged_decode_kernel, paged_prefill_kernel, qkv_prologue_kernel,
                              rms_norm_kernel)
+from .triton_prefill_tma import prefill_tma, tma_layout_ok
 
 _LOG2E = 1.4426950408889634
 
@@ -46,10 +49,14 @@ class TritonAttention:
     name = "triton"
 
     def __init__(self, device: torch.device, *, decode_overrides: dict | None = None,
-                 prefill_override: PrefillPlan | None = None) -> None:
+                 prefill_override: PrefillPlan | None = None, tma: bool | None = None) -> None:
         self.device = device
         self.decode_overrides = dict(decode_overrides or {})
         self.prefill_override = prefill_override
+        if tma is None:
+            tma = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+        self.tma = tma
+        """The device has TMA (Hopper or newer): long prefill passes may read their own K/V through it."""
 
     @staticmethod
     def check_head_dim(head_dim: int) -> None:
@@ -80,7 +87,10 @@ class TritonAttention:
                                  HAS_RES=res is not None, BLOCK_D=_pow2(D), num_warps=4 if D <= 4096 else 8)
 
     def prologue(self, q: Tensor, k: Tensor, v: Tensor, q_w: Tensor | None, k_w: Tensor | None, eps: float,
-                 rope: tuple[Tensor, Tensor], kv: Tensor, slots: Tensor, kv_scale: Tensor | None = None) -> Tensor:
+                 rope: tuple[Tensor, Tensor], kv: Tensor, slots: Tensor, kv_scale: Tensor | None = None,
+                 keep_k: bool = False) -> Tensor:
+        """See :meth:`.backend.AttentionBackend.prologue`; ``keep_k``: the roped keys are stored back
+        into ``k`` in place too (unquantized: what a prefill reading ``own_kv`` reads)."""
         T, H, hd = q.shape
         if T == 0:
             return q
@@ -96,7 +106,8 @@ class TritonAttention:
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
             kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), H, Hk, eps,
             HEAD_DIM=hd, HALF=cos.shape[-1], QB=qb, KB=kb, HAS_NORM=has_norm, KV_FP8=fp8,
-            EXACT=fp8 and os.environ.get("TRITON_INTERPRET") == "1", num_warps=4 if max(qb, kb) * hd >= 1024 else 1)
+            EXACT=fp8 and os.environ.get("TRITON_INTERPRET") == "1", KEEP_K=keep_k,
+            num_warps=4 if max(qb, kb) * hd >= 1024 else 1)
         return q
 
     # ------------------------------------------------------------------ decode
@@ -143,15 +154,28 @@ class TritonAttention:
 
     # ------------------------------------------------------------------ prefill
     def prefill_plan(self, head_dim: int, dtype: torch.dtype, tokens: int = 0, kv_fp8: bool = False) -> PrefillPlan:
-        return self.prefill_override or prefill_plan(head_dim, dtype == torch.float32, tokens, kv_fp8)
+        """The tile of a pass of ``tokens`` query tokens: ``prefill_override`` as given, else
+        :func:`.plan.prefill_plan` (``own_keys_tma`` only where :attr:`tma`)."""
+        return self.prefill_override or prefill_plan(head_dim, dtype == torch.float32, tokens, kv_fp8, tma=self.tma)
+
+    def reads_own_kv(self, tokens: int, dtype: torch.dtype, head_dim: int, kv_fp8: bool) -> bool:
+        """Whether a prefill of ``tokens`` query tokens reads the pass's own K/V contiguous (TMA): the
+        model then keeps them (``prologue(keep_k=True)``) and hands them over (``ForwardBatch.own_kv``)."""
+        return not kv_fp8 and self.prefill_plan(head_dim, dtype, tokens, kv_fp8).own_keys_tma
 
     def prefill(self, q: Tensor, kc: Tensor, vc: Tensor, fb: ForwardBatch, out: Tensor,
-                kv_scale: Tensor | None = None) -> None:
+                kv_scale: Tensor | None = None, own_kv: tuple[Tensor, Tensor] | None = None) -> None:
+        """Every prefill sequence of ``fb`` into ``out``. ``own_kv``: the pass's roped K and V
+        [T, Hk, hd] (strided views of the QKV output) when the model kept them; read contiguous through
+        TMA when the plan says ``own_keys_tma`` on a 16-bit pool, else every key through the block table."""
         T, H, hd = q.shape
         Hk = kc.shape[1]
         self.check_head_dim(hd)
         fp8, ks = _kv_format(kc, kv_scale, out)
         plan = self.prefill_plan(hd, q.dtype, T, fp8)
+        if plan.own_keys_tma and own_kv is not None and not fp8 and all(map(tma_layout_ok, (q, *own_kv))):
+            prefill_tma(q, own_kv[0], own_kv[1], kc, vc, fb, out, plan)
+            return
         pm = fb.build_prefill_meta(plan.block_m, plan.heavy_first)
         NT = int(pm.tile_seq.shape[0])
         if NT == 0:

@@ -341,13 +341,14 @@ def qkv_prologue_kernel(
     stride_kcn, stride_kch, stride_vcn, stride_vch,
     H, HK, eps,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr,
-    HAS_NORM: tl.constexpr, KV_FP8: tl.constexpr, EXACT: tl.constexpr,
+    HAS_NORM: tl.constexpr, KV_FP8: tl.constexpr, EXACT: tl.constexpr, KEEP_K: tl.constexpr = False,
 ):
     """Program (token t, j): j < cdiv(H, QB) rotates the QB query heads of block j in place; the
     programs after it rotate KB key heads each and write them, and their value heads, into the cache
     slot of token t (no [T, Hk, hd] copy); an FP8 pool gets them quantized with the layer's scales
-    ``KV_SCALE`` [2]. A tile of heads a program: one head a program left a 4,096-token prefill
-    waiting on ~40 waves of 1-warp programs."""
+    ``KV_SCALE`` [2]. ``KEEP_K``: the rotated key heads are stored back into K too (unquantized),
+    for a prefill that reads the pass's own keys contiguous. A tile of heads a program: one head a
+    program left a 4,096-token prefill waiting on ~40 waves of 1-warp programs."""
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     nqb = tl.cdiv(H, QB)
@@ -364,8 +365,10 @@ def qkv_prologue_kernel(
         kh = (j - nqb) * KB + tl.arange(0, KB)
         kmask = kh < HK
         slot = tl.load(SLOTS + t).to(tl.int64)
-        k_row = _norm_rope(K + t * stride_kt + kh[:, None] * stride_kh + offs[None, :], KW, cs_t, offs, kmask, eps,
-                           HEAD_DIM, HALF, HAS_NORM, COS, SIN)
+        k_ptrs = K + t * stride_kt + kh[:, None] * stride_kh + offs[None, :]
+        k_row = _norm_rope(k_ptrs, KW, cs_t, offs, kmask, eps, HEAD_DIM, HALF, HAS_NORM, COS, SIN)
+        if KEEP_K:
+            tl.store(k_ptrs, k_row.to(K.dtype.element_ty), mask=kmask[:, None])
         v_row = tl.load(V + t * stride_vt + kh[:, None] * stride_vh + offs[None, :], mask=kmask[:, None])
         if KV_FP8:
             k_row = _to_e4m3(k_row, tl.load(KV_SCALE), EXACT)

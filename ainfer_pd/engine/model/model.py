@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from ...config import ModelConfig
 from ..attention import AttentionBackend, ForwardBatch, TorchAttention, attend
-from .norm import rms_norm
+from ..attention.kv_fp8 import is_fp8
 from .rope import rope_cos_sin
 from .linear import (SCALE_SUFFIX, Fp8Kernels, add_projection, base_leaf, layer_projections, mlp, project, routed,
                      store)
@@ -30,7 +30,6 @@ from .routing import RouterSpec, route
 
 # An expert backend maps (x [T, D], routing, layer index) -> routed expert output [T, D].
 ExpertFn = Callable[[Tensor, Routing, int], Tensor]
-
 
 _REFERENCE = TorchAttention()
 
@@ -248,24 +247,25 @@ class MoETransformer(nn.Module):
         projection [T, D]. Under attention tensor parallelism (:mod:`.tensor_parallel`) the model
         holds a shard of the heads and this is a partial sum, reduced over the TP group before
         :meth:`after_attention`. kv [2, S, Hk, hd] is layer i's cache (Hk: this model's KV heads)."""
-        q = self.attention_prologue(i, st, fb, kv)
-        o = attend(q, kv, fb, self.attn_backend, self.kv_scale(i))         # [T, H, hd]
+        o = attend(self.attention_prologue(i, st, fb, kv), kv, fb, self.attn_backend, self.kv_scale(i))  # [T, H, hd]
         return self.attention_out(i, o.flatten(1))             # [T, H * hd] (T may be 0: an empty batch)
 
     def attention_prologue(self, i: int, st: SegmentState, fb: ForwardBatch, kv: Tensor) -> Tensor:
         """Layer i's attention up to the attention itself: norm, QKV projection, QK-norm (when the
-        architecture has it), RoPE, and this batch's K/V into the cache -> q [T, H, hd]."""
+        architecture has it), RoPE, this batch's K/V into the cache (and, roped, into ``fb.own_kv`` when
+        the backend's prefill reads them contiguous: TMA) -> q [T, H, hd]."""
         c, lyr, kn = self.cfg, self.layers[i], self.kernels
-        T = st.h.shape[0]
         x = kn.rms_norm(st.h, lyr.attn_norm, c.rms_eps)
         qkv = project(lyr, "wqkv", x, lyr.bqkv, self.fp8_kernels)          # [T, (H+2Hk)*hd]
         H, Hk, hd = c.num_heads, c.num_kv_heads, c.head_dim
-        q, k, v = qkv.split([H * hd, Hk * hd, Hk * hd], dim=-1)
-        q, k, v = q.view(T, H, hd), k.view(T, Hk, hd), v.view(T, Hk, hd)
+        q, k, v = (t.unflatten(-1, (-1, hd)) for t in qkv.split([H * hd, Hk * hd, Hk * hd], dim=-1))
         if fb.rope is None:
             fb.rope = rope_cos_sin(fb.positions, c.rotary_dim, c.rope_theta, q.dtype)
+        keep = bool(fb.prefill) and hasattr(kn, "reads_own_kv") and kn.reads_own_kv(
+            fb.num_prefill_tokens, q.dtype, hd, is_fp8(kv))           # the pool's dtype, as the backend's
+        fb.own_kv = (k, v) if keep else None                   # k: roped in place by the prologue (keep_k)
         return kn.prologue(q, k, v, lyr.q_norm, lyr.k_norm, c.rms_eps, fb.rope, kv, fb.write_slots,
-                           kv_scale=self.kv_scale(i))
+                           kv_scale=self.kv_scale(i), keep_k=keep)
 
     def attention_out(self, i: int, o: Tensor) -> Tensor:
         """The output projection of layer i's attention o [T, H hd] -> [T, D]."""

@@ -328,8 +328,9 @@ class ModelRunner:
         if ctx.stream is not None:
             return ctx.stream.device.cuda_stream(ctx.stream.name)
         if ctx.phase not in self._phase_streams:
-            key = cuda_stream_key(torch.device(self.device).index or 0, 0)
-            self._phase_streams[ctx.phase] = take(key, lambda: torch.cuda.Stream(device=self.device))
+            idx = torch.device(self.device).index          # "cuda" alone: the current device's streams
+            idx = (torch.cuda.current_device() if torch.cuda.is_available() else 0) if idx is None else idx
+            self._phase_streams[ctx.phase] = take(cuda_stream_key(idx, 0), lambda: torch.cuda.Stream(device=idx))
         return self._phase_streams[ctx.phase]
 
     def prefill_graphs_refusal(self) -> str | None:
