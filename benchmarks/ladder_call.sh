@@ -16,6 +16,8 @@
 # failed gate ends the call (a ladder of a commit that failed its gate is not measured).
 # PART `sweep` runs `python benchmarks/kernel_sweep.py --sections $SECTIONS` for its estimate less 20 s
 # ($OUT/r/SUFFIX.out and .json): e.g. the gate then the kernel candidates, in one call.
+# PART `script` runs `python $SCRIPT $ARGS` (ARGS with + for spaces: ARGS=--budget-s+50) into $OUT/r/SUFFIX.out,
+# cut at the call's budget: a benchmark script beside the gate (fp8_dense_sweep.py, fp8_kernel_check.py --tiles).
 set -u
 # A part cut by the budget (or hung) is stopped with SIGABRT: PYTHONFAULTHANDLER=1 makes every Python
 # process of it print each thread's stack into its .out first (a hang is told from a slow run), then
@@ -33,7 +35,7 @@ for spec in "$@"; do
   case "$envs" in *SUFFIX=*) ;; *) echo "spec without SUFFIX: $spec" >&2; exit 2 ;; esac
   name=$(echo "$envs" | sed 's/.*SUFFIX=//; s/ .*//; s/[^A-Za-z0-9_-]/_/g')
   now=$(( $(date +%s) - T0 )); left=$(( BUDGET - now ))
-  [ $first = 1 ] || [ "$part" = gate ] || [ "$part" = sweep ] || est=$(( est - ${WARMUP_S:-45} ))
+  case "$part" in gate|sweep|script) ;; *) [ $first = 1 ] || est=$(( est - ${WARMUP_S:-45} )) ;; esac
   if [ "$est" -gt "$left" ]; then echo "SKIP (est $est > $left s left): $envs $part"; continue; fi
   echo "== $(date +%T) [$now s] $envs $part (est $est, $left left)"
   if [ "$part" = gate ]; then
@@ -47,6 +49,12 @@ for spec in "$@"; do
       --sections "${SECTIONS:?SECTIONS}" --budget-s "$1" --out "$2"' _ $(( est > 40 ? est - 20 : 20 )) "$R/$name.json" \
       > "$R/$name.out" 2>&1
     echo "sweep rc $? at $(( $(date +%s) - T0 )) s"
+    continue
+  fi
+  if [ "$part" = script ]; then
+    env $envs timeout -s ABRT -k 20 "$left" bash -c '"${PYTHON:-python}" "${SCRIPT:?SCRIPT}" ${ARGS//+/ }' \
+      > "$R/$name.out" 2>&1
+    echo "script rc $? at $(( $(date +%s) - T0 )) s"
     continue
   fi
   nw=""; [ $first = 1 ] || nw="NO_WARMUP=1"

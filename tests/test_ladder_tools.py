@@ -555,3 +555,22 @@ def test_a_ladder_call_sweeps_kernels_after_its_gate(tmp_path):
         sw_out = tf.extractfile("r/sw.out").read().decode()
         assert json.loads(tf.extractfile("r/sw.json").read()) == {"ok": 1}
     assert "--sections decodetma,moetma4096 --budget-s 130 --out" in sw_out
+
+
+def test_a_ladder_call_script_part_runs_its_script_with_its_args(tmp_path):
+    """PART ``script``: ``python $SCRIPT $ARGS`` (+ for spaces) into r/SUFFIX.out, no warm-up charged."""
+    import subprocess
+    import sys
+    import tarfile
+    script = tmp_path / "bench.py"
+    script.write_text('import sys\nprint("args", " ".join(sys.argv[1:]))\n')
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(out), "PYTHON": sys.executable, "WARMUP_S": "45"}
+    res = subprocess.run(["bash", "benchmarks/ladder_call.sh", "abc", "600",
+                          f"80|SCRIPT={script} ARGS=--budget-s+50+--tiles SUFFIX=fd|script"],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "script rc 0" in res.stdout and "(est 80," in res.stdout
+    with tarfile.open(out / "r.tgz") as tf:
+        assert tf.extractfile("r/fd.out").read().decode().strip() == "args --budget-s 50 --tiles"
