@@ -48,14 +48,15 @@ def outer_major(t: torch.Tensor) -> torch.Tensor:
 def cublas_fp8(xq, xs, wq, ws, layout: str):
     """One blockwise-scaled FP8 GEMM through torch: y [T, N] bf16 = (xq * xs) (wq * ws)^T."""
     sa = outer_major(xs) if "a-outer" in layout else xs
-    sb = ws.t() if "b-t" in layout else ws
+    sb = ws.t().contiguous() if "b-tc" in layout else ws.t() if "b-t" in layout else ws
     if hasattr(F, "scaled_mm") and "legacy" not in layout:
         st = F.ScalingType
         return F.scaled_mm(xq, wq.t(), sa, st.BlockWise1x128, sb, st.BlockWise128x128, output_dtype=torch.bfloat16)
     return torch._scaled_mm(xq, wq.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
 
 
-LAYOUTS = ("a-outer b-t", "a-outer", "a-outer b-t legacy", "a-outer legacy", "b-t", "")
+LAYOUTS = ("a-outer b-t", "a-outer b-tc", "a-outer", "a-outer b-t legacy", "a-outer b-tc legacy", "a-outer legacy",
+           "b-t", "")
 
 
 def main() -> None:
