@@ -65,63 +65,13 @@ def sweep(name: str, cands, run, bound_ms: float, budget: float) -> None:
                      "all": [[list(cc), tt] for tt, cc in rows]}
 
 
-def fp8_moe_tma_sweep(sizes, rw, bw: float, bud: float) -> None:
-    """The ``fp8moetma{T}`` sections (see main): gate_up and down of each tile pair, engine and TMA."""
-    from ainfer_pd.engine.quant import fp8 as q8
-    from ainfer_pd.engine.quant.fp8_ops import launch_fp8_down, launch_fp8_gate_up, per_token_group_quant
-    from ainfer_pd.engine.quant.fp8_plan import Fp8MoEPlan
-    from fp8_moe_tma import launch_fp8_down_tma, launch_fp8_gate_up_tma
-    g = torch.Generator(device=DEV).manual_seed(1)
-    w13_q, w13_s = q8.quantize_w13(torch.randn(E, I, D, device=DEV, generator=g) * 0.02,
-                                   torch.randn(E, I, D, device=DEV, generator=g) * 0.02)
-    w2_q, w2_s = q8.quantize_blockwise(torch.randn(E, D, I, device=DEV, generator=g) * 0.02)
-    # the engine's prefill plan, then tiles whose TMA kernels compile without spills
-    # (`tests/test_tma_candidates_ptx.py`: with descriptors the engine's 4-warp tiles spill ~300 bytes, 128-row
-    # ones 100-900)
-    tiles = [((64, 64, 128, 8, 4, 3), (64, 128, 128, 8, 4, 4)), ((64, 64, 128, 8, 8, 3), (64, 128, 128, 8, 8, 4)),
-             ((64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 8, 4))]
-    cands = [(kind, gu, dn) for gu, dn in tiles for kind in ("engine", "tma")]
-    for T in sizes:
-        xx = torch.randn(T, D, device=DEV, dtype=torch.bfloat16)
-        r = route(xx, rw, K)
-        xq, xs = per_token_group_quant(xx)
-        N = T * K
-        aq, as_ = per_token_group_quant(torch.randn(N, I, device=DEV, dtype=torch.bfloat16))
-        rows = torch.empty(N, D, device=DEV, dtype=torch.bfloat16)
-        topw = r.topk_weights.reshape(-1).contiguous()
-        lay = {}
-
-        def plan(c):
-            return Fp8MoEPlan(GemmPlan(*c[1]), GemmPlan(c[1][0], *c[2][1:]), quant_x_on_load=False,
-                              quant_act_on_load=False)
-
-        def layout(bm):
-            if bm not in lay:
-                lay[bm] = align_blocks(r, bm)
-            return lay[bm]
-
-        def gate_up(c):
-            p, gu = plan(c), (launch_fp8_gate_up_tma if c[0] == "tma" else launch_fp8_gate_up)
-            return ms(lambda: gu(xq, xs, w13_q, w13_s, layout(p.block_m), K, p))
-
-        def down(c):
-            p = plan(c)
-            if c[0] == "tma":
-                return ms(lambda: launch_fp8_down_tma(aq, as_, w2_q, w2_s, rows, layout(p.block_m), topw, p))
-            return ms(lambda: launch_fp8_down(aq, as_, w2_q, w2_s, rows, layout(p.block_m), topw, p.down, K))
-        flops = 2 * N * D * 2 * I
-        sweep(f"fp8_moe_tma_gate_up_T{T}", cands, gate_up, flops / 1600e12 * 1e3, bud)
-        sweep(f"fp8_moe_tma_down_T{T}", cands, down, flops / 2 / 1600e12 * 1e3, bud)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-s", type=float, default=240)
     ap.add_argument("--out", default=None)
     ap.add_argument("--sections", default="moe64,moe128,moe512,moe4096,decode,prefill",
                     help="comma list among moe64, moe128, moe512, moe2048, moe4096, moe8192, moe16384, moedirect, "
-                         "moetma2048, moetma4096, moetma8192, fp8moetma2048, fp8moetma4096, fp8moetma8192, decode, "
-                         "decodetma, prefill, prefilltma")
+                         "moetma2048, moetma4096, moetma8192, decode, prefill, prefilltma")
     args = ap.parse_args()
     sections = args.sections.split(",")            # whole names: "prefill" is not "prefilltma"
     x = torch.empty(2 << 30, dtype=torch.uint8, device=DEV)
@@ -194,13 +144,6 @@ def main() -> None:
         sweep(f"moe{tag}_gate_up_T{T}", cands, gate_up, b1, bud)
         sweep(f"moe{tag}_down_T{T}", cands, down, b2, bud)
 
-    # fp8moetma{T}: the FP8 fused MoE's prefill GEMMs, the engine's kernels against fp8_moe_tma.py's (weights
-    # through TMA descriptors) at the same tiles, ("engine" | "tma", gate_up tile, down tile); x and act quantized
-    # by launches of their own as the prefill plan does (act in gate_up's epilogue when its block_n is 128)
-    fp8_sizes = [T for T in (2048, 4096, 8192) if f"fp8moetma{T}" in sections]
-    if fp8_sizes:
-        fp8_moe_tma_sweep(fp8_sizes, rw, bw, bud)
-
     # ---- fused MoE at a handful of tokens (the rollout's tail): the aligned layout against a direct plan
     # (each pair its own row block: no align / scatter launch), whole fused_experts calls in a CUDA graph
     if "moedirect" in sections:
@@ -241,29 +184,6 @@ def main() -> None:
             return ms(lambda: be.decode(q, kc, vc, fb))
         sweep(f"attn_decode_B{B}_L{L}", cands, run, kvb / bw * 1e3, bud)
         del fb, q, kc, vc
-
-    # the TMA decode candidate (decode_tma.py: each page one descriptor load) beside the engine's default:
-    # ("tma", pages a step, warps, stages, split_keys, joined) on the engine's split layout (block_n 64); joined:
-    # the step's pages one [pages x 16, hd] tile (one softmax update a step), else one update a page
-    if "decodetma" in sections:
-        from ainfer_pd.engine.attention.plan import decode_plan
-        from decode_tma import decode_tma
-        tcands = [("engine",)] + [("tma", p, w, st, sk, j) for sk in (256, 128) for p, w, st, j in
-                                  ((4, 4, 3, True), (4, 4, 4, True), (2, 4, 4, True), (4, 2, 3, True),
-                                   (4, 4, 3, False), (1, 4, 6, False), (2, 2, 4, False))]
-        for B, L in ((32, 2048), (64, 2048), (128, 2048), (16, 5000), (1, 2048)):
-            fb, q, kc, vc = uniform_decode(B, L, H, Hk, hd, dt, DEV)
-            kvb = 2 * B * L * Hk * hd * 2
-
-            def run_tma(c):
-                if c[0] == "engine":
-                    be = TritonAttention(DEV)
-                    return ms(lambda: be.decode(q, kc, vc, fb))
-                plan = decode_plan(L, split_keys=c[4])
-                return ms(lambda: decode_tma(q, kc, vc, fb, plan, pages=c[1], num_warps=c[2], num_stages=c[3],
-                                             join=c[5]))
-            sweep(f"attn_decode_tma_B{B}_L{L}", tcands, run_tma, kvb / bw * 1e3, bud)
-            del fb, q, kc, vc
 
     # ---- varlen paged prefill attention: (block_m, block_n, warps, stages[, heavy_first]), the tiles with the
     # most keys launched first (default) or in sequence order (False); q heads packed per KV head, lazy

@@ -547,14 +547,14 @@ def test_a_ladder_call_sweeps_kernels_after_its_gate(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "OUT": str(out), "GATE_SH": str(gate), "SWEEP_PY": str(sweep),
            "PYTHON": sys.executable, "WARMUP_S": "45"}
     res = subprocess.run(["bash", "benchmarks/ladder_call.sh", "abc", "600", "100|SUFFIX=g|gate",
-                          "150|SECTIONS=decodetma,moetma4096 SUFFIX=sw|sweep"], capture_output=True, text=True,
+                          "150|SECTIONS=prefilltma,moetma4096 SUFFIX=sw|sweep"], capture_output=True, text=True,
                          timeout=60, env=env)
     assert res.returncode == 0, res.stderr
     assert "sweep rc 0" in res.stdout and "(est 150," in res.stdout
     with tarfile.open(out / "r.tgz") as tf:
         sw_out = tf.extractfile("r/sw.out").read().decode()
         assert json.loads(tf.extractfile("r/sw.json").read()) == {"ok": 1}
-    assert "--sections decodetma,moetma4096 --budget-s 130 --out" in sw_out
+    assert "--sections prefilltma,moetma4096 --budget-s 130 --out" in sw_out
 
 
 def test_a_ladder_call_script_part_runs_its_script_with_its_args(tmp_path):
