@@ -102,17 +102,19 @@ def main() -> None:
                 (64, 64, 64, 8, 4, 3), (64, 64, 64, 8, 4, 4)]
     medium = [(32, 64, 128, 4, 4, 3), (32, 128, 64, 4, 4, 3), (64, 64, 64, 8, 4, 3), (32, 64, 64, 4, 4, 4),
               (16, 64, 128, 1, 4, 4), (64, 128, 64, 8, 4, 3)]
-    # moetma{T}: the engine's prefill tiles against the same tiles with the weights through TMA descriptors
-    # (moe_tma.py), ("tma", block_m, block_n, block_k, group_m, warps, stages)
+    # moetma{T}: gate_up's pointer tiles against the same tiles with the weights through TMA descriptors
+    # (engine/fused_moe/kernels_tma.py; the prefill plan's at 128 x 128 x 64, 8 warps, 4 stages), ("tma",
+    # block_m, block_n, block_k, group_m, warps, stages); down through descriptors was no faster at any tile
+    # (docs/results/kernels/tma_candidates_sweep_ee81de8_h100.txt), its pointer tiles only
     tma = [(128, 128, 32, 8, 8, 4), (128, 128, 64, 8, 8, 3), ("tma", 128, 128, 32, 8, 8, 4),
-           ("tma", 128, 128, 64, 8, 8, 3), ("tma", 128, 128, 64, 8, 8, 4), ("tma", 128, 256, 64, 8, 8, 3),
-           ("tma", 64, 128, 64, 8, 4, 4), ("tma", 128, 64, 64, 8, 4, 4)]
+           ("tma", 128, 128, 64, 8, 8, 3), ("tma", 128, 128, 64, 8, 8, 4), ("tma", 64, 128, 64, 8, 8, 4),
+           ("tma", 64, 128, 64, 8, 4, 4)]
     moe_cases = [(f"moe{T}", T, c) for T, c in ((64, small), (128, small), (512, medium), (2048, large + large_64),
                                                 (4096, large + large_64), (8192, large + large_64), (16384, large))]
     moe_cases = [(n, T, c) for n, T, c in moe_cases + [(f"moetma{T}", T, tma) for T in (2048, 4096, 8192)]
                  if n in sections]
     if any(n.startswith("moetma") for n, _, _ in moe_cases):
-        from moe_tma import launch_down_tma, launch_gate_up_tma
+        from ainfer_pd.engine.fused_moe.kernels_tma import launch_gate_up_tma
     for sec, T, cands in moe_cases:
         xx = torch.randn(T, D, device=DEV, dtype=dt)
         r = route(xx, rw, K)
@@ -137,12 +139,10 @@ def main() -> None:
             return ms(lambda: launch_gate_up(xx, w13, act, layout(c[0]), K, GemmPlan(*c)))
 
         def down(c):
-            if c[0] == "tma":
-                return ms(lambda: launch_down_tma(act, w2, rows, layout(c[1]), topw, GemmPlan(*c[1:])))
             return ms(lambda: launch_down(act, w2, rows, layout(c[0]), topw, GemmPlan(*c)))
         tag = "_tma" if sec.startswith("moetma") else ""
         sweep(f"moe{tag}_gate_up_T{T}", cands, gate_up, b1, bud)
-        sweep(f"moe{tag}_down_T{T}", cands, down, b2, bud)
+        sweep(f"moe{tag}_down_T{T}", [c for c in cands if c[0] != "tma"], down, b2, bud)
 
     # ---- fused MoE at a handful of tokens (the rollout's tail): the aligned layout against a direct plan
     # (each pair its own row block: no align / scatter launch), whole fused_experts calls in a CUDA graph
@@ -206,12 +206,12 @@ def main() -> None:
 
 
 def prefill_sweep(name: str, cands, bud: float) -> None:
-    """Each candidate at 4,096 and 8,192 new tokens and two 575-token continuations on 1,500 cached,
+    """Each candidate at 2,048, 4,096 and 8,192 new tokens and two 575-token continuations on 1,500 cached,
     its output within bf16 of the first candidate's: an engine tile (a :class:`PrefillPlan`'s
     fields) or ``("tma", ...)``, :func:`~ainfer_pd.engine.attention.triton_prefill_tma.prefill_tma`'s
     tile. The pass's new keys are written into the pool first, where the paged kernel reads them and
     the TMA one does not (it reads ``k`` / ``v``, as the engine's own K / V of the pass)."""
-    for seqs in ([(0, 4096)], [(0, 8192)], [(1500, 575), (1500, 575)]):
+    for seqs in ([(0, 2048)], [(0, 4096)], [(0, 8192)], [(1500, 575), (1500, 575)]):
         fb, q, k, v, kv, _ = paged_case(seqs, [], H, Hk, hd, torch.bfloat16, DEV)
         kc, vc = kv[0], kv[1]
         kc[fb.write_slots], vc[fb.write_slots] = k, v

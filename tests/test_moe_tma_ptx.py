@@ -1,7 +1,9 @@
-"""The sweep's TMA candidate (benchmarks/moe_tma.py) compiled for sm_90 on
-this CPU machine (Triton's NVIDIA back end and ptxas, in a child process without ``TRITON_INTERPRET``):
-its weight tiles are TMA bulk tensor copies, with Hopper's MMAs, and the tile the sweep leads with
-spills nothing. A candidate that does not compile would cost a device call to find."""
+"""The fused MoE's TMA gate_up (engine/fused_moe/kernels_tma.py) compiled for sm_90 on this CPU machine
+(Triton's NVIDIA back end and ptxas, in a child process without ``TRITON_INTERPRET``), at the tile the
+prefill plan gives it (``plan._LARGE_TMA``): its weight tiles are TMA bulk tensor copies into bf16
+``wgmma``. Its two 128 x 128 accumulators on 8 warps take all 255 registers and spill ~300 bytes in this
+compile, yet the tile measured fastest (0.4488 ms against 0.4806 without descriptors, H100): the test
+holds that spill under 512 bytes, so a change that spills much more is seen before a device call."""
 from __future__ import annotations
 
 import json
@@ -17,12 +19,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 _CHILD = r'''
 import inspect, json, re, sys
-sys.path.insert(0, "benchmarks")
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from benchmarks.kernel_ptx_report import _ptxas_info
-from moe_tma import moe_down_tma_kernel, moe_gate_up_tma_kernel
+from ainfer_pd.engine.fused_moe.kernels_tma import moe_gate_up_tma_kernel
+from ainfer_pd.engine.fused_moe.plan import _LARGE_TMA
 
 def stats(kernel, ptr, const, warps, stages):
     params = list(inspect.signature(kernel.fn).parameters)
@@ -43,16 +45,15 @@ def stats(kernel, ptr, const, warps, stages):
 
 out = {}
 lay = {"SORTED": "*i32", "BLOCK_EXPERT": "*i32", "NUM_POST": "*i32"}
-tile = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, IEEE=False)
+g = _LARGE_TMA.gate_up
+tile = dict(BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m, IEEE=False)
 out["moe_gate_up"] = stats(moe_gate_up_tma_kernel, {**lay, "X": "*bf16", "W": "*bf16", "ACT": "*bf16"},
-                           dict(tile, TOPK=8), 8, 4)
-out["moe_down"] = stats(moe_down_tma_kernel, {**lay, "A": "*bf16", "W": "*bf16", "OUT": "*bf16", "TOPW": "*fp32"},
-                        tile, 8, 4)
+                           dict(tile, TOPK=8), g.num_warps, g.num_stages)
 print(json.dumps(out))
 '''
 
 
-def test_tma_candidates_compile_for_sm90_with_bulk_tensor_copies():
+def test_tma_gate_up_compiles_for_sm90_with_bulk_tensor_copies():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     r = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -61,6 +62,5 @@ def test_tma_candidates_compile_for_sm90_with_bulk_tensor_copies():
     if "skip" in out:
         pytest.skip(f"Triton cannot compile for sm_90 here: {out['skip']}")
     for name, s in out.items():
-        assert s["bulk"] > 0 and s["spill"] == 0 and s["mma"], (name, s)
-    assert all("bf16" in m for s in out.values() for m in s["mma"])
-    assert all(m.startswith("wgmma") for m in out["moe_gate_up"]["mma"] + out["moe_down"]["mma"])
+        assert s["bulk"] > 0 and s["spill"] < 512 and s["mma"], (name, s)
+    assert all("bf16" in m and m.startswith("wgmma") for m in out["moe_gate_up"]["mma"]), out
