@@ -57,6 +57,18 @@ def _expert_block(SORTED, BLOCK_EXPERT, NUM_POST, num_pairs, P, NCOLS, BLOCK_M: 
     return active, e, pairs, rmask, offs_n, offs_n < NCOLS
 
 
+@triton.jit
+def _dot_pair(a, bg, bu, acc_g, acc_u, IEEE: tl.constexpr):
+    """gate_up's step: ``a`` into both halves' accumulators (IEEE: float32's exact products)."""
+    if IEEE:
+        acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
+        acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
+    else:
+        acc_g = tl.dot(a, bg, acc_g)
+        acc_u = tl.dot(a, bu, acc_u)
+    return acc_g, acc_u
+
+
 @triton.jit(do_not_specialize=["num_pairs", "P"])
 def moe_gate_up_kernel(
     X, W, ACT, SORTED, BLOCK_EXPERT, NUM_POST,
@@ -81,12 +93,7 @@ def moe_gate_up_kernel(
         a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
         bg = tl.load(g_ptr, mask=kmask[:, None] & nmask[None, :], other=0.0)
         bu = tl.load(u_ptr, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        if IEEE:
-            acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
-            acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
-        else:
-            acc_g = tl.dot(a, bg, acc_g)
-            acc_u = tl.dot(a, bu, acc_u)
+        acc_g, acc_u = _dot_pair(a, bg, bu, acc_g, acc_u, IEEE)
         a_ptr += BLOCK_K
         g_ptr += BLOCK_K * stride_wk
         u_ptr += BLOCK_K * stride_wk

@@ -18,7 +18,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..tma import use_tma_scratch
-from .kernels import _expert_block
+from .kernels import _dot_pair, _expert_block
 from .plan import GemmPlan
 
 
@@ -50,12 +50,7 @@ def moe_gate_up_tma_kernel(
         a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
         bg = w_desc.load([ei, k0, n0]).reshape(BLOCK_K, BLOCK_N)
         bu = w_desc.load([ei, k0, n0 + I]).reshape(BLOCK_K, BLOCK_N)
-        if IEEE:
-            acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
-            acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
-        else:
-            acc_g = tl.dot(a, bg, acc_g)
-            acc_u = tl.dot(a, bu, acc_u)
+        acc_g, acc_u = _dot_pair(a, bg, bu, acc_g, acc_u, IEEE)
         a_ptr += BLOCK_K
     act = acc_g * tl.sigmoid(acc_g) * acc_u
     out_ptr = ACT + pairs.to(tl.int64)[:, None] * stride_an + offs_n[None, :]
