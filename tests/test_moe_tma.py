@@ -28,9 +28,11 @@ def test_tma_gate_up_in_fused_experts_matches_reference(T, E, k, D, I, bk):
     assert (out - plain).abs().max().item() < 1e-5 * max(1.0, ref.abs().max().item())
 
 
-def test_plan_takes_tma_gate_up_only_for_prefill_tiers_when_asked():
+def test_plan_takes_tma_gate_up_only_where_it_measured_faster():
     E = 128
-    assert moe_plan(4096 * 8, E, False, tokens=4096, tma=True).gate_up_tma
+    for T in (2048, 4096):                            # up to 256 rows an expert (measured faster there)
+        assert moe_plan(T * 8, E, False, tokens=T, tma=True).gate_up_tma
+    assert not moe_plan(8192 * 8, E, False, tokens=8192, tma=True).gate_up_tma      # 512 rows: pointer loads
     assert not moe_plan(4096 * 8, E, False, tokens=4096).gate_up_tma
     for T in (1, 16, 128, 512):                       # decode and medium tiers keep the pointer kernels
         assert not moe_plan(T * 8, E, False, tokens=T, tma=True).gate_up_tma

@@ -6,7 +6,9 @@ descriptor (a 3-D one over ``[E, K, 2I]``, which zero fills past ``K`` as the po
 do); the A operand stays a gather of each pair's token row (TMA has no row gather). H100, 4,096
 tokens of the Qwen3-30B-A3B shape (``docs/results/kernels/tma_candidates_sweep_ee81de8_h100.txt``):
 0.4488 ms a layer on tile 128 x 128 x 64, 8 warps, 4 stages, against the pointer kernel's best
-0.4806 (128 x 128 x 32, 4 stages; with the K step of 64 its 4 stages do not fit in shared memory).
+0.4806 (128 x 128 x 32, 4 stages; with the K step of 64 its 4 stages do not fit in shared memory); 2,048
+tokens 0.3326 against 0.3429; 8,192 tokens 0.8410 against 0.8002, slower, so the plan takes it up to
+256 rows an expert (``plan.TMA_MAX_ROWS_PER_EXPERT``; ``tma_sweep_180baf4_h100.txt``).
 The down GEMM through descriptors was no faster at any tile (0.2821 against 0.2791 ms), so it keeps
 the pointer kernel. Runs under ``TRITON_INTERPRET=1`` too.
 """
