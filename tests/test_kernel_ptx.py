@@ -191,9 +191,9 @@ def test_bf16_moe_kernels_compile_for_both_layouts(ptx_ops):
 
 def test_fp8_moe_scales_each_product_in_one_fma_an_element(ptx_ops):
     """Each K step's product times the rows' scales, added to the accumulator: one ``fma.rn.f32`` an
-    element, the row scales multiplied once a row. With ``p * sa * sb`` (two multiplies an element) the
-    prefill gate_up compiled to 160 ``mul.f32`` beside its 64 FMAs and down to 128 (Triton 3.9, sm_90):
-    float32 work the size of half the e4m3 MMAs' time. Left: gate_up's SwiGLU epilogue (64)."""
+    element, the row scales multiplied once a row. With ``p * sa * sb`` (a multiply and an FMA an element)
+    the prefill gate_up's K loop compiled to 64 ``mul.f32`` and 64 FMAs a thread a step, now 4 and 64
+    (Triton 3.9, sm_90); the kernel's other multiplies are its SwiGLU epilogue's (96)."""
     for plan in ("moe_prefill", "moe_decode"):
         for kern in ("gate_up", "down"):
             ops = ptx_ops[plan][kern]["ops"]
