@@ -121,7 +121,8 @@ def main() -> None:
     if any(n.startswith(("moetma", "moehalf")) for n, _, _ in moe_cases):
         from ainfer_pd.engine.fused_moe.kernels_tma import launch_gate_up_tma
     if any(n.startswith("moehalf") for n, _, _ in moe_cases):
-        from moe_half_blocks import half_block_layout, launch_down_half, launch_gate_up_half
+        from ainfer_pd.engine.fused_moe import align_blocks_triton
+        from moe_half_blocks import half_block_layout_triton, launch_down_half, launch_gate_up_half
     for sec, T, cands in moe_cases:
         xx = torch.randn(T, D, device=DEV, dtype=dt)
         r = route(xx, rw, K)
@@ -136,7 +137,7 @@ def main() -> None:
 
         def layout(bm, kind=""):
             if (kind, bm) not in lay:
-                lay[kind, bm] = half_block_layout(r, bm) if kind == "half" else align_blocks(r, bm)
+                lay[kind, bm] = half_block_layout_triton(r, bm) if kind == "half" else align_blocks(r, bm)
             return lay[kind, bm]
         if sec.startswith("moehalf"):       # rows the GEMMs multiply, over the pairs
             for bm in (64, 128):
@@ -144,7 +145,9 @@ def main() -> None:
             hl = layout(128, "half")
             used = int(hl[4].item())
             rows_h = 128 * used - 64 * int(hl[3][:used].sum().item())
-            print(f"  padding T{T} half blocks of 128: {rows_h / N:.3f}x the pairs", flush=True)
+            print(f"  padding T{T} half blocks of 128: {rows_h / N:.3f}x the pairs; layout launches "
+                  f"{ms(lambda: align_blocks_triton(r, 128)) * 1e3:.1f} us (engine) against "
+                  f"{ms(lambda: half_block_layout_triton(r, 128)) * 1e3:.1f} us (half blocks)", flush=True)
         b1 = max(wb1 / bw, flops / 800e12) * 1e3
         b2 = max(wb2 / bw, flops / 2 / 800e12) * 1e3
         def gate_up(c):

@@ -54,6 +54,60 @@ def half_block_layout(r: Routing, block_m: int) -> tuple[Tensor, Tensor, Tensor,
     return sorted_ids, block_start, e.to(torch.int32), block_half, bend[-1:].to(torch.int32)
 
 
+@triton.jit(do_not_specialize=["P", "MB", "num_pairs"])
+def half_align_kernel(COUNTS, SORTED, BLOCK_START, BLOCK_EXPERT, BLOCK_HALF, NUM_BLOCKS, CURSOR, E, P, MB, num_pairs,
+                      BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, FILL: tl.constexpr,
+                      BLOCKS_PER_STEP: tl.constexpr):
+    """One program: :func:`half_block_layout`'s tables from the expert counts (the engine's
+    ``moe_align_kernel`` for half blocks): each expert's first padded slot (into CURSOR, for
+    ``moe_scatter_kernel``), the block table, the blocks in use, the sentinel in every sorted slot."""
+    H: tl.constexpr = BLOCK_M // 2
+    offs_e = tl.arange(0, E_PAD)
+    emask = offs_e < E
+    c = tl.load(COUNTS + offs_e, mask=emask, other=0).to(tl.int32)
+    padded = (c + H - 1) // H * H
+    pstart = tl.cumsum(padded, 0) - padded
+    nblk = (c + BLOCK_M - 1) // BLOCK_M
+    bend = tl.cumsum(nblk, 0)
+    tl.store(CURSOR + offs_e, pstart, mask=emask)
+    tl.store(NUM_BLOCKS, tl.sum(nblk, 0))
+    for b0 in range(0, MB, BLOCKS_PER_STEP):
+        offs_b = b0 + tl.arange(0, BLOCKS_PER_STEP)
+        before = (bend[None, :] <= offs_b[:, None]) & emask[None, :]
+        ex = tl.minimum(tl.sum(before.to(tl.int32), 1), E - 1)
+        pick = offs_e[None, :] == ex[:, None]                   # one-hot: each block's expert's values
+        j = offs_b - tl.sum(tl.where(pick, bend - nblk, 0), 1)
+        rows_left = tl.sum(tl.where(pick, padded, 0), 1) - j * BLOCK_M
+        bmask = offs_b < MB
+        tl.store(BLOCK_START + offs_b, tl.sum(tl.where(pick, pstart, 0), 1) + j * BLOCK_M, mask=bmask)
+        tl.store(BLOCK_EXPERT + offs_b, ex, mask=bmask)
+        tl.store(BLOCK_HALF + offs_b, (rows_left <= H).to(tl.int32), mask=bmask)
+    for p0 in range(0, P, FILL):
+        offs_p = p0 + tl.arange(0, FILL)
+        tl.store(SORTED + offs_p, tl.full([FILL], 0, tl.int32) + num_pairs, mask=offs_p < P)
+
+
+def half_block_layout_triton(r: Routing, block_m: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`half_block_layout` in two launches (the order of pairs inside an expert's run differs from
+    run to run, as the engine's ``align_blocks_triton``; the blocks past those in use hold stale entries
+    no program reads)."""
+    from ainfer_pd.engine.fused_moe.kernels import moe_scatter_kernel
+    flat = r.topk_idx.reshape(-1)
+    N, E, dev = flat.numel(), r.counts.numel(), flat.device
+    MB = (N + E * (block_m - 1)) // block_m
+    P = N + min(E, N) * (block_m // 2 - 1) + block_m
+    sorted_ids = torch.empty(P, dtype=torch.int32, device=dev)
+    table = torch.empty(3, MB, dtype=torch.int32, device=dev)
+    num_blocks = torch.empty(1, dtype=torch.int32, device=dev)
+    cursor = torch.empty(E, dtype=torch.int32, device=dev)
+    e_pad = 1 << max(0, (E - 1).bit_length())
+    half_align_kernel[(1,)](r.counts, sorted_ids, table[0], table[1], table[2], num_blocks, cursor, E, P, MB, N,
+                            BLOCK_M=block_m, E_PAD=e_pad, FILL=1024, BLOCKS_PER_STEP=max(1, 4096 // e_pad),
+                            num_warps=4)
+    moe_scatter_kernel[(triton.cdiv(N, 1024),)](flat, sorted_ids, cursor, N, BLOCK=1024, num_warps=4)
+    return sorted_ids, table[0], table[1], table[2], num_blocks
+
+
 @triton.jit
 def _half_block(BLOCK_START, BLOCK_EXPERT, BLOCK_HALF, NUM_BLOCKS, MB, NCOLS, BLOCK_N: tl.constexpr,
                 GROUP_M: tl.constexpr):

@@ -11,7 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from ainfer_pd.engine.fused_moe import GemmPlan, moe_sum  # noqa: E402
 from ainfer_pd.engine.model.moe import experts_local, route  # noqa: E402
-from moe_half_blocks import half_block_layout, launch_down_half, launch_gate_up_half  # noqa: E402
+from moe_half_blocks import (half_block_layout, half_block_layout_triton, launch_down_half,  # noqa: E402
+                             launch_gate_up_half)
 
 
 def _layout_rows(layout, block_m):
@@ -24,12 +25,13 @@ def _layout_rows(layout, block_m):
     return rows
 
 
+@pytest.mark.parametrize("build", [half_block_layout, half_block_layout_triton], ids=["torch", "triton"])
 @pytest.mark.parametrize("T,E,k,bm", [(40, 8, 2, 16), (23, 6, 3, 8), (9, 16, 2, 16), (64, 4, 2, 16)])
-def test_half_block_layout_covers_every_pair_once_in_its_expert(T, E, k, bm):
+def test_half_block_layout_covers_every_pair_once_in_its_expert(T, E, k, bm, build):
     g = torch.Generator().manual_seed(T)
     x = torch.randn(T, 32, generator=g)
     r = route(x, torch.randn(E, 32, generator=g), k)
-    layout = half_block_layout(r, bm)
+    layout = build(r, bm)
     rows = _layout_rows(layout, bm)
     N = T * k
     flat = r.topk_idx.reshape(-1).tolist()
