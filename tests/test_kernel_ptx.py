@@ -19,16 +19,11 @@ the suite sets); no GPU is needed. What the interpreter cannot show is checked i
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from tests._ptx_child import compile_in_child
+
 pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parent.parent
 
 _CHILD = r'''
 import json, sys
@@ -105,14 +100,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def ptx_ops() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    if "skip" in out:
-        pytest.skip(f"Triton cannot compile for sm_90 here: {out['skip']}")
-    return out
+    return compile_in_child(_CHILD)
 
 
 def _mmas(ops: dict) -> list[str]:

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._ptx_child import compile_in_child
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from ainfer_pd.engine.fused_moe import GemmPlan, moe_sum  # noqa: E402
@@ -91,18 +93,8 @@ print(json.dumps(out))
 def test_half_blocks_compile_for_sm90_with_both_tile_heights():
     """On sm_90 the prefill tile (128 x 128 x 32, 8 warps, 4 stages) compiles with no spill, its full
     blocks on m64n128 wgmma and its half blocks on m64n64 (the two warpgroups side by side on N)."""
-    import json
-    import os
-    import subprocess
     pytest.importorskip("triton")
-    root = Path(__file__).resolve().parent.parent
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=600, cwd=root)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    if "skip" in out:
-        pytest.skip(f"Triton cannot compile for sm_90 here: {out['skip']}")
+    out = compile_in_child(_CHILD)
     for name, s in out.items():
         shapes = {m.split(".")[4] for m in s["mma"]}
         assert s["spill"] == 0 and shapes == {"m64n64k16", "m64n128k16"}, (name, s)

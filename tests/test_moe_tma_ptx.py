@@ -6,16 +6,11 @@ compile, yet the tile measured fastest (0.4488 ms against 0.4806 without descrip
 holds that spill under 512 bytes, so a change that spills much more is seen before a device call."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from tests._ptx_child import compile_in_child
+
 pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parent.parent
 
 _CHILD = r'''
 import inspect, json, re, sys
@@ -54,13 +49,7 @@ print(json.dumps(out))
 
 
 def test_tma_gate_up_compiles_for_sm90_with_bulk_tensor_copies():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    if "skip" in out:
-        pytest.skip(f"Triton cannot compile for sm_90 here: {out['skip']}")
+    out = compile_in_child(_CHILD)
     for name, s in out.items():
         assert s["bulk"] > 0 and s["spill"] < 512 and s["mma"], (name, s)
     assert all("bf16" in m and m.startswith("wgmma") for m in out["moe_gate_up"]["mma"]), out
