@@ -115,14 +115,16 @@ def main() -> None:
     # moehalf{T}: the engine's 128-row blocks against the same tiles on half-block layouts (an expert's runs
     # padded to 64 rows, its last block a 64-row tile: benchmarks/moe_half_blocks.py), ("half", tile...)
     half = [(128, 128, 32, 8, 8, 4), ("half", 128, 128, 32, 8, 8, 4), ("tma", 128, 128, 64, 8, 8, 4),
-            (128, 128, 64, 8, 8, 3), ("half", 128, 128, 64, 8, 8, 3), ("half", 128, 128, 32, 16, 8, 4)]
+            (128, 128, 64, 8, 8, 3), ("half", 128, 128, 64, 8, 8, 3), ("half", 128, 128, 32, 16, 8, 4),
+            ("halftma", 128, 128, 64, 8, 8, 4)]
     moe_cases = [(n, T, c) for n, T, c in moe_cases + [(f"moetma{T}", T, tma) for T in (2048, 4096, 8192)]
                  + [(f"moehalf{T}", T, half) for T in (2048, 4096, 8192)] if n in sections]
     if any(n.startswith(("moetma", "moehalf")) for n, _, _ in moe_cases):
         from ainfer_pd.engine.fused_moe.kernels_tma import launch_gate_up_tma
     if any(n.startswith("moehalf") for n, _, _ in moe_cases):
         from ainfer_pd.engine.fused_moe import align_blocks_triton
-        from moe_half_blocks import half_block_layout_triton, launch_down_half, launch_gate_up_half
+        from moe_half_blocks import (half_block_layout_triton, launch_down_half, launch_gate_up_half,
+                                     launch_gate_up_half_tma)
     for sec, T, cands in moe_cases:
         xx = torch.randn(T, D, device=DEV, dtype=dt)
         r = route(xx, rw, K)
@@ -155,6 +157,8 @@ def main() -> None:
                 return ms(lambda: launch_gate_up_tma(xx, w13, act, layout(c[1]), K, GemmPlan(*c[1:])))
             if c[0] == "half":
                 return ms(lambda: launch_gate_up_half(xx, w13, act, layout(c[1], "half"), K, GemmPlan(*c[1:])))
+            if c[0] == "halftma":
+                return ms(lambda: launch_gate_up_half_tma(xx, w13, act, layout(c[1], "half"), K, GemmPlan(*c[1:])))
             return ms(lambda: launch_gate_up(xx, w13, act, layout(c[0]), K, GemmPlan(*c)))
 
         def down(c):
@@ -173,7 +177,7 @@ def main() -> None:
                   flush=True)
         tag = "_tma" if sec.startswith("moetma") else "_half" if sec.startswith("moehalf") else ""
         sweep(f"moe{tag}_gate_up_T{T}", cands, gate_up, b1, bud)
-        sweep(f"moe{tag}_down_T{T}", [c for c in cands if c[0] != "tma"], down, b2, bud)
+        sweep(f"moe{tag}_down_T{T}", [c for c in cands if c[0] not in ("tma", "halftma")], down, b2, bud)
 
     # ---- fused MoE at a handful of tokens (the rollout's tail): the aligned layout against a direct plan
     # (each pair its own row block: no align / scatter launch), whole fused_experts calls in a CUDA graph

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from ainfer_pd.engine.fused_moe import GemmPlan
 from ainfer_pd.engine.fused_moe.kernels import _tile_ids, down_rows, gate_up_rows
+from ainfer_pd.engine.fused_moe.kernels_tma import gate_up_tma_rows
 from ainfer_pd.engine.model.moe import Routing
 
 
@@ -142,6 +143,30 @@ def moe_gate_up_half_kernel(
 
 
 @triton.jit(do_not_specialize=["num_pairs", "MB"])
+def moe_gate_up_half_tma_kernel(
+    X, W, ACT, SORTED, BLOCK_START, BLOCK_EXPERT, BLOCK_HALF, NUM_BLOCKS,
+    num_pairs, MB, E, K, I,
+    stride_xt, stride_an,
+    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, IEEE: tl.constexpr,
+):
+    """:func:`moe_gate_up_half_kernel` with the weight tiles through TMA descriptors (the engine's
+    ``gate_up_tma_rows``)."""
+    active, start, e, half, offs_n, nmask = _half_block(BLOCK_START, BLOCK_EXPERT, BLOCK_HALF, NUM_BLOCKS, MB, I,
+                                                        BLOCK_N, GROUP_M)
+    if not active:
+        return
+    if half != 0:
+        halves = tl.load(SORTED + start + tl.arange(0, BLOCK_M // 2))
+        gate_up_tma_rows(X, W, ACT, halves, halves < num_pairs, e, offs_n, nmask, E, K, I, stride_xt, stride_an,
+                         TOPK, BLOCK_N, BLOCK_K, IEEE)
+    else:
+        pairs = tl.load(SORTED + start + tl.arange(0, BLOCK_M))
+        gate_up_tma_rows(X, W, ACT, pairs, pairs < num_pairs, e, offs_n, nmask, E, K, I, stride_xt, stride_an,
+                         TOPK, BLOCK_N, BLOCK_K, IEEE)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "MB"])
 def moe_down_half_kernel(
     A, W, OUT, SORTED, BLOCK_START, BLOCK_EXPERT, BLOCK_HALF, NUM_BLOCKS, TOPW,
     num_pairs, MB, K, N,
@@ -173,6 +198,20 @@ def launch_gate_up_half(x: Tensor, w13: Tensor, act: Tensor, layout, top_k: int,
         x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0), TOPK=top_k, BLOCK_M=g.block_m,
         BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m, IEEE=x.dtype == torch.float32,
         num_warps=g.num_warps, num_stages=g.num_stages)
+
+
+def launch_gate_up_half_tma(x: Tensor, w13: Tensor, act: Tensor, layout, top_k: int, g: GemmPlan) -> None:
+    """:func:`launch_gate_up_half` with the weight tiles through TMA descriptors (Hopper; W13 contiguous)."""
+    from ainfer_pd.engine.tma import use_tma_scratch
+    sorted_ids, block_start, block_expert, block_half, num_blocks = layout
+    E, K, I2 = w13.shape
+    MB = block_start.numel()
+    use_tma_scratch(x.device)
+    grid = (MB * triton.cdiv(I2 // 2, g.block_n),)
+    moe_gate_up_half_tma_kernel[grid](
+        x, w13, act, sorted_ids, block_start, block_expert, block_half, num_blocks, act.shape[0], MB, E, K, I2 // 2,
+        x.stride(0), act.stride(0), TOPK=top_k, BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k,
+        GROUP_M=g.group_m, IEEE=x.dtype == torch.float32, num_warps=g.num_warps, num_stages=g.num_stages)
 
 
 def launch_down_half(act: Tensor, w2: Tensor, rows: Tensor, layout, topw: Tensor, g: GemmPlan) -> None:

@@ -24,20 +24,12 @@ from .kernels import _dot_pair, _expert_block
 from .plan import GemmPlan
 
 
-@triton.jit(do_not_specialize=["num_pairs", "P"])
-def moe_gate_up_tma_kernel(
-    X, W, ACT, SORTED, BLOCK_EXPERT, NUM_POST,
-    num_pairs, P, E, K, I,
-    stride_xt, stride_an,
-    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, IEEE: tl.constexpr,
-):
-    """``ACT[pair] = silu(x[tok] @ W13[e, :, :I]) * (x[tok] @ W13[e, :, I:])``; W13 [E, K, 2I] contiguous,
-    ``I`` a multiple of ``BLOCK_N`` (a column tile never straddles the two halves)."""
-    active, e, pairs, rmask, offs_n, nmask = _expert_block(SORTED, BLOCK_EXPERT, NUM_POST, num_pairs, P, I,
-                                                           BLOCK_M, BLOCK_N, GROUP_M, False)
-    if not active:
-        return
+@triton.jit
+def gate_up_tma_rows(X, W, ACT, pairs, rmask, e, offs_n, nmask, E, K, I, stride_xt, stride_an,
+                     TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """gate_up of one row block (``pairs``, ``rmask``; its rows their length) of expert ``e`` with the
+    weight tiles through a descriptor over W13 [E, K, 2I] (contiguous; ``I`` a multiple of ``BLOCK_N``: a
+    column tile never straddles the two halves)."""
     w_desc = tl.make_tensor_descriptor(W, shape=[E, K, 2 * I], strides=[K * 2 * I, 2 * I, 1],
                                        block_shape=[1, BLOCK_K, BLOCK_N])
     n0 = tl.min(offs_n, axis=0)
@@ -45,8 +37,8 @@ def moe_gate_up_tma_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptr = X + tok[:, None] * stride_xt + offs_k[None, :]
     ei = e.to(tl.int32)
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_g = tl.zeros([pairs.shape[0], BLOCK_N], tl.float32)
+    acc_u = tl.zeros([pairs.shape[0], BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kmask = offs_k < K - k0
         a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
@@ -57,6 +49,23 @@ def moe_gate_up_tma_kernel(
     act = acc_g * tl.sigmoid(acc_g) * acc_u
     out_ptr = ACT + pairs.to(tl.int64)[:, None] * stride_an + offs_n[None, :]
     tl.store(out_ptr, act.to(ACT.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs", "P"])
+def moe_gate_up_tma_kernel(
+    X, W, ACT, SORTED, BLOCK_EXPERT, NUM_POST,
+    num_pairs, P, E, K, I,
+    stride_xt, stride_an,
+    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, IEEE: tl.constexpr,
+):
+    """``ACT[pair] = silu(x[tok] @ W13[e, :, :I]) * (x[tok] @ W13[e, :, I:])`` (:func:`gate_up_tma_rows`)."""
+    active, e, pairs, rmask, offs_n, nmask = _expert_block(SORTED, BLOCK_EXPERT, NUM_POST, num_pairs, P, I,
+                                                           BLOCK_M, BLOCK_N, GROUP_M, False)
+    if not active:
+        return
+    gate_up_tma_rows(X, W, ACT, pairs, rmask, e, offs_n, nmask, E, K, I, stride_xt, stride_an, TOPK, BLOCK_N,
+                     BLOCK_K, IEEE)
 
 
 def launch_gate_up_tma(x: Tensor, w13: Tensor, act: Tensor, layout: tuple[Tensor, Tensor, Tensor], top_k: int,
