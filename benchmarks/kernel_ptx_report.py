@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-_OPS = re.compile(r"^\s*((?:cvt|mma|wgmma)[\w.]*)", re.M)
+_OPS = re.compile(r"^\s*((?:cvt|mma|wgmma|fma\.rn\.f32|mul\.f32)[\w.]*)", re.M)
 _MMA = ("wgmma.mma_async", "mma.sync")
 _CVT_F16 = "cvt.rn.f16x2.e4m3x2"
 _D, _I, _NB_D, _NB_I = 2048, 768, 16, 6           # Qwen3-30B-A3B: hidden, expert intermediate, their 128-blocks
@@ -68,7 +68,7 @@ def _ptxas_info(ptx: str) -> tuple[int, int]:
 
 def compile_stats(kernel, ptr_types: dict, ints: dict, const: dict, warps: int, stages: int) -> dict:
     """regs, spill bytes, MMA instruction counts, e4m3 -> float16 widenings, every conversion /
-    MMA mnemonic's count (``ops``) and the TMA bulk copies (``tma_loads``) of one compile,
+    MMA / float32 multiply and FMA mnemonic's count (``ops``) and the TMA bulk copies (``tma_loads``) of one compile,
     specialized as the runtime would for ``ints`` (every pointer 16-byte aligned)."""
     import triton
     from triton.backends.compiler import GPUTarget

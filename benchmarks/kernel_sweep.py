@@ -71,7 +71,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--sections", default="moe64,moe128,moe512,moe4096,decode,prefill",
                     help="comma list among moe64, moe128, moe512, moe2048, moe4096, moe8192, moe16384, moedirect, "
-                         "moetma2048, moetma4096, moetma8192, decode, prefill, prefilltma")
+                         "moetma2048, moetma4096, moetma8192, moehalf2048, moehalf4096, moehalf8192, decode, prefill, "
+                         "prefilltma")
     args = ap.parse_args()
     sections = args.sections.split(",")            # whole names: "prefill" is not "prefilltma"
     x = torch.empty(2 << 30, dtype=torch.uint8, device=DEV)
@@ -102,17 +103,28 @@ def main() -> None:
                 (64, 64, 64, 8, 4, 3), (64, 64, 64, 8, 4, 4)]
     medium = [(32, 64, 128, 4, 4, 3), (32, 128, 64, 4, 4, 3), (64, 64, 64, 8, 4, 3), (32, 64, 64, 4, 4, 4),
               (16, 64, 128, 1, 4, 4), (64, 128, 64, 8, 4, 3)]
-    # moetma{T}: the engine's prefill tiles against the same tiles with the weights through TMA descriptors
-    # (moe_tma.py), ("tma", block_m, block_n, block_k, group_m, warps, stages)
+    # moetma{T}: gate_up's pointer tiles against the same tiles with the weights through TMA descriptors
+    # (engine/fused_moe/kernels_tma.py; the prefill plan's at 128 x 128 x 64, 8 warps, 4 stages), ("tma",
+    # block_m, block_n, block_k, group_m, warps, stages); down through descriptors was no faster at any tile
+    # (docs/results/kernels/tma_candidates_sweep_ee81de8_h100.txt), its pointer tiles only
     tma = [(128, 128, 32, 8, 8, 4), (128, 128, 64, 8, 8, 3), ("tma", 128, 128, 32, 8, 8, 4),
-           ("tma", 128, 128, 64, 8, 8, 3), ("tma", 128, 128, 64, 8, 8, 4), ("tma", 128, 256, 64, 8, 8, 3),
-           ("tma", 64, 128, 64, 8, 4, 4), ("tma", 128, 64, 64, 8, 4, 4)]
+           ("tma", 128, 128, 64, 8, 8, 3), ("tma", 128, 128, 64, 8, 8, 4), ("tma", 64, 128, 64, 8, 8, 4),
+           ("tma", 64, 128, 64, 8, 4, 4)]
     moe_cases = [(f"moe{T}", T, c) for T, c in ((64, small), (128, small), (512, medium), (2048, large + large_64),
                                                 (4096, large + large_64), (8192, large + large_64), (16384, large))]
+    # moehalf{T}: the engine's 128-row blocks against the same tiles on half-block layouts (an expert's runs
+    # padded to 64 rows, its last block a 64-row tile: benchmarks/moe_half_blocks.py), ("half", tile...)
+    half = [(128, 128, 32, 8, 8, 4), ("half", 128, 128, 32, 8, 8, 4), ("tma", 128, 128, 64, 8, 8, 4),
+            (128, 128, 64, 8, 8, 3), ("half", 128, 128, 64, 8, 8, 3), ("half", 128, 128, 32, 16, 8, 4),
+            ("halftma", 128, 128, 64, 8, 8, 4)]
     moe_cases = [(n, T, c) for n, T, c in moe_cases + [(f"moetma{T}", T, tma) for T in (2048, 4096, 8192)]
-                 if n in sections]
-    if any(n.startswith("moetma") for n, _, _ in moe_cases):
-        from moe_tma import launch_down_tma, launch_gate_up_tma
+                 + [(f"moehalf{T}", T, half) for T in (2048, 4096, 8192)] if n in sections]
+    if any(n.startswith(("moetma", "moehalf")) for n, _, _ in moe_cases):
+        from ainfer_pd.engine.fused_moe.kernels_tma import launch_gate_up_tma
+    if any(n.startswith("moehalf") for n, _, _ in moe_cases):
+        from ainfer_pd.engine.fused_moe import align_blocks_triton
+        from moe_half_blocks import (half_block_layout_triton, launch_down_half, launch_gate_up_half,
+                                     launch_gate_up_half_tma)
     for sec, T, cands in moe_cases:
         xx = torch.randn(T, D, device=DEV, dtype=dt)
         r = route(xx, rw, K)
@@ -125,24 +137,47 @@ def main() -> None:
         topw = r.topk_weights.reshape(-1).contiguous()
         lay = {}
 
-        def layout(bm):
-            if bm not in lay:
-                lay[bm] = align_blocks(r, bm)
-            return lay[bm]
+        def layout(bm, kind=""):
+            if (kind, bm) not in lay:
+                lay[kind, bm] = half_block_layout_triton(r, bm) if kind == "half" else align_blocks(r, bm)
+            return lay[kind, bm]
+        if sec.startswith("moehalf"):       # rows the GEMMs multiply, over the pairs
+            for bm in (64, 128):
+                print(f"  padding T{T} block_m {bm}: {int(layout(bm)[2].item()) / N:.3f}x the pairs", flush=True)
+            hl = layout(128, "half")
+            used = int(hl[4].item())
+            rows_h = 128 * used - 64 * int(hl[3][:used].sum().item())
+            print(f"  padding T{T} half blocks of 128: {rows_h / N:.3f}x the pairs; layout launches "
+                  f"{ms(lambda: align_blocks_triton(r, 128)) * 1e3:.1f} us (engine) against "
+                  f"{ms(lambda: half_block_layout_triton(r, 128)) * 1e3:.1f} us (half blocks)", flush=True)
         b1 = max(wb1 / bw, flops / 800e12) * 1e3
         b2 = max(wb2 / bw, flops / 2 / 800e12) * 1e3
         def gate_up(c):
             if c[0] == "tma":
                 return ms(lambda: launch_gate_up_tma(xx, w13, act, layout(c[1]), K, GemmPlan(*c[1:])))
+            if c[0] == "half":
+                return ms(lambda: launch_gate_up_half(xx, w13, act, layout(c[1], "half"), K, GemmPlan(*c[1:])))
+            if c[0] == "halftma":
+                return ms(lambda: launch_gate_up_half_tma(xx, w13, act, layout(c[1], "half"), K, GemmPlan(*c[1:])))
             return ms(lambda: launch_gate_up(xx, w13, act, layout(c[0]), K, GemmPlan(*c)))
 
         def down(c):
-            if c[0] == "tma":
-                return ms(lambda: launch_down_tma(act, w2, rows, layout(c[1]), topw, GemmPlan(*c[1:])))
+            if c[0] == "half":
+                return ms(lambda: launch_down_half(act, w2, rows, layout(c[1], "half"), topw, GemmPlan(*c[1:])))
             return ms(lambda: launch_down(act, w2, rows, layout(c[0]), topw, GemmPlan(*c)))
-        tag = "_tma" if sec.startswith("moetma") else ""
+        if sec.startswith("moehalf"):       # the half-block kernels' outputs against the engine's, same tile
+            g0 = GemmPlan(128, 128, 32, 8, 8, 4)
+            ref_act, ref_rows = torch.empty_like(act), torch.empty_like(rows)
+            launch_gate_up(xx, w13, ref_act, layout(128), K, g0)
+            launch_down(ref_act, w2, ref_rows, layout(128), topw, g0)
+            launch_gate_up_half(xx, w13, act, layout(128, "half"), K, g0)
+            launch_down_half(ref_act, w2, rows, layout(128, "half"), topw, g0)
+            gaps = [(o.float() - ref.float()).abs().max().item() for o, ref in ((act, ref_act), (rows, ref_rows))]
+            print(f"  half blocks T{T} against the engine's kernels: act {gaps[0]:.3g}, rows {gaps[1]:.3g} max abs",
+                  flush=True)
+        tag = "_tma" if sec.startswith("moetma") else "_half" if sec.startswith("moehalf") else ""
         sweep(f"moe{tag}_gate_up_T{T}", cands, gate_up, b1, bud)
-        sweep(f"moe{tag}_down_T{T}", cands, down, b2, bud)
+        sweep(f"moe{tag}_down_T{T}", [c for c in cands if c[0] not in ("tma", "halftma")], down, b2, bud)
 
     # ---- fused MoE at a handful of tokens (the rollout's tail): the aligned layout against a direct plan
     # (each pair its own row block: no align / scatter launch), whole fused_experts calls in a CUDA graph
@@ -206,12 +241,12 @@ def main() -> None:
 
 
 def prefill_sweep(name: str, cands, bud: float) -> None:
-    """Each candidate at 4,096 and 8,192 new tokens and two 575-token continuations on 1,500 cached,
+    """Each candidate at 2,048, 4,096 and 8,192 new tokens and two 575-token continuations on 1,500 cached,
     its output within bf16 of the first candidate's: an engine tile (a :class:`PrefillPlan`'s
     fields) or ``("tma", ...)``, :func:`~ainfer_pd.engine.attention.triton_prefill_tma.prefill_tma`'s
     tile. The pass's new keys are written into the pool first, where the paged kernel reads them and
     the TMA one does not (it reads ``k`` / ``v``, as the engine's own K / V of the pass)."""
-    for seqs in ([(0, 4096)], [(0, 8192)], [(1500, 575), (1500, 575)]):
+    for seqs in ([(0, 2048)], [(0, 4096)], [(0, 8192)], [(1500, 575), (1500, 575)]):
         fb, q, k, v, kv, _ = paged_case(seqs, [], H, Hk, hd, torch.bfloat16, DEV)
         kc, vc = kv[0], kv[1]
         kc[fb.write_slots], vc[fb.write_slots] = k, v

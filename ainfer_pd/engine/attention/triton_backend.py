@@ -20,6 +20,7 @@ from .kv_fp8 import is_fp8
 from .plan import DecodePlan, PrefillPlan, decode_plan, prefill_plan
 from .triton_kernels import (decode_merge_kernel, paged_decode_kernel, paged_prefill_kernel, qkv_prologue_kernel,
                              rms_norm_kernel)
+from ..tma import has_tma
 from .triton_prefill_tma import prefill_tma, tma_layout_ok
 
 _LOG2E = 1.4426950408889634
@@ -53,9 +54,7 @@ class TritonAttention:
         self.device = device
         self.decode_overrides = dict(decode_overrides or {})
         self.prefill_override = prefill_override
-        if tma is None:
-            tma = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-        self.tma = tma
+        self.tma = has_tma(device) if tma is None else tma
         """The device has TMA (Hopper or newer): long prefill passes may read their own K/V through it."""
 
     @staticmethod

@@ -19,7 +19,6 @@ pool holds quantized keys, the own ones are not). Runs under ``TRITON_INTERPRET=
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -27,6 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..tma import use_tma_scratch
 from .batch import ForwardBatch
 from .plan import PrefillPlan
 from .triton_kernels import _lean_step, _raw_scores
@@ -126,21 +126,6 @@ def tma_layout_ok(x: Tensor) -> bool:
     es = x.element_size()
     return (x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.stride(0) >= x.shape[1] * x.shape[2]
             and (x.stride(0) * es) % 16 == 0 and x.data_ptr() % 16 == 0)
-
-
-@functools.lru_cache(maxsize=None)
-def _scratch(device: torch.device):
-    """Triton's scratch allocator for ``device``'s launches (the descriptors' global memory)."""
-    def alloc(size: int, alignment: int, stream) -> Tensor:
-        return torch.empty(size, dtype=torch.int8, device=device)
-    return alloc
-
-
-def use_tma_scratch(device: torch.device) -> None:
-    """Triton's scratch for device-side tensor descriptors, from torch's allocator on ``device``.
-    Triton's allocator is a ContextVar: set per thread (and context), so one set at start would not
-    reach the stream threads the engine launches from. Call it before every such launch."""
-    triton.set_allocator(_scratch(device))
 
 
 def prefill_tma(q: Tensor, kn: Tensor, vn: Tensor, kc: Tensor, vc: Tensor, fb: ForwardBatch, out: Tensor,

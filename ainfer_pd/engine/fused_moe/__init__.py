@@ -14,11 +14,12 @@ import torch
 from torch import Tensor
 
 from ..model.moe import Routing
-from .plan import GemmPlan, MoEPlan, moe_plan
+from ..tma import has_tma
+from .plan import GemmPlan, MoEPlan, gate_up_tma_ok, moe_plan
 
 __all__ = ["GemmPlan", "MoEPlan", "align_blocks", "align_blocks_triton", "direct_layout", "fused_experts", "layout_rows",
            "moe_sum",
-           "fused_softmax_route", "launch_down", "launch_gate_up", "moe_plan"]
+           "fused_softmax_route", "launch_down", "launch_gate_up", "launch_gate_up_planned", "moe_plan"]
 
 
 def align_blocks(r: Routing, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -91,6 +92,17 @@ def launch_gate_up(x: Tensor, w13: Tensor, act: Tensor, layout: tuple[Tensor, Te
     _launch(moe_gate_up_kernel, layout, g, act.shape[1], x, w13, act, num_k=x.shape[1], direct=direct, TOPK=top_k)
 
 
+def launch_gate_up_planned(x: Tensor, w13: Tensor, act: Tensor, layout: tuple[Tensor, Tensor, Tensor], top_k: int,
+                           plan: MoEPlan) -> None:
+    """gate_up as ``plan`` says: through TMA descriptors (:attr:`MoEPlan.gate_up_tma`) or pointer loads."""
+    if plan.gate_up_tma:
+        assert not plan.direct and gate_up_tma_ok(x, w13, plan.gate_up.block_n), "TMA gate_up: aligned, w13 ok"
+        from .kernels_tma import launch_gate_up_tma
+        launch_gate_up_tma(x, w13, act, layout, top_k, plan.gate_up)
+    else:
+        launch_gate_up(x, w13, act, layout, top_k, plan.gate_up, plan.direct)
+
+
 def launch_down(act: Tensor, w2: Tensor, rows: Tensor, layout: tuple[Tensor, Tensor, Tensor], topw: Tensor,
                 g: GemmPlan, direct: bool = False) -> None:
     """rows [N, D] = topw[pair] * act[pair] @ W2[e] for every pair."""
@@ -120,13 +132,14 @@ def fused_experts(x: Tensor, r: Routing, w13: Tensor, w2: Tensor, plan: MoEPlan 
     N = T * k
     if N == 0:
         return torch.zeros_like(x)
-    plan = plan or moe_plan(N, E, x.dtype == torch.float32, tokens=T)
+    plan = plan or moe_plan(N, E, x.dtype == torch.float32, tokens=T,
+                            tma=has_tma(x.device) and gate_up_tma_ok(x, w13))
     assert plan.gate_up.block_m == plan.down.block_m, "both GEMMs walk the same aligned blocks"
     assert not plan.direct or plan.gate_up.group_m == plan.down.group_m == 1, "a direct plan has no row groups"
     layout = direct_layout(r) if plan.direct else align_blocks_triton(r, plan.block_m)
     x = x.contiguous()
     act = torch.empty(N, I2 // 2, dtype=x.dtype, device=x.device)
-    launch_gate_up(x, w13, act, layout, k, plan.gate_up, plan.direct)
+    launch_gate_up_planned(x, w13, act, layout, k, plan)
     rows = torch.empty(N, D, dtype=x.dtype, device=x.device)
     launch_down(act, w2, rows, layout, r.topk_weights.reshape(-1).contiguous(), plan.down, plan.direct)
     # padding rows' pairs run nowhere (r.padded): their rows are never written, the sum skips them

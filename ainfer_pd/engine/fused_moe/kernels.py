@@ -57,6 +57,45 @@ def _expert_block(SORTED, BLOCK_EXPERT, NUM_POST, num_pairs, P, NCOLS, BLOCK_M: 
     return active, e, pairs, rmask, offs_n, offs_n < NCOLS
 
 
+@triton.jit
+def _dot_pair(a, bg, bu, acc_g, acc_u, IEEE: tl.constexpr):
+    """gate_up's step: ``a`` into both halves' accumulators (IEEE: float32's exact products)."""
+    if IEEE:
+        acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
+        acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
+    else:
+        acc_g = tl.dot(a, bg, acc_g)
+        acc_u = tl.dot(a, bu, acc_u)
+    return acc_g, acc_u
+
+
+@triton.jit
+def gate_up_rows(X, W, ACT, pairs, rmask, e, offs_n, nmask, K, I,
+                 stride_xt, stride_we, stride_wk, stride_wn, stride_an,
+                 TOPK: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """gate_up of one row block: ``pairs`` [rows] (``rmask``: the real ones) of expert ``e``, columns
+    ``offs_n`` (``nmask``) of both halves; the tile's rows are ``pairs``' length."""
+    tok = (pairs // TOPK).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptr = X + tok[:, None] * stride_xt + offs_k[None, :]
+    g_ptr = W + e * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+    u_ptr = g_ptr + I * stride_wn
+    acc_g = tl.zeros([pairs.shape[0], offs_n.shape[0]], tl.float32)
+    acc_u = tl.zeros([pairs.shape[0], offs_n.shape[0]], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = offs_k < K - k0
+        a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        bg = tl.load(g_ptr, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        bu = tl.load(u_ptr, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        acc_g, acc_u = _dot_pair(a, bg, bu, acc_g, acc_u, IEEE)
+        a_ptr += BLOCK_K
+        g_ptr += BLOCK_K * stride_wk
+        u_ptr += BLOCK_K * stride_wk
+    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    out_ptr = ACT + pairs.to(tl.int64)[:, None] * stride_an + offs_n[None, :]
+    tl.store(out_ptr, act.to(ACT.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
 @triton.jit(do_not_specialize=["num_pairs", "P"])
 def moe_gate_up_kernel(
     X, W, ACT, SORTED, BLOCK_EXPERT, NUM_POST,
@@ -69,49 +108,20 @@ def moe_gate_up_kernel(
                                                            BLOCK_M, BLOCK_N, GROUP_M, DIRECT)
     if not active:
         return
-    tok = (pairs // TOPK).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptr = X + tok[:, None] * stride_xt + offs_k[None, :]
-    g_ptr = W + e * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
-    u_ptr = g_ptr + I * stride_wn
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kmask = offs_k < K - k0
-        a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
-        bg = tl.load(g_ptr, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        bu = tl.load(u_ptr, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        if IEEE:
-            acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
-            acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
-        else:
-            acc_g = tl.dot(a, bg, acc_g)
-            acc_u = tl.dot(a, bu, acc_u)
-        a_ptr += BLOCK_K
-        g_ptr += BLOCK_K * stride_wk
-        u_ptr += BLOCK_K * stride_wk
-    act = acc_g * tl.sigmoid(acc_g) * acc_u
-    out_ptr = ACT + pairs.to(tl.int64)[:, None] * stride_an + offs_n[None, :]
-    tl.store(out_ptr, act.to(ACT.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+    gate_up_rows(X, W, ACT, pairs, rmask, e, offs_n, nmask, K, I, stride_xt, stride_we, stride_wk, stride_wn,
+                 stride_an, TOPK, BLOCK_K, IEEE)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "P"])
-def moe_down_kernel(
-    A, W, OUT, SORTED, BLOCK_EXPERT, NUM_POST, TOPW,
-    num_pairs, P, K, N,
-    stride_an, stride_we, stride_wk, stride_wn, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr,
-):
-    active, e, pairs, rmask, offs_n, nmask = _expert_block(SORTED, BLOCK_EXPERT, NUM_POST, num_pairs, P, N,
-                                                           BLOCK_M, BLOCK_N, GROUP_M, DIRECT)
-    if not active:
-        return
+@triton.jit
+def down_rows(A, W, OUT, TOPW, pairs, rmask, e, offs_n, nmask, K,
+              stride_an, stride_we, stride_wk, stride_wn, stride_on,
+              BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """down of one row block: ``OUT[pair] = w[pair] * ACT[pair] @ W2[e]`` for ``pairs`` (``rmask``)."""
     prow = pairs.to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptr = A + prow[:, None] * stride_an + offs_k[None, :]
     b_ptr = W + e * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros([pairs.shape[0], offs_n.shape[0]], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kmask = offs_k < K - k0
         a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
@@ -126,6 +136,22 @@ def moe_down_kernel(
     acc = acc * w[:, None]
     tl.store(OUT + prow[:, None] * stride_on + offs_n[None, :], acc.to(OUT.dtype.element_ty),
              mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs", "P"])
+def moe_down_kernel(
+    A, W, OUT, SORTED, BLOCK_EXPERT, NUM_POST, TOPW,
+    num_pairs, P, K, N,
+    stride_an, stride_we, stride_wk, stride_wn, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr,
+):
+    active, e, pairs, rmask, offs_n, nmask = _expert_block(SORTED, BLOCK_EXPERT, NUM_POST, num_pairs, P, N,
+                                                           BLOCK_M, BLOCK_N, GROUP_M, DIRECT)
+    if not active:
+        return
+    down_rows(A, W, OUT, TOPW, pairs, rmask, e, offs_n, nmask, K, stride_an, stride_we, stride_wk, stride_wn,
+              stride_on, BLOCK_K, IEEE)
 
 
 @triton.jit(do_not_specialize=["P", "num_pairs"])

@@ -198,10 +198,11 @@ def _mma(a, b, SWAP_AB: tl.constexpr):
 def _scaled(p, sa, sb, SWAP_AB: tl.constexpr):
     """One K step's product (:func:`_mma`) with the token rows' scales ``sa`` [BLOCK_M] and the
     weight tile's one scale ``sb`` (a scalar: the tile lies in one 128-row scale block)."""
+    s = sa * sb                       # the rows' scales first: one multiply a row, not one an element
     if SWAP_AB:
-        r = p * sa[None, :] * sb
+        r = p * s[None, :]
     else:
-        r = p * sa[:, None] * sb
+        r = p * s[:, None]
     return r
 
 
