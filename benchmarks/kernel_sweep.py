@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--sections", default="moe64,moe128,moe512,moe4096,decode,prefill",
                     help="comma list among moe64, moe128, moe512, moe2048, moe4096, moe8192, moe16384, moedirect, "
-                         "moetma2048, moetma4096, moetma8192, moehalf2048, moehalf4096, moehalf8192, decode, prefill, "
+                         "moetma2048, moetma4096, moetma8192, decode, prefill, "
                          "prefilltma")
     args = ap.parse_args()
     sections = args.sections.split(",")            # whole names: "prefill" is not "prefilltma"
@@ -112,19 +112,11 @@ def main() -> None:
            ("tma", 64, 128, 64, 8, 4, 4)]
     moe_cases = [(f"moe{T}", T, c) for T, c in ((64, small), (128, small), (512, medium), (2048, large + large_64),
                                                 (4096, large + large_64), (8192, large + large_64), (16384, large))]
-    # moehalf{T}: the engine's 128-row blocks against the same tiles on half-block layouts (an expert's runs
-    # padded to 64 rows, its last block a 64-row tile: benchmarks/moe_half_blocks.py), ("half", tile...)
-    half = [(128, 128, 32, 8, 8, 4), ("half", 128, 128, 32, 8, 8, 4), ("tma", 128, 128, 64, 8, 8, 4),
-            (128, 128, 64, 8, 8, 3), ("half", 128, 128, 64, 8, 8, 3), ("half", 128, 128, 32, 16, 8, 4),
-            ("halftma", 128, 128, 64, 8, 8, 4)]
+    # (half-block layouts, an expert's last block a 64-row tile, were swept at f20a8d9 and not taken: docs/history.md)
     moe_cases = [(n, T, c) for n, T, c in moe_cases + [(f"moetma{T}", T, tma) for T in (2048, 4096, 8192)]
-                 + [(f"moehalf{T}", T, half) for T in (2048, 4096, 8192)] if n in sections]
-    if any(n.startswith(("moetma", "moehalf")) for n, _, _ in moe_cases):
+                 if n in sections]
+    if any(n.startswith("moetma") for n, _, _ in moe_cases):
         from ainfer_pd.engine.fused_moe.kernels_tma import launch_gate_up_tma
-    if any(n.startswith("moehalf") for n, _, _ in moe_cases):
-        from ainfer_pd.engine.fused_moe import align_blocks_triton
-        from moe_half_blocks import (half_block_layout_triton, launch_down_half, launch_gate_up_half,
-                                     launch_gate_up_half_tma)
     for sec, T, cands in moe_cases:
         xx = torch.randn(T, D, device=DEV, dtype=dt)
         r = route(xx, rw, K)
@@ -137,47 +129,22 @@ def main() -> None:
         topw = r.topk_weights.reshape(-1).contiguous()
         lay = {}
 
-        def layout(bm, kind=""):
-            if (kind, bm) not in lay:
-                lay[kind, bm] = half_block_layout_triton(r, bm) if kind == "half" else align_blocks(r, bm)
-            return lay[kind, bm]
-        if sec.startswith("moehalf"):       # rows the GEMMs multiply, over the pairs
-            for bm in (64, 128):
-                print(f"  padding T{T} block_m {bm}: {int(layout(bm)[2].item()) / N:.3f}x the pairs", flush=True)
-            hl = layout(128, "half")
-            used = int(hl[4].item())
-            rows_h = 128 * used - 64 * int(hl[3][:used].sum().item())
-            print(f"  padding T{T} half blocks of 128: {rows_h / N:.3f}x the pairs; layout launches "
-                  f"{ms(lambda: align_blocks_triton(r, 128)) * 1e3:.1f} us (engine) against "
-                  f"{ms(lambda: half_block_layout_triton(r, 128)) * 1e3:.1f} us (half blocks)", flush=True)
+        def layout(bm):
+            if bm not in lay:
+                lay[bm] = align_blocks(r, bm)
+            return lay[bm]
         b1 = max(wb1 / bw, flops / 800e12) * 1e3
         b2 = max(wb2 / bw, flops / 2 / 800e12) * 1e3
         def gate_up(c):
             if c[0] == "tma":
                 return ms(lambda: launch_gate_up_tma(xx, w13, act, layout(c[1]), K, GemmPlan(*c[1:])))
-            if c[0] == "half":
-                return ms(lambda: launch_gate_up_half(xx, w13, act, layout(c[1], "half"), K, GemmPlan(*c[1:])))
-            if c[0] == "halftma":
-                return ms(lambda: launch_gate_up_half_tma(xx, w13, act, layout(c[1], "half"), K, GemmPlan(*c[1:])))
             return ms(lambda: launch_gate_up(xx, w13, act, layout(c[0]), K, GemmPlan(*c)))
 
         def down(c):
-            if c[0] == "half":
-                return ms(lambda: launch_down_half(act, w2, rows, layout(c[1], "half"), topw, GemmPlan(*c[1:])))
             return ms(lambda: launch_down(act, w2, rows, layout(c[0]), topw, GemmPlan(*c)))
-        if sec.startswith("moehalf"):       # the half-block kernels' outputs against the engine's, same tile
-            g0 = GemmPlan(128, 128, 32, 8, 8, 4)
-            ref_act, ref_rows = torch.empty_like(act), torch.empty_like(rows)
-            launch_gate_up(xx, w13, ref_act, layout(128), K, g0)
-            launch_down(ref_act, w2, ref_rows, layout(128), topw, g0)
-            launch_gate_up_half(xx, w13, act, layout(128, "half"), K, g0)
-            launch_down_half(ref_act, w2, rows, layout(128, "half"), topw, g0)
-            gaps = [(o.float() - ref.float()).abs().max().item() for o, ref in ((act, ref_act), (rows, ref_rows))]
-            print(f"  half blocks T{T} against the engine's kernels: act {gaps[0]:.3g}, rows {gaps[1]:.3g} max abs",
-                  flush=True)
-        tag = "_tma" if sec.startswith("moetma") else "_half" if sec.startswith("moehalf") else ""
+        tag = "_tma" if sec.startswith("moetma") else ""
         sweep(f"moe{tag}_gate_up_T{T}", cands, gate_up, b1, bud)
-        sweep(f"moe{tag}_down_T{T}", [c for c in cands if c[0] not in ("tma", "halftma")], down, b2, bud)
+        sweep(f"moe{tag}_down_T{T}", [c for c in cands if c[0] != "tma"], down, b2, bud)
 
     # ---- fused MoE at a handful of tokens (the rollout's tail): the aligned layout against a direct plan
     # (each pair its own row block: no align / scatter launch), whole fused_experts calls in a CUDA graph
