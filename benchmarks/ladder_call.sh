@@ -8,7 +8,9 @@
 # said so. EST_S includes the warm-up process; every part after the first is run with NO_WARMUP=1 and
 # its estimate less WARMUP_S (default 45, ladder.py's WARMUP_S). A part still running when the budget ends is cut
 # (`timeout`): its runs so far are kept as $OUT/r/cut_SUFFIX_runs*.jsonl.gz, for
-# `python benchmarks/ladder.py from-log`. Everything ends in $OUT/r.tgz (one file to bring back).
+# `python benchmarks/ladder.py from-log`. Everything ends in $OUT/r.tgz (one file to bring back), packed again
+# after every part from a work folder outside $OUT: a call the device cuts at its limit still brings back the
+# parts done before the cut (the device returns what is under $OUT then, at most 8 files).
 # The estimates: `python benchmarks/ladder.py plan` (its est_s per part).
 #
 # PART `gate` runs the GPU gate instead (`bash benchmarks/gpu_gate.sh COMMIT`, its files in
@@ -28,7 +30,9 @@ COMMIT=${1:?commit}; BUDGET=${2:?budget seconds}; shift 2
 LADDER_SH=${LADDER_SH:-benchmarks/h200_ladder.sh}
 GATE_SH=${GATE_SH:-benchmarks/gpu_gate.sh}
 T0=$(date +%s)
-R=${OUT:?OUT}/r; mkdir -p "$R"
+: "${OUT:?OUT}"
+W=$(mktemp -d /tmp/ladder_call_out.XXXXXX); R=$W/r; mkdir -p "$R"
+pack() { tar czf "$OUT/r.tgz.part" -C "$W" r && mv -f "$OUT/r.tgz.part" "$OUT/r.tgz"; }
 first=1
 for spec in "$@"; do
   est=${spec%%|*}; rest=${spec#*|}; envs=${rest%|*}; part=${rest##*|}
@@ -42,20 +46,20 @@ for spec in "$@"; do
     env $envs OUT="$R/$name" timeout -s ABRT -k 20 "$left" bash "$GATE_SH" "$COMMIT" > "$R/$name.out" 2>&1
     rc=$?; echo "gate rc $rc at $(( $(date +%s) - T0 )) s"
     if [ $rc != 0 ]; then echo "GATE FAILED: the parts after it are not run"; break; fi
-    continue
+    pack; continue
   fi
   if [ "$part" = sweep ]; then
     env $envs timeout -s ABRT -k 20 "$left" bash -c '"${PYTHON:-python}" "${SWEEP_PY:-benchmarks/kernel_sweep.py}" \
       --sections "${SECTIONS:?SECTIONS}" --budget-s "$1" --out "$2"' _ $(( est > 40 ? est - 20 : 20 )) "$R/$name.json" \
       > "$R/$name.out" 2>&1
     echo "sweep rc $? at $(( $(date +%s) - T0 )) s"
-    continue
+    pack; continue
   fi
   if [ "$part" = script ]; then
     env $envs timeout -s ABRT -k 20 "$left" bash -c '"${PYTHON:-python}" "${SCRIPT:?SCRIPT}" ${ARGS//+/ }' \
       > "$R/$name.out" 2>&1
     echo "script rc $? at $(( $(date +%s) - T0 )) s"
-    continue
+    pack; continue
   fi
   nw=""; [ $first = 1 ] || nw="NO_WARMUP=1"
   # 30 s before the cut, the bench process also writes its asyncio tasks' stacks (ainfer_pd/tools/stall_dump.py)
@@ -69,5 +73,6 @@ for spec in "$@"; do
       gzip -c "$f" > "$R/cut_${name}_$(basename "$f").gz"; done
   fi
   first=0
+  pack
 done
-cd "$OUT" && tar czf r.tgz r && rm -rf r
+pack && rm -rf "$W"

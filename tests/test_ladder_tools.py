@@ -327,6 +327,32 @@ def test_a_ladder_call_runs_parts_while_its_budget_lasts_and_keeps_a_cut_parts_r
     assert "cut_b_runs.jsonl.gz" in names and "cut_a_runs.jsonl.gz" not in names and "c.out" not in names
 
 
+def test_a_ladder_call_killed_mid_part_still_leaves_the_parts_before_it_packed(tmp_path):
+    """The device kills a command at its limit with everything in it: the parts done by then are already in
+    $OUT/r.tgz (packed after each part from a folder outside $OUT), and nothing else is left under $OUT."""
+    import os
+    import signal
+    import subprocess
+    import tarfile
+    import time
+    stub = tmp_path / "stub.sh"
+    stub.write_text('echo "part $2"; sleep "${SLEEP:-0}"\n')
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen(["bash", "benchmarks/ladder_call.sh", "abc", "600", "1|SUFFIX=a|p1",
+                             "1|SLEEP=60 SUFFIX=b|trace"], stdout=subprocess.PIPE, text=True, start_new_session=True,
+                            env={"PATH": "/usr/bin:/bin", "OUT": str(out), "LADDER_SH": str(stub), "WARMUP_S": "0"})
+    deadline = time.time() + 30
+    while not (out / "r.tgz").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    assert sorted(p.name for p in out.iterdir()) == ["r.tgz"]
+    with tarfile.open(out / "r.tgz") as tf:
+        assert tf.extractfile("r/a.out").read().decode().strip() == "part p1"
+
+
 def test_the_merged_table_shows_the_last_trajectory_s_chain_of_each_row(tmp_path, capsys):
     runs = [{"makespan_s": m, "ttft_p99_s": 1.0, "d_wait_mean_s": 0.001, "bound_ratio": 1.0, "rendezvous": 0}
             for m in (36.0, 37.0, 38.0)]
