@@ -71,8 +71,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--sections", default="moe64,moe128,moe512,moe4096,decode,prefill",
                     help="comma list among moe64, moe128, moe512, moe2048, moe4096, moe8192, moe16384, moedirect, "
-                         "moetma2048, moetma4096, moetma8192, decode, prefill, "
-                         "prefilltma")
+                         "moetma2048, moetma4096, moetma8192, decode, prefill, prefilltma")
     args = ap.parse_args()
     sections = args.sections.split(",")            # whole names: "prefill" is not "prefilltma"
     x = torch.empty(2 << 30, dtype=torch.uint8, device=DEV)
