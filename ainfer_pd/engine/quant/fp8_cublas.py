@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..tma import has_tma
 from .fp8 import BLOCK, dequantize_blockwise, dequantize_token_groups, quantize_blockwise, quantize_token_groups
 
 log = logging.getLogger(__name__)
@@ -46,12 +47,10 @@ def scaled_mm_blockwise(xq: Tensor, xs: Tensor, w_q: Tensor, w_scale: Tensor, ou
 
 def _supported(device: torch.device) -> str | None:
     """Why this torch and device cannot take the blockwise GEMM, or None."""
-    if device.type != "cuda":
-        return f"device {device.type}"
+    if not has_tma(device):                   # Hopper or newer: the one home of that test
+        return f"device {device} is not a CUDA device of compute capability 9.0 or newer"
     if not hasattr(F, "scaled_mm") or not hasattr(F, "ScalingType"):
         return f"torch {torch.__version__} has no F.scaled_mm"
-    if torch.cuda.get_device_capability(device) < (9, 0):
-        return "compute capability below 9.0"
     return None
 
 
