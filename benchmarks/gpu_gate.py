@@ -341,7 +341,8 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
             if pg is not None:
                 fig(f"{tag}_prefill_graph_capture", {"buckets": list(pg.buckets), "capture_s": round(pg.capture_s, 2),
                                                      "memory_MiB": round(pg.memory_bytes / 2**20, 1)})
-                for n, cached in ((37, 0), (575, 1500), (2000, 100), (2048, 0), (2048, 1000)):
+                for n, cached in ((37, 0), (575, 1500), (2000, 100), (2048, 0), (2048, 1000),
+                                  (2048, 4096)):
                     r0 = pg.num_replays
                     glog = runner.forward_fb(prefill_fb(runner, n, cached, seed=n), pctx)
                     replayed = pg.num_replays == r0 + 1

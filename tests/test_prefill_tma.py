@@ -183,6 +183,13 @@ def test_long_plan_takes_tma_only_with_tma_on_a_16_bit_pool():
     assert prefill_plan(128, False, long) == PrefillPlan(128, 128, 8, 3)               # no TMA on the device
     assert prefill_plan(128, False, tma) == PrefillPlan(64, 64, 4, 2)                  # ... nor its long tile below 4K
     assert not prefill_plan(128, False, tma - 1, tma=True).own_keys_tma               # short passes
+    assert prefill_plan(128, False, tma, tma=True, cached=tma).own_keys_tma           # as many cached keys as new
+    long_cached = PrefillPlan(128, 128, 8, 3)                                          # more cached: the paged long tile
+    assert prefill_plan(128, False, tma, tma=True, cached=tma + 1) == long_cached
+    assert prefill_plan(128, False, long, tma=True, cached=2 * long, seqs=4) == long_cached
+    assert prefill_plan(128, False, 1024, cached=4096) == long_cached                  # TMA or not (the paged kernel)
+    assert prefill_plan(128, False, 1150, tma=True, cached=3000, seqs=2) == PrefillPlan(64, 64, 4, 2)  # 575 a sequence
+    assert prefill_plan(128, False, 1023, tma=True, cached=4096) == PrefillPlan(64, 64, 4, 2)
     assert not prefill_plan(128, False, long, kv_fp8=True, tma=True).own_keys_tma     # FP8 pool
     assert not prefill_plan(128, True, long, tma=True).own_keys_tma                   # fp32
     assert not prefill_plan(256, False, long, tma=True).own_keys_tma                  # head_dim > 128
