@@ -103,7 +103,10 @@ class ModelConfig:
     faster on the H200 (Qwen3-30B-A3B shape): the routed experts' FP8 kernel is 1.67x faster than
     bf16, while the FP8 dense GEMM plus its activation quantization costs ~1 ms more per decode step
     than bf16 cuBLAS (batch 64, ctx 2K) and 0.134 ms against 0.060 ms for the QKV GEMM of a
-    2,048-token prefill. An FP8 checkpoint's dense weights are then dequantized at load (and at a
+    2,048-token prefill. On Hopper, where torch reaches cuBLASLt's blockwise FP8 GEMM, the dense GEMMs of
+    64 rows or more run there (:mod:`ainfer_pd.engine.quant.fp8_cublas`: H100, QKV at 2,048 / 4,096 rows
+    0.054 / 0.094 ms against bf16's 0.062 / 0.120, at 64 rows 0.018 against 0.016), so ``true`` trades
+    slower decode for faster long prefills. An FP8 checkpoint's dense weights are then dequantized at load (and at a
     weight sync sending e4m3 + ``weight_scale_inv``). ``true``: every projection FP8, for hardware
     or kernels where the FP8 dense GEMMs measure better. Needs ``quantization: fp8``."""
     num_mtp_layers: int = 0

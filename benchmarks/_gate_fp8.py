@@ -15,6 +15,7 @@ from ainfer_pd.engine.model.moe import route
 from ainfer_pd.engine.runtime.cuda_graphs import CAPTURE_MODE
 from ainfer_pd.engine.quant.fp8 import (experts_fp8_reference, fp8_linear_reference, quantize_blockwise,
                                         quantize_token_groups, quantize_w13)
+from ainfer_pd.engine.quant.fp8_cublas import CUBLAS_MIN_ROWS, cublas_blockwise_works
 from ainfer_pd.engine.quant.fp8_ops import fp8_linear, fused_experts_fp8, per_token_group_quant
 
 E, D, I, K = 128, 2048, 768, 8          # the Qwen3-30B-A3B expert shape
@@ -60,12 +61,26 @@ def fp8_kernel_checks(check, dev) -> None:
     graph.replay()
     torch.cuda.synchronize()
     check("fp8_moe_graph_equals_eager", torch.equal(box["o"], eager))
+    cublas = cublas_blockwise_works(torch.device(dev))
+    check("fp8_cublas_blockwise_probe", cublas, "cuBLASLt blockwise FP8 (F.scaled_mm) matches the oracle: "
+          "model.fp8_dense's GEMMs from 64 rows")
     for N, Kd in ((5120, 2048), (2048, 4096)):
         wq, ws = quantize_blockwise(torch.randn(N, Kd, device=dev, generator=g) * Kd ** -0.5)
         for M in (1, 64, 2048):
             xm = torch.randn(M, Kd, device=dev, generator=g).to(torch.bfloat16)
             e = rel_err(fp8_linear(xm, wq, ws), fp8_linear_reference(xm.float(), wq, ws))
             check(f"fp8_linear_N{N}_K{Kd}_M{M}", e <= TOL, f"rel err {e:.2e} against the FP8 oracle")
+            if M >= CUBLAS_MIN_ROWS and cublas:
+                e = rel_err(fp8_linear(xm, wq, ws, cublas=True), fp8_linear_reference(xm.float(), wq, ws))
+                check(f"fp8_linear_cublas_N{N}_K{Kd}_M{M}", e <= TOL, f"rel err {e:.2e} against the FP8 oracle")
+        if cublas:      # the P graphs capture model.fp8_dense's GEMMs: the cuBLASLt path replays as it ran eagerly
+            eager = fp8_linear(xm, wq, ws, cublas=True)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode=CAPTURE_MODE):
+                box["y"] = fp8_linear(xm, wq, ws, cublas=True)
+            graph.replay()
+            torch.cuda.synchronize()
+            check(f"fp8_linear_cublas_graph_equals_eager_N{N}", torch.equal(box["y"], eager))
     torch.cuda.empty_cache()
 
 

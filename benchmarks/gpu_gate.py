@@ -38,6 +38,7 @@ from ainfer_pd.tools.bench import _finite  # noqa: E402
 from ainfer_pd.config import WorkerConfig  # noqa: E402
 from ainfer_pd.engine.attention import (DecodeMeta, ForwardBatch, PrefillSeq, TorchAttention,  # noqa: E402
                                         paged_attention)
+from ainfer_pd.engine.attention.plan import TMA_PREFILL_TOKENS  # noqa: E402
 from ainfer_pd.engine.attention.triton_backend import TritonAttention  # noqa: E402
 from ainfer_pd.engine.fused_moe import fused_experts, fused_softmax_route  # noqa: E402
 from ainfer_pd.engine.kv.kv_cache import KVCacheManager  # noqa: E402
@@ -340,7 +341,8 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
             if pg is not None:
                 fig(f"{tag}_prefill_graph_capture", {"buckets": list(pg.buckets), "capture_s": round(pg.capture_s, 2),
                                                      "memory_MiB": round(pg.memory_bytes / 2**20, 1)})
-                for n, cached in ((37, 0), (575, 1500), (2000, 100)):
+                for n, cached in ((37, 0), (575, 1500), (2000, 100), (2048, 0), (2048, 1000),
+                                  (2048, 4096)):
                     r0 = pg.num_replays
                     glog = runner.forward_fb(prefill_fb(runner, n, cached, seed=n), pctx)
                     replayed = pg.num_replays == r0 + 1
@@ -348,8 +350,11 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
                     eager = runner.forward_fb(prefill_fb(runner, n, cached, seed=n), pctx)
                     runner.pgraphs = pg
                     err = rel_err(glog, eager)
-                    check(f"{tag}_prefill_graph_equals_eager_{n}_on_{cached}", replayed and err < 2e-2,
-                          f"{'replayed' if replayed else 'NOT replayed'}, logits rel err {err:.2e}, "
+                    kept = pg.graphs[pg.bucket(n)].own_kv is not None    # the TMA plan's own K/V, kept by the graphs
+                    tma = pg.bucket(n) >= TMA_PREFILL_TOKENS and getattr(runner.model.attn_backend, "tma", False)
+                    check(f"{tag}_prefill_graph_equals_eager_{n}_on_{cached}", replayed and err < 2e-2 and kept == tma,
+                          f"{'replayed' if replayed else 'NOT replayed'}, own K/V kept {kept} (TMA plan {tma}), "
+                          f"logits rel err {err:.2e}, "
                           f"argmax {'equal' if bool((glog.argmax(-1) == eager.argmax(-1)).all()) else 'differs'}")
             # ---- a row at the model's whole context replays a graph (no context cliff), equal to eager
             Lmax = mc.max_context_len

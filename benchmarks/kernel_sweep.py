@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--sections", default="moe64,moe128,moe512,moe4096,decode,prefill",
                     help="comma list among moe64, moe128, moe512, moe2048, moe4096, moe8192, moe16384, moedirect, "
-                         "moetma2048, moetma4096, moetma8192, decode, prefill, prefilltma")
+                         "moetma2048, moetma4096, moetma8192, decode, prefill, prefilltma, prefilltmac")
     args = ap.parse_args()
     sections = args.sections.split(",")            # whole names: "prefill" is not "prefilltma"
     x = torch.empty(2 << 30, dtype=torch.uint8, device=DEV)
@@ -201,18 +201,23 @@ def main() -> None:
                                            ("tma", 128, 128, 8, 2, True), ("tma", 128, 64, 8, 3, False),
                                            ("tma", 128, 64, 8, 3, True), ("tma", 128, 128, 8, 3, False),
                                            ("tma", 128, 64, 4, 3, False), ("tma", 64, 64, 4, 3, False)], bud)
+    # the TMA plan's continuations (the plan takes it from 2,048 new tokens on a Hopper, cached prefix or not)
+    if "prefilltmac" in sections:
+        prefill_sweep("attn_prefill_tmac", [(64, 64, 4, 2), (128, 128, 8, 3), ("tma", 128, 128, 8, 3, False)], bud,
+                      cases=([(2048, 2048)], [(4096, 2048)], [(8000, 2048)], [(4096, 1024)], [(0, 1024)]))
     if args.out:
         Path(args.out).write_text(json.dumps(RES, indent=1))
     print(f"sweep done in {time.time() - T0:.0f} s", flush=True)
 
 
-def prefill_sweep(name: str, cands, bud: float) -> None:
-    """Each candidate at 2,048, 4,096 and 8,192 new tokens and two 575-token continuations on 1,500 cached,
+def prefill_sweep(name: str, cands, bud: float, cases=None) -> None:
+    """Each candidate at 2,048, 4,096 and 8,192 new tokens and two 575-token continuations on 1,500 cached
+    (or ``cases``: lists of (cached, new) sequences),
     its output within bf16 of the first candidate's: an engine tile (a :class:`PrefillPlan`'s
     fields) or ``("tma", ...)``, :func:`~ainfer_pd.engine.attention.triton_prefill_tma.prefill_tma`'s
     tile. The pass's new keys are written into the pool first, where the paged kernel reads them and
     the TMA one does not (it reads ``k`` / ``v``, as the engine's own K / V of the pass)."""
-    for seqs in ([(0, 2048)], [(0, 4096)], [(0, 8192)], [(1500, 575), (1500, 575)]):
+    for seqs in cases or ([(0, 2048)], [(0, 4096)], [(0, 8192)], [(1500, 575), (1500, 575)]):
         fb, q, k, v, kv, _ = paged_case(seqs, [], H, Hk, hd, torch.bfloat16, DEV)
         kc, vc = kv[0], kv[1]
         kc[fb.write_slots], vc[fb.write_slots] = k, v

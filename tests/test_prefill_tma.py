@@ -15,7 +15,7 @@ import torch
 import ainfer_pd.engine.attention.triton_backend as tb
 from ainfer_pd.engine.attention import ForwardBatch, PrefillSeq, TorchAttention, attend
 from ainfer_pd.engine.attention.kv_fp8 import quantize_kv, store_kv
-from ainfer_pd.engine.attention.plan import LONG_PREFILL_TOKENS, PrefillPlan, prefill_plan
+from ainfer_pd.engine.attention.plan import LONG_PREFILL_TOKENS, TMA_PREFILL_TOKENS, PrefillPlan, prefill_plan
 from ainfer_pd.engine.attention.triton_backend import TritonAttention
 from ainfer_pd.engine.attention.triton_prefill_tma import prefill_tma, tma_layout_ok
 from ainfer_pd.engine.model.rope import rope_cos_sin
@@ -177,16 +177,25 @@ def test_model_prefill_with_tma_plan_equals_the_paged_plan(tma_calls):
 
 
 def test_long_plan_takes_tma_only_with_tma_on_a_16_bit_pool():
-    long = LONG_PREFILL_TOKENS
+    long, tma = LONG_PREFILL_TOKENS, TMA_PREFILL_TOKENS
+    assert prefill_plan(128, False, tma, tma=True) == PrefillPlan(128, 128, 8, 3, own_keys_tma=True)
     assert prefill_plan(128, False, long, tma=True) == PrefillPlan(128, 128, 8, 3, own_keys_tma=True)
     assert prefill_plan(128, False, long) == PrefillPlan(128, 128, 8, 3)               # no TMA on the device
-    assert not prefill_plan(128, False, long - 1, tma=True).own_keys_tma              # short passes
+    assert prefill_plan(128, False, tma) == PrefillPlan(64, 64, 4, 2)                  # ... nor its long tile below 4K
+    assert not prefill_plan(128, False, tma - 1, tma=True).own_keys_tma               # short passes
+    assert prefill_plan(128, False, tma, tma=True, cached=tma).own_keys_tma           # as many cached keys as new
+    long_cached = PrefillPlan(128, 128, 8, 3)                                          # more cached: the paged long tile
+    assert prefill_plan(128, False, tma, tma=True, cached=tma + 1) == long_cached
+    assert prefill_plan(128, False, long, tma=True, cached=2 * long, seqs=4) == long_cached
+    assert prefill_plan(128, False, 1024, cached=4096) == long_cached                  # TMA or not (the paged kernel)
+    assert prefill_plan(128, False, 1150, tma=True, cached=3000, seqs=2) == PrefillPlan(64, 64, 4, 2)  # 575 a sequence
+    assert prefill_plan(128, False, 1023, tma=True, cached=4096) == PrefillPlan(64, 64, 4, 2)
     assert not prefill_plan(128, False, long, kv_fp8=True, tma=True).own_keys_tma     # FP8 pool
     assert not prefill_plan(128, True, long, tma=True).own_keys_tma                   # fp32
     assert not prefill_plan(256, False, long, tma=True).own_keys_tma                  # head_dim > 128
     assert TritonAttention(CPU).tma is False                                           # no TMA on a CPU
     be = TritonAttention(CPU, tma=True)
-    assert be.reads_own_kv(long, torch.bfloat16, 128, False)
-    assert not be.reads_own_kv(long, torch.bfloat16, 128, True)
-    assert not be.reads_own_kv(long - 1, torch.bfloat16, 128, False)
+    assert be.reads_own_kv(tma, torch.bfloat16, 128, False)
+    assert not be.reads_own_kv(tma, torch.bfloat16, 128, True)
+    assert not be.reads_own_kv(tma - 1, torch.bfloat16, 128, False)
     assert not TritonAttention(CPU).reads_own_kv(long, torch.bfloat16, 128, False)

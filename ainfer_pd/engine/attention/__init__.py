@@ -13,11 +13,11 @@ from torch import Tensor
 from ..model.rope import apply_rope, rope_cos_sin
 from .backend import AttentionBackend, select_backend
 from .batch import DecodeMeta, ForwardBatch, PrefillMeta, PrefillSeq, blocks_of_slots, slots_of_blocks
-from .kv_fp8 import store_kv
+from .kv_fp8 import is_fp8, store_kv
 from .reference import TorchAttention
 
 __all__ = ["AttentionBackend", "DecodeMeta", "ForwardBatch", "PrefillMeta", "PrefillSeq", "TorchAttention",
-           "apply_rope", "attend", "blocks_of_slots", "paged_attention", "rope_cos_sin", "select_backend",
+           "apply_rope", "attend", "blocks_of_slots", "keeps_own_kv", "paged_attention", "rope_cos_sin", "select_backend",
            "slots_of_blocks"]
 
 _REFERENCE = TorchAttention()
@@ -32,6 +32,13 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, fb: ForwardBatc
     store_kv(kv[0], fb.write_slots, k, None if kv_scale is None else kv_scale[0])
     store_kv(kv[1], fb.write_slots, v, None if kv_scale is None else kv_scale[1])
     return attend(q, kv, fb, backend, kv_scale)
+
+
+def keeps_own_kv(backend, tokens: int, dtype, head_dim: int, kv: Tensor) -> bool:
+    """Whether ``backend``'s prefill of ``tokens`` new tokens of ``dtype`` over the pool ``kv`` (its
+    format) reads the pass's own roped K/V contiguous (``ForwardBatch.own_kv``: the TMA plan), so the
+    QKV prologue keeps them (``keep_k``)."""
+    return hasattr(backend, "reads_own_kv") and backend.reads_own_kv(tokens, dtype, head_dim, is_fp8(kv))
 
 
 def attend(q: Tensor, kv: Tensor, fb: ForwardBatch, backend: AttentionBackend | None = None,

@@ -66,25 +66,48 @@ def decode_plan(max_keys: int, *, block_n: int = 64, split_keys: int = 256, num_
     return DecodePlan(num_splits, split_keys, block_n, num_warps, num_stages, max_splits)
 
 
-#: Query tokens of a prefill pass from which it takes the long tile (:func:`prefill_plan`). Above
-#: the P graphs' largest default bucket (2,048), so a replayed pass and the eager one of its tokens
-#: run the same tile there (and the same kernel: a replay's captured prologue keeps no K, so its
-#: prefill never reads the pass's own K/V through TMA).
+#: Query tokens of a prefill pass from which it takes the long tile (:func:`prefill_plan`) on a
+#: device without TMA (the paged kernel's 128 x 128 tile is measured from 4K only).
 LONG_PREFILL_TOKENS = 4096
 
+#: Query tokens from which a pass on a TMA device reads its own keys through tensor descriptors
+#: (:mod:`.triton_prefill_tma`, the long tile), where its cached keys are no more than its new ones.
+#: The P graphs' 2,048-token bucket is one: its captured prologue keeps the roped keys in static
+#: buffers, so a replayed pass and the eager one of its tokens run the same kernel
+#: (``engine/runtime/prefill_graphs.py``).
+TMA_PREFILL_TOKENS = 2048
 
-def prefill_plan(head_dim: int, fp32: bool, tokens: int = 0, kv_fp8: bool = False, tma: bool = False) -> PrefillPlan:
-    """Tile shape of the varlen prefill kernel for a pass of ``tokens`` query tokens (shared memory
-    bounds the fp32 tiles). On a 16-bit pool from :data:`LONG_PREFILL_TOKENS` on, 128 x 128 on 8
-    warps, 3 stages: with ``tma`` (the device has TMA: Hopper or newer) the pass's own keys read
-    through tensor descriptors (:mod:`.triton_prefill_tma`; H100, a fresh prefill layer: 4K 0.3232
-    against the paged kernel's 0.4297 ms, 8K 1.0535 against 1.4499; at 575 tokens on 1,500 cached it
-    is slower, 0.157 against 0.140, hence long passes only), else the paged kernel (H100 sweep: 4K
-    0.435 against 0.449 ms, 8K 1.480 against 1.575 for 64 x 64); else 64 x 64 on 4 warps (best at
-    575 on 1,500: 0.141 against 0.148 ms; on the H200 best or within 1% at 4K and 575 + 1,500; an
-    FP8 pool's long tile is not measured)."""
+#: New tokens a sequence (on average over the pass) from which a pass whose cached keys outnumber its
+#: new ones takes the paged kernel's long tile.
+LONG_CACHED_ROWS = 1024
+
+
+def prefill_plan(head_dim: int, fp32: bool, tokens: int = 0, kv_fp8: bool = False, tma: bool = False,
+                 cached: int = 0, seqs: int = 1) -> PrefillPlan:
+    """Tile shape of the varlen prefill kernel for a pass of ``tokens`` query tokens over ``cached``
+    keys already in the pool, in ``seqs`` sequences (shared memory bounds the fp32 tiles). On a 16-bit
+    pool, 128 x 128 on 8 warps, 3 stages:
+
+    * with ``tma`` (the device has TMA: Hopper or newer) from :data:`TMA_PREFILL_TOKENS` new tokens, where
+      ``cached <= tokens``: the pass's own keys read through tensor descriptors (:mod:`.triton_prefill_tma`;
+      H100, a layer: fresh 2K 0.1173 against the paged 64 x 64 kernel's 0.1357 ms, 4K 0.3232 against the
+      paged long tile's 0.4297, 8K 1.0535 against 1.4499; 2,048 on 2,048 cached 0.3098 against 0.3180 /
+      0.3343 for the paged 128 / 64 tiles);
+    * where the cached keys outnumber the new ones and a sequence has :data:`LONG_CACHED_ROWS` new tokens
+      or more (on average), the paged kernel's long tile (H100 at b7142b0, ``kernel_sweep.py --sections
+      prefilltmac``: 2,048 on 4,096 / 8,000 cached 0.4808 / 0.8033 ms against TMA's 0.4924 / 0.8597 and
+      64 x 64's 0.5231 / 0.8762; 1,024 on 4,096 0.2325 against 0.2484 / 0.2519; two 575-token
+      continuations on 1,500 keep 64 x 64, 0.140 against 0.146);
+    * from :data:`LONG_PREFILL_TOKENS` on, the paged long tile (H100 sweep: 4K 0.435 against 0.449 ms,
+      8K 1.480 against 1.575 for 64 x 64);
+
+    else 64 x 64 on 4 warps (best at 575 on 1,500: 0.141 against 0.148 ms; on the H200 best or within 1%
+    at 4K and 575 + 1,500; an FP8 pool's long tile is not measured)."""
     if fp32:
         return PrefillPlan(32, 32, 4, 1)
-    if tokens >= LONG_PREFILL_TOKENS and head_dim <= 128 and not kv_fp8:
-        return PrefillPlan(128, 128, 8, 3, own_keys_tma=tma)
+    if head_dim <= 128 and not kv_fp8:
+        if tma and tokens >= TMA_PREFILL_TOKENS and cached <= tokens:
+            return PrefillPlan(128, 128, 8, 3, own_keys_tma=True)
+        if tokens >= LONG_PREFILL_TOKENS or (cached > tokens and tokens >= LONG_CACHED_ROWS * max(seqs, 1)):
+            return PrefillPlan(128, 128, 8, 3)
     return PrefillPlan(64, 64, 4, 2)

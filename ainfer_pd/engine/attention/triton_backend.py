@@ -152,14 +152,17 @@ class TritonAttention:
         return out
 
     # ------------------------------------------------------------------ prefill
-    def prefill_plan(self, head_dim: int, dtype: torch.dtype, tokens: int = 0, kv_fp8: bool = False) -> PrefillPlan:
-        """The tile of a pass of ``tokens`` query tokens: ``prefill_override`` as given, else
-        :func:`.plan.prefill_plan` (``own_keys_tma`` only where :attr:`tma`)."""
-        return self.prefill_override or prefill_plan(head_dim, dtype == torch.float32, tokens, kv_fp8, tma=self.tma)
+    def prefill_plan(self, head_dim: int, dtype: torch.dtype, tokens: int = 0, kv_fp8: bool = False,
+                     cached: int = 0, seqs: int = 1) -> PrefillPlan:
+        """The tile of a pass of ``tokens`` query tokens over ``cached`` pool keys in ``seqs`` sequences:
+        ``prefill_override`` as given, else :func:`.plan.prefill_plan` (``own_keys_tma`` only where :attr:`tma`)."""
+        return self.prefill_override or prefill_plan(head_dim, dtype == torch.float32, tokens, kv_fp8, tma=self.tma,
+                                                     cached=cached, seqs=seqs)
 
     def reads_own_kv(self, tokens: int, dtype: torch.dtype, head_dim: int, kv_fp8: bool) -> bool:
-        """Whether a prefill of ``tokens`` query tokens reads the pass's own K/V contiguous (TMA): the
-        model then keeps them (``prologue(keep_k=True)``) and hands them over (``ForwardBatch.own_kv``)."""
+        """Whether a prefill of ``tokens`` query tokens may read the pass's own K/V contiguous (TMA; a pass
+        with no cached keys does): the model then keeps them (``prologue(keep_k=True)``) and hands them over
+        (``ForwardBatch.own_kv``); the pass's plan (its cached keys) decides whether they are read."""
         return not kv_fp8 and self.prefill_plan(head_dim, dtype, tokens, kv_fp8).own_keys_tma
 
     def prefill(self, q: Tensor, kc: Tensor, vc: Tensor, fb: ForwardBatch, out: Tensor,
@@ -171,7 +174,8 @@ class TritonAttention:
         Hk = kc.shape[1]
         self.check_head_dim(hd)
         fp8, ks = _kv_format(kc, kv_scale, out)
-        plan = self.prefill_plan(hd, q.dtype, T, fp8)
+        cached = sum(s.ctx_len - s.q_len for s in fb.prefill)
+        plan = self.prefill_plan(hd, q.dtype, T, fp8, cached=cached, seqs=len(fb.prefill))
         if plan.own_keys_tma and own_kv is not None and not fp8 and all(map(tma_layout_ok, (q, *own_kv))):
             prefill_tma(q, own_kv[0], own_kv[1], kc, vc, fb, out, plan)
             return

@@ -20,8 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...config import ModelConfig
-from ..attention import AttentionBackend, ForwardBatch, TorchAttention, attend
-from ..attention.kv_fp8 import is_fp8
+from ..attention import AttentionBackend, ForwardBatch, TorchAttention, attend, keeps_own_kv
 from .rope import rope_cos_sin
 from .linear import (SCALE_SUFFIX, Fp8Kernels, add_projection, base_leaf, layer_projections, mlp, project, routed,
                      store)
@@ -250,10 +249,12 @@ class MoETransformer(nn.Module):
         o = attend(self.attention_prologue(i, st, fb, kv), kv, fb, self.attn_backend, self.kv_scale(i))  # [T, H, hd]
         return self.attention_out(i, o.flatten(1))             # [T, H * hd] (T may be 0: an empty batch)
 
-    def attention_prologue(self, i: int, st: SegmentState, fb: ForwardBatch, kv: Tensor) -> Tensor:
+    def attention_prologue(self, i: int, st: SegmentState, fb: ForwardBatch, kv: Tensor,
+                           keep: bool | None = None) -> Tensor:
         """Layer i's attention up to the attention itself: norm, QKV projection, QK-norm (when the
         architecture has it), RoPE, this batch's K/V into the cache (and, roped, into ``fb.own_kv`` when
-        the backend's prefill reads them contiguous: TMA) -> q [T, H, hd]."""
+        the backend's prefill reads them contiguous: TMA) -> q [T, H, hd]. ``keep``: whether to keep them
+        (a P graph's capture, whose batch is padding; default: whether the backend reads them)."""
         c, lyr, kn = self.cfg, self.layers[i], self.kernels
         x = kn.rms_norm(st.h, lyr.attn_norm, c.rms_eps)
         qkv = project(lyr, "wqkv", x, lyr.bqkv, self.fp8_kernels)          # [T, (H+2Hk)*hd]
@@ -261,8 +262,7 @@ class MoETransformer(nn.Module):
         q, k, v = (t.unflatten(-1, (-1, hd)) for t in qkv.split([H * hd, Hk * hd, Hk * hd], dim=-1))
         if fb.rope is None:
             fb.rope = rope_cos_sin(fb.positions, c.rotary_dim, c.rope_theta, q.dtype)
-        keep = bool(fb.prefill) and hasattr(kn, "reads_own_kv") and kn.reads_own_kv(
-            fb.num_prefill_tokens, q.dtype, hd, is_fp8(kv))           # the pool's dtype, as the backend's
+        keep = bool(fb.prefill) and keeps_own_kv(kn, fb.num_prefill_tokens, q.dtype, hd, kv) if keep is None else keep
         fb.own_kv = (k, v) if keep else None                   # k: roped in place by the prologue (keep_k)
         return kn.prologue(q, k, v, lyr.q_norm, lyr.k_norm, c.rms_eps, fb.rope, kv, fb.write_slots,
                            kv_scale=self.kv_scale(i), keep_k=keep)

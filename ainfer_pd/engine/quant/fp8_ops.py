@@ -22,12 +22,13 @@ from torch import Tensor
 from ..fused_moe import align_blocks_triton, direct_layout, layout_rows, moe_sum
 from ..fused_moe.plan import GemmPlan, MoEPlan
 from ..model.moe import Routing
+from . import fp8_cublas
 from .fp8 import BLOCK, FP8, blocks, check_scale, w13_scale_shape
 from .fp8_plan import (Fp8MoEPlan, as_fp8_moe_plan, check_fp8_moe_plan, check_fp8_plan, fp8_gemm_plan, fp8_moe_plan,
                        fuses_act_quant)
 
 __all__ = ["fp8_gemm", "fp8_linear", "fused_experts_fp8", "launch_fp8_down", "launch_fp8_gate_up",
-           "per_token_group_quant"]
+           "per_token_group_quant", "select_fp8_linear"]
 
 _QUANT_ROWS = 8
 """Tokens per program of the activation quantization (one 128-column group each)."""
@@ -116,14 +117,21 @@ def _gemm(a: Tensor, a_scale: Tensor | None, w_q: Tensor, w_scale: Tensor, bias:
 
 
 def fp8_linear(x: Tensor, w_q: Tensor, w_scale: Tensor, bias: Tensor | None = None,
-               plan: GemmPlan | None = None, quant_on_load: bool | None = None) -> Tensor:
+               plan: GemmPlan | None = None, quant_on_load: bool | None = None, cublas: bool = False) -> Tensor:
     """The FP8 linear layer (:func:`.fp8.fp8_linear_reference` on the GPU): x [..., K] quantized in
     1 x 128 groups, times w_q [N, K] float8 with w_scale [nb(N), nb(K)] (+ bias [N]) -> [..., N]
-    in x's dtype. One launch when x is quantized inside the GEMM (``quant_on_load``; by default
-    up to 16 rows, with a plan of block_k 128: each N tile re-quantizes the rows it reads), else
-    two (quantize, GEMM). The same bytes either way."""
+    in x's dtype. With ``cublas`` (only where :func:`.fp8_cublas.cublas_blockwise_works`) the shapes
+    :func:`.fp8_cublas.fits` takes run on cuBLASLt after the quantization launch. Otherwise one
+    Triton launch when x is quantized inside the GEMM (``quant_on_load``; by default up to 16 rows,
+    with a plan of block_k 128: each N tile re-quantizes the rows it reads), else two (quantize,
+    GEMM). The same bytes either way."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
+    if cublas and plan is None and fp8_cublas.fits(x2.shape[0], K, w_q.shape[0], x.dtype):
+        y = fp8_cublas.scaled_mm_blockwise(*per_token_group_quant(x2), w_q, w_scale, x.dtype)
+        if bias is not None:
+            y += bias
+        return y.view(*lead, w_q.shape[0])
     g = plan or fp8_gemm_plan(x2.shape[0])
     if quant_on_load is None:
         quant_on_load = x2.shape[0] <= _LINEAR_ON_LOAD_ROWS and g.block_k == BLOCK
@@ -132,6 +140,12 @@ def fp8_linear(x: Tensor, w_q: Tensor, w_scale: Tensor, bias: Tensor | None = No
     else:
         y = fp8_gemm(*per_token_group_quant(x2), w_q, w_scale, bias, x.dtype, g)
     return y.view(*lead, w_q.shape[0])
+
+
+def select_fp8_linear(device: torch.device):
+    """The FP8 linear layer an FP8 model's dense projections call on ``device``: :func:`fp8_linear` on
+    cuBLASLt where it probes good (once, here: call it before any graph capture), else on Triton."""
+    return functools.partial(fp8_linear, cublas=True) if fp8_cublas.cublas_blockwise_works(device) else fp8_linear
 
 
 def _moe_launch(kernel, layout: tuple[Tensor, Tensor, Tensor], g: GemmPlan, ncols: int, ptrs: tuple,

@@ -47,6 +47,7 @@ the sum); ``fold_sum`` and the prefill on-load paths are plan options until the 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ...errors import ConfigError
@@ -95,6 +96,10 @@ _MOE_MEDIUM = Fp8MoEPlan(GemmPlan(64, 128, 128, 8, 8, 3), GemmPlan(64, 128, 128,
 # `fp8_kernel_check.py --tiles`: T 2,048 0.438 against 0.485 ms, T 8,192 1.340 against 1.416 ms (-10% / -5%)
 _MOE_LARGE = Fp8MoEPlan(GemmPlan(64, 64, 128, 8, 4, 3), GemmPlan(64, 128, 128, 8, 4, 4),
                         quant_x_on_load=False, quant_act_on_load=False)
+# the same gate_up with 4 stages up to 128 rows an expert (2,048 tokens of the Qwen3 shape): H100, f20a8d9,
+# `fp8_kernel_check.py --tiles`: T 2,048 0.4280 against 0.4438 ms; at T 8,192 1.3560 against 1.3254 (slower)
+_MOE_LARGE_S4 = dataclasses.replace(_MOE_LARGE, gate_up=dataclasses.replace(_MOE_LARGE.gate_up, num_stages=4))
+_S4_MAX_ROWS_PER_EXPERT = 128
 _MOE_ALONE = Fp8MoEPlan(_MOE_SMALL.gate_up, _MOE_SMALL.down, quant_x_on_load=False, quant_act_on_load=False,
                         swap_ab=True, direct=True)
 # dense GEMM: (rows) -> plan
@@ -108,7 +113,8 @@ def fp8_moe_plan(num_pairs: int, num_experts: int, tokens: int | None = None) ->
     token decoding alone (``tokens`` 1) takes the decode tiles without the layout launches."""
     if tokens == 1:
         return _MOE_ALONE
-    return by_rows_per_expert(num_pairs, num_experts, _MOE_SMALL, _MOE_MEDIUM, _MOE_LARGE)
+    large = _MOE_LARGE_S4 if num_pairs <= _S4_MAX_ROWS_PER_EXPERT * max(1, num_experts) else _MOE_LARGE
+    return by_rows_per_expert(num_pairs, num_experts, _MOE_SMALL, _MOE_MEDIUM, large)
 
 
 def as_fp8_moe_plan(plan: MoEPlan | Fp8MoEPlan) -> Fp8MoEPlan:

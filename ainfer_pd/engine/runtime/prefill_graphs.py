@@ -7,14 +7,17 @@ shapes for a padded token count is one captured graph, and only the varlen atten
 as vLLM captures prefill piecewise:
 
     embed:        E    = graph [embedding, RoPE cos / sin]
-    attn<l>:      A_l  = graph [norm, QKV GEMM, QK-norm + RoPE + K/V write]  -> q
+    attn<l>:      A_l  = graph [norm, QKV GEMM, QK-norm + RoPE + K/V write]  -> q (and the roped K, V)
                   attention (eager, varlen: the sequences' own metadata)    -> o
                   B_l  = graph [O GEMM, residual + norm, router]             -> h, xn, routing
     experts<l>:   C_l  = graph [routed + shared experts, residual]           -> h
     head:         eager over the real rows.
 
 The segments, their boundaries and the P walk are unchanged: a segment replays its pieces instead
-of launching its kernels. Padded rows (ids 0, position 0) write their K/V into the scratch slot and
+of launching its kernels. A bucket whose passes may read their own keys contiguous (the TMA prefill
+plan, from ``attention.plan.TMA_PREFILL_TOKENS``) keeps the roped K and V in static buffers too, and
+a pass hands them to the attention as the eager pass does: replayed or not, a pass runs the same
+kernel. Padded rows (ids 0, position 0) write their K/V into the scratch slot and
 only ever meet themselves (attention is over the real rows only; MoE and GEMMs are row-wise).
 
 A bucket's graphs share one memory pool and replay in capture order; its static inputs (ids,
@@ -35,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..attention import ForwardBatch
+from ..attention import ForwardBatch, keeps_own_kv
 from ..model.model import MoETransformer, SegmentState
 from .cuda_graphs import capture_session, phase_capture
 
@@ -61,6 +64,8 @@ class _Bucket:
     experts: list = field(default_factory=list)
     h_out: Tensor | None = None       # [T, D] the last residual (the head's input)
     rope: Any = None                  # E's RoPE cos / sin, read by every A_l (held: the pool must not reuse it)
+    own_kv: tuple[Tensor, Tensor] | None = None
+    """[T, Hk, hd] each: A_l's roped K and V, where a pass of this bucket may read them (TMA); else None."""
 
 
 class PrefillGraphs:
@@ -102,15 +107,23 @@ class PrefillGraphs:
             self.pool = g.pool()
         return g, out
 
-    def _capture(self, T: int) -> _Bucket:
+    def _new_bucket(self, T: int, kv) -> _Bucket:
+        """Bucket T's static buffers (``kv``: the pool's layers, whose format says whether a pass of T
+        tokens may read its own K/V: then ``own_kv`` too)."""
         m, c, dev = self.model, self.model.cfg, self.device
-        H, hd = c.num_heads, c.head_dim
-        dt = m.embed.dtype
+        H, hd, dt = c.num_heads, c.head_dim, m.embed.dtype
         b = _Bucket(T, torch.zeros(T, dtype=torch.int64, device=dev), torch.zeros(T, dtype=torch.int64, device=dev),
                     torch.full((T,), self.scratch, dtype=torch.int64, device=dev),
                     torch.zeros(T, H, hd, dtype=dt, device=dev), torch.zeros(T, H, hd, dtype=dt, device=dev))
-        fb = ForwardBatch(b.ids, b.pos, b.write, [], None, None, block_size=0, padded=True)   # tokens past T's: padding
+        if keeps_own_kv(m.kernels, T, dt, hd, kv[0]):
+            b.own_kv = tuple(torch.zeros(T, c.num_kv_heads, hd, dtype=dt, device=dev) for _ in range(2))
+        return b
+
+    def _capture(self, T: int) -> _Bucket:
+        c, dev = self.model.cfg, self.device
         kv = self.kv_cache_of()
+        b = self._new_bucket(T, kv)
+        fb = ForwardBatch(b.ids, b.pos, b.write, [], None, None, block_size=0, padded=True)   # tokens past T's: padding
         cs = self.stream
         cs.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(cs), torch.inference_mode():
@@ -139,9 +152,14 @@ class PrefillGraphs:
         return self.model.embed_tokens(fb)
 
     def _pre(self, i: int, st: SegmentState, fb: ForwardBatch, kv: Tensor, b: _Bucket) -> None:
-        """A_l: norm, QKV GEMM, QK-norm + RoPE + this pass's K/V into the cache -> b.q."""
-        q = self.model.attention_prologue(i, st, fb, kv)
+        """A_l: norm, QKV GEMM, QK-norm + RoPE + this pass's K/V into the cache -> b.q (and the roped
+        K and V -> b.own_kv, where the bucket keeps them)."""
+        q = self.model.attention_prologue(i, st, fb, kv, keep=b.own_kv is not None)
         b.q.copy_(q)
+        if b.own_kv is not None:
+            for held, new in zip(b.own_kv, fb.own_kv):
+                held.copy_(new)
+            fb.own_kv = None
 
     def _post(self, i: int, st: SegmentState, fb: ForwardBatch, b: _Bucket) -> SegmentState:
         """B_l: O projection of b.o, residual + FFN norm, router."""
@@ -198,7 +216,8 @@ class PrefillBinding:
         b.pre[layer].replay()
         model = self.g.model
         kc, vc = kv[0], kv[1]
-        model.kernels.prefill(b.q[:T], kc, vc, self.fb, b.o[:T], kv_scale=model.kv_scale(layer))
+        own = None if b.own_kv is None else (b.own_kv[0][:T], b.own_kv[1][:T])    # the backend's plan decides
+        model.kernels.prefill(b.q[:T], kc, vc, self.fb, b.o[:T], kv_scale=model.kv_scale(layer), own_kv=own)
         b.post[layer].replay()
 
     def experts(self, layer: int) -> None:

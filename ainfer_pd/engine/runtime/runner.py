@@ -98,8 +98,9 @@ class ModelRunner:
             self.model.route_kernel = fused_softmax_route
             if mc.quantization == "fp8":      # the FP8 kernels: imported here only (CPU runs never need Triton)
                 from ..model.linear import Fp8Kernels
-                from ..quant.fp8_ops import fp8_linear, fused_experts_fp8
-                self.model.fp8_kernels = Fp8Kernels(linear=fp8_linear, experts=fused_experts_fp8)
+                from ..quant.fp8_ops import fp8_linear, fused_experts_fp8, select_fp8_linear
+                linear = select_fp8_linear(device) if mc.fp8_dense else fp8_linear     # FP8 dense projections only
+                self.model.fp8_kernels = Fp8Kernels(linear=linear, experts=fused_experts_fp8)
         log.info("attention backend %s, MoE backend %s", self.model.attn_backend.name, self.moe_backend)
         self.graphs = None
         self.pgraphs = None
