@@ -16,7 +16,9 @@ blockwise checkpoint would be re-quantized once, rounding a second time.
 
 Prints FIG lines: per T, the engine's blockwise fused MoE, the bf16 fused MoE and each rowwise tile
 (ms, the whole call with its quantization and layout launches), the best rowwise's gate_up and down
-alone, and both FP8 paths' relative error against the bf16 experts.
+alone, both FP8 paths' relative error against the bf16 experts, and the same MoE on torch's grouped
+rowwise FP8 GEMM (``torch._scaled_grouped_mm``, CUTLASS on sm_90; its GEMMs alone too): what a
+library GEMM reaches on this format.
 """
 from __future__ import annotations
 
@@ -193,6 +195,50 @@ def fused_experts_rowwise(x, r: Routing, w13q, w13s, w2q, w2s, tile=TILES[0]) ->
     return box["out"]
 
 
+def grouped_gemm(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor):
+    """torch's grouped rowwise FP8 GEMM (CUTLASS on sm_90): a [M, K] float8 rows sorted by expert, sa [M];
+    w [E, N, K] float8 (read column-major: its transpose), ws [E, N]; offs [E] int32 each expert's end
+    row -> [M, N] bf16."""
+    return torch._scaled_grouped_mm(a, w.transpose(-2, -1), sa, ws, offs=offs, out_dtype=torch.bfloat16)
+
+
+def grouped_parts(x, r: Routing, w13q, w13s, w2q, w2s):
+    """The same MoE on :func:`grouped_gemm` (the layout by a torch sort, the gathers, act and the
+    scatter by torch ops): a bound on what the rowwise format's GEMMs can run at, not a kernel to
+    ship. -> (callables in order, box); parts 2 and 4 are the two GEMMs."""
+    T, D = x.shape
+    k = r.topk_idx.shape[1]
+    N, E, I = T * k, w13q.shape[0], w13q.shape[1] // 2
+    flat = r.topk_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    tok = order // k
+    topw = r.topk_weights.reshape(-1)[order].float()[:, None]
+    box = {}
+
+    def xquant():
+        box["xq"], box["xs"] = quantize_rows(x)
+
+    def gather():
+        box["a"], box["sa"] = box["xq"].view(torch.uint8)[tok].view(FP8), box["xs"][tok]
+
+    def gate_up():
+        box["h"] = grouped_gemm(box["a"], box["sa"], w13q, w13s, offs)
+
+    def act():
+        h = box["h"].float()
+        box["aq"], box["as"] = quantize_rows(torch.nn.functional.silu(h[:, :I]) * h[:, I:])
+
+    def down():
+        box["y"] = grouped_gemm(box["aq"], box["as"], w2q, w2s, offs)
+
+    def total():
+        rows = torch.empty(N, D, dtype=x.dtype, device=x.device)
+        rows[order] = (box["y"].float() * topw).to(x.dtype)
+        box["out"] = moe_sum(rows, T, k)
+    return [xquant, gather, gate_up, act, down, total], box
+
+
 def rowwise_reference(x, r: Routing, w13q, w13s, w2q, w2s) -> torch.Tensor:
     """The candidate's oracle in float32 torch: the same quantization, dequantized products."""
     T, D = x.shape
@@ -274,6 +320,20 @@ def run(tokens, dev: torch.device, ms, shape=(128, 2048, 768, 8), dtype=torch.bf
                         "rowwise_rel_err_vs_bf16": round(_rel(out, exact), 5),
                         "rowwise_rel_err_vs_oracle": round(_rel(out, oracle), 5),
                         "blockwise_over_rowwise": round(row["blockwise_ms"] / max(t, 1e-9), 3)})
+        if x.is_cuda and hasattr(torch, "_scaled_grouped_mm") and time.time() - t0 <= budget_s:
+            try:
+                parts, box = grouped_parts(x, r, w13r, w13rs, w2r, w2rs)
+                for p in parts:
+                    p()
+
+                def whole():
+                    for p in parts:
+                        p()
+                row.update({"grouped_ms": round(ms(whole), 4), "grouped_gate_up_ms": round(ms(parts[2]), 4),
+                            "grouped_down_ms": round(ms(parts[4]), 4),
+                            "grouped_rel_err_vs_bf16": round(_rel(box["out"], exact), 5)})
+            except Exception as e:       # torch's grouped rowwise GEMM refused here: said, not fatal
+                row["grouped"] = f"{type(e).__name__}: {str(e)[:120]}"
         res[T] = row
         print(f"FIG rowwise_moe_T{T} = {json.dumps(row)}", flush=True)
     return res
