@@ -6,7 +6,9 @@ with K), so every K step waits on its MMA and the tensor cores idle through the 
 (``engine/quant/fp8_kernels.py``). At the FP8 prefill sizes it ran at ~38% of the FP8 rate while the
 bf16 kernel ran at ~62% of bf16's (H100, the gate's 4K profile: FP8 gate_up 359 against bf16 430 us a
 layer). With scales that do not change along K the K loop is a plain ``acc = dot(a, b, acc)``, which
-Triton pipelines on Hopper as it does bf16, and the scales apply once, in the epilogue. e4m3 is a
+Triton pipelines on Hopper as it does bf16, and the scales apply once, in the epilogue. Compiled for
+sm_90 (``tests/test_fp8_rowwise_candidate.py``), the blockwise loop waits for every MMA each K step
+(``wgmma.wait_group 0``), and the candidate's loops keep one MMA group a dot in flight. e4m3 is a
 floating-point format, so a row scale loses range, not relative precision, where a block's amax is
 below its row's. The script reports both kernels' distance to the bf16 experts, to show what that
 costs. Weights quantized at load or at weight sync (verl's flow) can be quantized per row directly. A

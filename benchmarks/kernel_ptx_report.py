@@ -26,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 _OPS = re.compile(r"^\s*((?:cvt|mma|wgmma|fma\.rn\.f32|mul\.f32)[\w.]*)", re.M)
 _MMA = ("wgmma.mma_async", "mma.sync")
+_WGMMA_WAIT = re.compile(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)")
+"""A wait for all but N of the warp group's MMA groups: 0 in a K loop, each step waits on its own MMA."""
 _CVT_F16 = "cvt.rn.f16x2.e4m3x2"
 _D, _I, _NB_D, _NB_I = 2048, 768, 16, 6           # Qwen3-30B-A3B: hidden, expert intermediate, their 128-blocks
 _LAYOUT = {"SORTED": "*i32", "BLOCK_EXPERT": "*i32", "NUM_POST": "*i32"}
@@ -68,7 +70,8 @@ def _ptxas_info(ptx: str) -> tuple[int, int]:
 
 def compile_stats(kernel, ptr_types: dict, ints: dict, const: dict, warps: int, stages: int) -> dict:
     """regs, spill bytes, MMA instruction counts, e4m3 -> float16 widenings, every conversion /
-    MMA / float32 multiply and FMA mnemonic's count (``ops``) and the TMA bulk copies (``tma_loads``) of one compile,
+    MMA / float32 multiply and FMA mnemonic's count (``ops``), the TMA bulk copies (``tma_loads``) and the
+    wgmma waits by the MMA groups they leave in flight (``wgmma_waits``: {N: count}) of one compile,
     specialized as the runtime would for ``ints`` (every pointer 16-byte aligned)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -85,7 +88,8 @@ def compile_stats(kernel, ptr_types: dict, ints: dict, const: dict, warps: int, 
     ops = Counter(_OPS.findall(ptx))
     return {"regs": regs, "spill": spill, "mma": {op: n for op, n in ops.items() if op.startswith(_MMA)},
             "cvt_f16": sum(n for op, n in ops.items() if op.startswith(_CVT_F16)), "ops": dict(ops),
-            "tma_loads": ptx.count("cp.async.bulk.tensor")}
+            "tma_loads": ptx.count("cp.async.bulk.tensor"),
+            "wgmma_waits": dict(Counter(int(n) for n in _WGMMA_WAIT.findall(ptx)))}
 
 
 def plan_stats(bm: int, bn: int, bk: int, gm: int, warps: int, stages: int, swap: bool = False,

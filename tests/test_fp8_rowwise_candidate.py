@@ -87,3 +87,42 @@ def test_the_grouped_variant_sorts_gathers_and_scatters_its_rows(monkeypatch):
         p()
     ref = rw.rowwise_reference(x, r, w13q, w13s, w2q, w2s)
     assert rw._rel(box["out"], ref) < 3e-2, rw._rel(box["out"], ref)    # h rounded to bf16 before act
+
+
+_PTX_CHILD = r'''
+import json
+from benchmarks.kernel_ptx_report import DOWN_INTS, GATE_UP_INTS, compile_stats, plan_stats
+from benchmarks import fp8_rowwise_moe as rw
+lay = dict.fromkeys(("SORTED", "BLOCK_EXPERT", "NUM_POST"), "*i32")
+bm, bn, bk, gm, warps, stages = 64, 128, 128, 8, 4, 3
+t = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm)
+out = {"rowwise_gate_up": compile_stats(
+           rw.rowwise_gate_up_kernel, {**lay, "XQ": "*fp8e4nv", "XS": "*fp32", "W": "*fp8e4nv", "WS": "*fp32",
+                                       "ACT": "*fp32"},
+           {"K": 2048, "I": 768, "stride_xt": 2048, "stride_we": 1536 * 2048, "stride_wn": 2048, "stride_wse": 1536,
+            "stride_an": 768}, dict(TOPK=8, **t), warps, stages),
+       "rowwise_down": compile_stats(
+           rw.rowwise_down_kernel, {**lay, "AQ": "*fp8e4nv", "AS": "*fp32", "W": "*fp8e4nv", "WS": "*fp32",
+                                    "TOPW": "*bf16", "ROWS": "*bf16"},
+           {"K": 768, "N": 2048, "stride_an": 768, "stride_we": 2048 * 768, "stride_wn": 768, "stride_wse": 2048,
+            "stride_rn": 2048}, t, warps, stages),
+       "blockwise": plan_stats(bm, bn, bk, gm, warps, stages, kernels=("gate_up",))["gate_up"]}
+print(json.dumps(out))
+'''
+
+
+def test_the_rowwise_k_loop_keeps_an_mma_in_flight_where_the_blockwise_one_waits():
+    """Compiled for sm_90 on this CPU (Triton's back end and ptxas, no GPU). The candidate's K loops run
+    e4m3 wgmma and wait for all but one MMA group a dot (``wgmma.wait_group 1``; gate_up's two dots:
+    ``2``), so the next step's MMAs issue while these are in flight; nothing spills. The engine's
+    blockwise gate_up at the same tile waits for all of them every K step (``wait_group 0`` only): the
+    tensor cores idle through its scaling. A manual two-step software pipelining of the blockwise loop
+    compiled to the same waits, and ``warp_specialize`` fails in Triton 3.9's pass on it for sm_90."""
+    from tests._ptx_child import compile_in_child
+    s = compile_in_child(_PTX_CHILD)
+    for name in ("rowwise_gate_up", "rowwise_down"):
+        k = s[name]
+        assert k["mma"] and all("wgmma" in m and "e4m3" in m for m in k["mma"]), k["mma"]
+        assert any(int(n) >= 1 for n in k["wgmma_waits"]) and k["spill"] == 0, (name, k["wgmma_waits"], k["spill"])
+    b = s["blockwise"]
+    assert b["mma"] and set(b["wgmma_waits"]) == {"0"}, b["wgmma_waits"]
