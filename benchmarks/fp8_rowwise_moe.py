@@ -14,7 +14,7 @@ below its row's. The script reports both kernels' distance to the bf16 experts, 
 costs. Weights quantized at load or at weight sync (verl's flow) can be quantized per row directly. A
 blockwise checkpoint would be re-quantized once, rounding a second time.
 
-    python benchmarks/fp8_rowwise_moe.py [--tokens 2048,4096,8192] [--budget-s 80]
+    python benchmarks/fp8_rowwise_moe.py [--tokens 64,128,2048,4096,8192] [--budget-s 80]
 
 Prints FIG lines: per T, the engine's blockwise fused MoE, the bf16 fused MoE and each rowwise tile
 (ms, the whole call with its quantization and layout launches), the best rowwise's gate_up and down
@@ -43,9 +43,12 @@ from ainfer_pd.engine.quant.fp8 import FP8  # noqa: E402
 from ainfer_pd.engine.quant.fp8_kernels import _quant_tile  # noqa: E402
 
 FP8_MAX = 448.0
-# (block_m, block_n, block_k, group_m, warps, stages), one for both GEMMs (they walk the same row blocks)
+# (block_m, block_n, block_k, group_m, warps, stages[, swap]), one for both GEMMs (they walk the same row
+# blocks); swap: the products transposed, the weight tile on wgmma's M side (the engine's decode plans')
 TILES = ((64, 64, 128, 8, 4, 3), (64, 128, 128, 8, 4, 3), (64, 128, 128, 8, 4, 4), (128, 64, 128, 8, 8, 3),
          (128, 128, 128, 8, 8, 3), (128, 128, 64, 8, 8, 4))
+DECODE_TILES = ((16, 64, 128, 1, 4, 4, True), (16, 128, 128, 1, 4, 4, True), (32, 64, 128, 1, 4, 4, True))
+DECODE_MAX_TOKENS = 128
 
 
 def _exact() -> bool:
@@ -84,11 +87,62 @@ def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.clamp(x / s.unsqueeze(-1), -FP8_MAX, FP8_MAX).to(FP8), s
 
 
+@triton.jit
+def _plain_dot(a_ptr, b_ptr, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               SWAP_AB: tl.constexpr):
+    """sum over K steps of a [BLOCK_M, BLOCK_K] . b, no scales: ``a_ptr`` [BLOCK_M, BLOCK_K] pointers;
+    ``b_ptr`` [BLOCK_K, BLOCK_N], or with SWAP_AB [BLOCK_N, BLOCK_K] (the product computed transposed,
+    the weight tile the MMA's M side: a 16-row block still takes e4m3 wgmma) -> [BLOCK_M, BLOCK_N]."""
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            acc = tl.dot(tl.load(b_ptr + k0), tl.trans(tl.load(a_ptr + k0)), acc)
+        out = tl.trans(acc)
+    else:
+        out = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            out = tl.dot(tl.load(a_ptr + k0), tl.load(b_ptr + k0), out)
+    return out
+
+
+@triton.jit
+def _plain_dot_pair(a_ptr, g_ptr, u_ptr, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SWAP_AB: tl.constexpr):
+    """:func:`_plain_dot` against two weight tiles (``g_ptr``'s and ``u_ptr``'s), each A tile loaded once
+    for both -> (acc_g, acc_u) [BLOCK_M, BLOCK_N]."""
+    if SWAP_AB:
+        acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            at = tl.trans(tl.load(a_ptr + k0))
+            acc_g = tl.dot(tl.load(g_ptr + k0), at, acc_g)
+            acc_u = tl.dot(tl.load(u_ptr + k0), at, acc_u)
+        out_g, out_u = tl.trans(acc_g), tl.trans(acc_u)
+    else:
+        out_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        out_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = tl.load(a_ptr + k0)
+            out_g = tl.dot(a, tl.load(g_ptr + k0), out_g)
+            out_u = tl.dot(a, tl.load(u_ptr + k0), out_u)
+    return out_g, out_u
+
+
+@triton.jit
+def _w_tile(w_rows, offs_k, SWAP_AB: tl.constexpr):
+    """The weight tile's pointers at K step 0 from its rows' first elements ``w_rows`` [BLOCK_N]."""
+    if SWAP_AB:
+        p = w_rows[:, None] + offs_k[None, :]
+    else:
+        p = w_rows[None, :] + offs_k[:, None]
+    return p
+
+
 @triton.jit(do_not_specialize=["num_pairs", "P"])
 def rowwise_gate_up_kernel(SORTED, BLOCK_EXPERT, NUM_POST, XQ, XS, W, WS, ACT, num_pairs, P, K, I,
                            stride_xt, stride_we, stride_wn, stride_wse, stride_an,
                            TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           GROUP_M: tl.constexpr):
+                           GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr = False):
     """act[pair, n] = silu(g) * u, g / u = (x_q[tok] . W_q[e, n] / W_q[e, I + n]) * s_x[tok] * s_w[e, row]:
     a plain K loop (K % BLOCK_K == 0), the scales in the epilogue. Padding rows read token 0 and
     columns past I wrap (neither is stored)."""
@@ -100,14 +154,8 @@ def rowwise_gate_up_kernel(SORTED, BLOCK_EXPERT, NUM_POST, XQ, XS, W, WS, ACT, n
     cols = (offs_n % I).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptr = XQ + tok[:, None] * stride_xt + offs_k[None, :]
-    g_ptr = W + e * stride_we + cols[None, :] * stride_wn + offs_k[:, None]          # [BLOCK_K, BLOCK_N]
-    u_ptr = g_ptr + I * stride_wn
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = tl.load(a_ptr + k0)
-        acc_g = tl.dot(a, tl.load(g_ptr + k0), acc_g)
-        acc_u = tl.dot(a, tl.load(u_ptr + k0), acc_u)
+    g_ptr = _w_tile(W + e * stride_we + cols * stride_wn, offs_k, SWAP_AB)
+    acc_g, acc_u = _plain_dot_pair(a_ptr, g_ptr, g_ptr + I * stride_wn, K, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
     sx = tl.load(XS + tok)
     ws = WS + e * stride_wse + cols
     g = acc_g * sx[:, None] * tl.load(ws)[None, :]
@@ -121,7 +169,8 @@ def rowwise_gate_up_kernel(SORTED, BLOCK_EXPERT, NUM_POST, XQ, XS, W, WS, ACT, n
 @triton.jit(do_not_specialize=["num_pairs", "P"])
 def rowwise_down_kernel(SORTED, BLOCK_EXPERT, NUM_POST, AQ, AS, W, WS, TOPW, ROWS, num_pairs, P, K, N,
                         stride_an, stride_we, stride_wn, stride_wse, stride_rn,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                        SWAP_AB: tl.constexpr = False):
     """rows[pair, n] = topw[pair] * (act_q[pair] . W_q[e, n]) * s_act[pair] * s_w[e, n], a plain K loop."""
     active, e, pairs, rmask, offs_n, nmask = _expert_block(SORTED, BLOCK_EXPERT, NUM_POST, num_pairs, P, N,
                                                            BLOCK_M, BLOCK_N, GROUP_M, False)
@@ -131,10 +180,8 @@ def rowwise_down_kernel(SORTED, BLOCK_EXPERT, NUM_POST, AQ, AS, W, WS, TOPW, ROW
     cols = (offs_n % N).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptr = AQ + arow[:, None] * stride_an + offs_k[None, :]
-    b_ptr = W + e * stride_we + cols[None, :] * stride_wn + offs_k[:, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        acc = tl.dot(tl.load(a_ptr + k0), tl.load(b_ptr + k0), acc)
+    acc = _plain_dot(a_ptr, _w_tile(W + e * stride_we + cols * stride_wn, offs_k, SWAP_AB), K, BLOCK_M, BLOCK_N,
+                     BLOCK_K, SWAP_AB)
     s = tl.load(AS + arow) * tl.load(TOPW + arow).to(tl.float32)
     out = acc * s[:, None] * tl.load(WS + e * stride_wse + cols)[None, :]
     prow = pairs.to(tl.int64)
@@ -143,11 +190,12 @@ def rowwise_down_kernel(SORTED, BLOCK_EXPERT, NUM_POST, AQ, AS, W, WS, TOPW, ROW
 
 
 def _launch(kernel, layout, tile, ncols: int, args: tuple, **meta) -> None:
-    bm, bn, bk, gm, warps, stages = tile
+    bm, bn, bk, gm, warps, stages = tile[:6]
     P = layout_rows(layout, bm, False)
     kernel[(triton.cdiv(P, bm) * triton.cdiv(ncols, bn),)](*layout, *args[:-1], P, *args[-1], BLOCK_M=bm,
-                                                            BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps,
-                                                            num_stages=stages, **meta)
+                                                            BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
+                                                            SWAP_AB=len(tile) > 6 and bool(tile[6]),
+                                                            num_warps=warps, num_stages=stages, **meta)
 
 
 def rowwise_parts(x: torch.Tensor, r: Routing, w13q, w13s, w2q, w2s, tile):
@@ -266,9 +314,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run(tokens, dev: torch.device, ms, shape=(128, 2048, 768, 8), dtype=torch.bfloat16, budget_s: float = 80.0,
-        tiles=TILES) -> dict:
+        tiles=None) -> dict:
     """The figures of :func:`main` (module docstring) at each T of ``tokens``; ``ms(fn)`` times a call.
-    ``shape`` (E, D, I, k): the Qwen3-30B-A3B expert shape by default."""
+    ``shape`` (E, D, I, k): the Qwen3-30B-A3B expert shape by default; ``tiles``: the rowwise tiles
+    tried (default: :data:`DECODE_TILES` up to :data:`DECODE_MAX_TOKENS` tokens, else :data:`TILES`)."""
     from ainfer_pd.engine.fused_moe import fused_experts
     from ainfer_pd.engine.model.moe import route
     from ainfer_pd.engine.quant.fp8 import quantize_blockwise, quantize_w13
@@ -299,7 +348,7 @@ def run(tokens, dev: torch.device, ms, shape=(128, 2048, 768, 8), dtype=torch.bf
                "blockwise_ms": round(ms(lambda: fused_experts_fp8(x, r, w13b, w13bs, w2b, w2bs)), 4),
                "blockwise_rel_err_vs_bf16": round(_rel(blockwise, exact), 5)}
         best = None
-        for tile in tiles:
+        for tile in (tiles if tiles is not None else DECODE_TILES if T <= DECODE_MAX_TOKENS else TILES):
             if time.time() - t0 > budget_s:
                 break
             try:
@@ -344,7 +393,7 @@ def run(tokens, dev: torch.device, ms, shape=(128, 2048, 768, 8), dtype=torch.bf
 def main() -> None:
     import triton.testing
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", default="2048,4096,8192")
+    ap.add_argument("--tokens", default="64,128,2048,4096,8192")
     ap.add_argument("--budget-s", type=float, default=80.0)
     args = ap.parse_args()
     t0 = time.time()

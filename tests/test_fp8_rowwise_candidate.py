@@ -19,7 +19,8 @@ def test_row_quantization_equals_its_oracle():
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
 
 
-@pytest.mark.parametrize("tile", [(16, 32, 128, 1, 4, 1), (16, 64, 64, 2, 4, 1)])
+@pytest.mark.parametrize("tile", [(16, 32, 128, 1, 4, 1), (16, 64, 64, 2, 4, 1), (16, 64, 128, 1, 4, 1, True)],
+                         ids=["16x32", "16x64-k64", "swapped"])
 def test_rowwise_fused_moe_matches_its_oracle(tile):
     g = torch.Generator().manual_seed(1)
     E, D, I, k, T = 4, 256, 256, 2, 11
@@ -95,7 +96,7 @@ from benchmarks.kernel_ptx_report import DOWN_INTS, GATE_UP_INTS, compile_stats,
 from benchmarks import fp8_rowwise_moe as rw
 lay = dict.fromkeys(("SORTED", "BLOCK_EXPERT", "NUM_POST"), "*i32")
 bm, bn, bk, gm, warps, stages = 64, 128, 128, 8, 4, 3
-t = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm)
+t = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, SWAP_AB=False)
 out = {"rowwise_gate_up": compile_stats(
            rw.rowwise_gate_up_kernel, {**lay, "XQ": "*fp8e4nv", "XS": "*fp32", "W": "*fp8e4nv", "WS": "*fp32",
                                        "ACT": "*fp32"},
@@ -107,6 +108,16 @@ out = {"rowwise_gate_up": compile_stats(
            {"K": 768, "N": 2048, "stride_an": 768, "stride_we": 2048 * 768, "stride_wn": 768, "stride_wse": 2048,
             "stride_rn": 2048}, t, warps, stages),
        "blockwise": plan_stats(bm, bn, bk, gm, warps, stages, kernels=("gate_up",))["gate_up"]}
+d = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, SWAP_AB=True)
+out["rowwise_gate_up_swapped"] = compile_stats(
+    rw.rowwise_gate_up_kernel, {**lay, "XQ": "*fp8e4nv", "XS": "*fp32", "W": "*fp8e4nv", "WS": "*fp32", "ACT": "*fp32"},
+    {"K": 2048, "I": 768, "stride_xt": 2048, "stride_we": 1536 * 2048, "stride_wn": 2048, "stride_wse": 1536,
+     "stride_an": 768}, dict(TOPK=8, **d), 4, 4)
+out["rowwise_down_swapped"] = compile_stats(
+    rw.rowwise_down_kernel, {**lay, "AQ": "*fp8e4nv", "AS": "*fp32", "W": "*fp8e4nv", "WS": "*fp32", "TOPW": "*bf16",
+                             "ROWS": "*bf16"},
+    {"K": 768, "N": 2048, "stride_an": 768, "stride_we": 2048 * 768, "stride_wn": 768, "stride_wse": 2048,
+     "stride_rn": 2048}, d, 4, 4)
 print(json.dumps(out))
 '''
 
@@ -120,7 +131,7 @@ def test_the_rowwise_k_loop_keeps_an_mma_in_flight_where_the_blockwise_one_waits
     compiled to the same waits, and ``warp_specialize`` fails in Triton 3.9's pass on it for sm_90."""
     from tests._ptx_child import compile_in_child
     s = compile_in_child(_PTX_CHILD)
-    for name in ("rowwise_gate_up", "rowwise_down"):
+    for name in ("rowwise_gate_up", "rowwise_down", "rowwise_gate_up_swapped", "rowwise_down_swapped"):
         k = s[name]
         assert k["mma"] and all("wgmma" in m and "e4m3" in m for m in k["mma"]), k["mma"]
         assert any(int(n) >= 1 for n in k["wgmma_waits"]) and k["spill"] == 0, (name, k["wgmma_waits"], k["spill"])
