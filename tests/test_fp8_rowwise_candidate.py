@@ -108,6 +108,11 @@ out = {"rowwise_gate_up": compile_stats(
            {"K": 768, "N": 2048, "stride_an": 768, "stride_we": 2048 * 768, "stride_wn": 768, "stride_wse": 2048,
             "stride_rn": 2048}, t, warps, stages),
        "blockwise": plan_stats(bm, bn, bk, gm, warps, stages, kernels=("gate_up",))["gate_up"]}
+from ainfer_pd.engine.fused_moe.kernels import moe_gate_up_kernel
+out["bf16_gate_up"] = compile_stats(       # the prefill plan's tile; stride_wn 1 specialized, as at launch
+    moe_gate_up_kernel, {**lay, "X": "*bf16", "W": "*bf16", "ACT": "*bf16"},
+    {"K": 2048, "I": 768, "stride_xt": 2048, "stride_we": 2048 * 1536, "stride_wk": 1536, "stride_an": 768},
+    dict(IEEE=False, DIRECT=False, TOPK=8, BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, stride_wn=1), 8, 4)
 d = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, SWAP_AB=True)
 out["rowwise_gate_up_swapped"] = compile_stats(
     rw.rowwise_gate_up_kernel, {**lay, "XQ": "*fp8e4nv", "XS": "*fp32", "W": "*fp8e4nv", "WS": "*fp32", "ACT": "*fp32"},
@@ -127,13 +132,17 @@ def test_the_rowwise_k_loop_keeps_an_mma_in_flight_where_the_blockwise_one_waits
     e4m3 wgmma and wait for all but one MMA group a dot (``wgmma.wait_group 1``; gate_up's two dots:
     ``2``), so the next step's MMAs issue while these are in flight; nothing spills. The engine's
     blockwise gate_up at the same tile waits for all of them every K step (``wait_group 0`` only): the
-    tensor cores idle through its scaling. A manual two-step software pipelining of the blockwise loop
+    tensor cores idle through its scaling. The engine's bf16 gate_up, specialized as it is launched
+    (``stride_wn`` 1), keeps its MMAs in flight like the candidate (compiled with that stride a runtime
+    value, it waited 0 every step: what ``docs/history.md`` once read as bf16 waiting the same way). A manual two-step software pipelining of the blockwise loop
     compiled to the same waits, and ``warp_specialize`` fails in Triton 3.9's pass on it for sm_90."""
     from tests._ptx_child import compile_in_child
     s = compile_in_child(_PTX_CHILD)
-    for name in ("rowwise_gate_up", "rowwise_down", "rowwise_gate_up_swapped", "rowwise_down_swapped"):
+    for name in ("rowwise_gate_up", "rowwise_down", "rowwise_gate_up_swapped", "rowwise_down_swapped",
+                 "bf16_gate_up"):
         k = s[name]
-        assert k["mma"] and all("wgmma" in m and "e4m3" in m for m in k["mma"]), k["mma"]
+        assert k["mma"] and all("wgmma" in m and ("bf16" if name.startswith("bf16") else "e4m3") in m
+                                for m in k["mma"]), k["mma"]
         assert any(int(n) >= 1 for n in k["wgmma_waits"]) and k["spill"] == 0, (name, k["wgmma_waits"], k["spill"])
     b = s["blockwise"]
     assert b["mma"] and set(b["wgmma_waits"]) == {"0"}, b["wgmma_waits"]
