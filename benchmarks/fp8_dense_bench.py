@@ -38,9 +38,6 @@ def variant(cfg_path: str, dense: bool, peak: float) -> dict:
     runner.kv_cache.normal_(0, 1)
     mc = cfg.model
     dctx, pctx = PhaseContext(Phase.DECODE, None), PhaseContext(Phase.PREFILL, None)
-    D, H, Hk, hd, L = mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.num_layers
-    lin = D * (H + 2 * Hk) * hd + H * hd * D + mc.num_experts * D + mc.top_k * 3 * D * mc.expert_intermediate \
-        + 3 * D * mc.shared_expert_intermediate
     out = {}
     with torch.inference_mode():
         for n in PREFILL:
@@ -51,7 +48,7 @@ def variant(cfg_path: str, dense: bool, peak: float) -> dict:
                 return runner.forward_fb(pfb, pctx)
             ms = gate.bench_ms(step, 300)
             busy = gate.gpu_busy_ms(step)
-            lin_flops, attn_flops = 2 * n * lin * L, L * 4 * H * hd * (n * n / 2)
+            lin_flops, attn_flops = gate.prefill_flops(mc, n, 0)
             roof = (lin_flops / (2 * peak) + attn_flops / peak) * 1e3
             out[f"prefill_{n}"] = {"ms": round(ms, 2), "gpu_busy_ms": round(busy, 2),
                                    "fp8_flops_roofline_fraction": round(roof / ms, 3)}

@@ -279,6 +279,15 @@ def prefill_fb(runner, n: int, cached: int, seed: int = 0) -> ForwardBatch:
                         torch.tensor([n - 1], device=DEV), block_size=bs)
 
 
+def prefill_flops(mc, n: int, cached: int) -> tuple[float, float]:
+    """(projection FLOPs, attention and head FLOPs) of a prefill pass of ``n`` new tokens on ``cached``
+    keys of the model ``mc``: the roofline's compute terms (the projections run at the FP8 rate in FP8)."""
+    D, H, Hk, hd, L = mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.num_layers
+    lin = D * (H + 2 * Hk) * hd + H * hd * D + mc.num_experts * D + mc.top_k * 3 * D * mc.expert_intermediate \
+        + 3 * D * mc.shared_expert_intermediate
+    return 2 * n * lin * L, L * 4 * H * hd * (n * cached + n * n / 2) + 2 * D * mc.vocab_size
+
+
 def capture_graphs(runner, cfg: WorkerConfig, tag: str, dctx: PhaseContext, pctx: PhaseContext) -> tuple[int, tuple]:
     """Each phase's graphs captured on its own stream (D's decode buckets, then P's), and the check
     that every decode bucket was; returns (decode graphs, their context buckets)."""
@@ -424,8 +433,6 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
         # ---- prefill 2K / 4K / 8K and the 575-token continuation
         pre = {}
         D, H, Hk, hd, L = mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.num_layers
-        lin = D * (H + 2 * Hk) * hd + H * hd * D + mc.num_experts * D + mc.top_k * 3 * D * mc.expert_intermediate \
-            + 3 * D * mc.shared_expert_intermediate
         for n, cached in PREFILL:
             pfb = prefill_fb(runner, n, cached)
 
@@ -434,7 +441,7 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
                 return runner.forward_fb(pfb, pctx)
             t = bench_ms(step, 300)
             ctx = n + cached
-            lin_flops, attn_flops = 2 * n * lin * L, L * 4 * H * hd * (n * cached + n * n / 2) + 2 * D * mc.vocab_size
+            lin_flops, attn_flops = prefill_flops(mc, n, cached)
             flops = lin_flops + attn_flops
             e_touch = mc.num_experts * (1 - (1 - mc.top_k / mc.num_experts) ** n)
             bytes_ = attn_b + L * e_touch * exp_b + eh_b + ctx * kv_tok

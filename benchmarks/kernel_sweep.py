@@ -201,7 +201,7 @@ def main() -> None:
                                            ("tma", 128, 128, 8, 2, True), ("tma", 128, 64, 8, 3, False),
                                            ("tma", 128, 64, 8, 3, True), ("tma", 128, 128, 8, 3, False),
                                            ("tma", 128, 64, 4, 3, False), ("tma", 64, 64, 4, 3, False)], bud)
-    # the TMA plan's continuations (the plan takes it from 2,048 new tokens on a Hopper, cached prefix or not)
+    # continuations on cached prefixes: the paged 64 / 128 tiles and TMA (attention/plan.py's choice between them)
     if "prefilltmac" in sections:
         prefill_sweep("attn_prefill_tmac", [(64, 64, 4, 2), (128, 128, 8, 3), ("tma", 128, 128, 8, 3, False)], bud,
                       cases=([(2048, 2048)], [(4096, 2048)], [(8000, 2048)], [(4096, 1024)], [(0, 1024)]))

@@ -17,8 +17,8 @@ from .kv_fp8 import is_fp8, store_kv
 from .reference import TorchAttention
 
 __all__ = ["AttentionBackend", "DecodeMeta", "ForwardBatch", "PrefillMeta", "PrefillSeq", "TorchAttention",
-           "apply_rope", "attend", "blocks_of_slots", "keeps_own_kv", "paged_attention", "rope_cos_sin", "select_backend",
-           "slots_of_blocks"]
+           "apply_rope", "attend", "blocks_of_slots", "keeps_own_kv", "paged_attention", "rope_cos_sin",
+           "select_backend", "slots_of_blocks"]
 
 _REFERENCE = TorchAttention()
 
