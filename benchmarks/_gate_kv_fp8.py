@@ -184,7 +184,7 @@ def kv_fp8_model_checks(gate, bw: float) -> None:
     torch.cuda.synchronize()
     gate.fig("qwen3fp8_kvfp8_model_build_s", round(time.time() - t0, 1))
     attn_b, exp_b, eh_b = gate.weight_bytes(runner.model)
-    kv_tok = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 1
+    kv_tok = gate.kv_token_bytes(mc, elem_bytes=1)
     dctx, pctx = PhaseContext(Phase.DECODE, None), PhaseContext(Phase.PREFILL, None)
     with torch.inference_mode():
         gate.capture_graphs(runner, cfg, "qwen3fp8_kvfp8", dctx, pctx)

@@ -30,13 +30,12 @@ DECODE = (16, 64, 128)
 CTX = 2048
 
 
-def variant(cfg_path: str, dense: bool, peak: float) -> dict:
+def variant(cfg_path: str, dense: bool, peak: float, bw: float) -> dict:
     num_blocks = max(DECODE) * CTX // 16 + 1024
     cfg = gate.model_cfg(cfg_path, num_blocks, {"model.quantization": "fp8", "model.fp8_dense": dense,
                                                 "device.cuda_graphs": False, "device.prefill_graphs": False})
     runner = ModelRunner(RunnerSections.from_config(cfg), gate.DEV, KVCacheManager(num_blocks, 16))
     runner.kv_cache.normal_(0, 1)
-    mc = cfg.model
     dctx, pctx = PhaseContext(Phase.DECODE, None), PhaseContext(Phase.PREFILL, None)
     out = {}
     with torch.inference_mode():
@@ -48,10 +47,9 @@ def variant(cfg_path: str, dense: bool, peak: float) -> dict:
                 return runner.forward_fb(pfb, pctx)
             ms = gate.bench_ms(step, 300)
             busy = gate.gpu_busy_ms(step)
-            lin_flops, attn_flops = gate.prefill_flops(mc, n, 0)
-            roof = (lin_flops / (2 * peak) + attn_flops / peak) * 1e3
+            roof = gate.prefill_roofline_ms(runner.model, n, 0, peak, bw)
             out[f"prefill_{n}"] = {"ms": round(ms, 2), "gpu_busy_ms": round(busy, 2),
-                                   "fp8_flops_roofline_fraction": round(roof / ms, 3)}
+                                   "roofline_fraction": round(roof / ms, 3)}
         for B in DECODE:
             fb = gate.decode_fb(runner, B, CTX, seed=B)
             out[f"decode_b{B}_gpu_busy_ms"] = round(gate.gpu_busy_ms(lambda: runner.forward_fb(fb, dctx)), 3)
@@ -65,10 +63,10 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.time()
     print(f"fp8 dense bench: torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
-    _, peak = gate.ceilings()
+    bw, peak = gate.ceilings()
     res = {}
     for dense in (False, True):
-        res[dense] = variant(args.config, dense, peak)
+        res[dense] = variant(args.config, dense, peak, bw)
         gate.fig(f"fp8{'_dense' if dense else ''}", res[dense])
     for k in res[False]:
         a, b = res[False][k], res[True][k]

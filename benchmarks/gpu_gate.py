@@ -288,6 +288,25 @@ def prefill_flops(mc, n: int, cached: int) -> tuple[float, float]:
     return 2 * n * lin * L, L * 4 * H * hd * (n * cached + n * n / 2) + 2 * D * mc.vocab_size
 
 
+def kv_token_bytes(mc, elem_bytes: int = 2) -> int:
+    """Bytes of one token's K and V over every layer, in a pool of ``elem_bytes`` a value (2: bf16, 1: FP8)."""
+    return mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * elem_bytes
+
+
+def prefill_roofline_ms(model, n: int, cached: int, peak: float, bw: float) -> float:
+    """The roofline (ms) of a prefill pass of ``n`` new tokens on ``cached`` keys of ``model`` as built: the
+    larger of its compute time (:func:`prefill_flops` at ``peak``; an FP8 model's projections at twice
+    it, its attention bf16) and its bytes (the weights, the routed experts its tokens touch, the KV
+    read) over ``bw``."""
+    mc = model.cfg
+    attn_b, exp_b, eh_b = weight_bytes(model)
+    lin_flops, attn_flops = prefill_flops(mc, n, cached)
+    e_touch = mc.num_experts * (1 - (1 - mc.top_k / mc.num_experts) ** n)
+    bytes_ = attn_b + mc.num_layers * e_touch * exp_b + eh_b + (n + cached) * kv_token_bytes(mc)
+    fp8 = mc.quantization == "fp8"
+    return max(lin_flops / (peak * (2 if fp8 else 1)) + attn_flops / peak, bytes_ / bw) * 1e3
+
+
 def capture_graphs(runner, cfg: WorkerConfig, tag: str, dctx: PhaseContext, pctx: PhaseContext) -> tuple[int, tuple]:
     """Each phase's graphs captured on its own stream (D's decode buckets, then P's), and the check
     that every decode bucket was; returns (decode graphs, their context buckets)."""
@@ -333,7 +352,7 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
     dctx, pctx = PhaseContext(Phase.DECODE, None), PhaseContext(Phase.PREFILL, None)
     attn_b, exp_b, eh_b = weight_bytes(runner.model)
     fp8 = mc.quantization == "fp8"
-    kv_tok = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 2
+    kv_tok = kv_token_bytes(mc)
     with torch.inference_mode():
         if capture_all:
             n, ctxs = capture_graphs(runner, cfg, tag, dctx, pctx)
@@ -432,7 +451,7 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
               f"paged kernel {'seen' if paged else 'absent'}; cudnn/sdpa kernels {cudnn[:3]}")
         # ---- prefill 2K / 4K / 8K and the 575-token continuation
         pre = {}
-        D, H, Hk, hd, L = mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.num_layers
+        D, H, Hk, hd = mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim
         for n, cached in PREFILL:
             pfb = prefill_fb(runner, n, cached)
 
@@ -440,17 +459,12 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
                 pfb.prefill_meta = None            # the varlen metadata is built (host) every pass, as in the engine
                 return runner.forward_fb(pfb, pctx)
             t = bench_ms(step, 300)
-            ctx = n + cached
-            lin_flops, attn_flops = prefill_flops(mc, n, cached)
-            flops = lin_flops + attn_flops
-            e_touch = mc.num_experts * (1 - (1 - mc.top_k / mc.num_experts) ** n)
-            bytes_ = attn_b + L * e_touch * exp_b + eh_b + ctx * kv_tok
-            # FP8 projections run at twice the bf16 tensor-core peak; attention stays bf16
-            roof = max(lin_flops / (peak * (2 if fp8 else 1)) + attn_flops / peak, bytes_ / bw)
+            flops = sum(prefill_flops(mc, n, cached))
+            roof = prefill_roofline_ms(runner.model, n, cached, peak, bw)
             busy = gpu_busy_ms(step)
-            pre[f"{n}+{cached}"] = {"ms": round(t, 2), "roofline_ms": round(roof * 1e3, 2),
-                                    "roofline_fraction": round(roof * 1e3 / t, 3), "TFLOPs": round(flops / t / 1e9, 1),
-                                    "gpu_busy_ms": round(busy, 2), "gpu_busy_roofline_fraction": round(roof * 1e3 / busy, 3)}
+            pre[f"{n}+{cached}"] = {"ms": round(t, 2), "roofline_ms": round(roof, 2),
+                                    "roofline_fraction": round(roof / t, 3), "TFLOPs": round(flops / t / 1e9, 1),
+                                    "gpu_busy_ms": round(busy, 2), "gpu_busy_roofline_fraction": round(roof / busy, 3)}
             fig(f"{tag}_prefill_{n}_cached_{cached}", pre[f"{n}+{cached}"])
         R[f"{tag}_prefill_rows"] = pre
         if fp8:                     # the FP8 kernels' parts: benchmarks/fp8_kernel_check.py
