@@ -84,6 +84,25 @@ def uniform_decode(B, L, H, Hk, hd, dtype, device, bs=16, seed=0):
     return fb, q, kc, vc
 
 
+def verify_decode(B, w, L, H, Hk, hd, dtype, device, group_width, bs=16, seed=0):
+    """A verify pass's rows: B turns of w rows at L .. L + w - 1 keys, one block table a turn, over a
+    shuffled pool: (fb with the turns' groups, the same fb with every row alone, q, kc, vc)."""
+    from ainfer_pd.engine.attention import lead_offsets
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    nb = -(-(L + w) // bs)
+    kc = torch.randn(B * nb * bs, Hk, hd, device=device, dtype=dtype)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(B * nb, generator=g).view(B, nb).repeat_interleave(w, 0).to(device)
+    lens = (L + torch.arange(w)).repeat(B).to(device)
+    lead = torch.tensor(lead_offsets([w] * B, group_width), device=device)
+    q = torch.randn(B * w, H, hd, device=device, dtype=dtype)
+    z = torch.zeros(B * w, dtype=torch.int64, device=device)
+    fbs = [ForwardBatch(z, z, z, [], DecodeMeta(None, lens, block_table=table, block_size=bs, lead_off=lo,
+                                                group_width=group_width if lo is not None else 1), None, block_size=bs)
+           for lo in (lead, None)]
+    return (*fbs, q, kc, vc)
+
+
 def topk_choice_error(idx: torch.Tensor, weights: torch.Tensor, probs: torch.Tensor, norm: bool) -> tuple[float, float]:
     """A top-k router's choice against the exact router probabilities, up to ties.
 

@@ -32,13 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _cuda_timing import graph_of  # noqa: E402
-from _gate_cases import dense_attention, paged_case, rel_err, topk_choice_error, uniform_decode  # noqa: E402
+from _gate_cases import (dense_attention, paged_case, rel_err, topk_choice_error, uniform_decode,  # noqa: E402
+                         verify_decode)
 
 from ainfer_pd.tools.bench import _finite  # noqa: E402
 from ainfer_pd.config import WorkerConfig  # noqa: E402
 from ainfer_pd.engine.attention import (DecodeMeta, ForwardBatch, PrefillSeq, TorchAttention,  # noqa: E402
                                         paged_attention)
-from ainfer_pd.engine.attention.plan import TMA_PREFILL_TOKENS  # noqa: E402
+from ainfer_pd.engine.attention.plan import TMA_PREFILL_TOKENS, verify_group_width  # noqa: E402
 from ainfer_pd.engine.attention.triton_backend import TritonAttention  # noqa: E402
 from ainfer_pd.engine.fused_moe import fused_experts, fused_softmax_route  # noqa: E402
 from ainfer_pd.engine.kv.kv_cache import KVCacheManager  # noqa: E402
@@ -141,6 +142,7 @@ ITER_LONG = ((16, 2048), (16, 8192), (16, 16384), (32, 8192))     # (B, context)
 PREFILL = ((2048, 0), (4096, 0), (8192, 0), (575, 1500))
 ATTN_PARTS = ((32, 2048), (64, 2048), (64, 4096), (128, 2048))
 ATTN_SMALL = ((1, 2048), (1, 5000), (4, 5000), (16, 5000))   # reported; latency-bound, not held to 1.5x
+VERIFY_ATTN = ((32, 2048, 4), (32, 8192, 4), (64, 2048, 4), (16, 8192, 2))   # (turns, keys, rows a turn)
 MOE_PARTS = (32, 64, 128)
 EAGER_PROFILE = (37, 1500)
 
@@ -484,6 +486,20 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
                                    "graph_ratio": round(t_g / (kvb / bw * 1e3), 3)}
             del fb, q, kc, vc, g
         fig(f"{tag}_decode_attention", attn)
+        # ---- a verify pass's attention (speculative decoding): a turn's rows read its keys once
+        ver, same = {}, True
+        W = verify_group_width(4, H // Hk)
+        for B, Lk, w in VERIFY_ATTN:
+            grouped, alone, q, kc, vc = verify_decode(B, w, Lk, H, Hk, hd, mc.torch_dtype, DEV, W)
+            same = same and torch.equal(tri.decode(q, kc, vc, grouped), tri.decode(q, kc, vc, alone))
+            t_g, t_a = (bench_ms(graph_of(lambda fb=fb: tri.decode(q, kc, vc, fb)).replay) for fb in (grouped, alone))
+            kvb = 2 * B * (Lk + w) * Hk * hd * 2 + 2 * B * w * H * hd * 2
+            ver[f"B{B}x{w}_L{Lk}"] = {"grouped_ms": round(t_g, 4), "rows_alone_ms": round(t_a, 4),
+                                      "speedup": round(t_a / t_g, 3), "bound_ms": round(kvb / bw * 1e3, 4),
+                                      "grouped_ratio": round(t_g / (kvb / bw * 1e3), 3)}
+            del grouped, alone, q, kc, vc
+        fig(f"{tag}_verify_attention", ver)
+        check(f"{tag}_verify_attention_grouped_equals_rows_alone", same, "bitwise, every row")
         lyr = runner.model.layers[0]
         moe = {}
         for B in MOE_PARTS:

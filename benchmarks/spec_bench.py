@@ -72,15 +72,22 @@ def verify_costs(a) -> None:
             runner.capture_decode_graphs(ctx)
             print(f"captured {len(runner.graphs.graphs)} decode graphs (rows {sizes}) in {time.perf_counter() - t0:.1f} s")
         times = measure_verify_costs(runner, ctx, batches, widths, a.context, reps=a.reps)
+        alone = measure_verify_costs(runner, ctx, batches, widths, a.context, reps=a.reps, grouped=False) \
+            if a.compare_alone else None
     where = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
-    print(f"verify cost, {a.config}, context {a.context}, commit {commit()}, {where}")
-    print(f"{'B':>5} " + " ".join(f"{'k+1=' + str(w):>16}" for w in widths))
-    for B in batches:
-        print(f"{B:>5} " + " ".join(f"{times[B][w] * 1e3:8.2f} ms {times[B][w] / times[B][1]:4.2f}x" for w in widths))
+    print(f"verify cost, {a.config}, context {a.context}, commit {commit()}, {where}; a turn's rows attend in "
+          f"groups of {runner.sections.verify_width}")
+    for name, t in (("grouped", times), ("rows alone", alone)):
+        if t is None:
+            continue
+        print(f"{name}:\n{'B':>5} " + " ".join(f"{'k+1=' + str(w):>16}" for w in widths))
+        for B in batches:
+            print(f"{B:>5} " + " ".join(f"{t[B][w] * 1e3:8.2f} ms {t[B][w] / t[B][1]:4.2f}x" for w in widths))
     for B in batches:
         for w in widths:
+            extra = f" alone_ms={alone[B][w] * 1e3:.3f}" if alone is not None else ""
             print(f"FIG spec_verify_cost B={B} width={w} rows={B * w} ms={times[B][w] * 1e3:.3f} "
-                  f"ratio={times[B][w] / times[B][1]:.3f} graph={B * w <= max(sizes)}")
+                  f"ratio={times[B][w] / times[B][1]:.3f} graph={B * w <= max(sizes)}{extra}")
     k3 = [times[B][4] / times[B][1] for B in batches if B <= 32 and 4 in widths]
     if k3:
         print(f"TARGET verify k=3 at B<=32 <= 1.2x: worst {max(k3):.3f}x -> {'met' if max(k3) <= 1.2 else 'MISSED'}")
@@ -204,6 +211,8 @@ def main() -> None:
     v.add_argument("--max-graph-rows", type=int, default=1024)
     v.add_argument("--reps", type=int, default=5)
     v.add_argument("--device", default="cuda")
+    v.add_argument("--compare-alone", action="store_true",
+                   help="also time every row's attention alone (no verify groups): the grouping's gain")
     m = sub.add_parser("makespan")
     m.add_argument("--model", type=Path, default=ROOT / "tests" / "data" / "small_qwen3_moe")
     m.add_argument("--device", default="cuda")

@@ -28,7 +28,8 @@ pytest.importorskip("triton")
 _CHILD = r'''
 import json, sys
 from benchmarks.kernel_ptx_report import compile_stats, plan_stats
-from ainfer_pd.engine.attention.triton_kernels import paged_decode_kernel, paged_prefill_kernel, qkv_prologue_kernel
+from ainfer_pd.engine.attention.triton_kernels import paged_decode_kernel, paged_prefill_kernel
+from ainfer_pd.engine.attention.prologue_kernels import qkv_prologue_kernel
 from ainfer_pd.engine.quant.fp8_plan import fp8_moe_plan
 
 def ops(kernel, ptrs, const):
@@ -44,9 +45,12 @@ for kv in ("fp8e4nv", "bf16"):
     ptr = {"Q": "*bf16", "O": "*bf16", "K": "*" + kv, "V": "*" + kv, "KV_SCALE": "*fp32", "scale_log2": "fp32",
            "OP": "*fp32", "LSE": "*fp32", **{n: "*i32" for n in ("TABLE", "LENS", "QSTART", "QLEN", "CTX", "TSEQ", "TM")}}
     fp8 = kv == "fp8e4nv"
-    out["decode_" + kv] = ops(paged_decode_kernel, ptr,
-                              dict(GROUP=8, GROUP_PAD=16, HEAD_DIM=128, PAGE=16, BLOCK_N=64, SPLIT_KEYS=256,
-                                   MAX_SPLITS=16, SINGLE=False, IEEE=False, KV_FP8=fp8))
+    out["decode_" + kv] = ops(paged_decode_kernel, {**ptr, "LEAD": "*i32"},
+                              dict(GROUP=8, M_PAD=16, HEAD_DIM=128, PAGE=16, BLOCK_N=64, SPLIT_KEYS=256,
+                                   MAX_SPLITS=16, SINGLE=False, IEEE=False, KV_FP8=fp8, WIDTH=1))
+    out["verify_" + kv] = ops(paged_decode_kernel, {**ptr, "LEAD": "*i32"},
+                              dict(GROUP=8, M_PAD=32, HEAD_DIM=128, PAGE=16, BLOCK_N=64, SPLIT_KEYS=256,
+                                   MAX_SPLITS=16, SINGLE=False, IEEE=False, KV_FP8=fp8, WIDTH=4))
     out["prefill_" + kv] = ops(paged_prefill_kernel, ptr,
                                dict(GROUP=8, HEAD_DIM=128, PAGE=16, BLOCK_M=64, BLOCK_N=64, IEEE=False, KV_FP8=fp8))
     pro = {**{n: "*bf16" for n in ("Q", "K", "V", "QW", "KW", "COS", "SIN")}, "KC": "*" + kv, "VC": "*" + kv,
@@ -108,8 +112,9 @@ def _mmas(ops: dict) -> list[str]:
     return [op for op in ops if "mma.sync" in op or "mma_async" in op]
 
 
-def test_fp8_pool_decode_widens_to_float16_once_per_pair(ptx_ops):
-    ops = ptx_ops["decode_fp8e4nv"]
+@pytest.mark.parametrize("kernel", ["decode", "verify"])
+def test_fp8_pool_decode_widens_to_float16_once_per_pair(ptx_ops, kernel):
+    ops = ptx_ops[kernel + "_fp8e4nv"]
     assert ops.get("cvt.rn.f16x2.e4m3x2", 0) > 0
     assert ops.get("cvt.f32.f16", 0) == 0 and ops.get("cvt.rn.bf16x2.f32", 0) == 0, ops
     assert _mmas(ops) and all(".f16.f16." in op for op in _mmas(ops)), ops
@@ -121,7 +126,7 @@ def test_fp8_pool_prefill_runs_float16_mmas(ptx_ops):
 
 
 def test_bf16_pool_kernels_keep_bf16_mmas(ptx_ops):
-    for name in ("decode_bf16", "prefill_bf16"):
+    for name in ("decode_bf16", "verify_bf16", "prefill_bf16"):
         ops = ptx_ops[name]
         assert _mmas(ops) and all("bf16" in op for op in _mmas(ops)), ops
         assert ops.get("cvt.rn.f16x2.e4m3x2", 0) == 0, ops

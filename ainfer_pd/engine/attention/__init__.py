@@ -12,12 +12,12 @@ from torch import Tensor
 
 from ..model.rope import apply_rope, rope_cos_sin
 from .backend import AttentionBackend, select_backend
-from .batch import DecodeMeta, ForwardBatch, PrefillMeta, PrefillSeq, blocks_of_slots, slots_of_blocks
+from .batch import DecodeMeta, ForwardBatch, PrefillMeta, PrefillSeq, blocks_of_slots, lead_offsets, slots_of_blocks
 from .kv_fp8 import is_fp8, store_kv
 from .reference import TorchAttention
 
 __all__ = ["AttentionBackend", "DecodeMeta", "ForwardBatch", "PrefillMeta", "PrefillSeq", "TorchAttention",
-           "apply_rope", "attend", "blocks_of_slots", "keeps_own_kv", "paged_attention", "rope_cos_sin",
+           "apply_rope", "attend", "blocks_of_slots", "keeps_own_kv", "lead_offsets", "paged_attention", "rope_cos_sin",
            "select_backend", "slots_of_blocks"]
 
 _REFERENCE = TorchAttention()

@@ -43,6 +43,13 @@ class DecodeMeta:
     ctx_lens: Tensor          # [B] keys per row (including the new token)
     block_table: Tensor | None = None   # [B, NB] int64
     block_size: int = 0
+    lead_off: Tensor | None = None
+    """[B] int64, a verify pass's (speculative decoding): each row's offset in its group, the consecutive
+    rows of one turn (its last token, then its drafts: one block table, lengths rising by one), 0 on a
+    group's first row (:func:`lead_offsets`). The paged decode kernel reads a group's keys once for all its
+    rows; None: every row alone (the reference backend reads every row alone either way)."""
+    group_width: int = 1
+    """The most rows a group of ``lead_off`` holds (the paged kernel's ``WIDTH``: a compiled variant each)."""
 
     def resolve(self) -> None:
         """key_slots[b, j] = block_table[b, j // bs] * bs + j % bs (L = NB * bs); no host sync."""
@@ -60,6 +67,12 @@ class DecodeMeta:
             return int(self.block_table.shape[1]) * self.block_size
         assert self.key_slots is not None
         return int(self.key_slots.shape[1])
+
+
+def lead_offsets(widths: list[int], group_width: int) -> list[int]:
+    """:attr:`DecodeMeta.lead_off` of turns of ``widths[i]`` consecutive rows each: a group every
+    ``group_width`` rows at most."""
+    return [j % group_width for w in widths for j in range(w)]
 
 
 @dataclass(slots=True)
@@ -125,9 +138,18 @@ class ForwardBatch:
     fused router routes those nowhere (``MoETransformer.route_rows``). False: every row is real,
     and the pass pays nothing for padding."""
 
+    cached_keys: int | None = None
+    """The keys cached before the pass's prefill sequences (their ``ctx_len - q_len`` summed), counted once a
+    pass by :meth:`prefill_cached_keys` (every layer's prefill plan reads it)."""
+
     @property
     def num_prefill_tokens(self) -> int:
         return sum(s.q_len for s in self.prefill)
+
+    def prefill_cached_keys(self) -> int:
+        if self.cached_keys is None:
+            self.cached_keys = sum(s.ctx_len - s.q_len for s in self.prefill)
+        return self.cached_keys
 
     def build_prefill_meta(self, block_m: int, heavy_first: bool = False) -> PrefillMeta:
         """Host-built varlen metadata (one host-to-device copy per pass), cached on the batch.

@@ -31,6 +31,17 @@ class DecodePlan:
         return max(per, self.split_keys)
 
 
+VERIFY_TILE_ROWS = 32
+"""The most query rows (a group's rows x the GQA group's heads) of one verify decode program's tile."""
+
+
+def verify_group_width(rows_per_turn: int, gqa_group: int) -> int:
+    """The rows of one turn a verify decode program attends together (reading the turn's keys once for
+    all of them): the turn's rows, as many as ``VERIFY_TILE_ROWS`` query rows hold (Qwen3-30B-A3B's 8
+    heads a KV head: 4 rows; a turn of 5 rows is then two groups)."""
+    return max(1, min(rows_per_turn, VERIFY_TILE_ROWS // gqa_group))
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillPlan:
     block_m: int

@@ -18,8 +18,8 @@ from ...errors import ConfigError
 from .batch import ForwardBatch
 from .kv_fp8 import is_fp8
 from .plan import DecodePlan, PrefillPlan, decode_plan, prefill_plan
-from .triton_kernels import (decode_merge_kernel, paged_decode_kernel, paged_prefill_kernel, qkv_prologue_kernel,
-                             rms_norm_kernel)
+from .prologue_kernels import qkv_prologue_kernel, rms_norm_kernel
+from .triton_kernels import decode_merge_kernel, paged_decode_kernel, paged_prefill_kernel
 from ..tma import has_tma
 from .triton_prefill_tma import prefill_tma, tma_layout_ok
 
@@ -133,15 +133,17 @@ class TritonAttention:
             op, lse = out, out            # unused
         scale = _LOG2E / math.sqrt(hd)
         fp8, ks = _kv_format(kc, kv_scale, lse)
+        width = d.group_width if d.lead_off is not None else 1
         paged_decode_kernel[(B, Hk, plan.num_splits)](
-            q, kc, vc, table, d.ctx_lens, out, op, lse, ks, scale, plan.num_splits,
+            q, kc, vc, table, d.ctx_lens, d.lead_off if width > 1 else d.ctx_lens, out, op, lse, ks, scale,
+            plan.num_splits,
             q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
             table.stride(0), out.stride(0), out.stride(1),
             op.stride(0), op.stride(1), op.stride(2) if plan.num_splits > 1 else 0,
             lse.stride(0), lse.stride(1),
-            GROUP=G, GROUP_PAD=max(16, _pow2(G)), HEAD_DIM=hd, PAGE=d.block_size,
+            GROUP=G, M_PAD=max(16, _pow2(G * width)), HEAD_DIM=hd, PAGE=d.block_size,
             BLOCK_N=plan.block_n, SPLIT_KEYS=plan.split_keys, MAX_SPLITS=plan.max_splits, SINGLE=plan.num_splits == 1,
-            IEEE=ieee, KV_FP8=fp8,
+            IEEE=ieee, KV_FP8=fp8, WIDTH=width,
             num_warps=plan.num_warps, num_stages=plan.num_stages)
         if plan.num_splits > 1:
             decode_merge_kernel[(B, H)](
@@ -174,8 +176,7 @@ class TritonAttention:
         Hk = kc.shape[1]
         self.check_head_dim(hd)
         fp8, ks = _kv_format(kc, kv_scale, out)
-        cached = sum(s.ctx_len - s.q_len for s in fb.prefill)
-        plan = self.prefill_plan(hd, q.dtype, T, fp8, cached=cached, seqs=len(fb.prefill))
+        plan = self.prefill_plan(hd, q.dtype, T, fp8, cached=fb.prefill_cached_keys(), seqs=len(fb.prefill))
         if plan.own_keys_tma and own_kv is not None and not fp8 and all(map(tma_layout_ok, (q, *own_kv))):
             prefill_tma(q, own_kv[0], own_kv[1], kc, vc, fb, out, plan)
             return

@@ -8,7 +8,9 @@ The cache of one layer is ``K, V [slots, Hk, hd]``; key n of a sequence lives in
 * ``paged_decode_kernel`` (grid ``B x Hk x NS``): one program attends the G query heads of one
   KV head of one row over one split of its keys (flash-decoding); the G heads share every K/V
   load, so KV bytes are read once per row and KV head. With NS = 1 it writes the output, else
-  a partial output and its log-sum-exp (base 2) that ``decode_merge_kernel`` combines.
+  a partial output and its log-sum-exp (base 2) that ``decode_merge_kernel`` combines. A verify
+  pass (``WIDTH`` > 1: speculative decoding's 1 + k positions of a turn, consecutive rows) reads
+  them once per turn: a group's first row attends its rows' G heads each (:func:`_verify_group`).
 
 Integer arguments that change from batch to batch are ``do_not_specialize``: Triton would
 otherwise compile a new variant for each new divisibility (0.5-0.9 s stalls inside P epochs,
@@ -24,9 +26,8 @@ and widen exactly to the MMA's dtype (float16 for bfloat16 queries, scaled by a 
 :func:`_mma_query`; else the query's dtype); the layer's scales ``KV_SCALE [2]``
 (K, V; read from device memory, so graphs replay whatever they hold) fold into the scores
 (``scale_log2 * k_scale``) and into the output (``acc * v_scale``, linear in V): the same math as
-multiplying every element by its scale. The QKV prologue quantizes what it stores:
-``e4m3(clamp(x / scale, +-448))``, rounded to nearest even (under the interpreter, ``EXACT``
-rounds on the e4m3 grid first: its own cast is wrong, see :mod:`..quant.fp8_kernels`).
+multiplying every element by its scale (the QKV prologue, :mod:`.prologue_kernels`, quantizes what it
+stores).
 These run on CUDA, and on CPU tensors under ``TRITON_INTERPRET=1`` (the CI checks their logic).
 """
 from __future__ import annotations
@@ -34,7 +35,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..quant.fp8_kernels import FP8_MAX, _e4m3_grid
 
 
 @triton.jit
@@ -121,16 +121,6 @@ def _mma_query(q, scale_log2, KV_FP8: tl.constexpr):
 
 
 @triton.jit
-def _to_e4m3(x, scale, EXACT: tl.constexpr):
-    """float32 x -> e4m3 ``clamp(x / scale, +-448)`` rounded to nearest even (``EXACT``: on the grid first)."""
-    y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
-    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
-    if EXACT:
-        y = _e4m3_grid(y)
-    return y.to(tl.float8e4nv)
-
-
-@triton.jit
 def _scores(q, k, scale_log2, IEEE: tl.constexpr, KV_FP8: tl.constexpr):
     return _raw_scores(q, k, IEEE, KV_FP8) * scale_log2
 
@@ -144,9 +134,35 @@ def _split_len(ctx, SPLIT_KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_N:
     return tl.maximum(per, SPLIT_KEYS)
 
 
+@triton.jit
+def _verify_group(LENS, LEAD, b, offs_m, GROUP: tl.constexpr, WIDTH: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+                  MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The rows program ``b`` attends in a verify pass (``LEAD`` [B]: each row's offset in its group of
+    consecutive rows of one turn, at most WIDTH, with lengths rising by one; 0 on a group's first row).
+    A group's first row attends every row of its group whose keys split as its own do (below 16K keys
+    always: the splits are SPLIT_KEYS long), its M rows being (row ``m // GROUP``, head ``m % GROUP``); a
+    row that splits otherwise (or lies WIDTH or more rows past it) attends itself alone; a row its first row
+    attends returns ctx 0 (nothing to do).
+    Returns (each M row's batch row, attended, keys; the group's most keys, the split length)."""
+    own = tl.load(LENS + b).to(tl.int32)
+    split = _split_len(own, SPLIT_KEYS, MAX_SPLITS, BLOCK_N)
+    off = tl.load(LEAD + b).to(tl.int32)
+    first = _split_len(tl.load(LENS + b - off).to(tl.int32), SPLIT_KEYS, MAX_SPLITS, BLOCK_N)
+    w = offs_m // GROUP
+    rows = b + w
+    inb = (offs_m < WIDTH * GROUP) & (rows < tl.num_programs(0))
+    lens = tl.load(LENS + rows, mask=inb, other=0).to(tl.int32)
+    lead = tl.load(LEAD + rows, mask=inb, other=-1).to(tl.int32)
+    same = (lead == w) & (_split_len(lens, SPLIT_KEYS, MAX_SPLITS, BLOCK_N) == split)
+    member = inb & tl.where(off > 0, w == 0, same)
+    ctx = tl.max(tl.where(member, lens, 0), 0)
+    ctx = tl.where((off > 0) & (off < WIDTH) & (first == split), 0, ctx)
+    return rows, member, lens, ctx, split
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_tb"])
 def paged_decode_kernel(
-    Q, K, V, TABLE, LENS, O, OP, LSE, KV_SCALE,
+    Q, K, V, TABLE, LENS, LEAD, O, OP, LSE, KV_SCALE,
     scale_log2, num_splits,
     stride_qb, stride_qh,
     stride_kn, stride_kh, stride_vn, stride_vh,
@@ -154,50 +170,71 @@ def paged_decode_kernel(
     stride_ob, stride_oh,
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    GROUP: tl.constexpr, M_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr, SINGLE: tl.constexpr,
-    IEEE: tl.constexpr, KV_FP8: tl.constexpr,
+    IEEE: tl.constexpr, KV_FP8: tl.constexpr, WIDTH: tl.constexpr = 1,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
-    ctx = tl.load(LENS + b).to(tl.int32)
-    split = _split_len(ctx, SPLIT_KEYS, MAX_SPLITS, BLOCK_N)
+    offs_m = tl.arange(0, M_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    if WIDTH == 1:                      # one row: its G heads
+        ctx = tl.load(LENS + b).to(tl.int32)
+        split = _split_len(ctx, SPLIT_KEYS, MAX_SPLITS, BLOCK_N)
+        heads = kvh * GROUP + offs_m
+        mmask = offs_m < GROUP
+        q_ptrs = Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    else:                               # a verify group: up to WIDTH rows of one turn share each K / V load
+        rows, mmask, lens, ctx, split = _verify_group(LENS, LEAD, b, offs_m, GROUP, WIDTH, SPLIT_KEYS, MAX_SPLITS,
+                                                      BLOCK_N)
+        if ctx == 0:
+            return
+        heads = kvh * GROUP + offs_m % GROUP
+        q_ptrs = Q + rows[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     if (sp > 0) & (sp * split >= ctx):
         return                          # past the row's keys: the merge reads only the row's splits
-    offs_g = tl.arange(0, GROUP_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    heads = kvh * GROUP + offs_g
-    gmask = offs_g < GROUP
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None], other=0.0)
+    q = tl.load(q_ptrs, mask=mmask[:, None], other=0.0)
     start = sp * split
     end = tl.minimum(start + split, ctx)
     if KV_FP8:
         scale_log2 = scale_log2 * tl.load(KV_SCALE)
     q, scale_log2 = _mma_query(q, scale_log2, KV_FP8)
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    m_i = tl.full([M_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([M_PAD], tl.float32)
+    acc = tl.zeros([M_PAD, HEAD_DIM], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
         blk = tl.load(TABLE + b * stride_tb + offs_n // PAGE, mask=nmask, other=0)
         slot = blk.to(tl.int64) * PAGE + offs_n % PAGE
         k = tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        qk = tl.where(nmask[None, :], _scores(q, k, scale_log2, IEEE, KV_FP8), float("-inf"))
+        if WIDTH == 1:
+            seen = nmask[None, :]
+        else:                           # each row its own keys: a draft sees the drafts before it
+            seen = nmask[None, :] & (offs_n[None, :] < lens[:, None])
+        qk = tl.where(seen, _scores(q, k, scale_log2, IEEE, KV_FP8), float("-inf"))
         v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=nmask[:, None], other=0.0)
         m_i, l_i, acc = _softmax_step(qk, _widen(v, q, KV_FP8), m_i, l_i, acc, IEEE)
     if KV_FP8:
         acc = acc * tl.load(KV_SCALE + 1)
     safe_l = tl.where(l_i == 0.0, 1.0, l_i)
+    if WIDTH == 1:
+        o_rows = b * stride_ob
+        p_rows = b * stride_pb
+        l_rows = b * stride_lb
+    else:
+        o_rows = rows[:, None] * stride_ob
+        p_rows = rows[:, None] * stride_pb
+        l_rows = rows * stride_lb
     if SINGLE:
         out = acc / safe_l[:, None]
-        tl.store(O + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
-                 mask=gmask[:, None])
+        tl.store(O + o_rows + heads[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
+                 mask=mmask[:, None])
     else:
-        tl.store(OP + b * stride_pb + heads[:, None] * stride_ph + sp * stride_ps + offs_d[None, :],
-                 acc / safe_l[:, None], mask=gmask[:, None])
-        tl.store(LSE + b * stride_lb + heads * stride_lh + sp, m_i + tl.log2(l_i), mask=gmask)
+        tl.store(OP + p_rows + heads[:, None] * stride_ph + sp * stride_ps + offs_d[None, :],
+                 acc / safe_l[:, None], mask=mmask[:, None])
+        tl.store(LSE + l_rows + heads * stride_lh + sp, m_i + tl.log2(l_i), mask=mmask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -288,91 +325,3 @@ def paged_prefill_kernel(
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(O + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=mmask[:, None])
-
-
-@triton.jit
-def rms_norm_kernel(
-    X, RES, W, H_OUT, N_OUT,
-    stride_x, stride_r, stride_h, stride_n,
-    D, eps,
-    HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """One row: ``h = x (+ res)`` rounded to the model dtype (stored when HAS_RES), then
-    ``rms_norm(h) = (h * rsqrt(mean(h^2) + eps))`` rounded, times the weight."""
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_D)
-    m = offs < D
-    x = tl.load(X + row * stride_x + offs, mask=m, other=0.0)
-    if HAS_RES:
-        r = tl.load(RES + row * stride_r + offs, mask=m, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(H_OUT.dtype.element_ty)
-        tl.store(H_OUT + row * stride_h + offs, x, mask=m)
-    xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
-    y = (xf * rstd).to(N_OUT.dtype.element_ty).to(tl.float32)
-    w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(N_OUT + row * stride_n + offs, (y * w).to(N_OUT.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _norm_rope(ptrs, w_ptr, cs_t, offs, hmask, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-               HAS_NORM: tl.constexpr, COS, SIN):
-    """A tile of head vectors ``ptrs`` [heads, HEAD_DIM] (rows of ``hmask`` False are padding):
-    optional RMS norm with weight, then half-split RoPE over 2 * HALF dims."""
-    rot = offs < 2 * HALF
-    partner = tl.where(offs < HALF, offs + HALF, offs - HALF)
-    x = tl.load(ptrs, mask=hmask[:, None], other=0.0).to(tl.float32)
-    p = tl.load(ptrs + (partner - offs)[None, :], mask=hmask[:, None] & rot[None, :], other=0.0).to(tl.float32)
-    if HAS_NORM:
-        rstd = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
-        x = x * rstd * tl.load(w_ptr + offs).to(tl.float32)[None, :]
-        p = p * rstd * tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)[None, :]
-    j = offs % HALF
-    c = tl.load(COS + cs_t + j, mask=rot, other=1.0).to(tl.float32)[None, :]
-    s = tl.load(SIN + cs_t + j, mask=rot, other=0.0).to(tl.float32)[None, :]
-    lo = (offs < HALF)[None, :]
-    return tl.where(lo, x * c - p * s, tl.where(rot[None, :], x * c + p * s, x))
-
-
-@triton.jit
-def qkv_prologue_kernel(
-    Q, K, V, QW, KW, COS, SIN, SLOTS, KC, VC, KV_SCALE,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
-    stride_kcn, stride_kch, stride_vcn, stride_vch,
-    H, HK, eps,
-    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr,
-    HAS_NORM: tl.constexpr, KV_FP8: tl.constexpr, EXACT: tl.constexpr, KEEP_K: tl.constexpr = False,
-):
-    """Program (token t, j): j < cdiv(H, QB) rotates the QB query heads of block j in place; the
-    programs after it rotate KB key heads each and write them, and their value heads, into the cache
-    slot of token t (no [T, Hk, hd] copy); an FP8 pool gets them quantized with the layer's scales
-    ``KV_SCALE`` [2]. ``KEEP_K``: the rotated key heads are stored back into K too (unquantized),
-    for a prefill that reads the pass's own keys contiguous. A tile of heads a program: one head a
-    program left a 4,096-token prefill waiting on ~40 waves of 1-warp programs."""
-    t = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1)
-    nqb = tl.cdiv(H, QB)
-    offs = tl.arange(0, HEAD_DIM)
-    cs_t = t * stride_ct
-    if j < nqb:
-        heads = j * QB + tl.arange(0, QB)
-        hmask = heads < H
-        ptrs = Q + t * stride_qt + heads[:, None] * stride_qh + offs[None, :]
-        out = _norm_rope(ptrs, QW, cs_t, offs, hmask, eps, HEAD_DIM, HALF, HAS_NORM, COS, SIN)
-        tl.store(ptrs, out.to(Q.dtype.element_ty), mask=hmask[:, None])
-    else:
-        # (names of their own: a value defined in both branches of a runtime `if` must keep one type)
-        kh = (j - nqb) * KB + tl.arange(0, KB)
-        kmask = kh < HK
-        slot = tl.load(SLOTS + t).to(tl.int64)
-        k_ptrs = K + t * stride_kt + kh[:, None] * stride_kh + offs[None, :]
-        k_row = _norm_rope(k_ptrs, KW, cs_t, offs, kmask, eps, HEAD_DIM, HALF, HAS_NORM, COS, SIN)
-        if KEEP_K:
-            tl.store(k_ptrs, k_row.to(K.dtype.element_ty), mask=kmask[:, None])
-        v_row = tl.load(V + t * stride_vt + kh[:, None] * stride_vh + offs[None, :], mask=kmask[:, None])
-        if KV_FP8:
-            k_row = _to_e4m3(k_row, tl.load(KV_SCALE), EXACT)
-            v_row = _to_e4m3(v_row.to(tl.float32), tl.load(KV_SCALE + 1), EXACT)
-        tl.store(KC + slot * stride_kcn + kh[:, None] * stride_kch + offs[None, :], k_row.to(KC.dtype.element_ty),
-                 mask=kmask[:, None])
-        tl.store(VC + slot * stride_vcn + kh[:, None] * stride_vch + offs[None, :], v_row, mask=kmask[:, None])

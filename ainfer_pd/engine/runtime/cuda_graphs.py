@@ -129,10 +129,13 @@ class DecodeGraphs:
             "table": torch.zeros(B, -(-L // self.block_size), dtype=torch.int64, device=dev),
             "lens": torch.ones(B, dtype=torch.int64, device=dev),
             "rows": torch.arange(B, dtype=torch.int64, device=dev),
+            "lead": torch.zeros(B, dtype=torch.int64, device=dev),
         }
 
     def _fb(self, s: dict[str, Tensor]) -> ForwardBatch:
-        meta = DecodeMeta(None, s["lens"], block_table=s["table"], block_size=self.block_size)
+        W = self.runner.sections.verify_width       # > 1: the graphs replay verify passes too
+        meta = DecodeMeta(None, s["lens"], block_table=s["table"], block_size=self.block_size,
+                          lead_off=s["lead"] if W > 1 else None, group_width=W)
         return ForwardBatch(s["ids"], s["pos"], s["write"], [], meta, s["rows"], block_size=self.block_size,
                             padded=True)                  # rows past a replay's batch: padding
 
@@ -193,7 +196,7 @@ class DecodeGraphs:
 
     def _fill(self, s: dict[str, Tensor], fb: ForwardBatch, *extra) -> None:
         """The static inputs of a replay: ``fb``'s B rows, the rest padding (scratch slot, block 0,
-        one key)."""
+        one key, a row alone)."""
         d = fb.decode
         B, nb = d.block_table.shape
         s["ids"][:B].copy_(fb.input_ids)
@@ -205,6 +208,11 @@ class DecodeGraphs:
         s["table"][B:].zero_()                # padded rows: block 0, masked beyond their 1 key
         s["lens"][:B].copy_(d.ctx_lens)
         s["lens"][B:].fill_(1)
+        if d.lead_off is not None:           # a verify pass: its turns' row groups; padding rows alone
+            s["lead"][:B].copy_(d.lead_off)
+            s["lead"][B:].zero_()
+        else:
+            s["lead"].zero_()
 
     def _result(self, out, B: int, *extra) -> Tensor:
         """The replay's logits of the batch's B rows (a copy: the next replay overwrites ``out``)."""

@@ -90,35 +90,42 @@ def pad_decode(fb: ForwardBatch, rows: int, scratch_slot: int, scratch_block: in
     w = max(1, int(table.shape[1]))
     table = torch.nn.functional.pad(table, (0, w - table.shape[1]), value=scratch_block)
     table = torch.cat([table, torch.full((k, w), scratch_block, dtype=torch.int64, device=dev)])
+    lead = meta.lead_off if meta is not None else None
     return ForwardBatch(input_ids=ext(fb.input_ids, 0), positions=ext(fb.positions, 0),
                         write_slots=ext(fb.write_slots, scratch_slot),
-                        decode=DecodeMeta(None, ext(lens, 1), block_table=table, block_size=bs),
+                        decode=DecodeMeta(None, ext(lens, 1), block_table=table, block_size=bs,
+                                          lead_off=None if lead is None else ext(lead, 0),
+                                          group_width=meta.group_width if lead is not None else 1),
                         logits_rows=fb.logits_rows, block_size=bs, padded=k > 0)
 
 
 def pack_decode(fb: ForwardBatch, width: int) -> Tensor:
-    """[W, ids B, positions B, slots B, lens B, table B x ``width``] int64 (host); W = the table's
-    own width (the broadcast pads it to ``width``, the widest any row can need)."""
+    """[W, G, ids B, positions B, slots B, lens B, lead offsets B, table B x ``width``] int64 (host); W =
+    the table's own width (the broadcast pads it to ``width``, the widest any row can need), G = the
+    verify group width (0: no ``lead_off``)."""
     m = fb.decode
     W = int(m.block_table.shape[1])
     if W > width:
         raise ValueError(f"block table of width {W} exceeds the broadcast width {width}")
     table = torch.nn.functional.pad(m.block_table.cpu(), (0, width - W))
-    return torch.cat([torch.tensor([W], dtype=torch.int64), fb.input_ids.cpu(), fb.positions.cpu(),
-                      fb.write_slots.cpu(), m.ctx_lens.cpu(), table.reshape(-1)])
+    lead = torch.zeros_like(m.ctx_lens, device="cpu") if m.lead_off is None else m.lead_off.cpu()
+    return torch.cat([torch.tensor([W, 0 if m.lead_off is None else m.group_width], dtype=torch.int64),
+                      fb.input_ids.cpu(), fb.positions.cpu(), fb.write_slots.cpu(), m.ctx_lens.cpu(), lead,
+                      table.reshape(-1)])
 
 
 def decode_numel(rows: int, width: int) -> int:
-    return 1 + rows * (4 + width)
+    return 2 + rows * (5 + width)
 
 
 def unpack_decode(buf: Tensor, rows: int, width: int, device: torch.device, block_size: int) -> ForwardBatch:
     """The D batch of :func:`pack_decode`, without logits rows (a follower samples nothing)."""
-    W, B = int(buf[0]), rows
-    v = buf[1:1 + 4 * B].view(4, B)
-    table = buf[1 + 4 * B:].view(B, width)[:, :W]
+    W, G, B = int(buf[0]), int(buf[1]), rows
+    v = buf[2:2 + 5 * B].view(5, B)
+    table = buf[2 + 5 * B:].view(B, width)[:, :W]
     return ForwardBatch(input_ids=v[0].to(device), positions=v[1].to(device), write_slots=v[2].to(device),
-                        decode=DecodeMeta(None, v[3].to(device), block_table=table.to(device), block_size=block_size),
+                        decode=DecodeMeta(None, v[3].to(device), block_table=table.to(device), block_size=block_size,
+                                          lead_off=v[4].to(device) if G else None, group_width=max(G, 1)),
                         logits_rows=torch.zeros(0, dtype=torch.int64, device=device), block_size=block_size,
                         padded=True)          # the leader's rows, padded to the agreed count
 

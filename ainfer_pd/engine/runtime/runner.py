@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..attention import DecodeMeta, ForwardBatch, PrefillSeq, select_backend
+from ..attention import DecodeMeta, ForwardBatch, PrefillSeq, lead_offsets, select_backend
 from ..attention.backend import resolve_kernel_backend
 from ..attention.kv_fp8 import new_kv_pool
 from ...hf.kv_scales import kv_scales_for
@@ -201,7 +201,8 @@ class ModelRunner:
                      rows: list[int], logit_turns: list[Turn]) -> tuple[DecodeMeta | None, list[int]]:
         """Append 1 + len(drafts[i]) rows per decode turn: its last token at position seq_len - 1,
         then draft j at seq_len - 1 + j, each a decode row whose context ends at its own position
-        (the paged decode kernel is unchanged: a layer writes every row's key before it attends).
+        (a layer writes every row's key before it attends; the paged decode kernel reads a turn's keys
+        once for its rows, ``DecodeMeta.lead_off``).
         The positions lie inside the turn's reservation (the speculator drafts at most the tokens
         left less one); a rejected draft's KV is never marked written, the next pass overwrites it."""
         if not decode:
@@ -218,8 +219,10 @@ class ModelRunner:
                 rows.append(len(ids) - 1)
                 logit_turns.append(t)
         table = self.kv.block_table(tids, -(-max(lens) // bs))
+        W = self.sections.verify_width
+        lead = torch.tensor(lead_offsets([1 + len(d) for d in drafts], W), dtype=torch.int64, device=self.device)
         return DecodeMeta(None, torch.tensor(lens, dtype=torch.int64, device=self.device),
-                          block_table=table.to(self.device), block_size=bs), host_write
+                          block_table=table.to(self.device), block_size=bs, lead_off=lead, group_width=W), host_write
 
     # ------------------------------------------------------------------ segments (run on a stream)
     def embed(self, plan: BatchPlan) -> SegmentState | Replayed:

@@ -31,6 +31,14 @@ class RunnerSections:
     parallel: ParallelConfig
     """Expert parallelism: the routed experts this rank holds (``expert_parallel.expert_shard``)."""
 
+    @property
+    def verify_width(self) -> int:
+        """The rows of one turn a verify pass's decode attention reads the turn's keys once for
+        (:func:`..attention.plan.verify_group_width`; 1 without speculation)."""
+        from ..attention.plan import verify_group_width
+        s, mc = self.spec, self.model
+        return verify_group_width(1 + s.num_draft_tokens, mc.num_heads // mc.num_kv_heads) if s.enabled else 1
+
     @classmethod
     def from_config(cls, cfg: WorkerConfig) -> "RunnerSections":
         return cls(model=cfg.model, cache=cfg.cache, device=cfg.device, scheduler=cfg.scheduler, spec=cfg.spec,

@@ -4,8 +4,8 @@ and (``spec.method: mtp``) the MTP layer's draft chain of k steps over B rows. T
 :class:`~ainfer_pd.spec.adaptive.VerifyCosts` are built from them when the config gives none.
 
 On several ranks every rank (replica leaders and TP followers) runs the same grid at the same
-time: the batch is synthetic (token 0, the scratch slot, a block table that is a function of B, w
-and the pool's size), so each rank builds it locally and ``pad`` (``DistRanks.padded_rows``) pads
+time: the batch is synthetic (seeded tokens, the scratch slot, a block table that is a function of B,
+w and the pool's size), so each rank builds it locally and ``pad`` (``DistRanks.padded_rows``) pads
 it exactly as a real iteration is (every replica the same positions, a multiple of ATP, the graph
 bucket where graphs run): D's DP-attention gather, attention reduce-scatter and expert exchange of
 every pass pair up across ranks in the same order."""
@@ -15,24 +15,31 @@ import time
 
 import torch
 
-from ..attention import DecodeMeta, ForwardBatch
+from ..attention import DecodeMeta, ForwardBatch, lead_offsets
 from ...phase import PhaseContext
 from .replica import pad_decode
 from .runner import BatchPlan
 
 
-def _decode_batch(runner, B: int, w: int, L: int) -> ForwardBatch:
+def _decode_batch(runner, B: int, w: int, L: int, grouped: bool = True) -> ForwardBatch:
     """B rows of w positions each at ``L`` keys (each row's own blocks, read, never written; every
-    write goes to the scratch slot)."""
+    write goes to the scratch slot), as a verify pass lays them out (a row's w positions one group:
+    ``DecodeMeta.lead_off``). The tokens are drawn from the vocabulary with a seed of (B, w), the same
+    on every rank: the routed experts a pass touches are a real batch's, not one token's (all-equal
+    tokens routed every row to the same experts: the MoE read a fraction of the weights)."""
     dev, bs = runner.device, runner.kv.block_size
     n, nb = B * w, -(-(L + w) // bs)
     lens = torch.tensor([L + j for _ in range(B) for j in range(w)], dtype=torch.int64, device=dev)
     table = (torch.arange(B)[:, None] * nb + torch.arange(nb)) % runner.kv.alloc.num_blocks
+    ids = torch.randint(runner.sections.model.vocab_size, (n,), generator=torch.Generator().manual_seed(B * 64 + w))
+    W = runner.sections.verify_width
+    lead = torch.tensor(lead_offsets([w] * B, W), dtype=torch.int64, device=dev) if grouped and w > 1 < W else None
     return ForwardBatch(
-        input_ids=torch.zeros(n, dtype=torch.int64, device=dev),
+        input_ids=ids.to(dev),
         positions=lens - 1,
         write_slots=torch.full((n,), runner.scratch_slot, dtype=torch.int64, device=dev),
-        decode=DecodeMeta(None, lens, block_table=table.repeat_interleave(w, 0).to(dev), block_size=bs),
+        decode=DecodeMeta(None, lens, block_table=table.repeat_interleave(w, 0).to(dev), block_size=bs,
+                          lead_off=lead, group_width=W),
         logits_rows=torch.arange(n, dtype=torch.int64, device=dev), block_size=bs)
 
 
@@ -52,18 +59,19 @@ def _median_time(fn, dev: torch.device, reps: int) -> float:
 
 
 def measure_verify_costs(runner, ctx: PhaseContext, batches: tuple[int, ...], widths: tuple[int, ...],
-                         context_len: int, reps: int = 3, pad=None) -> dict[int, dict[int, float]]:
+                         context_len: int, reps: int = 3, pad=None,
+                         grouped: bool = True) -> dict[int, dict[int, float]]:
     """Seconds of one D iteration of B rows verifying w - 1 drafts each (B * w decode rows at
     ``context_len`` keys: graph replay where a bucket fits, as the D loop runs it), the median of
     ``reps`` after one warm-up: the speculator's cost table ``{B: {w: s}}``. ``pad`` (several
     ranks): positions -> the rows every replica runs (module docstring). Writes only the scratch
-    slot."""
+    slot. ``grouped`` False: every row's attention reads its keys alone (a benchmark's comparison)."""
     L = max(1, min(context_len, runner.sections.model.max_context_len - max(widths)))
     out: dict[int, dict[int, float]] = {}
     for B in batches:
         out[B] = {}
         for w in widths:
-            fb = _decode_batch(runner, B, w, L)
+            fb = _decode_batch(runner, B, w, L, grouped)
             if pad is not None:
                 fb = pad_decode(fb, pad(B * w), runner.scratch_slot, runner.scratch_block)
             plan = BatchPlan(fb, [], [], [])
