@@ -139,3 +139,21 @@ def test_speculating_worker_on_the_triton_backends_groups_its_verify_rows(monkey
                                                                           "spec.num_draft_tokens": 4}))
     assert on == off and drafted > 0
     assert seen and set(seen) == {verify_group_width(5, mc.num_heads // mc.num_kv_heads)}, seen
+
+
+def test_verify_groups_on_an_fp8_pool_with_bf16_queries():
+    """An FP8 pool (non-unit scales) read by bfloat16 queries (the float16 MMAs): grouped rows bitwise equal
+    to the rows alone, within bfloat16's rounding of the dense reference over the dequantized pool."""
+    from ainfer_pd.engine.attention.kv_fp8 import dequantize_kv, quantize_kv
+    scales = torch.tensor([0.37, 2.9])
+    be = TritonAttention(torch.device("cpu"), decode_overrides={"block_n": 16, "split_keys": 16})
+    grouped, alone, q, kn, vn, kv, refs = verify_case(9, TURNS, 8, 2, 16, 4)
+    kv8 = torch.stack([quantize_kv(kv[0], scales[0]), quantize_kv(kv[1], scales[1])])
+    q = (q / 8).to(torch.bfloat16)
+    kn, vn = kn.to(torch.bfloat16), vn.to(torch.bfloat16)
+    out = paged_attention(q.clone(), kn, vn, kv8, grouped, be, kv_scale=scales)
+    assert torch.equal(out, paged_attention(q.clone(), kn, vn, kv8, alone, be, kv_scale=scales))
+    keys, vals = dequantize_kv(kv8[0], scales[0], torch.float64), dequantize_kv(kv8[1], scales[1], torch.float64)
+    for r, cached, slots in refs:
+        want = dense_reference(q[r:r + 1].double(), keys[slots], vals[slots], cached)
+        assert (out[r:r + 1].double() - want).abs().max().item() < 2e-2 * want.abs().max().item(), r
