@@ -498,6 +498,16 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
                                       "speedup": round(t_a / t_g, 3), "bound_ms": round(kvb / bw * 1e3, 4),
                                       "grouped_ratio": round(t_g / (kvb / bw * 1e3), 3)}
             del grouped, alone, q, kc, vc
+        for B, Lk in ((64, 2048), (32, 8192)):      # plain rows on a speculating worker's kernel (groups of one)
+            fb, q, kc, vc = uniform_decode(B, Lk, H, Hk, hd, mc.torch_dtype, DEV)
+            lone = ForwardBatch(fb.input_ids, fb.positions, fb.write_slots, [], DecodeMeta(
+                None, fb.decode.ctx_lens, block_table=fb.decode.block_table, block_size=fb.decode.block_size,
+                lead_off=torch.zeros_like(fb.decode.ctx_lens), group_width=W), None, block_size=fb.block_size)
+            same = same and torch.equal(tri.decode(q, kc, vc, lone), tri.decode(q, kc, vc, fb))
+            t_w, t_1 = (bench_ms(graph_of(lambda b=b: tri.decode(q, kc, vc, b)).replay) for b in (lone, fb))
+            ver[f"plain_B{B}_L{Lk}"] = {"width_kernel_ms": round(t_w, 4), "plain_kernel_ms": round(t_1, 4),
+                                        "cost": round(t_w / t_1, 3)}
+            del fb, lone, q, kc, vc
         fig(f"{tag}_verify_attention", ver)
         check(f"{tag}_verify_attention_grouped_equals_rows_alone", same, "bitwise, every row")
         lyr = runner.model.layers[0]
