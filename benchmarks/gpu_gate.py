@@ -281,13 +281,19 @@ def prefill_fb(runner, n: int, cached: int, seed: int = 0) -> ForwardBatch:
                         torch.tensor([n - 1], device=DEV), block_size=bs)
 
 
+def projection_flops(mc, n: int) -> tuple[float, float]:
+    """(the dense projections: QKV, O, the router and the shared expert; the routed experts) FLOPs of
+    ``n`` tokens (``model.fp8_dense`` makes the dense ones bar the router FP8)."""
+    D, H, Hk, hd, L = mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.num_layers
+    dense = D * (H + 2 * Hk) * hd + H * hd * D + mc.num_experts * D + 3 * D * mc.shared_expert_intermediate
+    return 2 * n * dense * L, 2 * n * mc.top_k * 3 * D * mc.expert_intermediate * L
+
+
 def prefill_flops(mc, n: int, cached: int) -> tuple[float, float]:
     """(projection FLOPs, attention and head FLOPs) of a prefill pass of ``n`` new tokens on ``cached``
     keys of the model ``mc``: the roofline's compute terms (the projections run at the FP8 rate in FP8)."""
-    D, H, Hk, hd, L = mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.num_layers
-    lin = D * (H + 2 * Hk) * hd + H * hd * D + mc.num_experts * D + mc.top_k * 3 * D * mc.expert_intermediate \
-        + 3 * D * mc.shared_expert_intermediate
-    return 2 * n * lin * L, L * 4 * H * hd * (n * cached + n * n / 2) + 2 * D * mc.vocab_size
+    D, H, hd, L = mc.hidden_size, mc.num_heads, mc.head_dim, mc.num_layers
+    return sum(projection_flops(mc, n)), L * 4 * H * hd * (n * cached + n * n / 2) + 2 * D * mc.vocab_size
 
 
 def kv_token_bytes(mc, elem_bytes: int = 2) -> int:
@@ -295,18 +301,21 @@ def kv_token_bytes(mc, elem_bytes: int = 2) -> int:
     return mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * elem_bytes
 
 
-def prefill_roofline_ms(model, n: int, cached: int, peak: float, bw: float) -> float:
-    """The roofline (ms) of a prefill pass of ``n`` new tokens on ``cached`` keys of ``model`` as built: the
+def prefill_roofline_ms(model, n: int, cached: int, peak: float, bw: float, as_built: bool = False) -> float:
+    """The roofline (ms) of a prefill pass of ``n`` new tokens on ``cached`` keys of ``model``: the
     larger of its compute time (:func:`prefill_flops` at ``peak``; an FP8 model's projections at twice
     it, its attention bf16) and its bytes (the weights, the routed experts its tokens touch, the KV
-    read) over ``bw``."""
+    read) over ``bw``. ``as_built``: each projection at the rate of the precision it runs in (an FP8
+    model's dense projections at the bf16 rate unless ``model.fp8_dense``), not all at the FP8 rate."""
     mc = model.cfg
     attn_b, exp_b, eh_b = weight_bytes(model)
-    lin_flops, attn_flops = prefill_flops(mc, n, cached)
+    _, attn_flops = prefill_flops(mc, n, cached)
+    dense, experts = projection_flops(mc, n)
     e_touch = mc.num_experts * (1 - (1 - mc.top_k / mc.num_experts) ** n)
     bytes_ = attn_b + mc.num_layers * e_touch * exp_b + eh_b + (n + cached) * kv_token_bytes(mc)
-    fp8 = mc.quantization == "fp8"
-    return max(lin_flops / (peak * (2 if fp8 else 1)) + attn_flops / peak, bytes_ / bw) * 1e3
+    fp8 = 2 if mc.quantization == "fp8" else 1
+    dense_fp8 = fp8 if not as_built or getattr(mc, "fp8_dense", False) else 1
+    return max(dense / (peak * dense_fp8) + experts / (peak * fp8) + attn_flops / peak, bytes_ / bw) * 1e3
 
 
 def capture_graphs(runner, cfg: WorkerConfig, tag: str, dctx: PhaseContext, pctx: PhaseContext) -> tuple[int, tuple]:
@@ -467,6 +476,9 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
             pre[f"{n}+{cached}"] = {"ms": round(t, 2), "roofline_ms": round(roof, 2),
                                     "roofline_fraction": round(roof / t, 3), "TFLOPs": round(flops / t / 1e9, 1),
                                     "gpu_busy_ms": round(busy, 2), "gpu_busy_roofline_fraction": round(roof / busy, 3)}
+            if fp8:                  # the dense projections as they run (bf16 unless model.fp8_dense)
+                built = prefill_roofline_ms(runner.model, n, cached, peak, bw, as_built=True)
+                pre[f"{n}+{cached}"]["as_built_roofline_fraction"] = round(built / t, 3)
             fig(f"{tag}_prefill_{n}_cached_{cached}", pre[f"{n}+{cached}"])
         R[f"{tag}_prefill_rows"] = pre
         if fp8:                     # the FP8 kernels' parts: benchmarks/fp8_kernel_check.py

@@ -33,3 +33,29 @@ def test_the_tokens_per_s_ratio_where_both_models_timed_a_batch():
                   lambda name, value, detail="": figures.__setitem__(name, value))
     assert figures == {"fp8_over_bf16_tokens_per_s_b40": 1.507}
     assert "fp8_over_bf16_tokens_per_s_b64_ge_1.6" not in got and got["fp8_decode_iteration_b64_le_1.25x"] is True
+
+
+def test_the_as_built_prefill_roofline_takes_each_projection_at_its_own_rate():
+    """An FP8 model whose dense projections run in bf16 (the default) has a slower compute roofline than
+    the FP8 one (every projection at the FP8 rate); with ``fp8_dense``, or a bf16 model, the two agree."""
+    from types import SimpleNamespace
+
+    import gpu_gate
+    from ainfer_pd.config import WorkerConfig
+    base = WorkerConfig.from_yaml(Path(__file__).resolve().parent.parent / "configs" / "qwen3-30b-a3b-shape.yaml")
+    peak, bw = 734e12, 3.0e12
+    nobytes = SimpleNamespace(weight_bytes=gpu_gate.weight_bytes)
+    gpu_gate.weight_bytes = lambda model: (0, 0, 0)
+    try:
+        def roof(n, built, **over):
+            m = SimpleNamespace(cfg=base.replace(**over).model)
+            return gpu_gate.prefill_roofline_ms(m, n, 0, peak, bw, as_built=built)
+        fp8 = {"model.quantization": "fp8"}
+        for n in (2048, 8192):
+            assert roof(n, True, **fp8) > 1.15 * roof(n, False, **fp8)
+            assert roof(n, True, **fp8, **{"model.fp8_dense": True}) == roof(n, False, **fp8)
+            assert roof(n, True) == roof(n, False) > roof(n, False, **fp8)
+        dense, experts = gpu_gate.projection_flops(base.model, 1)
+        assert dense > 0 and experts > dense                  # Qwen3-30B-A3B: 8 experts of 3 x 2048 x 768 a token
+    finally:
+        gpu_gate.weight_bytes = nobytes.weight_bytes
