@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The device figures still owed (docs/RESULTS.md, "Not measured yet"), in one device call of < 10
-# minutes: speculation's makespan on / off at 4 interleaved pairs on both shapes with spec-rest (issue
+# minutes: the verify-cost curves with the experts and the turn groups against each row alone (after
+# gate_queue/measure-slots; on an 80 GB card drop B 128 at 2K and B 32 at 8K); speculation's makespan on / off at 4 interleaved pairs on both shapes with spec-rest (issue
 # 38's "never slower": on 66cc5f3's H100 the 24 pairs of both shapes pooled 1.031, 95% CI 1.006-1.055);
 # the P epoch alone and beside decoding rows (issue 33: r_items 1.056 / 1.012 on the
 # H100 with 16 rows; the H200 fits 32 rows of 2,048 beside the bf16 weights); the FP8 decode
@@ -13,6 +14,10 @@
 set -u
 M=${OUT:-/tmp/pending}; mkdir -p "$M"
 nvidia-smi --query-gpu=name --format=csv,noheader > "$M/gpu.txt" 2>&1
+( time timeout 90 python benchmarks/spec_bench.py verify-costs --compare-alone --batches 1,16,32,64,128 ) \
+    > "$M/verify_costs_2k.txt" 2>&1
+( time timeout 90 python benchmarks/spec_bench.py verify-costs --compare-alone --batches 1,8,16,32 --context 8192 ) \
+    > "$M/verify_costs_8k.txt" 2>&1
 ( time timeout 240 python benchmarks/spec_bench.py makespan --reps 4 ) > "$M/spec_makespan.txt" 2>&1
 ( time timeout 200 python benchmarks/p_epoch_host_bench.py --cases 512:2048,2048:4096 --beside-d 32 --d-prompt 2048 \
     --set scheduler.policy=fine-grained ) > "$M/p_epoch.txt" 2>&1
