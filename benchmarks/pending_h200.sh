@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The device figures still owed (docs/RESULTS.md, "Not measured yet"), in one device call of < 10
 # minutes: the verify-cost curves with the experts and the turn groups against each row alone (after
-# gate_queue/measure-slots; on an 80 GB card drop B 128 at 2K and B 32 at 8K); speculation's makespan on / off at 4 interleaved pairs on both shapes with spec-rest (issue
-# 38's "never slower": on 66cc5f3's H100 the 24 pairs of both shapes pooled 1.031, 95% CI 1.006-1.055);
+# gate_queue/measure-slots; on an 80 GB card drop B 128 at 2K and B 32 at 8K); speculation's makespan
+# on / off at 4 interleaved pairs on both shapes with spec-rest (issue 38's "never slower": on 66cc5f3's H100 the 24 pairs of both shapes pooled 1.031, 95% CI 1.006-1.055);
 # the P epoch alone and beside decoding rows (issue 33: r_items 1.056 / 1.012 on the
 # H100 with 16 rows; the H200 fits 32 rows of 2,048 beside the bf16 weights); the FP8 decode
 # iteration's kernels at B 64 (issue 37: H200 1.39x its bound before the relaxed router atomics, the
