@@ -25,8 +25,9 @@ def _decode_batch(runner, B: int, w: int, L: int, grouped: bool = True) -> Forwa
     """B rows of w positions each at ``L`` keys (each row's own blocks, read, never written; every
     write goes to the scratch slot), as a verify pass lays them out (a row's w positions one group:
     ``DecodeMeta.lead_off``). The tokens are drawn from the vocabulary with a seed of (B, w), the same
-    on every rank: the routed experts a pass touches are a real batch's, not one token's (all-equal
-    tokens routed every row to the same experts: the MoE read a fraction of the weights)."""
+    on every rank. Every row writes ``runner.scratch_slot``, which marks a padding row: a replayed
+    graph routes those rows to no expert, so a measurement on the graphs times no MoE (mended in
+    ``gate_queue/measure-slots``, not gated yet)."""
     dev, bs = runner.device, runner.kv.block_size
     n, nb = B * w, -(-(L + w) // bs)
     lens = torch.tensor([L + j for _ in range(B) for j in range(w)], dtype=torch.int64, device=dev)
