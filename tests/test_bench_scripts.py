@@ -127,3 +127,14 @@ def test_ratio_ci_is_the_t_interval_of_the_log_ratios():
     assert ratio_ci_text([1.0, 1.0]) == "paired_geomean=1.000 paired_ci95=1.000-1.000"
     with pytest.raises(ValueError):
         ratio_ci([1.0, 0.0])
+
+
+def test_fp8_speed_bench_fits_a_layer_and_projects_the_whole_model():
+    from benchmarks.fp8_speed_bench import fit_rows
+    t = {"bf16": {16: {64: 10.0}, 32: {64: 18.0}}, "fp8": {16: {64: 7.0}, 32: {64: 12.0}}}
+    r = fit_rows(t, 16, 32, 48)
+    assert r["bf16_b64"]["ms_a_layer"] == 0.5 and r["bf16_b64"]["projected_ms_at_48"] == 26.0
+    assert r["fp8_b64"]["projected_ms_at_48"] == 17.0
+    assert r["fp8_b64"]["over_bf16_measured_32_layers"] == 1.5
+    assert r["fp8_b64"]["over_bf16_projected_48_layers"] == round(26 / 17, 3)
+    assert "over_bf16_measured_32_layers" not in r["bf16_b64"]
