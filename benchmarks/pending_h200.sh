@@ -6,7 +6,8 @@
 # the P epoch alone and beside decoding rows (issue 33: r_items 1.056 / 1.012 on the
 # H100 with 16 rows; the H200 fits 32 rows of 2,048 beside the bf16 weights); the FP8 decode
 # iteration's kernels at B 64 (issue 37: H200 1.39x its bound before the relaxed router atomics, the
-# H100 1.23x since). On an H100 use --beside-d 16 --d-prompt 1024. Each step is bounded; logs go to
+# H100 1.23x since); the FP8 / bf16 tokens/s at B 64 / 128 (fp8_speed_bench.py: two layer counts, the
+# whole model projected; the only way on an 80 GB card) and the decode tiles with swap_fold. On an H100 use --beside-d 16 --d-prompt 1024. Each step is bounded; logs go to
 # $OUT (tar them: a call returns at most 8 files). The FP8 ladder is a call of its own
 # (docs/BENCHMARKS.md).
 #
@@ -23,4 +24,6 @@ nvidia-smi --query-gpu=name --format=csv,noheader > "$M/gpu.txt" 2>&1
     --set scheduler.policy=fine-grained ) > "$M/p_epoch.txt" 2>&1
 ( timeout 90 python benchmarks/decode_profile.py --batches 64 --ctx 2048 --set model.quantization=fp8 ) \
     > "$M/fp8_decode_profile.txt" 2>&1
+( time timeout 200 python benchmarks/fp8_speed_bench.py --layers 16,32 --batches 64,128 ) > "$M/fp8_speed.txt" 2>&1
+( time timeout 120 python benchmarks/fp8_kernel_check.py --tiles --budget-s 80 ) > "$M/fp8_tiles.txt" 2>&1
 grep -h "spec_makespan_ratio\|ratio\|replay" "$M"/*.txt | tail -20
