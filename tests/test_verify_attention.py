@@ -157,3 +157,18 @@ def test_verify_groups_on_an_fp8_pool_with_bf16_queries():
     for r, cached, slots in refs:
         want = dense_reference(q[r:r + 1].double(), keys[slots], vals[slots], cached)
         assert (out[r:r + 1].double() - want).abs().max().item() < 2e-2 * want.abs().max().item(), r
+
+
+def test_the_verify_cost_batch_runs_the_experts():
+    """The cost measurement's rows write the scratch block, never its first slot (the padding rows' mark,
+    routed to no expert in a replayed graph): a measured verify pays for its MoE."""
+    from ainfer_pd.engine.kv.kv_cache import KVCacheManager
+    from ainfer_pd.engine.runtime.runner import ModelRunner, RunnerSections
+    from ainfer_pd.engine.runtime.verify_costs import _decode_batch
+    from tests.conftest import tiny_cfg
+    cfg = tiny_cfg(**{"model.num_layers": 1, "cache.num_blocks": 64, "spec.method": "suffix"})
+    runner = ModelRunner(RunnerSections.from_config(cfg), torch.device("cpu"), KVCacheManager(64, cfg.cache.block_size))
+    fb = _decode_batch(runner, 8, 4, 20)
+    bs = runner.kv.block_size
+    assert not bool((fb.write_slots == runner.model.pad_slot).any())
+    assert bool((fb.write_slots // bs == runner.scratch_block).all())

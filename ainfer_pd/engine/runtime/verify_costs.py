@@ -4,8 +4,8 @@ and (``spec.method: mtp``) the MTP layer's draft chain of k steps over B rows. T
 :class:`~ainfer_pd.spec.adaptive.VerifyCosts` are built from them when the config gives none.
 
 On several ranks every rank (replica leaders and TP followers) runs the same grid at the same
-time: the batch is synthetic (seeded tokens, the scratch slot, a block table that is a function of B,
-w and the pool's size), so each rank builds it locally and ``pad`` (``DistRanks.padded_rows``) pads
+time: the batch is synthetic (seeded tokens, the scratch block's slots, a block table that is a function
+of B, w and the pool's size), so each rank builds it locally and ``pad`` (``DistRanks.padded_rows``) pads
 it exactly as a real iteration is (every replica the same positions, a multiple of ATP, the graph
 bucket where graphs run): D's DP-attention gather, attention reduce-scatter and expert exchange of
 every pass pair up across ranks in the same order."""
@@ -21,13 +21,23 @@ from .replica import pad_decode
 from .runner import BatchPlan
 
 
+def measure_slots(runner, n: int) -> torch.Tensor:
+    """Where the ``n`` rows of a measurement write their keys: the scratch block's slots after its first, never
+    read by a live row. Not the first (``runner.scratch_slot``): that one marks a padding row, which a
+    replayed graph routes to no expert (``MoETransformer.route_rows``), and a measurement of padding
+    rows timed no expert at all (a verify's cost without its MoE)."""
+    bs = runner.kv.block_size
+    first = runner.scratch_slot
+    if bs < 2:
+        raise ValueError("a cost measurement needs a KV block of 2 slots or more (block_size 1)")
+    return first + 1 + torch.arange(n, device=runner.device) % (bs - 1)
+
+
 def _decode_batch(runner, B: int, w: int, L: int, grouped: bool = True) -> ForwardBatch:
     """B rows of w positions each at ``L`` keys (each row's own blocks, read, never written; every
-    write goes to the scratch slot), as a verify pass lays them out (a row's w positions one group:
-    ``DecodeMeta.lead_off``). The tokens are drawn from the vocabulary with a seed of (B, w), the same
-    on every rank. Every row writes ``runner.scratch_slot``, which marks a padding row: a replayed
-    graph routes those rows to no expert, so a measurement on the graphs times no MoE (mended in
-    ``gate_queue/measure-slots``, not gated yet)."""
+    write goes to the scratch block: :func:`measure_slots`), as a verify pass lays them out (a row's w
+    positions one group: ``DecodeMeta.lead_off``). The tokens are drawn from the vocabulary with a seed
+    of (B, w), the same on every rank: the experts a pass touches are a real batch's."""
     dev, bs = runner.device, runner.kv.block_size
     n, nb = B * w, -(-(L + w) // bs)
     lens = torch.tensor([L + j for _ in range(B) for j in range(w)], dtype=torch.int64, device=dev)
@@ -38,7 +48,7 @@ def _decode_batch(runner, B: int, w: int, L: int, grouped: bool = True) -> Forwa
     return ForwardBatch(
         input_ids=ids.to(dev),
         positions=lens - 1,
-        write_slots=torch.full((n,), runner.scratch_slot, dtype=torch.int64, device=dev),
+        write_slots=measure_slots(runner, n),
         decode=DecodeMeta(None, lens, block_table=table.repeat_interleave(w, 0).to(dev), block_size=bs,
                           lead_off=lead, group_width=W),
         logits_rows=torch.arange(n, dtype=torch.int64, device=dev), block_size=bs)
@@ -66,7 +76,7 @@ def measure_verify_costs(runner, ctx: PhaseContext, batches: tuple[int, ...], wi
     ``context_len`` keys: graph replay where a bucket fits, as the D loop runs it), the median of
     ``reps`` after one warm-up: the speculator's cost table ``{B: {w: s}}``. ``pad`` (several
     ranks): positions -> the rows every replica runs (module docstring). Writes only the scratch
-    slot. ``grouped`` False: every row's attention reads its keys alone (a benchmark's comparison)."""
+    block. ``grouped`` False: every row's attention reads its keys alone (a benchmark's comparison)."""
     L = max(1, min(context_len, runner.sections.model.max_context_len - max(widths)))
     out: dict[int, dict[int, float]] = {}
     for B in batches:
@@ -87,7 +97,7 @@ def measure_draft_costs(runner, ctx: PhaseContext, batches: tuple[int, ...], ks:
     """Seconds of the MTP layer's draft chain of k steps over B rows at ``context_len`` keys (its
     own KV layer; each step the layer, its head and the argmax, as
     :meth:`~ainfer_pd.spec.mtp.MtpDrafter.prepare` runs it): ``{B: {k: s}}``, the median of
-    ``reps`` after one warm-up. Writes only the scratch slot. On several ranks every rank runs the
+    ``reps`` after one warm-up. Writes only the scratch block. On several ranks every rank runs the
     same grid (the MTP layer's collectives pair up: ``ctx``'s hooks), B rows padded by ``pad`` as a
     world chain's (every replica the same rows, a multiple of ATP)."""
     from ..model.mtp_layer import mtp_forward, mtp_logits
