@@ -219,10 +219,11 @@ class ModelRunner:
                 rows.append(len(ids) - 1)
                 logit_turns.append(t)
         table = self.kv.block_table(tids, -(-max(lens) // bs))
-        W = self.sections.verify_width
-        lead = torch.tensor(lead_offsets([1 + len(d) for d in drafts], W), dtype=torch.int64, device=self.device)
-        return DecodeMeta(None, torch.tensor(lens, dtype=torch.int64, device=self.device),
-                          block_table=table.to(self.device), block_size=bs, lead_off=lead, group_width=W), host_write
+        W = self.sections.verify_width           # the lengths and lead offsets: one host-to-device copy
+        lead = lead_offsets([1 + len(d) for d in drafts], W)
+        both = torch.tensor([lens, lead], dtype=torch.int64, device=self.device)
+        return DecodeMeta(None, both[0], block_table=table.to(self.device), block_size=bs, lead_off=both[1],
+                          group_width=W), host_write
 
     # ------------------------------------------------------------------ segments (run on a stream)
     def embed(self, plan: BatchPlan) -> SegmentState | Replayed:
