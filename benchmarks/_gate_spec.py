@@ -64,6 +64,8 @@ async def _rollout(cfg: WorkerConfig, work: list, tokens: int) -> tuple[list, di
         warm = await w.generate([1, 2, 3, 4], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
         await w.release(warm.trajectory_id)
         m0 = w.metrics()
+        r = w.engine.runner
+        paths0, replays0 = dict(r.decode_paths), _replays(r.graphs)
 
         async def one(prompt: list[int], obs: list[int]) -> list:
             o = await w.generate(prompt, greedy)
@@ -77,9 +79,17 @@ async def _rollout(cfg: WorkerConfig, work: list, tokens: int) -> tuple[list, di
         wall = time.perf_counter() - t0
         m = w.metrics()
         leak_free = w.kv_leak_free()
+        paths = {k: n - paths0.get(k, 0) for k, n in r.decode_paths.items()}
+        replays = tuple(a - b for a, b in zip(_replays(r.graphs), replays0))
     spec = {k: m.get(k, 0) - m0.get(k, 0) for k in SPEC_KEYS}
+    spec["d_paths"], spec["plain_verify_replays"] = paths, replays
     spec["spec_tokens_per_row_pass"] = round(m.get("spec_tokens_per_row_pass", 0.0), 3)
     return [j.result() for j in jobs], spec, wall, leak_free
+
+
+def _replays(graphs) -> tuple[int, int]:
+    """(replays of plain decode graphs, of verify graphs) so far."""
+    return (0, 0) if graphs is None else (graphs.num_replays - graphs.num_verify_replays, graphs.num_verify_replays)
 
 
 def workload(n: int) -> list[tuple[list[int], list[int]]]:
@@ -113,6 +123,13 @@ def run(device: str, n: int, tokens: int) -> dict:
                                  f"drafts accepted"),
         "spec_kv_leak_free": (plain_free and spec_free, f"plain {plain_free}, suffix {spec_free}"),
     }
+    if device == "cuda":          # a plain pass replays a plain graph, a verify pass a verify graph (turn groups)
+        plain_n, verify_n = sm["plain_verify_replays"]
+        paths = sm["d_paths"]
+        checks["spec_passes_replay_their_graph_sets"] = (
+            paths["graph"] == sum(paths.values()) and plain_n > 0 and 0 < verify_n <= sm["spec_verifies"],
+            f"D iterations by path {paths}; replays of plain graphs {plain_n}, of verify graphs {verify_n} "
+            f"({sm['spec_verifies']} verifies)")
     figures = {"spec_small_model_greedy": {**sm, "wall_s_plain": round(plain_s, 3), "wall_s_suffix": round(spec_s, 3),
                                            "acceptance": round(sm["spec_accepted"] / max(1, sm["spec_drafted"]), 3)}}
     return {"checks": checks, "figures": figures}

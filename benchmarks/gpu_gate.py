@@ -510,7 +510,7 @@ def model_figures(tag: str, cfg_path: str, bw: float, peak: float, capture_all: 
                                       "speedup": round(t_a / t_g, 3), "bound_ms": round(kvb / bw * 1e3, 4),
                                       "grouped_ratio": round(t_g / (kvb / bw * 1e3), 3)}
             del grouped, alone, q, kc, vc
-        for B, Lk in ((64, 2048), (32, 8192)):      # plain rows on a speculating worker's kernel (groups of one)
+        for B, Lk in ((64, 2048), (32, 8192)):      # rows alone on the verify kernel (plain passes: the plain graphs)
             fb, q, kc, vc = uniform_decode(B, Lk, H, Hk, hd, mc.torch_dtype, DEV)
             lone = ForwardBatch(fb.input_ids, fb.positions, fb.write_slots, [], DecodeMeta(
                 None, fb.decode.ctx_lens, block_table=fb.decode.block_table, block_size=fb.decode.block_size,

@@ -114,7 +114,8 @@ def test_graph_sets_capture_with_the_collector_off_after_collecting_stale_cycles
 
     decode = cuda_graphs.DecodeGraphs.__new__(cuda_graphs.DecodeGraphs)
     decode.runner = type("R", (), {"device": "cpu"})()
-    decode.batch_sizes, decode.ctx_buckets, decode.graphs = (1, 2), (16,), {}
+    decode.batch_sizes, decode.ctx_buckets, decode.graphs, decode.verify_graphs = (1, 2), (16,), {}, {}
+    decode.width = 1
     decode._capture = capture
     prefill = prefill_graphs.PrefillGraphs.__new__(prefill_graphs.PrefillGraphs)
     prefill.device, prefill.buckets, prefill.graphs = "cpu", (8, 16), {}

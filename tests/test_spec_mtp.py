@@ -325,16 +325,18 @@ def _stand_in_graphs(w, sizes: tuple[int, ...], context: int):
             out = fn()
             return _Rerun(fn, out), out
 
-        def _fb(self, s):
-            fb = super()._fb(s)
+        def _fb(self, s, verify=False):
+            fb = super()._fb(s, verify)
             fb.decode = _Unresolved(*(getattr(fb.decode, f.name) for f in dataclasses.fields(DecodeMeta)))
             return fb
 
     r = w.engine.runner
     g = StandIn(r, sizes, (context,), r.scratch_slot, w.engine.decode_ctx, None)    # records no CUDA graph: no stream
     with torch.inference_mode():
-        for B in sizes:
+        for B in sizes:                  # both sets where the runner verifies in turn groups
             g._capture(B, g.max_context, r.device)
+            if g.width > 1:
+                g._capture(B, g.max_context, r.device, verify=True)
     r.graphs = g
     r.decode_paths = {k: 0 for k in r.decode_paths}
     return g
@@ -359,6 +361,7 @@ async def test_mtp_decode_graphs_replay_the_pass_and_its_catch_up(fitted):
         assert r.decode_paths["graph"] == g.num_replays > N // (K + 1)
         assert r.decode_paths["eager-past-graphs"] == r.decode_paths["eager-no-graphs"] == 0
         assert w.metrics()["spec_verifies"] > 0
+        assert g.width > 1 and 0 < g.num_verify_replays <= w.metrics()["spec_verifies"]    # verifies: their own set
         stash = {tid: (st.p0, st.h.clone()) for tid, st in r.drafter.stash.items()}
         kv = r.drafter.mtp_kv()[:, :r.scratch_slot].clone()
         with torch.inference_mode():

@@ -6,6 +6,13 @@ the smallest bucket that fits, pads the rest with rows that write into a scratch
 slot, and replays. The same graph replays whether P is active or not: P never touches
 these buffers (SPEC 3.5).
 
+A speculating runner (``RunnerSections.verify_width`` > 1) holds two sets over the same buckets: the
+plain graphs, whose paged decode kernel attends each row alone, and the verify graphs, whose kernel
+reads a turn's keys once for its 1 + k rows (``DecodeMeta.lead_off``). A plain pass replays the first,
+so speculation's wider kernel (2-5% of a plain pass's attention time, H100) costs the passes that do
+not verify nothing; the sets share one memory pool, and the plain set stops at the first batch size
+that holds ``max_decode_batch`` rows (a plain pass has no more).
+
 Context lengths are data, not shapes: a graph's block table is as wide as its context tier
 and the decode kernels read each row's own length, with the split-KV layout sized at capture
 for the tier's longest row (``attention.plan.MAX_DECODE_SPLITS`` caps it). The top tier is the
@@ -95,8 +102,14 @@ class DecodeGraphs:
         self.scratch = scratch_slot
         self.block_size = runner.kv.block_size
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, Tensor], Tensor]] = {}
+        """The plain passes' graphs by (batch, context) bucket."""
+        self.verify_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, Tensor], Tensor]] = {}
+        """A speculating runner's verify passes' graphs (turn groups of ``verify_width`` rows); empty otherwise."""
+        self.width = runner.sections.verify_width
         self.pool = None
         self.num_replays = 0
+        self.num_verify_replays = 0
+        """Of ``num_replays``, those of a verify graph."""
         self.capture_s = 0.0
         self.memory_bytes = 0
         """Device memory the capture took (the graphs' pool and static buffers)."""
@@ -111,15 +124,28 @@ class DecodeGraphs:
         dev = self.runner.device
         torch.cuda.synchronize(dev)
         mem0, t0 = torch.cuda.memory_reserved(dev), time.perf_counter()
+        plain = self.plain_batch_sizes()
         with capture_session():
             for B in reversed(self.batch_sizes):
                 for L in reversed(self.ctx_buckets):
-                    self._capture(B, L, dev)
+                    if self.width > 1:
+                        self._capture(B, L, dev, verify=True)
+                    if B in plain:
+                        self._capture(B, L, dev)
         torch.cuda.synchronize(dev)
         self.capture_s = time.perf_counter() - t0
         self.memory_bytes = torch.cuda.memory_reserved(dev) - mem0
-        log.info("captured %d decode graphs (batch %s x context %s) in %.1f s, %.0f MiB", len(self.graphs),
-                 list(self.batch_sizes), list(self.ctx_buckets), self.capture_s, self.memory_bytes / 2**20)
+        log.info("captured %d decode graphs (batch %s x context %s; %d for verify passes) in %.1f s, %.0f MiB",
+                 len(self.graphs), list(plain), list(self.ctx_buckets), len(self.verify_graphs), self.capture_s,
+                 self.memory_bytes / 2**20)
+
+    def plain_batch_sizes(self) -> tuple[int, ...]:
+        """The batch sizes of the plain graphs: every size while no pass verifies, else those up to the
+        first that holds ``max_decode_batch`` rows (the verify passes' 1 + k rows a turn need the rest)."""
+        if self.width == 1:
+            return self.batch_sizes
+        i = bisect.bisect_left(self.batch_sizes, self.runner.sections.scheduler.max_decode_batch)
+        return self.batch_sizes[:i + 1]
 
     def _static(self, B: int, L: int, dev) -> dict[str, Tensor]:
         return {
@@ -132,18 +158,18 @@ class DecodeGraphs:
             "lead": torch.zeros(B, dtype=torch.int64, device=dev),
         }
 
-    def _fb(self, s: dict[str, Tensor]) -> ForwardBatch:
-        W = self.runner.sections.verify_width       # > 1: the graphs replay verify passes too
+    def _fb(self, s: dict[str, Tensor], verify: bool = False) -> ForwardBatch:
+        """The static batch of a plain graph, or (``verify``) of a verify graph: its rows in turn groups."""
         meta = DecodeMeta(None, s["lens"], block_table=s["table"], block_size=self.block_size,
-                          lead_off=s["lead"] if W > 1 else None, group_width=W)
+                          lead_off=s["lead"] if verify else None, group_width=self.width if verify else 1)
         return ForwardBatch(s["ids"], s["pos"], s["write"], [], meta, s["rows"], block_size=self.block_size,
                             padded=True)                  # rows past a replay's batch: padding
 
-    def _capture(self, B: int, L: int, dev) -> None:
+    def _capture(self, B: int, L: int, dev, verify: bool = False) -> None:
         s = self._static(B, L, dev)
-        fb = self._fb(s)
+        fb = self._fb(s, verify)
         g, out = self._record(lambda: self._run(fb, s), dev)
-        self.graphs[(B, L)] = (g, s, out)
+        (self.verify_graphs if verify else self.graphs)[(B, L)] = (g, s, out)
 
     def _record(self, fn, dev):
         """(the CUDA graph of ``fn``, its static outputs): ``fn`` warmed up twice (Triton compiles,
@@ -166,10 +192,12 @@ class DecodeGraphs:
         """Drop every graph, its static buffers and the shared memory pool (and the runner
         reference: runner <-> graphs is a cycle the collector would otherwise have to find)."""
         self.graphs.clear()
+        self.verify_graphs.clear()
         self.pool = None
         self.runner = None
 
     def bucket(self, B: int, L: int) -> tuple[int, int] | None:
+        """The (batch, context) bucket of B rows of at most L keys; None past the largest."""
         i = bisect.bisect_left(self.batch_sizes, B)
         j = bisect.bisect_left(self.ctx_buckets, L)
         if i == len(self.batch_sizes) or j == len(self.ctx_buckets):
@@ -177,8 +205,9 @@ class DecodeGraphs:
         return self.batch_sizes[i], self.ctx_buckets[j]
 
     def try_run(self, fb: ForwardBatch, *extra) -> Tensor | None:
-        """Replay the bucket that fits ``fb`` (decode rows only); None if none fits. ``extra``:
-        what a subclass's graphs take beside the batch (:meth:`_fill`, :meth:`_result`)."""
+        """Replay the bucket that fits ``fb`` (decode rows only; a verify pass's in the verify set where
+        there is one); None if none fits. ``extra``: what a subclass's graphs take beside the batch
+        (:meth:`_fill`, :meth:`_result`)."""
         d = fb.decode
         if d is None or fb.prefill:
             return None
@@ -186,12 +215,14 @@ class DecodeGraphs:
             return None
         B, nb = d.block_table.shape
         key = self.bucket(B, nb * self.block_size)
-        if key is None or key not in self.graphs:
+        graphs = self.verify_graphs if d.lead_off is not None and self.verify_graphs else self.graphs
+        if key is None or key not in graphs:
             return None
-        g, s, out = self.graphs[key]
+        g, s, out = graphs[key]
         self._fill(s, fb, *extra)
         g.replay()
         self.num_replays += 1
+        self.num_verify_replays += graphs is self.verify_graphs
         return self._result(out, B, *extra)
 
     def _fill(self, s: dict[str, Tensor], fb: ForwardBatch, *extra) -> None:

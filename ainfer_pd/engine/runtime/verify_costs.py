@@ -43,8 +43,9 @@ def _decode_batch(runner, B: int, w: int, L: int, grouped: bool = True) -> Forwa
     lens = torch.tensor([L + j for _ in range(B) for j in range(w)], dtype=torch.int64, device=dev)
     table = (torch.arange(B)[:, None] * nb + torch.arange(nb)) % runner.kv.alloc.num_blocks
     ids = torch.randint(runner.sections.model.vocab_size, (n,), generator=torch.Generator().manual_seed(B * 64 + w))
-    W = runner.sections.verify_width
-    lead = torch.tensor(lead_offsets([w] * B, W), dtype=torch.int64, device=dev) if grouped and w > 1 < W else None
+    W = runner.sections.verify_width      # ungrouped: every row a group of its own (verify graphs, rows alone)
+    offs = lead_offsets([w] * B, W) if grouped else [0] * n
+    lead = torch.tensor(offs, dtype=torch.int64, device=dev) if w > 1 < W else None
     return ForwardBatch(
         input_ids=ids.to(dev),
         positions=lens - 1,
