@@ -178,11 +178,11 @@ def _linear_unquantized_x(x, q, scale_inv, bias=None):
     return torch.nn.functional.linear(x.float(), dequantize_blockwise(q, scale_inv), bias).to(x.dtype)
 
 
-def _experts_unquantized_x(x, r, w13, w13_scale, w2, w2_scale):
+def _experts_unquantized_x(x, r, w13, w13_scale, w2, w2_scale, residual=None):
     """The FP8 experts without activation quantization: the model-dtype experts on the dequantized weights."""
     gate, up = dequantize_w13(w13, w13_scale)
     w2d = dequantize_blockwise(w2, w2_scale)
-    return experts_local(x, r, torch.cat([gate, up], dim=-2).transpose(-1, -2), w2d.transpose(-1, -2))
+    return experts_local(x, r, torch.cat([gate, up], dim=-2).transpose(-1, -2), w2d.transpose(-1, -2), residual)
 
 
 @DENSE

@@ -339,3 +339,17 @@ def test_padding_rows_run_no_fp8_expert_and_come_back_zero(plan):
         plan = dataclasses.replace(SWAP, direct=True)
     out, ref = fused_experts_fp8(x, padded, *ws, plan=plan), fused_experts_fp8(x, whole, *ws, plan=plan)
     assert torch.equal(out[live], ref[live]) and (out[pad_rows] == 0).all()
+
+
+@pytest.mark.parametrize("plan", [SWAP, LOAD_FOLD], ids=["moe_sum", "fold"])
+@pytest.mark.parametrize("T", [0, 9])
+def test_fused_experts_fp8_adds_the_residual(plan, T):
+    """The residual stream joins the experts' output (in moe_sum's float32 sum, or after down's fold);
+    the torch reference adds it after. An empty batch returns the residual."""
+    x, r, ws = moe_case(T, 8, 3, 160, 200, F32)
+    res = activations(T, 160, F32, seed=99)
+    got = fused_experts_fp8(x, r, *ws, plan=plan, residual=res)
+    torch.testing.assert_close(got, res + fused_experts_fp8(x, r, *ws, plan=plan), rtol=1e-5, atol=1e-5)
+    from ainfer_pd.engine.model.linear import experts_fp8_torch
+    if T:
+        assert rel_err(got, experts_fp8_torch(x, r, *ws, residual=res)) <= 1e-4

@@ -209,3 +209,40 @@ def test_moe_sum_skips_the_pairs_routed_nowhere_without_reading_their_rows():
     for j in range(k):
         acc += want[:, j]
     assert torch.equal(got, acc) and torch.equal(got[3], torch.zeros(D))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_sum_adds_the_residual_before_its_one_rounding(dtype):
+    """``residual`` joins each token's float32 sum after its k rows (padding pairs skipped as without
+    it), rounded once: in float32 the same bits as adding it after."""
+    T, k, D = 4, 3, 40
+    g = torch.Generator().manual_seed(5)
+    rows = (torch.randn(T * k, D, generator=g) * 2).to(dtype)
+    res = (torch.randn(T, D, generator=g) * 4).to(dtype)
+    ids = torch.randint(0, 8, (T, k), generator=g)
+    ids[2, 1] = -1
+    got = moe_sum(rows, T, k, ids=ids, residual=res)
+    acc = torch.zeros(T, D)
+    for j in range(k):
+        acc += torch.where((ids[:, j] < 0)[:, None], 0.0, rows.view(T, k, D)[:, j].float())
+    acc += res.float()
+    if dtype == torch.float32:
+        assert torch.equal(got, acc)
+    else:
+        torch.testing.assert_close(got.float(), acc.to(dtype).float(), rtol=2 ** -7, atol=1e-6)
+
+
+def test_fused_experts_with_the_residual_is_the_residual_plus_the_experts():
+    """The residual stream added inside the k-slot sum equals adding it to the experts' output
+    (float32), and an empty batch returns the residual."""
+    T, E, k, D, I = 9, 8, 2, 64, 96
+    w13, w2, rw = weights(E, D, I)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(T, D, generator=g)
+    res = torch.randn(T, D, generator=g)
+    r = route(x, rw, k)
+    torch.testing.assert_close(fused_experts(x, r, w13, w2, residual=res), res + fused_experts(x, r, w13, w2),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(experts_local(x, r, w13, w2, residual=res), res + experts_local(x, r, w13, w2))
+    empty = route(x[:0], rw, k)
+    assert torch.equal(fused_experts(x[:0], empty, w13, w2, residual=res[:0]), res[:0])

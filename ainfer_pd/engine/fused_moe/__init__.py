@@ -124,14 +124,16 @@ def _launch(kernel, layout, g: GemmPlan, ncols: int, a: Tensor, w: Tensor, out: 
                  IEEE=a.dtype == torch.float32, DIRECT=direct, num_warps=g.num_warps, num_stages=g.num_stages, **meta)
 
 
-def fused_experts(x: Tensor, r: Routing, w13: Tensor, w2: Tensor, plan: MoEPlan | None = None) -> Tensor:
-    """Routed experts: x [T, D], w13 [E, D, 2I], w2 [E, I, D] -> [T, D]."""
+def fused_experts(x: Tensor, r: Routing, w13: Tensor, w2: Tensor, plan: MoEPlan | None = None,
+                  residual: Tensor | None = None) -> Tensor:
+    """Routed experts: x [T, D], w13 [E, D, 2I], w2 [E, I, D] -> [T, D] (+ ``residual`` [T, D], added in
+    the k-slot sum: :func:`moe_sum`)."""
     T, D = x.shape
     k = r.topk_idx.shape[1]
     E, _, I2 = w13.shape
     N = T * k
     if N == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if residual is None else residual.clone()
     plan = plan or moe_plan(N, E, x.dtype == torch.float32, tokens=T,
                             tma=has_tma(x.device) and gate_up_tma_ok(x, w13))
     assert plan.gate_up.block_m == plan.down.block_m, "both GEMMs walk the same aligned blocks"
@@ -143,13 +145,15 @@ def fused_experts(x: Tensor, r: Routing, w13: Tensor, w2: Tensor, plan: MoEPlan 
     rows = torch.empty(N, D, dtype=x.dtype, device=x.device)
     launch_down(act, w2, rows, layout, r.topk_weights.reshape(-1).contiguous(), plan.down, plan.direct)
     # padding rows' pairs run nowhere (r.padded): their rows are never written, the sum skips them
-    return moe_sum(rows, T, k, ids=r.topk_idx if r.padded else None)
+    return moe_sum(rows, T, k, ids=r.topk_idx if r.padded else None, residual=residual)
 
 
-def moe_sum(rows: Tensor, T: int, k: int, dtype: torch.dtype | None = None, ids: Tensor | None = None) -> Tensor:
+def moe_sum(rows: Tensor, T: int, k: int, dtype: torch.dtype | None = None, ids: Tensor | None = None,
+            residual: Tensor | None = None) -> Tensor:
     """Each token's k rows of ``rows`` [T * k, D] added in slot order (float32, one rounding) ->
     [T, D] in ``dtype`` (rows' by default): :func:`~.kernels.moe_sum_kernel`, one launch. ``ids``
-    [T, k] (a padded batch's routing): a pair routed nowhere (expert -1) adds 0, its row unread."""
+    [T, k] (a padded batch's routing): a pair routed nowhere (expert -1) adds 0, its row unread.
+    ``residual`` [T, D]: added to each token's sum before the rounding (the layer's residual stream)."""
     from .kernels import moe_sum_kernel
     D = rows.shape[1]
     out = torch.empty(T, D, dtype=dtype or rows.dtype, device=rows.device)
@@ -159,9 +163,12 @@ def moe_sum(rows: Tensor, T: int, k: int, dtype: torch.dtype | None = None, ids:
     block = min(1024, 1 << (D - 1).bit_length())
     if ids is not None:
         assert ids.shape == (T, k) and ids.is_contiguous(), "ids [T, k], contiguous"
-    moe_sum_kernel[(T, triton_cdiv(D, block))](rows, ids if ids is not None else rows, out, D, rows.stride(0),
-                                               out.stride(0), TOPK=k, BLOCK_D=block, HAS_IDS=ids is not None,
-                                               num_warps=4)
+    if residual is not None:
+        assert residual.shape == (T, D) and residual.stride(1) == 1, "residual [T, D] with unit column stride"
+    res = residual if residual is not None else rows
+    moe_sum_kernel[(T, triton_cdiv(D, block))](rows, ids if ids is not None else rows, res, out, D, rows.stride(0),
+                                               res.stride(0), out.stride(0), TOPK=k, BLOCK_D=block,
+                                               HAS_IDS=ids is not None, HAS_RES=residual is not None, num_warps=4)
     return out
 
 

@@ -235,12 +235,13 @@ def softmax_topk_kernel(LOGITS, TOPK_W, TOPK_IDX, COUNTS, SLOTS, E, stride_l, pa
 
 
 @triton.jit
-def moe_sum_kernel(ROWS, IDS, OUT, D, stride_r, stride_o, TOPK: tl.constexpr, BLOCK_D: tl.constexpr,
-                   HAS_IDS: tl.constexpr):
+def moe_sum_kernel(ROWS, IDS, RES, OUT, D, stride_r, stride_res, stride_o, TOPK: tl.constexpr, BLOCK_D: tl.constexpr,
+                   HAS_IDS: tl.constexpr, HAS_RES: tl.constexpr):
     """``OUT[t] = sum_j ROWS[t * TOPK + j]``: each token's k expert rows added in slot order in
     float32, rounded once to OUT's dtype (a token's output depends neither on its batch nor on run
     order). ``HAS_IDS``: a pair whose expert ``IDS[t * TOPK + j]`` is -1 (a padding row's, routed
-    nowhere: its row was never written) adds 0. Program (token, column block). torch's sum over
+    nowhere: its row was never written) adds 0. ``HAS_RES``: ``RES[t]`` (the residual stream) is added to
+    the sum before the rounding (no add launch after the experts). Program (token, column block). torch's sum over
     [T, k, D] took ~6 us at 64 tokens (a generic reduction's launch) and ~61 us at 4,096 (74% of
     its bytes' time) on the H100."""
     t = tl.program_id(0).to(tl.int64)
@@ -252,4 +253,6 @@ def moe_sum_kernel(ROWS, IDS, OUT, D, stride_r, stride_o, TOPK: tl.constexpr, BL
         if HAS_IDS:
             mj = m & ((offs * 0 + tl.load(IDS + t * TOPK + j)) >= 0)     # (a vector: the interpreter's masks)
         acc += tl.load(ROWS + (t * TOPK + j) * stride_r + offs, mask=mj, other=0.0).to(tl.float32)
+    if HAS_RES:
+        acc += tl.load(RES + t * stride_res + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(OUT + t * stride_o + offs, acc.to(OUT.dtype.element_ty), mask=m)

@@ -203,10 +203,12 @@ def value_range(t: Tensor) -> tuple[float, float]:
 
 
 # ====================================================================== the forward, by format
-def experts_fp8_torch(x: Tensor, r: Routing, w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor) -> Tensor:
+def experts_fp8_torch(x: Tensor, r: Routing, w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor,
+                      residual: Tensor | None = None) -> Tensor:
     """The FP8 routed experts in torch (:func:`~ainfer_pd.engine.quant.fp8.experts_fp8_reference`),
-    with the Triton kernel's signature."""
-    return experts_fp8_reference(x, r.topk_idx, r.topk_weights, w13, w13_scale, w2, w2_scale)
+    with the Triton kernel's signature (``residual`` added after, in x's dtype)."""
+    y = experts_fp8_reference(x, r.topk_idx, r.topk_weights, w13, w13_scale, w2, w2_scale)
+    return y if residual is None else residual + y
 
 
 @dataclass(slots=True)
@@ -217,7 +219,8 @@ class Fp8Kernels:
     linear: Callable[..., Tensor] = fp8_linear_reference
     """(x [T, K], q [N, K], scale_inv, bias | None) -> [T, N] in x's dtype."""
     experts: Callable[..., Tensor] = experts_fp8_torch
-    """(x [T, D], routing, w13_fp8, w13_scale_inv, w2_fp8, w2_scale_inv) -> [T, D] in x's dtype."""
+    """(x [T, D], routing, w13_fp8, w13_scale_inv, w2_fp8, w2_scale_inv, residual=None) -> [T, D] in x's dtype
+    (plus ``residual`` [T, D] when given)."""
 
 
 def project(layer: nn.Module, leaf: str, x: Tensor, bias: Tensor | None, kernels: Fp8Kernels) -> Tensor:
@@ -243,11 +246,13 @@ def mlp(layer: nn.Module, prefix: str, x: Tensor, kernels: Fp8Kernels) -> Tensor
     return project(layer, prefix + "_w2", F.silu(g) * u, None, kernels)
 
 
-def routed(model: nn.Module, layer: nn.Module, x: Tensor, r: Routing) -> Tensor:
-    """Every routed expert of ``layer`` on this model (no expert parallelism): x [T, D] -> [T, D]."""
+def routed(model: nn.Module, layer: nn.Module, x: Tensor, r: Routing, residual: Tensor | None = None) -> Tensor:
+    """Every routed expert of ``layer`` on this model (no expert parallelism): x [T, D] -> [T, D], plus
+    ``residual`` [T, D] when given (the Triton kernels add it inside their k-slot sum: no add launch)."""
     if not layer.projections["w13"].fp8:
-        return model.expert_kernel(x, r, layer.w13, layer.w2)
-    return model.fp8_kernels.experts(x, r, layer.w13_fp8, layer.w13_scale_inv, layer.w2_fp8, layer.w2_scale_inv)
+        return model.expert_kernel(x, r, layer.w13, layer.w2, residual=residual)
+    return model.fp8_kernels.experts(x, r, layer.w13_fp8, layer.w13_scale_inv, layer.w2_fp8, layer.w2_scale_inv,
+                                     residual=residual)
 
 
 def grouped(layer: nn.Module, j0: int, j1: int, xg: Tensor, counts: Tensor, kernels: Fp8Kernels) -> Tensor:

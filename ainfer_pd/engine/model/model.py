@@ -7,8 +7,7 @@ once per model. Both walks iterate that one sequence: :meth:`MoETransformer.forw
 runs the segments back to back (decode, mixed batches, or as one CUDA graph) and a P epoch
 (:mod:`.p_walk`) enqueues them one at a time so it can stop at every safe boundary.
 
-Shape legend: T = tokens, D = hidden, H/Hk = query/KV heads, hd = head dim,
-E = routed experts, k = top-k, V = vocabulary.
+Shape legend: T = tokens, D = hidden, H/Hk = query/KV heads, hd = head dim, E = experts, k = top-k, V = vocabulary.
 """
 from __future__ import annotations
 
@@ -322,11 +321,12 @@ class MoETransformer(nn.Module):
         if not lyr.is_moe:
             return SegmentState(h=st.h + mlp(lyr, "dense", st.xn, self.fp8_kernels))
         assert st.routing is not None
+        res = st.h if expert_fn is None and "shared_w13" not in lyr.projections else None    # joins the k-slot sum
         if expert_fn is None:
             if not self.holds_all_experts:
                 raise RuntimeError(f"this model holds experts {self.expert_range} only: the routed experts "
                                    "need the expert-parallel backend")
-            y = routed(self, lyr, st.xn, st.routing)
+            y = routed(self, lyr, st.xn, st.routing, res)
         else:
             y = expert_fn(st.xn, st.routing, i)
         if "shared_w13" in lyr.projections:
@@ -334,7 +334,7 @@ class MoETransformer(nn.Module):
             if lyr.shared_gate is not None:                                # qwen2_moe: sigmoid-gated
                 s = torch.sigmoid(F.linear(st.xn, lyr.shared_gate)) * s
             y = y + s
-        return SegmentState(h=st.h + y)
+        return SegmentState(h=y if res is not None else st.h + y)
 
     def head(self, st: SegmentState, rows: Tensor | None) -> Tensor:
         """Logits [R, V] (float32) of the selected rows."""

@@ -99,12 +99,12 @@ def _loop_mm(xs: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     return out
 
 
-def experts_local(x: Tensor, r: Routing, w13: Tensor, w2: Tensor) -> Tensor:
+def experts_local(x: Tensor, r: Routing, w13: Tensor, w2: Tensor, residual: Tensor | None = None) -> Tensor:
     """Routed experts on this rank (no expert parallelism): permute, grouped GEMM, combine.
 
     x [T, D] -> [T, D]. The combine un-permutes with a plain scatter (unique indices, no
     atomics) and sums the k slots of each token in a fixed order, so a token's output does
-    not depend on which other tokens share its batch.
+    not depend on which other tokens share its batch. ``residual`` [T, D]: added to the result.
     """
     T, D = x.shape
     k = r.topk_idx.shape[1]
@@ -113,7 +113,8 @@ def experts_local(x: Tensor, r: Routing, w13: Tensor, w2: Tensor) -> Tensor:
     ys = swiglu_grouped(xs, w13, w2, r.offsets)                 # [N, D]
     rows = torch.empty_like(ys)
     rows[r.order] = ys                                          # [N, D] back in (token, slot) order
-    return (rows.view(T, k, D) * r.topk_weights.unsqueeze(-1)).sum(dim=1)
+    y = (rows.view(T, k, D) * r.topk_weights.unsqueeze(-1)).sum(dim=1)
+    return y if residual is None else residual + y
 
 
 def swiglu_dense(x: Tensor, w13: Tensor, w2: Tensor) -> Tensor:

@@ -224,10 +224,11 @@ def _check_experts(x: Tensor, w13_q: Tensor, w13_scale: Tensor, w2_q: Tensor, w2
 
 
 def fused_experts_fp8(x: Tensor, routing: Routing, w13_q: Tensor, w13_scale: Tensor, w2_q: Tensor, w2_scale: Tensor,
-                      plan: MoEPlan | Fp8MoEPlan | None = None) -> Tensor:
+                      plan: MoEPlan | Fp8MoEPlan | None = None, residual: Tensor | None = None) -> Tensor:
     """Routed experts in blockwise FP8 (:func:`.fp8.experts_fp8_reference` on the GPU): x [T, D],
     w13_q [E, 2I, D] float8 + w13_scale [E, 2 nb(I), nb(D)], w2_q [E, D, I] float8 + w2_scale
-    [E, nb(D), nb(I)] -> [T, D] in x's dtype. ``plan``: :func:`.fp8_plan.fp8_moe_plan` by default;
+    [E, nb(D), nb(I)] -> [T, D] in x's dtype (+ ``residual`` [T, D]: in moe_sum's float32 sum, or added
+    after down's fold). ``plan``: :func:`.fp8_plan.fp8_moe_plan` by default;
     a plain MoEPlan is the separate-launch path (:func:`.fp8_plan.as_fp8_moe_plan`).
 
     Launches: the layout (2; none for a direct plan, a token alone), gate_up, down, and the sum of each
@@ -238,7 +239,7 @@ def fused_experts_fp8(x: Tensor, routing: Routing, w13_q: Tensor, w13_scale: Ten
     _check_experts(x, w13_q, w13_scale, w2_q, w2_scale)
     N = T * k
     if N == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if residual is None else residual.clone()
     p = fp8_moe_plan(N, w13_q.shape[0], tokens=T) if plan is None else as_fp8_moe_plan(plan)
     check_fp8_moe_plan(p)
     _require(not p.fold_sum or _fold_supported(), "fold_sum needs Triton >= 3.5 (tensor atomics' results broadcast)")
@@ -254,6 +255,6 @@ def fused_experts_fp8(x: Tensor, routing: Routing, w13_q: Tensor, w13_scale: Ten
     if p.fold_sum:                   # a padding row's pairs never arrive: its sum is never written
         out = torch.zeros_like(x) if routing.padded else torch.empty_like(x)
         launch_fp8_down(act, act_s, w2_q, w2_scale, rows, layout, topw, p.down, k, (counters, out), p.swap_ab, p.direct)
-        return out
+        return out if residual is None else out.add_(residual)
     launch_fp8_down(act, act_s, w2_q, w2_scale, rows, layout, topw, p.down, k, swap_ab=p.swap_ab, direct=p.direct)
-    return moe_sum(rows, T, k, ids=routing.topk_idx if routing.padded else None)     # float32, one rounding
+    return moe_sum(rows, T, k, ids=routing.topk_idx if routing.padded else None, residual=residual)   # one rounding
