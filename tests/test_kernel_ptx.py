@@ -96,8 +96,8 @@ for p in (moe_plan(8, 128, False, tokens=1), moe_plan(8 * 64, 128, False, tokens
                               {}, dict(c, **tiles(p.down)), p.down.num_warps, p.down.num_stages)}
 out["moe_128x128_w8"] = plan_stats(128, 128, 128, 8, 8, 3)
 from ainfer_pd.engine.fused_moe.kernels import moe_sum_kernel
-out["moe_sum"] = compile_stats(moe_sum_kernel, {"ROWS": "*bf16", "IDS": "*i64", "OUT": "*bf16"}, {},
-                               dict(TOPK=8, BLOCK_D=1024, HAS_IDS=True), warps=4, stages=1)
+out["moe_sum"] = compile_stats(moe_sum_kernel, {"ROWS": "*bf16", "IDS": "*i64", "RES": "*bf16", "OUT": "*bf16"}, {},
+                               dict(TOPK=8, BLOCK_D=1024, HAS_IDS=True, HAS_RES=True), warps=4, stages=1)
 print(json.dumps(out))
 '''
 
