@@ -240,10 +240,8 @@ class DecodeGraphs:
         s["lens"][:B].copy_(d.ctx_lens)
         s["lens"][B:].fill_(1)
         if d.lead_off is not None:           # a verify pass: its turns' row groups; padding rows alone
-            s["lead"][:B].copy_(d.lead_off)
+            s["lead"][:B].copy_(d.lead_off)  # (a plain graph's kernel never reads "lead": nothing to reset)
             s["lead"][B:].zero_()
-        else:
-            s["lead"].zero_()
 
     def _result(self, out, B: int, *extra) -> Tensor:
         """The replay's logits of the batch's B rows (a copy: the next replay overwrites ``out``)."""
