@@ -138,3 +138,31 @@ def test_fp8_speed_bench_fits_a_layer_and_projects_the_whole_model():
     assert r["fp8_b64"]["over_bf16_measured_32_layers"] == 1.5
     assert r["fp8_b64"]["over_bf16_projected_48_layers"] == round(26 / 17, 3)
     assert "over_bf16_measured_32_layers" not in r["bf16_b64"]
+
+
+def test_grouped_mm_probe_path_equals_the_experts_by_hand():
+    """The probe's grouped-GEMM path (sort, gather, two ``torch._grouped_mm``, put back) gives each pair's
+    weighted expert output in pair order: summed per token, the experts computed one token at a time."""
+    import torch
+    import torch.nn.functional as F
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from grouped_mm_probe import grouped_parts
+
+    from ainfer_pd.engine.model.moe import route
+    torch.manual_seed(0)
+    T, D, E, I, K = 24, 64, 8, 32, 2
+    x = torch.randn(T, D).to(torch.bfloat16)
+    w13 = (torch.randn(E, D, 2 * I) * 0.1).to(torch.bfloat16)
+    w2 = (torch.randn(E, I, D) * 0.1).to(torch.bfloat16)
+    r = route(x, (torch.randn(E, D) * 0.1).to(torch.bfloat16), K)
+    steps, _, state = grouped_parts(x, r, w13, w2)
+    for name in ("sort", "gather", "gate_up", "act", "down", "put_back"):
+        steps[name]()
+    out = state["rows"].float().view(T, K, D).sum(1)              # the engine's moe_sum, in torch
+    ref = torch.zeros(T, D)
+    for t in range(T):
+        for j in range(K):
+            e = int(r.topk_idx[t, j])
+            h = x[t].float() @ w13[e].float()
+            ref[t] += float(r.topk_weights[t, j]) * ((F.silu(h[:I]) * h[I:]) @ w2[e].float())
+    assert (out - ref).abs().max() / ref.abs().max() < 2e-2
