@@ -166,3 +166,14 @@ def test_grouped_mm_probe_path_equals_the_experts_by_hand():
             h = x[t].float() @ w13[e].float()
             ref[t] += float(r.topk_weights[t, j]) * ((F.silu(h[:I]) * h[I:]) @ w2[e].float())
     assert (out - ref).abs().max() / ref.abs().max() < 2e-2
+
+
+def test_spec_projection_of_a_ladder_run_shortens_its_d_work_by_the_interpolated_gain():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from spec_projection import best_gain, gain_at, project_run
+    assert best_gain({1: 1.0, 2: 1.3, 4: 1.5}, {1: 1.6, 3: 2.4}) == (pytest.approx(1.6), 3)  # 2.4 / 1.5 beats 1.6 / 1.3
+    assert best_gain({1: 1.0, 2: 1.9}, {1: 1.5}) == (1.0, 0)                       # nothing pays: plain decoding
+    gains = {16: 1.5, 32: 1.7}
+    assert gain_at(gains, 8) == 1.5 and gain_at(gains, 64) == 1.7 and abs(gain_at(gains, 24) - 1.6) < 1e-12
+    p = project_run({"d_work_s": 30.0, "d_iter_mean_s": 0.03, "output_tokens": 24000, "makespan_s": 40.0}, gains)
+    assert p["mean_batch"] == 24.0 and abs(p["projected_s"] - (40.0 - 30.0 * (1 - 1 / 1.6))) < 1e-9
