@@ -177,3 +177,14 @@ def test_spec_projection_of_a_ladder_run_shortens_its_d_work_by_the_interpolated
     assert gain_at(gains, 8) == 1.5 and gain_at(gains, 64) == 1.7 and abs(gain_at(gains, 24) - 1.6) < 1e-12
     p = project_run({"d_work_s": 30.0, "d_iter_mean_s": 0.03, "output_tokens": 24000, "makespan_s": 40.0}, gains)
     assert p["mean_batch"] == 24.0 and abs(p["projected_s"] - (40.0 - 30.0 * (1 - 1 / 1.6))) < 1e-9
+
+
+def test_kv_pressure_reprefill_prints_both_policies_on_the_cpu():
+    res = subprocess.run([sys.executable, "benchmarks/kv_pressure_reprefill.py", "--blocks", "200", "--conversations",
+                          "8"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    figs = [dict(kv.split("=") for kv in line.split()[2:]) for line in res.stdout.splitlines()
+            if line.startswith("FIG kv_pressure_reprefill")]
+    assert [f["policy"] for f in figs] == ["normal", "fine-grained"]
+    for f in figs:
+        assert int(f["prefill_tokens"]) > 0 and f["failures"] == "0" and int(f["again_continuation"]) >= 0
