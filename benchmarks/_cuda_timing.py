@@ -1,4 +1,5 @@
-"""GPU timing shared by the benchmark scripts: CUDA events around ``iters`` back-to-back calls."""
+"""GPU timing shared by the benchmark scripts: CUDA events around ``iters`` back-to-back calls, and
+``triton.testing.do_bench``'s median."""
 import torch
 
 from ainfer_pd.engine.runtime.cuda_graphs import CAPTURE_MODE
@@ -16,6 +17,12 @@ def cuda_time_s(fn, iters: int, warmup: int = 3) -> float:
     b.record()
     torch.cuda.synchronize()
     return a.elapsed_time(b) / 1e3 / iters
+
+
+def median_ms(fn, rep: int = 40) -> float:
+    """Median milliseconds of ``fn`` by ``triton.testing.do_bench`` (10 warm-up calls, ``rep`` ms of runs)."""
+    import triton.testing
+    return float(triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median"))
 
 
 def graph_of(fn):

@@ -27,17 +27,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _cuda_timing import median_ms as ms  # noqa: E402
 
 from ainfer_pd.engine.quant import fp8 as q8  # noqa: E402
 
 # (name, K, N) of the Qwen3-30B-A3B shape: hidden 2048, 32 query heads and 4 KV heads of 128
 GEMMS = (("qkv", 2048, (32 + 2 * 4) * 128), ("o", 32 * 128, 2048))
-
-
-def ms(fn) -> float:
-    import triton.testing
-    return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
 
 
 def outer_major(t: torch.Tensor) -> torch.Tensor:

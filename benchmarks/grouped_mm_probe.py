@@ -19,17 +19,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _cuda_timing import median_ms  # noqa: E402
 
 from ainfer_pd.engine.fused_moe import fused_experts, moe_sum  # noqa: E402
 from ainfer_pd.engine.model.moe import route  # noqa: E402
 
 D, E, K, I = 2048, 128, 8, 768
-
-
-def ms(fn) -> float:
-    import triton.testing
-    return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
 
 
 def grouped_parts(x, r, w13, w2):
@@ -89,13 +87,13 @@ def main() -> None:
         x = torch.randn(T, D, device=dev).to(torch.bfloat16)
         r = route(x, router, K)
         flops_gu, flops_dn = 2 * T * K * D * 2 * I, 2 * T * K * I * D
-        engine = ms(lambda: fused_experts(x, r, w13, w2))
+        engine = median_ms(lambda: fused_experts(x, r, w13, w2), rep=50)
         steps, whole, _ = grouped_parts(x, r, w13, w2)
         out = whole()
         ref = fused_experts(x, r, w13, w2)
         err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-        parts = {name: ms(f) for name, f in steps.items()}
-        grouped = ms(whole)
+        parts = {name: median_ms(f, rep=50) for name, f in steps.items()}
+        grouped = median_ms(whole, rep=50)
         print(f"T {T}: engine fused_experts {engine:.4f} ms; grouped whole {grouped:.4f} ms "
               f"({grouped / engine:.3f}x the engine's); max |diff| / max |ref| {err:.2e}")
         print("   parts: " + ", ".join(f"{k} {v:.4f}" for k, v in parts.items()))

@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _cuda_timing import median_ms as ms  # noqa: E402
 from _gate_cases import paged_case, uniform_decode  # noqa: E402
 
 from ainfer_pd.engine.attention.plan import PrefillPlan  # noqa: E402
@@ -33,11 +34,6 @@ DEV = torch.device("cuda")
 H, Hk, hd, D, E, K, I = 32, 4, 128, 2048, 128, 8, 768
 T0 = time.time()
 RES: dict = {}
-
-
-def ms(fn) -> float:
-    import triton.testing
-    return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
 
 
 def over(budget: float) -> bool:
