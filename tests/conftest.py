@@ -28,6 +28,13 @@ def tiny_cfg(**overrides) -> WorkerConfig:
     return cfg.replace(**overrides) if overrides else cfg
 
 
+def cpu_runner(cfg: WorkerConfig, num_blocks: int = 64):
+    """A model runner of ``cfg`` on the CPU over a KV cache of ``num_blocks`` blocks of the config's size."""
+    from ainfer_pd.engine.kv.kv_cache import KVCacheManager
+    from ainfer_pd.engine.runtime.runner import ModelRunner, RunnerSections
+    return ModelRunner(RunnerSections.from_config(cfg), torch.device("cpu"), KVCacheManager(num_blocks, cfg.cache.block_size))
+
+
 @pytest.fixture
 def cfg() -> WorkerConfig:
     return tiny_cfg()

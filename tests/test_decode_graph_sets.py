@@ -76,12 +76,10 @@ def test_the_plain_set_holds_the_first_size_past_the_decode_batch_and_every_size
 def test_the_verify_cost_batch_each_row_alone_is_a_verify_pass_of_single_row_groups():
     """``--compare-alone``'s batch replays the verify graphs too (its rows alone: every lead offset 0);
     one token a row is a plain pass."""
-    from ainfer_pd.engine.kv.kv_cache import KVCacheManager
-    from ainfer_pd.engine.runtime.runner import ModelRunner, RunnerSections
     from ainfer_pd.engine.runtime.verify_costs import _decode_batch
-    from tests.conftest import tiny_cfg
+    from tests.conftest import cpu_runner, tiny_cfg
     cfg = tiny_cfg(**{"model.num_layers": 1, "cache.num_blocks": 64, "spec.method": "suffix"})
-    runner = ModelRunner(RunnerSections.from_config(cfg), torch.device("cpu"), KVCacheManager(64, cfg.cache.block_size))
+    runner = cpu_runner(cfg)
     W = runner.sections.verify_width
     assert W > 1
     alone = _decode_batch(runner, 3, 4, 20, grouped=False).decode

@@ -3,10 +3,10 @@ import torch
 
 from ainfer_pd import WorkerConfig
 from ainfer_pd.engine.runtime.cuda_graphs import graph_buckets
-from ainfer_pd.engine.kv.kv_cache import KVCacheManager
 from ainfer_pd.engine.runtime.prefill_graphs import prefill_graph_buckets
-from ainfer_pd.engine.runtime.runner import ModelRunner, RunnerSections, graph_captures
+from ainfer_pd.engine.runtime.runner import graph_captures
 from ainfer_pd.phase import Phase, PhaseContext
+from tests.conftest import cpu_runner
 
 
 def test_prefill_graph_buckets_stop_at_the_prefill_budget():
@@ -25,7 +25,7 @@ def test_decode_graph_buckets_cover_the_whole_context_by_default():
 
 def test_a_cpu_runner_refuses_prefill_graphs_and_says_why():
     cfg = WorkerConfig.from_yaml("configs/tiny-cpu.yaml")
-    r = ModelRunner(RunnerSections.from_config(cfg), torch.device("cpu"), KVCacheManager(64, cfg.cache.block_size))
+    r = cpu_runner(cfg)
     assert r.prefill_graphs_refusal() == "no CUDA device"
     assert r.capture_prefill_graphs(PhaseContext(Phase.PREFILL, None)) == 0 and r.pgraphs is None
     plan = r.build([], [])
@@ -54,7 +54,7 @@ def test_each_phase_captures_its_graphs_on_its_own_stream(monkeypatch):
     GPU gate's hang). The capture stream is the phase's own CUDA stream, or one the runner keeps per
     phase; never shared."""
     cfg = WorkerConfig.from_yaml("configs/tiny-cpu.yaml")
-    r = ModelRunner(RunnerSections.from_config(cfg), torch.device("cpu"), KVCacheManager(64, cfg.cache.block_size))
+    r = cpu_runner(cfg)
     dev = _Device()
     d, p = PhaseContext(Phase.DECODE, _Stream(dev, "D")), PhaseContext(Phase.PREFILL, _Stream(dev, "P"))
     assert (r.phase_stream(d), r.phase_stream(p)) == ("cuda:D", "cuda:P")

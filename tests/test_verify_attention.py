@@ -162,12 +162,10 @@ def test_verify_groups_on_an_fp8_pool_with_bf16_queries():
 def test_the_verify_cost_batch_runs_the_experts():
     """The cost measurement's rows write the scratch block, never its first slot (the padding rows' mark,
     routed to no expert in a replayed graph): a measured verify pays for its MoE."""
-    from ainfer_pd.engine.kv.kv_cache import KVCacheManager
-    from ainfer_pd.engine.runtime.runner import ModelRunner, RunnerSections
     from ainfer_pd.engine.runtime.verify_costs import _decode_batch
-    from tests.conftest import tiny_cfg
+    from tests.conftest import cpu_runner, tiny_cfg
     cfg = tiny_cfg(**{"model.num_layers": 1, "cache.num_blocks": 64, "spec.method": "suffix"})
-    runner = ModelRunner(RunnerSections.from_config(cfg), torch.device("cpu"), KVCacheManager(64, cfg.cache.block_size))
+    runner = cpu_runner(cfg)
     fb = _decode_batch(runner, 8, 4, 20)
     bs = runner.kv.block_size
     assert not bool((fb.write_slots == runner.model.pad_slot).any())
