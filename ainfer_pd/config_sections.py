@@ -11,6 +11,7 @@ from .comm.ordering import ORDERINGS  # (its one home)
 from .config_checks import check_positive
 from .errors import ConfigError, TopologyError, UnsupportedOptionError
 from .sched.epoch_mode import POLICIES, policy_traits  # (its one home: the policy traits table)
+from .sched.output_reserve import RESERVE_OUTPUT, OutputReserve  # (its one home)
 from .sched.span import ACTIVATION_COSTS, FIXED_SPANS, MAX_SPAN, MIN_SPAN  # (their one home)
 
 EXPERT_BACKENDS = ("local", "torch", "deepep")
@@ -66,6 +67,24 @@ class CacheConfig:
     ``self_attn.kv_scale``; ``hf/kv_scales.py``), a missing one a CheckpointError naming it;
     ``auto`` the checkpoint's when it has them, else 1.0. Either way a weight sync carrying those
     names or ``RolloutWorker.calibrate_kv_scales`` (an amax pass) rewrites them in place."""
+    reserve_output: str = "all"
+    """The KV a turn's output holds (``sched/output_reserve.py``): ``all`` its whole
+    ``max_new_tokens`` from admission on (never preempted); ``estimate`` its blocks taken as it
+    decodes, admission keeping room for ``ratio`` x the admitted turns' tokens left (the ratio below),
+    a full pool preempting the lowest-priority decoding row (it re-prefills its prompt and output
+    so far, the part still cached reused)."""
+    output_ratio_init: float = 0.7
+    """``estimate``: the expected share of a turn's tokens left that it generates, at start and
+    after every preemption."""
+    output_ratio_min: float = 0.14
+    """``estimate``: where that share decays to while nothing is preempted."""
+    output_ratio_decay_iters: int = 600
+    """``estimate``: D iterations the decay from init to min takes."""
+
+    @property
+    def output_reserve(self) -> OutputReserve:
+        return OutputReserve(self.reserve_output, self.output_ratio_init, self.output_ratio_min,
+                             self.output_ratio_decay_iters)
 
     def validate(self) -> None:
         check_positive(self, "block_size")
@@ -92,6 +111,12 @@ class CacheConfig:
             raise ConfigError("cache.gpu_memory_fraction must be in (0, 1]")
         if not 0.0 <= self.gpu_memory_utilization <= 1.0:
             raise ConfigError("cache.gpu_memory_utilization must be in [0, 1] (0 = use gpu_memory_fraction)")
+        if self.reserve_output not in RESERVE_OUTPUT:
+            raise UnsupportedOptionError(f"cache.reserve_output={self.reserve_output!r}: expected one of "
+                                         f"{RESERVE_OUTPUT}", key="cache.reserve_output")
+        if not 0.0 < self.output_ratio_min <= self.output_ratio_init <= 1.0:
+            raise ConfigError("cache.output_ratio_min / output_ratio_init must satisfy 0 < min <= init <= 1")
+        check_positive(self, "output_ratio_decay_iters")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

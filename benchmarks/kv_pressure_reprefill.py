@@ -5,14 +5,15 @@ the KV evictions and the tokens each kind of turn prefilled beyond its new ones 
 context was evicted while its tool ran prefills it again; a first turn whose siblings' shared prompt was
 evicted likewise). ``--set`` adds config overrides (e.g. ``scheduler.short_prefill_tokens=256``).
 
-``--reserve R[,R...]`` emulates a trainer's response budget: an admitted turn reserves its context plus
-max(R, its max_new_tokens) tokens of KV, as it would with ``max_tokens`` R (verl's ``response_length``), while
-it still stops at the trace's length (the engine reserves a turn's whole ``max_new_tokens`` at admission,
-``engine/kv/prefix.total_tokens``; here that function is patched, in this process only). ``exact`` is the
-engine unpatched. Prints measured figures only.
+``--reserve R[,R...]`` emulates a trainer's response budget: the KV accounting sees max(R, its
+max_new_tokens) - generated output tokens left for each turn, as it would with ``max_tokens`` R (verl's
+``response_length``), while the turn still stops at the trace's length (``engine/kv/prefix.left`` is
+patched, in this process only: under ``cache.reserve_output: all`` a turn reserves them all at
+admission, under ``estimate`` admission counts the ratio of them). ``exact`` is the engine unpatched.
+``--modes`` the ``cache.reserve_output`` values to run. Prints measured figures only.
 
     python benchmarks/kv_pressure_reprefill.py --blocks 600 [--set scheduler.short_prefill_tokens=256]
-    python benchmarks/kv_pressure_reprefill.py --blocks 1000 --policies normal --reserve exact,256,512,1024
+    python benchmarks/kv_pressure_reprefill.py --blocks 1000 --modes all,estimate --reserve exact,512,1024
 """
 from __future__ import annotations
 
@@ -29,24 +30,24 @@ from ainfer_pd.tools.options import add_workload_args, build_trace, load_config 
 from ainfer_pd.engine.kv import prefix  # noqa: E402
 from ainfer_pd.tools.replay import replay  # noqa: E402
 
-_EXACT = prefix.total_tokens
+_EXACT = prefix.left
 
 
-def reserving(budget: int | None):
-    """``prefix.total_tokens`` reserving the context plus max(budget, max_new_tokens); None: the engine's own."""
+def budgeted(budget: int | None):
+    """``prefix.left`` for a turn asking max(budget, max_new_tokens); None: the engine's own."""
     if budget is None:
         return _EXACT
-    return lambda t: len(t.context) + max(t.params.max_new_tokens, budget)
+    return lambda t: max(t.params.max_new_tokens, budget) - len(t.out_tokens)
 
 
-async def one(a, policy: str, budget: int | None) -> str:
-    prefix.total_tokens = reserving(budget)
+async def one(a, policy: str, budget: int | None, mode: str) -> str:
+    prefix.left = budgeted(budget)
     p = argparse.ArgumentParser()
     add_workload_args(p, preset="tiny")
     args = p.parse_args(["--workload", "grpo-long", "--conversations", str(a.conversations),
                          "--token-scale", str(a.token_scale)])
     cfg = load_config(a.config, [f"cache.num_blocks={a.blocks}", f"scheduler.policy={policy}",
-                                 "scheduler.priority=fifo", *a.set])
+                                 "scheduler.priority=fifo", f"cache.reserve_output={mode}", *a.set])
     trace = build_trace(args, cfg)
     recs = []
     async with RolloutWorker(cfg) as w:
@@ -56,10 +57,11 @@ async def one(a, policy: str, budget: int | None) -> str:
     for x in recs:
         again["first" if x.turn == 0 else "continuation"] += max(0, x.num_prompt_tokens - x.num_cached_tokens
                                                                  - x.new_tokens)
-    prefix.total_tokens = _EXACT
-    return (f"FIG kv_pressure_reprefill policy={policy} blocks={a.blocks} reserve={budget or 'exact'} "
+    prefix.left = _EXACT
+    return (f"FIG kv_pressure_reprefill policy={policy} mode={mode} blocks={a.blocks} reserve={budget or 'exact'} "
             f"set={'+'.join(a.set) or '-'} makespan_s={r.makespan_s:.2f} "
             f"prefill_tokens={m['prefill_tokens']} kv_evictions={m['kv_evictions']} "
+            f"preemptions={m['kv_preemptions']} "
             f"again_first={again['first']} again_continuation={again['continuation']} failures={r.failures}")
 
 
@@ -73,10 +75,12 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--policies", default="normal,fine-grained")
     ap.add_argument("--reserve", default="exact", help="comma-separated response budgets, or exact")
+    ap.add_argument("--modes", default="all", help="cache.reserve_output values, comma-separated")
     a = ap.parse_args()
     for r in a.reserve.split(","):
-        for policy in a.policies.split(","):
-            print(asyncio.run(one(a, policy, None if r == "exact" else int(r))), flush=True)
+        for mode in a.modes.split(","):
+            for policy in a.policies.split(","):
+                print(asyncio.run(one(a, policy, None if r == "exact" else int(r), mode)), flush=True)
 
 
 if __name__ == "__main__":

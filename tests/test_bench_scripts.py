@@ -179,12 +179,15 @@ def test_spec_projection_of_a_ladder_run_shortens_its_d_work_by_the_interpolated
     assert p["mean_batch"] == 24.0 and abs(p["projected_s"] - (40.0 - 30.0 * (1 - 1 / 1.6))) < 1e-9
 
 
-def test_kv_pressure_reprefill_prints_both_policies_on_the_cpu():
+def test_kv_pressure_reprefill_prints_both_policies_and_output_modes_on_the_cpu():
     res = subprocess.run([sys.executable, "benchmarks/kv_pressure_reprefill.py", "--blocks", "200", "--conversations",
-                          "8"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          "8", "--modes", "all,estimate", "--reserve", "256"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     figs = [dict(kv.split("=") for kv in line.split()[2:]) for line in res.stdout.splitlines()
             if line.startswith("FIG kv_pressure_reprefill")]
-    assert [f["policy"] for f in figs] == ["normal", "fine-grained"]
+    assert [(f["mode"], f["policy"]) for f in figs] == [("all", "normal"), ("all", "fine-grained"),
+                                                        ("estimate", "normal"), ("estimate", "fine-grained")]
     for f in figs:
         assert int(f["prefill_tokens"]) > 0 and f["failures"] == "0" and int(f["again_continuation"]) >= 0
+    assert all(f["preemptions"] == "0" for f in figs[:2])

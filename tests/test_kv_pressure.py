@@ -187,7 +187,7 @@ async def test_a_chunked_prompt_admitted_during_a_drain_finishes_when_the_draine
             await until(lambda: w.trajectories["A"].draining is None, "the drain ends")
             b = next(t for t in eng.book.waiting if t.tid == "A")
             from ainfer_pd.engine.kv import prefix
-            assert prefix.demand(eng.kv, b) > eng.kv.pool_blocks(), "B must not fit beside L for the repro"
+            assert prefix.demand(eng.kv, b, eng.book.reserve, eng.book.ratio) > eng.kv.pool_blocks(), "B must not fit beside L for the repro"
         finally:
             release(d_hold)
             release(p_hold)

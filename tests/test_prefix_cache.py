@@ -307,11 +307,11 @@ async def test_eviction_under_pressure_with_shared_blocks_loses_nothing_and_leak
                     bad.append(str(w.engine.kv.audit()))
                 # the engine's memoized view of the waiting turns equals one computed afresh
                 turns = [t for t in w.engine.book.waiting if not (t.abort_requested or w.engine.book.behind_drain(t))]
-                memo = prefix.pending_view(w.engine.kv, turns)
+                memo = prefix.pending_view(w.engine.kv, turns, w.engine.book.reserve, w.engine.book.ratio)
                 kept = [t.prefix_view for t in turns]
                 for t in turns:
                     t.prefix_view = None
-                if prefix.pending_view(w.engine.kv, turns) != memo:
+                if prefix.pending_view(w.engine.kv, turns, w.engine.book.reserve, w.engine.book.ratio) != memo:
                     bad.append(f"stale pending view at kv version {w.engine.kv.version}")
                 views.append(sum(m is not None and m[0] == w.engine.kv.version for m in kept))
                 await asyncio.sleep(0.002)

@@ -84,6 +84,19 @@ def test_speculation_gives_plain_decoding_s_tokens_and_logprobs(ids, plain, poli
     assert m["spec_host_ms"] > 0                # drafting iterations measured their host time
 
 
+@pytest.mark.parametrize("policy", ["normal", "fine-grained"])
+def test_speculation_beside_preemption_gives_plain_decoding_s_tokens(ids, plain, policy):
+    """Output blocks taken as rows decode (``cache.reserve_output: estimate``) on a pool too small for
+    every row's turn: a verify pass's draft positions are grown before it, and preempted rows resume
+    with the tokens and logprobs of plain decoding on a pool that holds everything."""
+    prompt, obs = ids
+    params, want = plain
+    cache = {"reserve_output": "estimate", "num_blocks": 36}
+    got, m = asyncio.run(_rollout(hf_worker_cfg(DIR, policy, spec=SPEC, cache=cache), prompt, obs, params))
+    _same(got, want)
+    assert m["kv_preemptions"] > 0 and m["spec_verifies"] > 0
+
+
 def test_abort_mid_verify_keeps_committed_tokens_and_resume_equals_the_whole_run(ids):
     prompt, _ = ids
     greedy = dict(temperature=0.0, ignore_eos=True)

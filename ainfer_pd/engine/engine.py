@@ -80,7 +80,8 @@ class Engine:
         try:
             self._build_device(cfg, recorder)
             self._changed = asyncio.Event()    # replaced on every notify: waiters re-check their predicate
-            self.book = TurnBook(cfg.model, cfg.scheduler, recorder, self.kv, routed=self.runner.routed, notify=self.notify)
+            self.book = TurnBook(cfg.model, cfg.scheduler, recorder, self.kv, routed=self.runner.routed, notify=self.notify,
+                                 reserve=cfg.cache.output_reserve)
             span_policy = make_span_policy(cfg.mux) if self.traits.per_layer else (lambda _inp: 1)
             self.turnstile = Turnstile(rendezvous=rendezvous or LocalRendezvous(), span=span_policy, recorder=recorder,
                                        rank=self.rank, timeout_s=cfg.parallel.rendezvous_timeout_s,

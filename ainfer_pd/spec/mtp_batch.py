@@ -85,13 +85,13 @@ def catch_up_batch(kv, device, num_pass_rows: int, prefill, decode, ahead: list[
     q = 0
     for t, start, n in prefill:
         tid, end = t.tid, start + n
-        complete = end == len(t.context)
+        complete = end == len(t.prompt)
         lo = start - 1 if start >= 1 and has_prev(tid, start - 1) else start
         hi = end - 1 if complete else end
         if hi > lo:
             m0 = len(rows.pos)
             for p in range(lo, hi):
-                rows.add(tid, p, start, q, end, None if complete else t.context[end])
+                rows.add(tid, p, start, q, end, None if complete else t.prompt[end])
             writes.append(kv.slots(tid, lo, hi))
             seqs.append(PrefillSeq(m0, hi - lo, hi, block_ids=kv.block_ids(tid, hi)))
         if complete:

@@ -227,6 +227,27 @@ class KVCacheManager(BlockAddressing, KVAudit):
         self.version += 1
         return lifetime
 
+    def grow(self, tid: str, lifetime: int, total_tokens: int) -> bool:
+        """On-demand output blocks (``cache.reserve_output: estimate``): make the sequence of
+        ``lifetime`` hold blocks for ``total_tokens`` positions, taking new private blocks from
+        the pool (free ones first, then evicting the least recently released cached ones). False,
+        with nothing taken, when the pool cannot give them all."""
+        kv = self.trajectories.get(tid)
+        if kv is None or kv.lifetime != lifetime:
+            raise LifetimeError(f"grow for {tid!r}: lifetime {lifetime} holds no reservation")
+        need = self.alloc.blocks_for(total_tokens) - len(kv.blocks)
+        if need <= 0:
+            return True
+        if not self.alloc.can_allocate(need):
+            return False
+        evicted = self.alloc.num_evictions
+        new = self.alloc.allocate(need, lifetime)
+        kv.blocks += new
+        kv.block_arr.extend(new)
+        if self.alloc.num_evictions != evicted:
+            self.version += 1                   # a waiting turn's cached prefix may be gone
+        return True
+
     def mark_written(self, tid: str, lifetime: int, num_tokens: int) -> None:
         """A forward pass of ``lifetime`` wrote KV up to ``num_tokens`` (it completed); refuses
         stale lifetimes. Blocks it completed become shareable under their chained hash."""

@@ -23,7 +23,7 @@ class TrajectoryKV:
     tokens: Any = ()             # the sequence's token ids (sliceable; grows while it decodes)
     root: bytes = ROOT           # parent hash of its first block (salted by the trajectory without sharing)
     writing: list[bytes] = field(default_factory=list)  # hashes of prompt blocks it will complete
-    block_arr: Any = None        # ``blocks`` as array('q') (blocks are fixed at reservation): block tables
+    block_arr: Any = None        # ``blocks`` as array('q') (extended with them as output grows): block tables
     owner_checked: tuple = ()    # (lifetime, pool's ownership_losses) of the last full ownership check
 
     @property

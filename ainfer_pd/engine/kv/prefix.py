@@ -6,6 +6,7 @@ feeds it a turn's prompt, with the prompt's block hashes computed once per turn.
 """
 from __future__ import annotations
 
+from ...sched.output_reserve import OutputReserve, expected_tokens, reserve_tokens
 from ...sched.planner import PendingPrefill
 from .block_hash import worth_waiting
 from .kv_cache import KVCacheManager
@@ -15,15 +16,27 @@ from ..loop.state import SeqTokens, Turn
 def prompt_hashes(kv: KVCacheManager, t: Turn) -> list:
     """The chained hashes of ``t``'s prompt blocks (cached on the turn: its prompt never changes)."""
     if t.prompt_hashes is None:
-        t.prompt_hashes = kv.prompt_hashes(t.context, tid=t.tid)
+        t.prompt_hashes = kv.prompt_hashes(t.prompt, tid=t.tid)
     return t.prompt_hashes
 
 
-def total_tokens(t: Turn) -> int:
-    return len(t.context) + t.params.max_new_tokens
+def left(t: Turn) -> int:
+    """Output tokens ``t`` may still generate."""
+    return t.params.max_new_tokens - len(t.out_tokens)
 
 
-def pending_view(kv: KVCacheManager, turns) -> list[PendingPrefill]:
+def total_tokens(t: Turn, r: OutputReserve) -> int:
+    """Positions ``t``'s admission reserves (``cache.reserve_output``)."""
+    return reserve_tokens(r, len(t.prompt), left(t))
+
+
+def demand_tokens(t: Turn, r: OutputReserve, ratio: float) -> int:
+    """Positions the admission check counts for ``t``: its reservation plus, when output grows on
+    demand, what it is expected to write beyond it."""
+    return expected_tokens(r, len(t.prompt), left(t), ratio)
+
+
+def pending_view(kv: KVCacheManager, turns, r: OutputReserve, ratio: float) -> list[PendingPrefill]:
     """The planner's view of the waiting ``turns`` (FIFO), without those that should wait for a
     sibling writing the first block they miss: an admitted turn (``kv.writing``) or one ahead of
     them in this view, whose prompt blocks it will write (they share that block once the
@@ -43,7 +56,7 @@ def pending_view(kv: KVCacheManager, turns) -> list[PendingPrefill]:
             out.append(PendingPrefill(t.request_id, t.remaining_prompt, True, 0))
             continue
         hashes = prompt_hashes(kv, t)
-        v = _view(kv, t, hashes)
+        v = _view(kv, t, hashes, r, ratio)
         h = v.next_hash
         if h is not None:
             wanted.add(h)
@@ -56,25 +69,32 @@ def pending_view(kv: KVCacheManager, turns) -> list[PendingPrefill]:
                 if worth_waiting(n, bs, min_tokens):
                     continue
             ahead.setdefault(h, (hashes, i))
-        out.append(PendingPrefill(t.request_id, len(t.context) - v.cached, False, v.demand))
+        out.append(PendingPrefill(t.request_id, len(t.prompt) - v.cached, False, v.demand))
     kv.wanted = wanted
     return out
 
 
 def prefill_left(kv: KVCacheManager, t: Turn) -> int:
     """Prompt tokens ``t`` still has to prefill: the rest of an admitted turn, else its prompt
-    less the prefix the cache holds for it now (the admission view, memoized)."""
+    less the prefix the cache holds for it now (the admission view, memoized; its cached prefix
+    does not depend on the reservation)."""
     if t.lifetime:
         return t.remaining_prompt
-    return len(t.context) - _view(kv, t, prompt_hashes(kv, t)).cached
-
-
-def _view(kv: KVCacheManager, t: Turn, hashes: list):
     memo = t.prefix_view
     if memo is not None and memo[0] == kv.version:
-        return memo[1]
-    v = kv.admission_view(t.tid, total_tokens(t), t.context, hashes)
-    t.prefix_view = (kv.version, v)
+        return len(t.prompt) - memo[2].cached
+    return len(t.prompt) - kv.admission_view(t.tid, len(t.prompt), t.prompt, prompt_hashes(kv, t)).cached
+
+
+def _view(kv: KVCacheManager, t: Turn, hashes: list, r: OutputReserve, ratio: float):
+    """The admission view of ``t`` at the demand ``r`` and ``ratio`` give, memoized on the turn
+    while the cache's version and that demand are unchanged."""
+    need = demand_tokens(t, r, ratio)
+    memo = t.prefix_view
+    if memo is not None and memo[0] == kv.version and memo[1] == need:
+        return memo[2]
+    v = kv.admission_view(t.tid, need, t.prompt, hashes)
+    t.prefix_view = (kv.version, need, v)
     return v
 
 
@@ -94,12 +114,14 @@ def _common(hashes: list, i: int, other: list, j: int) -> int:
     return n
 
 
-def demand(kv: KVCacheManager, t: Turn) -> int:
-    return kv.admission_demand(t.tid, total_tokens(t), t.context, prompt_hashes(kv, t))
+def demand(kv: KVCacheManager, t: Turn, r: OutputReserve, ratio: float) -> int:
+    return kv.admission_demand(t.tid, demand_tokens(t, r, ratio), t.prompt, prompt_hashes(kv, t))
 
 
-def reserve(kv: KVCacheManager, t: Turn, now: float) -> None:
-    """Admit ``t``: reserve its blocks sharing its cached prefix; ``t.num_cached`` and
-    ``t.prefilled`` become the tokens reused (only the rest is prefilled)."""
-    t.lifetime = kv.reserve(t.tid, total_tokens(t), SeqTokens(t), now, hashes=prompt_hashes(kv, t))
-    t.num_cached = t.prefilled = kv.trajectories[t.tid].num_tokens
+def reserve(kv: KVCacheManager, t: Turn, now: float, r: OutputReserve) -> None:
+    """Admit ``t``: reserve its blocks sharing its cached prefix; ``t.prefilled`` (and, at its
+    first admission, ``t.num_cached``) become the tokens reused (only the rest is prefilled)."""
+    t.lifetime = kv.reserve(t.tid, total_tokens(t, r), SeqTokens(t), now, hashes=prompt_hashes(kv, t))
+    t.prefilled = kv.trajectories[t.tid].num_tokens
+    if not t.preemptions:
+        t.num_cached = t.prefilled

@@ -85,6 +85,7 @@ class DDriver:
         rank agrees its shape first; without it no rank drafts."""
         t_ready = self.t_wanted if self.t_wanted is not None else self.rec.now()
         self.t_wanted = None
+        await self._make_room(limit)
         if self._broke is not None and self.rec.now() - self._broke[1] > self.timings.d_iter_ema:
             self._broke = None    # a verify's read, then D waited (rows, P): not a gap drafting made
         drafting = self.dist is None and self.spec is not None and await self._will_draft(limit)
@@ -118,6 +119,21 @@ class DDriver:
                 self.dist.d_iteration_done()
         self.num_iters += 1
         self.notify()
+
+    async def _make_room(self, limit: int | None) -> None:
+        """``cache.reserve_output: estimate``: every row of the next iteration takes the blocks it
+        may write (one position fed ahead of an overlapped read, the drafts); when the pool cannot
+        give them, the iteration in flight is read (a preempted row's KV must be untouched) and
+        rows are preempted until the rest fit (:mod:`.kv_growth`)."""
+        book = self.book
+        if not book.reserve.grows:
+            return
+        extra = 1 + (self.spec.k_max if self.spec is not None else 0)
+        if not book.grow_rows(self.rows(limit), extra):
+            return
+        await self.settle()
+        if book.fit_rows(lambda: self.rows(limit), extra):
+            self.rec.event("kv_preempt", rows=len(book.decoding), waiting=len(book.waiting))
 
     async def _will_draft(self, limit: int | None) -> bool:
         """One rank, before the iteration's turnstile round: does it draft? The speculator's

@@ -25,6 +25,10 @@ async def run_mixed(eng) -> None:
                        prefill_budget=sc.mixed_chunk_tokens, available_blocks=book.available_blocks(), mixed=True)
         work = book.admit(sp.prefill, sp.admitted)
         rows = running[:len(sp.decode)]
+        extra = 1 + (eng.spec.k_max if eng.spec is not None else 0)
+        if book.grow_rows(rows, extra):       # a full pool: preempt (nothing is in flight between steps)
+            book.fit_rows(lambda: [t for t in rows if t.state is TurnState.DECODING], extra)
+            rows = [t for t in rows if t.state is TurnState.DECODING]
         if not work and not rows:
             # NOTE: nothing runnable (cannot happen while plan and admission share `fits`):
             # wait for a change, never spin a core (issue 13, case 1 spun here).

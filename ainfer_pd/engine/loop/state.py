@@ -78,14 +78,22 @@ class Turn:
     history: Any = None                 # context + out_tokens as array('q') (repetition penalty: TurnBook.sample_row)
     routed_experts: torch.Tensor | None = None   # gathered when the turn ends (routing replay)
     prefix_view: tuple | None = None    # (kv version, AdmissionView): the prefix cache's view of it, memoized
+    resumed: list[int] | None = None    # preempted (a full KV pool): its prompt then, context + output so far
+    preemptions: int = 0
 
     @property
     def tid(self) -> str:
         return self.traj.tid
 
     @property
+    def prompt(self) -> list[int]:
+        """The tokens its admission prefills: the submitted context, or once preempted the
+        context and its output then (its next token is sampled from the last one's logits)."""
+        return self.context if self.resumed is None else self.resumed
+
+    @property
     def remaining_prompt(self) -> int:
-        return len(self.context) - self.prefilled
+        return len(self.prompt) - self.prefilled
 
     @property
     def seq_len(self) -> int:

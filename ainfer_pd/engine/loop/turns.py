@@ -22,6 +22,7 @@ import torch
 from ...config import ModelConfig, SchedulerConfig
 from ...errors import SamplingError
 from ...metrics.recorder import Recorder
+from ...sched.output_reserve import OutputReserve
 from ...sched.planner import PendingPrefill, fits, plan_prefill
 from ...sched.priority import History, PriorityConfig, Work, order, short_first_under_pressure
 from ..kv import prefix
@@ -30,6 +31,7 @@ from ..model.routed_experts import of_turn
 from ..runtime.runner import BatchPlan
 from ..model.sampler import DeviceSample, SampleRow, read_sample, sample
 from ...spec.verify import DeviceVerify, read_verify, verify_rows, verify_starts
+from .kv_growth import KVGrowth
 from .live_cap import LiveCap
 from .state import InFlight, Turn, TurnState
 from .turn_endings import TurnEndings
@@ -37,15 +39,17 @@ from .turn_endings import TurnEndings
 log = logging.getLogger("ainfer_pd.engine")
 
 
-class TurnBook(TurnEndings):
+class TurnBook(KVGrowth, TurnEndings):
     """The turns of one rank and what happens to them between device passes.
 
     ``routed``: the routed-experts cache (routing replay) a turn's expert ids are gathered from
     as it ends, or None; ``notify()``: called whenever the queues, the KV pool or a turn's
-    state changed in a way the engine's loops may be waiting on."""
+    state changed in a way the engine's loops may be waiting on; ``reserve``: what a turn's output
+    holds in KV (``cache.reserve_output``: :mod:`.kv_growth`)."""
 
     def __init__(self, model: ModelConfig, scheduler: SchedulerConfig, recorder: Recorder, kv: KVCacheManager, *,
-                 routed=None, notify: Callable[[], None] = lambda: None) -> None:
+                 routed=None, notify: Callable[[], None] = lambda: None,
+                 reserve: OutputReserve = OutputReserve()) -> None:
         self.max_context_len = model.max_context_len
         self.max_prefill_tokens = scheduler.max_prefill_tokens
         self.rec = recorder
@@ -61,6 +65,9 @@ class TurnBook(TurnEndings):
         self.live = LiveCap(sc.max_live_trajectories, kv, recorder, notify)
         self.history = History()           # finished trajectories: the critical-path predictor
         self.num_p_admitted_tokens = 0     # prefill tokens admitted so far (the first-token bound)
+        self.reserve = reserve
+        self.ratio = reserve.init          # estimate: the expected share of a turn's tokens left it writes
+        self.num_preemptions = 0
         self.pending_cleanup: list[Turn] = []
         """Aborted turns whose device work has not drained (cleaned up by :meth:`drain_cleanups`)."""
         self.pending_finish: list[Turn] = []
@@ -95,7 +102,7 @@ class TurnBook(TurnEndings):
                                  waiting=True)
         if self.live.cap and (cap := self.live.cap_now(self.history)):
             turns = self.live.capped(turns, self.decoding, self.waiting, cap)
-        view = prefix.pending_view(self.kv, turns)
+        view = prefix.pending_view(self.kv, turns, self.reserve, self.ratio)
         kv, pr = self.kv, self.priority
         first = next((p for p in view if not p.admitted), None)
         # (the D loop asks for this view every iteration: nothing more unless the head needs more
@@ -107,7 +114,7 @@ class TurnBook(TurnEndings):
         overdue = self.p_tokens_ahead(by_id[first.request_id]) >= pr.ttft_bound_tokens
         # blocks an admission takes without evicting a waiting turn's cached prefix: the free ones and
         # the cached ones no waiting turn reuses (a prefix siblings share counted once per sibling)
-        wanted = sum((len(by_id[p.request_id].context) - p.remaining_tokens) // kv.block_size
+        wanted = sum((len(by_id[p.request_id].prompt) - p.remaining_tokens) // kv.block_size
                      for p in view if not p.admitted)
         spare = kv.alloc.num_free + max(0, kv.alloc.num_cached - wanted)
         return short_first_under_pressure(view, spare, pr.short_prefill_tokens, overdue)
@@ -143,7 +150,8 @@ class TurnBook(TurnEndings):
         return d is not None and d is not t
 
     def available_blocks(self) -> int:
-        return self.kv.pool_blocks()
+        """Blocks an admission may take: the pool less the admitted turns' expected output."""
+        return self.kv.pool_blocks() - self.headroom()
 
     def p_admissible(self) -> bool:
         """Some waiting turn would be admitted by a P epoch planned now."""
@@ -174,15 +182,15 @@ class TurnBook(TurnEndings):
         for c in chunks:
             t = by_id[c.request_id]
             if c.request_id in new:
-                if blocked or not fits(prefix.demand(self.kv, t), self.kv.pool_blocks()):
+                if blocked or not fits(prefix.demand(self.kv, t, self.reserve, self.ratio), self.available_blocks()):
                     blocked = True        # FIFO: nothing behind it either (cannot happen: same rule as the plan)
                     continue
-                prefix.reserve(self.kv, t, now)
+                prefix.reserve(self.kv, t, now, self.reserve)
                 self.live.admitted(t.tid)
-                self.num_p_admitted_tokens += len(t.context) - t.prefilled
-                n = min(len(t.context) - t.prefilled, left)
+                self.num_p_admitted_tokens += len(t.prompt) - t.prefilled
+                n = min(len(t.prompt) - t.prefilled, left)
             elif t.lifetime:
-                n = min(len(t.context) - t.prefilled, left)
+                n = min(len(t.prompt) - t.prefilled, left)
             else:
                 continue
             if n > 0:
@@ -219,8 +227,9 @@ class TurnBook(TurnEndings):
                 if i in bad:
                     continue
                 self.waiting.remove(t)
-                t.t_first = now
-                self.rec.sample("ttft_s", now - t.t_submit)
+                if t.t_first is None:                    # (a preempted turn's resumption: not its first)
+                    t.t_first = now
+                    self.rec.sample("ttft_s", now - t.t_submit)
                 t.state = TurnState.DECODING
                 self._append_token(t, tok, lp)
         self.notify()
@@ -362,5 +371,7 @@ class TurnBook(TurnEndings):
             "prefix_prompt_tokens": kv.num_prompt_tokens,      # prompt tokens of every admitted turn
             "prefix_reused_tokens": kv.num_reused_tokens,      # of those, served from cached KV
             "prefill_tokens": self.num_prefill_tokens,         # prompt tokens computed
+            "kv_preemptions": self.num_preemptions,            # decoding rows a full pool sent back (estimate)
+            "kv_output_ratio": round(self.ratio, 4),
         }
 

@@ -166,12 +166,12 @@ class ModelRunner:
         """Append the prefill chunks' rows (and the logits row of each prompt that completes)."""
         for turn, start, n in prefill:
             q0 = len(ids)
-            ids.extend(turn.context[start:start + n])
+            ids.extend(turn.prompt[start:start + n])
             pos.extend(range(start, start + n))
             blocks = self.kv.block_ids(turn.tid, start + n)        # host [ceil((start + n) / bs)]
             write.append(self.kv.slots(turn.tid, start, start + n))     # the new keys are written
             seqs.append(PrefillSeq(q0, n, start + n, block_ids=blocks))
-            if start + n == len(turn.context):       # prompt complete: its last row gives the first token
+            if start + n == len(turn.prompt):        # prompt complete: its last row gives the first token
                 rows.append(q0 + n - 1)
                 logit_turns.append(turn)
 

@@ -1,0 +1,153 @@
+"""Output KV taken as rows decode, and preemption when the pool is full (``cache.reserve_output:
+estimate``): the policy (pure), the cache's growth, and the engine's preemption, whose outputs
+must equal a run that never preempts, greedy and seeded, under every policy, with no block leaked.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from ainfer_pd import RolloutWorker, SamplingParams
+from ainfer_pd.engine.kv.kv_cache import KVCacheManager
+from ainfer_pd.errors import ConfigError, LifetimeError, UnsupportedOptionError
+from ainfer_pd.sched.output_reserve import (OutputReserve, expected_tokens, growth_target, headroom_blocks,
+                                            next_ratio, reserve_tokens)
+from tests.conftest import rand_ids, tiny_cfg
+
+ALL, EST = OutputReserve("all"), OutputReserve("estimate", 0.7, 0.1, 6)
+
+
+# ====================================================================== the policy (pure)
+def test_all_reserves_the_whole_budget_and_estimate_the_prompt_and_one_token():
+    assert reserve_tokens(ALL, 100, 50) == 150
+    assert reserve_tokens(EST, 100, 50) == 101
+    assert reserve_tokens(EST, 100, 0) == 100
+    assert expected_tokens(ALL, 100, 50, 0.1) == 150
+    assert expected_tokens(EST, 100, 50, 0.5) == 125
+    assert expected_tokens(EST, 100, 50, 0.001) == 101      # at least one while any is left
+
+
+def test_headroom_counts_the_expected_blocks_beyond_those_held():
+    rows = [(100, 64, 7), (16, 100, 1)]          # 100 + ceil(0.5 * 64) = 132 -> 9 blocks; 16 + 50 -> 5
+    assert headroom_blocks(EST, rows, 0.5, 16) == (9 - 7) + (5 - 1)
+    assert headroom_blocks(EST, [(100, 0, 7)], 0.5, 16) == 0
+    assert headroom_blocks(ALL, rows, 0.5, 16) == 0
+
+
+def test_the_ratio_decays_linearly_to_its_min_and_a_preemption_resets_it():
+    r = EST.init
+    seen = []
+    for _ in range(10):
+        r = next_ratio(EST, r, preempted=False)
+        seen.append(r)
+    assert seen[0] == pytest.approx(0.6) and seen[5] == pytest.approx(0.1) and seen[-1] == pytest.approx(0.1)
+    assert next_ratio(EST, 0.1, preempted=True) == 0.7
+
+
+def test_growth_stops_at_the_last_position_a_turn_can_write():
+    assert growth_target(100, 4, 60, 200, 4096) == 104
+    assert growth_target(258, 4, 60, 200, 4096) == 260      # context 60 + budget 200
+    assert growth_target(4094, 4, 60, 8000, 4096) == 4096
+
+
+def test_the_config_checks_its_values():
+    with pytest.raises(UnsupportedOptionError):
+        tiny_cfg(**{"cache.reserve_output": "lazy"})
+    with pytest.raises(ConfigError):
+        tiny_cfg(**{"cache.reserve_output": "estimate", "cache.output_ratio_min": 0.9})
+
+
+# ====================================================================== the cache
+def test_grow_takes_free_blocks_then_evicts_cached_ones_and_refuses_without_taking():
+    kv = KVCacheManager(6, 4)
+    a = kv.reserve("a", 8, list(range(8)))                  # 2 blocks
+    kv.mark_written("a", a, 8)
+    kv.finish_turn("a", a, 8, 0.0)                          # 2 cached
+    life = kv.reserve("b", 5, [9, 9, 9, 9, 9])              # 2 blocks, 2 free left
+    assert kv.grow("b", life, 8) and len(kv.trajectories["b"].blocks) == 2
+    assert kv.grow("b", life, 16) and kv.num_evictions == 0   # the 2 free ones
+    v = kv.version
+    assert kv.grow("b", life, 20) and kv.num_evictions == 1 and kv.version > v
+    seq = kv.trajectories["b"]
+    assert list(seq.block_arr) == seq.blocks and len(seq.blocks) == 5
+    assert not kv.grow("b", life, 28)                        # 2 more: only 1 left
+    assert len(seq.blocks) == 5 and kv.num_free_blocks == 1
+    assert kv.audit() == []
+    with pytest.raises(LifetimeError):
+        kv.grow("b", life + 1000, 24)
+
+
+# ====================================================================== the engine
+def _trajs(n: int) -> list[list[int]]:
+    rng = random.Random(7)
+    return [rand_ids(rng, 30 + 9 * i) for i in range(n)]
+
+
+async def _run(policy: str, reserve: str, blocks: int, *, temperature: float, overlap="auto",
+               abort_first_preempted: bool = False) -> tuple[dict, dict, list]:
+    cfg = tiny_cfg(**{"scheduler.policy": policy, "cache.reserve_output": reserve, "cache.num_blocks": blocks,
+                      "scheduler.overlap_decode": overlap})
+    p = SamplingParams(max_new_tokens=56, temperature=temperature, ignore_eos=True, seed=11)
+    preempted: list[str] = []
+    async with RolloutWorker(cfg) as w:
+        book = w.engine.book
+        real = book.preempt
+
+        def spy(t) -> None:
+            real(t)
+            if abort_first_preempted and not preempted:
+                asyncio.get_running_loop().create_task(w.abort(t.tid))
+            preempted.append(t.tid)
+        book.preempt = spy
+
+        async def traj(i: int, prompt: list[int]) -> list:
+            tid = f"t{i}"
+            o1 = await w.generate(prompt, p, trajectory_id=tid)
+            out = [(o1.finish_reason, o1.token_ids)]
+            if o1.finish_reason != "abort":
+                o2 = await w.continue_(tid, [5, 6, 7, 8 + i], p)
+                out.append((o2.finish_reason, o2.token_ids))
+            await w.release(tid)
+            return out
+        async with asyncio.TaskGroup() as tg:
+            runs = [tg.create_task(traj(i, x)) for i, x in enumerate(_trajs(8))]
+        m = w.metrics()
+        kv = w.engine.kv
+        assert kv.audit() == [] and not kv.trajectories and kv.num_free_blocks == blocks, "a block leaked"
+    return {f"t{i}": r.result() for i, r in enumerate(runs)}, m, preempted
+
+
+@pytest.mark.parametrize("policy", ["normal", "fine-grained", "mixed-chunked"])
+async def test_preempted_rows_resume_with_the_outputs_of_a_run_that_never_preempts(policy):
+    """Eight trajectories of two turns (up to ~250 tokens each) on 48 blocks (768 tokens): reserving
+    every budget, about three run at once; growing on demand, more are admitted and a full pool
+    preempts. Greedy and seeded-sampled outputs equal a run on a pool that holds everything."""
+    for temp in (0.0, 1.0):
+        ref, m_ref, _ = await _run(policy, "all", 1024, temperature=temp)
+        got, m, pre = await _run(policy, "estimate", 48, temperature=temp)
+        assert m_ref["kv_preemptions"] == 0
+        assert m["kv_preemptions"] == len(pre) > 0, "the pool must be full enough to preempt"
+        assert got == ref
+
+
+async def test_preemption_with_and_without_the_overlapped_read_gives_the_same_tokens():
+    ref, _, _ = await _run("normal", "all", 1024, temperature=1.0, overlap=False)
+    got, m, _ = await _run("normal", "estimate", 48, temperature=1.0, overlap=True)
+    assert m["kv_preemptions"] > 0 and got == ref
+
+
+async def test_all_never_preempts_on_the_small_pool():
+    ref, _, _ = await _run("normal", "all", 1024, temperature=0.0)
+    got, m, pre = await _run("normal", "all", 48, temperature=0.0)
+    assert m["kv_preemptions"] == 0 and not pre and got == ref
+
+
+async def test_aborting_a_preempted_turn_returns_its_output_so_far_and_the_rest_run_on():
+    ref, _, _ = await _run("fine-grained", "all", 1024, temperature=0.0)
+    got, m, pre = await _run("fine-grained", "estimate", 48, temperature=0.0, abort_first_preempted=True)
+    victim = pre[0]
+    reason, toks = got[victim][0]
+    assert reason == "abort" and 0 < len(toks) < 56 and toks == ref[victim][0][1][:len(toks)]
+    assert {k: v for k, v in got.items() if k != victim} == {k: v for k, v in ref.items() if k != victim}
