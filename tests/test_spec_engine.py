@@ -85,13 +85,15 @@ def test_speculation_gives_plain_decoding_s_tokens_and_logprobs(ids, plain, poli
 
 
 @pytest.mark.parametrize("policy", ["normal", "fine-grained"])
-def test_speculation_beside_preemption_gives_plain_decoding_s_tokens(ids, plain, policy):
+def test_speculation_beside_preemption_gives_plain_decoding_s_tokens(ids, policy):
     """Output blocks taken as rows decode (``cache.reserve_output: estimate``) on a pool too small for
     every row's turn: a verify pass's draft positions are grown before it, and preempted rows resume
-    with the tokens and logprobs of plain decoding on a pool that holds everything."""
+    with the tokens and logprobs of plain decoding on a pool that holds everything (the rows run to
+    their length: no stop token, so the pool fills)."""
     prompt, obs = ids
-    params, want = plain
-    cache = {"reserve_output": "estimate", "num_blocks": 36}
+    params = _params()
+    want, _ = asyncio.run(_rollout(hf_worker_cfg(DIR), prompt, obs, params))
+    cache = {"reserve_output": "estimate", "num_blocks": 18}
     got, m = asyncio.run(_rollout(hf_worker_cfg(DIR, policy, spec=SPEC, cache=cache), prompt, obs, params))
     _same(got, want)
     assert m["kv_preemptions"] > 0 and m["spec_verifies"] > 0

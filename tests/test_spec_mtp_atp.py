@@ -187,8 +187,8 @@ def test_the_wire_gives_a_follower_the_leaders_catch_ups_and_chain_under_stash_k
     kv, keys = KVCacheManager(16, 4), StashKeys()
     for tid, n in (("a", 10), ("b", 7)):
         kv.reserve(tid, 20, list(range(n)))
-    turns = [types.SimpleNamespace(tid="a", context=list(range(10)), seq_len=10),
-             types.SimpleNamespace(tid="b", context=list(range(7)), seq_len=7)]
+    turns = [types.SimpleNamespace(tid="a", context=list(range(10)), prompt=list(range(10)), seq_len=10),
+             types.SimpleNamespace(tid="b", context=list(range(7)), prompt=list(range(7)), seq_len=7)]
     turns[0].out_tokens = turns[1].out_tokens = [3]
     covered = {("a", 8)}                                   # a's stash holds position 8, b's nothing
     d = decode_catch_up(kv, "cpu", turns, None, [[5, 6], []], lambda tid, p: (tid, p) in covered, 64)
