@@ -41,6 +41,9 @@ common=(--commit "$COMMIT" --part "$PART${SUFFIX:+-$SUFFIX}" --out "$O" --config
         --conversations "${CONV:-64}" --max-turns "${TURNS:-$dturns}" --token-scale "${TOKEN_SCALE:-1}"
         --repeats "${REPEATS:-3}" --work "${WORK:-/tmp/ladder}" --set mux.span=measured --set device.graph_max_context=$gmax
         ${TRACE_DIR:+--set trace_dir=$TRACE_DIR} ${NO_WARMUP:+--no-warmup})
+# SETS=KEY=VALUE[+KEY=VALUE...]: config settings every run of the part takes, its rows labelled with them
+# (a variant, as a lever's; a grpo-long part has no lever)
+if [ -n "${SETS:-}" ]; then for kv in ${SETS//+/ }; do common+=(--set "$kv"); done; common+=(--variant "$SETS"); fi
 # TRACE_DIR: every run writes its control trace and timeline there (the last run's stays; for
 # `ainfer-pd timeline TRACE_DIR --split`: run one policy, REPEATS=1)
 # graph_max_context 8192: the trace's contexts reach 7.5K; above the largest graph bucket decode runs
