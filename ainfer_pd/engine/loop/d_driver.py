@@ -90,7 +90,7 @@ class DDriver:
             self._broke = None    # a verify's read, then D waited (rows, P): not a gap drafting made
         drafting = self.dist is None and self.spec is not None and await self._will_draft(limit)
         rnd = await self.turnstile.before_decode()
-        rows = self.rows(limit)
+        rows = self._grown(self.rows(limit))
         batch = None
         if self.dist is not None:
             if verify:                       # inside the round: P is released after the verify's launch
@@ -128,12 +128,25 @@ class DDriver:
         book = self.book
         if not book.reserve.grows:
             return
-        extra = 1 + (self.spec.k_max if self.spec is not None else 0)
-        if not book.grow_rows(self.rows(limit), extra):
+        if not book.grow_rows(self.rows(limit), self._extra()):
             return
         await self.settle()
-        if book.fit_rows(lambda: self.rows(limit), extra):
+        if book.fit_rows(lambda: self.rows(limit), self._extra()):
             self.rec.event("kv_preempt", rows=len(book.decoding), waiting=len(book.waiting))
+
+    def _extra(self) -> int:
+        """Positions past its last token a row of an iteration may write: one fed ahead of an
+        overlapped read, and the drafts."""
+        return 1 + (self.spec.k_max if self.spec is not None else 0)
+
+    def _grown(self, rows: list[Turn]) -> list[Turn]:
+        """``rows`` as the iteration runs them (after the awaits since :meth:`_make_room`, a P
+        epoch may have added rows): those whose blocks the pool cannot give now wait for the next
+        iteration, whose :meth:`_make_room` preempts for them."""
+        if not self.book.reserve.grows:
+            return rows
+        short = self.book.grow_rows(rows, self._extra(), step=False)
+        return [t for t in rows if t not in short] if short else rows
 
     async def _will_draft(self, limit: int | None) -> bool:
         """One rank, before the iteration's turnstile round: does it draft? The speculator's
