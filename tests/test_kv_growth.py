@@ -151,3 +151,55 @@ async def test_aborting_a_preempted_turn_returns_its_output_so_far_and_the_rest_
     reason, toks = got[victim][0]
     assert reason == "abort" and 0 < len(toks) < 56 and toks == ref[victim][0][1][:len(toks)]
     assert {k: v for k, v in got.items() if k != victim} == {k: v for k, v in ref.items() if k != victim}
+
+
+# ====================================================================== several ranks (gloo processes)
+def _plans_long(n: int) -> list[tuple[list[int], list[int]]]:
+    rng = random.Random(5)
+    return [(rand_ids(rng, rng.randrange(30, 90)), rand_ids(rng, 6)) for _ in range(n)]
+
+
+async def _drive(w, plans) -> list[list[list[int]]]:
+    p = SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)
+
+    async def one(prompt, obs):
+        o = await w.generate(prompt, p)
+        o2 = await w.continue_(o.trajectory_id, obs, p)
+        await w.release(o.trajectory_id)
+        return [o.token_ids, o2.token_ids]
+    async with asyncio.TaskGroup() as tg:
+        tasks = [tg.create_task(one(*x)) for x in plans]
+    return [t.result() for t in tasks]
+
+
+async def _rank_grow(rank: int, world_size: int, plans):
+    """One rank of an expert-parallel world preempting on a 40-block pool (admission over-commits: an
+    expected output of 5% of the budget)."""
+    cfg = tiny_cfg(**{"parallel.world_size": world_size, "parallel.attn_dp": world_size,
+                      "parallel.expert_parallel": world_size, "parallel.expert_backend": "torch",
+                      "parallel.rendezvous_timeout_s": 60.0, "scheduler.policy": "fine-grained",
+                      "cache.reserve_output": "estimate", "cache.num_blocks": 40,
+                      "cache.output_ratio_init": 0.05, "cache.output_ratio_min": 0.05})
+    async with RolloutWorker(cfg) as w:
+        outs = await _drive(w, plans[rank::world_size])
+        return outs, w.metrics()["kv_preemptions"], w.kv_leak_free() and w.engine.kv.num_free_blocks == 40
+
+
+def test_ranks_of_an_expert_parallel_world_preempt_on_their_own_and_give_the_single_rank_tokens():
+    """Each rank's pool is its own (attention data-parallel): a rank preempts rows of its own while
+    the lockstep step loop pads its batch; the tokens equal one rank's run on a pool that holds all."""
+    from tests._dist_util import run_ranks
+
+    async def single():
+        async with RolloutWorker(tiny_cfg()) as w:
+            return await _drive(w, plans)
+    plans = _plans_long(8)
+    ref = asyncio.run(single())
+    res = run_ranks(_rank_grow, 2, plans, timeout_s=240)
+    got = [None] * len(plans)
+    for r, (outs, _, leak_free) in enumerate(res):
+        assert leak_free
+        for j, o in enumerate(outs):
+            got[r + j * 2] = o
+    assert sum(n for _, n, _ in res) > 0
+    assert got == ref
