@@ -135,6 +135,7 @@ class RolloutWorker(WorkerLifecycle, WorkerControl):
         seed = sample_seed(params, fallback_seed=hash((traj.tid, traj.num_turns)) & 0x7FFFFFFF)
         if new:
             self.trajectories[traj.tid] = traj
+            traj.first_prompt = len(context)
         if not traj.group:                # siblings (GRPO samples of one prompt) share their first prompt
             traj.group = f"g{hash(tuple(context)) & 0xFFFFFFFFFFFF:x}"
         # the prompt's block hashes, once (the blocks its last prompt had keep theirs); the reuse is
@@ -212,6 +213,8 @@ class RolloutWorker(WorkerLifecycle, WorkerControl):
             raise
         del self.trajectories[trajectory_id]
         self.engine.kv.release(trajectory_id)
+        # its KV past the first prompt (which GRPO siblings share) is evicted before any other
+        self.engine.kv.forget(traj.tokens, traj.first_prompt, tid=trajectory_id, known=traj.block_hashes)
         if self.engine.spec is not None:
             self.engine.spec.release(trajectory_id)       # its drafts and backoff go with its KV
         self.engine.notify()                 # blocks may have come back: admission re-checks

@@ -203,3 +203,44 @@ def test_ranks_of_an_expert_parallel_world_preempt_on_their_own_and_give_the_sin
             got[r + j * 2] = o
     assert sum(n for _, n, _ in res) > 0
     assert got == ref
+
+
+# ====================================================================== a released trajectory's KV goes first
+def test_a_released_trajectorys_blocks_past_its_first_prompt_are_evicted_first_tail_first():
+    kv = KVCacheManager(16, 4)
+    old = kv.reserve("waiting", 8, list(range(100, 108)))          # a trajectory in a tool wait: released first
+    kv.mark_written("waiting", old, 8)
+    kv.finish_turn("waiting", old, 8, 0.0)
+    toks = list(range(1, 15))                                        # 14 tokens: 3 full blocks + a tail of 1
+    life = kv.reserve("done", 15, toks)
+    kv.mark_written("done", life, 14)
+    kv.finish_turn("done", life, 13, 0.0)                            # 13 written: blocks 0-2 full, 1 in the tail
+    seq_blocks = [kv.alloc.lookup(h) for h in kv.prompt_hashes(toks)]
+    lru_before = list(kv.alloc.lru)
+    assert lru_before[:2] == [b for b in lru_before if b not in seq_blocks][:2]     # LRU: the waiting one first
+    n = kv.forget(toks, 4, tid="done")                               # keep the first prompt's block
+    order = list(kv.alloc.lru)
+    tail = order[0]
+    assert n == 3 and tail not in seq_blocks                         # blocks 1, 2 and the tail, tail in front
+    assert order[1:3] == [seq_blocks[2], seq_blocks[1]] and seq_blocks[0] not in order[:3]
+    assert kv.audit() == []
+    assert kv.forget([], 0) == 0
+
+
+async def test_release_sends_the_trajectorys_kv_past_its_first_prompt_to_the_front_of_the_eviction_order():
+    p = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+    async with RolloutWorker(tiny_cfg(**{"cache.num_blocks": 256})) as w:
+        kv = w.engine.kv
+        a = await w.generate(list(range(2, 50)), p, trajectory_id="a")           # in a tool wait: kept
+        b = await w.generate(list(range(60, 108)), p, trajectory_id="b")
+        b2 = await w.continue_("b", list(range(200, 240)), p)
+        toks_b = list(range(60, 108)) + b.token_ids + list(range(200, 240)) + b2.token_ids
+        hashes = kv.prompt_hashes(toks_b)
+        first_b = {kv.alloc.lookup(h) for h in hashes[:48 // 16]}              # its first prompt's blocks
+        later_b = {kv.alloc.lookup(h) for h in hashes[48 // 16:]} - {None}
+        await w.release("b")
+        order = list(kv.alloc.lru)
+        assert later_b and set(order[1:1 + len(later_b)]) == later_b          # its tail block first, then these
+        assert not first_b & set(order[:1 + len(later_b)])
+        await w.release("a")
+        assert a.token_ids and w.kv_leak_free()

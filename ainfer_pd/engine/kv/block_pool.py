@@ -113,6 +113,14 @@ class BlockPool:
         self.children.setdefault(parent, set()).add(b)
         return True
 
+    def demote(self, b: int) -> bool:
+        """An unreferenced cached ``b`` is evicted before every other cached block (it stays
+        reusable until then). False when ``b`` is not cached."""
+        if b not in self.lru:
+            return False
+        self.lru.move_to_end(b, last=False)
+        return True
+
     def release(self, b: int, partial: tuple[bytes, tuple[int, ...]] | None = None) -> None:
         """Drop one reference. The last one moves the block to the LRU when it has content (a
         registered full block, or ``partial`` = (parent hash, tokens) of a sequence's last

@@ -320,6 +320,21 @@ class KVCacheManager(BlockAddressing, KVAudit):
         if kv is not None:
             self._release_seq(tid, kv.num_tokens)
 
+    def forget(self, tokens: Sequence[int], keep_tokens: int, *, tid: str = "", known: tuple | None = None) -> int:
+        """A released trajectory (``tokens``, its whole context): its cached blocks past the
+        first ``keep_tokens`` (the prompt GRPO siblings share) go to the front of the eviction
+        order, its last block first (no turn continues it; the contexts of trajectories waiting
+        for a tool are kept longer). They stay reusable until evicted. ``known``: (tokens,
+        hashes) of its last prompt (``Trajectory.block_hashes``). Returns the blocks demoted."""
+        if len(tokens) < 2:
+            return 0
+        hashes = self.prompt_hashes(tokens, tid=tid, known=known)
+        chain = [b for h in hashes[keep_tokens // self.block_size:] if (b := self.alloc.lookup(h)) is not None]
+        m, _ = self.match(tokens, hashes=hashes, tid=tid)
+        if m.tail is not None and len(m.shared) == len(hashes):
+            chain.append(m.tail)
+        return sum(self.alloc.demote(b) for b in chain)      # head first: the tail ends in front
+
     # -------------------------------------------------------------- internals
     def _done_writing(self, kv: TrajectoryKV, h: bytes) -> bool:
         if h not in kv.writing:

@@ -27,6 +27,7 @@ class Trajectory:
     num_turns: int = 0
     releasing: bool = False                            # RolloutWorker.release is waiting for the drain
     group: str = ""                                    # priority group: siblings of one first prompt share it
+    first_prompt: int = 0                              # tokens of its first prompt (what siblings share)
     block_hashes: tuple | None = None
     """(the tokens, their full blocks' chained hashes) of its last turn's prompt: the next turn
     hashes only the blocks past them (``KVCacheManager.prompt_hashes(known=)``)."""
