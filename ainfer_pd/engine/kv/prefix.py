@@ -6,6 +6,8 @@ feeds it a turn's prompt, with the prompt's block hashes computed once per turn.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from ...sched.output_reserve import OutputReserve, expected_tokens, reserve_tokens
 from ...sched.planner import PendingPrefill
 from .block_hash import worth_waiting
@@ -76,26 +78,30 @@ def pending_view(kv: KVCacheManager, turns, r: OutputReserve, ratio: float) -> l
 
 def prefill_left(kv: KVCacheManager, t: Turn) -> int:
     """Prompt tokens ``t`` still has to prefill: the rest of an admitted turn, else its prompt
-    less the prefix the cache holds for it now (the admission view, memoized; its cached prefix
-    does not depend on the reservation)."""
+    less the prefix the cache holds for it now (the prompt's view, memoized)."""
     if t.lifetime:
         return t.remaining_prompt
+    return len(t.prompt) - _prompt_view(kv, t, prompt_hashes(kv, t)).cached
+
+
+def _prompt_view(kv: KVCacheManager, t: Turn, hashes: list):
+    """The admission view of ``t``'s prompt alone, kept on the turn while ``kv.version`` is
+    unchanged (the walk over its prompt blocks; the demand of any reservation follows from it)."""
     memo = t.prefix_view
     if memo is not None and memo[0] == kv.version:
-        return len(t.prompt) - memo[2].cached
-    return len(t.prompt) - kv.admission_view(t.tid, len(t.prompt), t.prompt, prompt_hashes(kv, t)).cached
+        return memo[1]
+    v = kv.admission_view(t.tid, len(t.prompt), t.prompt, hashes)
+    t.prefix_view = (kv.version, v)
+    return v
 
 
 def _view(kv: KVCacheManager, t: Turn, hashes: list, r: OutputReserve, ratio: float):
-    """The admission view of ``t`` at the demand ``r`` and ``ratio`` give, memoized on the turn
-    while the cache's version and that demand are unchanged."""
-    need = demand_tokens(t, r, ratio)
-    memo = t.prefix_view
-    if memo is not None and memo[0] == kv.version and memo[1] == need:
-        return memo[2]
-    v = kv.admission_view(t.tid, need, t.prompt, hashes)
-    t.prefix_view = (kv.version, need, v)
-    return v
+    """The admission view of ``t`` at the demand ``r`` and ``ratio`` give: the prompt's view (a
+    memoized walk) plus the blocks past the prompt the demand adds (every shared block lies inside
+    the prompt, so the prompt's demand is its blocks less the shared ones held elsewhere)."""
+    v = _prompt_view(kv, t, hashes)
+    more = kv.alloc.blocks_for(demand_tokens(t, r, ratio)) - kv.alloc.blocks_for(len(t.prompt))
+    return dataclasses.replace(v, demand=v.demand + more) if more > 0 else v
 
 
 def _run(hashes: list, i: int, writing) -> int:
@@ -115,7 +121,8 @@ def _common(hashes: list, i: int, other: list, j: int) -> int:
 
 
 def demand(kv: KVCacheManager, t: Turn, r: OutputReserve, ratio: float) -> int:
-    return kv.admission_demand(t.tid, demand_tokens(t, r, ratio), t.prompt, prompt_hashes(kv, t))
+    """Blocks ``t``'s admission takes out of the pool, as the admission check counts them."""
+    return _view(kv, t, prompt_hashes(kv, t), r, ratio).demand
 
 
 def reserve(kv: KVCacheManager, t: Turn, now: float, r: OutputReserve) -> None:
