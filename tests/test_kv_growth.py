@@ -244,3 +244,18 @@ async def test_release_sends_the_trajectorys_kv_past_its_first_prompt_to_the_fro
         assert not first_b & set(order[:1 + len(later_b)])
         await w.release("a")
         assert a.token_ids and w.kv_leak_free()
+
+
+async def test_a_soak_of_cancels_and_aborts_under_preemption_leaks_nothing_and_changes_no_completed_turn():
+    """Sixty trajectories of three turns on 128 blocks, admission over-committing (an expected output
+    of 5%), each turn cancelled or its trajectory aborted with probability 0.1: rows are preempted,
+    nothing fails, every block comes back, and every completed turn equals a fresh run of it."""
+    from ainfer_pd.tools.soak import soak, verify_against_fresh
+    cfg = tiny_cfg(**{"scheduler.policy": "fine-grained", "cache.num_blocks": 128, "mux.activation_threshold": 1,
+                      "cache.reserve_output": "estimate", "cache.output_ratio_init": 0.05, "cache.output_ratio_min": 0.05})
+    async with RolloutWorker(cfg) as w:
+        res = await soak(w, num_trajectories=60, turns=3, seed=3, cancel_p=0.1, abort_p=0.1, gen_range=(8, 64))
+        m = w.metrics()
+        assert w.kv_leak_free() and w.engine.kv.num_free_blocks == 128 and not w.engine.kv.trajectories
+    assert res.failed == 0 and res.completed > 0 and m["kv_preemptions"] > 0
+    assert await verify_against_fresh(tiny_cfg(), res.outputs) == 0
