@@ -91,17 +91,25 @@ def _prompt_view(kv: KVCacheManager, t: Turn, hashes: list):
     if memo is not None and memo[0] == kv.version:
         return memo[1]
     v = kv.admission_view(t.tid, len(t.prompt), t.prompt, hashes)
-    t.prefix_view = (kv.version, v)
+    t.prefix_view = (kv.version, v, None, None)
     return v
 
 
 def _view(kv: KVCacheManager, t: Turn, hashes: list, r: OutputReserve, ratio: float):
     """The admission view of ``t`` at the demand ``r`` and ``ratio`` give: the prompt's view (a
     memoized walk) plus the blocks past the prompt the demand adds (every shared block lies inside
-    the prompt, so the prompt's demand is its blocks less the shared ones held elsewhere)."""
+    the prompt, so the prompt's demand is its blocks less the shared ones held elsewhere). Kept
+    on the turn beside the prompt's view while the demand is unchanged (the D loop asks every
+    iteration)."""
+    need = demand_tokens(t, r, ratio)
+    memo = t.prefix_view
+    if memo is not None and memo[0] == kv.version and memo[2] == need:
+        return memo[3]
     v = _prompt_view(kv, t, hashes)
-    more = kv.alloc.blocks_for(demand_tokens(t, r, ratio)) - kv.alloc.blocks_for(len(t.prompt))
-    return dataclasses.replace(v, demand=v.demand + more) if more > 0 else v
+    more = kv.alloc.blocks_for(need) - kv.alloc.blocks_for(len(t.prompt))
+    out = dataclasses.replace(v, demand=v.demand + more) if more > 0 else v
+    t.prefix_view = (kv.version, v, need, out)
+    return out
 
 
 def _run(hashes: list, i: int, writing) -> int:

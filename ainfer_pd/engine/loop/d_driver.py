@@ -14,6 +14,7 @@ from typing import Callable
 
 from ...sched.planner import plan_decode
 from .d_overlap import InFlightD, decode_sampled, feed_of, rows_after, verify_sampled
+from .kv_growth import write_ahead
 from ..runtime.runner import BatchPlan
 from .state import Turn, TurnState
 from .timings import EngineTimings
@@ -128,16 +129,11 @@ class DDriver:
         book = self.book
         if not book.reserve.grows:
             return
-        if not book.grow_rows(self.rows(limit), self._extra()):
+        if not book.grow_rows(self.rows(limit), write_ahead(self.spec)):
             return
         await self.settle()
-        if book.fit_rows(lambda: self.rows(limit), self._extra()):
+        if book.fit_rows(lambda: self.rows(limit), write_ahead(self.spec)):
             self.rec.event("kv_preempt", rows=len(book.decoding), waiting=len(book.waiting))
-
-    def _extra(self) -> int:
-        """Positions past its last token a row of an iteration may write: one fed ahead of an
-        overlapped read, and the drafts."""
-        return 1 + (self.spec.k_max if self.spec is not None else 0)
 
     def _grown(self, rows: list[Turn]) -> list[Turn]:
         """``rows`` as the iteration runs them (after the awaits since :meth:`_make_room`, a P
@@ -145,7 +141,7 @@ class DDriver:
         iteration, whose :meth:`_make_room` preempts for them."""
         if not self.book.reserve.grows:
             return rows
-        short = self.book.grow_rows(rows, self._extra(), step=False)
+        short = self.book.grow_rows(rows, write_ahead(self.spec), step=False)
         return [t for t in rows if t not in short] if short else rows
 
     async def _will_draft(self, limit: int | None) -> bool:

@@ -27,6 +27,12 @@ if TYPE_CHECKING:
     from ..kv.kv_cache import KVCacheManager
 
 
+def write_ahead(spec) -> int:
+    """Positions past its last token a row of an iteration may write: one fed ahead of an
+    overlapped read, and the drafts of the speculator ``spec`` (None: no speculation)."""
+    return 1 + (spec.k_max if spec is not None else 0)
+
+
 class KVGrowth:
     """Growth of decoding rows' blocks, the admission headroom it needs, and preemption."""
 

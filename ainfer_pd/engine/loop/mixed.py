@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ...sched.planner import plan_step
 from ..runtime.runner import BatchPlan
+from .kv_growth import write_ahead
 from .state import TurnState
 
 
@@ -25,7 +26,7 @@ async def run_mixed(eng) -> None:
                        prefill_budget=sc.mixed_chunk_tokens, available_blocks=book.available_blocks(), mixed=True)
         work = book.admit(sp.prefill, sp.admitted)
         rows = running[:len(sp.decode)]
-        extra = 1 + (eng.spec.k_max if eng.spec is not None else 0)
+        extra = write_ahead(eng.spec)
         if book.grow_rows(rows, extra):       # a full pool: preempt (nothing is in flight between steps)
             book.fit_rows(lambda: [t for t in rows if t.state is TurnState.DECODING], extra)
             rows = [t for t in rows if t.state is TurnState.DECODING]

@@ -78,7 +78,7 @@ class Turn:
     prompt_hashes: list | None = None   # chained block hashes of the prompt (computed once, for the prefix cache)
     history: Any = None                 # context + out_tokens as array('q') (repetition penalty: TurnBook.sample_row)
     routed_experts: torch.Tensor | None = None   # gathered when the turn ends (routing replay)
-    prefix_view: tuple | None = None    # (kv version, AdmissionView of its prompt): the cache's view, memoized
+    prefix_view: tuple | None = None    # (kv version, its prompt's AdmissionView, a demand, the view at it): memoized
     resumed: list[int] | None = None    # preempted (a full KV pool): its prompt then, context + output so far
     preemptions: int = 0
 
