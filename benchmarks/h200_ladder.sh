@@ -43,7 +43,15 @@ common=(--commit "$COMMIT" --part "$PART${SUFFIX:+-$SUFFIX}" --out "$O" --config
         ${TRACE_DIR:+--set trace_dir=$TRACE_DIR} ${NO_WARMUP:+--no-warmup})
 # SETS=KEY=VALUE[+KEY=VALUE...]: config settings every run of the part takes, its rows labelled with them
 # (a variant, as a lever's; a grpo-long part has no lever)
-if [ -n "${SETS:-}" ]; then for kv in ${SETS//+/ }; do common+=(--set "$kv"); done; common+=(--variant "$SETS"); fi
+# BUDGET=R (EOS_EVERY=L): each turn asks for R tokens and ends at the model's EOS, a random EOS set of
+# vocab/L ids (a trainer's response budget; bench's --response-budget / --eos-every), rows labelled with it
+variant=${SETS:-}
+if [ -n "${SETS:-}" ]; then for kv in ${SETS//+/ }; do common+=(--set "$kv"); done; fi
+if [ -n "${BUDGET:-}" ]; then
+  common+=(--response-budget "$BUDGET" ${EOS_EVERY:+--eos-every $EOS_EVERY})
+  variant=${variant:+$variant+}response_budget=$BUDGET${EOS_EVERY:++eos_every=$EOS_EVERY}
+fi
+if [ -n "$variant" ]; then common+=(--variant "$variant"); fi
 # TRACE_DIR: every run writes its control trace and timeline there (the last run's stays; for
 # `ainfer-pd timeline TRACE_DIR --split`: run one policy, REPEATS=1)
 # graph_max_context 8192: the trace's contexts reach 7.5K; above the largest graph bucket decode runs

@@ -501,6 +501,10 @@ def run(args: argparse.Namespace) -> int:
             cmd += ["--group-size", str(args.group_size)]
     for kv in args.set:
         cmd += ["--set", kv]
+    if args.response_budget:             # a trainer's response budget: turns end at the model's EOS
+        cmd += ["--response-budget", str(args.response_budget)]
+        if args.eos_every:
+            cmd += ["--eos-every", str(args.eos_every)]
     if args.warmup:                      # Triton's compile cache (on disk) filled before the timed runs
         warm = cmd[:cmd.index("--repeats")] + ["--repeats", "1", "--conversations", "4", "--max-turns", "2",
                                                "--token-scale", str(args.token_scale), "--seed", "99",
@@ -511,6 +515,8 @@ def run(args: argparse.Namespace) -> int:
             warm += ["--workload", args.workload, *(["--group-size", str(args.group_size)] if args.group_size else [])]
             for kv in args.set:
                 warm += ["--set", kv]
+        if args.response_budget:
+            warm += cmd[cmd.index("--response-budget"):cmd.index("--response-budget") + (4 if args.eos_every else 2)]
         print("+ (warm-up)", " ".join(warm), flush=True)
         subprocess.call(warm, stdout=subprocess.DEVNULL)
     print("+", " ".join(cmd), flush=True)
@@ -651,6 +657,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--time-scale", type=float)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    r.add_argument("--response-budget", type=int, help="bench's --response-budget: each turn asks for R tokens and "
+                   "ends at the model's EOS (label the rows with --variant)")
+    r.add_argument("--eos-every", type=int, help="bench's --eos-every: the random-weight model's EOS set, a turn's mean length")
     r.add_argument("--variant", help="label of the rows (a lever set with --set on top of the ladder's); "
                                      "labelled rows are reported, not judged by the targets")
     m = sub.add_parser("merge")

@@ -491,21 +491,23 @@ def test_the_ladder_of_record_still_loads_and_keeps_its_rows_and_targets():
 
 def test_a_long_context_ladder_part_runs_bench_on_the_tiny_model(tmp_path, capsys):
     """``ladder.py run --workload grpo-long`` end to end at a tiny size: the bench (and its warm-up,
-    with the part's settings) gets the workload, the part's rows are grpo-long/P1 and its workload
-    is recorded."""
+    with the part's settings and its response budget) gets the workload, the part's rows are
+    grpo-long/P1 and its workload is recorded."""
     out, work = tmp_path / "out", tmp_path / "work"
     rc = ladder.main(["run", "--config", "configs/tiny-cpu.yaml", "--cells", "P1", "--policies", "normal",
                       "--priorities", "fifo", "--repeats", "1", "--conversations", "4", "--max-turns", "2",
                       "--token-scale", "0.02", "--commit", "abc", "--part", "g", "--set", "mux.span=1",
-                      "--workload", "grpo-long", "--group-size", "2", "--out", str(out), "--work", str(work)])
+                      "--workload", "grpo-long", "--group-size", "2", "--out", str(out), "--work", str(work),
+                      "--response-budget", "24", "--eos-every", "8"])
     assert rc == 0
     warm = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("+ (warm-up)"))
-    assert warm.endswith("--workload grpo-long --group-size 2 --set mux.span=1")
+    assert warm.endswith("--workload grpo-long --group-size 2 --set mux.span=1 --response-budget 24 --eos-every 8")
     part = json.loads((out / "ladder_g.json").read_text())
     assert [(r["cell"], r["policy"]) for r in part["rows"]] == [("grpo-long/P1", "normal")]
     assert "--workload grpo-long --group-size 2" in part["command"]
     assert part["workload"]["workload"] == "grpo-long" and part["workload"]["group_size"] == 2
     assert part["workload"]["trace"]["meta"]["kind"] == "grpo-long"
+    assert part["workload"]["trace"]["meta"]["response_budget"] == 24 and "--eos-every 8" in part["command"]
     assert any(t["name"] == "grpo-long/P1: normal (fifo) makespan / optimistic bound" for t in part["targets"])
 
 
@@ -554,6 +556,12 @@ def test_h200_ladder_runs_the_long_context_parts_with_their_own_settings(tmp_pat
     assert last(lv, "--set", "model.") == "model.quantization=fp8"                    # split on spaces: + joins
     assert last(lv, "--set", "cache.") == "cache.kv_dtype=fp8_e4m3" and last(lv, "--cells") == "trace"
     assert last(p, "--set", "device.graph_max_context=") == "device.graph_max_context=8192"
+    b = args("grpo-long-p1", BUDGET="2048", EOS_EVERY="150", SETS="cache.reserve_output=estimate")
+    assert last(b, "--response-budget") == "2048" and last(b, "--eos-every") == "150"
+    assert last(b, "--set", "cache.reserve_output=") == "cache.reserve_output=estimate"
+    assert last(b, "--variant") == "cache.reserve_output=estimate+response_budget=2048+eos_every=150"
+    assert last(args("p1", BUDGET="512"), "--variant") == "response_budget=512"
+    assert "--variant" not in p and "--response-budget" not in p
 
 
 

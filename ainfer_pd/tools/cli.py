@@ -18,7 +18,7 @@ import sys
 from typing import Callable
 
 from ..errors import AInferPDError
-from .options import add_workload_args, build_trace, csv_list, load_config, opt
+from .options import add_workload_args, build_trace, config_of, csv_list, opt
 
 SetupFn = Callable[[argparse.ArgumentParser], None]
 RunFn = Callable[[argparse.Namespace], int]
@@ -66,8 +66,7 @@ def _run_comparison(args: argparse.Namespace, *, policies: list[str], cells: lis
     ws = _check_world_size(args)
     if ws is not None:
         return ws
-    cfg = load_config(args.config, getattr(args, "set", None), getattr(args, "model", None),
-                      getattr(args, "ordering", None))
+    cfg = config_of(args)
     trace = build_trace(args, cfg)
     variants = bench.make_variants(policies, span=args.span, spans=spans, priorities=csv_list(args.priorities))
     time_scale = opt(args, "time_scale")

@@ -60,6 +60,13 @@ def add_workload_args(p: argparse.ArgumentParser, *, preset: str) -> None:
     g.add_argument("--samples-per-prompt", type=int, default=1, metavar="N",
                    help="GRPO-shaped: each conversation becomes N sharing one first prompt, sampled with "
                         "their own seeds (prefix sharing: cache.prefix_sharing)")
+    g.add_argument("--response-budget", type=int, metavar="R",
+                   help="each turn asks for R tokens (clamped to its context's room) and ends at the model's EOS, "
+                        "sampled at temperature 1 with a seed a turn: a trainer's response budget, the turn's "
+                        "length unknown to the engine (default: each turn asks for exactly its trace length)")
+    g.add_argument("--eos-every", type=int, metavar="L",
+                   help="give the (random-weight) model an EOS set of vocab/L random ids (model.stop_token_ids), "
+                        "so a sampled turn ends after about L tokens; with --response-budget")
     g.add_argument("--seed", type=int, default=0, help="trace and prompt seed (same for every policy)")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value (YAML value), e.g. --set device.high_priority_stream=P; repeatable")
@@ -106,6 +113,19 @@ def load_config(path: str, overrides: list[str] | None = None, model: str | None
     return cfg.replace(**kv) if kv else cfg
 
 
+def config_of(args: argparse.Namespace):
+    """The worker config the flags describe: ``--config`` / ``--model`` / ``--set`` /
+    ``--ordering``, and ``--eos-every``'s EOS set (added to the model's stop ids)."""
+    cfg = load_config(args.config, getattr(args, "set", None), getattr(args, "model", None),
+                      getattr(args, "ordering", None))
+    every = getattr(args, "eos_every", None)
+    if every:
+        from .replay import synthetic_eos_ids
+        ids = synthetic_eos_ids(cfg.model.vocab_size, every, seed=args.seed)
+        cfg = cfg.replace(**{"model.stop_token_ids": tuple(sorted(set(cfg.model.stop_token_ids) | set(ids)))})
+    return cfg
+
+
 def opt(args: argparse.Namespace, name: str) -> Any:
     """The flag ``name`` of ``args``, else the preset's value of it (``--preset``)."""
     v = getattr(args, name, None)
@@ -141,6 +161,9 @@ def build_trace(args: argparse.Namespace, cfg: Any):
     n = getattr(args, "samples_per_prompt", 1) or 1
     if n > 1 and trace.samples_per_prompt == 1:
         trace = trace.with_samples_per_prompt(n)
+    budget = getattr(args, "response_budget", None)
+    if budget:
+        trace = trace.with_response_budget(budget)
     if args.save_trace:
         trace.save_jsonl(args.save_trace)
     return trace

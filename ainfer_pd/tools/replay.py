@@ -8,7 +8,8 @@ time until the last trajectory finishes.
 
 Prompt and observation ids are random (seeded per conversation, ids in ``[2, vocab)``)
 and sampling is greedy with ``ignore_eos``, so each turn generates exactly the trace's
-token count and the outputs can be compared across policies. A GRPO-shaped trace
+token count and the outputs can be compared across policies. A trace with a response budget
+asks each turn for that budget and lets the model's EOS end it (:func:`turn_params`). A GRPO-shaped trace
 (:meth:`Trace.with_samples_per_prompt`) gives each group of ``n`` conversations one first
 prompt and samples each member with its own seed (see :func:`turn_params`).
 """
@@ -148,12 +149,28 @@ def turn_params(trace: Trace, conv_index: int, turn: int, gen_tokens: int, *, se
     """Greedy with ``ignore_eos`` (exactly ``gen_tokens`` tokens, comparable across runs); in a
     GRPO-shaped trace (``samples_per_prompt`` > 1) seeded sampling at temperature 1 instead, one
     seed per (conversation, turn): the members of a group diverge after their shared prompt, and
-    a rerun gives the same tokens."""
-    if trace.samples_per_prompt > 1:
+    a rerun gives the same tokens. A trace with a response budget (:meth:`Trace.response_budget`)
+    asks for that many tokens a turn and stops at the model's EOS, sampled the same seeded way
+    (the turn's length is the model's, the same in every run)."""
+    budget = trace.response_budget
+    if trace.samples_per_prompt > 1 or budget is not None:
         cid = trace.conversations[conv_index].conv_id
         s = int(np.random.default_rng([seed, cid, turn, 7]).integers(0, 2 ** 63))
+        if budget is not None:
+            return SamplingParams(max_new_tokens=budget, temperature=1.0, seed=s)
         return SamplingParams(max_new_tokens=gen_tokens, temperature=1.0, seed=s, ignore_eos=True)
     return SamplingParams(max_new_tokens=gen_tokens, temperature=0.0, ignore_eos=True)
+
+
+def synthetic_eos_ids(vocab_size: int, every: int, *, seed: int = 0) -> tuple[int, ...]:
+    """An EOS set for a random-weight model: ``vocab_size // every`` ids of ``[2, vocab)`` drawn
+    with ``seed``, so that a turn sampled at temperature 1 (near-uniform tokens) ends after about
+    ``every`` tokens, at a length the engine cannot know in advance."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise InvalidRequestError(f"eos_every must be a positive integer, got {every!r}")
+    n = max(1, min(vocab_size - 2, round(vocab_size / every)))
+    ids = np.random.default_rng([seed, 11]).choice(np.arange(2, vocab_size), size=n, replace=False)
+    return tuple(sorted(int(i) for i in ids))
 
 
 def _vocab_of(worker: Any) -> int | None:
@@ -253,7 +270,7 @@ class _ReplayRun:
             tr.total_wait_s += wait
         params = turn_params(self.trace, ci, ti, turn.gen_tokens, seed=self.seed)
         rec = RequestRecord(conversation=conv.conv_id, turn=ti, submit_s=self.now(), wait_s=wait,
-                            new_tokens=turn.new_tokens, gen_tokens=turn.gen_tokens)
+                            new_tokens=turn.new_tokens, gen_tokens=params.max_new_tokens)
         self.records.append(rec)
         try:
             if ti == 0:

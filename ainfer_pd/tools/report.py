@@ -74,7 +74,8 @@ def chain_lower_bound(result: Any, metrics: Mapping[str, Any] | None = None) -> 
     d_alone = _num(metrics, "d_iter_alone_s", default=0.0)
     gen: dict[int, int] = {}
     for r in getattr(result, "records", []):
-        gen[r.conversation] = gen.get(r.conversation, 0) + int(r.gen_tokens)
+        # the tokens it generated (a turn under a response budget asks for more than it writes)
+        gen[r.conversation] = gen.get(r.conversation, 0) + int(r.num_output_tokens if r.ok else r.gen_tokens)
     best = 0.0
     for t in getattr(result, "trajectories", []):
         best = max(best, float(t.total_wait_s) + d_alone * gen.get(t.conversation, 0))

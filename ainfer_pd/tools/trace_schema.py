@@ -197,6 +197,24 @@ class Trace:
                  for i, c in enumerate(self.conversations) for j in range(n)]
         return Trace(conversations=convs, meta={**self.meta, "samples_per_prompt": n})
 
+    @property
+    def response_budget(self) -> int | None:
+        """Tokens each turn asks for (``max_new_tokens``), stopping at the model's EOS instead of
+        at its ``gen_tokens``: an RL trainer's response budget (None: each turn asks for exactly
+        its ``gen_tokens``, with ``ignore_eos``)."""
+        r = self.meta.get("response_budget")
+        return int(r) if r is not None else None
+
+    def with_response_budget(self, tokens: int) -> "Trace":
+        """A copy whose turns ask for ``tokens`` each and end at the model's EOS (sampled at
+        temperature 1, one seed a turn: the replay's :func:`~ainfer_pd.tools.replay.turn_params`);
+        the worker clamps a turn's budget to the room left in its context. The engine then does
+        not know a turn's length in advance, as under a trainer; a random-weight model gets an EOS
+        set with ``--eos-every``."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise InvalidRequestError(f"response budget must be a positive integer, got {tokens!r}")
+        return Trace(conversations=list(self.conversations), meta={**self.meta, "response_budget": tokens})
+
     def head(self, num_conversations: int) -> "Trace":
         return Trace(conversations=list(self.conversations[:num_conversations]), meta=dict(self.meta))
 

@@ -19,7 +19,7 @@ import sys
 from typing import Any
 
 from ..config import WorkerConfig
-from .options import build_trace, load_config, opt
+from .options import build_trace, config_of, opt
 from .replay import ReplayResult
 from .report import aggregate, format_table, summarize
 from .trace import Trace
@@ -231,8 +231,7 @@ def format_split(aggs: dict[str, dict[str, dict[str, float]]]) -> str:
 
 def run_cli(args: argparse.Namespace) -> int:
     """The ``--world-size N`` path of ``ainfer-pd replay`` / ``bench``."""
-    cfg = load_config(args.config, getattr(args, "set", None), getattr(args, "model", None),
-                      getattr(args, "ordering", None))
+    cfg = config_of(args)
     trace = build_trace(args, cfg)
     policies = [args.policy] if getattr(args, "policy", None) else [p for p in args.policies.split(",") if p]
     cells = [args.cell or opt(args, "cell")] if hasattr(args, "cell") else [c for c in args.cells.split(",") if c]
@@ -272,8 +271,7 @@ def run_torchrun_cli(args: argparse.Namespace) -> int:
     from ..launch import destroy_distributed, init_distributed
     ctx = init_distributed()
     ws, rank = ctx.world_size, ctx.rank
-    cfg = multirank_config(load_config(args.config, getattr(args, "set", None), getattr(args, "model", None),
-                      getattr(args, "ordering", None)), ws)
+    cfg = multirank_config(config_of(args), ws)
     trace = build_trace(args, cfg)
     policies = [args.policy] if getattr(args, "policy", None) else [p for p in args.policies.split(",") if p]
     cell = (args.cell or opt(args, "cell")) if hasattr(args, "cell") else args.cells.split(",")[0]
