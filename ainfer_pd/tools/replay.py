@@ -151,7 +151,8 @@ def turn_params(trace: Trace, conv_index: int, turn: int, gen_tokens: int, *, se
     seed per (conversation, turn): the members of a group diverge after their shared prompt, and
     a rerun gives the same tokens. A trace with a response budget (:meth:`Trace.response_budget`)
     asks for that many tokens a turn and stops at the model's EOS, sampled the same seeded way
-    (the turn's length is the model's, the same in every run)."""
+    (the turn's length is the model's: the same in every run whose logits are, as fp32 on the CPU;
+    bf16 logits move with the batch, and near-tied random-init ones then change a sampled token)."""
     budget = trace.response_budget
     if trace.samples_per_prompt > 1 or budget is not None:
         cid = trace.conversations[conv_index].conv_id
@@ -163,7 +164,7 @@ def turn_params(trace: Trace, conv_index: int, turn: int, gen_tokens: int, *, se
 
 
 def synthetic_eos_ids(vocab_size: int, every: int, *, seed: int = 0) -> tuple[int, ...]:
-    """An EOS set for a random-weight model: ``vocab_size // every`` ids of ``[2, vocab)`` drawn
+    """An EOS set for a random-weight model: about ``vocab_size / every`` ids of ``[2, vocab)`` drawn
     with ``seed``, so that a turn sampled at temperature 1 (near-uniform tokens) ends after about
     ``every`` tokens, at a length the engine cannot know in advance."""
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
