@@ -84,7 +84,7 @@ REQUEST_SAMPLES = frozenset({"ttft_s", "d_wait_s", "request_latency_s"})
 """Samples taken per request or per D launch with rows: only the ranks that serve conversations
 (the replica leaders) hold them; pooled (counts and sums added, the mean over every sample)."""
 RANK_COUNTERS = frozenset({"finished", "failures", "aborted", "dropped_results", "prefill_tokens",
-                           "prefix_reused_tokens", "prefix_prompt_tokens", "kv_evictions", "trajectories",
+                           "prefix_reused_tokens", "prefix_prompt_tokens", "kv_evictions", "kv_preemptions", "trajectories",
                            "spec_verifies", "spec_drafted", "spec_accepted", "spec_empty_plans", "spec_rows_skipped",
                            "spec_verify_joined", "spec_verify_pad_positions"})
 """Counters of things that belong to one rank (its requests, its KV pool, its rows' drafts and the
