@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 from ..metrics.overlap import format_split, split
@@ -20,6 +21,9 @@ def setup_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--last-s", type=float, default=None, help="only the last N seconds of each rank")
     p.add_argument("--split", action="store_true",
                    help="also print where each rank's device time went (P beside D, alone by cause, idle)")
+    p.add_argument("--items", action="store_true",
+                   help="also print each stream's device time by item kind (labels with their numbers as #): "
+                        "count, total and mean ms; two runs' lines compare item by item")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,4 +52,30 @@ def run(args: argparse.Namespace) -> int:
         print(f"rank {data['rank']}: {state}, {len(ivs)} intervals -> {path}; {title}")
         if args.split:
             print(f"rank {data['rank']} split: " + format_split(split(ivs, traces.get(data["rank"], []))))
+        if args.items:
+            for line in item_lines(ivs):
+                print(f"rank {data['rank']} {line}")
     return 0
+
+
+def item_kinds(intervals) -> dict[tuple[str, str], tuple[int, float]]:
+    """(stream, item kind) -> (count, device seconds) of a rank's recorded intervals, an item's kind
+    being its label with every number as ``#`` (``L12.attn`` and ``L3.attn`` are one kind)."""
+    out: dict[tuple[str, str], tuple[int, float]] = {}
+    for name, stream, a, b in intervals:
+        key = (str(stream), re.sub(r"\d+", "#", str(name)))
+        n, t = out.get(key, (0, 0.0))
+        out[key] = (n + 1, t + (float(b) - float(a)))
+    return out
+
+
+def item_lines(intervals, top: int = 12) -> list[str]:
+    """The ``--items`` lines: per stream, its ``top`` item kinds by device time."""
+    kinds = item_kinds(intervals)
+    lines = []
+    for stream in sorted({s for s, _ in kinds}):
+        rows = sorted(((k, v) for (s, k), v in kinds.items() if s == stream), key=lambda kv: -kv[1][1])
+        total = sum(t for _, (_, t) in rows)
+        lines.append(f"{stream}: {total * 1e3:.1f} ms in {sum(n for _, (n, _) in rows)} items")
+        lines += [f"  {stream} {k}: {n} items, {t * 1e3:.1f} ms, {t / n * 1e3:.3f} ms each" for k, (n, t) in rows[:top]]
+    return lines
