@@ -65,16 +65,16 @@ async def test_a_traced_run_splits_and_names_each_epochs_cause(tmp_path, policy,
     assert main(["timeline", str(tmp_path), "--split", "--items"]) == 0
 
 
-def test_item_kinds_add_each_streams_device_time_by_label_with_its_numbers_as_hashes():
+def test_item_kinds_add_each_streams_device_time_by_label_without_its_layer_number():
     from ainfer_pd.tools.timeline_cli import item_kinds, item_lines
     ivs = [("P.attn3", "P", 0.0, 0.002), ("P.attn12", "P", 0.002, 0.005), ("P.head", "P", 0.005, 0.006),
            ("D.iter", "D", 0.0, 0.010), ("D.iter", "D", 0.010, 0.030)]
     k = item_kinds(ivs)
-    assert set(k) == {("P", "P.attn#"), ("P", "P.head"), ("D", "D.iter")}
-    assert k[("P", "P.attn#")][0] == 2 and k[("P", "P.attn#")][1] == pytest.approx(0.005)
+    assert set(k) == {("P", "P.attn"), ("P", "P.head"), ("D", "D.iter")}
+    assert k[("P", "P.attn")][0] == 2 and k[("P", "P.attn")][1] == pytest.approx(0.005)
     lines = item_lines(ivs)
     assert lines[0] == "D: 30.0 ms in 2 items" and "D D.iter: 2 items, 30.0 ms, 15.000 ms each" in lines[1]
-    assert lines[2] == "P: 6.0 ms in 3 items" and lines[3].strip().startswith("P P.attn#: 2 items, 5.0 ms")
+    assert lines[2] == "P: 6.0 ms in 3 items" and lines[3].strip().startswith("P P.attn: 2 items, 5.0 ms")
 
 
 def test_summarize_splits_a_runs_window_and_leaves_it_unknown_without_a_timeline():

@@ -290,12 +290,17 @@ def breakdown(m: dict[str, Any]) -> str:
             f"busy {m.get('busy_fraction', 0.0):.2f}, concurrent {m.get('concurrent_fraction', 0.0):.2f}")
 
 
+def item_kind(label: Any) -> str:
+    """A stream item's kind: its label without the layer number (``P.attn3`` -> ``P.attn``)."""
+    return str(label).rstrip("0123456789")
+
+
 def interval_stats(intervals: Iterable[Sequence[Any]] | None, top: int = 6) -> str:
-    """The stream items that took the most device time, grouped by label without the layer
-    number (``P.attn``, ``P.experts``, ``D.iter``): count, mean, max and total ms."""
+    """The stream items that took the most device time, grouped by :func:`item_kind`
+    (``P.attn``, ``P.experts``, ``D.iter``): count, mean, max and total ms."""
     groups: dict[str, list[float]] = {}
     for iv in intervals or ():
-        name, dur = str(iv[0]).rstrip("0123456789"), float(iv[3]) - float(iv[2])
+        name, dur = item_kind(iv[0]), float(iv[3]) - float(iv[2])
         groups.setdefault(name, []).append(dur)
     rows = sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:top]
     slow = sorted(((float(iv[3]) - float(iv[2]), str(iv[0]), float(iv[2])) for iv in intervals or ()

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 
 from ..metrics.overlap import format_split, split
 from .plots import plot_timeline
+from .report import item_kind
 from .tracecheck import load_traces
 
 
@@ -22,7 +22,7 @@ def setup_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", action="store_true",
                    help="also print where each rank's device time went (P beside D, alone by cause, idle)")
     p.add_argument("--items", action="store_true",
-                   help="also print each stream's device time by item kind (labels with their numbers as #): "
+                   help="also print each stream's device time by item kind (labels without their layer number): "
                         "count, total and mean ms; two runs' lines compare item by item")
 
 
@@ -59,11 +59,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def item_kinds(intervals) -> dict[tuple[str, str], tuple[int, float]]:
-    """(stream, item kind) -> (count, device seconds) of a rank's recorded intervals, an item's kind
-    being its label with every number as ``#`` (``L12.attn`` and ``L3.attn`` are one kind)."""
+    """(stream, :func:`~.report.item_kind`) -> (count, device seconds) of a rank's recorded
+    intervals (``P.attn12`` and ``P.attn3`` are one kind, ``P.attn``)."""
     out: dict[tuple[str, str], tuple[int, float]] = {}
     for name, stream, a, b in intervals:
-        key = (str(stream), re.sub(r"\d+", "#", str(name)))
+        key = (str(stream), item_kind(name))
         n, t = out.get(key, (0, 0.0))
         out[key] = (n + 1, t + (float(b) - float(a)))
     return out
