@@ -501,10 +501,11 @@ def run(args: argparse.Namespace) -> int:
             cmd += ["--group-size", str(args.group_size)]
     for kv in args.set:
         cmd += ["--set", kv]
-    if args.response_budget:             # a trainer's response budget: turns end at the model's EOS
-        cmd += ["--response-budget", str(args.response_budget)]
-        if args.eos_every:
-            cmd += ["--eos-every", str(args.eos_every)]
+    budget = []                          # a trainer's response budget: turns end at the model's EOS
+    if args.response_budget:
+        budget = ["--response-budget", str(args.response_budget)]
+        budget += ["--eos-every", str(args.eos_every)] if args.eos_every else []
+    cmd += budget
     if args.warmup:                      # Triton's compile cache (on disk) filled before the timed runs
         warm = cmd[:cmd.index("--repeats")] + ["--repeats", "1", "--conversations", "4", "--max-turns", "2",
                                                "--token-scale", str(args.token_scale), "--seed", "99",
@@ -515,8 +516,7 @@ def run(args: argparse.Namespace) -> int:
             warm += ["--workload", args.workload, *(["--group-size", str(args.group_size)] if args.group_size else [])]
             for kv in args.set:
                 warm += ["--set", kv]
-        if args.response_budget:
-            warm += cmd[cmd.index("--response-budget"):cmd.index("--response-budget") + (4 if args.eos_every else 2)]
+        warm += budget
         print("+ (warm-up)", " ".join(warm), flush=True)
         subprocess.call(warm, stdout=subprocess.DEVNULL)
     print("+", " ".join(cmd), flush=True)
