@@ -144,6 +144,45 @@ async def test_all_never_preempts_on_the_small_pool():
     assert m["kv_preemptions"] == 0 and not pre and got == ref
 
 
+@pytest.mark.parametrize("policy", ["normal", "fine-grained"])
+async def test_admission_headroom_is_computed_once_an_iteration_and_an_admission_adds_its_own_term(policy):
+    """``headroom()`` walks every row once a D iteration (and after a preemption), not at every
+    admission check: an admitted turn adds exactly the term a fresh walk would add for it."""
+    cfg = tiny_cfg(**{"scheduler.policy": policy, "cache.reserve_output": "estimate", "cache.num_blocks": 64})
+    p = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    async with RolloutWorker(cfg) as w:
+        book = w.engine.book
+        walks, steps, admits = [0], [0], []
+        walk, grow, admit = book._headroom_now, book.grow_rows, book.admit
+
+        def counted_walk():
+            walks[0] += 1
+            return walk()
+
+        def counted_grow(rows, extra, *, step=True):
+            steps[0] += step
+            return grow(rows, extra, step=step)
+
+        def checked_admit(chunks, admitted, budget=None):
+            kept, before = book.headroom(), walk()
+            work = admit(chunks, admitted, budget)
+            admits.append((book.headroom() - kept, walk() - before))
+            return work
+        book._headroom_now, book.grow_rows, book.admit = counted_walk, counted_grow, checked_admit
+
+        async def traj(i: int, prompt: list[int]) -> None:
+            o = await w.generate(prompt, p, trajectory_id=f"t{i}")
+            await w.continue_(o.trajectory_id, [5, 6, 7, 8 + i], p)
+            await w.release(o.trajectory_id)
+        async with asyncio.TaskGroup() as tg:
+            for i, x in enumerate(_trajs(8)):
+                tg.create_task(traj(i, x))
+        m = w.metrics()
+    assert admits and all(kept == fresh for kept, fresh in admits), admits
+    assert any(kept > 0 for kept, _ in admits)
+    assert 0 < walks[0] <= steps[0] + m["kv_preemptions"] + 1
+
+
 async def test_aborting_a_preempted_turn_returns_its_output_so_far_and_the_rest_run_on():
     ref, _, _ = await _run("fine-grained", "all", 1024, temperature=0.0)
     got, m, pre = await _run("fine-grained", "estimate", 48, temperature=0.0, abort_first_preempted=True)

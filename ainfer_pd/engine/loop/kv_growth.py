@@ -47,10 +47,31 @@ class KVGrowth:
     notify: Callable[[], None]
     by_priority: Callable[..., list[Turn]]       # the book's order (TurnBook.by_priority)
 
+    _headroom: int | None = None
+    """:meth:`headroom` as of this D iteration (None: computed at the next call)."""
+
     def headroom(self) -> int:
-        """Blocks admission leaves for the admitted turns' expected output (0 under ``all``)."""
+        """Blocks admission leaves for the admitted turns' expected output (0 under ``all``).
+        Computed once a D iteration (every row's term moves with its length and the ratio) and
+        kept: a turn admitted since adds its own term (:meth:`headroom_admitted`); a row that
+        ended, grew or wrote since still counts as it did, which only leaves more room than
+        needed until the next iteration. A preemption (the ratio back at its start) recomputes it."""
         if not self.reserve.grows:
             return 0
+        if self._headroom is None:
+            self._headroom = self._headroom_now()
+        return self._headroom
+
+    def headroom_admitted(self, t: Turn) -> None:
+        """``t`` was just reserved: its expected output joins the kept :meth:`headroom`."""
+        if self._headroom is None or not self.reserve.grows:
+            return
+        s = self.kv.trajectories.get(t.tid)
+        if s is not None and s.lifetime == t.lifetime:
+            self._headroom += headroom_blocks(self.reserve, [(len(t.prompt), prefix.left(t), len(s.blocks))],
+                                              self.ratio, self.kv.block_size)
+
+    def _headroom_now(self) -> int:
         seqs, rows = self.kv.trajectories, []
         for t in self.decoding:
             s = seqs.get(t.tid)
@@ -71,8 +92,12 @@ class KVGrowth:
             return []
         if step:
             self.ratio = next_ratio(self.reserve, self.ratio, preempted=False)
-        short = []
+            self._headroom = None
+        short, seqs, bs = [], self.kv.trajectories, self.kv.block_size
         for t in rows:
+            s = seqs.get(t.tid)                  # most rows hold their next positions already: no call
+            if s is not None and s.lifetime == t.lifetime and len(s.blocks) * bs >= t.seq_len + extra:
+                continue
             need = growth_target(t.seq_len, extra, len(t.context), t.params.max_new_tokens, self.max_context_len)
             if not self.kv.grow(t.tid, t.lifetime, need):
                 short.append(t)
@@ -113,5 +138,6 @@ class KVGrowth:
         self.waiting.appendleft(t)
         self.num_preemptions += 1
         self.ratio = next_ratio(self.reserve, self.ratio, preempted=True)
+        self._headroom = None
         self.rec.count("kv_preemptions")
         self.notify()

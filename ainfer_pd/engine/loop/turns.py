@@ -186,6 +186,7 @@ class TurnBook(KVGrowth, TurnEndings):
                     blocked = True        # FIFO: nothing behind it either (cannot happen: same rule as the plan)
                     continue
                 prefix.reserve(self.kv, t, now, self.reserve)
+                self.headroom_admitted(t)
                 self.live.admitted(t.tid)
                 self.num_p_admitted_tokens += len(t.prompt) - t.prefilled
                 n = min(len(t.prompt) - t.prefilled, left)
