@@ -67,12 +67,15 @@ class CacheConfig:
     ``self_attn.kv_scale``; ``hf/kv_scales.py``), a missing one a CheckpointError naming it;
     ``auto`` the checkpoint's when it has them, else 1.0. Either way a weight sync carrying those
     names or ``RolloutWorker.calibrate_kv_scales`` (an amax pass) rewrites them in place."""
-    reserve_output: str = "all"
-    """The KV a turn's output holds (``sched/output_reserve.py``): ``all`` its whole
-    ``max_new_tokens`` from admission on (never preempted); ``estimate`` its blocks taken as it
-    decodes, admission keeping room for ``ratio`` x the admitted turns' tokens left (the ratio below),
-    a full pool preempting the lowest-priority decoding row (it re-prefills its prompt and output
-    so far, the part still cached reused)."""
+    reserve_output: str = "estimate"
+    """The KV a turn's output holds (``sched/output_reserve.py``): ``estimate`` (the default, as vLLM
+    and SGLang take decode blocks) its blocks taken as it decodes, admission keeping room for
+    ``ratio`` x the admitted turns' tokens left (the ratio below), a full pool preempting the
+    lowest-priority decoding row (it re-prefills its prompt and output so far, the part still
+    cached reused; its tokens are those it would have made); ``all`` its whole ``max_new_tokens``
+    from admission on (never preempted): under a trainer's response budget every live turn then
+    holds blocks it never writes (H100, grpo-long P1, a 2,048-token budget: twice the prompt tokens
+    prefilled again)."""
     output_ratio_init: float = 0.7
     """``estimate``: the expected share of a turn's tokens left that it generates, at start and
     after every preemption."""
