@@ -62,6 +62,8 @@ async def test_a_traced_run_splits_and_names_each_epochs_cause(tmp_path, policy,
     parts = s["both_s"] + s["d_alone_s"] + sum(s["p_alone_s"].values()) + s["idle_s"]
     assert s["window_s"] > 0 and parts == pytest.approx(s["window_s"])
     assert sum(e["n"] for e in s["epochs"].values()) == sum(e["ev"] == "p_epoch_done" for e in events)
+    works = [e for e in events if e["ev"] == "work"]
+    assert works and all(isinstance(e["launch_s"], float) and e["launch_s"] >= 0 for e in works)
     assert main(["timeline", str(tmp_path), "--split", "--items"]) == 0
 
 
@@ -75,6 +77,12 @@ def test_item_kinds_add_each_streams_device_time_by_label_without_its_layer_numb
     lines = item_lines(ivs)
     assert lines[0] == "D: 30.0 ms in 2 items" and "D D.iter: 2 items, 30.0 ms, 15.000 ms each" in lines[1]
     assert lines[2] == "P: 6.0 ms in 3 items" and lines[3].strip().startswith("P P.attn: 2 items, 5.0 ms")
+    assert "host launch" not in lines[3]
+    events = [{"ev": "work", "what": "P.attn3", "stream": "P", "launch_s": 0.001},
+              {"ev": "work", "what": "P.attn7", "stream": "P", "launch_s": 0.003},
+              {"ev": "work", "what": "P.head", "stream": "P", "launch_s": None}, {"ev": "p_epoch"}]
+    lines = item_lines(ivs, events)
+    assert lines[3].endswith("; host launch 2.000 ms each (2)") and "host launch" not in lines[4]
 
 
 def test_summarize_splits_a_runs_window_and_leaves_it_unknown_without_a_timeline():

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     out = Path(args.out) if args.out else run_dir
     out.mkdir(parents=True, exist_ok=True)
-    traces = load_traces(run_dir) if args.split else {}
+    traces = load_traces(run_dir) if args.split or args.items else {}
     for f in files:
         data = json.loads(f.read_text())
         ivs = data["intervals"]
@@ -53,29 +53,44 @@ def run(args: argparse.Namespace) -> int:
         if args.split:
             print(f"rank {data['rank']} split: " + format_split(split(ivs, traces.get(data["rank"], []))))
         if args.items:
-            for line in item_lines(ivs):
+            for line in item_lines(ivs, traces.get(data["rank"], [])):
                 print(f"rank {data['rank']} {line}")
     return 0
+
+
+def _tally(pairs) -> dict[tuple[str, str], tuple[int, float]]:
+    """(key, seconds) pairs -> key -> (count, total seconds)."""
+    out: dict[tuple[str, str], tuple[int, float]] = {}
+    for key, sec in pairs:
+        n, t = out.get(key, (0, 0.0))
+        out[key] = (n + 1, t + sec)
+    return out
 
 
 def item_kinds(intervals) -> dict[tuple[str, str], tuple[int, float]]:
     """(stream, :func:`~.report.item_kind`) -> (count, device seconds) of a rank's recorded
     intervals (``P.attn12`` and ``P.attn3`` are one kind, ``P.attn``)."""
-    out: dict[tuple[str, str], tuple[int, float]] = {}
-    for name, stream, a, b in intervals:
-        key = (str(stream), item_kind(name))
-        n, t = out.get(key, (0, 0.0))
-        out[key] = (n + 1, t + (float(b) - float(a)))
-    return out
+    return _tally(((str(stream), item_kind(name)), float(b) - float(a)) for name, stream, a, b in intervals)
 
 
-def item_lines(intervals, top: int = 12) -> list[str]:
-    """The ``--items`` lines: per stream, its ``top`` item kinds by device time."""
-    kinds = item_kinds(intervals)
+def launch_kinds(events) -> dict[tuple[str, str], tuple[int, float]]:
+    """(stream, item kind) -> (count, host seconds) of the launch calls the control trace's ``work``
+    events record (``launch_s``: the host enqueueing the item's kernels)."""
+    return _tally(((str(e.get("stream")), item_kind(e.get("what"))), float(e["launch_s"])) for e in events
+                  if e.get("ev") == "work" and isinstance(e.get("launch_s"), (int, float)))
+
+
+def item_lines(intervals, events=(), top: int = 12) -> list[str]:
+    """The ``--items`` lines: per stream, its ``top`` item kinds by device time, with the host's
+    launch call of each kind where the control trace holds it."""
+    kinds, launches = item_kinds(intervals), launch_kinds(events)
     lines = []
     for stream in sorted({s for s, _ in kinds}):
         rows = sorted(((k, v) for (s, k), v in kinds.items() if s == stream), key=lambda kv: -kv[1][1])
         total = sum(t for _, (_, t) in rows)
         lines.append(f"{stream}: {total * 1e3:.1f} ms in {sum(n for _, (n, _) in rows)} items")
-        lines += [f"  {stream} {k}: {n} items, {t * 1e3:.1f} ms, {t / n * 1e3:.3f} ms each" for k, (n, t) in rows[:top]]
+        for k, (n, t) in rows[:top]:
+            ln, lt = launches.get((stream, k), (0, 0.0))
+            host = f"; host launch {lt / ln * 1e3:.3f} ms each ({ln})" if ln else ""
+            lines.append(f"  {stream} {k}: {n} items, {t * 1e3:.1f} ms, {t / n * 1e3:.3f} ms each{host}")
     return lines

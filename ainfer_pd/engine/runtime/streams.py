@@ -303,7 +303,11 @@ class Device:
         work.interval = (t0, t1)
         rec.interval(work.label, stream.name, t0, t1, **work.attrs)
         if work.attrs:
-            rec.event("work", what=work.label, stream=stream.name, t0=t0, t1=t1, **work.attrs)
+            # launch_s: the host's launch call of the item (its kernels enqueued), beside its device interval
+            # (where the host launches slower than the device runs, the interval holds the device's waits)
+            launch = (work.t_launched - work.t_started) if work.t_launched is not None and work.t_started is not None \
+                else None
+            rec.event("work", what=work.label, stream=stream.name, t0=t0, t1=t1, launch_s=launch, **work.attrs)
 
     @property
     def torch_device(self) -> torch.device:
