@@ -53,8 +53,7 @@ class LiveCap:
     def capped(self, turns: list[Turn], decoding: Iterable[Turn], waiting: Iterable[Turn], cap: int) -> list[Turn]:
         """``turns`` (waiting, in the order served) less the first turns ``cap`` (:meth:`cap_now`)
         holds back; a first turn is one of a trajectory with no turn before it and no KV reserved yet."""
-        running = {t.tid for t in decoding} | {t.tid for t in waiting if t.lifetime or t.traj.num_turns > 1
-                                                       or t.preemptions}
+        running = {t.tid for t in decoding} | {t.tid for t in waiting if not _first_turn(t)}
         now = self.rec.now()
         if running:
             self._idle_since = None
@@ -64,6 +63,10 @@ class LiveCap:
                 asyncio.get_running_loop().call_later(self.idle_s, self.notify)
         idle = not running and now - self._idle_since >= self.idle_s
         active = 0 if idle else len(running | self.live)
-        keep = within_live_cap([t.traj.num_turns == 1 and not t.lifetime and not t.preemptions for t in turns],
-                               active, cap)
+        keep = within_live_cap([_first_turn(t) for t in turns], active, cap)
         return [t for t, k in zip(turns, keep) if k]
+
+
+def _first_turn(turn: Turn) -> bool:
+    """A trajectory's first turn: no turn before it, no KV reserved yet, never preempted."""
+    return turn.traj.num_turns == 1 and not turn.lifetime and not turn.preemptions
