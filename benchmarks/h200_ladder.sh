@@ -53,7 +53,8 @@ if [ -n "${BUDGET:-}" ]; then
 fi
 if [ -n "$variant" ]; then common+=(--variant "$variant"); fi
 # TRACE_DIR: every run writes its control trace and timeline there (the last run's stays; for
-# `ainfer-pd timeline TRACE_DIR --split`: run one policy, REPEATS=1)
+# `python -m ainfer_pd.tools timeline TRACE_DIR --split --items` on the device, which has no `ainfer-pd` script:
+# run one policy, REPEATS=1)
 # graph_max_context 8192: the trace's contexts reach 7.5K; above the largest graph bucket decode runs
 # eagerly (host-bound: 51 ms an iteration at B~17 against ~15 ms replayed, H200 pilot)
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
