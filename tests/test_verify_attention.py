@@ -127,7 +127,7 @@ def test_speculating_worker_on_the_triton_backends_groups_its_verify_rows(monkey
         cfg = tiny_cfg(**{"model.num_layers": 2, "cache.num_blocks": 256, "device.attention_backend": "triton",
                           "device.moe_backend": "triton", **spec})
         async with RolloutWorker(cfg) as w:
-            p = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+            p = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
             first = await w.generate(prompt, p)
             outs = [first, *await asyncio.gather(*(w.generate(prompt, p) for _ in range(2)))]
             for o in outs:
