@@ -16,6 +16,8 @@
 # PART `gate` runs the GPU gate instead (`bash benchmarks/gpu_gate.sh COMMIT`, its files in
 # $OUT/r/SUFFIX/): a gate first, then the ladder parts of the same commit, in one device call. A
 # failed gate ends the call (a ladder of a commit that failed its gate is not measured).
+# A ladder part whose env sets TRACE_DIR=DIR also gets `python -m ainfer_pd.tools timeline DIR --split --items`
+# (its last run: P alone by its epochs' cause, each stream's items by kind) into $OUT/r/SUFFIX_timeline.txt.
 # PART `sweep` runs `python benchmarks/kernel_sweep.py --sections $SECTIONS` for its estimate less 20 s
 # ($OUT/r/SUFFIX.out and .json): e.g. the gate then the kernel candidates, in one call.
 # PART `script` runs `python $SCRIPT $ARGS` (ARGS with + for spaces: ARGS=--budget-s+50) into $OUT/r/SUFFIX.out,
@@ -71,6 +73,13 @@ for spec in "$@"; do
   if [ $rc != 0 ]; then
     find "/tmp/ladder_call/$name" -name 'runs*.jsonl' 2>/dev/null | while read -r f; do
       gzip -c "$f" > "$R/cut_${name}_$(basename "$f").gz"; done
+  fi
+  # a part run with TRACE_DIR: its last run's timeline split (P alone by cause, each stream's items by kind), read
+  # with the module (the device has no ainfer-pd script), into $R/SUFFIX_timeline.txt
+  td=$(printf '%s\n' $envs | sed -n 's/^TRACE_DIR=//p' | tail -1)
+  if [ -n "$td" ] && [ -d "$td" ]; then
+    "${PYTHON:-python}" -m ainfer_pd.tools timeline "$td" --split --items > "$R/${name}_timeline.txt" 2>&1
+    echo "timeline rc $? -> ${name}_timeline.txt"
   fi
   first=0
   pack

@@ -327,6 +327,33 @@ def test_a_ladder_call_runs_parts_while_its_budget_lasts_and_keeps_a_cut_parts_r
     assert "cut_b_runs.jsonl.gz" in names and "cut_a_runs.jsonl.gz" not in names and "c.out" not in names
 
 
+def test_a_ladder_call_part_with_a_trace_dir_brings_back_its_timeline_split(tmp_path):
+    """A part run with TRACE_DIR gets the timeline's split of its trace (through ``python -m
+    ainfer_pd.tools``: the device has no ainfer-pd script) in r/SUFFIX_timeline.txt; a part without one
+    gets none."""
+    import subprocess
+    import tarfile
+    stub = tmp_path / "stub.sh"
+    stub.write_text('echo "part $2"; if [ -n "${TRACE_DIR:-}" ]; then mkdir -p "$TRACE_DIR"; fi\n')
+    py = tmp_path / "py.sh"
+    py.write_text('#!/bin/bash\necho "python $*"\n')
+    py.chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    tr = tmp_path / "tr_fg"
+    res = subprocess.run(["bash", "benchmarks/ladder_call.sh", "abc", "600", "1|SUFFIX=a|p1",
+                          f"1|REPEATS=1 TRACE_DIR={tr} SUFFIX=fg|p1"], capture_output=True, text=True, timeout=60,
+                         env={"PATH": "/usr/bin:/bin", "OUT": str(out), "LADDER_SH": str(stub), "WARMUP_S": "0",
+                              "PYTHON": str(py)})
+    assert res.returncode == 0, res.stderr
+    assert "timeline rc 0 -> fg_timeline.txt" in res.stdout
+    with tarfile.open(out / "r.tgz") as tf:
+        names = {n.split("/")[-1] for n in tf.getnames()}
+        text = tf.extractfile("r/fg_timeline.txt").read().decode().strip()
+    assert text == f"python -m ainfer_pd.tools timeline {tr} --split --items"
+    assert "a_timeline.txt" not in names
+
+
 def test_a_ladder_call_killed_mid_part_still_leaves_the_parts_before_it_packed(tmp_path):
     """The device kills a command at its limit with everything in it: the parts done by then are already in
     $OUT/r.tgz (packed after each part from a folder outside $OUT), and nothing else is left under $OUT."""
