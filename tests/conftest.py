@@ -208,6 +208,23 @@ def pytest_runtest_teardown(item, nextitem):
         ray.shutdown()             # no Ray processes beside the tests after the last verl one
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``--dist loadfile`` (the README's command) the verl test files are one work unit: they share
+    the session's Ray instance and replicas (``ray_cluster``, ``_verl_shared``, ``_verl_llm_servers``:
+    ~45 s to start on the 2-core VM), which two workers would each start. Every other file is its own
+    unit, as under plain ``loadfile``."""
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class VerlTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/test_verl_*.py" if Path(path).name.startswith("test_verl_") else path
+    return VerlTogether(config, log)
+
+
 # --------------------------------------------------------------------------- garbage collection
 _FROZEN_AT: list = [None]
 
