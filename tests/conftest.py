@@ -212,17 +212,24 @@ def pytest_runtest_teardown(item, nextitem):
 def pytest_xdist_make_scheduler(config, log):
     """Under ``--dist loadfile`` (the README's command) the verl test files are one work unit: they share
     the session's Ray instance and replicas (``ray_cluster``, ``_verl_shared``, ``_verl_llm_servers``:
-    ~45 s to start on the 2-core VM), which two workers would each start. Every other file is its own
-    unit, as under plain ``loadfile``."""
+    ~45 s to start on the 2-core VM), which two workers would each start. The unit goes out first: it is the
+    suite's longest (~2 min), and handed out late it would leave the other worker idle at the end. Every
+    other file is its own unit, as under plain ``loadfile``."""
     if config.getoption("dist", None) != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
+    verl = "tests/test_verl_*.py"
 
-    class VerlTogether(LoadFileScheduling):
+    class VerlTogetherFirst(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return "tests/test_verl_*.py" if Path(path).name.startswith("test_verl_") else path
-    return VerlTogether(config, log)
+            return verl if Path(path).name.startswith("test_verl_") else path
+
+        def _assign_work_unit(self, node) -> None:
+            if verl in self.workqueue:
+                self.workqueue.move_to_end(verl, last=False)
+            super()._assign_work_unit(node)
+    return VerlTogetherFirst(config, log)
 
 
 # --------------------------------------------------------------------------- garbage collection
