@@ -58,7 +58,10 @@ def test_verify_groups_equal_rows_alone_and_the_dense_reference(over, H, Hk, wid
     grouped, alone, q, kn, vn, kv, refs = verify_case(3, turns, H, Hk, 16, width)
     out = paged_attention(q.clone(), kn, vn, kv, grouped, be)
     ref_out = paged_attention(q.clone(), kn, vn, kv, alone, be)
-    assert torch.equal(out, ref_out)                     # bitwise: a row's result does not depend on its group
+    # a row's result does not depend on its group: bitwise on the GPU (the gate's
+    # verify_attention_grouped_equals_rows_alone); the interpreter's tl.dot is the host BLAS's matmul, whose
+    # rounding can follow the tile's row count (an AMD EPYC's OpenBLAS kernel: up to 4e-7 here)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=2e-6)
     for r, cached, slots in refs:
         want = dense_reference(q[r:r + 1], kv[0][slots], kv[1][slots], cached)
         assert (out[r:r + 1].double() - want).abs().max().item() < 1e-5, r
