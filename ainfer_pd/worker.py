@@ -37,7 +37,7 @@ from .metrics.recorder import Recorder
 from .request import SamplingParams, TurnOutput
 from .worker_control import WorkerControl
 from .worker_input import check_params, check_tokens, token_list
-from .worker_lifecycle import WorkerLifecycle
+from .worker_lifecycle import WorkerLifecycle, timeline_path
 from .request import fit_context
 
 _request_ids = itertools.count(1)
@@ -56,6 +56,8 @@ class RolloutWorker(WorkerLifecycle, WorkerControl):
         trace = None
         if cfg.trace_dir:
             trace = f"{cfg.trace_dir}/rank{rank}.jsonl"
+            # an earlier run's intervals would be read beside this run's trace if this run never dumps its own
+            timeline_path(cfg.trace_dir, rank).unlink(missing_ok=True)
         self.recorder = Recorder(rank=rank, trace_path=trace)
         try:
             self.engine = make_engine(cfg, self.recorder, rank=rank, rendezvous=rendezvous)

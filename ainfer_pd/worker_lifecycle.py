@@ -145,8 +145,7 @@ class WorkerLifecycle:
         """Work intervals of this rank next to its control trace (``ainfer-pd timeline RUN_DIR``
         draws them; for a failed run the plot shows where each stream stopped)."""
         import json
-        from pathlib import Path
-        path = Path(self.cfg.trace_dir) / f"timeline_rank{self.rank}.json"
+        path = timeline_path(self.cfg.trace_dir, self.rank)
         data = {"rank": self.rank, "failed": failed, "failure": repr(self._failure) if self._failure else None,
                 "intervals": [[n, s, a, b] for (n, s, a, b, _) in self.recorder.intervals]}
         path.write_text(json.dumps(data))
@@ -187,3 +186,9 @@ class WorkerLifecycle:
             return
         if running is not self._loop:
             raise WrongEventLoopError("the worker belongs to another event loop of this thread")
+
+
+def timeline_path(trace_dir, rank: int):
+    """Where a rank's work intervals go at the end of its run (``ainfer-pd timeline`` reads them)."""
+    from pathlib import Path
+    return Path(trace_dir) / f"timeline_rank{rank}.json"

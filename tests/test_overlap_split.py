@@ -94,3 +94,24 @@ def test_summarize_splits_a_runs_window_and_leaves_it_unknown_without_a_timeline
     assert (s["both_s"], s["p_alone_s"], s["d_alone_s"], s["idle_s"]) == (1.0, 1.0, 2.0, 1.0)
     s = summarize(SimpleNamespace(makespan_s=5.0))
     assert all(math.isnan(s[k]) for k in ("both_s", "p_alone_s", "d_alone_s", "idle_s"))
+
+
+async def test_a_run_cut_before_its_timeline_dump_is_split_from_its_trace_not_an_earlier_runs_timeline(tmp_path, capsys):
+    # an earlier run in the same trace_dir left its timeline; this run is killed before it writes its own
+    (tmp_path / "timeline_rank0.json").write_text(json.dumps(
+        {"rank": 0, "failed": False, "intervals": [["P.body", "P", 100.0, 200.0]]}))
+    cfg = tiny_cfg(**{"trace_dir": str(tmp_path), "scheduler.policy": "normal"})
+    w = RolloutWorker(cfg)
+    assert not (tmp_path / "timeline_rank0.json").exists()      # the earlier run's file is gone at start
+    async with w:
+        await w.generate([5] * 12, SamplingParams(max_new_tokens=6, temperature=0.0))
+    (tmp_path / "timeline_rank0.json").unlink()                  # as if killed before its dump
+    capsys.readouterr()
+    assert main(["timeline", str(tmp_path), "--split"]) == 0
+    out = capsys.readouterr().out
+    assert "cut before its dump" in out and "split: window" in out and "epochs: no-d 1" in out
+    events = load_traces(tmp_path)[0]
+    n_work = sum(e["ev"] == "work" for e in events)
+    assert n_work and f"{n_work} intervals" in out
+    (tmp_path / "rank0.jsonl").write_text("")
+    assert main(["timeline", str(tmp_path)]) == 2                # nothing to draw

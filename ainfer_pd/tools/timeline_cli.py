@@ -1,7 +1,9 @@
 """``ainfer-pd timeline RUN_DIR``: draw every rank's P / D / rendezvous timeline.
 
 Reads ``timeline_rank*.json`` (written by each worker with ``trace_dir`` set, also when the run
-failed) and writes one PNG per rank; the last interval of each stream marks where it stopped.
+failed) and writes one PNG per rank; the last interval of each stream marks where it stopped. A rank
+whose run was killed before it wrote that file is drawn from its trace's ``work`` events (a worker
+deletes its rank's file from an earlier run in the same ``trace_dir`` when it starts).
 """
 from __future__ import annotations
 
@@ -28,15 +30,17 @@ def setup_parser(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
-    files = sorted(run_dir.glob("timeline_rank*.json"))
-    if not files:
-        print(f"ainfer-pd timeline: no timeline_rank*.json in {run_dir}")
+    runs = {d["rank"]: d for d in (json.loads(f.read_text()) for f in sorted(run_dir.glob("timeline_rank*.json")))}
+    traces = load_traces(run_dir)
+    for rank, evs in traces.items():
+        if rank not in runs and (ivs := work_intervals(evs)):
+            runs[rank] = {"rank": rank, "cut": True, "intervals": ivs}     # cut before its dump
+    if not runs:
+        print(f"ainfer-pd timeline: no timeline_rank*.json, nor a trace with work events, in {run_dir}")
         return 2
     out = Path(args.out) if args.out else run_dir
     out.mkdir(parents=True, exist_ok=True)
-    traces = load_traces(run_dir) if args.split or args.items else {}
-    for f in files:
-        data = json.loads(f.read_text())
+    for _, data in sorted(runs.items()):
         ivs = data["intervals"]
         window = None
         if ivs and args.last_s:
@@ -46,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
         for name, stream, a, b in ivs:
             if b >= stops.get(stream, (None, -1.0))[1]:
                 stops[stream] = (name, b)
-        state = "FAILED" if data.get("failed") else "ok"
+        state = ("cut before its dump: from its trace's work events, set-up items absent" if data.get("cut")
+                 else "FAILED" if data.get("failed") else "ok")
         title = f"rank {data['rank']} ({state}); last: " + ", ".join(f"{s}={n}@{t:.3f}s" for s, (n, t) in sorted(stops.items()))
         path = plot_timeline(ivs, out / f"timeline_rank{data['rank']}.png", title=title, window=window)
         print(f"rank {data['rank']}: {state}, {len(ivs)} intervals -> {path}; {title}")
@@ -56,6 +61,13 @@ def run(args: argparse.Namespace) -> int:
             for line in item_lines(ivs, traces.get(data["rank"], [])):
                 print(f"rank {data['rank']} {line}")
     return 0
+
+
+def work_intervals(events) -> list[list]:
+    """A rank's device intervals from its trace's ``work`` events (items with trace attributes: every
+    P and D item of the engine's loops), for a run cut before it wrote its timeline."""
+    return [[e["what"], e["stream"], e["t0"], e["t1"]] for e in events
+            if e.get("ev") == "work" and isinstance(e.get("t0"), (int, float)) and isinstance(e.get("t1"), (int, float))]
 
 
 def _tally(pairs) -> dict[tuple[str, str], tuple[int, float]]:
