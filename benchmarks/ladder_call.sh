@@ -12,6 +12,8 @@
 # after every part from a work folder outside $OUT: a call the device cuts at its limit still brings back the
 # parts done before the cut (the device returns what is under $OUT then, at most 8 files).
 # The estimates: `python benchmarks/ladder.py plan` (its est_s per part).
+# The device call's own limit (the run tool's timeout_s) needs ~40 s more than BUDGET_S: after a cut part come
+# its cut runs, its timeline and the pack (a call given 155 s for a 150 s budget lost its timeline and r.tgz).
 #
 # PART `gate` runs the GPU gate instead (`bash benchmarks/gpu_gate.sh COMMIT`, its files in
 # $OUT/r/SUFFIX/): a gate first, then the ladder parts of the same commit, in one device call. A
