@@ -115,3 +115,23 @@ async def test_a_run_cut_before_its_timeline_dump_is_split_from_its_trace_not_an
     assert n_work and f"{n_work} intervals" in out
     (tmp_path / "rank0.jsonl").write_text("")
     assert main(["timeline", str(tmp_path)]) == 2                # nothing to draw
+
+
+@pytest.mark.parametrize("threshold,cause", [(40, "gated"), (41, "inactive")])
+async def test_the_activation_counts_an_epochs_tokens_once(tmp_path, threshold, cause):
+    # a 40-token continuation (39 new and the re-fed last token) beside a decoding row: multiplexed up to a
+    # threshold of 40 tokens, exclusive above it (d8f52c0 counted them twice: multiplexed up to 80)
+    cfg = tiny_cfg(**{"trace_dir": str(tmp_path), "scheduler.policy": "fine-grained",
+                      "mux.activation_threshold": threshold})
+    async with RolloutWorker(cfg) as w:
+        first = await w.generate([7] * 20, SamplingParams(max_new_tokens=2, temperature=0.0))
+        long = asyncio.create_task(w.generate([5] * 12, SamplingParams(max_new_tokens=400, temperature=0.0)))
+        while not w.engine.book.decoding:
+            await asyncio.sleep(0.001)
+        await w.continue_(first.trajectory_id, [9] * 39, SamplingParams(max_new_tokens=2, temperature=0.0))
+        long.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await long
+    epochs = [e for e in load_traces(tmp_path)[0] if e["ev"] == "p_epoch"]
+    last = epochs[-1]
+    assert last["tokens"] == 40 and ("gated" if last["gated"] else last["why"]) == cause
