@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from pathlib import Path
 from typing import Self
 
 from .errors import AInferPDError, WorkerClosedError, WrongEventLoopError, first_error
@@ -188,7 +189,6 @@ class WorkerLifecycle:
             raise WrongEventLoopError("the worker belongs to another event loop of this thread")
 
 
-def timeline_path(trace_dir, rank: int):
+def timeline_path(trace_dir: str, rank: int) -> Path:
     """Where a rank's work intervals go at the end of its run (``ainfer-pd timeline`` reads them)."""
-    from pathlib import Path
     return Path(trace_dir) / f"timeline_rank{rank}.json"
