@@ -191,3 +191,26 @@ def test_kv_pressure_reprefill_prints_both_policies_and_output_modes_on_the_cpu(
     for f in figs:
         assert int(f["prefill_tokens"]) > 0 and f["failures"] == "0" and int(f["again_continuation"]) >= 0
     assert all(f["preemptions"] == "0" for f in figs[:2])
+
+
+def test_host_sync_probe_counts_sync_warnings_by_thread_and_the_librarys_frames(capsys):
+    import threading
+
+    from benchmarks.host_sync_probe import SyncLog
+
+    log = SyncLog(frames=2)
+
+    def warn(msg):                      # as warnings.showwarning is called on the syncing thread
+        log.show(UserWarning(msg), UserWarning, "x.py", 1)
+    for _ in range(3):
+        warn("called a synchronizing CUDA operation")
+    t = threading.Thread(target=warn, args=("called a synchronizing CUDA operation",), name="Dlaunch_0")
+    t.start()
+    t.join()
+    log.show(UserWarning("something else"), UserWarning, "x.py", 1)
+    assert "warning: UserWarning: something else" in capsys.readouterr().out
+    assert sum(log.by_stack.values()) == 4 and len(log.by_stack) == 2
+    lines = log.report(top=5)
+    assert lines[0] == "synchronizing calls: 4 in 2 places"
+    assert any(ln.strip().startswith("3 x thread MainThread") for ln in lines)
+    assert any("thread Dlaunch" in ln for ln in lines)

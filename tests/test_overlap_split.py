@@ -6,7 +6,7 @@ import pytest
 
 from ainfer_pd import RolloutWorker, SamplingParams
 from ainfer_pd.tools.cli import main
-from ainfer_pd.metrics.overlap import epoch_windows, intersect, split, subtract, union
+from ainfer_pd.metrics.overlap import d_launches, epoch_windows, format_d_launches, intersect, split, subtract, union
 from ainfer_pd.tools.tracecheck import load_traces
 from tests.conftest import tiny_cfg
 
@@ -65,6 +65,32 @@ async def test_a_traced_run_splits_and_names_each_epochs_cause(tmp_path, policy,
     works = [e for e in events if e["ev"] == "work"]
     assert works and all(isinstance(e["launch_s"], float) and e["launch_s"] >= 0 for e in works)
     assert main(["timeline", str(tmp_path), "--split", "--items"]) == 0
+    launches = d_launches(ivs, events)
+    assert launches["free"]["n"] + launches["round"]["n"] == sum(e["ev"] == "d_launch" for e in events) > 0
+    if cause == "gated":      # every round's launch follows its rendezvous 1
+        assert len(launches["round"]["rdv_to_launch_s"]) == launches["round"]["n"] > 0
+
+
+def test_d_launches_tells_a_launch_at_an_idle_d_stream_in_rounds_and_outside():
+    ivs = [("D.capture", "D", -5.0, -4.0),                      # set-up: not an item of the run
+           ("D.iter", "D", 0.0, 1.0), ("D.iter", "D", 1.00001, 2.0),   # queued behind: starts at once
+           ("D.mtp", "D", 2.0, 2.2),                            # another D item (no launch event)
+           ("D.iter", "D", 2.5, 3.5), ("D.iter", "D", 3.5, 3.6), ("D.iter", "D", 3.85, 4.0),
+           ("P.attn0", "P", 1.5, 3.0)]
+    events = [{"ev": "d_launch", "t": -0.1, "round": False},    # the run's first item: no gap before it
+              {"ev": "d_launch", "t": 0.5, "round": False},     # queued behind the running item
+              {"ev": "rdv1", "t": 2.1}, {"ev": "d_launch", "t": 2.4, "round": True}, {"ev": "rdv2", "t": 2.41},
+              {"ev": "rdv1", "t": 3.0}, {"ev": "d_launch", "t": 3.1, "round": True}, {"ev": "rdv2", "t": 3.11},
+              {"ev": "d_launch", "t": 3.8, "round": False},     # the stream idle since 3.6
+              {"ev": "d_launch", "t": 4.5, "round": False}]     # cut: its item never recorded
+    s = d_launches(ivs, events)
+    assert s["round"]["n"] == 2 and s["round"]["idle"] == 1 and s["round"]["idle_s"] == pytest.approx(0.3)
+    assert s["round"]["rdv_to_launch_s"] == pytest.approx([0.1, 0.3])
+    assert s["free"]["n"] == 4 and s["free"]["idle"] == 1 and s["free"]["idle_s"] == pytest.approx(0.25)
+    line = format_d_launches(s)
+    assert "2 in rounds, 1 at an idle D stream (0.30 s" in line and "p50 300.0 ms" in line
+    empty = d_launches([], [])
+    assert empty["round"]["n"] == 0 and "rendezvous" not in format_d_launches(empty)
 
 
 def test_item_kinds_add_each_streams_device_time_by_label_without_its_layer_number():
@@ -110,6 +136,7 @@ async def test_a_run_cut_before_its_timeline_dump_is_split_from_its_trace_not_an
     assert main(["timeline", str(tmp_path), "--split"]) == 0
     out = capsys.readouterr().out
     assert "cut before its dump" in out and "split: window" in out and "epochs: no-d 1" in out
+    assert "D launches: 0 in rounds" in out
     events = load_traces(tmp_path)[0]
     n_work = sum(e["ev"] == "work" for e in events)
     assert n_work and f"{n_work} intervals" in out

@@ -1,7 +1,9 @@
 """Where a run's device time went: P beside D, each alone, or idle, and P's time alone split by
 why its epoch ran without D (pure functions over a run's intervals and its control trace).
 
-``ainfer-pd timeline RUN_DIR --split`` prints it for a run made with ``trace_dir`` set.
+``ainfer-pd timeline RUN_DIR --split`` prints it for a run made with ``trace_dir`` set, with
+:func:`d_launches`: whether each D launch found the D stream still busy (the overlapped D loop's
+next iteration queued behind the one running) or idle, inside a turnstile round and outside.
 An epoch's cause is its ``p_epoch`` event's: ``gated`` (multiplexed, D could enter at its
 boundaries: P alone there means D had nothing ready or was between iterations), else the
 engine's ``why`` (``no-d``, ``policy``, ``inactive``, ``backlog``, ``wait``, ``cost``).
@@ -13,6 +15,9 @@ from typing import Any, Iterable, Mapping, Sequence
 from .stats import SETUP_ITEMS
 
 Span = tuple[float, float]
+IDLE_GAP_S = 5e-5
+"""A D item that starts more than this after the stream's last one ended found it idle (one queued
+behind starts within microseconds of its predecessor's end)."""
 
 
 def union(spans: Iterable[Span]) -> list[Span]:
@@ -123,3 +128,56 @@ def format_split(s: Mapping[str, Any]) -> str:
     epochs = ", ".join(f"{k} {v['n']} ({v['s']:.2f} s)" for k, v in sorted(s["epochs"].items()))
     return (f"window {s['window_s']:.2f} s: P beside D {s['both_s']:.2f}, D alone {s['d_alone_s']:.2f}, "
             f"P alone {sum(s['p_alone_s'].values()):.2f} ({causes or '-'}), idle {s['idle_s']:.2f} | epochs: {epochs or '-'}")
+
+
+def d_launches(intervals: Iterable[Sequence[Any]], events: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """D's launches (``d_launch`` events) inside a turnstile round (``round``) and outside
+    (``free``): ``n``; ``idle``, those whose item found the D stream idle (it started after a gap:
+    the overlapped loop's next iteration was not queued behind the running one), and ``idle_s``,
+    those gaps (the D stream's time lost: P alone, or nothing); and, in rounds,
+    ``rdv_to_launch_s`` (sorted), the host's time from rendezvous 1 to the launch call's return (its
+    build and submit: no await lies between). The k-th launch made the k-th ``D.iter`` item (FIFO);
+    the items of a run cut short may be fewer than its launches; the run's first item has no gap.
+    On the CPU stand-in an item runs inside its launch call, so nearly every one finds the stream
+    idle: the figures are the CUDA device's."""
+    ivs = sorted((float(iv[2]), float(iv[3]), str(iv[0])) for iv in intervals
+                 if str(iv[1]) == "D" and str(iv[0]) not in SETUP_ITEMS)
+    gap_before: list[float] = []       # each D.iter item's idle D stream before it (0: queued behind)
+    end = None
+    for a, b, name in ivs:
+        if name == "D.iter":
+            gap_before.append(0.0 if end is None or a - end <= IDLE_GAP_S else a - end)
+        end = b if end is None else max(end, b)
+    out = {k: {"n": 0, "idle": 0, "idle_s": 0.0} for k in ("round", "free")}
+    gaps: list[float] = []
+    rdv1: float | None = None
+    k = 0
+    for ev in events:
+        kind = ev.get("ev")
+        if kind == "rdv1":
+            rdv1 = float(ev["t"])
+        elif kind == "rdv2":
+            rdv1 = None
+        elif kind == "d_launch":
+            key = "round" if ev.get("round") else "free"
+            o = out[key]
+            o["n"] += 1
+            if k < len(gap_before) and gap_before[k] > 0:
+                o["idle"] += 1
+                o["idle_s"] += gap_before[k]
+            k += 1
+            if key == "round" and rdv1 is not None:
+                gaps.append(float(ev["t"]) - rdv1)
+                rdv1 = None
+    out["round"]["rdv_to_launch_s"] = sorted(gaps)
+    return out
+
+
+def format_d_launches(s: Mapping[str, Mapping[str, Any]]) -> str:
+    def part(k: str) -> str:
+        o = s[k]
+        return f"{o['n']} {'in rounds' if k == 'round' else 'outside'}, {o['idle']} at an idle D stream ({o['idle_s']:.2f} s idle before them)"
+    g = s["round"].get("rdv_to_launch_s") or []
+    host = (f"; rendezvous 1 -> launch p50 {g[len(g) // 2] * 1e3:.1f} ms, p90 {g[(9 * len(g)) // 10] * 1e3:.1f} ms"
+            if g else "")
+    return f"D launches: {part('round')}; {part('free')}{host}"

@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..metrics.overlap import format_split, split
+from ..metrics.overlap import d_launches, format_d_launches, format_split, split
 from .plots import plot_timeline
 from .report import item_kind
 from .tracecheck import load_traces
@@ -22,7 +22,8 @@ def setup_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="output folder for the PNGs (default: the run dir)")
     p.add_argument("--last-s", type=float, default=None, help="only the last N seconds of each rank")
     p.add_argument("--split", action="store_true",
-                   help="also print where each rank's device time went (P beside D, alone by cause, idle)")
+                   help="also print where each rank's device time went (P beside D, alone by cause, idle), and "
+                        "how many D launches found the D stream idle, in turnstile rounds and outside")
     p.add_argument("--items", action="store_true",
                    help="also print each stream's device time by item kind (labels without their layer number): "
                         "count, total and mean ms; two runs' lines compare item by item")
@@ -56,7 +57,9 @@ def run(args: argparse.Namespace) -> int:
         path = plot_timeline(ivs, out / f"timeline_rank{data['rank']}.png", title=title, window=window)
         print(f"rank {data['rank']}: {state}, {len(ivs)} intervals -> {path}; {title}")
         if args.split:
-            print(f"rank {data['rank']} split: " + format_split(split(ivs, traces.get(data["rank"], []))))
+            evs = traces.get(data["rank"], [])
+            print(f"rank {data['rank']} split: " + format_split(split(ivs, evs)))
+            print(f"rank {data['rank']} {format_d_launches(d_launches(ivs, evs))}")
         if args.items:
             for line in item_lines(ivs, traces.get(data["rank"], [])):
                 print(f"rank {data['rank']} {line}")
