@@ -15,8 +15,12 @@ in every gated epoch.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import collections
+import contextlib
+import io
 import os
+import pstats
 import threading
 import time
 import traceback
@@ -24,6 +28,8 @@ import warnings
 
 import torch
 
+from ainfer_pd.engine.loop import d_driver
+from ainfer_pd.engine.runtime.runner import ModelRunner
 from ainfer_pd.metrics.overlap import d_launches, format_d_launches, format_split, split
 from ainfer_pd.tools.cli import main as cli
 from ainfer_pd.tools.timeline_cli import work_intervals
@@ -63,6 +69,52 @@ class SyncLog:
         return lines
 
 
+class BuildTimer:
+    """Wall time of each D build on the event loop (``ModelRunner.build`` without prefill rows, and
+    the overlapped loop's ``feed_of``), one cProfile over them all: the synchronous host code between
+    rendezvous 1 and the launch, with what it waited in (a sync, the GIL) inside its callees' time."""
+
+    def __init__(self) -> None:
+        self.prof = cProfile.Profile()
+        self.calls: dict[str, list[float]] = {"build": [], "feed_of": []}
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kw):
+            t0 = time.perf_counter()
+            self.prof.enable()
+            try:
+                return fn(*args, **kw)
+            finally:
+                self.prof.disable()
+                self.calls[name].append(time.perf_counter() - t0)
+        return timed
+
+    @contextlib.contextmanager
+    def installed(self):
+        build, feed = ModelRunner.build, d_driver.feed_of
+        timed_build = self.wrap("build", build)
+
+        def build_(runner, prefill, decode, *a, **kw):
+            return build(runner, prefill, decode, *a, **kw) if prefill else timed_build(runner, prefill, decode, *a, **kw)
+        ModelRunner.build, d_driver.feed_of = build_, self.wrap("feed_of", feed)
+        try:
+            yield self
+        finally:
+            ModelRunner.build, d_driver.feed_of = build, feed
+
+    def report(self, top: int) -> list[str]:
+        lines = []
+        for name, xs in self.calls.items():
+            xs = sorted(xs)
+            if xs:
+                n = len(xs)
+                lines.append(f"D {name}: {n} calls, p50 {xs[n // 2] * 1e3:.2f} ms, p90 {xs[(9 * n) // 10] * 1e3:.2f} ms, "
+                             f"max {xs[-1] * 1e3:.2f} ms, total {sum(xs):.2f} s")
+        buf = io.StringIO()
+        pstats.Stats(self.prof, stream=buf).sort_stats("cumulative").print_stats(top)
+        return lines + [ln for ln in buf.getvalue().splitlines() if ln.strip()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/qwen3-30b-a3b-shape.yaml")
@@ -75,6 +127,8 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=6, help="the library's innermost frames kept per stack")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--no-sync-debug", action="store_true", help="the allocator counters and launches only")
+    ap.add_argument("--profile-build", action="store_true",
+                    help="time each D build and feed on the event loop, with a cProfile of them (best without the sync debug mode)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -87,13 +141,15 @@ def main() -> None:
     for kv in sets:
         argv += ["--set", kv]
     log = SyncLog(a.frames)
+    timer = BuildTimer()
     before = torch.cuda.memory_stats()
     warnings.simplefilter("always")
     warnings.showwarning = log.show
     if not a.no_sync_debug:
         torch.cuda.set_sync_debug_mode("warn")
     try:
-        rc = cli(argv)
+        with timer.installed() if a.profile_build else contextlib.nullcontext():
+            rc = cli(argv)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     after = torch.cuda.memory_stats()
@@ -101,6 +157,9 @@ def main() -> None:
     print("allocator over the run: " + ", ".join(f"{k} {after.get(k, 0) - before.get(k, 0)}" for k in ALLOC_KEYS))
     for line in log.report(a.top):
         print(line)
+    if a.profile_build:
+        for line in timer.report(2 * a.top):
+            print(line)
     events = load_traces(a.trace_dir).get(0, [])
     ivs = work_intervals(events)
     if ivs:

@@ -214,3 +214,23 @@ def test_host_sync_probe_counts_sync_warnings_by_thread_and_the_librarys_frames(
     assert lines[0] == "synchronizing calls: 4 in 2 places"
     assert any(ln.strip().startswith("3 x thread MainThread") for ln in lines)
     assert any("thread Dlaunch" in ln for ln in lines)
+
+
+async def test_host_sync_probe_times_the_d_builds_of_a_run_and_puts_the_runner_back():
+    from benchmarks.host_sync_probe import BuildTimer
+    from ainfer_pd import RolloutWorker, SamplingParams
+    from ainfer_pd.engine.loop import d_driver
+    from ainfer_pd.engine.runtime.runner import ModelRunner
+    from tests.conftest import tiny_cfg
+
+    build, feed = ModelRunner.build, d_driver.feed_of
+    timer = BuildTimer()
+    with timer.installed():
+        async with RolloutWorker(tiny_cfg(**{"scheduler.policy": "fine-grained"})) as w:
+            out = await w.generate([5] * 12, SamplingParams(max_new_tokens=6, temperature=0.0))
+            await w.release(out.trajectory_id)
+    assert ModelRunner.build is build and d_driver.feed_of is feed
+    assert len(timer.calls["build"]) >= 5 and len(timer.calls["feed_of"]) >= 4   # decode builds only
+    lines = timer.report(top=5)
+    assert lines[0].startswith(f"D build: {len(timer.calls['build'])} calls, p50")
+    assert any("cumulative" in ln or "cumtime" in ln for ln in lines)
