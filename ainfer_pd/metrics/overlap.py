@@ -136,7 +136,7 @@ def d_launches(intervals: Iterable[Sequence[Any]], events: Iterable[Mapping[str,
     the overlapped loop's next iteration was not queued behind the running one), and ``idle_s``,
     those gaps (the D stream's time lost: P alone, or nothing); and, in rounds,
     ``rdv_to_launch_s`` (sorted), the host's time from rendezvous 1 to the launch call's return (its
-    build and submit: no await lies between). The k-th launch made the k-th ``D.iter`` item (FIFO);
+    build and submit: on one rank no await lies between). The k-th launch made the k-th ``D.iter`` item (FIFO);
     the items of a run cut short may be fewer than its launches; the run's first item has no gap.
     On the CPU stand-in an item runs inside its launch call, so nearly every one finds the stream
     idle: the figures are the CUDA device's."""
