@@ -100,3 +100,20 @@ def test_cli_exit_codes(tmp_path):
     assert run(p.parse_args([str(tmp_path / "empty")])) == 2
     _write(tmp_path / "ok", {r: _rank_trace("DP") for r in range(2)})
     assert run(p.parse_args([str(tmp_path / "ok"), "--json"])) == 0
+
+
+def test_load_traces_reads_a_compressed_trace_where_a_rank_has_no_plain_one(tmp_path):
+    import gzip
+
+    from ainfer_pd.tools.tracecheck import load_traces
+
+    with gzip.open(tmp_path / "rank1.jsonl.gz", "wt") as f:
+        f.write('{"ev": "p_epoch", "epoch": 1}\n\nnot json\n')
+    (tmp_path / "rank0.jsonl").write_text('{"ev": "plain"}\n')
+    with gzip.open(tmp_path / "rank0.jsonl.gz", "wt") as f:     # rank 0's plain trace wins
+        f.write('{"ev": "compressed"}\n')
+    (tmp_path / "rankx.jsonl.gz").write_bytes(b"")              # no rank number: skipped
+    traces = load_traces(tmp_path)
+    assert sorted(traces) == [0, 1]
+    assert traces[0] == [{"ev": "plain"}]
+    assert traces[1] == [{"ev": "p_epoch", "epoch": 1}, {"ev": "_corrupt", "raw": "not json"}]

@@ -30,6 +30,7 @@ Exit code 1 on any violation, 2 when the directory holds no trace.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 from collections import defaultdict
@@ -43,15 +44,19 @@ MAX_LISTED = 20
 
 
 def load_traces(run_dir: str | Path) -> dict[int, list[dict]]:
-    """``{rank: events in trace order}`` of every ``rank*.jsonl`` in ``run_dir``."""
+    """``{rank: events in trace order}`` of every ``rank*.jsonl`` in ``run_dir``, or ``rank*.jsonl.gz``
+    (a trace kept compressed with the results) where a rank has no plain one."""
     out: dict[int, list[dict]] = {}
-    for p in sorted(Path(run_dir).glob("rank*.jsonl")):
+    d = Path(run_dir)
+    for p in sorted(d.glob("rank*.jsonl")) + sorted(d.glob("rank*.jsonl.gz")):
         try:
-            rank = int(p.stem[4:])
+            rank = int(p.name[4:].split(".")[0])
         except ValueError:
             continue
+        if rank in out:
+            continue
         evs = []
-        with p.open() as f:
+        with (gzip.open(p, "rt") if p.suffix == ".gz" else p.open()) as f:
             for line in f:
                 line = line.strip()
                 if not line:
