@@ -234,3 +234,12 @@ async def test_host_sync_probe_times_the_d_builds_of_a_run_and_puts_the_runner_b
     lines = timer.report(top=5)
     assert lines[0].startswith(f"D build: {len(timer.calls['build'])} calls, p50")
     assert any("cumulative" in ln or "cumtime" in ln for ln in lines)
+
+
+def test_gil_convoy_probe_prints_the_release_alone_and_beside_a_launching_thread():
+    out = subprocess.run([sys.executable, "benchmarks/gil_convoy_probe.py", "--reps", "20"], capture_output=True,
+                         text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("alone: one GIL release p50") and len(lines) == 4
+    assert all("beside a launching thread, switch interval" in ln for ln in lines[1:])
