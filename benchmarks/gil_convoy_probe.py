@@ -17,6 +17,8 @@ import threading
 import time
 import zlib
 
+from ainfer_pd.metrics.stats import percentile
+
 
 def one_release_ms() -> float:
     t0 = time.perf_counter()
@@ -25,8 +27,8 @@ def one_release_ms() -> float:
 
 
 def quantiles(reps: int) -> tuple[float, float]:
-    xs = sorted(one_release_ms() for _ in range(reps))
-    return xs[len(xs) // 2], xs[(9 * len(xs)) // 10]
+    xs = [one_release_ms() for _ in range(reps)]
+    return percentile(xs, 50), percentile(xs, 90)
 
 
 def main() -> None:

@@ -31,6 +31,7 @@ import torch
 from ainfer_pd.engine.loop import d_driver
 from ainfer_pd.engine.runtime.runner import ModelRunner
 from ainfer_pd.metrics.overlap import d_launches, format_d_launches, format_split, split
+from ainfer_pd.metrics.stats import percentile
 from ainfer_pd.tools.cli import main as cli
 from ainfer_pd.tools.timeline_cli import work_intervals
 from ainfer_pd.tools.tracecheck import load_traces
@@ -105,11 +106,9 @@ class BuildTimer:
     def report(self, top: int) -> list[str]:
         lines = []
         for name, xs in self.calls.items():
-            xs = sorted(xs)
             if xs:
-                n = len(xs)
-                lines.append(f"D {name}: {n} calls, p50 {xs[n // 2] * 1e3:.2f} ms, p90 {xs[(9 * n) // 10] * 1e3:.2f} ms, "
-                             f"max {xs[-1] * 1e3:.2f} ms, total {sum(xs):.2f} s")
+                lines.append(f"D {name}: {len(xs)} calls, p50 {percentile(xs, 50) * 1e3:.2f} ms, "
+                             f"p90 {percentile(xs, 90) * 1e3:.2f} ms, max {max(xs) * 1e3:.2f} ms, total {sum(xs):.2f} s")
         buf = io.StringIO()
         pstats.Stats(self.prof, stream=buf).sort_stats("cumulative").print_stats(top)
         return lines + [ln for ln in buf.getvalue().splitlines() if ln.strip()]

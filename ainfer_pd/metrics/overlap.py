@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Sequence
 
-from .stats import SETUP_ITEMS
+from .stats import SETUP_ITEMS, percentile
 
 Span = tuple[float, float]
 IDLE_GAP_S = 5e-5
@@ -178,6 +178,6 @@ def format_d_launches(s: Mapping[str, Mapping[str, Any]]) -> str:
         o = s[k]
         return f"{o['n']} {'in rounds' if k == 'round' else 'outside'}, {o['idle']} at an idle D stream ({o['idle_s']:.2f} s idle before them)"
     g = s["round"].get("rdv_to_launch_s") or []
-    host = (f"; rendezvous 1 -> launch p50 {g[len(g) // 2] * 1e3:.1f} ms, p90 {g[(9 * len(g)) // 10] * 1e3:.1f} ms"
+    host = (f"; rendezvous 1 -> launch p50 {percentile(g, 50) * 1e3:.1f} ms, p90 {percentile(g, 90) * 1e3:.1f} ms"
             if g else "")
     return f"D launches: {part('round')}; {part('free')}{host}"

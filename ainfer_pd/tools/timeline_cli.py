@@ -56,12 +56,12 @@ def run(args: argparse.Namespace) -> int:
         title = f"rank {data['rank']} ({state}); last: " + ", ".join(f"{s}={n}@{t:.3f}s" for s, (n, t) in sorted(stops.items()))
         path = plot_timeline(ivs, out / f"timeline_rank{data['rank']}.png", title=title, window=window)
         print(f"rank {data['rank']}: {state}, {len(ivs)} intervals -> {path}; {title}")
+        evs = traces.get(data["rank"], [])
         if args.split:
-            evs = traces.get(data["rank"], [])
             print(f"rank {data['rank']} split: " + format_split(split(ivs, evs)))
             print(f"rank {data['rank']} {format_d_launches(d_launches(ivs, evs))}")
         if args.items:
-            for line in item_lines(ivs, traces.get(data["rank"], [])):
+            for line in item_lines(ivs, evs):
                 print(f"rank {data['rank']} {line}")
     return 0
 
