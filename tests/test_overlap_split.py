@@ -76,7 +76,7 @@ def test_d_launches_tells_a_launch_at_an_idle_d_stream_in_rounds_and_outside():
            ("D.iter", "D", 0.0, 1.0), ("D.iter", "D", 1.00001, 2.0),   # queued behind: starts at once
            ("D.mtp", "D", 2.0, 2.2),                            # another D item (no launch event)
            ("D.iter", "D", 2.5, 3.5), ("D.iter", "D", 3.5, 3.6), ("D.iter", "D", 3.85, 4.0),
-           ("P.attn0", "P", 1.5, 3.0)]
+           ("P.attn0", "P", 1.5, 2.35), ("P.attn8", "P", 2.35, 3.0)]
     events = [{"ev": "d_launch", "t": -0.1, "round": False},    # the run's first item: no gap before it
               {"ev": "d_launch", "t": 0.5, "round": False},     # queued behind the running item
               {"ev": "rdv1", "t": 2.1}, {"ev": "d_launch", "t": 2.4, "round": True}, {"ev": "rdv2", "t": 2.41},
@@ -86,9 +86,13 @@ def test_d_launches_tells_a_launch_at_an_idle_d_stream_in_rounds_and_outside():
     s = d_launches(ivs, events)
     assert s["round"]["n"] == 2 and s["round"]["idle"] == 1 and s["round"]["idle_s"] == pytest.approx(0.3)
     assert s["round"]["rdv_to_launch_s"] == pytest.approx([0.1, 0.3])
+    # both rounds waited past STALL_S; in the first P.attn0 completed inside the wait, 0.05 s before the launch;
+    # in the second none did (P.attn8 completed at its rendezvous 1, not after it)
+    assert s["round"]["stalls"] == 2 and s["round"]["after_p_end_s"] == pytest.approx([0.05])
     assert s["free"]["n"] == 4 and s["free"]["idle"] == 1 and s["free"]["idle_s"] == pytest.approx(0.25)
     line = format_d_launches(s)
     assert "2 in rounds, 1 at an idle D stream (0.30 s" in line and "p50 200.0 ms, p90 280.0 ms" in line
+    assert "2 waits over 5 ms, 1 of them went on after a P item completed inside the wait (50.00 ms after" in line
     empty = d_launches([], [])
     assert empty["round"]["n"] == 0 and "rendezvous" not in format_d_launches(empty)
 

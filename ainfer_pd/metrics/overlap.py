@@ -10,6 +10,7 @@ engine's ``why`` (``no-d``, ``policy``, ``inactive``, ``backlog``, ``wait``, ``c
 """
 from __future__ import annotations
 
+import bisect
 from typing import Any, Iterable, Mapping, Sequence
 
 from .stats import SETUP_ITEMS, percentile
@@ -18,6 +19,9 @@ Span = tuple[float, float]
 IDLE_GAP_S = 5e-5
 """A D item that starts more than this after the stream's last one ended found it idle (one queued
 behind starts within microseconds of its predecessor's end)."""
+STALL_S = 5e-3
+"""A turnstile round whose host took more than this from rendezvous 1 to D's launch stalled (on the
+CPU stand-in that stretch is 0.4 ms at the median; the build it covers, ~0.5 ms on a GPU host)."""
 
 
 def union(spans: Iterable[Span]) -> list[Span]:
@@ -136,20 +140,27 @@ def d_launches(intervals: Iterable[Sequence[Any]], events: Iterable[Mapping[str,
     the overlapped loop's next iteration was not queued behind the running one), and ``idle_s``,
     those gaps (the D stream's time lost: P alone, or nothing); and, in rounds,
     ``rdv_to_launch_s`` (sorted), the host's time from rendezvous 1 to the launch call's return (its
-    build and submit: on one rank no await lies between). The k-th launch made the k-th ``D.iter`` item (FIFO);
+    build and submit: on one rank no await lies between); ``stalls``, those rounds whose wait passed
+    ``STALL_S``, and ``after_p_end_s`` (sorted), for each stall in which a P item completed on the
+    device, the time from the last such completion to the launch (a host held until P's device work
+    drained goes on right after it). The k-th launch made the k-th ``D.iter`` item (FIFO);
     the items of a run cut short may be fewer than its launches; the run's first item has no gap.
     On the CPU stand-in an item runs inside its launch call, so nearly every one finds the stream
     idle: the figures are the CUDA device's."""
-    ivs = sorted((float(iv[2]), float(iv[3]), str(iv[0])) for iv in intervals
-                 if str(iv[1]) == "D" and str(iv[0]) not in SETUP_ITEMS)
+    intervals = [iv for iv in intervals if str(iv[0]) not in SETUP_ITEMS]
+    intervals_p = [iv for iv in intervals if str(iv[1]) == "P"]
+    ivs = sorted((float(iv[2]), float(iv[3]), str(iv[0])) for iv in intervals if str(iv[1]) == "D")
     gap_before: list[float] = []       # each D.iter item's idle D stream before it (0: queued behind)
     end = None
     for a, b, name in ivs:
         if name == "D.iter":
             gap_before.append(0.0 if end is None or a - end <= IDLE_GAP_S else a - end)
         end = b if end is None else max(end, b)
+    p_ends = sorted(float(iv[3]) for iv in intervals_p)
     out = {k: {"n": 0, "idle": 0, "idle_s": 0.0} for k in ("round", "free")}
     gaps: list[float] = []
+    after_p: list[float] = []
+    stalls = 0
     rdv1: float | None = None
     k = 0
     for ev in events:
@@ -167,9 +178,17 @@ def d_launches(intervals: Iterable[Sequence[Any]], events: Iterable[Mapping[str,
                 o["idle_s"] += gap_before[k]
             k += 1
             if key == "round" and rdv1 is not None:
-                gaps.append(float(ev["t"]) - rdv1)
+                t = float(ev["t"])
+                gaps.append(t - rdv1)
+                if t - rdv1 > STALL_S:
+                    stalls += 1
+                    i = bisect.bisect_left(p_ends, t) - 1
+                    if i >= 0 and p_ends[i] > rdv1:
+                        after_p.append(t - p_ends[i])
                 rdv1 = None
     out["round"]["rdv_to_launch_s"] = sorted(gaps)
+    out["round"]["stalls"] = stalls
+    out["round"]["after_p_end_s"] = sorted(after_p)
     return out
 
 
@@ -180,4 +199,9 @@ def format_d_launches(s: Mapping[str, Mapping[str, Any]]) -> str:
     g = s["round"].get("rdv_to_launch_s") or []
     host = (f"; rendezvous 1 -> launch p50 {percentile(g, 50) * 1e3:.1f} ms, p90 {percentile(g, 90) * 1e3:.1f} ms"
             if g else "")
+    a = s["round"].get("after_p_end_s") or []
+    if s["round"].get("stalls"):
+        host += (f"; {s['round']['stalls']} waits over {STALL_S * 1e3:g} ms, {len(a)} of them went on after a P item"
+                 f" completed inside the wait" + (f" ({percentile(a, 50) * 1e3:.2f} ms after it at the median)"
+                                                    if a else ""))
     return f"D launches: {part('round')}; {part('free')}{host}"
