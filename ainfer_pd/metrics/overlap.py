@@ -148,19 +148,10 @@ def d_launches(intervals: Iterable[Sequence[Any]], events: Iterable[Mapping[str,
     On the CPU stand-in an item runs inside its launch call, so nearly every one finds the stream
     idle: the figures are the CUDA device's."""
     intervals = [iv for iv in intervals if str(iv[0]) not in SETUP_ITEMS]
-    intervals_p = [iv for iv in intervals if str(iv[1]) == "P"]
-    ivs = sorted((float(iv[2]), float(iv[3]), str(iv[0])) for iv in intervals if str(iv[1]) == "D")
-    gap_before: list[float] = []       # each D.iter item's idle D stream before it (0: queued behind)
-    end = None
-    for a, b, name in ivs:
-        if name == "D.iter":
-            gap_before.append(0.0 if end is None or a - end <= IDLE_GAP_S else a - end)
-        end = b if end is None else max(end, b)
-    p_ends = sorted(float(iv[3]) for iv in intervals_p)
+    gap_before = _d_gaps(intervals)
+    p_ends = sorted(float(iv[3]) for iv in intervals if str(iv[1]) == "P")
     out = {k: {"n": 0, "idle": 0, "idle_s": 0.0} for k in ("round", "free")}
-    gaps: list[float] = []
-    after_p: list[float] = []
-    stalls = 0
+    waits: list[tuple[float, float]] = []      # (rendezvous 1, launch) of each round's launch
     rdv1: float | None = None
     k = 0
     for ev in events:
@@ -178,18 +169,30 @@ def d_launches(intervals: Iterable[Sequence[Any]], events: Iterable[Mapping[str,
                 o["idle_s"] += gap_before[k]
             k += 1
             if key == "round" and rdv1 is not None:
-                t = float(ev["t"])
-                gaps.append(t - rdv1)
-                if t - rdv1 > STALL_S:
-                    stalls += 1
-                    i = bisect.bisect_left(p_ends, t) - 1
-                    if i >= 0 and p_ends[i] > rdv1:
-                        after_p.append(t - p_ends[i])
+                waits.append((rdv1, float(ev["t"])))
                 rdv1 = None
-    out["round"]["rdv_to_launch_s"] = sorted(gaps)
-    out["round"]["stalls"] = stalls
-    out["round"]["after_p_end_s"] = sorted(after_p)
+    out["round"]["rdv_to_launch_s"] = sorted(t - r for r, t in waits)
+    stalls = [(r, t) for r, t in waits if t - r > STALL_S]
+    out["round"]["stalls"] = len(stalls)
+    out["round"]["after_p_end_s"] = sorted(t - e for r, t in stalls if (e := _last_before(p_ends, t)) is not None
+                                           and e > r)
     return out
+
+
+def _d_gaps(intervals: list[Sequence[Any]]) -> list[float]:
+    """Each ``D.iter`` item's idle D stream before it, in order (0: queued behind the one before)."""
+    gaps: list[float] = []
+    end = None
+    for a, b, name in sorted((float(iv[2]), float(iv[3]), str(iv[0])) for iv in intervals if str(iv[1]) == "D"):
+        if name == "D.iter":
+            gaps.append(0.0 if end is None or a - end <= IDLE_GAP_S else a - end)
+        end = b if end is None else max(end, b)
+    return gaps
+
+
+def _last_before(sorted_ts: list[float], t: float) -> float | None:
+    i = bisect.bisect_left(sorted_ts, t) - 1
+    return sorted_ts[i] if i >= 0 else None
 
 
 def format_d_launches(s: Mapping[str, Mapping[str, Any]]) -> str:
