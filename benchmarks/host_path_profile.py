@@ -22,14 +22,15 @@ async def run(cfg, rows: int, ctx: int, tokens: int, prof: cProfile.Profile) -> 
         book, runner = w.engine.book, w.engine.runner
         finish, build = book.finish_decode, runner.build
 
-        def profiled(fn, *a):
+        def profiled(fn, *a, **kw):
             prof.enable()
             try:
-                return fn(*a)
+                return fn(*a, **kw)
             finally:
                 prof.disable()
-        book.finish_decode = lambda plan, logits: profiled(finish, plan, logits)
-        runner.build = lambda prefill, decode: build(prefill, decode) if prefill else profiled(build, prefill, decode)
+        book.finish_decode = lambda plan, *a, **kw: profiled(finish, plan, *a, **kw)
+        runner.build = lambda prefill, decode, *a, **kw: (build(prefill, decode, *a, **kw) if prefill
+                                                         else profiled(build, prefill, decode, *a, **kw))
         rng = random.Random(0)
         V = cfg.model.vocab_size
         sp = SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True)

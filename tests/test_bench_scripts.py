@@ -243,3 +243,13 @@ def test_gil_convoy_probe_prints_the_release_alone_and_beside_a_launching_thread
     lines = out.stdout.splitlines()
     assert lines[0].startswith("alone: one GIL release p50") and len(lines) == 4
     assert all("beside a launching thread, switch interval" in ln for ln in lines[1:])
+
+
+def test_host_path_profile_profiles_the_d_builds_and_bookings_of_a_tiny_run():
+    """The script wraps ``runner.build`` and ``book.finish_decode``: the wrappers pass every argument
+    on (the overlapped loop's ``ahead``, the device sample by keyword), so the run completes and the
+    profile holds both."""
+    res = subprocess.run([sys.executable, "benchmarks/host_path_profile.py", "--rows", "4", "--ctx", "32", "--tokens",
+                          "6", "--top", "40"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "finish_decode" in res.stdout and "_decode_rows" in res.stdout, res.stdout[-2000:]
