@@ -81,6 +81,7 @@ def test_d_launches_tells_a_launch_at_an_idle_d_stream_in_rounds_and_outside():
               {"ev": "d_launch", "t": 0.5, "round": False},     # queued behind the running item
               {"ev": "rdv1", "t": 2.1}, {"ev": "d_launch", "t": 2.4, "round": True}, {"ev": "rdv2", "t": 2.41},
               {"ev": "rdv1", "t": 3.0}, {"ev": "d_launch", "t": 3.1, "round": True}, {"ev": "rdv2", "t": 3.11},
+              {"ev": "d_settle", "t": 3.65, "why": "no-d-step"},  # the loop read its iteration in flight
               {"ev": "d_launch", "t": 3.8, "round": False},     # the stream idle since 3.6
               {"ev": "d_launch", "t": 4.5, "round": False}]     # cut: its item never recorded
     s = d_launches(ivs, events)
@@ -93,8 +94,11 @@ def test_d_launches_tells_a_launch_at_an_idle_d_stream_in_rounds_and_outside():
     line = format_d_launches(s)
     assert "2 in rounds, 1 at an idle D stream (0.30 s" in line and "p50 200.0 ms, p90 280.0 ms" in line
     assert "2 waits over 5 ms, 1 of them went on after a P item completed inside the wait (50.00 ms after" in line
+    assert s["settles"] == {"no-d-step": 1} and (s["round"]["after_settle"], s["free"]["after_settle"]) == (0, 1)
+    assert "1 reads gave up the overlap (no-d-step 1), before 0 of the idle launches in rounds and 1 outside" in line
     empty = d_launches([], [])
     assert empty["round"]["n"] == 0 and "rendezvous" not in format_d_launches(empty)
+    assert "gave up" not in format_d_launches(empty)
 
 
 def test_item_kinds_add_each_streams_device_time_by_label_without_its_layer_number():

@@ -11,6 +11,7 @@ engine's ``why`` (``no-d``, ``policy``, ``inactive``, ``backlog``, ``wait``, ``c
 from __future__ import annotations
 
 import bisect
+import collections
 from typing import Any, Iterable, Mapping, Sequence
 
 from .stats import SETUP_ITEMS, percentile
@@ -143,20 +144,23 @@ def d_launches(intervals: Iterable[Sequence[Any]], events: Iterable[Mapping[str,
     build and submit: on one rank no await lies between); ``stalls``, those rounds whose wait passed
     ``STALL_S``, and ``after_p_end_s`` (sorted), for each stall in which a P item completed on the
     device, the time from the last such completion to the launch (a host held until P's device work
-    drained goes on right after it). The k-th launch made the k-th ``D.iter`` item (FIFO);
-    the items of a run cut short may be fewer than its launches; the run's first item has no gap.
-    On the CPU stand-in an item runs inside its launch call, so nearly every one finds the stream
-    idle: the figures are the CUDA device's."""
+    drained goes on right after it). ``settles`` (top level): the ``d_settle`` events by reason (the
+    D loop read its iteration in flight outside an iteration, giving up the overlap); each part's
+    ``after_settle``, its idle launches that came after one. The k-th launch made the k-th
+    ``D.iter`` item (FIFO); a run cut short may have fewer items; the first item has no gap. On the
+    CPU stand-in an item runs inside its launch call, so nearly every one finds the stream idle."""
     intervals = [iv for iv in intervals if str(iv[0]) not in SETUP_ITEMS]
     gap_before = _d_gaps(intervals)
     p_ends = sorted(float(iv[3]) for iv in intervals if str(iv[1]) == "P")
-    out = {k: {"n": 0, "idle": 0, "idle_s": 0.0} for k in ("round", "free")}
+    out = {k: {"n": 0, "idle": 0, "idle_s": 0.0, "after_settle": 0} for k in ("round", "free")}
     waits: list[tuple[float, float]] = []      # (rendezvous 1, launch) of each round's launch
     rdv1: float | None = None
-    k = 0
+    k, settled, whys = 0, False, collections.Counter()
     for ev in events:
         kind = ev.get("ev")
-        if kind == "rdv1":
+        if kind == "d_settle":
+            settled, whys[str(ev.get("why"))] = True, whys[str(ev.get("why"))] + 1
+        elif kind == "rdv1":
             rdv1 = float(ev["t"])
         elif kind == "rdv2":
             rdv1 = None
@@ -167,7 +171,8 @@ def d_launches(intervals: Iterable[Sequence[Any]], events: Iterable[Mapping[str,
             if k < len(gap_before) and gap_before[k] > 0:
                 o["idle"] += 1
                 o["idle_s"] += gap_before[k]
-            k += 1
+                o["after_settle"] += settled
+            k, settled = k + 1, False
             if key == "round" and rdv1 is not None:
                 waits.append((rdv1, float(ev["t"])))
                 rdv1 = None
@@ -176,6 +181,7 @@ def d_launches(intervals: Iterable[Sequence[Any]], events: Iterable[Mapping[str,
     out["round"]["stalls"] = len(stalls)
     out["round"]["after_p_end_s"] = sorted(t - e for r, t in stalls if (e := _last_before(p_ends, t)) is not None
                                            and e > r)
+    out["settles"] = dict(whys)
     return out
 
 
@@ -207,4 +213,8 @@ def format_d_launches(s: Mapping[str, Mapping[str, Any]]) -> str:
         host += (f"; {s['round']['stalls']} waits over {STALL_S * 1e3:g} ms, {len(a)} of them went on after a P item"
                  f" completed inside the wait" + (f" ({percentile(a, 50) * 1e3:.2f} ms after it at the median)"
                                                     if a else ""))
+    if s.get("settles"):
+        host += (f"; {sum(s['settles'].values())} reads gave up the overlap (" +
+                 ", ".join(f"{w} {n}" for w, n in sorted(s["settles"].items(), key=lambda x: -x[1])) +
+                 f"), before {s['round']['after_settle']} of the idle launches in rounds and {s['free']['after_settle']} outside")
     return f"D launches: {part('round')}; {part('free')}{host}"
