@@ -159,7 +159,8 @@ def d_launches(intervals: Iterable[Sequence[Any]], events: Iterable[Mapping[str,
     for ev in events:
         kind = ev.get("ev")
         if kind == "d_settle":
-            settled, whys[str(ev.get("why"))] = True, whys[str(ev.get("why"))] + 1
+            settled = True
+            whys[str(ev.get("why"))] += 1
         elif kind == "rdv1":
             rdv1 = float(ev["t"])
         elif kind == "rdv2":
@@ -181,7 +182,7 @@ def d_launches(intervals: Iterable[Sequence[Any]], events: Iterable[Mapping[str,
     out["round"]["stalls"] = len(stalls)
     out["round"]["after_p_end_s"] = sorted(t - e for r, t in stalls if (e := _last_before(p_ends, t)) is not None
                                            and e > r)
-    out["settles"] = dict(whys)
+    out["settles"] = dict(whys.most_common())      # by count, the most first
     return out
 
 
@@ -215,6 +216,6 @@ def format_d_launches(s: Mapping[str, Mapping[str, Any]]) -> str:
                                                     if a else ""))
     if s.get("settles"):
         host += (f"; {sum(s['settles'].values())} reads gave up the overlap (" +
-                 ", ".join(f"{w} {n}" for w, n in sorted(s["settles"].items(), key=lambda x: -x[1])) +
+                 ", ".join(f"{w} {n}" for w, n in s["settles"].items()) +
                  f"), before {s['round']['after_settle']} of the idle launches in rounds and {s['free']['after_settle']} outside")
     return f"D launches: {part('round')}; {part('free')}{host}"
